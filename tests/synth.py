@@ -1,0 +1,73 @@
+"""Build small synthetic traces with the real writer (no torch): used by format and diff tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from traces import LayerInfo, TraceWriter
+
+LAYERS = [
+    LayerInfo("sliding_attention", 4, 2, 1, "owns", 0),
+    LayerInfo("full_attention", 8, 2, 1, "stores", 1),
+    LayerInfo("sliding_attention", 4, 2, 1, "stores", 2),
+    LayerInfo("full_attention", 8, 2, 1, "reuses", 1),
+]
+HIDDEN, VOCAB, PLE, WINDOW = 6, 11, 3, 4
+
+
+def provenance(**over) -> dict:
+    p = dict(
+        creator_version="test", torch_version="-", transformers_version="-", h5py_version="-",
+        dtype="float32", device="cpu", runtime="synthetic", mode="reference", model_name="synthetic",
+        model_config={"model_type": "gemma4_text", "num_hidden_layers": len(LAYERS)}, model_config_sha256="0" * 64,
+    )
+    p.update(over)
+    return p
+
+
+def allowed(layer: LayerInfo, queries: range, width: int) -> np.ndarray:
+    q = np.asarray(queries)[:, None]
+    k = np.arange(width)[None, :]
+    ok = k <= q
+    if layer.layer_type == "sliding_attention":
+        ok &= k > q - WINDOW
+    return ok
+
+
+def write_trace(path, prompt_len=5, new_tokens=4, seed=0, edit=None, mode="reference", force=False):
+    """A trace of deterministic random tensors; `edit(kind, layer, step, rows)` may change rows."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, VOCAB, size=new_tokens)
+    with TraceWriter(path, force=force) as w:
+        w.write_header(provenance(mode=mode), rng.integers(0, VOCAB, size=prompt_len), LAYERS,
+                       max_new_tokens=new_tokens, eos_token_ids=[1])
+        start = 0
+        for step in range(new_tokens):
+            stop = prompt_len if step == 0 else start + 1
+            pos = range(start, stop)
+            w.begin_step(pos)
+            n = len(pos)
+
+            def put(kind, rows, layer=None):
+                if edit is not None:
+                    rows = edit(kind, layer, step, rows.copy())
+                w.add(kind, rows, layer=layer)
+
+            put("embeddings", rng.standard_normal((n, HIDDEN)))
+            put("per_layer_inputs", rng.standard_normal((n, len(LAYERS), PLE)))
+            for li, layer in enumerate(LAYERS):
+                put("mask", allowed(layer, pos, stop), li)
+                put("q", rng.standard_normal((n, layer.num_heads, layer.head_dim)), li)
+                if layer.kv_role != "reuses":
+                    put("k", rng.standard_normal((n, layer.num_kv_heads, layer.head_dim)), li)
+                    put("v", rng.standard_normal((n, layer.num_kv_heads, layer.head_dim)), li)
+                put("attn_out", rng.standard_normal((n, HIDDEN)), li)
+                put("layer_out", rng.standard_normal((n, HIDDEN)), li)
+            put("final_hidden", rng.standard_normal((n, HIDDEN)))
+            logits = rng.standard_normal(VOCAB)
+            logits[tokens[step]] += 5.0
+            put("logits", logits)
+            put("token", np.int64(tokens[step]))
+            w.end_step()
+            start = stop
+    return tokens

@@ -1,0 +1,69 @@
+"""Write-to-temporary-then-rename, so a trace path only ever holds a complete trace."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import TraceToolError
+
+TMP_PREFIX = ".trace-partial-"
+
+
+def check_output_path(path: str | os.PathLike, force: bool) -> Path:
+    """Refuse an existing output (unless force) or a folder we cannot write, before any work."""
+    path = Path(path)
+    if path.is_dir():
+        raise TraceToolError(f"output {path} is a folder; give a file name such as {path / 'trace.h5'}")
+    if path.exists() and not force:
+        raise TraceToolError(f"output {path} already exists; pass --force to replace it")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise TraceToolError(f"output folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise TraceToolError(f"output folder {folder} is not writable")
+    return path
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, force: bool = False):
+    """Yield a temporary path in the target folder; rename it onto `path` only on success.
+
+    On any exception (KeyboardInterrupt included) the temporary file is removed and the
+    previous content of `path`, if any, is left untouched.
+    """
+    path = check_output_path(path, force)
+    folder = path.parent if str(path.parent) else Path(".")
+    clean_stale_partials(folder)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", suffix=".h5", dir=folder)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        if path.exists() and not force:  # another run created it meanwhile
+            raise TraceToolError(f"output {path} already exists; pass --force to replace it")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def clean_stale_partials(folder: Path) -> None:
+    """Remove partial files left by runs that were killed (their process no longer exists)."""
+    for p in folder.glob(f"{TMP_PREFIX}*.h5"):
+        pid = p.name[len(TMP_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,114 @@
+"""Every HDF5 name of the trace format, and the table of canonical kinds.
+
+Nothing outside `traces/` writes an HDF5 path string. A trace holds, for one prompt:
+
+    /                       attrs: schema, schema_version, provenance (see PROVENANCE_KEYS)
+    /inputs/prompt_ids      (T,) int64, raw prompt ids (image tokens kept)
+    /inputs/extra/<name>    model inputs besides ids (pixel_values, image_position_ids, ...)
+    /model/<field>          per-layer metadata, one entry per decoder layer
+    /steps/positions        (n_steps, 2) int64, [start, stop) absolute positions fed at each step
+    /tensors/<kind>         global kinds, rows indexed by position (or by step)
+    /tensors/L07/<kind>     per-layer kinds, rows indexed by absolute position
+
+Step 0 is the prefill over positions 0..T-1; decode step s >= 1 feeds one token at
+position T+s-1, so every position belongs to exactly one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEMA_NAME = "gemma4-trace"
+SCHEMA_VERSION = 1
+
+# root attributes
+ATTR_SCHEMA = "schema"
+ATTR_SCHEMA_VERSION = "schema_version"
+ATTR_SOURCE_DTYPE = "source_dtype"
+PROVENANCE_KEYS = (
+    "creator_version",
+    "torch_version",
+    "transformers_version",
+    "h5py_version",
+    "dtype",
+    "device",
+    "runtime",
+    "mode",  # "teacher-forced" | "free-running" | "reference"
+    "model_name",
+    "model_config",  # JSON text
+    "model_config_sha256",
+)
+
+# groups and datasets
+GROUP_INPUTS = "inputs"
+DSET_PROMPT_IDS = "inputs/prompt_ids"
+GROUP_INPUT_EXTRA = "inputs/extra"
+INPUT_ATTRS = ("max_new_tokens", "eos_token_ids", "prompt_text", "chat_template_applied")
+GROUP_MODEL = "model"
+LAYER_FIELDS = ("layer_type", "head_dim", "num_heads", "num_kv_heads", "kv_role", "kv_source")
+DSET_STEP_POSITIONS = "steps/positions"
+GROUP_TENSORS = "tensors"
+
+MODES = ("reference", "teacher-forced", "free-running")
+KV_ROLES = ("owns", "stores", "reuses")
+
+# layer types as HF names them, and their short suffix in RoPE kind names
+LAYER_TYPE_SHORT = {"sliding_attention": "sliding", "full_attention": "full"}
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    per_layer: bool
+    index: str  # "position": one row per absolute position; "step": one row per step
+    shape: str  # row shape, documented (docs/trace-format.md)
+    doc: str
+
+
+# The canonical kinds in data-flow order: the order `trace diff` searches them in.
+KINDS: tuple[Kind, ...] = (
+    Kind("embeddings", False, "position", "(hidden,)", "input embeddings after vision merge"),
+    Kind("per_layer_inputs", False, "position", "(L, ple_dim)", "per-layer inputs as fed to layers"),
+    Kind("rope_cos_sliding", False, "position", "(head_dim_sliding,)", "RoPE cos, sliding layers"),
+    Kind("rope_sin_sliding", False, "position", "(head_dim_sliding,)", "RoPE sin, sliding layers"),
+    Kind("rope_cos_full", False, "position", "(head_dim_full,)", "RoPE cos, full layers"),
+    Kind("rope_sin_full", False, "position", "(head_dim_full,)", "RoPE sin, full layers"),
+    Kind("mask", True, "position", "(K,) bool", "allowed[query_pos, key_pos] over absolute key positions"),
+    Kind("q", True, "position", "(heads, head_dim)", "query after q_norm and RoPE"),
+    Kind("k", True, "position", "(kv_heads, head_dim)", "key row written at this position (k_norm, RoPE)"),
+    Kind("v", True, "position", "(kv_heads, head_dim)", "value row written at this position (v_norm)"),
+    Kind("attn_out", True, "position", "(hidden,)", "attention output after o_proj"),
+    Kind("layer_out", True, "position", "(hidden,)", "decoder layer output (residual stream)"),
+    Kind("final_hidden", False, "position", "(hidden,)", "hidden state after the final norm"),
+    Kind("logits", False, "step", "(vocab,)", "soft-capped logits at the predicting position"),
+    Kind("token", False, "step", "()", "token chosen at this step"),
+)
+KIND_BY_NAME = {k.name: k for k in KINDS}
+KIND_NAMES = tuple(k.name for k in KINDS)
+LAYER_KIND_NAMES = tuple(k.name for k in KINDS if k.per_layer)
+
+
+def rope_kinds(layer_type: str) -> tuple[str, str]:
+    """The (cos, sin) kind names for an HF layer type."""
+    short = LAYER_TYPE_SHORT[layer_type]
+    return f"rope_cos_{short}", f"rope_sin_{short}"
+
+
+def layer_group(layer: int) -> str:
+    return f"{GROUP_TENSORS}/L{layer:02d}"
+
+
+def tensor_path(kind: str, layer: int | None) -> str:
+    """The HDF5 path of a kind's dataset: the only place names are composed."""
+    spec = KIND_BY_NAME[kind]
+    if spec.per_layer != (layer is not None):
+        raise ValueError(f"kind {kind!r} is {'per layer' if spec.per_layer else 'global'}; got layer={layer}")
+    return f"{layer_group(layer)}/{kind}" if layer is not None else f"{GROUP_TENSORS}/{kind}"
+
+
+def model_field_path(field: str) -> str:
+    return f"{GROUP_MODEL}/{field}"
+
+
+def input_extra_path(name: str) -> str:
+    return f"{GROUP_INPUT_EXTRA}/{name}"

@@ -1,0 +1,212 @@
+"""TraceWriter: streams canonical tensors into one HDF5 trace, step by step.
+
+Rows are buffered per dataset and written in chunk-sized blocks, so memory stays
+bounded by (datasets x chunk) however long the run is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from . import schema as S
+from .atomic import atomic_output
+from .layers import LayerInfo
+
+CHUNK_BYTES = 1 << 20  # target uncompressed chunk size
+MAX_CHUNK_ROWS = 256
+COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True, fletcher32=True)
+
+
+def _to_array(value, source_dtype: str | None) -> tuple[np.ndarray, str]:
+    """Canonical storage dtype: floats as float32 (bf16/fp16 upcast losslessly), ints as int64."""
+    arr = np.asarray(value)
+    if arr.dtype == np.bool_:
+        return arr, "bool"
+    if np.issubdtype(arr.dtype, np.integer):
+        return arr.astype(np.int64, copy=False), "int64"
+    return arr.astype(np.float32, copy=False), source_dtype or str(arr.dtype)
+
+
+class _Series:
+    """One resizable dataset fed row blocks; the mask may grow along its key axis."""
+
+    def __init__(self, f: h5py.File, path: str, row_shape: tuple, dtype, source_dtype: str, grow_last: bool):
+        self.f, self.path, self.dtype = f, path, dtype
+        self.row_shape, self.grow_last = row_shape, grow_last
+        self.source_dtype = source_dtype
+        self.pending: list[np.ndarray] = []
+        self.pending_rows = 0
+        self.rows = 0
+        row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+        self.chunk_rows = int(max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // row_bytes)))
+        self.ds = None
+
+    def append(self, block: np.ndarray) -> None:
+        if block.shape[1:] != self.row_shape:
+            if not (self.grow_last and block.ndim == 2):
+                raise ValueError(f"{self.path}: row shape {block.shape[1:]} != {self.row_shape} of earlier rows")
+        self.pending.append(block)
+        self.pending_rows += block.shape[0]
+        if self.pending_rows >= self.chunk_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        if self.grow_last:
+            width = max([b.shape[1] for b in self.pending] + [self.row_shape[0]])
+            blocks = [np.pad(b, ((0, 0), (0, width - b.shape[1]))) for b in self.pending]
+        else:
+            width, blocks = None, self.pending
+        data = np.concatenate(blocks, axis=0)
+        if self.ds is None:
+            maxshape = (None, None) if self.grow_last else (None, *self.row_shape)
+            chunks = (self.chunk_rows, *data.shape[1:]) if not self.grow_last else (self.chunk_rows, max(1, data.shape[1]))
+            self.ds = self.f.create_dataset(
+                self.path, shape=(0, *data.shape[1:]), maxshape=maxshape, dtype=self.dtype, chunks=chunks, **COMPRESSION
+            )
+            self.ds.attrs[S.ATTR_SOURCE_DTYPE] = self.source_dtype
+        if self.grow_last and width > self.ds.shape[1]:
+            self.ds.resize(width, axis=1)
+        if self.grow_last and data.shape[1] < self.ds.shape[1]:
+            data = np.pad(data, ((0, 0), (0, self.ds.shape[1] - data.shape[1])))
+        n = self.rows
+        self.ds.resize(n + data.shape[0], axis=0)
+        self.ds[n:] = data
+        self.rows += data.shape[0]
+        if self.grow_last:
+            self.row_shape = (self.ds.shape[1],)
+        self.pending, self.pending_rows = [], 0
+
+
+class TraceWriter:
+    """Write a trace: `with TraceWriter(path, force=...) as w:` then header, steps, tensors.
+
+        w.write_header(provenance, prompt_ids, layers, max_new_tokens=..., eos_token_ids=...)
+        w.begin_step(positions=range(0, T))        # step 0: the prefill
+        w.add("q", q_rows, layer=3)                 # rows for the step's positions
+        w.add("logits", logits_row)                 # step-indexed kinds: one row
+        w.end_step()
+
+    The file appears at `path` only when the `with` block ends without an exception.
+    """
+
+    def __init__(self, path: str | Path, force: bool = False, source_dtype: str | None = None):
+        self.path = Path(path)
+        self.force = force
+        self.source_dtype = source_dtype
+        self._ctx = None
+        self.f: h5py.File | None = None
+        self._series: dict[str, _Series] = {}
+        self._steps: list[tuple[int, int]] = []
+        self._step_open = False
+        self._n_layers = 0
+
+    def __enter__(self) -> "TraceWriter":
+        self._ctx = atomic_output(self.path, self.force)
+        tmp = self._ctx.__enter__()
+        self.f = h5py.File(tmp, "w", track_order=True)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc_type is None:
+                if self._step_open:
+                    raise ValueError("trace closed in the middle of a step")
+                self._finish()
+        except BaseException as e:
+            self.f.close()
+            self._ctx.__exit__(type(e), e, e.__traceback__)
+            raise
+        self.f.close()
+        return self._ctx.__exit__(exc_type, exc, tb)
+
+    # ---------------------------------------------------------------- header
+    def write_header(
+        self,
+        provenance: dict,
+        prompt_ids,
+        layers: list[LayerInfo],
+        *,
+        max_new_tokens: int,
+        eos_token_ids: list[int],
+        prompt_text: str = "",
+        chat_template_applied: bool = False,
+        extra_inputs: dict | None = None,
+    ) -> None:
+        f = self.f
+        f.attrs[S.ATTR_SCHEMA] = S.SCHEMA_NAME
+        f.attrs[S.ATTR_SCHEMA_VERSION] = S.SCHEMA_VERSION
+        missing = [k for k in S.PROVENANCE_KEYS if k not in provenance]
+        if missing:
+            raise ValueError(f"provenance lacks {missing}")
+        if provenance["mode"] not in S.MODES:
+            raise ValueError(f"mode {provenance['mode']!r} not in {S.MODES}")
+        for k in S.PROVENANCE_KEYS:
+            v = provenance[k]
+            f.attrs[k] = json.dumps(v, sort_keys=True) if isinstance(v, dict) else str(v)
+        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        f.create_dataset(S.DSET_PROMPT_IDS, data=ids)
+        g = f[S.GROUP_INPUTS]
+        g.attrs["max_new_tokens"] = int(max_new_tokens)
+        g.attrs["eos_token_ids"] = np.asarray(sorted(set(int(e) for e in eos_token_ids)), dtype=np.int64)
+        g.attrs["prompt_text"] = prompt_text
+        g.attrs["chat_template_applied"] = bool(chat_template_applied)
+        f.require_group(S.GROUP_INPUT_EXTRA)
+        for name, value in sorted((extra_inputs or {}).items()):
+            arr, src = _to_array(value, None)
+            ds = f.create_dataset(S.input_extra_path(name), data=arr, **COMPRESSION)
+            ds.attrs[S.ATTR_SOURCE_DTYPE] = src
+        for field in S.LAYER_FIELDS:
+            vals = [getattr(li, field) for li in layers]
+            data = np.asarray(vals, dtype=h5py.string_dtype() if isinstance(vals[0], str) else np.int64)
+            f.create_dataset(S.model_field_path(field), data=data)
+        self._n_layers = len(layers)
+
+    # ---------------------------------------------------------------- steps
+    def begin_step(self, positions: range) -> None:
+        if self._step_open:
+            raise ValueError("begin_step called twice without end_step")
+        start = self._steps[-1][1] if self._steps else 0
+        if positions.start != start or positions.step != 1 or len(positions) == 0:
+            raise ValueError(f"step {len(self._steps)} must feed positions from {start}, got {positions}")
+        self._steps.append((positions.start, positions.stop))
+        self._step_open = True
+
+    def end_step(self) -> None:
+        self._step_open = False
+
+    @property
+    def step(self) -> int:
+        return len(self._steps) - 1
+
+    def add(self, kind: str, value, layer: int | None = None, source_dtype: str | None = None) -> None:
+        """Add the rows of `kind` for the open step: one per fed position, or one per step."""
+        if not self._step_open:
+            raise ValueError("add() outside begin_step/end_step")
+        spec = S.KIND_BY_NAME[kind]
+        path = S.tensor_path(kind, layer)
+        arr, src = _to_array(value, source_dtype or self.source_dtype)
+        start, stop = self._steps[-1]
+        if spec.index == "step":
+            arr = arr.reshape(1, *arr.shape)
+        elif arr.shape[0] != stop - start:
+            raise ValueError(f"{kind} layer {layer}: {arr.shape[0]} rows for {stop - start} positions")
+        series = self._series.get(path)
+        if series is None:
+            series = self._series[path] = _Series(
+                self.f, path, arr.shape[1:], arr.dtype, src, grow_last=(kind == "mask")
+            )
+        expected_rows = (self.step if spec.index == "step" else start)
+        if series.rows + series.pending_rows != expected_rows:
+            raise ValueError(f"{kind} layer {layer}: rows out of order at step {self.step}")
+        series.append(arr)
+
+    def _finish(self) -> None:
+        for s in self._series.values():
+            s.flush()
+        self.f.create_dataset(S.DSET_STEP_POSITIONS, data=np.asarray(self._steps, dtype=np.int64).reshape(-1, 2))
