@@ -1,0 +1,148 @@
+"""The `trace` command: a thin click layer. Heavy imports happen inside each command.
+
+Library errors (TraceToolError) become one line on stderr and exit 2; `trace diff`
+exits 1 when it finds a divergence. Ctrl-C exits 130 with one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import sys
+
+import click
+
+from traces.errors import TraceToolError
+
+EXIT_DIVERGENCE = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def _fail(message: str, code: int = EXIT_USAGE):
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
+
+
+def user_errors(fn):
+    """Map library exceptions to exit codes and one-line messages: never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        previous = signal.signal(signal.SIGTERM, _terminate)
+        try:
+            return fn(*args, **kwargs)
+        except TraceToolError as e:
+            _fail(str(e))
+        except KeyboardInterrupt:
+            _fail("interrupted; nothing was written", EXIT_INTERRUPTED)
+        except MemoryError:
+            _fail("out of memory")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="gemma4-trace")
+def main():
+    """Record, replay and diff layer-by-layer traces of Gemma 4."""
+
+
+def _int_list(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        ids = [int(x) for x in value.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise click.BadParameter("expected comma-separated integers, e.g. 2,10,11") from None
+    if not ids:
+        raise click.BadParameter("no ids given")
+    if min(ids) < 0:
+        raise click.BadParameter("token ids must be >= 0")
+    return ids
+
+
+@main.command()
+@click.option("--model", "model_dir", type=click.Path(), default=None, help="save_pretrained folder [default: embedded tiny model]")
+@click.option("--prompt", default=None, help="prompt text (needs a tokenizer in the model folder)")
+@click.option("--input-ids", callback=_int_list, default=None, help="comma-separated prompt token ids")
+@click.option("--image", "images", multiple=True, type=click.Path(), help="image file (repeatable)")
+@click.option("--max-new-tokens", type=click.IntRange(1, 100_000), default=16, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--no-chat", is_flag=True, help="feed the prompt as raw text, without the chat template")
+@click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
+@click.option("--force", is_flag=True, help="replace an existing output")
+@user_errors
+def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, no_chat, output, force):
+    """Run HF Gemma 4 greedy generation with hooks and write a reference trace."""
+    if (prompt is None) == (input_ids is None):
+        raise TraceToolError("give exactly one of --prompt or --input-ids")
+    from recorder.record import record_trace
+
+    summary = record_trace(
+        model_dir=model_dir, output=output, prompt=prompt, input_ids=input_ids, images=list(images),
+        max_new_tokens=max_new_tokens, dtype=dtype, device=device, chat=not no_chat, force=force,
+        progress=True,
+    )
+    click.echo(summary)
+
+
+@main.command()
+@click.argument("trace_path", metavar="TRACE.h5", type=click.Path())
+@click.option("--hash", "show_hash", is_flag=True, help="print the content hash only")
+@user_errors
+def show(trace_path, show_hash):
+    """Print a readable summary of a trace."""
+    from traces.show import summarize
+    from traces.reader import TraceReader
+
+    with TraceReader(trace_path) as r:
+        click.echo(r.content_hash() if show_hash else summarize(r))
+
+
+@main.command()
+@click.argument("reference", metavar="REF.h5", type=click.Path())
+@click.option("--model", "model_dir", type=click.Path(), default=None, help="model folder [default: the one REF was recorded with]")
+@click.option("--runtime", default="static", show_default=True, help="'static' or MODULE:FACTORY of a plug-in runtime")
+@click.option("--max-seq", type=click.IntRange(1, 1_000_000), default=None, help="static sequence length [default: prompt + new tokens, rounded up to 8]")
+@click.option("--teacher-forcing/--free-running", default=True, show_default=True, help="feed REF's tokens, or the runtime's own")
+@click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
+@click.option("--force", is_flag=True, help="replace an existing output")
+@user_errors
+def replay(reference, model_dir, runtime, max_seq, teacher_forcing, output, force):
+    """Run a static-shape runtime on REF's inputs and write a candidate trace."""
+    from replayer.replay import replay_trace
+
+    summary = replay_trace(
+        reference, output, model_dir=model_dir, runtime=runtime, max_seq=max_seq,
+        mode="teacher-forced" if teacher_forcing else "free-running", force=force, progress=True,
+    )
+    click.echo(summary)
+
+
+@main.command("diff")
+@click.argument("reference", metavar="REF.h5", type=click.Path())
+@click.argument("candidate", metavar="RUN.h5", type=click.Path())
+@click.option("--tolerances", type=click.Path(), default=None, help="TOML file of tolerance rules")
+@click.option("--json", "as_json", is_flag=True, help="print the JSON report instead of text")
+@click.option("--report", type=click.Path(), default=None, help="also write a self-contained HTML report")
+@click.option("--force", is_flag=True, help="replace an existing --report file")
+@user_errors
+def diff_cmd(reference, candidate, tolerances, as_json, report, force):
+    """Find the first divergence between two traces (exit 1 if they diverge)."""
+    import json
+
+    from diff import diff_traces, format_text, write_html
+
+    result = diff_traces(reference, candidate, tolerances)
+    if report:
+        write_html(result, report, force=force)
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else format_text(result))
+    sys.exit(0 if result.match else EXIT_DIVERGENCE)
