@@ -1,0 +1,150 @@
+"""Loading Gemma 4 checkpoints (safetensors only, never remote code) and describing them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from traces.errors import TraceToolError
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "tiny_model"
+EMBEDDED_NAME = "tiny-gemma4 (embedded)"
+GEMMA4_TYPES = ("gemma4", "gemma4_text")
+# config keys that say nothing about the network: left out of the config hash
+VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "architectures", "_commit_hash")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class LoadedModel:
+    model: object  # Gemma4ForConditionalGeneration | Gemma4ForCausalLM, eval mode
+    processor: object | None  # processor (image+text) or tokenizer or None
+    name: str
+    model_dir: Path
+    dtype: str
+    device: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def text_config(self):
+        return self.model.config.get_text_config()
+
+    @property
+    def tokenizer(self):
+        return getattr(self.processor, "tokenizer", self.processor)
+
+    @property
+    def multimodal(self) -> bool:
+        return getattr(self.model.config, "vision_config", None) is not None
+
+
+def resolve_model_dir(model_dir: str | Path | None) -> tuple[Path, str]:
+    """The folder to load and the name a trace records for it (never an absolute path)."""
+    if model_dir is None:
+        return DEFAULT_MODEL_DIR, EMBEDDED_NAME
+    path = Path(model_dir)
+    return path, path.resolve().name
+
+
+def read_config_json(model_dir: Path) -> dict:
+    if not model_dir.is_dir():
+        raise TraceToolError(f"model folder {model_dir} does not exist")
+    cfg = model_dir / "config.json"
+    if not cfg.is_file():
+        raise TraceToolError(f"{model_dir} has no config.json; pass a save_pretrained folder")
+    try:
+        data = json.loads(cfg.read_text())
+    except (OSError, ValueError) as e:
+        raise TraceToolError(f"{cfg} is not readable JSON ({e})") from None
+    mtype = data.get("model_type")
+    if mtype not in GEMMA4_TYPES:
+        raise TraceToolError(f"{model_dir} holds a {mtype!r} model, not Gemma 4 (model_type gemma4 or gemma4_text)")
+    return data
+
+
+def config_dict(config) -> dict:
+    """The config as JSON-ready data, without keys that do not change the network."""
+    d = config.to_dict()
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in VOLATILE_CONFIG_KEYS}
+        return x
+
+    return strip(d)
+
+
+def config_sha256(cfg: dict) -> str:
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+
+
+def load_model(model_dir: str | Path | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """Load a Gemma 4 checkpoint folder; raise TraceToolError (one line) on anything wrong."""
+    path, name = resolve_model_dir(model_dir)
+    data = read_config_json(path)
+    if not any(path.glob("*.safetensors")):
+        raise TraceToolError(f"{path} has no *.safetensors weights (only safetensors are loaded)")
+    if dtype not in DTYPES:
+        raise TraceToolError(f"--dtype must be one of {', '.join(DTYPES)}")
+
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise TraceToolError("--device cuda given but no CUDA device is available")
+    from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    cls = Gemma4ForConditionalGeneration if data["model_type"] == "gemma4" else Gemma4ForCausalLM
+    try:
+        model = cls.from_pretrained(
+            path, dtype=getattr(torch, dtype), use_safetensors=True, local_files_only=True, trust_remote_code=False
+        )
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+        raise TraceToolError(f"cannot load {path}: {str(e).splitlines()[0][:300]}") from None
+    model.to(device).eval()
+    return LoadedModel(model, _load_processor(path), name, path, dtype, device)
+
+
+def _load_processor(path: Path):
+    """A processor when the folder has one, else a tokenizer, else None."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    has_proc = any((path / f).exists() for f in ("processor_config.json", "preprocessor_config.json"))
+    try:
+        if has_proc:
+            return AutoProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        if has_tok:
+            return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, TypeError, ImportError) as e:
+        raise TraceToolError(f"cannot load the tokenizer/processor in {path}: {str(e).splitlines()[0][:200]}") from None
+    return None
+
+
+def provenance(lm: LoadedModel, runtime: str, mode: str) -> dict:
+    import h5py
+    import torch
+    import transformers
+
+    from gemma4_trace import __version__
+
+    cfg = config_dict(lm.config)
+    return dict(
+        creator_version=__version__,
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        h5py_version=h5py.__version__,
+        dtype=lm.dtype,
+        device=lm.device,
+        runtime=runtime,
+        mode=mode,
+        model_name=lm.name,
+        model_config=cfg,
+        model_config_sha256=config_sha256(cfg),
+    )

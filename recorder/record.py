@@ -1,0 +1,335 @@
+"""Record a reference trace: HF Gemma 4 greedy generate() with hooks, streamed to HDF5.
+
+Every model forward call inside generate() is one step. Hooks collect the canonical
+tensors of the call; when the call returns they are written to the trace, so memory
+does not grow with the number of steps. What is recorded is what HF computed:
+
+- q, K/V and the mask come from the attention function itself (wrapped in place of
+  the model's own implementation), so they are exactly what attention used;
+- embeddings and per-layer inputs are the inputs of the decoder layers;
+- logits are the model output (soft-capped) at the predicting position.
+
+generate() normally passes `logits_to_keep=1`, which lets KV-reusing layers process
+only the last prompt position in prefill. The recorder passes an index tensor
+instead, which keeps every position in every layer and leaves the numbers unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from traces import TraceWriter, layer_infos_from_config
+from traces.atomic import check_output_path
+from traces.errors import TraceToolError
+from traces.schema import rope_kinds
+
+from .model import LoadedModel, load_model, provenance
+
+
+@dataclass
+class PromptInputs:
+    input_ids: list[int]
+    extra: dict = field(default_factory=dict)  # processor outputs besides ids (torch tensors)
+    text: str = ""
+    chat: bool = False
+
+
+def record_trace(
+    model_dir=None,
+    output=None,
+    prompt: str | None = None,
+    input_ids: list[int] | None = None,
+    images: list[str] = (),
+    max_new_tokens: int = 16,
+    dtype: str = "float32",
+    device: str = "cpu",
+    chat: bool = True,
+    force: bool = False,
+    progress: bool = False,
+) -> str:
+    """Record HF Gemma 4 on one prompt into `output`; return a one-line summary."""
+    check_output_path(output, force)  # fail before loading anything
+    if (prompt is None) == (input_ids is None):
+        raise TraceToolError("give exactly one of a prompt or input ids")
+    if images and prompt is None:
+        raise TraceToolError("--image needs --prompt (the processor places the image tokens)")
+    pil_images = [_open_image(p) for p in images]
+    lm = load_model(model_dir, dtype=dtype, device=device)
+    inputs = prepare_inputs(lm, prompt, input_ids, pil_images, chat)
+    tokens = record_loaded(lm, inputs, output, max_new_tokens=max_new_tokens, force=force, progress=progress)
+    text = ""
+    if lm.tokenizer is not None:
+        text = " -> " + repr(lm.tokenizer.decode(tokens, skip_special_tokens=False))
+    return f"wrote {output}: {len(inputs.input_ids)} prompt tokens, {len(tokens)} generated{text}"
+
+
+def _open_image(path: str):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except FileNotFoundError:
+        raise TraceToolError(f"image {path} does not exist") from None
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise TraceToolError(f"image {path} is not a readable image ({type(e).__name__})") from None
+
+
+def prepare_inputs(lm: LoadedModel, prompt, input_ids, images, chat: bool) -> PromptInputs:
+    """Token ids (and pixel inputs) exactly as the processor / chat template make them."""
+    vocab = lm.text_config.vocab_size
+    if input_ids is not None:
+        bad = [i for i in input_ids if not 0 <= i < vocab]
+        if bad:
+            raise TraceToolError(f"--input-ids {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return PromptInputs(list(input_ids))
+    if lm.processor is None:
+        raise TraceToolError(f"{lm.model_dir} has no tokenizer; give the prompt as --input-ids")
+    if images and not lm.multimodal:
+        raise TraceToolError(f"{lm.model_dir} is a text-only model; it cannot take --image")
+    if images and not hasattr(lm.processor, "image_processor"):
+        raise TraceToolError(f"{lm.model_dir} has no image processor; it cannot take --image")
+    use_chat = chat and getattr(lm.processor, "chat_template", None) is not None
+    if use_chat:
+        content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": prompt}]
+        enc = lm.processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True,
+            return_dict=True, return_tensors="pt",
+        )
+    elif images:
+        text = "".join(lm.processor.image_token for _ in images) + prompt
+        enc = lm.processor(text=text, images=images, return_tensors="pt")
+    else:
+        enc = lm.processor(text=prompt, return_tensors="pt") if hasattr(lm.processor, "image_processor") else lm.tokenizer(prompt, return_tensors="pt")
+    enc = dict(enc)
+    ids = enc.pop("input_ids")[0].tolist()
+    enc.pop("attention_mask", None)
+    if not images:
+        enc.pop("mm_token_type_ids", None)
+    if not ids:
+        raise TraceToolError("the prompt tokenizes to no tokens")
+    return PromptInputs(ids, {k: v for k, v in enc.items() if v is not None}, prompt, use_chat)
+
+
+def eos_ids(lm: LoadedModel) -> list[int]:
+    eos = lm.model.generation_config.eos_token_id
+    if eos is None:
+        eos = lm.text_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return sorted(set(int(e) for e in eos))
+
+
+class _StepRecorder:
+    """Hooks that gather one forward call's canonical tensors, then write them as a step."""
+
+    def __init__(self, lm: LoadedModel, writer: TraceWriter, prompt_len: int):
+        self.lm, self.w, self.T = lm, writer, prompt_len
+        self.text_model = lm.model.model.language_model if lm.multimodal else lm.model.model
+        self.layer_types = list(lm.text_config.layer_types)
+        self.owner = [li.kv_role != "reuses" for li in layer_infos_from_config(lm.text_config)]
+        self.n_steps = 0
+        self.pending_token_step = False  # a step waits for its token (known at the next call)
+        self.buf: dict = {}
+
+    # -- the wrapped attention function: sees q, K, V and the mask as HF uses them
+    def attention(self, original):
+        def wrapped(module, query, key, value, attention_mask, **kwargs):
+            i = module.layer_idx
+            q_len, k_len = query.shape[2], key.shape[2]
+            assert query.shape[0] == 1, "the recorder runs batch 1"
+            allowed = self._allowed(attention_mask, q_len, k_len, query.device)
+            self.buf[("mask", i)] = allowed
+            self.buf[("q", i)] = query[0].transpose(0, 1)  # (q, H, D)
+            if self.owner[i]:
+                # the rows written at this step are the last q_len rows of the returned cache
+                self.buf[("k", i)] = key[0, :, -q_len:].transpose(0, 1)  # (q, KVH, D)
+                self.buf[("v", i)] = value[0, :, -q_len:].transpose(0, 1)
+            return original(module, query, key, value, attention_mask, **kwargs)
+
+        return wrapped
+
+    def _allowed(self, mask, q_len: int, k_len: int, device):
+        """allowed[query, key] over absolute key positions 0..last query position.
+
+        HF hands attention the K/V of a contiguous run of positions ending at the last
+        query position (a sliding cache keeps only its window), and a mask that is None
+        (sdpa's causal fast path), bool, or additive float.
+        """
+        import torch
+
+        start = self.positions.start
+        last = self.positions.stop - 1
+        assert q_len == len(self.positions), (q_len, self.positions)
+        if mask is None:
+            local = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+            if q_len > 1:
+                qpos = torch.arange(start, last + 1, device=device)[:, None]
+                kpos = torch.arange(last - k_len + 1, last + 1, device=device)[None, :]
+                local = kpos <= qpos
+        else:
+            m = mask[0, 0, :, -k_len:] if mask.dim() == 4 else mask[0, :, -k_len:]
+            assert m.shape == (q_len, k_len), (tuple(mask.shape), q_len, k_len)
+            local = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+        full = torch.zeros(q_len, last + 1, dtype=torch.bool, device=device)
+        full[:, last + 1 - k_len :] = local
+        return full
+
+    # -- module hooks
+    def install(self, stack: contextlib.ExitStack) -> None:
+        tm = self.text_model
+        hooks = [
+            self.lm.model.register_forward_pre_hook(self._on_call, with_kwargs=True),
+            self.lm.model.register_forward_hook(self._on_return),
+            tm.rotary_emb.register_forward_hook(self._on_rope),
+            tm.norm.register_forward_hook(lambda m, a, out: self.buf.__setitem__("final_hidden", out[0])),
+        ]
+        for i, layer in enumerate(tm.layers):
+            hooks.append(layer.register_forward_pre_hook(self._on_layer_in(i), with_kwargs=True))
+            hooks.append(layer.register_forward_hook(self._on_layer_out(i)))
+            hooks.append(layer.self_attn.register_forward_hook(self._on_attn_out(i)))
+        for h in hooks:
+            stack.callback(h.remove)
+
+    def _on_call(self, module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        n = ids.shape[1]
+        if self.pending_token_step:  # the token fed now is the one chosen at the previous step
+            self._finish_step(int(ids[0, -1]))
+        start = 0 if self.n_steps == 0 else self.T + self.n_steps - 1
+        if (self.n_steps == 0 and n != self.T) or (self.n_steps > 0 and n != 1):
+            raise RuntimeError(f"unexpected forward over {n} tokens at step {self.n_steps}")
+        self.positions = range(start, start + n)
+        self.buf = {}
+
+    def _on_rope(self, module, args, out):
+        layer_type = args[2] if len(args) > 2 else None
+        cos_kind, sin_kind = rope_kinds(layer_type)
+        self.buf[cos_kind], self.buf[sin_kind] = out[0][0], out[1][0]
+
+    def _on_layer_in(self, i):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if i == 0:
+                self.buf["embeddings"] = hidden[0]
+            ple = args[1] if len(args) > 1 else kwargs.get("per_layer_input")
+            if ple is not None:
+                self.buf[("ple", i)] = ple[0]
+
+        return hook
+
+    def _on_layer_out(self, i):
+        def hook(module, args, out):
+            self.buf[("layer_out", i)] = out[0]
+
+        return hook
+
+    def _on_attn_out(self, i):
+        def hook(module, args, out):
+            self.buf[("attn_out", i)] = out[0][0]
+
+        return hook
+
+    def _on_return(self, module, args, out):
+        import torch
+
+        b, w = self.buf, self.w
+        w.begin_step(self.positions)
+        w.add("embeddings", _np(b["embeddings"]))
+        n_layers = len(self.text_model.layers)
+        if ("ple", 0) in b:
+            w.add("per_layer_inputs", _np(torch.stack([b[("ple", i)] for i in range(n_layers)], dim=1)))
+        for lt in sorted(set(self.layer_types)):
+            for kind in rope_kinds(lt):
+                w.add(kind, _np(b[kind]))
+        for i in range(n_layers):
+            for kind in ("mask", "q", "k", "v", "attn_out", "layer_out"):
+                if (kind, i) in b:
+                    w.add(kind, _np(b[(kind, i)]), layer=i)
+        w.add("final_hidden", _np(b["final_hidden"]))
+        logits = out.logits[0, -1]
+        w.add("logits", _np(logits))
+        self.n_steps += 1
+        self.pending_token_step = True
+        self.buf = {}
+
+    def _finish_step(self, token: int) -> None:
+        self.w.add("token", token)
+        self.w.end_step()
+        self.pending_token_step = False
+
+
+def _np(t):
+    return t.detach().float().cpu().numpy()
+
+
+def record_loaded(
+    lm: LoadedModel, inputs: PromptInputs, output, *, max_new_tokens: int, force: bool = False, progress: bool = False
+) -> list[int]:
+    """Run greedy generate() with hooks and write the trace; return the generated ids."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.gemma4 import modeling_gemma4
+
+    model = lm.model
+    ids = torch.tensor([inputs.input_ids], device=lm.device)
+    extra = {k: v.to(lm.device) if hasattr(v, "to") else v for k, v in inputs.extra.items()}
+    eos = eos_ids(lm)
+    layers = layer_infos_from_config(lm.text_config)
+    prompt_len = ids.shape[1]
+    impl = model.config._attn_implementation or "eager"
+    original = ALL_ATTENTION_FUNCTIONS.get(impl, modeling_gemma4.eager_attention_forward)
+    bar = _Progress(max_new_tokens, enabled=progress)
+
+    with TraceWriter(output, force=force, source_dtype=lm.dtype) as w:
+        w.write_header(
+            provenance(lm, runtime=f"hf-transformers ({impl})", mode="reference"),
+            inputs.input_ids, layers, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+            prompt_text=inputs.text, chat_template_applied=inputs.chat,
+            extra_inputs={k: _np(v) if v.is_floating_point() else v.cpu().numpy() for k, v in extra.items()},
+        )
+        rec = _StepRecorder(lm, w, prompt_len)
+        with contextlib.ExitStack() as stack:
+            rec.install(stack)
+            ALL_ATTENTION_FUNCTIONS[impl] = rec.attention(original)
+            stack.callback(ALL_ATTENTION_FUNCTIONS._local_mapping.pop, impl, None)
+            stack.callback(bar.close)
+            with torch.no_grad():
+                out = model.generate(
+                    ids, **extra, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                    eos_token_id=eos, pad_token_id=lm.text_config.pad_token_id,
+                    # an index tensor (not the int generate() uses) keeps all positions in KV-reusing layers
+                    logits_to_keep=torch.tensor([-1], device=lm.device),
+                    streamer=bar, top_k=None, top_p=None, temperature=None,
+                )
+        generated = out[0, prompt_len:].tolist()
+        if rec.pending_token_step:
+            rec._finish_step(generated[-1])
+        if rec.n_steps != len(generated):
+            raise RuntimeError(f"recorded {rec.n_steps} steps for {len(generated)} generated tokens")
+    return generated
+
+
+class _Progress:
+    """A minimal generate() streamer that draws a progress bar on stderr for long runs."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done = total, -1  # the first put() is the prompt
+        self.enabled = enabled and total >= 32
+
+    def put(self, value) -> None:
+        self.done += 1
+        if self.enabled and self.done > 0 and (self.done % 8 == 0 or self.done == self.total):
+            width = 30
+            filled = int(width * self.done / self.total)
+            sys.stderr.write(f"\rrecording [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}")
+            sys.stderr.flush()
+
+    def end(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.enabled and self.done > 0:
+            sys.stderr.write("\n")

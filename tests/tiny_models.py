@@ -1,0 +1,80 @@
+"""Random tiny Gemma 4 checkpoints built in the tests, one per architecture variant.
+
+Each is a real `save_pretrained` folder (safetensors), so the recorder and the runtime
+load it exactly as a user's checkpoint. Weights are random but seeded; the init scale is
+raised so greedy decoding has clear top-1 margins.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+S, F = "sliding_attention", "full_attention"
+
+BASE_TEXT = dict(
+    vocab_size=128,
+    vocab_size_per_layer_input=128,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=7,
+    layer_types=[S, S, F, S, F, S, F],
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    global_head_dim=16,
+    sliding_window=4,
+    hidden_size_per_layer_input=4,
+    num_kv_shared_layers=3,  # layers 4 (F), 5 (S), 6 (F) reuse layers 2 (F) and 3 (S)
+    use_double_wide_mlp=True,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+    initializer_range=0.2,
+)
+
+VARIANTS: dict[str, dict] = {
+    "base": {},
+    "k_eq_v": dict(attention_k_eq_v=True, num_key_value_heads=2, num_global_key_value_heads=1),
+    "moe": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16),
+    "no_ple": dict(hidden_size_per_layer_input=0),
+    "no_softcap": dict(final_logit_softcapping=None),
+    "no_sharing": dict(num_kv_shared_layers=0, use_double_wide_mlp=False),
+    "full_first": dict(layer_types=[F, S, S, F, S, F, F], num_kv_shared_layers=2),
+}
+
+VISION = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=8,
+    patch_size=4,
+    pooling_kernel_size=2,
+    position_embedding_size=64,
+)
+
+
+def build(out_dir: str | Path, variant: str = "base", seed: int = 0, multimodal: bool = False, **text_overrides) -> Path:
+    """Write a random tiny Gemma 4 checkpoint for `variant` into out_dir and return it."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
+    text = {**BASE_TEXT, **VARIANTS[variant], **text_overrides}
+    torch.manual_seed(seed)
+    if multimodal:
+        cfg = Gemma4Config(
+            text_config=text, vision_config=VISION, audio_config=None,
+            image_token_id=120, boi_token_id=121, eoi_token_id=122,
+            video_token_id=123, audio_token_id=124, boa_token_id=125, eoa_token_index=126,
+        )
+        model = Gemma4ForConditionalGeneration(cfg)
+    else:
+        model = Gemma4ForCausalLM(Gemma4TextConfig(**text))
+    model.generation_config.eos_token_id = [1]
+    model.generation_config.pad_token_id = 0
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
