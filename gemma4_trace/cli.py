@@ -97,14 +97,32 @@ def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, 
 @main.command()
 @click.argument("trace_path", metavar="TRACE.h5", type=click.Path())
 @click.option("--hash", "show_hash", is_flag=True, help="print the content hash only")
+@click.option("--model", "model_dir", type=click.Path(), default=None, help="folder with a tokenizer.json to decode tokens")
 @user_errors
-def show(trace_path, show_hash):
+def show(trace_path, show_hash, model_dir):
     """Print a readable summary of a trace."""
-    from traces.show import summarize
+    from pathlib import Path
+
     from traces.reader import TraceReader
+    from traces.show import decoder_for, summarize
 
     with TraceReader(trace_path) as r:
-        click.echo(r.content_hash() if show_hash else summarize(r))
+        if show_hash:
+            click.echo(r.content_hash())
+            return
+        folder = Path(model_dir) if model_dir else _embedded_model_dir(r.provenance["model_name"])
+        click.echo(summarize(r, decoder_for(folder / "tokenizer.json" if folder else None)))
+
+
+def _embedded_model_dir(model_name: str):
+    """The embedded model's folder when a trace was recorded from it (no torch import)."""
+    from pathlib import Path
+
+    import recorder
+
+    if model_name != "tiny-gemma4 (embedded)":
+        return None
+    return Path(recorder.__file__).resolve().parent / "tiny_model"
 
 
 @main.command()

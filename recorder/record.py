@@ -262,7 +262,9 @@ class _StepRecorder:
 
 
 def _np(t):
-    return t.detach().float().cpu().numpy()
+    """float32 numpy for floating tensors (bf16 upcast losslessly); bool and int kept."""
+    t = t.detach()
+    return (t.float() if t.is_floating_point() else t).cpu().numpy()
 
 
 def record_loaded(
@@ -288,7 +290,7 @@ def record_loaded(
             provenance(lm, runtime=f"hf-transformers ({impl})", mode="reference"),
             inputs.input_ids, layers, max_new_tokens=max_new_tokens, eos_token_ids=eos,
             prompt_text=inputs.text, chat_template_applied=inputs.chat,
-            extra_inputs={k: _np(v) if v.is_floating_point() else v.cpu().numpy() for k, v in extra.items()},
+            extra_inputs={k: _np(v) for k, v in extra.items()},
         )
         rec = _StepRecorder(lm, w, prompt_len)
         with contextlib.ExitStack() as stack:

@@ -1,0 +1,77 @@
+"""`trace show`: a readable summary of one trace (numpy and h5py only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .reader import TraceReader
+
+
+def decoder_for(tokenizer_json: Path | None):
+    """A decode(ids) function from a tokenizer.json via the `tokenizers` package, or None."""
+    if tokenizer_json is None or not tokenizer_json.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tokenizer_json))
+    except Exception:  # noqa: BLE001 - any unreadable tokenizer just means no text
+        return None
+    return lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def summarize(r: TraceReader, decode=None) -> str:
+    p = r.provenance
+    cfg = r.model_config
+    text_cfg = cfg.get("text_config", cfg)
+    tokens = r.tokens()
+    lines = [
+        f"trace      {r.path} ({_fmt_bytes(r.path.stat().st_size)}, schema v{r.f.attrs['schema_version']})",
+        f"model      {p['model_name']}  config sha256 {p['model_config_sha256'][:12]}",
+        f"producer   {p['runtime']}, mode {p['mode']}, {p['dtype']} on {p['device']}",
+        f"versions   creator {p['creator_version']}, torch {p['torch_version']}, "
+        f"transformers {p['transformers_version']}, h5py {p['h5py_version']}",
+    ]
+    prompt = f"prompt     {r.prompt_len} tokens"
+    if r.prompt_text:
+        prompt += f" from {json.dumps(r.prompt_text)}" + (" (chat template)" if r.chat_template_applied else "")
+    lines.append(prompt)
+    extra = r.extra_inputs()
+    if extra:
+        lines.append("inputs     " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in extra.items()))
+    lines.append(
+        f"steps      {r.n_steps} (prefill + {r.n_steps - 1} decode), positions 0..{r.n_positions - 1}, "
+        f"max_new_tokens {r.max_new_tokens}, eos {r.eos_token_ids}"
+    )
+    ended = "ended at EOS" if len(tokens) and int(tokens[-1]) in r.eos_token_ids else "no EOS"
+    lines.append(f"generated  {len(tokens)} tokens ({ended}): {tokens.tolist()}")
+    if decode is not None:
+        lines.append(f"text       {json.dumps(decode(tokens))}")
+    window = text_cfg.get("sliding_window")
+    lines.append(f"layers     {len(r.layers)} (hidden {text_cfg.get('hidden_size')}, sliding window {window})")
+    for i, li in enumerate(r.layers):
+        role = li.kv_role + (f" layer {li.kv_source}" if li.kv_role == "reuses" else "")
+        lines.append(
+            f"  L{i:02d}  {li.layer_type:<17} head_dim {li.head_dim:<4} heads {li.num_heads}/{li.num_kv_heads} kv  {role}"
+        )
+    lines.append("kinds      (stored shape, source dtype, on-disk size)")
+    seen = set()
+    for kind, layer in r.kinds_present():
+        if kind in seen:
+            continue
+        seen.add(kind)
+        layers = [l for k, l in r.kinds_present() if k == kind]
+        ds = r.dataset(kind, layer)
+        size = sum(r.dataset(kind, l).id.get_storage_size() for l in layers)
+        where = f"x {len(layers)} layers" if layer is not None else ""
+        lines.append(f"  {kind:<17} {str(ds.shape):<16} {r.source_dtype(kind, layer):<9} {_fmt_bytes(size):>10} {where}")
+    return "\n".join(lines)
