@@ -48,7 +48,22 @@ def user_errors(fn):
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLineErrors(click.Group):
+    """click's usage errors as one line (`error: ...`, exit 2) instead of a usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:
+            click.echo(e.ctx.get_help())
+        except click.ClickException as e:
+            hint = f" (see '{e.ctx.command_path} --help')" if getattr(e, "ctx", None) else ""
+            _fail(e.format_message().replace("\n", " ") + hint, e.exit_code)
+        except click.Abort:
+            _fail("interrupted", EXIT_INTERRUPTED)
+
+
+@click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="gemma4-trace")
 def main():
     """Record, replay and diff layer-by-layer traces of Gemma 4."""

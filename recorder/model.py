@@ -100,6 +100,7 @@ def load_model(model_dir: str | Path | None = None, dtype: str = "float32", devi
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     cls = Gemma4ForConditionalGeneration if data["model_type"] == "gemma4" else Gemma4ForCausalLM
     try:
         model = cls.from_pretrained(

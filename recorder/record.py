@@ -86,10 +86,10 @@ def prepare_inputs(lm: LoadedModel, prompt, input_ids, images, chat: bool) -> Pr
         if bad:
             raise TraceToolError(f"--input-ids {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return PromptInputs(list(input_ids))
-    if lm.processor is None:
-        raise TraceToolError(f"{lm.model_dir} has no tokenizer; give the prompt as --input-ids")
     if images and not lm.multimodal:
         raise TraceToolError(f"{lm.model_dir} is a text-only model; it cannot take --image")
+    if lm.processor is None:
+        raise TraceToolError(f"{lm.model_dir} has no tokenizer; give the prompt as --input-ids")
     if images and not hasattr(lm.processor, "image_processor"):
         raise TraceToolError(f"{lm.model_dir} has no image processor; it cannot take --image")
     use_chat = chat and getattr(lm.processor, "chat_template", None) is not None

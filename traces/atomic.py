@@ -37,7 +37,10 @@ def atomic_output(path: str | os.PathLike, force: bool = False):
     path = check_output_path(path, force)
     folder = path.parent if str(path.parent) else Path(".")
     clean_stale_partials(folder)
-    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", suffix=".h5", dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", suffix=".h5", dir=folder)
+    except OSError as e:
+        raise TraceToolError(f"cannot write in output folder {folder} ({e.strerror})") from None
     os.close(fd)
     try:
         yield Path(tmp)

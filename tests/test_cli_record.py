@@ -1,0 +1,147 @@
+"""`trace record` and `trace show` from the command line: bad input gives exit 2 and one line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from gemma4_trace.cli import main
+from tests import tiny_models
+from traces import TraceReader
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    return tiny_models.build(tmp_path_factory.mktemp("m") / "model", "base")
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_user_error(res, needle, out=None):
+    assert res.exit_code == 2, res.output
+    lines = [l for l in res.output.splitlines() if l.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.output, res.output
+    assert needle in lines[0], lines[0]
+    if out is not None:
+        assert not os.path.exists(out)
+        assert not [p for p in os.listdir(os.path.dirname(out)) if p.startswith(".trace-partial")]
+
+
+def test_record_and_show(text_model, tmp_path):
+    out = tmp_path / "t.h5"
+    res = run("record", "--model", text_model, "--input-ids", "2,17,33", "--max-new-tokens", 5, "-o", out)
+    assert res.exit_code == 0, res.output
+    assert "3 prompt tokens, 5 generated" in res.output
+    res = run("show", out)
+    assert res.exit_code == 0 and "steps      5 (prefill + 4 decode)" in res.output
+    assert "reuses layer 2" in res.output
+    res = run("show", "--hash", out)
+    with TraceReader(out) as r:
+        assert res.output.strip() == r.content_hash()
+        assert list(r.prompt_ids) == [2, 17, 33]
+
+
+def test_missing_model_folder(tmp_path):
+    out = tmp_path / "t.h5"
+    assert_user_error(run("record", "--model", tmp_path / "nope", "--input-ids", "2,3", "-o", out), "does not exist", out)
+
+
+def test_not_gemma4(tmp_path):
+    d = tmp_path / "llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    out = tmp_path / "t.h5"
+    assert_user_error(run("record", "--model", d, "--input-ids", "2,3", "-o", out), "not Gemma 4", out)
+
+
+def test_folder_without_weights(tmp_path, text_model):
+    d = tmp_path / "noweights"
+    d.mkdir()
+    (d / "config.json").write_text((text_model / "config.json").read_text())
+    out = tmp_path / "t.h5"
+    assert_user_error(run("record", "--model", d, "--input-ids", "2,3", "-o", out), "safetensors", out)
+
+
+def test_prompt_without_tokenizer(text_model, tmp_path):
+    out = tmp_path / "t.h5"
+    assert_user_error(run("record", "--model", text_model, "--prompt", "hi", "-o", out), "no tokenizer", out)
+
+
+def test_image_for_text_only_model(text_model, tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "i.png")
+    out = tmp_path / "t.h5"
+    res = run("record", "--model", text_model, "--prompt", "hi", "--image", tmp_path / "i.png", "-o", out)
+    assert_user_error(res, "text-only model", out)
+
+
+def test_unreadable_image(text_model, tmp_path):
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    out = tmp_path / "t.h5"
+    res = run("record", "--model", text_model, "--prompt", "hi", "--image", tmp_path / "bad.png", "-o", out)
+    assert_user_error(res, "not a readable image", out)
+    res = run("record", "--model", text_model, "--prompt", "hi", "--image", tmp_path / "missing.png", "-o", out)
+    assert_user_error(res, "does not exist", out)
+
+
+def test_bad_ids_and_options(text_model, tmp_path):
+    out = tmp_path / "t.h5"
+    assert_user_error(run("record", "--model", text_model, "--input-ids", "2,x", "-o", out), "comma-separated", out)
+    assert_user_error(run("record", "--model", text_model, "--input-ids", "2,99999", "-o", out), "outside the vocabulary", out)
+    assert_user_error(run("record", "--model", text_model, "-o", out), "exactly one of", out)
+    assert_user_error(run("record", "--model", text_model, "--input-ids", "2", "--max-new-tokens", 0, "-o", out), "max-new-tokens", out)
+
+
+def test_existing_output_and_failed_force_keep_old_file(text_model, tmp_path):
+    out = tmp_path / "t.h5"
+    assert run("record", "--model", text_model, "--input-ids", "2,17", "--max-new-tokens", 2, "-o", out).exit_code == 0
+    before = out.read_bytes()
+    assert_user_error(run("record", "--model", text_model, "--input-ids", "2,17", "-o", out), "already exists")
+    res = run("record", "--model", text_model, "--input-ids", "2,99999", "--force", "-o", out)
+    assert_user_error(res, "outside the vocabulary")
+    assert out.read_bytes() == before
+
+
+def test_unwritable_output_folder(text_model, tmp_path):
+    assert_user_error(run("record", "--model", text_model, "--input-ids", "2", "-o", tmp_path / "no" / "t.h5"), "does not exist")
+    assert_user_error(run("record", "--model", text_model, "--input-ids", "2", "-o", "/proc/t.h5"), "output folder")
+
+
+def test_show_bad_files(tmp_path):
+    (tmp_path / "x.h5").write_bytes(b"garbage")
+    assert_user_error(run("show", tmp_path / "x.h5"), "not a readable HDF5")
+    assert_user_error(run("show", tmp_path / "none.h5"), "no such file")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_interrupted_record_leaves_nothing(text_model, tmp_path, sig):
+    out = tmp_path / "t.h5"
+    cmd = [sys.executable, "-m", "gemma4_trace", "record", "--model", str(text_model), "--input-ids", "2,17",
+           "--max-new-tokens", "100000", "-o", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not any(p.name.startswith(".trace-partial") for p in tmp_path.iterdir()):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(1.0)  # well inside the decode loop
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert not out.exists()
+    if sig == signal.SIGKILL:
+        # a killed run cannot clean up; its clearly named partial file goes at the next run
+        assert [p for p in tmp_path.iterdir() if p.name.startswith(".trace-partial")]
+        assert run("record", "--model", text_model, "--input-ids", "2", "--max-new-tokens", 1, "-o", out).exit_code == 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]
+    else:
+        assert proc.returncode == 130, err
+        assert err.strip().splitlines()[-1] == "error: interrupted; nothing was written", err
+        assert "Traceback" not in err
+        assert list(tmp_path.iterdir()) == []
