@@ -11,6 +11,10 @@ from traces.errors import TraceToolError
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "tiny_model"
 EMBEDDED_NAME = "tiny-gemma4 (embedded)"
+# what `trace record` asks the embedded model when no prompt is given
+DEMO_PROMPT = "Tell me a story."
+DEMO_IMAGE_PROMPT = "Describe the image."
+DEMO_IMAGE = DEFAULT_MODEL_DIR / "example.png"
 GEMMA4_TYPES = ("gemma4", "gemma4_text")
 # config keys that say nothing about the network: left out of the config hash
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "architectures", "_commit_hash")

@@ -26,7 +26,7 @@ from traces.atomic import check_output_path
 from traces.errors import TraceToolError
 from traces.schema import rope_kinds
 
-from .model import LoadedModel, load_model, provenance
+from .model import DEMO_IMAGE_PROMPT, DEMO_PROMPT, LoadedModel, load_model, provenance
 
 
 @dataclass
@@ -52,8 +52,12 @@ def record_trace(
 ) -> str:
     """Record HF Gemma 4 on one prompt into `output`; return a one-line summary."""
     check_output_path(output, force)  # fail before loading anything
-    if (prompt is None) == (input_ids is None):
-        raise TraceToolError("give exactly one of a prompt or input ids")
+    if prompt is not None and input_ids is not None:
+        raise TraceToolError("give exactly one of --prompt or --input-ids")
+    if prompt is None and input_ids is None:
+        if model_dir is not None:
+            raise TraceToolError("give the prompt with --prompt TEXT or --input-ids 2,10,11")
+        prompt = DEMO_IMAGE_PROMPT if images else DEMO_PROMPT  # the embedded model's demo
     if images and prompt is None:
         raise TraceToolError("--image needs --prompt (the processor places the image tokens)")
     pil_images = [_open_image(p) for p in images]

@@ -15,11 +15,12 @@ LAYERS = [
 HIDDEN, VOCAB, PLE, WINDOW = 6, 11, 3, 4
 
 
-def provenance(**over) -> dict:
+def provenance(layers=None, config=None, **over) -> dict:
+    layers = LAYERS if layers is None else layers
     p = dict(
         creator_version="test", torch_version="-", transformers_version="-", h5py_version="-",
         dtype="float32", device="cpu", runtime="synthetic", mode="reference", model_name="synthetic",
-        model_config={"model_type": "gemma4_text", "num_hidden_layers": len(LAYERS)}, model_config_sha256="0" * 64,
+        model_config=config or {"model_type": "gemma4_text", "num_hidden_layers": len(layers)}, model_config_sha256="0" * 64,
     )
     p.update(over)
     return p
@@ -34,29 +35,41 @@ def allowed(layer: LayerInfo, queries: range, width: int) -> np.ndarray:
     return ok
 
 
-def write_trace(path, prompt_len=5, new_tokens=4, seed=0, edit=None, mode="reference", force=False):
-    """A trace of deterministic random tensors; `edit(kind, layer, step, rows)` may change rows."""
+def write_trace(path, prompt_len=5, new_tokens=4, seed=0, edit=None, mode="reference", force=False,
+                layers=None, config=None, prompt_ids=None, mask_width=None, dtype="float32", source_dtype=None,
+                stop_after=None, omit=()):
+    """A trace of deterministic random tensors; `edit(kind, layer, step, rows)` may change rows.
+
+    The same seed gives the same values whatever the other options: `layers`/`config`/`prompt_ids`
+    change the header, `mask_width` pads masks to a static key width (a static runtime's max_seq),
+    `dtype`/`source_dtype` set provenance and stored source dtype, `stop_after` ends after that
+    many steps (a free-running run that hit EOS), `omit` names kinds not written.
+    """
+    layers = LAYERS if layers is None else layers
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, VOCAB, size=new_tokens)
-    with TraceWriter(path, force=force) as w:
-        w.write_header(provenance(mode=mode), rng.integers(0, VOCAB, size=prompt_len), LAYERS,
-                       max_new_tokens=new_tokens, eos_token_ids=[1])
+    with TraceWriter(path, force=force, source_dtype=source_dtype) as w:
+        ids = rng.integers(0, VOCAB, size=prompt_len)
+        w.write_header(provenance(layers, config, mode=mode, dtype=dtype), ids if prompt_ids is None else prompt_ids,
+                       layers, max_new_tokens=new_tokens, eos_token_ids=[1])
         start = 0
-        for step in range(new_tokens):
+        for step in range(new_tokens if stop_after is None else min(stop_after, new_tokens)):
             stop = prompt_len if step == 0 else start + 1
             pos = range(start, stop)
             w.begin_step(pos)
             n = len(pos)
 
             def put(kind, rows, layer=None):
+                if kind in omit:
+                    return
                 if edit is not None:
                     rows = edit(kind, layer, step, rows.copy())
                 w.add(kind, rows, layer=layer)
 
             put("embeddings", rng.standard_normal((n, HIDDEN)))
-            put("per_layer_inputs", rng.standard_normal((n, len(LAYERS), PLE)))
-            for li, layer in enumerate(LAYERS):
-                put("mask", allowed(layer, pos, stop), li)
+            put("per_layer_inputs", rng.standard_normal((n, len(layers), PLE)))
+            for li, layer in enumerate(layers):
+                put("mask", allowed(layer, pos, mask_width or stop), li)
                 put("q", rng.standard_normal((n, layer.num_heads, layer.head_dim)), li)
                 if layer.kv_role != "reuses":
                     put("k", rng.standard_normal((n, layer.num_kv_heads, layer.head_dim)), li)

@@ -96,7 +96,8 @@ def test_bad_ids_and_options(text_model, tmp_path):
     out = tmp_path / "t.h5"
     assert_user_error(run("record", "--model", text_model, "--input-ids", "2,x", "-o", out), "comma-separated", out)
     assert_user_error(run("record", "--model", text_model, "--input-ids", "2,99999", "-o", out), "outside the vocabulary", out)
-    assert_user_error(run("record", "--model", text_model, "-o", out), "exactly one of", out)
+    assert_user_error(run("record", "--model", text_model, "-o", out), "give the prompt", out)
+    assert_user_error(run("record", "--model", text_model, "--prompt", "a", "--input-ids", "2", "-o", out), "exactly one of", out)
     assert_user_error(run("record", "--model", text_model, "--input-ids", "2", "--max-new-tokens", 0, "-o", out), "max-new-tokens", out)
 
 

@@ -1,0 +1,25 @@
+# Set-up and the two everyday jobs. Everything installs into .venv on first use.
+VENV ?= .venv
+BIN := $(VENV)/bin
+OUT ?= out
+
+.PHONY: demo test bench clean
+
+$(BIN)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+# record HF on the embedded tiny model, replay the static runtime, diff the two
+demo: $(BIN)/.installed
+	mkdir -p $(OUT)
+	$(BIN)/trace record --force -o $(OUT)/ref.h5
+	$(BIN)/trace replay --force $(OUT)/ref.h5 -o $(OUT)/run.h5
+	$(BIN)/trace diff $(OUT)/ref.h5 $(OUT)/run.h5 --force --report $(OUT)/report.html
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(OUT)
