@@ -153,3 +153,41 @@ def provenance(lm: LoadedModel, runtime: str, mode: str) -> dict:
         model_config=cfg,
         model_config_sha256=config_sha256(cfg),
     )
+
+
+def config_differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the fields that differ between two config dicts."""
+    out = []
+    for k in sorted(set(a) | set(b), key=str):
+        name = f"{prefix}{k}"
+        if k not in a or k not in b:
+            out.append(name)
+        elif isinstance(a[k], dict) and isinstance(b[k], dict):
+            out += config_differences(a[k], b[k], name + ".")
+        elif a[k] != b[k]:
+            out.append(name)
+    return out
+
+
+def load_for_reference(prov: dict, model_dir=None, device: str = "cpu") -> LoadedModel:
+    """Load the model a trace was recorded with (its dtype), checking the config hash.
+
+    `model_dir` None means the embedded model, which only fits traces recorded from it:
+    a trace stores the model's folder name, never its path.
+    """
+    if model_dir is None and prov["model_name"] != EMBEDDED_NAME:
+        raise TraceToolError(f"the reference was recorded with model {prov['model_name']!r}; pass its folder with --model")
+    lm = load_model(model_dir, dtype=prov["dtype"], device=device)
+    cfg = config_dict(lm.config)
+    if config_sha256(cfg) != prov["model_config_sha256"]:
+        try:
+            ref_cfg = json.loads(prov["model_config"])
+        except ValueError:
+            ref_cfg = {}
+        diff = config_differences(ref_cfg, cfg)
+        shown = ", ".join(diff[:8]) + (f" (+{len(diff) - 8} more)" if len(diff) > 8 else "")
+        raise TraceToolError(
+            f"the model in {lm.model_dir} differs from the one the reference was recorded with "
+            f"(config fields differ: {shown or 'unknown'})"
+        )
+    return lm

@@ -339,3 +339,21 @@ class _Progress:
     def close(self) -> None:
         if self.enabled and self.done > 0:
             sys.stderr.write("\n")
+
+
+def rerecord_trace(reference, output, *, model_dir=None, device: str = "cpu", force: bool = False) -> list[int]:
+    """Record HF again on the exact inputs of an existing trace (ids, pixels, settings)."""
+    import numpy as np
+    import torch
+
+    from traces import TraceReader
+
+    from .model import load_for_reference
+
+    check_output_path(output, force)
+    with TraceReader(reference) as r:
+        prov, ids, n_new = dict(r.provenance), [int(i) for i in r.prompt_ids], r.max_new_tokens
+        extra = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in r.extra_inputs().items()}
+        text, chat = r.prompt_text, r.chat_template_applied
+    lm = load_for_reference(prov, model_dir, device=device)
+    return record_loaded(lm, PromptInputs(ids, extra, text, chat), output, max_new_tokens=n_new, force=force)

@@ -103,3 +103,11 @@ def test_rows_must_match_positions(tmp_path):
             w.begin_step(range(0, 3))
             w.add("embeddings", np.zeros((2, 6)))
     assert not (tmp_path / "t.h5").exists()
+
+
+def test_docs_list_every_kind():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "trace-format.md").read_text()
+    for name in KIND_NAMES:
+        assert f"`{name}`" in doc, name
