@@ -1,0 +1,141 @@
+"""Benchmark `trace diff` on two >1 GB synthetic traces against a plain h5py read of both.
+
+    python benchmarks/bench_diff.py [--prefill 4096] [--decode 1024] [--dir /tmp] [--keep]
+
+Writes REF (random float32 with the trace writer) and RUN (REF + 1e-6 relative noise, masks
+over a static max_seq key axis) in the folder given, then measures in one run:
+  (a) reading every dataset of both files with plain h5py (ds[()], warm page cache),
+  (b) `trace diff REF RUN` as a subprocess: wall time and peak RSS,
+and prints b/a (target <= 1.5) and the peak RSS (target <= 300 MB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from traces import LayerInfo, TraceWriter  # noqa: E402
+
+HIDDEN, PLE, VOCAB, HEADS = 1536, 256, 32768, 8
+TYPES = ["sliding_attention"] * 3 + ["full_attention"]
+LAYERS = [LayerInfo(TYPES[i % 4], 256 if TYPES[i % 4] == "sliding_attention" else 512, HEADS, 1, "owns", i)
+          for i in range(8)]
+
+
+def provenance(mode: str) -> dict:
+    return dict(creator_version="bench", torch_version="-", transformers_version="-", h5py_version=h5py.__version__,
+                dtype="float32", device="cpu", runtime="bench", mode=mode, model_name="bench",
+                model_config={"hidden_size": HIDDEN, "num_hidden_layers": len(LAYERS), "vocab_size": VOCAB},
+                model_config_sha256="0" * 64)
+
+
+def write_pair(ref_path: Path, run_path: Path, prefill: int, decode: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    noise = np.random.default_rng(seed + 1)
+    max_seq = prefill + decode
+    ids = rng.integers(0, VOCAB, size=prefill)
+    with TraceWriter(ref_path, force=True) as wa, TraceWriter(run_path, force=True) as wb:
+        wa.write_header(provenance("reference"), ids, LAYERS, max_new_tokens=decode + 1, eos_token_ids=[1])
+        wb.write_header(provenance("teacher-forced"), ids, LAYERS, max_new_tokens=decode + 1, eos_token_ids=[1])
+        start = 0
+        for step in range(decode + 1):
+            stop = prefill if step == 0 else start + 1
+            n = stop - start
+            wa.begin_step(range(start, stop))
+            wb.begin_step(range(start, stop))
+
+            def put(kind, shape, layer=None):
+                x = rng.standard_normal((n, *shape), dtype=np.float32)
+                wa.add(kind, x, layer)
+                x += np.float32(1e-6) * noise.standard_normal(x.shape, dtype=np.float32)
+                wb.add(kind, x, layer)
+
+            put("embeddings", (HIDDEN,))
+            put("per_layer_inputs", (len(LAYERS), PLE))
+            for kind, d in (("rope_cos_sliding", 256), ("rope_sin_sliding", 256), ("rope_cos_full", 512), ("rope_sin_full", 512)):
+                put(kind, (d,))
+            q = np.arange(start, stop)[:, None]
+            for i, li in enumerate(LAYERS):
+                k = np.arange(max_seq)[None, :]
+                allowed = (k <= q) & ((k > q - 512) if li.layer_type == "sliding_attention" else True)
+                wa.add("mask", allowed[:, :stop], i)
+                wb.add("mask", allowed, i)  # static runtime: keys over max_seq
+                put("q", (HEADS, li.head_dim), i)
+                put("k", (1, li.head_dim), i)
+                put("v", (1, li.head_dim), i)
+                put("attn_out", (HIDDEN,), i)
+                put("layer_out", (HIDDEN,), i)
+            put("final_hidden", (HIDDEN,))
+            logits = rng.standard_normal(VOCAB, dtype=np.float32)
+            wa.add("logits", logits)
+            wb.add("logits", logits)
+            tok = np.int64(np.argmax(logits))
+            wa.add("token", tok)
+            wb.add("token", tok)
+            wa.end_step()
+            wb.end_step()
+            start = stop
+
+
+def plain_read(paths) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    total = 0
+    for p in paths:
+        with h5py.File(p, "r", locking=False) as f:
+            def visit(name, obj):
+                nonlocal total
+                if isinstance(obj, h5py.Dataset):
+                    total += obj[()].nbytes
+            f.visititems(visit)
+    return time.perf_counter() - t0, total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--decode", type=int, default=1024)
+    ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--keep", action="store_true", help="reuse existing files and keep them")
+    args = ap.parse_args()
+    ref, run = Path(args.dir) / "bench_diff_ref.h5", Path(args.dir) / "bench_diff_run.h5"
+    if not (args.keep and ref.exists() and run.exists()):
+        t0 = time.perf_counter()
+        write_pair(ref, run, args.prefill, args.decode)
+        print(f"wrote 2 traces in {time.perf_counter() - t0:.1f} s")
+    sizes = [p.stat().st_size / 1e9 for p in (ref, run)]
+    print(f"REF {sizes[0]:.2f} GB, RUN {sizes[1]:.2f} GB on disk; {args.prefill} prefill positions + "
+          f"{args.decode} decode steps, {len(LAYERS)} layers, hidden {HIDDEN}, q {HEADS}x256/512, vocab {VOCAB}")
+    plain_read([ref, run])  # warm the page cache
+    ta, nbytes = plain_read([ref, run])
+    trace = shutil.which("trace") or str(Path(sys.executable).with_name("trace"))
+    cmd = [trace, "diff", str(ref), str(run)]
+    # /usr/bin/time -v reports the peak RSS of `trace diff` itself (RUSAGE_CHILDREN here would
+    # also count this process's pages, inherited for a moment by the forked child)
+    t0 = time.perf_counter()
+    p = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
+    tb = time.perf_counter() - t0
+    rss = [l for l in p.stderr.splitlines() if "Maximum resident set size" in l]
+    peak_mb = int(rss[0].split(":")[1]) / 1024 if rss else float("nan")
+    ta2, _ = plain_read([ref, run])
+    ta = min(ta, ta2)
+    print(p.stdout.strip().splitlines()[0] if p.stdout else p.stderr.strip().splitlines()[0])
+    print(f"exit code {p.returncode}")
+    print(f"(a) plain h5py read of both files: {ta:.1f} s ({nbytes / 1e9:.2f} GB decompressed, {nbytes / 1e6 / ta:.0f} MB/s)")
+    print(f"(b) {' '.join(cmd)}: {tb:.1f} s")
+    print(f"b/a = {tb / ta:.2f} (target <= 1.5); peak RSS of trace diff = {peak_mb:.0f} MB (target <= 300)")
+    if not args.keep:
+        for q in (ref, run):
+            os.unlink(q)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Alignment of two traces: refuse incompatible ones, decide which steps and rows compare."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from traces import schema as S
+from traces.errors import TraceToolError
+from traces.reader import TraceReader
+
+# model_config keys that change tensor shapes or the computation's structure
+ARCH_KEYS = (
+    "num_hidden_layers", "layer_types", "hidden_size", "intermediate_size", "vocab_size",
+    "num_attention_heads", "num_key_value_heads", "num_global_key_value_heads", "head_dim",
+    "global_head_dim", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
+    "num_kv_shared_layers", "sliding_window", "attention_k_eq_v", "use_double_wide_mlp",
+    "enable_moe_block", "num_experts", "kv_sharing_modes",
+)
+PRE_KINDS = tuple(k.name for k in S.KINDS[: next(i for i, k in enumerate(S.KINDS) if k.per_layer)])
+POST_KINDS = tuple(k.name for k in S.KINDS if not k.per_layer and k.name not in PRE_KINDS)
+
+
+def dataflow_sequence(n_layers: int) -> list[tuple[str, int | None]]:
+    """Every (kind, layer) in the order the diff searches them within a step."""
+    return ([(k, None) for k in PRE_KINDS]
+            + [(k, l) for l in range(n_layers) for k in S.LAYER_KIND_NAMES]
+            + [(k, None) for k in POST_KINDS])
+
+
+def _arch(cfg: dict) -> dict:
+    out = {k: cfg[k] for k in ARCH_KEYS if k in cfg}
+    text = cfg.get("text_config")
+    if isinstance(text, dict):
+        out.update({f"text_config.{k}": text[k] for k in ARCH_KEYS if k in text})
+    return out
+
+
+def check_compatible(ref: TraceReader, run: TraceReader) -> None:
+    """Raise TraceToolError naming what differs when the traces are not of one model and prompt."""
+    diffs = []
+    if len(ref.layers) != len(run.layers):
+        diffs.append(f"layer count {len(ref.layers)} vs {len(run.layers)}")
+    else:
+        for i, (a, b) in enumerate(zip(ref.layers, run.layers)):
+            for f in S.LAYER_FIELDS:
+                va, vb = getattr(a, f), getattr(b, f)
+                if va != vb:
+                    diffs.append(f"layer {i} {f} {va} vs {vb}")
+    try:
+        ca, cb = _arch(ref.model_config), _arch(run.model_config)
+    except ValueError:
+        ca = cb = {}
+    for k in sorted(set(ca) & set(cb)):
+        if ca[k] != cb[k]:
+            diffs.append(f"{k} {_short(ca[k])} vs {_short(cb[k])}")
+    if diffs:
+        shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+        raise TraceToolError(f"traces are of different model architectures (REF vs RUN): {shown}")
+    a, b = ref.prompt_ids, run.prompt_ids
+    if a.shape != b.shape or not np.array_equal(a, b):
+        n = min(a.size, b.size)
+        first = next((i for i in range(n) if a[i] != b[i]), n)
+        where = (f"first difference at index {first}: {a[first]} vs {b[first]}" if first < n
+                 else f"one is a prefix of the other")
+        raise TraceToolError(f"traces have different prompts: REF has {a.size} ids, RUN has {b.size} ({where})")
+    n = min(ref.n_steps, run.n_steps)
+    if ref.step_positions[:n] != run.step_positions[:n]:
+        s = next(i for i in range(n) if ref.step_positions[i] != run.step_positions[i])
+        raise TraceToolError(
+            f"traces feed different positions at step {s}: REF {ref.step_positions[s]} vs RUN {run.step_positions[s]}"
+        )
+
+
+def _short(v) -> str:
+    t = str(v)
+    return t if len(t) <= 60 else t[:57] + "..."
+
+
+@dataclass
+class Plan:
+    """Which steps compare: tokens over `token_steps`, numbers over steps 0..numeric_steps-1."""
+
+    token_steps: int
+    numeric_steps: int
+    step_positions: list[tuple[int, int]]
+    free_running: bool
+    first_token_mismatch: int | None
+
+    @property
+    def n_rows(self) -> int:  # position rows compared
+        return self.step_positions[self.numeric_steps - 1][1]
+
+    def row_steps(self) -> np.ndarray:
+        lengths = [b - a for a, b in self.step_positions[: self.numeric_steps]]
+        return np.repeat(np.arange(self.numeric_steps), lengths)
+
+
+def make_plan(ref: TraceReader, run: TraceReader, ref_tokens, run_tokens) -> Plan:
+    steps = min(ref.n_steps, run.n_steps)
+    mismatch = None
+    if ref_tokens is not None and run_tokens is not None:
+        n = min(steps, ref_tokens.size, run_tokens.size)
+        diff = np.flatnonzero(ref_tokens[:n] != run_tokens[:n])
+        mismatch = int(diff[0]) if diff.size else None
+    free = "free-running" in (ref.mode, run.mode)
+    numeric = mismatch + 1 if (free and mismatch is not None) else steps
+    return Plan(steps, numeric, list(ref.step_positions[:steps]), free, mismatch)

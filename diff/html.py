@@ -1,0 +1,213 @@
+"""A self-contained HTML report: inline CSS and SVG, no scripts fetched, no fonts, no links out."""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from traces.atomic import check_output_path
+from traces.errors import TraceToolError
+
+from .report import format_text, growth_summary, sci, token_summary, val
+
+MAX_COLS = 400  # heatmap steps are binned (max) beyond this
+CSS = """
+body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:24px;color:#1d2330;max-width:1200px}
+h1{font-size:20px;margin:0 0 12px}h2{font-size:16px;margin:24px 0 8px;border-bottom:1px solid #dde}
+.verdict{padding:10px 14px;border-radius:6px;font-family:ui-monospace,monospace;font-size:13px;white-space:pre-wrap}
+.bad{background:#fdecea;border:1px solid #f5a39b}.good{background:#e8f6ec;border:1px solid #8fd19e}
+table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #dde;padding:2px 6px;text-align:right}
+th{background:#f3f4f8}td.l{text-align:left}tr.x td{background:#fdecea}
+pre{background:#f6f7f9;padding:10px;font-size:12px;overflow-x:auto}
+.legend{font-size:12px;color:#555}svg text{font-family:system-ui,sans-serif}
+"""
+
+
+def _color(ratio) -> str:
+    """Green well under tolerance, yellow at it, red far above (log scale of value/threshold)."""
+    if ratio is None:
+        return "#eeeeee"
+    if not math.isfinite(ratio):
+        return "#5b0000"
+    x = math.log10(max(ratio, 1e-4))  # -4 .. 2
+    if x <= 0:
+        t = (x + 4) / 4  # 0 (far under) .. 1 (at tolerance)
+        r, g, b = int(40 + 215 * t), int(150 + 60 * t), int(80 - 40 * t)
+    else:
+        t = min(x / 2, 1.0)
+        r, g, b = int(255 - 90 * t), int(210 - 190 * t), int(40 - 20 * t)
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def _heatmap(growth: dict, div: dict | None) -> str:
+    table, thr, layers = growth["table"], growth["thresholds"], growth["layers"]
+    if not table or not table[0]:
+        return "<p>no layer outputs compared</p>"
+    n_steps = len(table[0])
+    bin_ = max(1, math.ceil(n_steps / MAX_COLS))
+    cols = math.ceil(n_steps / bin_)
+    cw = max(3, min(28, 1000 // cols))
+    ch = max(8, min(22, 600 // max(1, len(layers))))
+    left, top = 48, 22
+    w, h = left + cols * cw + 10, top + len(layers) * ch + 30
+    out = [f'<svg width="{w}" height="{h}" role="img">']
+    for li, (l, row, trow) in enumerate(zip(layers, table, thr)):
+        y = top + li * ch
+        out.append(f'<text x="{left - 6}" y="{y + ch * 0.75:.1f}" font-size="11" text-anchor="end">L{l}</text>')
+        for c in range(cols):
+            s0, s1 = c * bin_, min(n_steps, (c + 1) * bin_)
+            ratios = [(row[s] / trow[s]) if row[s] is not None and trow[s] else None for s in range(s0, s1)]
+            ratios = [r for r in ratios if r is not None]
+            worst = max(ratios) if ratios else None
+            vals = [row[s] for s in range(s0, s1) if row[s] is not None]
+            v = max(vals) if vals else None
+            steps = f"step {s0}" if s1 - s0 == 1 else f"steps {s0}-{s1 - 1}"
+            out.append(f'<rect x="{left + c * cw}" y="{y}" width="{cw}" height="{ch}" fill="{_color(worst)}">'
+                       f'<title>layer {l}, {steps}: rel-L2 {sci(v)} (x{sci(worst)} of tolerance)</title></rect>')
+    if div is not None and div.get("layer") is not None and div["layer"] in layers:
+        c = div["step"] // bin_
+        y = top + layers.index(div["layer"]) * ch
+        out.append(f'<rect x="{left + c * cw}" y="{y}" width="{cw}" height="{ch}" fill="none" stroke="#000" '
+                   f'stroke-width="2"><title>first divergence</title></rect>')
+    for c in range(0, cols, max(1, cols // 10)):
+        out.append(f'<text x="{left + c * cw + cw / 2:.1f}" y="{top - 6}" font-size="10" text-anchor="middle">'
+                   f'{c * bin_}</text>')
+    out.append(f'<text x="{left}" y="{h - 8}" font-size="11">step (columns{", max over " + str(bin_) + " steps" if bin_ > 1 else ""}) '
+               f'/ layer (rows); colour = rel-L2 of layer_out relative to its tolerance</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _curves(growth: dict, div: dict | None) -> str:
+    table, layers = growth["table"], growth["layers"]
+    if not table or not table[0] or not layers:
+        return ""
+    n_steps = len(table[0])
+    series = [("worst step", growth["max_over_steps"], "#c0392b")]
+    series.append(("step 0 (prefill)", [row[0] for row in table], "#2c7fb8"))
+    if n_steps > 1:
+        series.append((f"step {n_steps - 1} (last)", [row[-1] for row in table], "#7b3294"))
+    if div is not None and 0 < div["step"] < n_steps - 1:
+        series.append((f"step {div['step']} (divergence)", [row[div["step"]] for row in table], "#e66101"))
+    vals = [v for _, s, _ in series for v in s if v is not None and v > 0 and math.isfinite(v)]
+    thr = [t for row in growth["thresholds"] for t in row if t]
+    vals += thr[:1]
+    if not vals:
+        return "<p>all layer outputs identical (rel-L2 = 0)</p>"
+    lo, hi = math.floor(math.log10(min(vals))), math.ceil(math.log10(max(vals)))
+    hi = max(hi, lo + 1)
+    W, H, L, T, B = 700, 260, 60, 14, 36
+    def X(i): return L + (W - L - 150) * (i / max(1, len(layers) - 1))
+    def Y(v): return T + (H - T - B) * (hi - math.log10(v)) / (hi - lo)
+    out = [f'<svg width="{W}" height="{H}" role="img">']
+    for e in range(lo, hi + 1):
+        out.append(f'<line x1="{L}" x2="{W - 150}" y1="{Y(10**e):.1f}" y2="{Y(10**e):.1f}" stroke="#e3e3e8"/>'
+                   f'<text x="{L - 6}" y="{Y(10**e) + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>')
+    if thr:
+        t = thr[0]
+        out.append(f'<line x1="{L}" x2="{W - 150}" y1="{Y(t):.1f}" y2="{Y(t):.1f}" stroke="#555" stroke-dasharray="4 3">'
+                   f'<title>tolerance {sci(t)}</title></line>')
+    for i, l in enumerate(layers):
+        if len(layers) <= 40 or i % max(1, len(layers) // 20) == 0:
+            out.append(f'<text x="{X(i):.1f}" y="{H - B + 14}" font-size="10" text-anchor="middle">{l}</text>')
+    out.append(f'<text x="{(L + W - 150) / 2:.0f}" y="{H - 6}" font-size="11" text-anchor="middle">layer</text>')
+    for k, (name, s, color) in enumerate(series):
+        pts = [(X(i), Y(v)) for i, v in enumerate(s) if v is not None and v > 0 and math.isfinite(v)]
+        if pts:
+            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="'
+                       + " ".join(f"{x:.1f},{y:.1f}" for x, y in pts) + '"/>')
+            out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"/>' for x, y in pts]
+        out.append(f'<rect x="{W - 140}" y="{T + k * 18}" width="12" height="4" fill="{color}"/>'
+                   f'<text x="{W - 122}" y="{T + k * 18 + 6}" font-size="11">{html.escape(name)}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _token_table(tokens: dict, limit: int = 300) -> str:
+    ref, run = tokens.get("reference", []), tokens.get("candidate", [])
+    n = max(len(ref), len(run))
+    if not n:
+        return "<p>no tokens</p>"
+    mism = set(tokens.get("mismatch_steps", []))
+    rows = [s for s in range(n) if s < limit or s in mism]
+    out = ["<table><tr><th>step</th><th>REF token</th><th>RUN token</th><th>match</th></tr>"]
+    for s in rows:
+        a = ref[s] if s < len(ref) else None
+        b = run[s] if s < len(run) else None
+        ok = a is not None and a == b
+        note = "" if ok else ("-" if a is None or b is None else "no")
+        if s == tokens.get("first_mismatch_step"):
+            note = f"no - {tokens.get('label', '')}"
+        out.append(f'<tr class="{"" if ok else "x"}"><td>{s}</td><td>{"" if a is None else a}</td>'
+                   f'<td>{"" if b is None else b}</td><td class="l">{"yes" if ok else html.escape(note)}</td></tr>')
+    if len(rows) < n:
+        out.append(f'<tr><td colspan="4" class="l">... {n - len(rows)} matching steps not shown</td></tr>')
+    out.append("</table>")
+    return "".join(out)
+
+
+def _tensor_table(tensors: list[dict]) -> str:
+    out = ["<table><tr><th>kind</th><th>layer</th><th>rows</th><th>max rel-L2</th><th>tolerance</th>"
+           "<th>max abs</th><th>min cosine</th><th>status</th></tr>"]
+    for t in tensors:
+        bad = t["status"] != "ok"
+        out.append(f'<tr class="{"x" if bad else ""}"><td class="l">{t["kind"]}</td><td>{"" if t["layer"] is None else t["layer"]}</td>'
+                   f'<td>{t.get("rows_compared", 0)}/{t["rows"]}</td><td>{sci(t.get("max_rel_l2"))}</td>'
+                   f'<td>{sci(t.get("threshold"))}</td><td>{sci(t.get("max_abs"))}</td>'
+                   f'<td>{val(t["min_cosine"]) if "min_cosine" in t else "-"}</td><td class="l">{t["status"]}</td></tr>')
+    out.append("</table>")
+    return "".join(out)
+
+
+def render_html(result) -> str:
+    d = result.first_divergence
+    e = html.escape
+    ref, run = result.reference, result.candidate
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>trace diff: {'match' if result.match else 'divergence'}</title>",
+        f"<style>{CSS}</style></head><body>",
+        f"<h1>trace diff: {e(Path(ref['path']).name)} (REF) vs {e(Path(run['path']).name)} (RUN)</h1>",
+        f'<div class="verdict {"good" if result.match else "bad"}">{e(format_text(result))}</div>',
+        "<h2>Error growth: layer x step</h2>",
+        _heatmap(result.growth, d),
+        '<p class="legend">green: under tolerance; yellow: at tolerance; red: far above. Hover a cell for its value.'
+        " The black frame marks the first divergence.</p>",
+        "<h2>Error vs layer</h2>",
+        _curves(result.growth, d),
+        f'<p class="legend">{e(growth_summary(result.growth))}</p>',
+        "<h2>Tokens</h2>",
+        f"<p>{e(token_summary(result.tokens))}</p>",
+        _token_table(result.tokens),
+        "<h2>Tensors compared</h2>",
+        _tensor_table(result.tensors),
+        "<h2>Provenance</h2>",
+        "<table>" + "".join(
+            f'<tr><th class="l">{e(k)}</th><td class="l">{e(str(ref.get(k)))}</td><td class="l">{e(str(run.get(k)))}</td></tr>'
+            for k in ("path", "mode", "dtype", "runtime", "device", "steps", "positions")) + "</table>",
+        "</body></html>",
+    ]
+    return "\n".join(parts)
+
+
+def write_html(result, path, force: bool = False) -> Path:
+    """Write the report atomically: a temporary file in the same folder, renamed when complete."""
+    path = check_output_path(path, force)
+    text = render_html(result)
+    folder = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=".diff-report-", suffix=".html.tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        if path.exists() and not force:
+            raise TraceToolError(f"output {path} already exists; pass --force to replace it")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path

@@ -1,0 +1,135 @@
+"""Per-row metrics on blocks of rows, and the element-level detail of one failing row.
+
+All work stays in float32 on the block (no float64 copies of tensors); per-row sums are
+small vectors. NaN or Inf in either row never passes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+METRIC_ORDER = ("nonfinite", "rel_l2", "max_abs", "cosine")
+METRIC_LABEL = {"nonfinite": "non-finite values", "rel_l2": "rel-L2", "max_abs": "max-abs",
+                "cosine": "cosine", "mask_keys": "mask keys", "shape": "shape", "rows": "rows",
+                "missing": "missing", "token": "token"}
+
+
+class RowStats:
+    """Metrics of a block of rows: rel_l2, max_abs, cosine, nonfinite (one entry per row)."""
+
+    __slots__ = ("nd", "na", "rel_l2", "max_abs", "cosine", "nonfinite")
+
+    def __init__(self, a: np.ndarray, b: np.ndarray, floor: np.ndarray):
+        n = a.shape[0]
+        a = a.reshape(n, -1)
+        b = b.reshape(n, -1)
+        m = a.shape[1]
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = np.subtract(b, a)  # (n, m) float32
+            nd = np.einsum("ij,ij->i", d, d, dtype=np.float64)
+            na = np.einsum("ij,ij->i", a, a, dtype=np.float64)
+            nb = np.einsum("ij,ij->i", b, b, dtype=np.float64)
+            ab = np.einsum("ij,ij->i", a, b, dtype=np.float64)
+            np.abs(d, out=d)
+            self.max_abs = d.max(axis=1).astype(np.float64) if m else np.zeros(n)
+        bad = ~np.isfinite(nd + na + nb)
+        if bad.any():  # sums can overflow on huge finite values: look at the rows themselves
+            rows = np.flatnonzero(bad)
+            really = ~(np.isfinite(a[rows]).all(axis=1) & np.isfinite(b[rows]).all(axis=1))
+            bad[rows[~really]] = False
+            # recompute overflowed rows in float64 (rare)
+            for r in rows[~really]:
+                a64, b64 = a[r].astype(np.float64), b[r].astype(np.float64)
+                nd[r], na[r], nb[r], ab[r] = ((b64 - a64) ** 2).sum(), (a64 ** 2).sum(), (b64 ** 2).sum(), (a64 * b64).sum()
+        self.nonfinite = bad
+        self.nd, self.na = nd, na
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            denom = np.maximum(np.sqrt(na), floor * math.sqrt(max(m, 1)))
+            self.rel_l2 = np.where(nd == 0, 0.0, np.sqrt(nd) / np.where(denom > 0, denom, 1e-300))
+            norm = np.sqrt(na * nb)
+            self.cosine = np.where(norm > 0, ab / np.where(norm > 0, norm, 1.0), np.where((na == 0) & (nb == 0), 1.0, 0.0))
+        self.rel_l2[bad] = np.inf
+        self.max_abs[bad] = np.inf
+        self.cosine[bad] = -np.inf
+
+    def failing(self, rel_tol, abs_tol, cos_min, skip) -> tuple[np.ndarray, np.ndarray]:
+        """(fails per row, index into METRIC_ORDER of the first failing metric per row)."""
+        checks = np.stack([self.nonfinite, self.rel_l2 > rel_tol, self.max_abs > abs_tol, self.cosine < cos_min])
+        fails = checks.any(axis=0) & ~skip
+        return fails, np.argmax(checks, axis=0)
+
+
+def element_detail(a_row: np.ndarray, b_row: np.ndarray, metric: str, tol: dict) -> dict:
+    """First failing element and worst element of one row (indices in the row's shape)."""
+    shape = a_row.shape
+    a = a_row.reshape(-1).astype(np.float64)
+    b = b_row.reshape(-1).astype(np.float64)
+    m = max(a.size, 1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.abs(b - a)
+        nonfinite = ~(np.isfinite(a) & np.isfinite(b))
+        if metric == "nonfinite":
+            crit = nonfinite
+        elif metric == "max_abs":
+            crit = d > tol["max_abs"]
+        elif metric == "rel_l2":
+            # the element's share of the rel-L2 budget: some element must exceed it
+            budget = tol["rel_l2"] * max(float(np.sqrt((a * a).sum())), tol["l2_floor"] * math.sqrt(m)) / math.sqrt(m)
+            crit = d > budget
+        else:
+            crit = d > float(np.sqrt((d * d).sum() / m))
+        d_rank = np.where(nonfinite, np.inf, d)
+    first = int(np.argmax(crit)) if crit.any() else int(np.argmax(d_rank))
+    worst = int(np.argmax(d_rank))
+    return {
+        "first": tuple(int(x) for x in np.unravel_index(first, shape)) if shape else (),
+        "first_ref": float(a[first]), "first_run": float(b[first]),
+        "worst": tuple(int(x) for x in np.unravel_index(worst, shape)) if shape else (),
+        "worst_ref": float(a[worst]), "worst_run": float(b[worst]),
+    }
+
+
+def compare_mask_block(ra: np.ndarray, rb: np.ndarray) -> np.ndarray:
+    """Per-row count of key positions where the two boolean masks differ (missing columns = blocked)."""
+    w = min(ra.shape[1], rb.shape[1])
+    count = np.count_nonzero(ra[:, :w] != rb[:, :w], axis=1)
+    if ra.shape[1] > w:
+        count += np.count_nonzero(ra[:, w:], axis=1)
+    if rb.shape[1] > w:
+        count += np.count_nonzero(rb[:, w:], axis=1)
+    return count
+
+
+def mask_row_detail(ra: np.ndarray, rb: np.ndarray, limit: int = 16) -> dict:
+    width = max(ra.shape[0], rb.shape[0])
+    a = np.zeros(width, dtype=bool)
+    b = np.zeros(width, dtype=bool)
+    a[: ra.shape[0]] = ra
+    b[: rb.shape[0]] = rb
+    run_only = np.flatnonzero(b & ~a)
+    ref_only = np.flatnonzero(a & ~b)
+    return {
+        "allowed_in_run_blocked_in_ref": [int(x) for x in run_only[:limit]],
+        "blocked_in_run_allowed_in_ref": [int(x) for x in ref_only[:limit]],
+        "n_allowed_in_run_blocked_in_ref": int(run_only.size),
+        "n_blocked_in_run_allowed_in_ref": int(ref_only.size),
+        "ref_allowed": _ranges(np.flatnonzero(a)),
+        "run_allowed": _ranges(np.flatnonzero(b)),
+    }
+
+
+def _ranges(idx: np.ndarray) -> str:
+    """'0-3, 7' for [0, 1, 2, 3, 7]."""
+    if idx.size == 0:
+        return "none"
+    out, start, prev = [], int(idx[0]), int(idx[0])
+    for x in idx[1:]:
+        x = int(x)
+        if x != prev + 1:
+            out.append(f"{start}-{prev}" if prev > start else f"{start}")
+            start = x
+        prev = x
+    out.append(f"{start}-{prev}" if prev > start else f"{start}")
+    return ", ".join(out)
