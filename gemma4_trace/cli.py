@@ -7,6 +7,7 @@ exits 1 when it finds a divergence. Ctrl-C exits 130 with one line.
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import sys
 
@@ -42,6 +43,11 @@ def user_errors(fn):
             _fail("interrupted; nothing was written", EXIT_INTERRUPTED)
         except MemoryError:
             _fail("out of memory")
+        except Exception as e:  # a bug of ours: still one line, the traceback on request
+            if os.environ.get("GEMMA4_TRACE_DEBUG"):
+                raise
+            _fail(f"internal error ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                  "set GEMMA4_TRACE_DEBUG=1 to see the traceback")
         finally:
             signal.signal(signal.SIGTERM, previous)
 

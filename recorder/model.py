@@ -124,12 +124,42 @@ def _load_processor(path: Path):
     has_proc = any((path / f).exists() for f in ("processor_config.json", "preprocessor_config.json"))
     try:
         if has_proc:
-            return AutoProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+            try:
+                return AutoProcessor.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+            except ImportError as e:
+                if "orchvision" not in str(e):
+                    raise
+                return _processor_without_torchvision(path)
         if has_tok:
             return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, TypeError, ImportError) as e:
         raise TraceToolError(f"cannot load the tokenizer/processor in {path}: {str(e).splitlines()[0][:200]}") from None
     return None
+
+
+def _processor_without_torchvision(path: Path):
+    """Gemma4Processor for images and text where torchvision (needed only for video) is missing.
+
+    transformers 5.24 type-checks the mandatory video processor against
+    VideoProcessorMixin, which it exports only with torchvision installed. Images use the
+    PIL image processor, so a placeholder video processor is enough here.
+    """
+    import transformers.processing_utils as pu
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer, Gemma4Processor
+    from transformers.video_processing_utils import VideoProcessorMixin
+
+    if not hasattr(pu.transformers_module, "VideoProcessorMixin"):
+        pu.transformers_module.VideoProcessorMixin = VideoProcessorMixin
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    cfg = json.loads((path / "processor_config.json").read_text())
+    return Gemma4Processor(
+        feature_extractor=AutoFeatureExtractor.from_pretrained(path, local_files_only=True),
+        image_processor=AutoImageProcessor.from_pretrained(path, local_files_only=True),
+        tokenizer=tok,
+        video_processor=VideoProcessorMixin(),
+        chat_template=tok.chat_template,
+        image_seq_length=cfg.get("image_seq_length", 280),
+    )
 
 
 def provenance(lm: LoadedModel, runtime: str, mode: str) -> dict:

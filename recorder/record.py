@@ -140,7 +140,11 @@ class _StepRecorder:
 
     # -- the wrapped attention function: sees q, K, V and the mask as HF uses them
     def attention(self, original):
+        text_attention = {id(layer.self_attn) for layer in self.text_model.layers}
+
         def wrapped(module, query, key, value, attention_mask, **kwargs):
+            if id(module) not in text_attention:  # the vision tower's attention
+                return original(module, query, key, value, attention_mask, **kwargs)
             i = module.layer_idx
             q_len, k_len = query.shape[2], key.shape[2]
             assert query.shape[0] == 1, "the recorder runs batch 1"

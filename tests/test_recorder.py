@@ -122,3 +122,58 @@ def test_recording_twice_gives_the_same_content_hash(tmp_path):
             hashes.append(r.content_hash())
     assert hashes[0] == hashes[1]
     assert (tmp_path / "a.h5").read_bytes() != b""
+
+
+@pytest.fixture(scope="module")
+def image_recording(tmp_path_factory):
+    from recorder.model import DEMO_IMAGE, DEMO_IMAGE_PROMPT
+    from recorder.record import _open_image, prepare_inputs
+
+    d = tmp_path_factory.mktemp("image")
+    lm = load_model(None)
+    inputs = prepare_inputs(lm, DEMO_IMAGE_PROMPT, None, [_open_image(DEMO_IMAGE)], chat=True)
+    record_loaded(lm, inputs, d / "t.h5", max_new_tokens=12)
+    with TraceReader(d / "t.h5") as r:
+        yield lm, inputs, r
+
+
+def test_image_prompt_tokens_and_layers_equal_hf(image_recording):
+    lm, inputs, r = image_recording
+    ids = torch.tensor([inputs.input_ids])
+    out = lm.model.generate(ids, **inputs.extra, max_new_tokens=12, do_sample=False)
+    assert list(r.tokens()) == out[0, ids.shape[1]:].tolist()
+    assert lm.tokenizer.decode(r.tokens()).startswith("The image shows")
+    assert set(r.extra_inputs()) == {"pixel_values", "image_position_ids", "mm_token_type_ids"}
+
+    seq = torch.tensor([_sequence(r)])
+    extra = dict(inputs.extra)
+    pad = seq.shape[1] - extra["mm_token_type_ids"].shape[1]
+    extra["mm_token_type_ids"] = torch.nn.functional.pad(extra["mm_token_type_ids"], (0, pad))
+    with torch.no_grad():
+        hf = lm.model(seq, **extra, output_hidden_states=True)
+    hs = hf.hidden_states
+    np.testing.assert_allclose(r.read("embeddings"), hs[0][0].numpy(), rtol=1e-5, atol=1e-5)
+    for i in range(len(r.layers) - 1):
+        np.testing.assert_allclose(r.read("layer_out", i), hs[i + 1][0].numpy(), rtol=1e-4, atol=1e-4, err_msg=f"layer {i}")
+
+
+def test_image_prompt_masks_equal_hf_vision_masks(image_recording):
+    from transformers.models.gemma4.modeling_gemma4 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
+
+    lm, inputs, r = image_recording
+    T = r.prompt_len
+    tt = inputs.extra["mm_token_type_ids"]
+    masks = create_masks_for_vision_model(
+        config=lm.text_config, inputs_embeds=torch.zeros(1, T, lm.text_config.hidden_size), attention_mask=None,
+        cache=None, position_ids=torch.arange(T)[None], block_sequence_ids=get_block_sequence_ids_for_mask(tt, "cpu"),
+    )
+    for i, info in enumerate(r.layers):
+        m = masks[info.layer_type]
+        want = torch.tril(torch.ones(T, T, dtype=torch.bool)) if m is None else m[0, 0]
+        if want.dtype != torch.bool:
+            want = want == 0
+        np.testing.assert_array_equal(r.read("mask", i)[:T, :T], want.numpy(), err_msg=f"layer {i}")
+    image_rows = np.flatnonzero(r.prompt_ids == lm.config.image_token_id)
+    sliding = next(i for i, li in enumerate(r.layers) if li.layer_type == "sliding_attention")
+    first = image_rows[0]
+    assert r.read("mask", sliding)[first, first + 1]  # image tokens see later ones on sliding layers
