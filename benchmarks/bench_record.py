@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks import e2b_shaped  # noqa: E402
-from recorder.model import load_model  # noqa: E402
-from recorder.record import PromptInputs, eos_ids, record_loaded  # noqa: E402
+from recorder.model import DEMO_PROMPT, load_model  # noqa: E402
+from recorder.record import PromptInputs, eos_ids, prepare_inputs, record_loaded  # noqa: E402
 
 
 def plain_generate(lm, ids, steps):
@@ -66,10 +66,7 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         tiny = load_model(None)
-        ids = tiny.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Tell me a story."}], add_generation_prompt=True, tokenize=True
-        )
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = prepare_inputs(tiny, DEMO_PROMPT, None, [], chat=True).input_ids
         bench("tiny (embedded)", tiny, ids, args.steps, args.repeats, tmp)
         if not args.skip_e2b:
             e2b = load_model(e2b_shaped.build(tmp / "e2b"))
