@@ -1,0 +1,130 @@
+"""The runtime plug-in API: what `trace replay --runtime MODULE:FACTORY` expects.
+
+A plug-in module exposes a factory
+
+    def factory(loaded: recorder.model.LoadedModel, max_seq: int) -> runtime
+
+and the runtime it returns has
+
+    name: str                                                    # recorded as provenance "runtime"
+    max_seq: int                                                 # optional; the driver's value if absent
+    prefill(input_ids, extra_inputs, probe) -> logits            # input_ids (T,) long tensor,
+                                                                 # extra_inputs {name: tensor}, logits (vocab,)
+    decode(token_id: int, position: int, probe) -> logits        # one token at `position`, logits (vocab,)
+
+The runtime reports canonical tensors (traces.schema.KINDS, except logits and token,
+which the driver writes) through `probe.tensor(kind, value, layer=None)`; `probe` may be
+None, and then nothing may be computed for it. See docs/runtime-api.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol, runtime_checkable
+
+from traces import schema as S
+from traces.errors import TraceToolError
+
+REQUIRED_METHODS = ("prefill", "decode")
+DRIVER_KINDS = ("logits", "token")  # written by the replay driver, never by a runtime
+
+
+class Probe(Protocol):
+    def tensor(self, kind: str, value, layer: int | None = None) -> None: ...
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    name: str
+
+    def prefill(self, input_ids, extra_inputs: dict, probe: Probe | None): ...
+
+    def decode(self, token_id: int, position: int, probe: Probe | None): ...
+
+
+class WriterProbe:
+    """A probe that streams the runtime's tensors into a TraceWriter's open step.
+
+    Values are torch tensors in the model dtype; they are stored as float32 (bool and
+    int kept) with the source dtype recorded.
+    """
+
+    def __init__(self, writer, runtime_name: str):
+        self.w = writer
+        self.runtime_name = runtime_name
+        self.seen: set[tuple[str, int | None]] = set()
+
+    def tensor(self, kind: str, value, layer: int | None = None) -> None:
+        spec = S.KIND_BY_NAME.get(kind)
+        if spec is None or kind in DRIVER_KINDS:
+            allowed = ", ".join(k for k in S.KIND_NAMES if k not in DRIVER_KINDS)
+            raise TraceToolError(f"runtime {self.runtime_name} reported unknown kind {kind!r} (known: {allowed})")
+        if (layer is None) == spec.per_layer:
+            raise TraceToolError(
+                f"runtime {self.runtime_name} reported {kind!r} with layer={layer}; "
+                f"{kind} is {'per layer' if spec.per_layer else 'global (layer=None)'}"
+            )
+        key = (kind, layer)
+        if key in self.seen:
+            raise TraceToolError(f"runtime {self.runtime_name} reported {kind!r} layer {layer} twice in one step")
+        self.seen.add(key)
+        source = str(getattr(value, "dtype", "float32")).removeprefix("torch.")
+        if hasattr(value, "detach"):
+            value = value.detach()
+            value = (value.float() if value.is_floating_point() else value).cpu().numpy()
+        try:
+            self.w.add(kind, value, layer=layer, source_dtype=source)
+        except ValueError as e:
+            raise TraceToolError(f"runtime {self.runtime_name}: {e}") from None
+
+    def next_step(self) -> None:
+        self.seen.clear()
+
+
+def load_factory(spec: str):
+    """Import MODULE:FACTORY (only now, when named) and return the factory callable."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise TraceToolError(f"--runtime {spec!r}: expected 'static' or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # an import error of any kind inside the plug-in is the user's input
+        raise TraceToolError(f"cannot import runtime plug-in module {module_name!r}: {type(e).__name__}: {_line(e)}") from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise TraceToolError(f"runtime plug-in module {module_name!r} has no {attr!r} (the factory named in --runtime)")
+    if not callable(factory):
+        raise TraceToolError(f"runtime plug-in {module_name}:{attr} is not callable; it must be factory(loaded, max_seq)")
+    return factory
+
+
+def check_runtime(rt, where: str):
+    """Raise TraceToolError naming what a runtime object lacks."""
+    missing = [m for m in REQUIRED_METHODS if not callable(getattr(rt, m, None))]
+    name = getattr(rt, "name", None)
+    if not isinstance(name, str) or not name:
+        missing.insert(0, "name (a non-empty str)")
+    if missing:
+        raise TraceToolError(f"runtime plug-in {where} returned {type(rt).__name__}, which lacks {', '.join(missing)}")
+    return rt
+
+
+def make_runtime(spec: str, loaded, max_seq: int):
+    """'static' or MODULE:FACTORY -> a runtime object that follows the API."""
+    if spec == "static":
+        from .runtime import StaticGemma4Runtime
+
+        return StaticGemma4Runtime(loaded, max_seq)
+    factory = load_factory(spec)
+    try:
+        rt = factory(loaded, max_seq)
+    except TraceToolError:
+        raise
+    except Exception as e:
+        raise TraceToolError(f"runtime plug-in {spec} failed to start: {type(e).__name__}: {_line(e)}") from None
+    return check_runtime(rt, spec)
+
+
+def _line(e: BaseException) -> str:
+    s = str(e).splitlines()
+    return s[0][:200] if s else ""

@@ -1,0 +1,447 @@
+"""StaticGemma4Runtime: a static-shape Gemma 4 text decoder over the HF weights.
+
+gpt-fast style: the weights are read from the HF model once (no copies), the per-layer
+KV caches are preallocated buffers (1, kv_heads, max_seq, head_dim), and the RoPE
+tables and masks are built once for max_seq and indexed by position. Prefill runs the
+whole padded prompt (right padding to max_seq) and writes only the valid K/V rows; the
+decode step writes one row at its position and attends over all max_seq slots through
+the mask. Nothing here calls HF's decoder layers, attention, rotary embedding or text
+model; only the vision tower (pixels -> soft tokens) runs through HF.
+
+The canonical tensors go to an optional probe: `probe.tensor(kind, value, layer=None)`.
+With probe=None no reporting code runs at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from traces.errors import TraceToolError
+from traces.layers import LayerInfo, layer_infos_from_config
+from traces.schema import rope_kinds
+
+SUPPORTED_ROPE = ("default", "proportional")
+UNSUPPORTED_INPUTS = ("pixel_values_videos", "input_features", "input_features_mask")
+
+
+# ----------------------------------------------------------------------------- math
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Gemma 4 RMSNorm: float32 compute, times `weight` (not 1 + weight); no scale if weight is None."""
+    h = x.float()
+    h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        h = h * weight.float()
+    return h.type_as(x)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (1, n, heads, D); cos/sin (1, n, D)
+    return x * cos[:, :, None, :] + rotate_half(x) * sin[:, :, None, :]
+
+
+def rope_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies (head_dim // 2,) for one layer type's rope_parameters."""
+    rope_type = params.get("rope_type", "default")
+    theta = float(params["rope_theta"])
+    factor = float(params.get("factor", 1.0) or 1.0)
+    if rope_type == "default":
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "proportional":
+        # frequencies use the FULL head_dim as denominator and are zero past the rotated part
+        angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
+        inv = torch.cat([rotated, torch.zeros(head_dim // 2 - angles)])
+        return inv / factor
+    raise TraceToolError(f"rope_type {rope_type!r} is not supported by the static runtime (only {SUPPORTED_ROPE})")
+
+
+ACTIVATIONS = {
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
+
+
+# ----------------------------------------------------------------------------- weights
+class _Layer(nn.Module):
+    """One decoder layer's weights (views of the HF tensors) and, if it owns K/V, its cache."""
+
+    def __init__(self, hf_layer, info: LayerInfo, max_seq: int, dtype: torch.dtype, device):
+        super().__init__()
+        attn = hf_layer.self_attn
+        w = lambda t: t.detach()  # noqa: E731  (a view, never a copy)
+        buffers = {
+            "input_norm": hf_layer.input_layernorm.weight,
+            "post_attn_norm": hf_layer.post_attention_layernorm.weight,
+            "pre_ffn_norm": hf_layer.pre_feedforward_layernorm.weight,
+            "post_ffn_norm": hf_layer.post_feedforward_layernorm.weight,
+            "q_proj": attn.q_proj.weight,
+            "q_norm": attn.q_norm.weight,
+            "o_proj": attn.o_proj.weight,
+            "gate_proj": hf_layer.mlp.gate_proj.weight,
+            "up_proj": hf_layer.mlp.up_proj.weight,
+            "down_proj": hf_layer.mlp.down_proj.weight,
+            "layer_scalar": hf_layer.layer_scalar,
+        }
+        for name in ("q_proj", "o_proj"):
+            assert getattr(attn, name).bias is None, f"attention_bias=True is not supported ({name})"
+        self.owns_kv = info.kv_role != "reuses"
+        self.k_eq_v = False
+        if self.owns_kv:
+            assert attn.k_proj.weight.shape == (info.num_kv_heads * info.head_dim, hf_layer.hidden_size), (
+                f"layer k_proj {tuple(attn.k_proj.weight.shape)} != kv_heads {info.num_kv_heads} x head_dim {info.head_dim}"
+            )
+            buffers["k_proj"] = attn.k_proj.weight
+            buffers["k_norm"] = attn.k_norm.weight
+            self.k_eq_v = attn.v_proj is None
+            if not self.k_eq_v:
+                buffers["v_proj"] = attn.v_proj.weight
+        self.ple = bool(getattr(hf_layer, "hidden_size_per_layer_input", 0))
+        if self.ple:
+            buffers["ple_gate"] = hf_layer.per_layer_input_gate.weight
+            buffers["ple_proj"] = hf_layer.per_layer_projection.weight
+            buffers["ple_norm"] = hf_layer.post_per_layer_input_norm.weight
+        self.moe = bool(getattr(hf_layer, "enable_moe_block", False))
+        if self.moe:
+            buffers.update(
+                router_scale=hf_layer.router.scale,
+                router_proj=hf_layer.router.proj.weight,
+                router_expert_scale=hf_layer.router.per_expert_scale,
+                experts_gate_up=hf_layer.experts.gate_up_proj,
+                experts_down=hf_layer.experts.down_proj,
+                post_ffn_norm_1=hf_layer.post_feedforward_layernorm_1.weight,
+                post_ffn_norm_2=hf_layer.post_feedforward_layernorm_2.weight,
+                pre_ffn_norm_2=hf_layer.pre_feedforward_layernorm_2.weight,
+            )
+        for name, t in buffers.items():
+            self.register_buffer(name, w(t), persistent=False)
+        assert self.q_proj.shape[0] == info.num_heads * info.head_dim, (
+            f"q_proj {tuple(self.q_proj.shape)} != heads {info.num_heads} x head_dim {info.head_dim}"
+        )
+        if self.owns_kv:
+            shape = (1, info.num_kv_heads, max_seq, info.head_dim)
+            self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+            self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+
+class StaticGemma4Runtime(nn.Module):
+    """Static-shape Gemma 4 over a LoadedModel's weights (batch 1, fixed max_seq).
+
+        rt = StaticGemma4Runtime(loaded, max_seq=64)
+        logits = rt.prefill(prompt_ids, extra_inputs, probe)    # (vocab,) at position T-1
+        logits = rt.decode(token_id, position, probe)           # (vocab,) at `position`
+    """
+
+    name = "static"
+
+    def __init__(self, loaded, max_seq: int):
+        super().__init__()
+        model = loaded.model
+        self.__dict__["loaded"] = loaded
+        self.multimodal = getattr(model.config, "vision_config", None) is not None
+        cfg = model.config.get_text_config()
+        self.cfg = cfg
+        text = model.model.language_model if hasattr(model.model, "language_model") else model.model
+        self.max_seq = int(max_seq)
+        self.infos = layer_infos_from_config(cfg)
+        self.n_layers = len(self.infos)
+        self.hidden = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.window = int(cfg.sliding_window)
+        self.softcap = cfg.final_logit_softcapping
+        self.ple_dim = int(cfg.hidden_size_per_layer_input or 0)
+        self.pad_id = int(cfg.pad_token_id if cfg.pad_token_id is not None else 0)
+        self.types = sorted(set(cfg.layer_types))
+        if getattr(cfg, "use_bidirectional_attention", None) == "all":
+            raise TraceToolError("use_bidirectional_attention='all' (encoder-style Gemma 4) is not supported by the static runtime")
+        if cfg.hidden_activation not in ACTIVATIONS:
+            raise TraceToolError(f"hidden_activation {cfg.hidden_activation!r} is not supported by the static runtime")
+        self.act = ACTIVATIONS[cfg.hidden_activation]
+        self.bidir_vision = getattr(cfg, "use_bidirectional_attention", None) == "vision"
+        top = model.config
+        self.mm_token_ids = [
+            int(t) for t in (getattr(top, "image_token_id", None), getattr(top, "video_token_id", None),
+                             getattr(top, "audio_token_id", None)) if t is not None and self.multimodal
+        ]
+        self.top_k = int(cfg.top_k_experts or 0)
+
+        dtype = text.embed_tokens.weight.dtype
+        device = text.embed_tokens.weight.device
+        self.dtype = dtype
+        ls = [layer for layer in text.layers]
+        assert len(ls) == self.n_layers, f"HF model has {len(ls)} layers, config says {self.n_layers}"
+        self.layers = nn.ModuleList(_Layer(ls[i], self.infos[i], self.max_seq, dtype, device) for i in range(self.n_layers))
+        self.register_buffer("embed", text.embed_tokens.weight.detach(), persistent=False)
+        # sqrt(hidden) cast to the weight dtype first, as HF does (bf16 rounds it)
+        self.register_buffer("embed_scale", torch.tensor(self.hidden**0.5).to(dtype), persistent=False)
+        self.register_buffer("final_norm", text.norm.weight.detach(), persistent=False)
+        self.register_buffer("lm_head", model.lm_head.weight.detach(), persistent=False)
+        if self.ple_dim:
+            self.register_buffer("ple_embed", text.embed_tokens_per_layer.weight.detach(), persistent=False)
+            self.register_buffer("ple_scale", torch.tensor(self.ple_dim**0.5).to(dtype), persistent=False)
+            self.register_buffer("ple_model_proj", text.per_layer_model_projection.weight.detach(), persistent=False)
+            self.register_buffer("ple_proj_norm", text.per_layer_projection_norm.weight.detach(), persistent=False)
+
+        # RoPE tables (max_seq, head_dim) per layer type, built once and indexed by position
+        pos = torch.arange(self.max_seq, dtype=torch.int64).float()
+        self.head_dim = {}
+        for t in self.types:
+            d = next(li.head_dim for li in self.infos if li.layer_type == t)
+            self.head_dim[t] = d
+            inv = rope_inv_freq(dict(cfg.rope_parameters[t]), d)
+            freqs = pos[:, None] * inv[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)  # (max_seq, D)
+            self.register_buffer(f"cos_{t}", emb.cos().to(dtype).to(device), persistent=False)
+            self.register_buffer(f"sin_{t}", emb.sin().to(dtype).to(device), persistent=False)
+
+        # masks allowed[query_pos, key_pos] (max_seq, max_seq)
+        q = torch.arange(self.max_seq)[:, None]
+        k = torch.arange(self.max_seq)[None, :]
+        causal = k <= q
+        self.register_buffer("mask_full_attention", causal.to(device), persistent=False)
+        self.register_buffer("mask_sliding_attention", (causal & (k > q - self.window)).to(device), persistent=False)
+        # the HF multimodal model, for get_image_features only; kept out of this module's state
+        self.__dict__["vision"] = model.model if self.multimodal else None
+
+    # ------------------------------------------------------------------ helpers
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed) * self.embed_scale  # (1, n, H)
+
+    def _per_layer_inputs(self, ple_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # token-identity part (ids with multimodal tokens replaced by pad) + context part from fused embeds
+        n = x.shape[1]
+        tok = (F.embedding(ple_ids, self.ple_embed) * self.ple_scale).view(1, n, self.n_layers, self.ple_dim)
+        proj = F.linear(x, self.ple_model_proj) * (self.hidden**-0.5)
+        proj = rms_norm(proj.view(1, n, self.n_layers, self.ple_dim), self.ple_proj_norm, self.eps)
+        return (proj + tok) * (2.0**-0.5)  # (1, n, L, P)
+
+    def _mlp(self, L: _Layer, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.act(F.linear(x, L.gate_proj)) * F.linear(x, L.up_proj), L.down_proj)
+
+    def _moe(self, L: _Layer, residual: torch.Tensor) -> torch.Tensor:
+        """Router on the pre-MLP residual, then the top-k experts; static shapes throughout."""
+        n = residual.shape[1]
+        h = residual.view(n, -1)  # (n, H)
+        r = rms_norm(h, None, self.eps) * L.router_scale * (self.hidden**-0.5)
+        probs = torch.softmax(F.linear(r, L.router_proj), dim=-1, dtype=torch.float32)  # (n, E)
+        top_w, top_i = torch.topk(probs, k=self.top_k, dim=-1)  # (n, k)
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w = top_w * L.router_expert_scale[top_i]
+        x = rms_norm(h, L.pre_ffn_norm_2, self.eps)
+        if n == 1:  # decode: gather the k chosen experts' weights
+            gu = L.experts_gate_up[top_i[0]]  # (k, 2I, H)
+            gate, up = torch.einsum("kih,h->ki", gu, x[0]).chunk(2, dim=-1)
+            y = torch.einsum("khi,ki->kh", L.experts_down[top_i[0]], self.act(gate) * up)  # (k, H)
+            out = (y * top_w[0, :, None]).to(x.dtype).sum(0, keepdim=True)
+        else:  # prefill: every expert over every row, weighted by a dense (n, E) routing table
+            dense = torch.zeros(n, L.experts_gate_up.shape[0], dtype=top_w.dtype, device=x.device)
+            dense = dense.scatter(1, top_i, top_w)
+            out = torch.zeros_like(x)
+            for e in range(L.experts_gate_up.shape[0]):
+                gate, up = F.linear(x, L.experts_gate_up[e]).chunk(2, dim=-1)
+                y = F.linear(self.act(gate) * up, L.experts_down[e])
+                out = out + (y * dense[:, e, None]).to(x.dtype)
+        return rms_norm(out.view(1, n, -1), L.post_ffn_norm_2, self.eps)
+
+    def _layer(self, i, x, ple, cos, sin, mask, input_pos, valid, probe, n_rep):
+        """One decoder layer on x (1, n, H) at positions input_pos (n,).
+
+        valid (max_seq,) bool is given in prefill: the whole cache is rewritten, padding rows
+        as zeros. In decode (valid None) one row per position is written.
+        """
+        L, info = self.layers[i], self.infos[i]
+        n, H, D = x.shape[1], info.num_heads, info.head_dim
+        KV = info.num_kv_heads
+        residual = x
+        h = rms_norm(x, L.input_norm, self.eps)
+
+        q = rms_norm(F.linear(h, L.q_proj).view(1, n, H, D), L.q_norm, self.eps)
+        q = apply_rope(q, cos, sin)  # (1, n, H, D)
+        if L.owns_kv:
+            k_raw = F.linear(h, L.k_proj).view(1, n, KV, D)
+            v = k_raw if L.k_eq_v else F.linear(h, L.v_proj).view(1, n, KV, D)
+            k = apply_rope(rms_norm(k_raw, L.k_norm, self.eps), cos, sin)
+            v = rms_norm(v, None, self.eps)
+            k_t, v_t = k.transpose(1, 2), v.transpose(1, 2)  # (1, KV, n, D)
+            if valid is None:
+                L.k_cache.index_copy_(2, input_pos, k_t)
+                L.v_cache.index_copy_(2, input_pos, v_t)
+            else:
+                keep = valid[None, None, :, None]
+                L.k_cache.copy_(torch.where(keep, k_t, torch.zeros_like(k_t)))
+                L.v_cache.copy_(torch.where(keep, v_t, torch.zeros_like(v_t)))
+            if probe is not None:
+                probe.tensor("k", k[0, :n_rep], layer=i)
+                probe.tensor("v", v[0, :n_rep], layer=i)
+        # a reusing layer reads the storing layer's cache, which already holds this step's rows
+        src = self.layers[info.kv_source]
+        k_all, v_all = src.k_cache, src.v_cache  # (1, KV, S, D)
+        if probe is not None:
+            probe.tensor("mask", mask[0, :n_rep], layer=i)
+            probe.tensor("q", q[0, :n_rep], layer=i)
+
+        G = H // KV  # query heads per KV head; head h reads KV head h // G
+        qg = q.transpose(1, 2).reshape(1, KV, G * n, D)
+        scores = torch.matmul(qg, k_all.transpose(2, 3)).view(1, KV, G, n, -1)  # scaling = 1.0
+        scores = scores.float().masked_fill(~mask[:, None, None], torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(1, KV, G * n, -1)
+        attn = torch.matmul(probs, v_all).view(1, H, n, D).transpose(1, 2).reshape(1, n, H * D)
+        attn = F.linear(attn, L.o_proj)  # (1, n, hidden)
+        if probe is not None:
+            probe.tensor("attn_out", attn[0, :n_rep], layer=i)
+        x = residual + rms_norm(attn, L.post_attn_norm, self.eps)
+
+        residual = x
+        h = self._mlp(L, rms_norm(x, L.pre_ffn_norm, self.eps))
+        if L.moe:
+            h = rms_norm(h, L.post_ffn_norm_1, self.eps) + self._moe(L, residual)
+        x = residual + rms_norm(h, L.post_ffn_norm, self.eps)
+
+        if L.ple:
+            g = self.act(F.linear(x, L.ple_gate)) * ple[:, :, i, :]
+            x = x + rms_norm(F.linear(g, L.ple_proj), L.ple_norm, self.eps)
+        x = x * L.layer_scalar
+        if probe is not None:
+            probe.tensor("layer_out", x[0, :n_rep], layer=i)
+        return x
+
+    def _decoder(self, x, ple_ids, input_pos, masks, valid, probe, n_rep):
+        """Embeddings (1, n, H) at positions input_pos (n,) -> final hidden (1, n, H)."""
+        ple = self._per_layer_inputs(ple_ids, x) if self.ple_dim else None
+        rope = {t: (getattr(self, f"cos_{t}")[input_pos][None], getattr(self, f"sin_{t}")[input_pos][None]) for t in self.types}
+        if probe is not None:
+            probe.tensor("embeddings", x[0, :n_rep])
+            if ple is not None:
+                probe.tensor("per_layer_inputs", ple[0, :n_rep])
+            for t in self.types:
+                cos_kind, sin_kind = rope_kinds(t)
+                probe.tensor(cos_kind, rope[t][0][0, :n_rep])
+                probe.tensor(sin_kind, rope[t][1][0, :n_rep])
+        for i, info in enumerate(self.infos):
+            cos, sin = rope[info.layer_type]
+            x = self._layer(i, x, ple, cos, sin, masks[info.layer_type], input_pos, valid, probe, n_rep)
+        x = rms_norm(x, self.final_norm, self.eps)
+        if probe is not None:
+            probe.tensor("final_hidden", x[0, :n_rep])
+        return x
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.lm_head)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    # ------------------------------------------------------------------ static steps (exportable)
+    def prefill_step(self, ids, ple_ids, mm_embeds, mm_slots, block_ids, n_valid, probe=None, n_rep: int | None = None):
+        """Prefill over the padded prompt; all shapes fixed by max_seq.
+
+        ids, ple_ids (1, S) long: prompt ids, multimodal tokens replaced by pad, right-padded
+        mm_embeds (1, S, H): vision soft tokens at their slots; mm_slots (1, S) bool
+        block_ids (S,) long: image block of each position (-1 for text) for bidirectional masks
+        n_valid () long: prompt length T. Returns the logits (vocab,) at position T - 1.
+        """
+        S = self.max_seq
+        input_pos = torch.arange(S, device=ids.device)
+        x = torch.where(mm_slots[..., None], mm_embeds, self._embed(ids))  # soft tokens are not scaled
+        valid = input_pos < n_valid
+        masks = {"full_attention": self.mask_full_attention & valid[None, :]}
+        sliding = self.mask_sliding_attention
+        if self.bidir_vision:
+            # sliding layers: window AND (causal OR same image block); full layers stay causal
+            same = (block_ids[:, None] == block_ids[None, :]) & (block_ids[:, None] >= 0)
+            window = input_pos[None, :] > input_pos[:, None] - self.window
+            sliding = sliding | (same & window)
+        masks["sliding_attention"] = sliding & valid[None, :]
+        masks = {t: m[None] for t, m in masks.items()}  # (1, S, S)
+        h = self._decoder(x, ple_ids, input_pos, masks, valid, probe, n_rep if n_rep is not None else S)
+        last = torch.index_select(h[0], 0, (n_valid - 1).reshape(1))  # (1, H)
+        return self._logits(last)[0]
+
+    def decode_step(self, token, input_pos, probe=None):
+        """One token (1, 1) long (multimodal ids already replaced by pad) at input_pos (1,)."""
+        x = self._embed(token)
+        masks = {t: getattr(self, f"mask_{t}")[input_pos][None] for t in self.types}  # (1, 1, S)
+        h = self._decoder(x, token, input_pos, masks, None, probe, 1)
+        return self._logits(h[0, 0])
+
+    # ------------------------------------------------------------------ public API
+    def prepare_prefill(self, input_ids, extra_inputs: dict) -> tuple:
+        """Prompt ids (T,) + processor outputs -> the static tensors prefill_step takes."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+        T = int(ids.shape[0])
+        if T > self.max_seq:
+            raise TraceToolError(f"the prompt has {T} tokens, more than max_seq {self.max_seq}")
+        extra = {k: torch.as_tensor(v) for k, v in (extra_inputs or {}).items()}
+        bad = [k for k in UNSUPPORTED_INPUTS if k in extra]
+        if bad:
+            raise TraceToolError(f"the static runtime does not support {', '.join(bad)} inputs (images and text only)")
+        dev = self.embed.device
+        S, Hd = self.max_seq, self.hidden
+        padded = torch.full((S,), self.pad_id, dtype=torch.long)
+        padded[:T] = ids
+        mm = torch.zeros(S, dtype=torch.bool)
+        for t in self.mm_token_ids:
+            mm[:T] |= ids == t
+        ple_ids = torch.where(mm, self.pad_id, padded)
+        mm_embeds = torch.zeros(1, S, Hd, dtype=self.dtype, device=dev)
+        image_slots = torch.zeros(S, dtype=torch.bool)
+        if "pixel_values" in extra:
+            assert self.vision is not None, "pixel_values given to a text-only model"
+            image_slots[:T] = ids == self.loaded.model.config.image_token_id
+            with torch.no_grad():
+                feats = self.vision.get_image_features(
+                    extra["pixel_values"].to(dev, self.dtype), extra["image_position_ids"].to(dev), return_dict=True
+                ).pooler_output
+            feats = torch.cat(list(feats), dim=0).to(self.dtype)  # (n_soft, H)
+            n_slots = int(image_slots.sum())
+            if feats.shape[0] != n_slots:
+                raise TraceToolError(f"the images give {feats.shape[0]} soft tokens for {n_slots} image-token slots in the prompt")
+            mm_embeds[0, image_slots.to(dev)] = feats
+        block_ids = torch.full((S,), -1, dtype=torch.long)
+        if self.bidir_vision and "mm_token_type_ids" in extra:
+            tt = extra["mm_token_type_ids"].reshape(-1)[:T].long()
+            is_vis = (tt == 1) | (tt == 2)
+            starts = is_vis & ~torch.cat([torch.zeros(1, dtype=torch.bool), is_vis[:-1]])
+            block_ids[:T] = torch.where(is_vis, torch.cumsum(starts.long(), 0) - 1, -1)
+        return (
+            ple_ids[None].to(dev), ple_ids[None].to(dev), mm_embeds, image_slots[None].to(dev),
+            block_ids.to(dev), torch.tensor(T, device=dev),
+        )
+
+    @torch.no_grad()
+    def prefill(self, input_ids, extra_inputs: dict | None = None, probe=None) -> torch.Tensor:
+        """Run the prompt (T,) ids; return the logits (vocab,) at position T - 1."""
+        args = self.prepare_prefill(input_ids, extra_inputs or {})
+        return self.prefill_step(*args, probe=probe, n_rep=int(args[-1]))
+
+    @torch.no_grad()
+    def decode(self, token_id: int, position: int, probe=None) -> torch.Tensor:
+        """Feed one token at `position`; return the logits (vocab,) there."""
+        if not 0 <= position < self.max_seq:
+            raise TraceToolError(f"decode position {position} is outside max_seq {self.max_seq}")
+        tok = self.pad_id if int(token_id) in self.mm_token_ids else int(token_id)
+        dev = self.embed.device
+        return self.decode_step(
+            torch.tensor([[tok]], dtype=torch.long, device=dev), torch.tensor([position], dtype=torch.long, device=dev), probe
+        )
+
+
+def generate(rt, input_ids, extra_inputs: dict | None, max_new_tokens: int, eos_token_ids) -> list[int]:
+    """Greedy generation with any runtime: stop at any EOS id or after max_new_tokens tokens."""
+    ids = list(int(i) for i in torch.as_tensor(input_ids).reshape(-1).tolist())
+    if len(ids) + max_new_tokens > rt.max_seq:
+        raise TraceToolError(
+            f"prompt ({len(ids)}) + new tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} exceeds max_seq {rt.max_seq}"
+        )
+    eos = set(int(e) for e in eos_token_ids)
+    out = [int(torch.argmax(rt.prefill(ids, extra_inputs or {}, None)))]
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        out.append(int(torch.argmax(rt.decode(out[-1], len(ids) + len(out) - 1, None))))
+    return out
