@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -20,20 +19,6 @@ def default_max_seq(prompt_len: int, max_new_tokens: int) -> int:
     """Prompt + new tokens rounded up to a multiple of 8."""
     n = prompt_len + max_new_tokens
     return -(-n // 8) * 8
-
-
-def config_differences(a: dict, b: dict, prefix: str = "") -> list[str]:
-    """Dotted names of the fields that differ between two config dicts."""
-    out = []
-    for k in sorted(set(a) | set(b), key=str):
-        name = f"{prefix}{k}"
-        if k not in a or k not in b:
-            out.append(name)
-        elif isinstance(a[k], dict) and isinstance(b[k], dict):
-            out += config_differences(a[k], b[k], name + ".")
-        elif a[k] != b[k]:
-            out.append(name)
-    return out
 
 
 class _Bar:
@@ -66,31 +51,6 @@ def _read_reference(reference) -> dict:
         )
 
 
-def _load(ref: dict, model_dir):
-    from recorder.model import EMBEDDED_NAME, config_dict, config_sha256, load_model
-
-    prov = ref["provenance"]
-    if model_dir is None and prov["model_name"] != EMBEDDED_NAME:
-        raise TraceToolError(
-            f"the reference was recorded with model {prov['model_name']!r}; pass its folder with --model"
-        )
-    dtype = prov["dtype"]
-    loaded = load_model(model_dir, dtype=dtype, device="cpu")
-    cfg = config_dict(loaded.config)
-    if config_sha256(cfg) != prov["model_config_sha256"]:
-        try:
-            ref_cfg = json.loads(prov["model_config"])
-        except ValueError:
-            ref_cfg = {}
-        diff = config_differences(ref_cfg, cfg)
-        shown = ", ".join(diff[:8]) + (f" (+{len(diff) - 8} more)" if len(diff) > 8 else "")
-        raise TraceToolError(
-            f"the model in {loaded.model_dir} differs from the one the reference was recorded with "
-            f"(config fields differ: {shown or 'unknown'})"
-        )
-    return loaded
-
-
 def replay_trace(
     reference,
     output,
@@ -105,7 +65,7 @@ def replay_trace(
     """Replay REF's inputs through a runtime and write the candidate trace; return a summary line."""
     import torch
 
-    from recorder.model import provenance
+    from recorder.model import load_for_reference, provenance
 
     from .api import WriterProbe, make_runtime
 
@@ -120,7 +80,7 @@ def replay_trace(
         raise TraceToolError(
             f"prompt ({T} tokens) + max_new_tokens ({n_new}) = {T + n_new} exceeds --max-seq {max_seq}"
         )
-    loaded = _load(ref, model_dir)
+    loaded = load_for_reference(ref["provenance"], model_dir)
     rt = make_runtime(runtime, loaded, max_seq)
     name = rt.name
     layers = layer_infos_from_config(loaded.text_config)

@@ -46,6 +46,9 @@ def atomic_output(path: str | os.PathLike, force: bool = False):
         yield Path(tmp)
         if path.exists() and not force:  # another run created it meanwhile
             raise TraceToolError(f"output {path} already exists; pass --force to replace it")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it private; give it a normal file's mode
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -1,0 +1,77 @@
+"""pytest plug-in (entry point `gemma4_trace`): check a runtime against golden traces.
+
+    def test_my_runtime(gemma4_golden):
+        gemma4_golden.check("my_pkg.runtime:create")
+
+`check` replays every golden trace through the runtime (teacher-forced and free-running
+by default), diffs each against its golden, and fails with the first divergence.
+Options: `--golden-dir DIR` (default: the goldens shipped with this package),
+`--golden-model DIR` (the checkpoint they were recorded with; default: the embedded
+model), `--update-golden` (re-record every golden with HF from its own inputs first).
+Nothing heavy is imported until a check runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import traces
+
+PACKAGED_GOLDEN_DIR = Path(traces.__file__).resolve().parent / "golden"
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("gemma4-trace")
+    group.addoption("--update-golden", action="store_true", help="re-record golden traces with HF before checking")
+    group.addoption("--golden-dir", default=None, help="folder of golden *.h5 traces [default: the packaged goldens]")
+    group.addoption("--golden-model", default=None, help="model folder the goldens were recorded with")
+
+
+def golden_paths(folder: Path) -> list[Path]:
+    return sorted(p for p in Path(folder).glob("*.h5") if not p.name.startswith("."))
+
+
+class GoldenChecker:
+    def __init__(self, folder: Path, model_dir, update: bool, tmp: Path):
+        self.folder, self.model_dir, self.tmp = Path(folder), model_dir, tmp
+        self.paths = golden_paths(self.folder)
+        if not self.paths:
+            pytest.fail(f"no golden traces (*.h5) in {self.folder}")
+        if update:
+            self.update()
+
+    def update(self) -> None:
+        """Re-record each golden from its own inputs with the installed transformers."""
+        from recorder.record import rerecord_trace
+
+        for p in self.paths:
+            rerecord_trace(p, p, model_dir=self.model_dir, force=True)
+
+    def check(self, runtime: str = "static", modes=("teacher-forced", "free-running"), tolerances=None):
+        """Replay every golden through `runtime` and assert each matches; return the diff results."""
+        from diff import diff_traces, format_text
+        from replayer.replay import replay_trace
+
+        results, failures = [], []
+        for p in self.paths:
+            for mode in modes:
+                out = self.tmp / f"{p.stem}.{mode}.h5"
+                replay_trace(p, out, model_dir=self.model_dir, runtime=runtime, mode=mode, force=True, progress=False)
+                res = diff_traces(p, out, tolerances)
+                results.append(res)
+                if not res.match:
+                    first = format_text(res).splitlines()[0]
+                    failures.append(f"{p.name} ({mode}): {first}")
+        if failures:
+            pytest.fail("runtime diverges from golden traces:\n  " + "\n  ".join(failures), pytrace=False)
+        return results
+
+
+@pytest.fixture
+def gemma4_golden(request, tmp_path) -> GoldenChecker:
+    """Checks a runtime (`'static'` or `'MODULE:FACTORY'`) against golden traces."""
+    cfg = request.config
+    folder = cfg.getoption("--golden-dir") or PACKAGED_GOLDEN_DIR
+    return GoldenChecker(folder, cfg.getoption("--golden-model"), cfg.getoption("--update-golden"), tmp_path)

@@ -1,0 +1,75 @@
+"""Golden traces as a regression gate: the static runtime and the installed transformers
+must both still reproduce them."""
+
+import shutil
+
+import pytest
+
+from diff import diff_traces, format_text
+from recorder import golden
+from recorder.record import rerecord_trace
+from traces import TraceReader
+
+
+def test_goldens_are_small_and_hashed():
+    assert set(golden.recorded_hashes()) == set(golden.GOLDENS)
+    assert golden.content_hashes() == golden.recorded_hashes(), "run scripts/make_golden.py and review the change"
+    for name in golden.GOLDENS:
+        assert golden.golden_path(name).stat().st_size <= 1 << 20, name
+
+
+def test_goldens_cover_what_they_claim():
+    with TraceReader(golden.golden_path("window")) as r:
+        window = r.model_config["text_config"]["sliding_window"]
+        assert r.n_positions > 3 * window
+    with TraceReader(golden.golden_path("eos")) as r:
+        assert int(r.tokens()[-1]) in r.eos_token_ids and r.n_steps < r.max_new_tokens
+    with TraceReader(golden.golden_path("image")) as r:
+        assert "pixel_values" in r.extra_inputs() and r.prompt_text == "Describe the image."
+
+
+def test_static_runtime_matches_every_golden(gemma4_golden):
+    results = gemma4_golden.check("static")  # teacher-forced and free-running
+    assert len(results) == 2 * len(golden.GOLDENS)
+    assert all(r.match and r.to_json()["tokens"]["accuracy"] == 1.0 for r in results)
+
+
+@pytest.mark.parametrize("name", list(golden.GOLDENS))
+def test_rerecording_with_installed_transformers_matches(name, tmp_path):
+    """A transformers upgrade that changes Gemma 4 numerics fails here, at its first divergence."""
+    out = tmp_path / f"{name}.h5"
+    rerecord_trace(golden.golden_path(name), out)
+    res = diff_traces(golden.golden_path(name), out)
+    assert res.match, format_text(res)
+
+
+USER_TEST = """
+def test_my_runtime(gemma4_golden):
+    gemma4_golden.check("{runtime}", modes=("teacher-forced",))
+"""
+
+
+def test_plugin_passes_a_correct_runtime_and_fails_a_buggy_one(pytester):
+    pytester.makepyfile(test_ok=USER_TEST.format(runtime="static"))
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    pytester.makepyfile(test_bad=USER_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"))
+    res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "test_bad.py")
+    res.assert_outcomes(failed=1)
+    res.stdout.fnmatch_lines(["*runtime diverges from golden traces*", "*short.h5 (teacher-forced): first divergence: *logits*"])
+
+
+def test_update_golden_rerecords_with_hf(pytester, tmp_path):
+    folder = tmp_path / "goldens"
+    folder.mkdir()
+    shutil.copy(golden.golden_path("short"), folder / "short.h5")
+    # make the file in the folder something other than an HF recording
+    from replayer.replay import replay_trace
+
+    replay_trace(golden.golden_path("short"), folder / "short.h5", force=True, progress=False)
+    with TraceReader(folder / "short.h5") as r:
+        assert r.provenance["runtime"] == "static"
+    pytester.makepyfile(test_ok=USER_TEST.format(runtime="static"))
+    res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--golden-dir", str(folder), "--update-golden")
+    res.assert_outcomes(passed=1)
+    with TraceReader(folder / "short.h5") as r:
+        assert r.provenance["runtime"].startswith("hf-transformers") and r.content_hash() == golden.content_hashes()["short"]
