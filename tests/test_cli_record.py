@@ -146,3 +146,20 @@ def test_interrupted_record_leaves_nothing(text_model, tmp_path, sig):
         assert err.strip().splitlines()[-1] == "error: interrupted; nothing was written", err
         assert "Traceback" not in err
         assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_two_runs_writing_one_path_leave_one_complete_trace(text_model, tmp_path, force):
+    out = tmp_path / "t.h5"
+    cmd = [sys.executable, "-m", "gemma4_trace", "record", "--model", str(text_model), "--max-new-tokens", "40",
+           "-o", str(out)] + (["--force"] if force else [])
+    procs = [subprocess.Popen(cmd + ["--input-ids", ids], stderr=subprocess.PIPE, text=True) for ids in ("2,17", "2,18")]
+    results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == ([0, 0] if force else [0, 2]), results
+    if not force:
+        assert any("already exists" in err for code, err in results if code == 2)
+    with TraceReader(out) as r:  # one whole trace from one of the runs, readable end to end
+        assert list(r.prompt_ids) in ([2, 17], [2, 18])
+        assert r.n_steps == 40 and r.content_hash()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]

@@ -44,12 +44,17 @@ def atomic_output(path: str | os.PathLike, force: bool = False):
     os.close(fd)
     try:
         yield Path(tmp)
-        if path.exists() and not force:  # another run created it meanwhile
-            raise TraceToolError(f"output {path} already exists; pass --force to replace it")
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it private; give it a normal file's mode
-        os.replace(tmp, path)
+        if force:
+            os.replace(tmp, path)  # atomic: readers see the old or the new trace, never a mix
+        else:
+            try:
+                os.link(tmp, path)  # atomic create-if-absent: two racing runs cannot both win
+            except FileExistsError:
+                raise TraceToolError(f"output {path} already exists; pass --force to replace it") from None
+            os.unlink(tmp)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
