@@ -163,3 +163,18 @@ def test_two_runs_writing_one_path_leave_one_complete_trace(text_model, tmp_path
         assert list(r.prompt_ids) in ([2, 17], [2, 18])
         assert r.n_steps == 40 and r.content_hash()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]
+
+
+@pytest.mark.parametrize("variant,multimodal", [("no_sharing", False), ("full_first", False), ("k_eq_v", True), ("moe", True)])
+def test_record_input_ids_on_any_checkpoint(tmp_path, variant, multimodal):
+    model = tiny_models.build(tmp_path / "m", variant, multimodal=multimodal)
+    out = tmp_path / "y.h5"
+    res = run("record", "--model", model, "--input-ids", "2,17,33", "--max-new-tokens", 12, "-o", out)
+    assert res.exit_code == 0, res.output
+    with TraceReader(out) as r:
+        # 12 steps, or fewer when the model chose an EOS id
+        assert r.n_steps == 12 or (r.n_steps < 12 and int(r.tokens()[-1]) in r.eos_token_ids)
+        assert r.n_positions == 3 + r.n_steps - 1
+        owners = [i for i, li in enumerate(r.layers) if li.kv_role != "reuses"]
+        assert all(r.read("k", i).shape[0] == r.n_positions for i in owners)
+        assert r.read("layer_out", len(r.layers) - 1).shape == (r.n_positions, 32)
