@@ -74,7 +74,7 @@ def _info(r: TraceReader, path) -> dict:
     p = r.provenance
     return {"path": str(path), "mode": p["mode"], "dtype": p["dtype"], "runtime": p["runtime"],
             "device": p["device"], "steps": r.n_steps, "positions": r.n_positions,
-            "model_config_sha256": p["model_config_sha256"]}
+            "model_name": p["model_name"], "model_config_sha256": p["model_config_sha256"]}
 
 
 class _Differ:

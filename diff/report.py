@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 from .metrics import METRIC_LABEL
@@ -113,11 +114,14 @@ def token_summary(tokens: dict) -> str:
         return "tokens: none compared"
     s = (f"tokens: {tokens['matches']}/{n} generated tokens match ({100 * tokens['accuracy']:.1f}%)")
     m = tokens.get("first_mismatch_step")
-    if m is None:
-        return s
-    phase = "prefill" if m == 0 else "decode"
-    return (s + f"; first mismatch at {phase} step {m}: REF {tokens['reference_token']} vs RUN "
-            f"{tokens['candidate_token']} ({_tie_words(tokens)})")
+    if m is not None:
+        phase = "prefill" if m == 0 else "decode"
+        s += (f"; first mismatch at {phase} step {m}: REF {tokens['reference_token']} vs RUN "
+              f"{tokens['candidate_token']} ({_tie_words(tokens)})")
+    for side, key in (("REF", "reference_text"), ("RUN", "candidate_text")):
+        if key in tokens:
+            s += f"\n  {side} text: {json.dumps(tokens[key])}"
+    return s
 
 
 def growth_summary(growth: dict, max_layers: int = 48) -> str:

@@ -171,14 +171,22 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, output, forc
 @click.option("--json", "as_json", is_flag=True, help="print the JSON report instead of text")
 @click.option("--report", type=click.Path(), default=None, help="also write a self-contained HTML report")
 @click.option("--force", is_flag=True, help="replace an existing --report file")
+@click.option("--model", "model_dir", type=click.Path(), default=None, help="folder with a tokenizer.json to show generated text")
 @user_errors
-def diff_cmd(reference, candidate, tolerances, as_json, report, force):
+def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir):
     """Find the first divergence between two traces (exit 1 if they diverge)."""
     import json
+    from pathlib import Path
 
     from diff import diff_traces, format_text, write_html
+    from traces.show import decoder_for
 
     result = diff_traces(reference, candidate, tolerances)
+    folder = Path(model_dir) if model_dir else _embedded_model_dir(result.reference.get("model_name", ""))
+    decode = decoder_for(folder / "tokenizer.json" if folder else None)
+    if decode is not None:
+        result.tokens["reference_text"] = decode(result.tokens["reference"])
+        result.tokens["candidate_text"] = decode(result.tokens["candidate"])
     if report:
         write_html(result, report, force=force)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else format_text(result))

@@ -111,3 +111,12 @@ def test_no_torch_imported(traces):
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
+def test_generated_text_shown_when_the_tokenizer_is_known():
+    from recorder import golden
+
+    path = str(golden.golden_path("short"))
+    res = CliRunner().invoke(main, ["diff", path, path])
+    assert res.exit_code == 0, res.output
+    assert 'REF text: "Once upon"' in res.output and 'RUN text: "Once upon"' in res.output
