@@ -250,6 +250,50 @@ class StaticGemma4Runtime(nn.Module):
                 out = out + (y * dense[:, e, None]).to(x.dtype)
         return rms_norm(out.view(1, n, -1), L.post_ffn_norm_2, self.eps)
 
+    def _check_cache(self, i: int, what: str, cache: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Raise naming layer i when a K/V buffer cannot hold its (1, kv_heads, n, head_dim) rows.
+
+        Shapes are static, so this costs nothing in an exported graph.
+        """
+        info = self.infos[i]
+        want = (1, info.num_kv_heads, self.max_seq, info.head_dim)
+        got = tuple(cache.shape)
+        bad = got != want or (rows is not None and (tuple(rows.shape[:2]) != want[:2] or rows.shape[3] != want[3]))
+        if bad:
+            src = f" (K/V of layer {info.kv_source})" if info.kv_source != i else ""
+            rows_s = f" for rows {tuple(rows.shape)}" if rows is not None else ""
+            raise TraceToolError(
+                f"{self.name} runtime: layer {i} ({info.layer_type}) {what}{src}: cache buffer {got}{rows_s}, "
+                f"expected (1, kv_heads {info.num_kv_heads}, max_seq {self.max_seq}, head_dim {info.head_dim})"
+            )
+
+    def _write_kv(self, i: int, k_t: torch.Tensor, v_t: torch.Tensor, input_pos: torch.Tensor, valid) -> None:
+        """Write layer i's K/V rows (1, KV, n, D) into its cache.
+
+        Prefill (valid (max_seq,) bool given) rewrites the whole cache, padding rows as zeros;
+        decode (valid None) writes one row per position.
+        """
+        L = self.layers[i]
+        self._check_cache(i, "writes K/V", L.k_cache, k_t)
+        self._check_cache(i, "writes K/V", L.v_cache, v_t)
+        if valid is None:
+            L.k_cache.index_copy_(2, input_pos, k_t)
+            L.v_cache.index_copy_(2, input_pos, v_t)
+        else:
+            keep = valid[None, None, :, None]
+            L.k_cache.copy_(torch.where(keep, k_t, torch.zeros_like(k_t)))
+            L.v_cache.copy_(torch.where(keep, v_t, torch.zeros_like(v_t)))
+
+    def _read_kv(self, i: int, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V (1, KV, max_seq, D) layer i attends over at positions input_pos.
+
+        A reusing layer reads the storing layer's cache, which already holds this step's rows.
+        """
+        src = self.layers[self.infos[i].kv_source]
+        self._check_cache(i, "reads K/V", src.k_cache)
+        self._check_cache(i, "reads K/V", src.v_cache)
+        return src.k_cache, src.v_cache
+
     def _layer(self, i, x, ple, cos, sin, mask, input_pos, valid, probe, n_rep):
         """One decoder layer on x (1, n, H) at positions input_pos (n,).
 
@@ -269,20 +313,11 @@ class StaticGemma4Runtime(nn.Module):
             v = k_raw if L.k_eq_v else F.linear(h, L.v_proj).view(1, n, KV, D)
             k = apply_rope(rms_norm(k_raw, L.k_norm, self.eps), cos, sin)
             v = rms_norm(v, None, self.eps)
-            k_t, v_t = k.transpose(1, 2), v.transpose(1, 2)  # (1, KV, n, D)
-            if valid is None:
-                L.k_cache.index_copy_(2, input_pos, k_t)
-                L.v_cache.index_copy_(2, input_pos, v_t)
-            else:
-                keep = valid[None, None, :, None]
-                L.k_cache.copy_(torch.where(keep, k_t, torch.zeros_like(k_t)))
-                L.v_cache.copy_(torch.where(keep, v_t, torch.zeros_like(v_t)))
+            self._write_kv(i, k.transpose(1, 2), v.transpose(1, 2), input_pos, valid)  # rows (1, KV, n, D)
             if probe is not None:
                 probe.tensor("k", k[0, :n_rep], layer=i)
                 probe.tensor("v", v[0, :n_rep], layer=i)
-        # a reusing layer reads the storing layer's cache, which already holds this step's rows
-        src = self.layers[info.kv_source]
-        k_all, v_all = src.k_cache, src.v_cache  # (1, KV, S, D)
+        k_all, v_all = self._read_kv(i, input_pos)  # (1, KV, S, D)
         if probe is not None:
             probe.tensor("mask", mask[0, :n_rep], layer=i)
             probe.tensor("q", q[0, :n_rep], layer=i)
@@ -338,6 +373,22 @@ class StaticGemma4Runtime(nn.Module):
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
+    def _prefill_masks(self, input_pos, valid, block_ids) -> dict:
+        """{layer type: allowed (1, S, S)} for the padded prompt; padding keys are never visible."""
+        masks = {"full_attention": self.mask_full_attention & valid[None, :]}
+        sliding = self.mask_sliding_attention
+        if self.bidir_vision:
+            # sliding layers: window AND (causal OR same image block); full layers stay causal
+            same = (block_ids[:, None] == block_ids[None, :]) & (block_ids[:, None] >= 0)
+            window = input_pos[None, :] > input_pos[:, None] - self.window
+            sliding = sliding | (same & window)
+        masks["sliding_attention"] = sliding & valid[None, :]
+        return {t: m[None] for t, m in masks.items()}  # (1, S, S)
+
+    def _decode_masks(self, input_pos) -> dict:
+        """{layer type: allowed (1, 1, S)} for one query at input_pos (1,)."""
+        return {t: getattr(self, f"mask_{t}")[input_pos][None] for t in self.types}
+
     # ------------------------------------------------------------------ static steps (exportable)
     def prefill_step(self, ids, ple_ids, mm_embeds, mm_slots, block_ids, n_valid, probe=None, n_rep: int | None = None):
         """Prefill over the padded prompt; all shapes fixed by max_seq.
@@ -351,15 +402,7 @@ class StaticGemma4Runtime(nn.Module):
         input_pos = torch.arange(S, device=ids.device)
         x = torch.where(mm_slots[..., None], mm_embeds, self._embed(ids))  # soft tokens are not scaled
         valid = input_pos < n_valid
-        masks = {"full_attention": self.mask_full_attention & valid[None, :]}
-        sliding = self.mask_sliding_attention
-        if self.bidir_vision:
-            # sliding layers: window AND (causal OR same image block); full layers stay causal
-            same = (block_ids[:, None] == block_ids[None, :]) & (block_ids[:, None] >= 0)
-            window = input_pos[None, :] > input_pos[:, None] - self.window
-            sliding = sliding | (same & window)
-        masks["sliding_attention"] = sliding & valid[None, :]
-        masks = {t: m[None] for t, m in masks.items()}  # (1, S, S)
+        masks = self._prefill_masks(input_pos, valid, block_ids)
         h = self._decoder(x, ple_ids, input_pos, masks, valid, probe, n_rep if n_rep is not None else S)
         last = torch.index_select(h[0], 0, (n_valid - 1).reshape(1))  # (1, H)
         return self._logits(last)[0]
@@ -367,7 +410,7 @@ class StaticGemma4Runtime(nn.Module):
     def decode_step(self, token, input_pos, probe=None):
         """One token (1, 1) long (multimodal ids already replaced by pad) at input_pos (1,)."""
         x = self._embed(token)
-        masks = {t: getattr(self, f"mask_{t}")[input_pos][None] for t in self.types}  # (1, 1, S)
+        masks = self._decode_masks(input_pos)
         h = self._decoder(x, token, input_pos, masks, None, probe, 1)
         return self._logits(h[0, 0])
 

@@ -1,0 +1,365 @@
+"""The bug zoo: the static runtime with ONE known Gemma 4 porting bug each.
+
+Every factory `make_<bug>(loaded, max_seq)` is a plug-in for the public runtime API
+(docs/runtime-api.md), so
+
+    trace replay traces/golden/short.h5 --runtime tests.bug_zoo:make_zero_prefill_mask -o run.h5
+    trace diff traces/golden/short.h5 run.h5
+
+shows what the tool reports for that bug. Each runtime subclasses
+`replayer.runtime.StaticGemma4Runtime` and overrides one piece (a table built in
+`__init__`, or one of the hooks `_prefill_masks`, `_decode_masks`, `_write_kv`,
+`_read_kv`, `prepare_prefill`). The bug classes are those of "Bug classes seen in a real
+static Gemma 4 runtime" (GEMMA4_NOTES.md); tests/test_bug_zoo.py checks that `trace diff`
+puts the first divergence exactly where each bug starts, docs/bug-zoo.md lists the reports.
+
+`BUGS` maps each bug name to (factory name, reference, one line of what is wrong); the
+references are the golden traces or `prompt5`, a 5-token prompt with 8 new tokens
+recorded on demand (`reference_path`), whose decode crosses the sliding window (8).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from replayer.runtime import StaticGemma4Runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "traces" / "golden"
+# a prompt shorter than the sliding window, decoding past it (positions 0..12)
+RECORDED = {"prompt5": dict(input_ids=[2, 100, 101, 102, 103], max_new_tokens=8)}
+
+
+def reference_path(name: str, workdir: Path) -> Path:
+    """A golden trace by name, or a reference in RECORDED recorded (once) into workdir."""
+    if name not in RECORDED:
+        return GOLDEN / f"{name}.h5"
+    out = Path(workdir) / f"{name}.h5"
+    if not out.exists():
+        from recorder.record import record_trace
+
+        record_trace(output=out, force=True, **RECORDED[name])
+    return out
+
+
+class _Bug(StaticGemma4Runtime):
+    """Base: tracks whether the current call is a decode step (for decode-only bugs)."""
+
+    decoding = False
+
+    def decode_step(self, token, input_pos, probe=None):
+        self.decoding = True
+        try:
+            return super().decode_step(token, input_pos, probe)
+        finally:
+            self.decoding = False
+
+
+# --------------------------------------------------------------------- 1. masks / RoPE from layer 0
+class ZeroPrefillMask(_Bug):
+    """Prefill mask all zeros (additive): every query sees every slot, future and padding."""
+
+    name = "bug-zero-prefill-mask"
+
+    def _prefill_masks(self, input_pos, valid, block_ids):
+        S = self.max_seq
+        return {t: torch.ones(1, S, S, dtype=torch.bool, device=valid.device) for t in self.types}
+
+
+class IdentityRope(_Bug):
+    """RoPE tables cos = 1, sin = 0 (no rotation) for both layer types."""
+
+    name = "bug-identity-rope"
+
+    def __init__(self, loaded, max_seq):
+        super().__init__(loaded, max_seq)
+        for t in self.types:
+            setattr(self, f"cos_{t}", torch.ones_like(getattr(self, f"cos_{t}")))
+            setattr(self, f"sin_{t}", torch.zeros_like(getattr(self, f"sin_{t}")))
+
+
+# --------------------------------------------------------------------- 2. one decode mask for both types
+class SharedDecodeMask(_Bug):
+    """Decode uses the full-attention (causal) mask on sliding layers too; prefill is right."""
+
+    name = "bug-shared-decode-mask"
+
+    def _decode_masks(self, input_pos):
+        m = self.mask_full_attention[input_pos][None]
+        return {t: m for t in self.types}
+
+
+# --------------------------------------------------------------------- 3. cache with the sliding head_dim (crashes)
+class SlidingHeadDimCache(_Bug):
+    """K/V caches allocated with the sliding layers' head_dim for every layer."""
+
+    name = "bug-sliding-head-dim-cache"
+
+    def __init__(self, loaded, max_seq):
+        super().__init__(loaded, max_seq)
+        d = self.head_dim["sliding_attention"]
+        for L, info in zip(self.layers, self.infos):
+            if L.owns_kv:
+                shape = (1, info.num_kv_heads, self.max_seq, d)
+                L.k_cache = torch.zeros(shape, dtype=self.dtype)
+                L.v_cache = torch.zeros(shape, dtype=self.dtype)
+
+
+# --------------------------------------------------------------------- 4. per-layer inputs
+class NoPerLayerInputs(_Bug):
+    """Per-layer embeddings (PLE) left out entirely."""
+
+    name = "bug-no-ple"
+
+    def __init__(self, loaded, max_seq):
+        super().__init__(loaded, max_seq)
+        self.ple_dim = 0
+        for L in self.layers:
+            L.ple = False
+
+
+class PleRawImageIds(_Bug):
+    """PLE token lookup uses the raw ids: image tokens are not replaced by pad."""
+
+    name = "bug-ple-raw-image-ids"
+
+    def prepare_prefill(self, input_ids, extra_inputs):
+        ids, ple_ids, *rest = super().prepare_prefill(input_ids, extra_inputs)
+        raw = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+        ple_ids = ple_ids.clone()
+        ple_ids[0, : raw.shape[0]] = raw.to(ple_ids.device)
+        return (ids, ple_ids, *rest)
+
+
+# --------------------------------------------------------------------- 5. KV sharing
+class ReuseOwnEmptyCache(_Bug):
+    """KV-reusing layers read their own never-written (zero) cache, in prefill and decode."""
+
+    name = "bug-reuse-own-empty-cache"
+
+    def __init__(self, loaded, max_seq):
+        super().__init__(loaded, max_seq)
+        self.own = {}
+        for i, info in enumerate(self.infos):
+            if info.kv_role == "reuses":
+                shape = (1, info.num_kv_heads, self.max_seq, info.head_dim)
+                self.own[i] = (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+
+    def _read_kv(self, i, input_pos):
+        return self.own[i] if i in self.own else super()._read_kv(i, input_pos)
+
+
+class ReuseOwnCacheInDecode(ReuseOwnEmptyCache):
+    """Prefill passes the stored K/V to reusing layers; decode gives them their own empty cache."""
+
+    name = "bug-reuse-own-cache-in-decode"
+
+    def _read_kv(self, i, input_pos):
+        if self.decoding:
+            return super()._read_kv(i, input_pos)
+        return StaticGemma4Runtime._read_kv(self, i, input_pos)
+
+
+class ReuseStaleCurrentRow(_Bug):
+    """In decode, reusing layers read the stored K/V as it was before this step's write:
+    the current token's row is still the zero padding row (the mask still allows it)."""
+
+    name = "bug-reuse-stale-current-row"
+
+    def _read_kv(self, i, input_pos):
+        k, v = super()._read_kv(i, input_pos)
+        if self.decoding and self.infos[i].kv_role == "reuses":
+            k, v = k.index_fill(2, input_pos, 0.0), v.index_fill(2, input_pos, 0.0)
+        return k, v
+
+
+# --------------------------------------------------------------------- 6. final soft-cap
+class NoSoftcap(_Bug):
+    """Final logit soft-cap tanh(x / 30) * 30 left out."""
+
+    name = "bug-no-softcap"
+
+    def __init__(self, loaded, max_seq):
+        super().__init__(loaded, max_seq)
+        self.softcap = None
+
+
+# --------------------------------------------------------------------- 7. padding K/V read by slot
+class PaddingKvReadBySlot(_Bug):
+    """Prefill writes K/V rows for the padding positions too, and decode masks by "slot holds
+    data" instead of by position: after prefill every slot holds data, so a decode query sees
+    the later (padding) slots. Prefill itself is right (its mask hides the padding keys)."""
+
+    name = "bug-padding-kv-read-by-slot"
+
+    def __init__(self, loaded, max_seq):
+        super().__init__(loaded, max_seq)
+        self.filled = torch.zeros(self.max_seq, dtype=torch.bool)
+
+    def _write_kv(self, i, k_t, v_t, input_pos, valid):
+        if valid is not None:
+            valid = torch.ones_like(valid)  # the bug: padding rows are written as well
+        super()._write_kv(i, k_t, v_t, input_pos, valid)
+
+    def prefill_step(self, *args, **kwargs):
+        out = super().prefill_step(*args, **kwargs)
+        self.filled[:] = True  # every slot was written
+        return out
+
+    def _decode_masks(self, input_pos):
+        self.filled[input_pos] = True
+        k = torch.arange(self.max_seq)[None, :]
+        q = input_pos[:, None]
+        slots = self.filled[None, :]
+        masks = {"full_attention": slots, "sliding_attention": slots & (k > q - self.window)}
+        return {t: masks[t][None] for t in self.types}
+
+
+# --------------------------------------------------------------------- 8. cache slice of the wrong length
+class DecodeSliceShort(_Bug):
+    """Decode attends over past_len keys instead of past_len + 1: the current key is left out."""
+
+    name = "bug-decode-slice-short"
+
+    def _decode_masks(self, input_pos):
+        k = torch.arange(self.max_seq)[None, None, :]
+        return {t: m & (k != input_pos[None, :, None]) for t, m in super()._decode_masks(input_pos).items()}
+
+
+# --------------------------------------------------------------------- 9. vision soft tokens
+class VisionScaled(_Bug):
+    """Vision soft tokens multiplied by the text embedding scale sqrt(hidden)."""
+
+    name = "bug-vision-scaled"
+
+    def prepare_prefill(self, input_ids, extra_inputs):
+        ids, ple_ids, mm_embeds, *rest = super().prepare_prefill(input_ids, extra_inputs)
+        return (ids, ple_ids, mm_embeds * self.embed_scale, *rest)
+
+
+class VisionWrongSlots(_Bug):
+    """Vision soft tokens merged one slot late (the first image slot keeps the pad embedding)."""
+
+    name = "bug-vision-wrong-slots"
+
+    def prepare_prefill(self, input_ids, extra_inputs):
+        ids, ple_ids, mm_embeds, mm_slots, *rest = super().prepare_prefill(input_ids, extra_inputs)
+        return (ids, ple_ids, mm_embeds.roll(1, dims=1), mm_slots.roll(1, dims=1), *rest)
+
+
+# --------------------------------------------------------------------- 10. sliding window off by one
+class WindowOffByOne(_Bug):
+    """Sliding layers see window + 1 keys (q - window <= k instead of q - window < k)."""
+
+    name = "bug-window-off-by-one"
+
+    def __init__(self, loaded, max_seq):
+        super().__init__(loaded, max_seq)
+        self.window += 1
+        q = torch.arange(self.max_seq)[:, None]
+        k = torch.arange(self.max_seq)[None, :]
+        self.mask_sliding_attention = (k <= q) & (k > q - self.window)
+
+
+# ----------------------------------------------------------------------------- factories
+def make_zero_prefill_mask(loaded, max_seq):
+    return ZeroPrefillMask(loaded, max_seq)
+
+
+def make_identity_rope(loaded, max_seq):
+    return IdentityRope(loaded, max_seq)
+
+
+def make_shared_decode_mask(loaded, max_seq):
+    return SharedDecodeMask(loaded, max_seq)
+
+
+def make_sliding_head_dim_cache(loaded, max_seq):
+    return SlidingHeadDimCache(loaded, max_seq)
+
+
+def make_no_ple(loaded, max_seq):
+    return NoPerLayerInputs(loaded, max_seq)
+
+
+def make_ple_raw_image_ids(loaded, max_seq):
+    return PleRawImageIds(loaded, max_seq)
+
+
+def make_reuse_own_empty_cache(loaded, max_seq):
+    return ReuseOwnEmptyCache(loaded, max_seq)
+
+
+def make_reuse_own_cache_in_decode(loaded, max_seq):
+    return ReuseOwnCacheInDecode(loaded, max_seq)
+
+
+def make_reuse_stale_current_row(loaded, max_seq):
+    return ReuseStaleCurrentRow(loaded, max_seq)
+
+
+def make_no_softcap(loaded, max_seq):
+    return NoSoftcap(loaded, max_seq)
+
+
+def make_padding_kv_read_by_slot(loaded, max_seq):
+    return PaddingKvReadBySlot(loaded, max_seq)
+
+
+def make_decode_slice_short(loaded, max_seq):
+    return DecodeSliceShort(loaded, max_seq)
+
+
+def make_vision_scaled(loaded, max_seq):
+    return VisionScaled(loaded, max_seq)
+
+
+def make_vision_wrong_slots(loaded, max_seq):
+    return VisionWrongSlots(loaded, max_seq)
+
+
+def make_window_off_by_one(loaded, max_seq):
+    return WindowOffByOne(loaded, max_seq)
+
+
+# bug: (factory in this module, reference, what is wrong). Bugs that give wrong numbers:
+BUGS = {
+    "zero_prefill_mask": ("make_zero_prefill_mask", "short",
+                          "the prefill mask is all zeros (additive): future and padding keys leak"),
+    "identity_rope": ("make_identity_rope", "short", "RoPE tables are cos = 1, sin = 0: nothing is rotated"),
+    "shared_decode_mask": ("make_shared_decode_mask", "prompt5",
+                           "decode uses the full-attention (causal) mask on sliding layers too"),
+    "window_off_by_one": ("make_window_off_by_one", "window",
+                          "sliding layers see window + 1 keys (prompt longer than the window)"),
+    "window_off_by_one_decode": ("make_window_off_by_one", "prompt5",
+                                 "sliding layers see window + 1 keys (prompt shorter than the window)"),
+    "reuse_own_empty_cache": ("make_reuse_own_empty_cache", "short",
+                              "KV-reusing layers read their own never-written (zero) cache instead of the stored K/V"),
+    "reuse_own_cache_in_decode": ("make_reuse_own_cache_in_decode", "short",
+                                  "KV-reusing layers get the stored K/V in prefill, their own empty cache in decode"),
+    "reuse_stale_current_row": ("make_reuse_stale_current_row", "short",
+                                "KV-reusing layers read the stored K/V without the current token's row (decode)"),
+    "decode_slice_short": ("make_decode_slice_short", "short",
+                           "decode attends over past_len keys instead of past_len + 1 (the current key is left out)"),
+    "padding_kv_read_by_slot": ("make_padding_kv_read_by_slot", "short",
+                                "prefill writes padding K/V into the cache; decode masks by filled slot, not position"),
+    "no_softcap": ("make_no_softcap", "short", "the final logit soft-cap is missing"),
+    "no_ple": ("make_no_ple", "short", "per-layer embeddings (PLE) are missing"),
+    "ple_raw_image_ids": ("make_ple_raw_image_ids", "image",
+                          "the PLE token lookup uses ids whose image tokens are not replaced by pad"),
+    "vision_scaled": ("make_vision_scaled", "image",
+                      "vision soft tokens are multiplied by sqrt(hidden) like text embeddings"),
+    "vision_wrong_slots": ("make_vision_wrong_slots", "image", "vision soft tokens are merged one slot late"),
+}
+# bugs that cannot run: replay must stop with one line naming the layer
+CRASHING = {
+    "sliding_head_dim_cache": ("make_sliding_head_dim_cache", "short",
+                               "K/V caches allocated with the sliding head_dim for every layer"),
+}
+
+
+def runtime_spec(bug: str) -> str:
+    """The --runtime value of a bug of BUGS or CRASHING: 'tests.bug_zoo:make_xxx'."""
+    return f"tests.bug_zoo:{(BUGS | CRASHING)[bug][0]}"
