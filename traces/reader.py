@@ -1,29 +1,82 @@
-"""TraceReader: opens a trace, checks its schema and version, serves canonical tensors."""
+"""TraceReader: opens a trace, validates its structure, serves canonical tensors.
+
+Opening a trace checks everything that can be checked without reading tensor data
+(docs/robustness.md): the schema name and version, every provenance and input attribute
+(present, of the right type), prompt ids, per-layer metadata and step positions (small
+datasets, read whole), and for every tensor dataset its place in the layout, dtype, rank,
+row count (one row per position or per step) and the row axes the layer metadata fixes
+(heads of q/k/v, layers of per_layer_inputs); the chosen tokens (a few bytes) are read
+and checked too. A file that fails raises TraceCorruptError
+(or TraceFileError when it is no trace at all); one line naming the file, what is wrong
+and what to do. Tensor data is read later, on demand: a chunk that fails its fletcher32
+checksum or cannot be decompressed raises TraceCorruptError naming the dataset, never
+a numeric result.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import re
 from pathlib import Path
 
 import h5py
 import numpy as np
 
 from . import schema as S
-from .errors import TraceCorruptError, TraceFileError
+from .errors import TraceCorruptError, TraceFileError, TraceToolError
 from .layers import LayerInfo
 
 HASH_BLOCK_ROWS = 4096
+
+ADVICE = "re-record it, or copy it again if it was transferred"
+# row rank of each kind (dimensions after the row axis), see docs/trace-format.md
+ROW_NDIM = {
+    "embeddings": 1, "per_layer_inputs": 2, "rope_cos_sliding": 1, "rope_sin_sliding": 1, "rope_cos_full": 1,
+    "rope_sin_full": 1, "mask": 1, "q": 2, "k": 2, "v": 2, "attn_out": 1, "layer_out": 1, "final_hidden": 1,
+    "logits": 1, "token": 0,
+}
+assert set(ROW_NDIM) == set(S.KIND_NAMES)
+# dtype kinds (numpy dtype.kind) each kind may be stored as
+DTYPE_KINDS = {name: "f" for name in S.KIND_NAMES} | {"mask": "b", "token": "iu"}
+DTYPE_WORDS = {"f": "float16, float32 or float64", "b": "bool", "iu": "integer", "biuf": "numbers"}
+# exceptions h5py raises on data it cannot read back (checksum, decompression, damaged index)
+READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError)
+_LAYER_GROUP = re.compile(r"^L(\d+)$")
 
 
 def _attr_text(v) -> str:
     if isinstance(v, bytes):
         return v.decode()
-    if isinstance(v, np.ndarray):
-        return json.dumps(v.tolist())
-    if isinstance(v, np.generic):
-        return json.dumps(v.item())
-    return json.dumps(v) if not isinstance(v, str) else v
+    try:
+        if isinstance(v, np.ndarray):
+            return json.dumps(v.tolist())
+        if isinstance(v, np.generic):
+            return json.dumps(v.item())
+        return json.dumps(v) if not isinstance(v, str) else v
+    except (TypeError, ValueError):  # values no writer of ours makes (references, raw bytes in arrays)
+        return repr(v)
+
+
+def _as_int(v) -> int | None:
+    """An integer scalar attribute's value, or None when it is not one (bools are not integers)."""
+    if isinstance(v, np.ndarray) and v.size == 1 and v.ndim <= 1:
+        v = v.reshape(()).item() if v.dtype.kind in "iu" else None
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        return None
+    return int(v)
+
+
+def _describe(v) -> str:
+    t = type(v).__name__ if not isinstance(v, np.ndarray) else f"array of {v.dtype} {v.shape}"
+    r = " ".join(repr(v).split())  # one line, whatever the value
+    return f"{t} {r[:40] + '...' if len(r) > 40 else r}"
+
+
+def _is_integer_dtype(dt: np.dtype) -> bool:
+    return dt.kind in "iu"
 
 
 class TraceReader:
@@ -32,58 +85,296 @@ class TraceReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.exists():
-            raise TraceFileError(f"{self.path}: no such file")
+            raise _file_error(f"{self.path}: no such file")
         if self.path.is_dir():
-            raise TraceFileError(f"{self.path} is a folder, not a trace file")
+            raise _file_error(f"{self.path} is a folder, not a trace file")
+        if not os.access(self.path, os.R_OK):
+            raise _file_error(f"{self.path} cannot be read (permission denied)")
         try:
             self.f = h5py.File(self.path, "r", locking=False)
-        except OSError as e:
-            raise TraceFileError(f"{self.path} is not a readable HDF5 trace ({_short(e)})") from None
+        except Exception as e:  # noqa: BLE001 - h5py reports every unopenable file as some exception
+            raise _file_error(self._open_message(e)) from None
+        self._at = "the file header"
         try:
             self._check_schema()
             self._load_header()
-        except (KeyError, ValueError, TypeError, OSError) as e:
-            self.f.close()
-            raise TraceCorruptError(f"{self.path}: damaged trace ({_short(e)})") from None
+            self._check_tensors()
+        except TraceToolError:
+            self.close()
+            raise
+        except Exception as e:  # noqa: BLE001 - damaged HDF5 metadata surfaces as any h5py exception
+            self.close()
+            raise _corrupt(
+                f"{self.path} is damaged: reading {self._at} failed ({type(e).__name__}: {_short(e)}); {ADVICE}"
+            ) from None
         except BaseException:
-            self.f.close()
+            self.close()
             raise
 
+    def _open_message(self, e: BaseException) -> str:
+        msg = _short(e)
+        head = f"{self.path} is not a readable HDF5 trace"
+        m = re.search(r"truncated file: eof = (\d+).*stored_eof = (\d+)", msg)
+        if m:
+            return (f"{head}: it is truncated ({m.group(1)} of {m.group(2)} bytes; an interrupted copy or write); "
+                    "copy it again or re-record it")
+        if "file signature not found" in msg:
+            return (f"{head}: it is not an HDF5 file at all (no HDF5 signature); "
+                    "pass a trace written by 'trace record' or 'trace replay'")
+        return f"{head} ({msg}); {ADVICE}"
+
+    # ------------------------------------------------------------------ validation
+    def _bad(self, what: str):
+        raise _corrupt(f"{self.path} is not a valid trace: {what}; {ADVICE}")
+
+    def _group(self, path: str) -> h5py.Group:
+        self._at = path
+        obj = self.f.get(path)
+        if obj is None:
+            self._bad(f"the group {path!r} is missing")
+        if not isinstance(obj, h5py.Group):
+            self._bad(f"{path!r} is a {type(obj).__name__}, not a group")
+        return obj
+
+    def _dset(self, path: str, ndim: int | None = None, kinds: str | None = None) -> h5py.Dataset:
+        self._at = path
+        obj = self.f.get(path)
+        if obj is None:
+            self._bad(f"the dataset {path!r} is missing")
+        if not isinstance(obj, h5py.Dataset):
+            self._bad(f"{path!r} is a {type(obj).__name__}, not a dataset")
+        if obj.shape is None:
+            self._bad(f"the dataset {path!r} is empty (no dataspace)")
+        if ndim is not None and obj.ndim != ndim:
+            self._bad(f"the dataset {path!r} has shape {obj.shape}, expected {ndim} dimension(s)")
+        dt = obj.dtype
+        if kinds is not None and (dt.kind not in kinds or (dt.kind == "f" and dt.itemsize not in (2, 4, 8))):
+            # float128 and other exotic widths are no numpy/torch-friendly tensor type: refuse them here
+            self._bad(f"the dataset {path!r} has dtype {dt}, expected {DTYPE_WORDS.get(kinds, kinds)}")
+        return obj
+
+    def _read_small(self, ds: h5py.Dataset) -> np.ndarray:
+        try:
+            return ds[()]
+        except READ_ERRORS as e:
+            raise self._corrupt_data(ds.name, e) from None
+
+    def _corrupt_data(self, name: str, e: BaseException) -> TraceCorruptError:
+        return _corrupt(
+            f"{self.path} is corrupt: the dataset {name.lstrip('/')!r} cannot be read back ({_short(e)}); "
+            "its stored bytes were damaged after writing (checksum or decompression failure): "
+            "copy the file again or re-record it"
+        )
+
+    def _attr(self, obj, key: str, where: str):
+        self._at = f"the attribute {key!r} of {where}"
+        if key not in obj.attrs:
+            self._bad(f"the attribute {key!r} of {where} is missing")
+        return obj.attrs[key]
+
+    def _text_attr(self, obj, key: str, where: str) -> str:
+        v = self._attr(obj, key, where)
+        if isinstance(v, bytes):
+            try:
+                return v.decode()
+            except UnicodeDecodeError:
+                self._bad(f"the attribute {key!r} of {where} is not UTF-8 text")
+        if not isinstance(v, str):
+            self._bad(f"the attribute {key!r} of {where} should be text, got {_describe(v)}")
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:  # h5py hands undecodable bytes over as surrogates
+            self._bad(f"the attribute {key!r} of {where} is not UTF-8 text")
+        return v
+
+    def _int_attr(self, obj, key: str, where: str, minimum: int) -> int:
+        v = self._attr(obj, key, where)
+        n = _as_int(v)
+        if n is None:
+            self._bad(f"the attribute {key!r} of {where} should be an integer, got {_describe(v)}")
+        if n < minimum:
+            self._bad(f"the attribute {key!r} of {where} is {n}, expected >= {minimum}")
+        return n
+
     def _check_schema(self) -> None:
-        name = self.f.attrs.get(S.ATTR_SCHEMA)
+        attrs = self.f.attrs
+        self._at = "the root attributes"
+        name = attrs.get(S.ATTR_SCHEMA)
         if isinstance(name, bytes):
-            name = name.decode()
-        if name != S.SCHEMA_NAME:
-            raise TraceFileError(f"{self.path} is an HDF5 file but not a {S.SCHEMA_NAME} trace")
-        version = self.f.attrs.get(S.ATTR_SCHEMA_VERSION)
-        if version is None or int(version) != S.SCHEMA_VERSION:
-            raise TraceFileError(
-                f"{self.path} has trace schema version {version}; this tool reads version {S.SCHEMA_VERSION}"
+            name = name.decode(errors="replace")
+        if not (isinstance(name, str) and name == S.SCHEMA_NAME):
+            what = "has no 'schema' attribute" if name is None else f"its 'schema' attribute is {_describe(name)}"
+            raise _file_error(
+                f"{self.path} is an HDF5 file but not a {S.SCHEMA_NAME} trace ({what}); "
+                "pass a trace written by 'trace record' or 'trace replay'"
+            )
+        version = attrs.get(S.ATTR_SCHEMA_VERSION)
+        if version is None:
+            self._bad(f"the root attribute {S.ATTR_SCHEMA_VERSION!r} is missing")
+        v = _as_int(version)
+        if v is None:
+            self._bad(f"the root attribute {S.ATTR_SCHEMA_VERSION!r} should be an integer, got {_describe(version)}")
+        if v > S.SCHEMA_VERSION:
+            raise _file_error(
+                f"{self.path} has trace schema version {v}, newer than this tool reads ({S.SCHEMA_VERSION}); "
+                "upgrade gemma4-trace to read it"
+            )
+        if v != S.SCHEMA_VERSION:
+            raise _file_error(
+                f"{self.path} has trace schema version {v}; this tool reads version {S.SCHEMA_VERSION}"
                 " (re-record it with this version)"
             )
 
     def _load_header(self) -> None:
         f = self.f
-        self.provenance = {k: _attr_text(f.attrs[k]) for k in S.PROVENANCE_KEYS}
-        self.prompt_ids = f[S.DSET_PROMPT_IDS][()].astype(np.int64)
-        g = f[S.GROUP_INPUTS]
-        self.max_new_tokens = int(g.attrs["max_new_tokens"])
-        self.eos_token_ids = [int(x) for x in np.asarray(g.attrs["eos_token_ids"]).reshape(-1)]
-        self.prompt_text = _attr_text(g.attrs["prompt_text"])
-        self.chat_template_applied = bool(g.attrs["chat_template_applied"])
-        fields = {k: f[S.model_field_path(k)][()] for k in S.LAYER_FIELDS}
+        prov = {k: self._text_attr(f, k, "the root") for k in S.PROVENANCE_KEYS}
+        if prov["mode"] not in S.MODES:
+            self._bad(f"the root attribute 'mode' is {prov['mode']!r}, not one of {', '.join(S.MODES)}")
+        try:
+            cfg = json.loads(prov["model_config"])
+        except ValueError:
+            cfg = None
+        if not isinstance(cfg, dict):
+            self._bad("the root attribute 'model_config' is not a JSON object")
+        self.provenance = prov
+
+        g = self._group(S.GROUP_INPUTS)
+        ids = self._read_small(self._dset(S.DSET_PROMPT_IDS, 1, "iu"))
+        if ids.size == 0:
+            self._bad(f"{S.DSET_PROMPT_IDS!r} is empty")
+        if (ids < 0).any() or (ids.dtype.kind == "u" and (ids > np.iinfo(np.int64).max).any()):
+            self._bad(f"{S.DSET_PROMPT_IDS!r} holds ids out of range ({int(ids.min())}..{int(ids.max())})")
+        self.prompt_ids = ids.astype(np.int64)
+        where = f"{S.GROUP_INPUTS!r}"
+        self.max_new_tokens = self._int_attr(g, "max_new_tokens", where, 1)
+        eos = np.asarray(self._attr(g, "eos_token_ids", where))
+        if eos.ndim > 1 or (eos.size and eos.dtype.kind not in "iu"):
+            self._bad(f"the attribute 'eos_token_ids' of {where} should be integers, got {_describe(eos)}")
+        self.eos_token_ids = [int(x) for x in eos.reshape(-1)]
+        self.prompt_text = self._text_attr(g, "prompt_text", where)
+        chat = self._attr(g, "chat_template_applied", where)
+        if isinstance(chat, (bool, np.bool_)) or _as_int(chat) in (0, 1):
+            self.chat_template_applied = bool(chat)
+        else:
+            self._bad(f"the attribute 'chat_template_applied' of {where} should be a bool, got {_describe(chat)}")
+        if S.GROUP_INPUT_EXTRA in f:
+            extra = self._group(S.GROUP_INPUT_EXTRA)
+            self._extra_names = sorted(extra)
+            for name in self._extra_names:
+                self._dset(S.input_extra_path(name), None, "biuf")
+        else:
+            self._extra_names = []
+
+        self._group(S.GROUP_MODEL)
+        fields = {}
+        for k in S.LAYER_FIELDS:
+            path = S.model_field_path(k)
+            text = k in ("layer_type", "kv_role")
+            ds = self._dset(path, 1)
+            if text and h5py.check_string_dtype(ds.dtype) is None:
+                self._bad(f"the dataset {path!r} has dtype {ds.dtype}, expected strings")
+            if not text and not _is_integer_dtype(ds.dtype):
+                self._bad(f"the dataset {path!r} has dtype {ds.dtype}, expected integer")
+            vals = self._read_small(ds)
+            if text:
+                try:
+                    vals = [_attr_text(x) for x in vals]
+                except UnicodeDecodeError:
+                    self._bad(f"the dataset {path!r} holds text that is not UTF-8")
+            else:
+                vals = [int(x) for x in vals]
+            fields[k] = vals
         n = len(fields["layer_type"])
-        self.layers = [
-            LayerInfo(
-                **{k: (_attr_text(fields[k][i]) if k in ("layer_type", "kv_role") else int(fields[k][i])) for k in fields}
-            )
-            for i in range(n)
-        ]
-        self.step_positions = [tuple(int(x) for x in row) for row in f[S.DSET_STEP_POSITIONS][()]]
-        if not self.step_positions:
-            raise ValueError("no steps")
-        if any(a >= b for a, b in self.step_positions):
-            raise ValueError("step positions out of order")
+        lengths = {k: len(v) for k, v in fields.items()}
+        if n == 0 or any(x != n for x in lengths.values()):
+            self._bad(f"the per-layer metadata under 'model/' has inconsistent lengths {lengths}")
+        self._at = "the per-layer metadata under 'model/'"
+        for i in range(n):
+            lt, role, src = fields["layer_type"][i], fields["kv_role"][i], fields["kv_source"][i]
+            if lt not in S.LAYER_TYPE_SHORT:
+                self._bad(f"model/layer_type of layer {i} is {lt!r}, not one of {', '.join(S.LAYER_TYPE_SHORT)}")
+            if role not in S.KV_ROLES:
+                self._bad(f"model/kv_role of layer {i} is {role!r}, not one of {', '.join(S.KV_ROLES)}")
+            for k in ("head_dim", "num_heads", "num_kv_heads"):
+                if fields[k][i] < 1:
+                    self._bad(f"model/{k} of layer {i} is {fields[k][i]}, expected >= 1")
+            ok = (src == i) if role != "reuses" else (0 <= src < i and fields["kv_role"][src] != "reuses")
+            if not ok:
+                self._bad(f"model/kv_source of layer {i} is {src}, impossible for a layer whose kv_role is {role!r}")
+        self.layers = [LayerInfo(**{k: fields[k][i] for k in S.LAYER_FIELDS}) for i in range(n)]
+
+        sp = self._read_small(self._dset(S.DSET_STEP_POSITIONS, 2, "iu"))
+        if sp.shape[0] == 0 or sp.shape[1] != 2:
+            self._bad(f"{S.DSET_STEP_POSITIONS!r} has shape {sp.shape}, expected (n_steps >= 1, 2)")
+        self.step_positions = [(int(a), int(b)) for a, b in sp]
+        T = int(ids.size)
+        for s, (a, b) in enumerate(self.step_positions):
+            want = (0, T) if s == 0 else (T + s - 1, T + s)
+            if (a, b) != want:
+                self._bad(f"{S.DSET_STEP_POSITIONS!r}: step {s} feeds positions [{a}, {b}), expected [{want[0]}, "
+                          f"{want[1]}) (a prefill over the {T} prompt ids, then one position per decode step)")
+        if self.n_steps > self.max_new_tokens:
+            self._bad(f"it has {self.n_steps} steps but max_new_tokens is {self.max_new_tokens}")
+
+    def _check_tensors(self) -> None:
+        # walk every object header once: damaged headers fail here, not later inside HDF5 mid-read
+        self._at = "the list of groups and datasets"
+        self.f.visit(lambda name: None)
+        g = self._group(S.GROUP_TENSORS)
+        present: list[tuple[str, int | None]] = []
+        for name in g:
+            obj_path = f"{S.GROUP_TENSORS}/{name}"
+            m = _LAYER_GROUP.match(name)
+            if m and S.layer_group(int(m.group(1))) == obj_path:
+                layer = int(m.group(1))
+                if layer >= len(self.layers):
+                    self._bad(f"{obj_path!r} is a layer group, but the model has {len(self.layers)} layers")
+                lg = self._group(obj_path)
+                for kind in lg:
+                    spec = S.KIND_BY_NAME.get(kind)
+                    if spec is None or not spec.per_layer:
+                        self._bad(f"{obj_path}/{kind!r} is not a per-layer kind ({', '.join(S.LAYER_KIND_NAMES)})")
+                    present.append((kind, layer))
+            else:
+                spec = S.KIND_BY_NAME.get(name)
+                if spec is None or spec.per_layer:
+                    self._bad(f"{obj_path!r} is neither a global kind nor a layer group (L00, L01, ...)")
+                present.append((name, None))
+        if ("token", None) not in present:
+            self._bad(f"the dataset '{S.tensor_path('token', None)}' (the chosen tokens) is missing")
+        for kind, layer in present:
+            self._check_tensor(kind, layer)
+        self._present = set(present)
+        # the chosen tokens are tiny and every command needs them: read and check them now
+        path = S.tensor_path("token", None)
+        t = self._read_small(self.f[path])
+        if t.size and (t.min() < 0 or t.max() > np.iinfo(np.int64).max):
+            self._bad(f"{path!r} holds token ids out of range ({t.min()}..{t.max()})")
+        self._tokens = t.astype(np.int64).reshape(-1)
+
+    def _check_tensor(self, kind: str, layer: int | None) -> None:
+        path = S.tensor_path(kind, layer)
+        spec = S.KIND_BY_NAME[kind]
+        ds = self._dset(path, 1 + ROW_NDIM[kind], DTYPE_KINDS[kind])
+        self._text_attr(ds, S.ATTR_SOURCE_DTYPE, repr(path))
+        self._at = path
+        rows, row = ds.shape[0], ds.shape[1:]
+        if any(d < 1 for d in row):
+            self._bad(f"{path!r} has shape {ds.shape}: an empty row")
+        if spec.index == "step":
+            if rows != self.n_steps:
+                self._bad(f"{path!r} has {rows} rows, expected {self.n_steps} (one per step)")
+        elif not self.prompt_len <= rows <= self.n_positions:
+            # fewer rows than positions (ending on a step) is a runtime that stopped reporting the kind:
+            # the diff reports it as a 'rows' divergence
+            self._bad(f"{path!r} has {rows} rows, expected {self.n_positions} (one per position)")
+        li = self.layers[layer] if layer is not None else None
+        want = {"q": (0, li.num_heads, "heads") if li else None,
+                "k": (0, li.num_kv_heads, "KV heads") if li else None,
+                "v": (0, li.num_kv_heads, "KV heads") if li else None,
+                "per_layer_inputs": (0, len(self.layers), "layers")}.get(kind)
+        if want is not None and row[want[0]] != want[1]:
+            self._bad(f"{path!r} has rows of shape {row}, but the model metadata says {want[1]} {want[2]}")
 
     # ------------------------------------------------------------------ info
     @property
@@ -110,28 +401,42 @@ class TraceReader:
         return 0 if pos < self.prompt_len else pos - self.prompt_len + 1
 
     def extra_inputs(self) -> dict[str, np.ndarray]:
-        g = self.f.get(S.GROUP_INPUT_EXTRA)
-        return {} if g is None else {k: g[k][()] for k in g}
+        out = {}
+        for k in self._extra_names:
+            ds = self.f[S.input_extra_path(k)]
+            out[k] = self._read_small(ds)
+        return out
 
     def has(self, kind: str, layer: int | None = None) -> bool:
-        return S.tensor_path(kind, layer) in self.f
+        return (kind, layer) in self._present
 
     def dataset(self, kind: str, layer: int | None = None) -> h5py.Dataset:
-        try:
-            return self.f[S.tensor_path(kind, layer)]
-        except KeyError:
+        if (kind, layer) not in self._present:
             where = f"layer {layer} " if layer is not None else ""
-            raise TraceFileError(f"{self.path} has no {where}{kind!r} tensor") from None
+            raise _file_error(f"{self.path} has no {where}{kind!r} tensor")
+        return self.f[S.tensor_path(kind, layer)]
+
+    def storage_size(self, kind: str, layer: int | None = None) -> int:
+        """Bytes a kind's dataset takes on disk (walks its chunk index, reads no data)."""
+        ds = self.dataset(kind, layer)
+        try:
+            return ds.id.get_storage_size()
+        except READ_ERRORS as e:
+            raise _corrupt(
+                f"{self.path} is damaged: the chunk index of {ds.name.lstrip('/')!r} cannot be read ({_short(e)}); "
+                f"{ADVICE}"
+            ) from None
 
     def source_dtype(self, kind: str, layer: int | None = None) -> str:
         return _attr_text(self.dataset(kind, layer).attrs.get(S.ATTR_SOURCE_DTYPE, "float32"))
 
     def read(self, kind: str, layer: int | None = None, rows: slice = slice(None)) -> np.ndarray:
         """Rows of a kind: by position for position-indexed kinds, by step for step kinds."""
+        ds = self.dataset(kind, layer)
         try:
-            return self.dataset(kind, layer)[rows]
-        except OSError as e:
-            raise TraceCorruptError(f"{self.path}: {kind} layer {layer} is corrupt ({_short(e)})") from None
+            return ds[rows]
+        except READ_ERRORS as e:
+            raise self._corrupt_data(ds.name, e) from None
 
     def read_step(self, kind: str, step: int, layer: int | None = None) -> np.ndarray:
         if S.KIND_BY_NAME[kind].index == "step":
@@ -140,7 +445,7 @@ class TraceReader:
         return self.read(kind, layer, slice(a, b))
 
     def tokens(self) -> np.ndarray:
-        return self.read("token").astype(np.int64).reshape(-1)
+        return self._tokens.copy()
 
     def kinds_present(self) -> list[tuple[str, int | None]]:
         """(kind, layer) pairs stored, in data-flow order."""
@@ -155,38 +460,66 @@ class TraceReader:
         """sha256 over names, attributes, dtypes, shapes and values (not file bytes)."""
         h = hashlib.sha256()
 
+        def text(v) -> str:  # undecodable bytes hash as themselves (surrogateescape), valid text as before
+            return v.decode("utf-8", "surrogateescape") if isinstance(v, bytes) else _attr_text(v)
+
         def visit(name: str, obj) -> None:
-            h.update(f"\0{name}\0{type(obj).__name__}\0".encode())
+            h.update(f"\0{name}\0{type(obj).__name__}\0".encode("utf-8", "surrogateescape"))
             for k in sorted(obj.attrs):
-                h.update(f"{k}={_attr_text(obj.attrs[k])}\0".encode())
+                h.update(f"{k}={text(obj.attrs[k])}\0".encode("utf-8", "surrogateescape"))
             if isinstance(obj, h5py.Dataset):
                 h.update(f"{obj.dtype.str}{obj.shape}\0".encode())
+                if obj.shape is None:  # an empty (null dataspace) dataset: no values
+                    return
                 if obj.shape == () or obj.ndim == 0:
                     h.update(np.asarray(obj[()]).tobytes())
                 elif obj.dtype.kind == "O":
-                    h.update(json.dumps([_attr_text(x) for x in obj[()]]).encode())
+                    h.update(json.dumps([text(x) for x in obj[()]]).encode())
                 else:
                     for i in range(0, obj.shape[0], HASH_BLOCK_ROWS):
                         h.update(np.ascontiguousarray(obj[i : i + HASH_BLOCK_ROWS]).tobytes())
 
         names: list[str] = []
-        self.f.visit(names.append)
-        visit("/", self.f)
         try:
-            for name in sorted(names):
-                visit(name, self.f[name])
-        except OSError as e:
-            raise TraceCorruptError(f"{self.path}: corrupt data ({_short(e)})") from None
+            self.f.visit(names.append)
+        except READ_ERRORS as e:
+            raise _corrupt(
+                f"{self.path} is damaged: its list of groups and datasets cannot be walked ({_short(e)}); {ADVICE}"
+            ) from None
+        for name in ["/", *sorted(names)]:
+            obj = None
+            try:
+                obj = self.f if name == "/" else self.f[name]
+                visit(name, obj)
+            except READ_ERRORS as e:
+                if isinstance(obj, h5py.Dataset):
+                    raise self._corrupt_data(name, e) from None
+                raise _corrupt(f"{self.path} is damaged: reading {name!r} failed ({_short(e)}); {ADVICE}") from None
         return h.hexdigest()
 
     def close(self) -> None:
-        self.f.close()
+        with contextlib.suppress(Exception):  # read-only: nothing to lose if a damaged file fails to close
+            self.f.close()
 
     def __enter__(self) -> "TraceReader":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _one_line(msg: str) -> str:
+    """A message safe to print as one line: no undecodable text, no control characters."""
+    msg = msg.encode("utf-8", "backslashreplace").decode("utf-8")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in msg)
+
+
+def _corrupt(msg: str) -> TraceCorruptError:
+    return TraceCorruptError(_one_line(msg))
+
+
+def _file_error(msg: str) -> TraceFileError:
+    return TraceFileError(_one_line(msg))
 
 
 def _short(e: BaseException) -> str:

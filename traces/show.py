@@ -32,7 +32,7 @@ def _fmt_bytes(n: int) -> str:
 def summarize(r: TraceReader, decode=None) -> str:
     p = r.provenance
     cfg = r.model_config
-    text_cfg = cfg.get("text_config", cfg)
+    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     tokens = r.tokens()
     lines = [
         f"trace      {r.path} ({_fmt_bytes(r.path.stat().st_size)}, schema v{r.f.attrs['schema_version']})",
@@ -71,7 +71,7 @@ def summarize(r: TraceReader, decode=None) -> str:
         seen.add(kind)
         layers = [l for k, l in r.kinds_present() if k == kind]
         ds = r.dataset(kind, layer)
-        size = sum(r.dataset(kind, l).id.get_storage_size() for l in layers)
+        size = sum(r.storage_size(kind, l) for l in layers)
         where = f"x {len(layers)} layers" if layer is not None else ""
         lines.append(f"  {kind:<17} {str(ds.shape):<16} {r.source_dtype(kind, layer):<9} {_fmt_bytes(size):>10} {where}")
     return "\n".join(lines)

@@ -1,0 +1,560 @@
+"""Fuzz the trace readers: corrupt a golden trace at random, run `trace show`, `trace show
+--hash` and `trace diff` (both ways) on it in-process, and check every run ends cleanly.
+
+    python scripts/fuzz_traces.py --cases 4000 --seed 1        # counts by outcome
+    python scripts/fuzz_traces.py --seed 1 --case 3245 --keep bad.h5   # replay one case, keep its file
+
+A case applies one to three corruptions to a copy of the golden trace (default
+traces/golden/short.h5): bit flips at random offsets (anywhere, or only in HDF5 metadata),
+an overwritten byte run, truncation, a deleted, renamed or swapped object, a deleted
+attribute, an attribute of the wrong type, a dataset rewritten with another shape, dtype or
+values, a dangling link. The allowed outcomes are exit 0 or 2 for `show`, 0, 1 or 2 for
+`diff` (a corruption that leaves a valid trace may match or diverge); exit 2 must be
+exactly one line `error: ...` on stderr. A failure is anything else: an exception escaping
+the command (GEMMA4_TRACE_DEBUG=1 lets our own bugs through instead of 'internal error'),
+an 'internal error' message, more than one line, a traceback, another exit code, or a run
+longer than --timeout seconds.
+
+Cases run in --jobs worker processes. HDF5 can hang or crash on some damaged metadata
+inside C code that holds the GIL; a worker stuck for --hang-after seconds is ended by
+faulthandler, and a worker that died inside an h5py call counts as a library defect
+(docs/robustness.md), anywhere else as a failure. The exit status is 1 when any case failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from click.testing import CliRunner  # noqa: E402
+
+from gemma4_trace.cli import main as cli_main  # noqa: E402
+
+GOLDEN = ROOT / "traces" / "golden" / "short.h5"
+COMMANDS = ("show", "show --hash", "diff GOLDEN CORRUPT", "diff CORRUPT GOLDEN")
+ALLOWED = {"show": {0, 2}, "show --hash": {0, 2}, "diff GOLDEN CORRUPT": {0, 1, 2}, "diff CORRUPT GOLDEN": {0, 1, 2}}
+MESSAGE_KINDS = (  # (substring of the error line, label) in the order tried
+    ("not a readable HDF5", "unreadable HDF5"),
+    ("not a gemma4-trace", "not a trace"),
+    ("schema version", "schema version"),
+    ("is corrupt:", "corrupt data (checksum)"),
+    ("is damaged:", "damaged metadata"),
+    ("is not a valid trace", "invalid structure"),
+    ("different model architectures", "incompatible traces"),
+    ("different prompts", "incompatible traces"),
+    ("different positions", "incompatible traces"),
+    ("has no ", "missing tensor"),
+)
+WEIRD_ATTRS = (
+    np.int64(-1), 0, 2**62, 3.5, "", "garbage", b"\xff\xfe\xfd", np.array([1, 2, 3]), np.array([], dtype=np.int64),
+    True, np.array(["a", "b"], dtype=h5py.string_dtype()), np.float64("nan"), np.zeros((2, 2)), '{"a": 1}', "[1, 2]",
+    "null", "reference", "999", np.uint64(2**63 + 5), np.array([-7]),
+)
+
+
+class CaseTimeout(BaseException):
+    """Raised by the per-case alarm; a BaseException so no `except Exception` swallows it."""
+
+
+@dataclass
+class Info:
+    """What the golden holds: object names, chunk byte ranges (to aim at metadata), size."""
+
+    size: int
+    chunk_ranges: list[tuple[int, int]]
+
+
+@dataclass
+class Report:
+    cases: int = 0
+    seconds: float = 0.0
+    outcomes: Counter = field(default_factory=Counter)  # (command, exit code) -> count
+    messages: Counter = field(default_factory=Counter)  # kind of error line -> count
+    mutations: Counter = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+    library: list[str] = field(default_factory=list)  # the process died inside HDF5's C code (hang or crash)
+
+
+def golden_info(path: Path) -> Info:
+    ranges = []
+    with h5py.File(path, "r") as f:
+
+        def visit(_name, obj):
+            if isinstance(obj, h5py.Dataset) and obj.chunks is not None:
+                for i in range(obj.id.get_num_chunks()):
+                    c = obj.id.get_chunk_info(i)
+                    ranges.append((c.byte_offset, c.byte_offset + c.size))
+
+        f.visititems(visit)
+    return Info(path.stat().st_size, sorted(ranges))
+
+
+# ---------------------------------------------------------------- structural corruptions (h5py)
+def _names(f: h5py.File, datasets_only=False) -> list[str]:
+    out: list[str] = []
+    f.visititems(lambda n, o: out.append(n) if (not datasets_only or isinstance(o, h5py.Dataset)) else None)
+    return sorted(out)
+
+
+def m_delete(f, rng):
+    name = rng.choice(_names(f))
+    del f[name]
+    return f"delete {name}"
+
+
+def m_rename(f, rng):
+    names = _names(f)
+    src = str(rng.choice(names))
+    how = rng.integers(3)
+    if how == 0:  # a near-miss name
+        dst = src + rng.choice(["_x", "0", "s"])
+    elif how == 1:  # swap with another object
+        other = str(rng.choice([n for n in names if n != src and not n.startswith(src + "/") and not src.startswith(n + "/")] or [src]))
+        if other == src:
+            return "rename (nothing to swap)"
+        f.move(src, "__swap__")
+        f.move(other, src)
+        f.move("__swap__", other)
+        return f"swap {src} <-> {other}"
+    else:  # into another group
+        groups = [n for n in names if isinstance(f[n], h5py.Group) and not n.startswith(src)] or ["/"]
+        dst = f"{rng.choice(groups)}/{src.rsplit('/', 1)[-1]}"
+    if dst in f:
+        return f"rename {src} (target {dst} exists)"
+    f.move(src, dst)
+    return f"rename {src} -> {dst}"
+
+
+def _attr_holders(f) -> list[str]:
+    return ["/"] + [n for n in _names(f) if len(f[n].attrs)]
+
+
+def m_del_attr(f, rng):
+    holder = f[str(rng.choice(_attr_holders(f)))]
+    if not len(holder.attrs):
+        return "delete attribute (none)"
+    key = str(rng.choice(sorted(holder.attrs)))
+    del holder.attrs[key]
+    return f"delete attribute {holder.name}@{key}"
+
+
+def m_attr_type(f, rng):
+    holder = f[str(rng.choice(_attr_holders(f)))]
+    keys = sorted(holder.attrs) or ["x"]
+    key = str(rng.choice(keys))
+    value = WEIRD_ATTRS[rng.integers(len(WEIRD_ATTRS))]
+    holder.attrs[key] = value
+    return f"attribute {holder.name}@{key} = {value!r:.40}"
+
+
+def _rewrite(f, name, data, rng):
+    ds = f[name]
+    attrs = {k: ds.attrs[k] for k in ds.attrs}
+    del f[name]
+    kw = {}
+    if rng.random() < 0.5 and np.ndim(data) > 0 and np.size(data) > 0 and np.asarray(data).dtype.kind in "biuf":
+        kw = dict(chunks=True, compression="gzip", shuffle=True, fletcher32=True)
+    new = f.create_dataset(name, data=data, **kw)
+    for k, v in attrs.items():
+        new.attrs[k] = v
+
+
+def m_reshape(f, rng):
+    name = str(rng.choice(_names(f, datasets_only=True)))
+    a = f[name][()]
+    if np.ndim(a) == 0:
+        new = np.asarray([a, a])
+    else:
+        how = rng.integers(8)
+        if how == 0:
+            new = a[:-1]
+        elif how == 1:
+            new = np.concatenate([a, a[-1:]])
+        elif how == 2:
+            new = a[..., : max(1, a.shape[-1] // 2)] if a.ndim > 1 else a[: max(0, a.shape[0] // 2)]
+        elif how == 3:
+            new = a[..., None]
+        elif how == 4:
+            new = a.reshape(-1)
+        elif how == 5:
+            new = a.reshape(-1)[0]
+        elif how == 6:
+            new = a[:0]
+        else:
+            new = np.swapaxes(a, 0, -1) if a.ndim > 1 else a.reshape(1, -1)
+    _rewrite(f, name, new, rng)
+    return f"reshape {name} {np.shape(a)} -> {np.shape(new)}"
+
+
+def m_retype(f, rng):
+    name = str(rng.choice(_names(f, datasets_only=True)))
+    a = f[name][()]
+    target = rng.choice(["float64", "float16", "int32", "int64", "uint8", "bool", "complex64", "S4", "vlen-str"])
+    try:
+        if target == "vlen-str":
+            new = np.asarray(a).astype(str).astype(object)
+            new = np.asarray(new, dtype=h5py.string_dtype())
+        elif np.asarray(a).dtype.kind == "O":
+            new = np.arange(np.size(a), dtype=target if target != "S4" else "int16").reshape(np.shape(a))
+        else:
+            with np.errstate(all="ignore"):
+                new = np.asarray(a).astype(target)
+    except (ValueError, TypeError, OverflowError):
+        new = np.zeros(np.shape(a), dtype="float64")
+    _rewrite(f, name, new, rng)
+    return f"retype {name} {np.asarray(a).dtype} -> {new.dtype}"
+
+
+def m_values(f, rng):
+    small = [n for n in _names(f, datasets_only=True) if not n.startswith("tensors/") or n.endswith("token")]
+    name = str(rng.choice(small))
+    a = np.asarray(f[name][()])
+    if a.dtype.kind in "iu" and a.size:
+        new = a.copy()
+        idx = rng.integers(a.size)
+        new.reshape(-1)[idx] = rng.choice([-5, -1, 0, 1, 2, 7, 10**6, int(new.reshape(-1)[idx]) + 1])
+    elif a.dtype.kind == "O" and a.size:
+        new = a.copy()
+        new.reshape(-1)[rng.integers(a.size)] = rng.choice([b"", b"owns", b"stores", b"reuses", b"sliding_attention",
+                                                           b"full_attention", b"bogus", b"\xff\xfe"])
+        new = np.asarray(new, dtype=h5py.string_dtype())
+    else:
+        return f"values {name} (skipped)"
+    _rewrite(f, name, new, rng)
+    return f"values {name}"
+
+
+def m_link(f, rng):
+    name = str(rng.choice(_names(f)))
+    del f[name]
+    if rng.random() < 0.5:
+        f[name] = h5py.SoftLink("/nowhere/" + name)
+        return f"dangling soft link {name}"
+    f[name] = h5py.ExternalLink("missing-file.h5", "/" + name)
+    return f"external link {name}"
+
+
+STRUCTURAL = {"delete": m_delete, "rename": m_rename, "del_attr": m_del_attr, "attr_type": m_attr_type,
+              "reshape": m_reshape, "retype": m_retype, "values": m_values, "link": m_link}
+
+
+# ---------------------------------------------------------------- byte-level corruptions
+def _in_chunk(info: Info, off: int) -> bool:
+    return any(a <= off < b for a, b in info.chunk_ranges)
+
+
+def b_flip(path, rng, info, meta_only=False):
+    data = bytearray(path.read_bytes())
+    offs = []
+    for _ in range(int(rng.integers(1, 9))):
+        for _try in range(200):
+            off = int(rng.integers(len(data)))
+            if not meta_only or not _in_chunk(info, off):
+                break
+        data[off] ^= 1 << int(rng.integers(8))
+        offs.append(off)
+    path.write_bytes(bytes(data))
+    return f"{'meta-' if meta_only else ''}flip at {offs}"
+
+
+def b_smash(path, rng, info):
+    data = bytearray(path.read_bytes())
+    off = int(rng.integers(len(data)))
+    n = int(rng.integers(1, 65))
+    data[off : off + n] = bytes(rng.integers(0, 256, size=len(data[off : off + n]), dtype=np.uint8)) if rng.random() < 0.5 \
+        else bytes(len(data[off : off + n]))
+    path.write_bytes(bytes(data))
+    return f"smash {n} bytes at {off}"
+
+
+def b_truncate(path, rng, info):
+    size = path.stat().st_size
+    cut = int(rng.integers(size)) if rng.random() < 0.7 else size - int(rng.integers(1, 2049))
+    with open(path, "r+b") as fh:
+        fh.truncate(max(0, cut))
+    return f"truncate at {max(0, cut)} of {size}"
+
+
+BYTES = {"flip": b_flip, "meta_flip": lambda p, r, i: b_flip(p, r, i, meta_only=True), "smash": b_smash,
+         "truncate": b_truncate}
+ALL = list(STRUCTURAL) + list(BYTES)
+
+
+def corrupt(src: Path, dst: Path, rng, info: Info) -> tuple[list[str], list[str]]:
+    """Copy src to dst and corrupt it; return (mutation names, descriptions)."""
+    shutil.copyfile(src, dst)
+    picks = [str(x) for x in rng.choice(ALL, size=int(rng.integers(1, 4)))]
+    structural = [p for p in picks if p in STRUCTURAL]
+    byte_level = [p for p in picks if p in BYTES]
+    done = []
+    if structural:
+        with h5py.File(dst, "r+") as f:
+            for p in structural:
+                try:
+                    done.append(STRUCTURAL[p](f, rng))
+                except (KeyError, ValueError, TypeError, OSError, RuntimeError) as e:  # e.g. its target is gone
+                    done.append(f"{p} failed ({type(e).__name__})")
+    for p in byte_level:
+        done.append(BYTES[p](dst, rng, info))
+    return picks, done
+
+
+# ---------------------------------------------------------------- running the CLI
+def _alarm(signum, frame):
+    raise CaseTimeout
+
+
+def run_cli(args: list[str], timeout: float):
+    """(exit code, stdout, stderr, problem or None) of one in-process CLI run."""
+    runner = CliRunner()
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        r = runner.invoke(cli_main, args, env={"GEMMA4_TRACE_DEBUG": "1"})
+    except CaseTimeout:
+        return None, "", "", f"no result after {timeout:.0f} s (hang)"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        tb = "".join(traceback.format_exception(*r.exc_info)) if r.exc_info else repr(r.exception)
+        return r.exit_code, r.stdout, r.stderr, f"unhandled {type(r.exception).__name__}: {r.exception}\n{tb}"
+    return r.exit_code, r.stdout, r.stderr, None
+
+
+def check(command: str, code, out: str, err: str) -> str | None:
+    if code not in ALLOWED[command]:
+        return f"exit {code}, allowed {sorted(ALLOWED[command])}"
+    text = out + err
+    if "Traceback" in text:
+        return "traceback in the output"
+    if "internal error" in text:
+        return "internal error (an exception we should have handled)"
+    if code == 2:
+        lines = err.splitlines()
+        if len(lines) != 1 or not lines[0].startswith("error: ") or len(lines[0]) <= len("error: "):
+            return f"exit 2 with stderr {err!r} (want exactly one line 'error: ...')"
+        if out.strip():
+            return f"exit 2 with stdout {out[:200]!r}"
+    return None
+
+
+def message_kind(err: str) -> str:
+    for needle, label in MESSAGE_KINDS:
+        if needle in err:
+            return label
+    return "other: " + err.strip()[:80]
+
+
+def run_case(case: int, seed: int, ref: Path, bad: Path, info: Info, timeout: float, talk: bool = False,
+             keep: Path | None = None, on_event=None) -> dict:
+    """Corrupt a copy of `ref` as case `case` of `seed` says, run every command on it, check each."""
+    rng = np.random.default_rng([seed, case])  # each case reproducible alone: --seed S --case K
+    picks, done = corrupt(ref, bad, rng, info)
+    if keep is not None:
+        shutil.copyfile(bad, keep)
+    if talk:
+        print(f"case {case}: {'; '.join(done)}", flush=True)
+    argv = {"show": ["show", str(bad)], "show --hash": ["show", "--hash", str(bad)],
+            "diff GOLDEN CORRUPT": ["diff", str(ref), str(bad)], "diff CORRUPT GOLDEN": ["diff", str(bad), str(ref)]}
+    results = []
+    for command in COMMANDS:
+        if on_event is not None:
+            on_event({"begin": case, "command": command, "done": done})
+        code, out, err, problem = run_cli(argv[command], timeout)
+        problem = problem or check(command, code, out, err)
+        kind = message_kind(err) if code == 2 and problem is None else None
+        results.append({"command": command, "code": code, "problem": problem, "message": kind})
+        if talk:
+            print(f"    {command:<20} exit {code}  {(err.strip() or out.strip()).splitlines()[:1]}"
+                  + (f"  FAIL: {problem}" if problem else ""), flush=True)
+    return {"case": case, "picks": picks, "done": done, "results": results}
+
+
+def add_case(rep: Report, seed: int, res: dict) -> None:
+    rep.cases += 1
+    rep.mutations.update(res["picks"])
+    for r in res["results"]:
+        rep.outcomes[(r["command"], r["code"])] += 1
+        if r["message"]:
+            rep.messages[r["message"]] += 1
+        if r["problem"]:
+            rep.failures.append(f"case {res['case']} (--seed {seed} --case {res['case']}) "
+                                f"[{'; '.join(res['done'])}] {r['command']}: {r['problem']}")
+
+
+def fuzz(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.0, first: int = 0,
+         talk: bool = False, keep: Path | None = None, on_event=None) -> Report:
+    """Run cases first..first+cases-1 in this process (what the test suite does)."""
+    rep = Report()
+    info = golden_info(golden)
+    with tempfile.TemporaryDirectory(prefix="trace-fuzz-") as tmp:
+        ref, bad = Path(tmp) / "golden.h5", Path(tmp) / "corrupt.h5"
+        shutil.copyfile(golden, ref)
+        t0 = time.perf_counter()
+        for case in range(first, first + cases):
+            res = run_case(case, seed, ref, bad, info, timeout, talk, keep, on_event)
+            add_case(rep, seed, res)
+            if on_event is not None:
+                on_event({"result": res})
+        rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+# ---------------------------------------------------------------- isolation: crashes inside HDF5
+def worker(seed: int, golden: Path, timeout: float, hang_after: float, start: int, stop: int) -> int:
+    """Run cases start..stop-1 here; report each command begun and each case finished as JSON lines."""
+    out = sys.stdout
+    sys.stdout = sys.stderr  # only the protocol on the real stdout
+    faulthandler.enable()  # a crash prints the Python stack (to stderr, read by the supervisor)
+
+    def event(msg):
+        if "begin" in msg:  # HDF5 stuck in C code holds the GIL: only faulthandler's thread can end it
+            faulthandler.dump_traceback_later(hang_after, exit=True)
+        else:
+            faulthandler.cancel_dump_traceback_later()
+        out.write(json.dumps(msg) + "\n")
+        out.flush()
+
+    fuzz(stop - start, seed, golden, timeout, first=start, on_event=event)
+    faulthandler.cancel_dump_traceback_later()
+    return 0
+
+
+def _inside_hdf5(stderr: str) -> bool:
+    """Whether the dumped stack's innermost frame is a call into h5py (so the process was in HDF5's C code)."""
+    lines = stderr.splitlines()
+    for i, line in enumerate(lines):
+        if "most recent call first" in line and i + 1 < len(lines):
+            return "/h5py/" in lines[i + 1]
+    return False
+
+
+def supervise(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.0, jobs: int = 2,
+              hang_after: float = 60.0) -> Report:
+    """Run the cases in `jobs` worker processes. A worker that dies (a crash, or a hang that outlived
+    `hang_after` seconds) ends its case: counted as a library defect when it died inside an h5py
+    call, as a failure otherwise; a new worker resumes after that case."""
+    rep = Report()
+    lock = threading.Lock()
+    bounds = np.linspace(0, cases, max(1, jobs) + 1).astype(int)
+
+    def run_range(start: int, stop: int) -> None:
+        while start < stop:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--seed", str(seed), "--golden",
+                   str(golden), "--timeout", str(timeout), "--hang-after", str(hang_after), "--start", str(start),
+                   "--stop", str(stop)]
+            with tempfile.TemporaryFile("w+") as err:
+                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+                begun = None
+                for line in p.stdout:
+                    msg = json.loads(line)
+                    if "begin" in msg:
+                        begun = msg
+                    else:
+                        with lock:
+                            add_case(rep, seed, msg["result"])
+                        begun, start = None, msg["result"]["case"] + 1
+                code = p.wait()
+                if begun is None and code == 0:
+                    return
+                err.seek(0)
+                dump = err.read()
+            if begun is None:  # died between cases: our harness, not a case
+                with lock:
+                    rep.failures.append(f"worker for cases {start}..{stop - 1} died (exit {code}): {dump[-800:]}")
+                return
+            case, command = begun["begin"], begun["command"]
+            hang = "Timeout (" in dump
+            what = "hang" if hang else f"crash ({'signal ' + str(-code) if code < 0 else 'exit ' + str(code)})"
+            top = [ln.strip() for ln in dump.splitlines() if ln.strip().startswith("File ")][:2]
+            text = (f"case {case} (--seed {seed} --case {case}) [{'; '.join(begun['done'])}] {command}: "
+                    f"{what}; innermost frames: {' <- '.join(top)}")
+            with lock:
+                rep.cases += 1
+                rep.outcomes[(command, "hdf5 " + what.split()[0] if _inside_hdf5(dump) else what.split()[0])] += 1
+                (rep.library if _inside_hdf5(dump) else rep.failures).append(text)
+            start = case + 1
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run_range, args=(int(a), int(b))) for a, b in zip(bounds[:-1], bounds[1:])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def format_report(rep: Report, command_line: str) -> str:
+    lines = [f"$ {command_line}",
+             f"{rep.cases} cases in {rep.seconds:.1f} s ({rep.cases / max(rep.seconds, 1e-9):.1f} cases/s, "
+             f"{len(COMMANDS)} commands each); failures: {len(rep.failures)}",
+             "exit codes by command:"]
+    for command in COMMANDS:
+        counts = {c: rep.outcomes[(command, c)] for c in (0, 1, 2)}
+        other = Counter({str(c): n for (cmd, c), n in rep.outcomes.items() if cmd == command and c not in (0, 1, 2)})
+        lines.append(f"  {command:<20} exit 0: {counts[0]:>5}  exit 1: {counts[1]:>5}  exit 2: {counts[2]:>5}"
+                     + "".join(f"  {'exit ' + c if c.lstrip('-').isdigit() else c}: {n}" for c, n in other.items()))
+    lines.append(f"library defects (the process hung or crashed inside an HDF5 call; see docs/robustness.md): "
+                 f"{len(rep.library)}")
+    lines.append("exit-2 messages by kind:")
+    lines += [f"  {label:<26} {n:>5}" for label, n in rep.messages.most_common()]
+    lines.append("corruptions applied: " + ", ".join(f"{k} {v}" for k, v in sorted(rep.mutations.items())))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--golden", type=Path, default=GOLDEN)
+    ap.add_argument("--timeout", type=float, default=20.0, help="seconds a command may run (Python-level alarm)")
+    ap.add_argument("--hang-after", type=float, default=60.0,
+                    help="seconds after which a command stuck in C code ends its worker process")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    ap.add_argument("--case", type=int, default=None, help="run only this case, in this process, and describe it")
+    ap.add_argument("--keep", type=Path, default=None, help="with --case: copy the corrupted file here")
+    ap.add_argument("--show-failures", type=int, default=10, help="print at most this many failures")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--stop", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args.seed, args.golden, args.timeout, args.hang_after, args.start, args.stop)
+    if args.case is not None:
+        faulthandler.enable()
+        faulthandler.dump_traceback_later(args.hang_after, exit=True)
+        rep = fuzz(1, args.seed, args.golden, args.timeout, first=args.case, talk=True, keep=args.keep)
+    else:
+        rep = supervise(args.cases, args.seed, args.golden, args.timeout, args.jobs, args.hang_after)
+    shown = " ".join(["python scripts/fuzz_traces.py", *(argv if argv is not None else sys.argv[1:])])
+    print(format_report(rep, shown))
+    for line in rep.library[: args.show_failures]:
+        print("HDF5 " + line)
+    for fail in rep.failures[: args.show_failures]:
+        print("FAIL " + fail)
+    return 1 if rep.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Fuzz `trace show`, `trace show --hash` and `trace diff` with randomly corrupted copies of
+a golden trace (a short, seeded run; scripts/fuzz_traces.py runs thousands).
+
+The commands run in-process through click's CliRunner with GEMMA4_TRACE_DEBUG=1, so a bug
+of ours escapes as an exception (a failure) instead of the CLI's 'internal error' line;
+each command is guarded by an alarm. The cases run in two worker processes (both cores):
+HDF5 itself can spin forever or crash on some damaged metadata, inside C code that holds
+the GIL, where no Python guard can reach; a worker that dies that way is recorded as a
+library defect (docs/robustness.md) and the next worker goes on with the following case.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_traces.py"
+CASES, SEED = 300, 2024
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("fuzz_traces", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["fuzz_traces"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def fz():
+    return _load()
+
+
+def test_fuzzed_traces_end_cleanly(fz):
+    rep = fz.supervise(CASES, SEED, timeout=8.0, jobs=2, hang_after=15.0)
+    summary = fz.format_report(rep, f"supervise({CASES}, {SEED})")
+    print(summary)
+    assert not rep.failures, summary + "\n" + "\n".join(rep.failures[:5])
+    # hangs and crashes inside HDF5 calls: known library defects, rare, each one inside h5py
+    assert len(rep.library) <= 3, summary + "\n" + "\n".join(rep.library)
+    assert all("/h5py/" in line for line in rep.library), rep.library
+    assert rep.cases == CASES
+    # the corruptions reached every outcome: refused, unharmed, and (diff) diverged
+    for command in fz.COMMANDS:
+        assert rep.outcomes[(command, 2)] > 0 and rep.outcomes[(command, 0)] > 0, summary
+    assert rep.outcomes[("diff GOLDEN CORRUPT", 1)] > 0, summary
+    assert set(rep.mutations) == set(fz.ALL), summary
+    assert {"corrupt data (checksum)", "invalid structure", "unreadable HDF5"} <= set(rep.messages), summary
+
+
+def test_in_process_cases(fz):
+    """A few cases in this very process (the worker's code path, without the isolation)."""
+    rep = fz.fuzz(20, SEED + 1, timeout=8.0)
+    assert rep.cases == 20 and not rep.failures, rep.failures[:3]
+
+
+def test_checker_rejects_what_it_must(fz):
+    """The checks themselves: an internal error, two lines or a traceback are failures."""
+    ok = "error: x.h5 is corrupt: ...\n"
+    assert fz.check("show", 2, "", ok) is None
+    assert fz.check("diff GOLDEN CORRUPT", 1, "first divergence: ...\n", "") is None
+    assert fz.check("show", 1, "", "")  # show never exits 1
+    assert fz.check("show", 2, "", "error: internal error (KeyError: 'x'); set GEMMA4_TRACE_DEBUG=1\n")
+    assert fz.check("show", 2, "", ok + "more\n")
+    assert fz.check("show", 2, "", "Traceback (most recent call last):\n")
+    assert fz.check("show", None, "", "")  # a hang
