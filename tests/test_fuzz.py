@@ -39,9 +39,8 @@ def test_fuzzed_traces_end_cleanly(fz):
     summary = fz.format_report(rep, f"supervise({CASES}, {SEED})")
     print(summary)
     assert not rep.failures, summary + "\n" + "\n".join(rep.failures[:5])
-    # hangs and crashes inside HDF5 calls: known library defects, rare, each one inside h5py
-    assert len(rep.library) <= 3, summary + "\n" + "\n".join(rep.library)
-    assert all("/h5py/" in line for line in rep.library), rep.library
+    # no hang or crash inside HDF5 either (text is stored as fixed-length strings, see docs/robustness.md)
+    assert not rep.library, summary + "\n" + "\n".join(rep.library)
     assert rep.cases == CASES
     # the corruptions reached every outcome: refused, unharmed, and (diff) diverged
     for command in fz.COMMANDS:

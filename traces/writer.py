@@ -21,6 +21,17 @@ MAX_CHUNK_ROWS = 256
 COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True, fletcher32=True)
 
 
+def fixed_text(text: str | list[str]) -> np.ndarray:
+    """UTF-8 text as fixed-length HDF5 strings.
+
+    Variable-length strings live in HDF5's global heap, and a damaged global heap can make
+    the HDF5 library spin or crash while reading; fixed-length strings are stored inline.
+    """
+    data = [t.encode() for t in text] if isinstance(text, list) else text.encode()
+    width = max([1] + [len(b) for b in (data if isinstance(data, list) else [data])])
+    return np.array(data, dtype=h5py.string_dtype("utf-8", width))
+
+
 def _to_array(value, source_dtype: str | None) -> tuple[np.ndarray, str]:
     """Canonical storage dtype: floats as float32 (bf16/fp16 upcast losslessly), ints as int64."""
     arr = np.asarray(value)
@@ -69,7 +80,7 @@ class _Series:
             self.ds = self.f.create_dataset(
                 self.path, shape=(0, *data.shape[1:]), maxshape=maxshape, dtype=self.dtype, chunks=chunks, **COMPRESSION
             )
-            self.ds.attrs[S.ATTR_SOURCE_DTYPE] = self.source_dtype
+            self.ds.attrs[S.ATTR_SOURCE_DTYPE] = fixed_text(self.source_dtype)
         if self.grow_last and width > self.ds.shape[1]:
             self.ds.resize(width, axis=1)
         if self.grow_last and data.shape[1] < self.ds.shape[1]:
@@ -139,7 +150,7 @@ class TraceWriter:
         extra_inputs: dict | None = None,
     ) -> None:
         f = self.f
-        f.attrs[S.ATTR_SCHEMA] = S.SCHEMA_NAME
+        f.attrs[S.ATTR_SCHEMA] = fixed_text(S.SCHEMA_NAME)
         f.attrs[S.ATTR_SCHEMA_VERSION] = S.SCHEMA_VERSION
         missing = [k for k in S.PROVENANCE_KEYS if k not in provenance]
         if missing:
@@ -148,22 +159,22 @@ class TraceWriter:
             raise ValueError(f"mode {provenance['mode']!r} not in {S.MODES}")
         for k in S.PROVENANCE_KEYS:
             v = provenance[k]
-            f.attrs[k] = json.dumps(v, sort_keys=True) if isinstance(v, dict) else str(v)
+            f.attrs[k] = fixed_text(json.dumps(v, sort_keys=True) if isinstance(v, dict) else str(v))
         ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
         f.create_dataset(S.DSET_PROMPT_IDS, data=ids)
         g = f[S.GROUP_INPUTS]
         g.attrs["max_new_tokens"] = int(max_new_tokens)
         g.attrs["eos_token_ids"] = np.asarray(sorted(set(int(e) for e in eos_token_ids)), dtype=np.int64)
-        g.attrs["prompt_text"] = prompt_text
+        g.attrs["prompt_text"] = fixed_text(prompt_text)
         g.attrs["chat_template_applied"] = bool(chat_template_applied)
         f.require_group(S.GROUP_INPUT_EXTRA)
         for name, value in sorted((extra_inputs or {}).items()):
             arr, src = _to_array(value, None)
             ds = f.create_dataset(S.input_extra_path(name), data=arr, **COMPRESSION)
-            ds.attrs[S.ATTR_SOURCE_DTYPE] = src
+            ds.attrs[S.ATTR_SOURCE_DTYPE] = fixed_text(src)
         for field in S.LAYER_FIELDS:
             vals = [getattr(li, field) for li in layers]
-            data = np.asarray(vals, dtype=h5py.string_dtype() if isinstance(vals[0], str) else np.int64)
+            data = fixed_text(vals) if isinstance(vals[0], str) else np.asarray(vals, dtype=np.int64)
             f.create_dataset(S.model_field_path(field), data=data)
         self._n_layers = len(layers)
 
