@@ -21,33 +21,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-S, F = "sliding_attention", "full_attention"
 REPEATS = 3
-E2B_SHAPED = dict(
-    vocab_size=16384, vocab_size_per_layer_input=16384, hidden_size=1536, intermediate_size=6144,
-    num_hidden_layers=7, layer_types=[S, S, S, S, F, S, F], num_attention_heads=8, num_key_value_heads=1,
-    head_dim=256, global_head_dim=512, sliding_window=512, hidden_size_per_layer_input=256,
-    num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=30.0,
-    pad_token_id=0, eos_token_id=1, bos_token_id=2,
-)
 
 
 def build(which: str):
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
+    from benchmarks.e2b_shaped import E2B_TEXT
     from recorder.model import LoadedModel, load_model
 
     if which == "tiny":
-        try:
-            return load_model(None)  # the embedded tiny model
-        except Exception:  # not there (yet): a random tiny checkpoint of the same family
-            pass
-        from tests import tiny_models
-
-        return load_model(tiny_models.build(tempfile.mkdtemp(), "base"))
+        return load_model(None)  # the embedded tiny model
     torch.manual_seed(0)
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**E2B_SHAPED)).eval()
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**E2B_TEXT)).eval()
     return LoadedModel(model, None, "e2b-shaped (random)", Path("."), "float32", "cpu")
 
 

@@ -18,6 +18,7 @@ from .layers import LayerInfo
 
 CHUNK_BYTES = 1 << 20  # target uncompressed chunk size
 MAX_CHUNK_ROWS = 256
+MASK_CHUNK_ROWS, MASK_CHUNK_KEYS = 256, 1024  # bool: 256 KiB per chunk
 COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True, fletcher32=True)
 
 
@@ -60,7 +61,9 @@ class _Series:
         if block.shape[1:] != self.row_shape:
             if not (self.grow_last and block.ndim == 2):
                 raise ValueError(f"{self.path}: row shape {block.shape[1:]} != {self.row_shape} of earlier rows")
-        self.pending.append(block)
+        # a copy: a view would keep the caller's whole buffer alive (a KV cache, say) and see
+        # later in-place writes to it
+        self.pending.append(np.array(block, copy=True))
         self.pending_rows += block.shape[0]
         if self.pending_rows >= self.chunk_rows:
             self.flush()
@@ -76,7 +79,9 @@ class _Series:
         data = np.concatenate(blocks, axis=0)
         if self.ds is None:
             maxshape = (None, None) if self.grow_last else (None, *self.row_shape)
-            chunks = (self.chunk_rows, *data.shape[1:]) if not self.grow_last else (self.chunk_rows, max(1, data.shape[1]))
+            # the mask's key axis grows with the run: fixed-width key chunks keep the chunk count
+            # (and HDF5's index) proportional to the data, not to the number of resizes
+            chunks = (self.chunk_rows, *data.shape[1:]) if not self.grow_last else (MASK_CHUNK_ROWS, MASK_CHUNK_KEYS)
             self.ds = self.f.create_dataset(
                 self.path, shape=(0, *data.shape[1:]), maxshape=maxshape, dtype=self.dtype, chunks=chunks, **COMPRESSION
             )
@@ -120,7 +125,8 @@ class TraceWriter:
     def __enter__(self) -> "TraceWriter":
         self._ctx = atomic_output(self.path, self.force)
         tmp = self._ctx.__enter__()
-        self.f = h5py.File(tmp, "w", track_order=True)
+        # no chunk cache: rows are written in chunk-sized blocks, once, so caching only costs memory
+        self.f = h5py.File(tmp, "w", track_order=True, rdcc_nbytes=0)
         return self
 
     def __exit__(self, exc_type, exc, tb):
