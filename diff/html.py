@@ -181,7 +181,7 @@ def render_html(result) -> str:
         _curves(result.growth, d),
         f'<p class="legend">{e(growth_summary(result.growth))}</p>',
         "<h2>Tokens</h2>",
-        f"<p>{e(token_summary(result.tokens))}</p>",
+        f"<p>{e(token_summary(result.tokens)).replace(chr(10), '<br>')}</p>",
         _token_table(result.tokens),
         "<h2>Tensors compared</h2>",
         _tensor_table(result.tensors),

@@ -20,6 +20,8 @@ None, and then nothing may be computed for it. See docs/runtime-api.md.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Protocol, runtime_checkable
 
 from traces import schema as S
@@ -86,10 +88,18 @@ def load_factory(spec: str):
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise TraceToolError(f"--runtime {spec!r}: expected 'static' or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)")
+    # like `python -m`: a module in the current folder is found without installing it
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # an import error of any kind inside the plug-in is the user's input
         raise TraceToolError(f"cannot import runtime plug-in module {module_name!r}: {type(e).__name__}: {_line(e)}") from None
+    finally:
+        if added:
+            sys.path.remove(cwd)
     factory = getattr(module, attr, None)
     if factory is None:
         raise TraceToolError(f"runtime plug-in module {module_name!r} has no {attr!r} (the factory named in --runtime)")

@@ -202,3 +202,14 @@ def test_tiny_two_images_bidirectional(tmp_path):
     record_loaded(load_model(model), PromptInputs(ids, image_inputs(ids)), ref, max_new_tokens=8)
     replay_trace(ref, run, model_dir=model, progress=False)
     compare(ref, run)
+
+
+def test_plugin_module_in_the_current_folder_is_found(tmp_path, monkeypatch):
+    from replayer.api import load_factory
+
+    (tmp_path / "my_npu_rt.py").write_text("def create(loaded, max_seq):\n    return None\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_factory("my_npu_rt:create").__name__ == "create"
+    import sys
+
+    assert str(tmp_path) not in sys.path  # only while importing
