@@ -63,7 +63,7 @@ def check_compatible(ref: TraceReader, run: TraceReader) -> None:
         n = min(a.size, b.size)
         first = next((i for i in range(n) if a[i] != b[i]), n)
         where = (f"first difference at index {first}: {a[first]} vs {b[first]}" if first < n
-                 else f"one is a prefix of the other")
+                 else "one is a prefix of the other")
         raise TraceToolError(f"traces have different prompts: REF has {a.size} ids, RUN has {b.size} ({where})")
     n = min(ref.n_steps, run.n_steps)
     if ref.step_positions[:n] != run.step_positions[:n]:

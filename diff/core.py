@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from traces import schema as S
-from traces.errors import TraceToolError
 from traces.reader import TraceReader
 
 from .align import Plan, check_compatible, dataflow_sequence, make_plan
@@ -273,7 +271,7 @@ class _Differ:
 
     # ------------------------------------------------------------ tokens
     def _tokens_candidate(self) -> None:
-        ref, run, plan = self.ref, self.run, self.plan
+        ref, plan = self.ref, self.plan
         rt, ct = self.ref_tokens, self.run_tokens
         info: dict = {"reference": [] if rt is None else [int(x) for x in rt],
                       "candidate": [] if ct is None else [int(x) for x in ct],

@@ -17,10 +17,9 @@ instead, which keeps every position in every layer and leaves the numbers unchan
 from __future__ import annotations
 
 import contextlib
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from gemma4_trace.progress import ProgressBar
 from traces import TraceWriter, layer_infos_from_config
 from traces.atomic import check_output_path
 from traces.errors import TraceToolError
@@ -322,27 +321,19 @@ def record_loaded(
     return generated
 
 
-class _Progress:
-    """A minimal generate() streamer that draws a progress bar on stderr for long runs."""
+class _Progress(ProgressBar):
+    """The progress bar as a generate() streamer: put() is called once per generated token."""
 
     def __init__(self, total: int, enabled: bool):
-        self.total, self.done = total, -1  # the first put() is the prompt
-        self.enabled = enabled and total >= 32
+        super().__init__("recording", total, enabled)
+        self.done = -1  # the first put() is the prompt
 
     def put(self, value) -> None:
         self.done += 1
-        if self.enabled and self.done > 0 and (self.done % 8 == 0 or self.done == self.total):
-            width = 30
-            filled = int(width * self.done / self.total)
-            sys.stderr.write(f"\rrecording [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}")
-            sys.stderr.flush()
+        self.update(self.done)
 
     def end(self) -> None:
         pass
-
-    def close(self) -> None:
-        if self.enabled and self.done > 0:
-            sys.stderr.write("\n")
 
 
 def rerecord_trace(reference, output, *, model_dir=None, device: str = "cpu", force: bool = False) -> list[int]:

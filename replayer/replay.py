@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 import time
 
+from gemma4_trace.progress import ProgressBar
 from traces.atomic import check_output_path
 from traces.errors import TraceToolError
 from traces.layers import layer_infos_from_config
@@ -12,28 +12,12 @@ from traces.reader import TraceReader
 from traces.writer import TraceWriter
 
 MODES = ("teacher-forced", "free-running")
-PROGRESS_MIN_STEPS = 32
 
 
 def default_max_seq(prompt_len: int, max_new_tokens: int) -> int:
     """Prompt + new tokens rounded up to a multiple of 8."""
     n = prompt_len + max_new_tokens
     return -(-n // 8) * 8
-
-
-class _Bar:
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled and total >= PROGRESS_MIN_STEPS
-
-    def update(self, done: int) -> None:
-        if self.enabled and (done % 8 == 0 or done == self.total):
-            filled = int(30 * done / self.total)
-            sys.stderr.write(f"\rreplaying [{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
 
 
 def _read_reference(reference) -> dict:
@@ -90,7 +74,7 @@ def replay_trace(
     ref_tokens = ref["tokens"]
     n_steps = ref["n_steps"] if mode == "teacher-forced" else n_new
     vocab = loaded.text_config.vocab_size
-    bar = _Bar(n_steps, progress)
+    bar = ProgressBar("replaying", n_steps, progress)
     plugin = runtime != "static"
     t0 = time.perf_counter()
 

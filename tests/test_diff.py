@@ -10,7 +10,7 @@ import pytest
 
 import diff.core
 from diff import diff_traces, format_text, load_tolerances, render_html, write_html
-from tests.synth import HIDDEN, LAYERS, WINDOW, write_trace
+from tests.synth import LAYERS, WINDOW, write_trace
 from traces import TraceToolError
 
 
