@@ -23,7 +23,7 @@ import h5py
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from traces import LayerInfo, TraceWriter  # noqa: E402
+from gemma4_trace.traces import LayerInfo, TraceWriter  # noqa: E402
 
 HIDDEN, PLE, VOCAB, HEADS = 1536, 256, 32768, 8
 TYPES = ["sliding_attention"] * 3 + ["full_attention"]

@@ -28,7 +28,7 @@ def build(which: str):
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     from benchmarks.e2b_shaped import E2B_TEXT
-    from recorder.model import LoadedModel, load_model
+    from gemma4_trace.recorder.model import LoadedModel, load_model
 
     if which == "tiny":
         return load_model(None)  # the embedded tiny model
@@ -91,7 +91,7 @@ def child(which: str, what: str, n: int) -> None:
     """Run one side alone and print its peak RSS (MiB)."""
     import torch
 
-    from replayer.runtime import StaticGemma4Runtime
+    from gemma4_trace.replayer.runtime import StaticGemma4Runtime
 
     lm = build(which)
     ids = list(range(3, 35))
@@ -141,7 +141,7 @@ def main() -> None:
 
     import torch
 
-    from replayer.runtime import StaticGemma4Runtime
+    from gemma4_trace.replayer.runtime import StaticGemma4Runtime
 
     print(f"command: python benchmarks/bench_replay.py --new-tokens {a.new_tokens} --models {a.models}"
           f"{' --compile' if a.compile else ''}")

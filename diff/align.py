@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from traces import schema as S
-from traces.errors import TraceToolError
-from traces.reader import TraceReader
+from gemma4_trace.traces import schema as S
+from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.reader import TraceReader
 
 # model_config keys that change tensor shapes or the computation's structure
 ARCH_KEYS = (

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from traces import schema as S
-from traces.reader import TraceReader
+from gemma4_trace.traces import schema as S
+from gemma4_trace.traces.reader import TraceReader
 
 from .align import Plan, check_compatible, dataflow_sequence, make_plan
 from .metrics import METRIC_ORDER, RowStats, compare_mask_block, element_detail, mask_row_detail

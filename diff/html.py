@@ -9,8 +9,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from traces.atomic import check_output_path
-from traces.errors import TraceToolError
+from gemma4_trace.traces.atomic import check_output_path
+from gemma4_trace.traces.errors import TraceToolError
 
 from .report import format_text, growth_summary, sci, token_summary, val
 

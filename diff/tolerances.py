@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from traces import schema as S
-from traces.errors import TraceToolError
+from gemma4_trace.traces import schema as S
+from gemma4_trace.traces.errors import TraceToolError
 
 # Built-in defaults by precision class of the two traces (the looser one wins).
 # float32: reordered sums in a float32 Gemma 4 give rel-L2 1e-7..1e-5 on the residual

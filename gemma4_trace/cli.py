@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError
 
 EXIT_DIVERGENCE = 1
 EXIT_USAGE = 2
@@ -103,7 +103,7 @@ def _int_list(ctx, param, value):
 @user_errors
 def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, no_chat, output, force):
     """Run HF Gemma 4 greedy generation with hooks and write a reference trace."""
-    from recorder.record import record_trace
+    from gemma4_trace.recorder.record import record_trace
 
     summary = record_trace(
         model_dir=model_dir, output=output, prompt=prompt, input_ids=input_ids, images=list(images),
@@ -122,8 +122,8 @@ def show(trace_path, show_hash, model_dir):
     """Print a readable summary of a trace."""
     from pathlib import Path
 
-    from traces.reader import TraceReader
-    from traces.show import decoder_for, summarize
+    from gemma4_trace.traces.reader import TraceReader
+    from gemma4_trace.traces.show import decoder_for, summarize
 
     with TraceReader(trace_path) as r:
         if show_hash:
@@ -137,7 +137,7 @@ def _embedded_model_dir(model_name: str):
     """The embedded model's folder when a trace was recorded from it (no torch import)."""
     from pathlib import Path
 
-    import recorder
+    from gemma4_trace import recorder
 
     if model_name != "tiny-gemma4 (embedded)":
         return None
@@ -155,7 +155,7 @@ def _embedded_model_dir(model_name: str):
 @user_errors
 def replay(reference, model_dir, runtime, max_seq, teacher_forcing, output, force):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""
-    from replayer.replay import replay_trace
+    from gemma4_trace.replayer.replay import replay_trace
 
     summary = replay_trace(
         reference, output, model_dir=model_dir, runtime=runtime, max_seq=max_seq,
@@ -178,8 +178,8 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
     import json
     from pathlib import Path
 
-    from diff import diff_traces, format_text, write_html
-    from traces.show import decoder_for
+    from gemma4_trace.diff import diff_traces, format_text, write_html
+    from gemma4_trace.traces.show import decoder_for
 
     result = diff_traces(reference, candidate, tolerances)
     folder = Path(model_dir) if model_dir else _embedded_model_dir(result.reference.get("model_name", ""))

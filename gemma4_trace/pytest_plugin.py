@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-import traces
+from gemma4_trace import traces
 
 PACKAGED_GOLDEN_DIR = Path(traces.__file__).resolve().parent / "golden"
 
@@ -44,15 +44,15 @@ class GoldenChecker:
 
     def update(self) -> None:
         """Re-record each golden from its own inputs with the installed transformers."""
-        from recorder.record import rerecord_trace
+        from gemma4_trace.recorder.record import rerecord_trace
 
         for p in self.paths:
             rerecord_trace(p, p, model_dir=self.model_dir, force=True)
 
     def check(self, runtime: str = "static", modes=("teacher-forced", "free-running"), tolerances=None):
         """Replay every golden through `runtime` and assert each matches; return the diff results."""
-        from diff import diff_traces, format_text
-        from replayer.replay import replay_trace
+        from gemma4_trace.diff import diff_traces, format_text
+        from gemma4_trace.replayer.replay import replay_trace
 
         results, failures = [], []
         for p in self.paths:

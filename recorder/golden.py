@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import traces
-from traces import TraceReader
+from gemma4_trace import traces
+from gemma4_trace.traces import TraceReader
 
 from .model import DEMO_IMAGE, DEMO_IMAGE_PROMPT, DEMO_PROMPT
 

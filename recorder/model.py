@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "tiny_model"
 EMBEDDED_NAME = "tiny-gemma4 (embedded)"

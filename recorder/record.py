@@ -20,10 +20,10 @@ import contextlib
 from dataclasses import dataclass, field
 
 from gemma4_trace.progress import ProgressBar
-from traces import TraceWriter, layer_infos_from_config
-from traces.atomic import check_output_path
-from traces.errors import TraceToolError
-from traces.schema import rope_kinds
+from gemma4_trace.traces import TraceWriter, layer_infos_from_config
+from gemma4_trace.traces.atomic import check_output_path
+from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.schema import rope_kinds
 
 from .model import DEMO_IMAGE_PROMPT, DEMO_PROMPT, LoadedModel, load_model, provenance
 
@@ -341,7 +341,7 @@ def rerecord_trace(reference, output, *, model_dir=None, device: str = "cpu", fo
     import numpy as np
     import torch
 
-    from traces import TraceReader
+    from gemma4_trace.traces import TraceReader
 
     from .model import load_for_reference
 

@@ -24,8 +24,8 @@ import os
 import sys
 from typing import Protocol, runtime_checkable
 
-from traces import schema as S
-from traces.errors import TraceToolError
+from gemma4_trace.traces import schema as S
+from gemma4_trace.traces.errors import TraceToolError
 
 REQUIRED_METHODS = ("prefill", "decode")
 DRIVER_KINDS = ("logits", "token")  # written by the replay driver, never by a runtime

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 from gemma4_trace.progress import ProgressBar
-from traces.atomic import check_output_path
-from traces.errors import TraceToolError
-from traces.layers import layer_infos_from_config
-from traces.reader import TraceReader
-from traces.writer import TraceWriter
+from gemma4_trace.traces.atomic import check_output_path
+from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.layers import layer_infos_from_config
+from gemma4_trace.traces.reader import TraceReader
+from gemma4_trace.traces.writer import TraceWriter
 
 MODES = ("teacher-forced", "free-running")
 
@@ -49,7 +49,7 @@ def replay_trace(
     """Replay REF's inputs through a runtime and write the candidate trace; return a summary line."""
     import torch
 
-    from recorder.model import load_for_reference, provenance
+    from gemma4_trace.recorder.model import load_for_reference, provenance
 
     from .api import WriterProbe, make_runtime
 

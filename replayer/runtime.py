@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from traces.errors import TraceToolError
-from traces.layers import LayerInfo, layer_infos_from_config
-from traces.schema import rope_kinds
+from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.layers import LayerInfo, layer_infos_from_config
+from gemma4_trace.traces.schema import rope_kinds
 
 SUPPORTED_ROPE = ("default", "proportional")
 UNSUPPORTED_INPUTS = ("pixel_values_videos", "input_features", "input_features_mask")

@@ -18,10 +18,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from diff import diff_traces, format_text  # noqa: E402
-from replayer.replay import replay_trace  # noqa: E402
+from gemma4_trace.diff import diff_traces, format_text  # noqa: E402
+from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
 from tests.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, runtime_spec  # noqa: E402
-from traces.errors import TraceToolError  # noqa: E402
+from gemma4_trace.traces.errors import TraceToolError  # noqa: E402
 
 DOC = ROOT / "docs" / "bug-zoo.md"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recorder import golden  # noqa: E402
+from gemma4_trace.recorder import golden  # noqa: E402
 
 
 def main() -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from replayer.runtime import StaticGemma4Runtime
+from gemma4_trace.replayer.runtime import StaticGemma4Runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "traces" / "golden"
@@ -38,7 +38,7 @@ def reference_path(name: str, workdir: Path) -> Path:
         return GOLDEN / f"{name}.h5"
     out = Path(workdir) / f"{name}.h5"
     if not out.exists():
-        from recorder.record import record_trace
+        from gemma4_trace.recorder.record import record_trace
 
         record_trace(output=out, force=True, **RECORDED[name])
     return out

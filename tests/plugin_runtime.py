@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from replayer.export import export_decode, export_prefill
-from replayer.runtime import StaticGemma4Runtime
-from traces.schema import rope_kinds
+from gemma4_trace.replayer.export import export_decode, export_prefill
+from gemma4_trace.replayer.runtime import StaticGemma4Runtime
+from gemma4_trace.traces.schema import rope_kinds
 
 
 class ExportedRuntime:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from traces import LayerInfo, TraceWriter
+from gemma4_trace.traces import LayerInfo, TraceWriter
 
 LAYERS = [
     LayerInfo("sliding_attention", 4, 2, 1, "owns", 0),

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from diff import diff_traces, format_text
+from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.cli import main
-from replayer.replay import default_max_seq, replay_trace
+from gemma4_trace.replayer.replay import default_max_seq, replay_trace
 from tests.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, runtime_spec
-from traces import schema as S
-from traces.errors import TraceToolError
-from traces.reader import TraceReader
+from gemma4_trace.traces import schema as S
+from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.reader import TraceReader
 
 
 @pytest.fixture(scope="module")

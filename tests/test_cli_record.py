@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from gemma4_trace.cli import main
 from tests import tiny_models
-from traces import TraceReader
+from gemma4_trace.traces import TraceReader
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ from html.parser import HTMLParser
 import numpy as np
 import pytest
 
-import diff.core
-from diff import diff_traces, format_text, load_tolerances, render_html, write_html
+import gemma4_trace.diff.core as diff_core
+from gemma4_trace.diff import diff_traces, format_text, load_tolerances, render_html, write_html
 from tests.synth import LAYERS, WINDOW, write_trace
-from traces import TraceToolError
+from gemma4_trace.traces import TraceToolError
 
 
 def plant(**where):
@@ -214,7 +214,7 @@ def test_logits_divergence_global_kind(ref, tmp_path):
 
 
 def test_row_blocks_give_the_same_answer(tmp_path, monkeypatch):
-    monkeypatch.setattr(diff.core, "BLOCK_BYTES", 1)  # one chunk per read
+    monkeypatch.setattr(diff_core, "BLOCK_BYTES", 1)  # one chunk per read
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     write_trace(a, prompt_len=700, new_tokens=2)
     write_trace(b, prompt_len=700, new_tokens=2, edit=plant(kind="layer_out", layer=2, step=0, row=650, index=(3,)))
@@ -429,7 +429,7 @@ def test_different_prompt_refused_dtype_and_runtime_fine(ref, tmp_path):
 
 
 def _prompt(tmp_path, ref):
-    from traces import TraceReader
+    from gemma4_trace.traces import TraceReader
 
     with TraceReader(ref) as r:
         ids = r.prompt_ids.copy()

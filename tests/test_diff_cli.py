@@ -114,7 +114,7 @@ def test_no_torch_imported(traces):
 
 
 def test_generated_text_shown_when_the_tokenizer_is_known():
-    from recorder import golden
+    from gemma4_trace.recorder import golden
 
     path = str(golden.golden_path("short"))
     res = CliRunner().invoke(main, ["diff", path, path])

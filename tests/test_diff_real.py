@@ -2,9 +2,9 @@
 
 import pytest
 
-from diff import diff_traces, format_text
-from recorder import golden
-from recorder.record import record_trace
+from gemma4_trace.diff import diff_traces, format_text
+from gemma4_trace.recorder import golden
+from gemma4_trace.recorder.record import record_trace
 
 
 @pytest.fixture(scope="module")

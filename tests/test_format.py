@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from tests.synth import LAYERS, write_trace
-from traces import KIND_NAMES, TraceFileError, TraceReader, TraceToolError, TraceWriter, schema
+from gemma4_trace.traces import KIND_NAMES, TraceFileError, TraceReader, TraceToolError, TraceWriter, schema
 
 
 def test_golden_kind_names_in_dataflow_order():

@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 
-from diff import diff_traces, format_text
-from recorder import golden
-from recorder.record import rerecord_trace
-from traces import TraceReader
+from gemma4_trace.diff import diff_traces, format_text
+from gemma4_trace.recorder import golden
+from gemma4_trace.recorder.record import rerecord_trace
+from gemma4_trace.traces import TraceReader
 
 
 def test_goldens_are_small_and_hashed():
@@ -63,7 +63,7 @@ def test_update_golden_rerecords_with_hf(pytester, tmp_path):
     folder.mkdir()
     shutil.copy(golden.golden_path("short"), folder / "short.h5")
     # make the file in the folder something other than an HF recording
-    from replayer.replay import replay_trace
+    from gemma4_trace.replayer.replay import replay_trace
 
     replay_trace(golden.golden_path("short"), folder / "short.h5", force=True, progress=False)
     with TraceReader(folder / "short.h5") as r:
@@ -72,4 +72,7 @@ def test_update_golden_rerecords_with_hf(pytester, tmp_path):
     res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--golden-dir", str(folder), "--update-golden")
     res.assert_outcomes(passed=1)
     with TraceReader(folder / "short.h5") as r:
-        assert r.provenance["runtime"].startswith("hf-transformers") and r.content_hash() == golden.content_hashes()["short"]
+        assert r.provenance["runtime"].startswith("hf-transformers")
+    # the same recording as the shipped golden (bit-exact only on the CPU that recorded it)
+    res = diff_traces(golden.golden_path("short"), folder / "short.h5")
+    assert res.match and res.reference["runtime"] == res.candidate["runtime"], format_text(res)

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from recorder.model import load_model
-from recorder.record import PromptInputs, record_loaded
+from gemma4_trace.recorder.model import load_model
+from gemma4_trace.recorder.record import PromptInputs, record_loaded
 from tests import tiny_models
-from traces import TraceReader
+from gemma4_trace.traces import TraceReader
 
 PROMPT = [2, 5, 9, 13, 7, 3]
 NEW = 12  # prompt 6 + 12 decode steps: crosses the window of 4 several times
@@ -126,8 +126,8 @@ def test_recording_twice_gives_the_same_content_hash(tmp_path):
 
 @pytest.fixture(scope="module")
 def image_recording(tmp_path_factory):
-    from recorder.model import DEMO_IMAGE, DEMO_IMAGE_PROMPT
-    from recorder.record import _open_image, prepare_inputs
+    from gemma4_trace.recorder.model import DEMO_IMAGE, DEMO_IMAGE_PROMPT
+    from gemma4_trace.recorder.record import _open_image, prepare_inputs
 
     d = tmp_path_factory.mktemp("image")
     lm = load_model(None)

@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from gemma4_trace.cli import main
-from recorder.record import record_trace
-from replayer.replay import replay_trace
+from gemma4_trace.recorder.record import record_trace
+from gemma4_trace.replayer.replay import replay_trace
 from tests import tiny_models
-from traces.errors import TraceToolError
-from traces.reader import TraceReader
+from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.reader import TraceReader
 
 REL = 5e-5
 PROMPT = [2, 5, 9, 17, 33, 4, 8, 60, 61, 62, 11]  # 11 tokens, window 4: crossed several times
@@ -152,7 +152,7 @@ def test_existing_output_kept_without_force(recorded, tmp_path):
 
 
 def test_interrupt_leaves_nothing(recorded, tmp_path, monkeypatch):
-    from replayer.runtime import StaticGemma4Runtime
+    from gemma4_trace.replayer.runtime import StaticGemma4Runtime
 
     model, ref = recorded("base")
     out = tmp_path / "run.h5"
@@ -192,8 +192,8 @@ def test_embedded_image_teacher_forced(tmp_path):
 
 def test_tiny_two_images_bidirectional(tmp_path):
     """Two images, one with padding patches, recorded through HF generate() and replayed."""
-    from recorder.model import load_model
-    from recorder.record import PromptInputs, record_loaded
+    from gemma4_trace.recorder.model import load_model
+    from gemma4_trace.recorder.record import PromptInputs, record_loaded
     from tests.test_runtime import BOI, EOI, IMG, image_inputs
 
     model = tiny_models.build(tmp_path / "m", "base", multimodal=True, use_bidirectional_attention="vision", sliding_window=6)
@@ -205,7 +205,7 @@ def test_tiny_two_images_bidirectional(tmp_path):
 
 
 def test_plugin_module_in_the_current_folder_is_found(tmp_path, monkeypatch):
-    from replayer.api import load_factory
+    from gemma4_trace.replayer.api import load_factory
 
     (tmp_path / "my_npu_rt.py").write_text("def create(loaded, max_seq):\n    return None\n")
     monkeypatch.chdir(tmp_path)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recorder.model import load_model
-from replayer.runtime import StaticGemma4Runtime, generate
+from gemma4_trace.recorder.model import load_model
+from gemma4_trace.replayer.runtime import StaticGemma4Runtime, generate
 from tests import tiny_models
-from traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError
 
 REL = 5e-5
 IMG, BOI, EOI = 120, 121, 122
@@ -181,7 +181,7 @@ def test_probe_none_reports_nothing_and_same_logits(models):
 
 
 def test_exported_decode_matches_eager(models):
-    from replayer.export import export_decode, export_prefill
+    from gemma4_trace.replayer.export import export_decode, export_prefill
 
     rt = StaticGemma4Runtime(models("moe"), max_seq=16)
     ids = [2, 5, 9, 17, 33]

@@ -32,15 +32,6 @@ from .layers import LayerInfo
 HASH_BLOCK_ROWS = 4096
 
 ADVICE = "re-record it, or copy it again if it was transferred"
-# row rank of each kind (dimensions after the row axis), see docs/trace-format.md
-ROW_NDIM = {
-    "embeddings": 1, "per_layer_inputs": 2, "rope_cos_sliding": 1, "rope_sin_sliding": 1, "rope_cos_full": 1,
-    "rope_sin_full": 1, "mask": 1, "q": 2, "k": 2, "v": 2, "attn_out": 1, "layer_out": 1, "final_hidden": 1,
-    "logits": 1, "token": 0,
-}
-assert set(ROW_NDIM) == set(S.KIND_NAMES)
-# dtype kinds (numpy dtype.kind) each kind may be stored as
-DTYPE_KINDS = {name: "f" for name in S.KIND_NAMES} | {"mask": "b", "token": "iu"}
 DTYPE_WORDS = {"f": "float16, float32 or float64", "b": "bool", "iu": "integer", "biuf": "numbers"}
 # exceptions h5py raises on data it cannot read back (checksum, decompression, damaged index)
 READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError)
@@ -355,7 +346,7 @@ class TraceReader:
     def _check_tensor(self, kind: str, layer: int | None) -> None:
         path = S.tensor_path(kind, layer)
         spec = S.KIND_BY_NAME[kind]
-        ds = self._dset(path, 1 + ROW_NDIM[kind], DTYPE_KINDS[kind])
+        ds = self._dset(path, 1 + spec.row_ndim, S.DTYPE_KINDS[spec.dtype])
         self._text_attr(ds, S.ATTR_SOURCE_DTYPE, repr(path))
         self._at = path
         rows, row = ds.shape[0], ds.shape[1:]

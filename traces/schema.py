@@ -56,32 +56,43 @@ KV_ROLES = ("owns", "stores", "reuses")
 LAYER_TYPE_SHORT = {"sliding_attention": "sliding", "full_attention": "full"}
 
 
+# numpy dtype kinds (dtype.kind) a kind may be stored with, by the table's dtype word
+DTYPE_KINDS = {"float": "f", "bool": "b", "int": "iu"}
+
+
 @dataclass(frozen=True)
 class Kind:
     name: str
     per_layer: bool
     index: str  # "position": one row per absolute position; "step": one row per step
+    row_ndim: int  # dimensions of one row (after the row axis)
+    dtype: str  # "float" (stored float32, source dtype in an attribute) | "bool" | "int" (int64)
     shape: str  # row shape, documented (docs/trace-format.md)
     doc: str
+
+    @property
+    def grows(self) -> bool:
+        """The mask's key axis grows with the run (its rows get wider step by step)."""
+        return self.name == "mask"
 
 
 # The canonical kinds in data-flow order: the order `trace diff` searches them in.
 KINDS: tuple[Kind, ...] = (
-    Kind("embeddings", False, "position", "(hidden,)", "input embeddings after vision merge"),
-    Kind("per_layer_inputs", False, "position", "(L, ple_dim)", "per-layer inputs as fed to layers"),
-    Kind("rope_cos_sliding", False, "position", "(head_dim_sliding,)", "RoPE cos, sliding layers"),
-    Kind("rope_sin_sliding", False, "position", "(head_dim_sliding,)", "RoPE sin, sliding layers"),
-    Kind("rope_cos_full", False, "position", "(head_dim_full,)", "RoPE cos, full layers"),
-    Kind("rope_sin_full", False, "position", "(head_dim_full,)", "RoPE sin, full layers"),
-    Kind("mask", True, "position", "(K,) bool", "allowed[query_pos, key_pos] over absolute key positions"),
-    Kind("q", True, "position", "(heads, head_dim)", "query after q_norm and RoPE"),
-    Kind("k", True, "position", "(kv_heads, head_dim)", "key row written at this position (k_norm, RoPE)"),
-    Kind("v", True, "position", "(kv_heads, head_dim)", "value row written at this position (v_norm)"),
-    Kind("attn_out", True, "position", "(hidden,)", "attention output after o_proj"),
-    Kind("layer_out", True, "position", "(hidden,)", "decoder layer output (residual stream)"),
-    Kind("final_hidden", False, "position", "(hidden,)", "hidden state after the final norm"),
-    Kind("logits", False, "step", "(vocab,)", "soft-capped logits at the predicting position"),
-    Kind("token", False, "step", "()", "token chosen at this step"),
+    Kind("embeddings", False, "position", 1, "float", "(hidden,)", "input embeddings after vision merge"),
+    Kind("per_layer_inputs", False, "position", 2, "float", "(L, ple_dim)", "per-layer inputs as fed to layers"),
+    Kind("rope_cos_sliding", False, "position", 1, "float", "(head_dim_sliding,)", "RoPE cos, sliding layers"),
+    Kind("rope_sin_sliding", False, "position", 1, "float", "(head_dim_sliding,)", "RoPE sin, sliding layers"),
+    Kind("rope_cos_full", False, "position", 1, "float", "(head_dim_full,)", "RoPE cos, full layers"),
+    Kind("rope_sin_full", False, "position", 1, "float", "(head_dim_full,)", "RoPE sin, full layers"),
+    Kind("mask", True, "position", 1, "bool", "(K,) bool", "allowed[query_pos, key_pos] over absolute key positions"),
+    Kind("q", True, "position", 2, "float", "(heads, head_dim)", "query after q_norm and RoPE"),
+    Kind("k", True, "position", 2, "float", "(kv_heads, head_dim)", "key row written at this position (k_norm, RoPE)"),
+    Kind("v", True, "position", 2, "float", "(kv_heads, head_dim)", "value row written at this position (v_norm)"),
+    Kind("attn_out", True, "position", 1, "float", "(hidden,)", "attention output after o_proj"),
+    Kind("layer_out", True, "position", 1, "float", "(hidden,)", "decoder layer output (residual stream)"),
+    Kind("final_hidden", False, "position", 1, "float", "(hidden,)", "hidden state after the final norm"),
+    Kind("logits", False, "step", 1, "float", "(vocab,)", "soft-capped logits at the predicting position"),
+    Kind("token", False, "step", 0, "int", "()", "token chosen at this step"),
 )
 KIND_BY_NAME = {k.name: k for k in KINDS}
 KIND_NAMES = tuple(k.name for k in KINDS)

@@ -216,7 +216,7 @@ class TraceWriter:
         series = self._series.get(path)
         if series is None:
             series = self._series[path] = _Series(
-                self.f, path, arr.shape[1:], arr.dtype, src, grow_last=(kind == "mask")
+                self.f, path, arr.shape[1:], arr.dtype, src, grow_last=spec.grows
             )
         expected_rows = (self.step if spec.index == "step" else start)
         if series.rows + series.pending_rows != expected_rows:
