@@ -11,3 +11,19 @@ class TraceFileError(TraceToolError):
 
 class TraceCorruptError(TraceFileError):
     """A trace whose stored bytes fail their checksum or structure checks."""
+
+
+def one_line(msg: object, limit: int | None = None) -> str:
+    """`msg` (text or an exception) as one line that is safe to print in an error message.
+
+    An exception gives the first non-empty line of its message (the lines after are detail
+    such as HF's hints), or its type name when it has none. Undecodable text and control
+    characters (newlines included) are escaped, so the result never spans lines; it is cut
+    to `limit` characters when a limit is given.
+    """
+    if isinstance(msg, BaseException):
+        lines = [line for line in str(msg).splitlines() if line.strip()]
+        msg = lines[0] if lines else type(msg).__name__
+    text = str(msg).encode("utf-8", "backslashreplace").decode("utf-8")
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if limit is None else text[:limit]

@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 
 from . import schema as S
-from .errors import TraceCorruptError, TraceFileError, TraceToolError
+from .errors import TraceCorruptError, TraceFileError, TraceToolError, one_line
 from .layers import LayerInfo
 
 HASH_BLOCK_ROWS = 4096
@@ -96,14 +96,14 @@ class TraceReader:
         except Exception as e:  # noqa: BLE001 - damaged HDF5 metadata surfaces as any h5py exception
             self.close()
             raise _corrupt(
-                f"{self.path} is damaged: reading {self._at} failed ({type(e).__name__}: {_short(e)}); {ADVICE}"
+                f"{self.path} is damaged: reading {self._at} failed ({type(e).__name__}: {one_line(e, 200)}); {ADVICE}"
             ) from None
         except BaseException:
             self.close()
             raise
 
     def _open_message(self, e: BaseException) -> str:
-        msg = _short(e)
+        msg = one_line(e, 200)
         head = f"{self.path} is not a readable HDF5 trace"
         m = re.search(r"truncated file: eof = (\d+).*stored_eof = (\d+)", msg)
         if m:
@@ -152,7 +152,7 @@ class TraceReader:
 
     def _corrupt_data(self, name: str, e: BaseException) -> TraceCorruptError:
         return _corrupt(
-            f"{self.path} is corrupt: the dataset {name.lstrip('/')!r} cannot be read back ({_short(e)}); "
+            f"{self.path} is corrupt: the dataset {name.lstrip('/')!r} cannot be read back ({one_line(e, 200)}); "
             "its stored bytes were damaged after writing (checksum or decompression failure): "
             "copy the file again or re-record it"
         )
@@ -388,9 +388,6 @@ class TraceReader:
     def n_positions(self) -> int:
         return self.step_positions[-1][1]
 
-    def step_of_position(self, pos: int) -> int:
-        return 0 if pos < self.prompt_len else pos - self.prompt_len + 1
-
     def extra_inputs(self) -> dict[str, np.ndarray]:
         out = {}
         for k in self._extra_names:
@@ -414,7 +411,7 @@ class TraceReader:
             return ds.id.get_storage_size()
         except READ_ERRORS as e:
             raise _corrupt(
-                f"{self.path} is damaged: the chunk index of {ds.name.lstrip('/')!r} cannot be read ({_short(e)}); "
+                f"{self.path} is damaged: the chunk index of {ds.name.lstrip('/')!r} cannot be read ({one_line(e, 200)}); "
                 f"{ADVICE}"
             ) from None
 
@@ -428,12 +425,6 @@ class TraceReader:
             return ds[rows]
         except READ_ERRORS as e:
             raise self._corrupt_data(ds.name, e) from None
-
-    def read_step(self, kind: str, step: int, layer: int | None = None) -> np.ndarray:
-        if S.KIND_BY_NAME[kind].index == "step":
-            return self.read(kind, layer, slice(step, step + 1))[0]
-        a, b = self.step_positions[step]
-        return self.read(kind, layer, slice(a, b))
 
     def tokens(self) -> np.ndarray:
         return self._tokens.copy()
@@ -475,7 +466,7 @@ class TraceReader:
             self.f.visit(names.append)
         except READ_ERRORS as e:
             raise _corrupt(
-                f"{self.path} is damaged: its list of groups and datasets cannot be walked ({_short(e)}); {ADVICE}"
+                f"{self.path} is damaged: its list of groups and datasets cannot be walked ({one_line(e, 200)}); {ADVICE}"
             ) from None
         for name in ["/", *sorted(names)]:
             obj = None
@@ -485,7 +476,7 @@ class TraceReader:
             except READ_ERRORS as e:
                 if isinstance(obj, h5py.Dataset):
                     raise self._corrupt_data(name, e) from None
-                raise _corrupt(f"{self.path} is damaged: reading {name!r} failed ({_short(e)}); {ADVICE}") from None
+                raise _corrupt(f"{self.path} is damaged: reading {name!r} failed ({one_line(e, 200)}); {ADVICE}") from None
         return h.hexdigest()
 
     def close(self) -> None:
@@ -499,19 +490,9 @@ class TraceReader:
         self.close()
 
 
-def _one_line(msg: str) -> str:
-    """A message safe to print as one line: no undecodable text, no control characters."""
-    msg = msg.encode("utf-8", "backslashreplace").decode("utf-8")
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in msg)
-
-
 def _corrupt(msg: str) -> TraceCorruptError:
-    return TraceCorruptError(_one_line(msg))
+    return TraceCorruptError(one_line(msg))
 
 
 def _file_error(msg: str) -> TraceFileError:
-    return TraceFileError(_one_line(msg))
-
-
-def _short(e: BaseException) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    return TraceFileError(one_line(msg))

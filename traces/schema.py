@@ -43,7 +43,6 @@ PROVENANCE_KEYS = (
 GROUP_INPUTS = "inputs"
 DSET_PROMPT_IDS = "inputs/prompt_ids"
 GROUP_INPUT_EXTRA = "inputs/extra"
-INPUT_ATTRS = ("max_new_tokens", "eos_token_ids", "prompt_text", "chat_template_applied")
 GROUP_MODEL = "model"
 LAYER_FIELDS = ("layer_type", "head_dim", "num_heads", "num_kv_heads", "kv_role", "kv_source")
 DSET_STEP_POSITIONS = "steps/positions"
