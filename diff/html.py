@@ -9,7 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from gemma4_trace.traces.atomic import check_output_path
+from gemma4_trace.traces.atomic import check_output_path, no_space
 from gemma4_trace.traces.errors import TraceToolError
 
 from .report import format_text, growth_summary, sci, token_summary, val
@@ -206,8 +206,10 @@ def write_html(result, path, force: bool = False) -> Path:
         if path.exists() and not force:
             raise TraceToolError(f"output {path} already exists; pass --force to replace it")
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and no_space(e):
+            raise TraceToolError(f"no space left on device writing {path}; nothing was written") from None
         raise
     return path

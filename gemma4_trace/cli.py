@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError, one_line
 
 EXIT_DIVERGENCE = 1
 EXIT_USAGE = 2
@@ -21,7 +21,7 @@ EXIT_INTERRUPTED = 130
 
 
 def _fail(message: str, code: int = EXIT_USAGE):
-    click.echo(f"error: {message}", err=True)
+    click.echo(f"error: {one_line(message)}", err=True)
     sys.exit(code)
 
 
@@ -46,7 +46,7 @@ def user_errors(fn):
         except Exception as e:  # a bug of ours: still one line, the traceback on request
             if os.environ.get("GEMMA4_TRACE_DEBUG"):
                 raise
-            _fail(f"internal error ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+            _fail(f"internal error ({type(e).__name__}: {one_line(e, 200)}); "
                   "set GEMMA4_TRACE_DEBUG=1 to see the traceback")
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -103,13 +103,18 @@ def _int_list(ctx, param, value):
 @user_errors
 def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, no_chat, output, force):
     """Run HF Gemma 4 greedy generation with hooks and write a reference trace."""
+    from gemma4_trace.progress import ProgressBar
     from gemma4_trace.recorder.record import record_trace
 
-    summary = record_trace(
-        model_dir=model_dir, output=output, prompt=prompt, input_ids=input_ids, images=list(images),
-        max_new_tokens=max_new_tokens, dtype=dtype, device=device, chat=not no_chat, force=force,
-        progress=True,
-    )
+    bar = ProgressBar("recording")
+    try:
+        summary = record_trace(
+            model_dir=model_dir, output=output, prompt=prompt, input_ids=input_ids, images=list(images),
+            max_new_tokens=max_new_tokens, dtype=dtype, device=device, chat=not no_chat, force=force,
+            progress=bar,
+        )
+    finally:
+        bar.close()
     click.echo(summary)
 
 
@@ -135,13 +140,9 @@ def show(trace_path, show_hash, model_dir):
 
 def _embedded_model_dir(model_name: str):
     """The embedded model's folder when a trace was recorded from it (no torch import)."""
-    from pathlib import Path
+    from gemma4_trace.hf.model import EMBEDDED_MODEL_DIR, EMBEDDED_NAME
 
-    from gemma4_trace import recorder
-
-    if model_name != "tiny-gemma4 (embedded)":
-        return None
-    return Path(recorder.__file__).resolve().parent / "tiny_model"
+    return EMBEDDED_MODEL_DIR if model_name == EMBEDDED_NAME else None
 
 
 @main.command()
@@ -155,12 +156,17 @@ def _embedded_model_dir(model_name: str):
 @user_errors
 def replay(reference, model_dir, runtime, max_seq, teacher_forcing, output, force):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""
+    from gemma4_trace.progress import ProgressBar
     from gemma4_trace.replayer.replay import replay_trace
 
-    summary = replay_trace(
-        reference, output, model_dir=model_dir, runtime=runtime, max_seq=max_seq,
-        mode="teacher-forced" if teacher_forcing else "free-running", force=force, progress=True,
-    )
+    bar = ProgressBar("replaying")
+    try:
+        summary = replay_trace(
+            reference, output, model_dir=model_dir, runtime=runtime, max_seq=max_seq,
+            mode="teacher-forced" if teacher_forcing else "free-running", force=force, progress=bar,
+        )
+    finally:
+        bar.close()
     click.echo(summary)
 
 

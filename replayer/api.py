@@ -2,19 +2,20 @@
 
 A plug-in module exposes a factory
 
-    def factory(loaded: recorder.model.LoadedModel, max_seq: int) -> runtime
+    def factory(loaded: gemma4_trace.hf.model.LoadedModel, max_seq: int) -> runtime
 
 and the runtime it returns has
 
     name: str                                                    # recorded as provenance "runtime"
-    max_seq: int                                                 # optional; the driver's value if absent
     prefill(input_ids, extra_inputs, probe) -> logits            # input_ids (T,) long tensor,
                                                                  # extra_inputs {name: tensor}, logits (vocab,)
     decode(token_id: int, position: int, probe) -> logits        # one token at `position`, logits (vocab,)
 
-The runtime reports canonical tensors (traces.schema.KINDS, except logits and token,
-which the driver writes) through `probe.tensor(kind, value, layer=None)`; `probe` may be
-None, and then nothing may be computed for it. See docs/runtime-api.md.
+`max_seq` is the static length to build for; the driver guarantees prompt + max_new_tokens
+<= max_seq and never reads a `max_seq` back from the runtime. The runtime reports
+canonical tensors (traces.schema.KINDS, except logits and token, which the driver writes)
+through `probe.tensor(kind, value, layer=None)`; `probe` may be None, and then nothing
+may be computed for it. See docs/runtime-api.md.
 """
 
 from __future__ import annotations
@@ -22,26 +23,12 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Protocol, runtime_checkable
 
 from gemma4_trace.traces import schema as S
-from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError, one_line
 
 REQUIRED_METHODS = ("prefill", "decode")
 DRIVER_KINDS = ("logits", "token")  # written by the replay driver, never by a runtime
-
-
-class Probe(Protocol):
-    def tensor(self, kind: str, value, layer: int | None = None) -> None: ...
-
-
-@runtime_checkable
-class Runtime(Protocol):
-    name: str
-
-    def prefill(self, input_ids, extra_inputs: dict, probe: Probe | None): ...
-
-    def decode(self, token_id: int, position: int, probe: Probe | None): ...
 
 
 class WriterProbe:
@@ -96,7 +83,7 @@ def load_factory(spec: str):
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # an import error of any kind inside the plug-in is the user's input
-        raise TraceToolError(f"cannot import runtime plug-in module {module_name!r}: {type(e).__name__}: {_line(e)}") from None
+        raise TraceToolError(f"cannot import runtime plug-in module {module_name!r}: {type(e).__name__}: {one_line(e, 200)}") from None
     finally:
         if added:
             sys.path.remove(cwd)
@@ -131,10 +118,5 @@ def make_runtime(spec: str, loaded, max_seq: int):
     except TraceToolError:
         raise
     except Exception as e:
-        raise TraceToolError(f"runtime plug-in {spec} failed to start: {type(e).__name__}: {_line(e)}") from None
+        raise TraceToolError(f"runtime plug-in {spec} failed to start: {type(e).__name__}: {one_line(e, 200)}") from None
     return check_runtime(rt, spec)
-
-
-def _line(e: BaseException) -> str:
-    s = str(e).splitlines()
-    return s[0][:200] if s else ""

@@ -121,7 +121,7 @@ CASES = [
     ("chat-flag-wrong-type", _setattr("inputs", "chat_template_applied", "yes"), ["'chat_template_applied'"]),
     ("more-steps-than-max-new-tokens", _setattr("inputs", "max_new_tokens", 2), ["3 steps but max_new_tokens is 2"]),
     ("steps-missing", _delete("steps/positions"), ["'steps/positions' is missing"]),
-    ("steps-group-missing", _delete("steps"), ["'steps/positions' is missing"]),
+    ("steps-group-missing", _delete("steps"), ["the group 'steps' is missing"]),
     ("steps-wrong-shape", _rows("steps/positions", lambda a: np.concatenate([a, a[:, :1]], axis=1)), ["steps/positions"]),
     ("steps-gap", _rows("steps/positions", lambda a: a + np.array([[0, 0], [1, 1], [1, 1]])), ["step 1 feeds positions [14, 15)"]),
     ("steps-empty", _rows("steps/positions", lambda a: a[:0]), ["steps/positions"]),
@@ -156,7 +156,7 @@ CASES = [
     ("unknown-layer-group", _rename("tensors/L03", "tensors/L3"), ["'tensors/L3' is neither"]),
     ("layer-beyond-model", _rename("tensors/L07", "tensors/L09"), ["'tensors/L09'", "8 layers"]),
     ("global-kind-in-layer", _rename("tensors/embeddings", "tensors/L00/embeddings"), ["'embeddings' is not a per-layer kind"]),
-    ("dangling-link", _soft_link("tensors/L01/v"), ["tensors/L01/v", "missing"]),
+    ("dangling-link", _soft_link("tensors/L01/v"), ["'tensors/L01/v' is a soft link"]),
     ("dataset-where-group", _edit(lambda f: (f.__delitem__("model"), f.__setitem__("model", np.arange(3)))),
      ["'model' is a Dataset, not a group"]),
 ]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -12,19 +14,43 @@ from .errors import TraceToolError
 TMP_PREFIX = ".trace-partial-"
 
 
-def check_output_path(path: str | os.PathLike, force: bool) -> Path:
-    """Refuse an existing output (unless force) or a folder we cannot write, before any work."""
+def check_output_path(path: str | os.PathLike, force: bool, inputs=()) -> Path:
+    """Refuse, before any work, an output that would destroy something: an existing file (unless
+    force), one of the command's inputs (the same file by device and inode, whatever the name,
+    symlink or hard link), anything that is not a regular file (a device node, a FIFO), or a
+    folder we cannot write."""
     path = Path(path)
     if path.is_dir():
         raise TraceToolError(f"output {path} is a folder; give a file name such as {path / 'trace.h5'}")
-    if path.exists() and not force:
-        raise TraceToolError(f"output {path} already exists; pass --force to replace it")
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is not None:
+        for src in inputs:
+            if src is None:
+                continue
+            with contextlib.suppress(OSError):
+                s = os.stat(src)
+                if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
+                    raise TraceToolError(f"output {path} is the input {src}; write the output to another file")
+        if not stat.S_ISREG(st.st_mode):
+            raise TraceToolError(f"output {path} exists and is not a regular file; give the path of a new file")
+        if not force:
+            raise TraceToolError(f"output {path} already exists; pass --force to replace it")
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise TraceToolError(f"output folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise TraceToolError(f"output folder {folder} is not writable")
     return path
+
+
+def no_space(e: BaseException) -> bool:
+    """Disk full, as the OS or HDF5 (whose messages carry the errno text) reports it."""
+    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+        w in str(e) for w in ("No space left on device", "Disk quota exceeded", "errno = 28,")
+    )
 
 
 @contextlib.contextmanager
@@ -40,6 +66,8 @@ def atomic_output(path: str | os.PathLike, force: bool = False):
     try:
         fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", suffix=".h5", dir=folder)
     except OSError as e:
+        if no_space(e):
+            raise TraceToolError(f"no space left on device writing {path}; nothing was written") from None
         raise TraceToolError(f"cannot write in output folder {folder} ({e.strerror})") from None
     os.close(fd)
     try:
@@ -55,9 +83,11 @@ def atomic_output(path: str | os.PathLike, force: bool = False):
             except FileExistsError:
                 raise TraceToolError(f"output {path} already exists; pass --force to replace it") from None
             os.unlink(tmp)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if not isinstance(e, TraceToolError) and isinstance(e, Exception) and no_space(e):
+            raise TraceToolError(f"no space left on device writing {path}; nothing was written") from None
         raise
 
 

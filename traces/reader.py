@@ -1,16 +1,21 @@
 """TraceReader: opens a trace, validates its structure, serves canonical tensors.
 
-Opening a trace checks everything that can be checked without reading tensor data
-(docs/robustness.md): the schema name and version, every provenance and input attribute
-(present, of the right type), prompt ids, per-layer metadata and step positions (small
-datasets, read whole), and for every tensor dataset its place in the layout, dtype, rank,
-row count (one row per position or per step) and the row axes the layer metadata fixes
-(heads of q/k/v, layers of per_layer_inputs); the chosen tokens (a few bytes) are read
-and checked too. A file that fails raises TraceCorruptError
-(or TraceFileError when it is no trace at all); one line naming the file, what is wrong
-and what to do. Tensor data is read later, on demand: a chunk that fails its fletcher32
-checksum or cannot be decompressed raises TraceCorruptError naming the dataset, never
-a numeric result.
+A trace is untrusted input (docs/robustness.md, "Threat model"). Opening one checks
+everything that can be checked without reading tensor data: the file is a regular file;
+the object tree is walked only along the names the schema defines, and every name must be
+a hard link to an object no other name reaches (no soft or external links); every
+dataset keeps its bytes inside the file (contiguous, chunked or compact layout, no
+external storage, no virtual layout, only HDF5's built-in filters); every attribute is
+small (limits.MAX_ATTR_BYTES); the schema name and version, the provenance and input
+attributes, prompt ids, per-layer metadata and step positions (small datasets, sizes
+checked before they are read); and for every tensor dataset its place in the layout,
+dtype, rank, rows (one per position or per step), the row axes the layer metadata fixes,
+and a row width the model config can justify. All datasets together may declare only so
+many bytes for the file's size (limits.EXPANSION: a compression bomb is refused). A file
+that fails raises TraceCorruptError (or TraceFileError when it is no trace at all); one
+line naming the file, what is wrong and what to do. Tensor data is read later, on demand:
+a chunk that fails its fletcher32 checksum or cannot be decompressed raises
+TraceCorruptError naming the dataset, never a numeric result.
 """
 
 from __future__ import annotations
@@ -20,22 +25,42 @@ import hashlib
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 import h5py
 import numpy as np
 
+from . import limits as LIM
 from . import schema as S
 from .errors import TraceCorruptError, TraceFileError, TraceToolError, one_line
 from .layers import LayerInfo
 
-HASH_BLOCK_ROWS = 4096
+HASH_BLOCK_BYTES = 64 << 20  # content_hash reads a dataset this many bytes at a time
 
 ADVICE = "re-record it, or copy it again if it was transferred"
 DTYPE_WORDS = {"f": "float16, float32 or float64", "b": "bool", "iu": "integer", "biuf": "numbers"}
 # exceptions h5py raises on data it cannot read back (checksum, decompression, damaged index)
 READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError)
 _LAYER_GROUP = re.compile(r"^L(\d+)$")
+# the names the schema defines above tensors/ (tensors/ is checked kind by kind)
+_MEMBERS = {
+    "/": ("inputs", "model", "steps", "tensors"),
+    S.GROUP_INPUTS: ("prompt_ids", "extra"),
+    S.GROUP_MODEL: S.LAYER_FIELDS,
+    "steps": ("positions",),
+}
+_LAYOUTS = {h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.CHUNKED: "chunked", h5py.h5d.COMPACT: "compact"}
+# HDF5's built-in filters and h5py's lzf: anything else would load a plug-in library from disk
+_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_FLETCHER32, h5py.h5z.FILTER_SZIP,
+            h5py.h5z.FILTER_NBIT, h5py.h5z.FILTER_SCALEOFFSET, h5py.h5z.FILTER_LZF}
+
+
+def _no_filter_plugins() -> None:
+    """Empty HDF5's plug-in search path: a trace naming an unknown filter cannot make HDF5 load code."""
+    with contextlib.suppress(Exception):
+        while h5py.h5pl.size():
+            h5py.h5pl.remove(0)
 
 
 def _attr_text(v) -> str:
@@ -70,26 +95,54 @@ def _is_integer_dtype(dt: np.dtype) -> bool:
     return dt.kind in "iu"
 
 
+def _nbytes(shape, dtype) -> int:
+    """Declared bytes of a dataset, in Python integers (no overflow whatever the shape)."""
+    n = 1
+    for d in shape or ():
+        n *= int(d)
+    return n * max(1, np.dtype(dtype).itemsize)
+
+
+def _cfg_int(cfg: dict, key: str, cap: int) -> int:
+    """A size from the model config, or the cap when the config does not give a sane one."""
+    v = cfg.get(key)
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= cap else cap
+
+
 class TraceReader:
     """Read-only view of a trace. Use as a context manager or call close()."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        if not self.path.exists():
-            raise _file_error(f"{self.path}: no such file")
-        if self.path.is_dir():
+        try:
+            st = os.stat(self.path)  # stat, not open: opening a FIFO would block forever
+        except FileNotFoundError:
+            raise _file_error(f"{self.path}: no such file") from None
+        except OSError as e:
+            raise _file_error(f"{self.path} cannot be read ({e.strerror})") from None
+        if stat.S_ISDIR(st.st_mode):
             raise _file_error(f"{self.path} is a folder, not a trace file")
+        if not stat.S_ISREG(st.st_mode):
+            raise _file_error(f"{self.path} is {_file_kind(st.st_mode)}, not a regular file; pass a trace file")
         if not os.access(self.path, os.R_OK):
             raise _file_error(f"{self.path} cannot be read (permission denied)")
+        self.file_size = st.st_size
+        _no_filter_plugins()
         try:
             self.f = h5py.File(self.path, "r", locking=False)
         except Exception as e:  # noqa: BLE001 - h5py reports every unopenable file as some exception
             raise _file_error(self._open_message(e)) from None
         self._at = "the file header"
+        self._objects: list[str] = []  # every group and dataset, as walked (content_hash hashes these)
+        self._addrs: dict[int, str] = {}
+        self._declared = 0  # bytes all datasets declare
+        self._memory = LIM.memory_limit()
         try:
+            self._visit(self.f, "/")
             self._check_schema()
             self._load_header()
             self._check_tensors()
+            self._check_declared()
         except TraceToolError:
             self.close()
             raise
@@ -118,22 +171,103 @@ class TraceReader:
     def _bad(self, what: str):
         raise _corrupt(f"{self.path} is not a valid trace: {what}; {ADVICE}")
 
+    def _child(self, path: str):
+        """The object at a schema path, reached only through hard links (never a soft or external
+        link, so nothing outside this file is opened); None when a name on the way is absent."""
+        obj = self.f
+        walked = ""
+        for name in path.split("/"):
+            walked = f"{walked}/{name}" if walked else name
+            self._at = walked
+            if not isinstance(obj, h5py.Group):
+                return obj if walked == path else None
+            link = obj.get(name, getlink=True)  # the link itself: nothing is followed
+            if link is None:
+                return None
+            if isinstance(link, h5py.SoftLink):
+                self._bad(f"{walked!r} is a soft link (to {link.path!r}); a trace holds no links, only its own data")
+            if isinstance(link, h5py.ExternalLink):
+                self._bad(f"{walked!r} is an external link (to {link.filename!r}); "
+                          "a trace holds no links and is never allowed to read another file")
+            if not isinstance(link, h5py.HardLink):
+                self._bad(f"{walked!r} is a user-defined link; a trace holds no links, only its own data")
+            obj = obj[name]
+        return obj
+
+    def _visit(self, obj, path: str) -> None:
+        """Checks every object walked: reached by one name only, few and small attributes, and for a
+        dataset, bytes stored inside this file (layout, external storage, filters, chunk size)."""
+        self._at = path
+        info = h5py.h5o.get_info(obj.id)
+        if info.rc != 1 or info.addr in self._addrs:
+            other = self._addrs.get(info.addr)
+            self._bad(f"{path!r} is reached by {'two names' if other is None else f'two names ({other!r} too)'}; "
+                      "every object of a trace has exactly one name")
+        self._addrs[info.addr] = path
+        if path != "/":
+            self._objects.append(path)
+        if info.num_attrs > LIM.MAX_ATTRS:
+            self._bad(f"{path!r} has {info.num_attrs} attributes (a trace object has at most {LIM.MAX_ATTRS})")
+        for key in obj.attrs:
+            self._at = f"the attribute {key!r} of {path!r}"
+            aid = obj.attrs.get_id(key)
+            size = aid.get_storage_size()
+            count = int(np.prod(aid.shape)) if aid.shape else 1
+            vlen = aid.dtype.kind == "O"  # variable-length data lives elsewhere: only a few texts
+            if size > LIM.MAX_ATTR_BYTES or (vlen and (count > 16 or h5py.check_string_dtype(aid.dtype) is None)):
+                what = f"{LIM.fmt_bytes(size)}" if not vlen else f"{count} variable-length values"
+                self._bad(f"the attribute {key!r} of {path!r} holds {what}, more than a trace attribute may "
+                          f"({LIM.fmt_bytes(LIM.MAX_ATTR_BYTES)} of text or numbers)")
+        if isinstance(obj, h5py.Dataset):
+            self._at = path
+            plist = obj.id.get_create_plist()
+            layout = plist.get_layout()
+            if layout not in _LAYOUTS:
+                what = "a virtual dataset (its data lives in other files)" if layout == h5py.h5d.VIRTUAL \
+                    else f"stored with layout {layout}"
+                self._bad(f"{path!r} is {what}; a trace's datasets keep their bytes in the trace itself")
+            if plist.get_external_count():
+                self._bad(f"{path!r} keeps its bytes in an external file; "
+                          "a trace's datasets keep their bytes in the trace itself")
+            for i in range(plist.get_nfilters()):
+                code = plist.get_filter(i)[0]
+                if code not in _FILTERS:
+                    self._bad(f"{path!r} uses HDF5 filter {code}, which is not built in (plug-in filters are not loaded)")
+            if layout == h5py.h5d.CHUNKED:
+                chunk = _nbytes(plist.get_chunk(), obj.dtype)
+                if chunk > LIM.MAX_CHUNK_BYTES:
+                    self._bad(f"{path!r} has chunks of {LIM.fmt_bytes(chunk)} (at most "
+                              f"{LIM.fmt_bytes(LIM.MAX_CHUNK_BYTES)}: a chunk is decompressed whole)")
+            if obj.shape is not None:
+                self._declared += _nbytes(obj.shape, obj.dtype)
+
+    def _members(self, g: h5py.Group, path: str, allowed) -> list[str]:
+        names = list(g)
+        if allowed is not None:
+            extra = [n for n in names if n not in allowed]
+            if extra:
+                self._bad(f"{path!r} holds {extra[0]!r}, which is not part of a trace (expected only "
+                          f"{', '.join(allowed)})")
+        return names
+
     def _group(self, path: str) -> h5py.Group:
         self._at = path
-        obj = self.f.get(path)
+        obj = self._child(path)
         if obj is None:
             self._bad(f"the group {path!r} is missing")
         if not isinstance(obj, h5py.Group):
             self._bad(f"{path!r} is a {type(obj).__name__}, not a group")
+        self._visit(obj, path)
         return obj
 
     def _dset(self, path: str, ndim: int | None = None, kinds: str | None = None) -> h5py.Dataset:
         self._at = path
-        obj = self.f.get(path)
+        obj = self._child(path)
         if obj is None:
             self._bad(f"the dataset {path!r} is missing")
         if not isinstance(obj, h5py.Dataset):
             self._bad(f"{path!r} is a {type(obj).__name__}, not a dataset")
+        self._visit(obj, path)
         if obj.shape is None:
             self._bad(f"the dataset {path!r} is empty (no dataspace)")
         if ndim is not None and obj.ndim != ndim:
@@ -143,6 +277,13 @@ class TraceReader:
             # float128 and other exotic widths are no numpy/torch-friendly tensor type: refuse them here
             self._bad(f"the dataset {path!r} has dtype {dt}, expected {DTYPE_WORDS.get(kinds, kinds)}")
         return obj
+
+    def _small(self, ds: h5py.Dataset, max_len: int, what: str) -> np.ndarray:
+        """Read a small dataset whole, after checking its declared length (a bomb is never inflated)."""
+        n = ds.shape[0] if ds.shape else 1
+        if n > max_len or _nbytes(ds.shape, ds.dtype) > max_len * 64:
+            self._bad(f"{ds.name.lstrip('/')!r} has shape {ds.shape}: more than {max_len} {what}")
+        return self._read_small(ds)
 
     def _read_small(self, ds: h5py.Dataset) -> np.ndarray:
         try:
@@ -161,7 +302,7 @@ class TraceReader:
         self._at = f"the attribute {key!r} of {where}"
         if key not in obj.attrs:
             self._bad(f"the attribute {key!r} of {where} is missing")
-        return obj.attrs[key]
+        return obj.attrs[key]  # its size was checked when the object was visited
 
     def _text_attr(self, obj, key: str, where: str) -> str:
         v = self._attr(obj, key, where)
@@ -218,19 +359,22 @@ class TraceReader:
 
     def _load_header(self) -> None:
         f = self.f
+        self._members(f, "/", _MEMBERS["/"])
         prov = {k: self._text_attr(f, k, "the root") for k in S.PROVENANCE_KEYS}
         if prov["mode"] not in S.MODES:
             self._bad(f"the root attribute 'mode' is {prov['mode']!r}, not one of {', '.join(S.MODES)}")
         try:
             cfg = json.loads(prov["model_config"])
-        except ValueError:
+        except (ValueError, RecursionError):
             cfg = None
         if not isinstance(cfg, dict):
             self._bad("the root attribute 'model_config' is not a JSON object")
         self.provenance = prov
+        self._config = cfg
 
         g = self._group(S.GROUP_INPUTS)
-        ids = self._read_small(self._dset(S.DSET_PROMPT_IDS, 1, "iu"))
+        self._members(g, S.GROUP_INPUTS, _MEMBERS[S.GROUP_INPUTS])
+        ids = self._small(self._dset(S.DSET_PROMPT_IDS, 1, "iu"), LIM.MAX_POSITIONS, "prompt ids")
         if ids.size == 0:
             self._bad(f"{S.DSET_PROMPT_IDS!r} is empty")
         if (ids < 0).any() or (ids.dtype.kind == "u" and (ids > np.iinfo(np.int64).max).any()):
@@ -238,6 +382,9 @@ class TraceReader:
         self.prompt_ids = ids.astype(np.int64)
         where = f"{S.GROUP_INPUTS!r}"
         self.max_new_tokens = self._int_attr(g, "max_new_tokens", where, 1)
+        if ids.size + self.max_new_tokens > LIM.MAX_POSITIONS:
+            self._bad(f"the attribute 'max_new_tokens' of {where} is {self.max_new_tokens}: with the {ids.size} "
+                      f"prompt ids that is more than {LIM.MAX_POSITIONS} positions")
         eos = np.asarray(self._attr(g, "eos_token_ids", where))
         if eos.ndim > 1 or (eos.size and eos.dtype.kind not in "iu"):
             self._bad(f"the attribute 'eos_token_ids' of {where} should be integers, got {_describe(eos)}")
@@ -248,15 +395,17 @@ class TraceReader:
             self.chat_template_applied = bool(chat)
         else:
             self._bad(f"the attribute 'chat_template_applied' of {where} should be a bool, got {_describe(chat)}")
-        if S.GROUP_INPUT_EXTRA in f:
+        self._extra_names = []
+        if "extra" in g:
             extra = self._group(S.GROUP_INPUT_EXTRA)
-            self._extra_names = sorted(extra)
-            for name in self._extra_names:
+            names = sorted(self._members(extra, S.GROUP_INPUT_EXTRA, None))
+            if len(names) > LIM.MAX_EXTRA_INPUTS:
+                self._bad(f"{S.GROUP_INPUT_EXTRA!r} holds {len(names)} inputs (at most {LIM.MAX_EXTRA_INPUTS})")
+            for name in names:
                 self._dset(S.input_extra_path(name), None, "biuf")
-        else:
-            self._extra_names = []
+            self._extra_names = names
 
-        self._group(S.GROUP_MODEL)
+        self._members(self._group(S.GROUP_MODEL), S.GROUP_MODEL, _MEMBERS[S.GROUP_MODEL])
         fields = {}
         for k in S.LAYER_FIELDS:
             path = S.model_field_path(k)
@@ -266,7 +415,7 @@ class TraceReader:
                 self._bad(f"the dataset {path!r} has dtype {ds.dtype}, expected strings")
             if not text and not _is_integer_dtype(ds.dtype):
                 self._bad(f"the dataset {path!r} has dtype {ds.dtype}, expected integer")
-            vals = self._read_small(ds)
+            vals = self._small(ds, LIM.MAX_LAYERS, "layers")
             if text:
                 try:
                     vals = [_attr_text(x) for x in vals]
@@ -286,15 +435,19 @@ class TraceReader:
                 self._bad(f"model/layer_type of layer {i} is {lt!r}, not one of {', '.join(S.LAYER_TYPE_SHORT)}")
             if role not in S.KV_ROLES:
                 self._bad(f"model/kv_role of layer {i} is {role!r}, not one of {', '.join(S.KV_ROLES)}")
-            for k in ("head_dim", "num_heads", "num_kv_heads"):
-                if fields[k][i] < 1:
-                    self._bad(f"model/{k} of layer {i} is {fields[k][i]}, expected >= 1")
+            for k, cap in (("head_dim", LIM.MAX_HEAD_DIM), ("num_heads", LIM.MAX_HEADS), ("num_kv_heads", LIM.MAX_HEADS)):
+                if not 1 <= fields[k][i] <= cap:
+                    self._bad(f"model/{k} of layer {i} is {fields[k][i]}, expected 1..{cap}")
             ok = (src == i) if role != "reuses" else (0 <= src < i and fields["kv_role"][src] != "reuses")
             if not ok:
                 self._bad(f"model/kv_source of layer {i} is {src}, impossible for a layer whose kv_role is {role!r}")
         self.layers = [LayerInfo(**{k: fields[k][i] for k in S.LAYER_FIELDS}) for i in range(n)]
 
-        sp = self._read_small(self._dset(S.DSET_STEP_POSITIONS, 2, "iu"))
+        self._members(self._group("steps"), "steps", _MEMBERS["steps"])
+        sp_ds = self._dset(S.DSET_STEP_POSITIONS, 2, "iu")
+        if sp_ds.shape[0] > self.max_new_tokens:
+            self._bad(f"it has {sp_ds.shape[0]} steps but max_new_tokens is {self.max_new_tokens}")
+        sp = self._small(sp_ds, LIM.MAX_POSITIONS, "steps")
         if sp.shape[0] == 0 or sp.shape[1] != 2:
             self._bad(f"{S.DSET_STEP_POSITIONS!r} has shape {sp.shape}, expected (n_steps >= 1, 2)")
         self.step_positions = [(int(a), int(b)) for a, b in sp]
@@ -304,13 +457,23 @@ class TraceReader:
             if (a, b) != want:
                 self._bad(f"{S.DSET_STEP_POSITIONS!r}: step {s} feeds positions [{a}, {b}), expected [{want[0]}, "
                           f"{want[1]}) (a prefill over the {T} prompt ids, then one position per decode step)")
-        if self.n_steps > self.max_new_tokens:
-            self._bad(f"it has {self.n_steps} steps but max_new_tokens is {self.max_new_tokens}")
+
+    def _row_limits(self) -> dict[str, int]:
+        """Elements a row of each kind may have: ROW_SLACK times what the model config and the
+        per-layer metadata say (widths are not required to match: a runtime reporting a wrong
+        width is a `shape` divergence for the diff, but a width no config justifies is refused)."""
+        cfg = self._config.get("text_config") if isinstance(self._config.get("text_config"), dict) else self._config
+        hidden = _cfg_int(cfg, "hidden_size", LIM.MAX_HIDDEN)
+        ple = _cfg_int(cfg, "hidden_size_per_layer_input", hidden)
+        vocab = _cfg_int(cfg, "vocab_size", LIM.MAX_VOCAB)
+        hd = max(li.head_dim for li in self.layers)
+        heads = max(li.num_heads for li in self.layers)
+        per = {"embeddings": hidden, "attn_out": hidden, "layer_out": hidden, "final_hidden": hidden,
+               "per_layer_inputs": len(self.layers) * ple, "q": heads * hd, "k": heads * hd, "v": heads * hd,
+               "logits": vocab, "token": 1, "mask": LIM.MAX_POSITIONS // LIM.ROW_SLACK}
+        return {k: LIM.ROW_SLACK * per.get(k, hd) for k in S.KIND_NAMES}  # rope_*: head_dim
 
     def _check_tensors(self) -> None:
-        # walk every object header once: damaged headers fail here, not later inside HDF5 mid-read
-        self._at = "the list of groups and datasets"
-        self.f.visit(lambda name: None)
         g = self._group(S.GROUP_TENSORS)
         present: list[tuple[str, int | None]] = []
         for name in g:
@@ -333,8 +496,9 @@ class TraceReader:
                 present.append((name, None))
         if ("token", None) not in present:
             self._bad(f"the dataset '{S.tensor_path('token', None)}' (the chosen tokens) is missing")
+        limits = self._row_limits()
         for kind, layer in present:
-            self._check_tensor(kind, layer)
+            self._check_tensor(kind, layer, limits[kind])
         self._present = set(present)
         # the chosen tokens are tiny and every command needs them: read and check them now
         path = S.tensor_path("token", None)
@@ -343,7 +507,7 @@ class TraceReader:
             self._bad(f"{path!r} holds token ids out of range ({t.min()}..{t.max()})")
         self._tokens = t.astype(np.int64).reshape(-1)
 
-    def _check_tensor(self, kind: str, layer: int | None) -> None:
+    def _check_tensor(self, kind: str, layer: int | None, row_limit: int) -> None:
         path = S.tensor_path(kind, layer)
         spec = S.KIND_BY_NAME[kind]
         ds = self._dset(path, 1 + spec.row_ndim, S.DTYPE_KINDS[spec.dtype])
@@ -366,6 +530,20 @@ class TraceReader:
                 "per_layer_inputs": (0, len(self.layers), "layers")}.get(kind)
         if want is not None and row[want[0]] != want[1]:
             self._bad(f"{path!r} has rows of shape {row}, but the model metadata says {want[1]} {want[2]}")
+        elements = _nbytes(row, np.uint8)
+        if elements > row_limit:
+            self._bad(f"{path!r} has rows of shape {row} ({elements} values), more than the model config "
+                      f"justifies ({row_limit})")
+
+    def _check_declared(self) -> None:
+        """All datasets together may declare only so much for the file's size: a dataset of zeros
+        compressed a thousandfold (a compression bomb) would cost time and memory to inflate."""
+        self._at = "the sizes of the datasets"
+        allowed = max(LIM.MIN_DECLARED, LIM.EXPANSION * self.file_size)
+        if self._declared > allowed:
+            self._bad(f"its datasets declare {LIM.fmt_bytes(self._declared)} of data in a file of "
+                      f"{LIM.fmt_bytes(self.file_size)} (at most {LIM.EXPANSION}x the file size, or "
+                      f"{LIM.fmt_bytes(LIM.MIN_DECLARED)}): a compression bomb or a damaged file")
 
     # ------------------------------------------------------------------ info
     @property
@@ -388,10 +566,15 @@ class TraceReader:
     def n_positions(self) -> int:
         return self.step_positions[-1][1]
 
+    def extra_shapes(self) -> dict[str, tuple]:
+        """Shapes of the extra inputs (nothing read)."""
+        return {k: tuple(self.f[S.input_extra_path(k)].shape) for k in self._extra_names}
+
     def extra_inputs(self) -> dict[str, np.ndarray]:
         out = {}
         for k in self._extra_names:
             ds = self.f[S.input_extra_path(k)]
+            self._check_memory(ds, _nbytes(ds.shape, ds.dtype))
             out[k] = self._read_small(ds)
         return out
 
@@ -418,9 +601,18 @@ class TraceReader:
     def source_dtype(self, kind: str, layer: int | None = None) -> str:
         return _attr_text(self.dataset(kind, layer).attrs.get(S.ATTR_SOURCE_DTYPE, "float32"))
 
+    def _check_memory(self, ds: h5py.Dataset, nbytes: int) -> None:
+        if self._memory is not None and nbytes > self._memory:
+            raise TraceToolError(
+                f"reading {ds.name.lstrip('/')!r} of {self.path} needs {LIM.fmt_bytes(nbytes)} of memory, more than "
+                f"the {LIM.fmt_bytes(self._memory)} available"
+            )
+
     def read(self, kind: str, layer: int | None = None, rows: slice = slice(None)) -> np.ndarray:
         """Rows of a kind: by position for position-indexed kinds, by step for step kinds."""
         ds = self.dataset(kind, layer)
+        n = len(range(*rows.indices(ds.shape[0])))
+        self._check_memory(ds, _nbytes((n, *ds.shape[1:]), ds.dtype))
         try:
             return ds[rows]
         except READ_ERRORS as e:
@@ -439,7 +631,10 @@ class TraceReader:
 
     # ------------------------------------------------------------------ hash
     def content_hash(self) -> str:
-        """sha256 over names, attributes, dtypes, shapes and values (not file bytes)."""
+        """sha256 over names, attributes, dtypes, shapes and values (not file bytes).
+
+        Hashes exactly the objects validated on open (every object of a valid trace), reached
+        the same way: through hard links only; large datasets are read in blocks."""
         h = hashlib.sha256()
 
         def text(v) -> str:  # undecodable bytes hash as themselves (surrogateescape), valid text as before
@@ -458,17 +653,11 @@ class TraceReader:
                 elif obj.dtype.kind == "O":
                     h.update(json.dumps([text(x) for x in obj[()]]).encode())
                 else:
-                    for i in range(0, obj.shape[0], HASH_BLOCK_ROWS):
-                        h.update(np.ascontiguousarray(obj[i : i + HASH_BLOCK_ROWS]).tobytes())
+                    block = max(1, HASH_BLOCK_BYTES // max(1, _nbytes(obj.shape[1:], obj.dtype)))
+                    for i in range(0, obj.shape[0], block):
+                        h.update(np.ascontiguousarray(obj[i : i + block]).tobytes())
 
-        names: list[str] = []
-        try:
-            self.f.visit(names.append)
-        except READ_ERRORS as e:
-            raise _corrupt(
-                f"{self.path} is damaged: its list of groups and datasets cannot be walked ({one_line(e, 200)}); {ADVICE}"
-            ) from None
-        for name in ["/", *sorted(names)]:
+        for name in ["/", *sorted(self._objects)]:
             obj = None
             try:
                 obj = self.f if name == "/" else self.f[name]
@@ -488,6 +677,14 @@ class TraceReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _file_kind(mode: int) -> str:
+    for test, word in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return word
+    return "not a regular file"
 
 
 def _corrupt(msg: str) -> TraceCorruptError:

@@ -6,6 +6,7 @@ bounded by (datasets x chunk) however long the run is.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -135,11 +136,12 @@ class TraceWriter:
                 if self._step_open:
                     raise ValueError("trace closed in the middle of a step")
                 self._finish()
+            self.f.close()  # flushes: a full disk can fail here too
         except BaseException as e:
-            self.f.close()
-            self._ctx.__exit__(type(e), e, e.__traceback__)
+            with contextlib.suppress(Exception):
+                self.f.close()
+            self._ctx.__exit__(type(e), e, e.__traceback__)  # removes the partial file; names a full disk
             raise
-        self.f.close()
         return self._ctx.__exit__(exc_type, exc, tb)
 
     # ---------------------------------------------------------------- header

@@ -1,0 +1,143 @@
+"""What a trace or a model config may make the tool read or allocate (numbers only: no torch, no h5py).
+
+A trace is untrusted input (docs/robustness.md, "Threat model"): every size it declares
+is checked against these limits before anything of that size is read or allocated. The
+caps sit far above every Gemma 4 model (35-62 layers, hidden <= 5376, vocab 262,144,
+contexts <= 256K) and far below what would exhaust a machine.
+
+Before a model, a static runtime or a generation cache is allocated, its bytes are
+estimated from the config and compared with the memory available (`MemAvailable` of
+/proc/meminfo, or GEMMA4_TRACE_MEMORY_LIMIT); a run that cannot fit is refused with one
+line giving the estimate and the limit, instead of allocating until the kernel kills it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import TraceToolError
+
+MAX_LAYERS = 512
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 8192
+MAX_HIDDEN = 1 << 17
+MAX_VOCAB = 1 << 22
+MAX_POSITIONS = 1 << 20  # prompt + max_new_tokens: 4x Gemma 4's longest context
+ROW_SLACK = 4  # a row may be this many times wider than the config says (a runtime bug stays a `shape` divergence)
+MAX_CHUNK_BYTES = 64 << 20  # one chunk is decompressed whole; the writer makes 1 MiB chunks
+MAX_ATTR_BYTES = 16 << 20  # one attribute (the prompt text of a MAX_POSITIONS prompt fits)
+MAX_ATTRS = 64  # attributes on one object (the root holds 13)
+MAX_EXTRA_INPUTS = 64
+# all datasets together may declare at most this many times the file's size (gzip's best ratio is
+# about 1000:1; a real trace declares 1-10x its size, masks included), or MIN_DECLARED whatever the file
+EXPANSION = 64
+MIN_DECLARED = 256 << 20
+MEMORY_ENV = "GEMMA4_TRACE_MEMORY_LIMIT"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def memory_limit() -> int | None:
+    """Bytes the tool may allocate: GEMMA4_TRACE_MEMORY_LIMIT (e.g. 4G) if set, else MemAvailable."""
+    text = os.environ.get(MEMORY_ENV, "").strip()
+    if text:
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:].upper(), 1)
+        try:
+            return int(float(text[:-1] if scale > 1 else text) * scale)
+        except ValueError:
+            raise TraceToolError(f"{MEMORY_ENV}={text!r}: expected bytes such as 8G or 512M") from None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None  # unknown (not Linux): no refusal
+
+
+def check_fits(nbytes: int, what: str) -> None:
+    """Refuse, as one line, an allocation the machine's available memory cannot hold."""
+    limit = memory_limit()
+    if limit is not None and nbytes > limit:
+        raise TraceToolError(
+            f"{what} needs about {fmt_bytes(nbytes)} of memory, more than the {fmt_bytes(limit)} available "
+            f"({'set by ' + MEMORY_ENV if os.environ.get(MEMORY_ENV) else 'MemAvailable'}); "
+            "use a shorter run or a machine with more memory"
+        )
+
+
+def _get(cfg, key: str, default=0):
+    """A config value from a dict or an HF config object; non-numbers count as the default."""
+    v = cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return default
+    return max(0, int(v)) if v == v and abs(v) != float("inf") else default
+
+
+def text_config(cfg):
+    """The text part of a config (a dict from config.json or an HF config)."""
+    sub = cfg.get("text_config") if isinstance(cfg, dict) else getattr(cfg, "text_config", None)
+    return sub if isinstance(sub, dict) or (sub is not None and not isinstance(cfg, dict)) else cfg
+
+
+def _dims(cfg) -> dict:
+    t = text_config(cfg)
+    hidden = _get(t, "hidden_size", 0)
+    heads = _get(t, "num_attention_heads", 1) or 1
+    return dict(
+        V=_get(t, "vocab_size", 0), H=hidden, L=_get(t, "num_hidden_layers", 0), heads=heads,
+        kv=_get(t, "num_key_value_heads", heads) or heads,
+        hd=max(_get(t, "head_dim", 0), _get(t, "global_head_dim", 0)) or (hidden // heads if heads else 0),
+        I=_get(t, "intermediate_size", 0), ple=_get(t, "hidden_size_per_layer_input", 0),
+        Vple=_get(t, "vocab_size_per_layer_input", 0) or _get(t, "vocab_size", 0),
+        E=_get(t, "num_experts", 0), Imoe=_get(t, "moe_intermediate_size", 0),
+    )
+
+
+def model_bytes(cfg, dtype_bytes: int) -> int:
+    """A lower estimate of a Gemma 4 model's weights (text decoder only) from its config."""
+    d = _dims(cfg)
+    attention = d["H"] * d["hd"] * (2 * d["heads"] + 2 * d["kv"])
+    mlp = 3 * d["H"] * d["I"] + 3 * d["E"] * d["H"] * d["Imoe"]
+    params = d["V"] * d["H"] + d["Vple"] * d["L"] * d["ple"] + d["L"] * (attention + mlp)
+    return params * dtype_bytes
+
+
+def static_runtime_bytes(cfg, max_seq: int, dtype_bytes: int) -> int:
+    """What the static runtime allocates beyond the weights for `max_seq` (all layers' KV caches,
+    the (max_seq, max_seq) masks and RoPE tables, and one padded prefill: scores, activations)."""
+    d, s = _dims(cfg), int(max_seq)
+    caches = d["L"] * 2 * d["kv"] * s * d["hd"] * dtype_bytes
+    masks = 4 * s * s  # two bool masks plus their temporaries
+    rope = 4 * s * d["hd"] * (4 + dtype_bytes)
+    scores = 3 * d["heads"] * s * s * max(dtype_bytes, 4)
+    activations = s * (4 * d["H"] + 3 * d["I"] + d["L"] * d["ple"]) * max(dtype_bytes, 4)
+    return caches + masks + rope + scores + activations
+
+
+def generation_bytes(cfg, prompt_len: int, positions: int, dtype_bytes: int) -> int:
+    """HF generate() while recording: a KV cache for `positions`, the prefill's attention scores
+    and activations over the prompt (the recorder keeps one step's tensors)."""
+    d = _dims(cfg)
+    caches = d["L"] * 2 * d["kv"] * int(positions) * d["hd"] * dtype_bytes
+    scores = 3 * d["heads"] * prompt_len * prompt_len * max(dtype_bytes, 4)
+    activations = prompt_len * (4 * d["H"] + 3 * d["I"] + d["L"] * d["ple"]) * max(dtype_bytes, 4)
+    recorded = prompt_len * d["L"] * (prompt_len + (d["heads"] + 2 * d["kv"]) * d["hd"] * 4 + 2 * d["H"] * 4)
+    return caches + scores + activations + recorded
+
+
+def check_config(cfg, where: str) -> None:
+    """Refuse a config whose sizes no Gemma 4 has (before anything is built from it)."""
+    d = _dims(cfg)
+    for key, value, cap in (("num_hidden_layers", d["L"], MAX_LAYERS), ("hidden_size", d["H"], MAX_HIDDEN),
+                            ("vocab_size", d["V"], MAX_VOCAB), ("num_attention_heads", d["heads"], MAX_HEADS),
+                            ("head_dim", d["hd"], MAX_HEAD_DIM)):
+        if value > cap:
+            raise TraceToolError(f"{where}: {key} is {value}, more than this tool accepts ({cap})")
