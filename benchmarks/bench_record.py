@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks import e2b_shaped  # noqa: E402
-from gemma4_trace.recorder.model import DEMO_PROMPT, load_model  # noqa: E402
+from gemma4_trace.hf.model import DEMO_PROMPT, load_model  # noqa: E402
 from gemma4_trace.recorder.record import PromptInputs, eos_ids, prepare_inputs, record_loaded  # noqa: E402
 
 

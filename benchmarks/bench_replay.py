@@ -28,7 +28,7 @@ def build(which: str):
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     from benchmarks.e2b_shaped import E2B_TEXT
-    from gemma4_trace.recorder.model import LoadedModel, load_model
+    from gemma4_trace.hf.model import LoadedModel, load_model
 
     if which == "tiny":
         return load_model(None)  # the embedded tiny model

@@ -1,3 +1,5 @@
 """gemma4-trace: record, replay and diff Gemma 4 traces."""
 
-__version__ = "0.1.0"
+from importlib.metadata import version
+
+__version__ = version("gemma4-trace")  # one source: pyproject.toml

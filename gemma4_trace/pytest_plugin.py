@@ -7,8 +7,12 @@
 by default), diffs each against its golden, and fails with the first divergence.
 Options: `--golden-dir DIR` (default: the goldens shipped with this package),
 `--golden-model DIR` (the checkpoint they were recorded with; default: the embedded
-model), `--update-golden` (re-record every golden with HF from its own inputs first).
-Nothing heavy is imported until a check runs.
+model), `--update-golden` (re-record every golden in --golden-dir with HF from its own
+inputs first; refused without --golden-dir, so the installed package is never rewritten).
+
+pytest loads this module in every run on a machine where the package is installed, so
+it imports nothing but pytest at load: our modules are imported (by their namespaced
+names only) when a fixture runs.
 """
 
 from __future__ import annotations
@@ -17,16 +21,20 @@ from pathlib import Path
 
 import pytest
 
-from gemma4_trace import traces
-
-PACKAGED_GOLDEN_DIR = Path(traces.__file__).resolve().parent / "golden"
-
 
 def pytest_addoption(parser):
     group = parser.getgroup("gemma4-trace")
-    group.addoption("--update-golden", action="store_true", help="re-record golden traces with HF before checking")
+    group.addoption("--update-golden", action="store_true", help="re-record the golden traces in --golden-dir with HF before checking")
     group.addoption("--golden-dir", default=None, help="folder of golden *.h5 traces [default: the packaged goldens]")
     group.addoption("--golden-model", default=None, help="model folder the goldens were recorded with")
+
+
+def pytest_configure(config):
+    if config.getoption("--update-golden") and not config.getoption("--golden-dir"):
+        raise pytest.UsageError(
+            "--update-golden rewrites golden traces: pass the folder to rewrite with --golden-dir DIR "
+            "(the goldens shipped inside the package are never rewritten)"
+        )
 
 
 def golden_paths(folder: Path) -> list[Path]:
@@ -49,16 +57,17 @@ class GoldenChecker:
         for p in self.paths:
             rerecord_trace(p, p, model_dir=self.model_dir, force=True)
 
-    def check(self, runtime: str = "static", modes=("teacher-forced", "free-running"), tolerances=None):
-        """Replay every golden through `runtime` and assert each matches; return the diff results."""
+    def check(self, runtime: str = "static", modes=None, tolerances=None):
+        """Replay every golden through `runtime` in `modes` (default: every replay mode)
+        and assert each matches; return the diff results."""
         from gemma4_trace.diff import diff_traces, format_text
-        from gemma4_trace.replayer.replay import replay_trace
+        from gemma4_trace.replayer.replay import MODES, replay_trace
 
         results, failures = [], []
         for p in self.paths:
-            for mode in modes:
+            for mode in modes or MODES:
                 out = self.tmp / f"{p.stem}.{mode}.h5"
-                replay_trace(p, out, model_dir=self.model_dir, runtime=runtime, mode=mode, force=True, progress=False)
+                replay_trace(p, out, model_dir=self.model_dir, runtime=runtime, mode=mode, force=True)
                 res = diff_traces(p, out, tolerances)
                 results.append(res)
                 if not res.match:
@@ -73,5 +82,9 @@ class GoldenChecker:
 def gemma4_golden(request, tmp_path) -> GoldenChecker:
     """Checks a runtime (`'static'` or `'MODULE:FACTORY'`) against golden traces."""
     cfg = request.config
-    folder = cfg.getoption("--golden-dir") or PACKAGED_GOLDEN_DIR
+    folder = cfg.getoption("--golden-dir")
+    if folder is None:
+        from gemma4_trace.recorder import golden
+
+        folder = golden.GOLDEN_DIR
     return GoldenChecker(folder, cfg.getoption("--golden-model"), cfg.getoption("--update-golden"), tmp_path)

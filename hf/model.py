@@ -1,20 +1,27 @@
-"""Loading Gemma 4 checkpoints (safetensors only, never remote code) and describing them."""
+"""Loading Gemma 4 checkpoints (safetensors only, never remote code) and describing them.
+
+No torch or transformers import at module level: the CLI reads EMBEDDED_MODEL_DIR and
+EMBEDDED_NAME from here in commands that must start without torch.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass
+from importlib.metadata import version
+from importlib.resources import files
 from pathlib import Path
 
-from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError, one_line
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "tiny_model"
+# the tiny checkpoint shipped in the repository's recorder/tiny_model (docs refer to it there)
+EMBEDDED_MODEL_DIR = Path(str(files("gemma4_trace.recorder") / "tiny_model"))
 EMBEDDED_NAME = "tiny-gemma4 (embedded)"
 # what `trace record` asks the embedded model when no prompt is given
 DEMO_PROMPT = "Tell me a story."
 DEMO_IMAGE_PROMPT = "Describe the image."
-DEMO_IMAGE = DEFAULT_MODEL_DIR / "example.png"
+DEMO_IMAGE = EMBEDDED_MODEL_DIR / "example.png"
 GEMMA4_TYPES = ("gemma4", "gemma4_text")
 # config keys that say nothing about the network: left out of the config hash
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "architectures", "_commit_hash")
@@ -50,7 +57,7 @@ class LoadedModel:
 def resolve_model_dir(model_dir: str | Path | None) -> tuple[Path, str]:
     """The folder to load and the name a trace records for it (never an absolute path)."""
     if model_dir is None:
-        return DEFAULT_MODEL_DIR, EMBEDDED_NAME
+        return EMBEDDED_MODEL_DIR, EMBEDDED_NAME
     path = Path(model_dir)
     return path, path.resolve().name
 
@@ -111,7 +118,7 @@ def load_model(model_dir: str | Path | None = None, dtype: str = "float32", devi
             path, dtype=getattr(torch, dtype), use_safetensors=True, local_files_only=True, trust_remote_code=False
         )
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
-        raise TraceToolError(f"cannot load {path}: {str(e).splitlines()[0][:300]}") from None
+        raise TraceToolError(f"cannot load {path}: {one_line(e, 300)}") from None
     model.to(device).eval()
     return LoadedModel(model, _load_processor(path), name, path, dtype, device)
 
@@ -133,7 +140,7 @@ def _load_processor(path: Path):
         if has_tok:
             return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, TypeError, ImportError) as e:
-        raise TraceToolError(f"cannot load the tokenizer/processor in {path}: {str(e).splitlines()[0][:200]}") from None
+        raise TraceToolError(f"cannot load the tokenizer/processor in {path}: {one_line(e, 200)}") from None
     return None
 
 
@@ -167,11 +174,9 @@ def provenance(lm: LoadedModel, runtime: str, mode: str) -> dict:
     import torch
     import transformers
 
-    from gemma4_trace import __version__
-
     cfg = config_dict(lm.config)
     return dict(
-        creator_version=__version__,
+        creator_version=version("gemma4-trace"),
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
         h5py_version=h5py.__version__,

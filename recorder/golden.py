@@ -6,14 +6,14 @@ Each golden is HF on the embedded tiny model (float32, CPU). HASHES lists the co
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 
-from gemma4_trace import traces
+from gemma4_trace.hf.model import DEMO_IMAGE, DEMO_IMAGE_PROMPT, DEMO_PROMPT
 from gemma4_trace.traces import TraceReader
 
-from .model import DEMO_IMAGE, DEMO_IMAGE_PROMPT, DEMO_PROMPT
-
-GOLDEN_DIR = Path(traces.__file__).resolve().parent / "golden"
+# the package data folder traces/golden (the only definition of where the goldens live)
+GOLDEN_DIR = Path(str(files("gemma4_trace.traces") / "golden"))
 HASHES = GOLDEN_DIR / "HASHES"
 
 # name: (prompt, images, max_new_tokens) -- what each golden covers

@@ -17,15 +17,15 @@ instead, which keeps every position in every layer and leaves the numbers unchan
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gemma4_trace.progress import ProgressBar
 from gemma4_trace.traces import TraceWriter, layer_infos_from_config
 from gemma4_trace.traces.atomic import check_output_path
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.schema import rope_kinds
 
-from .model import DEMO_IMAGE_PROMPT, DEMO_PROMPT, LoadedModel, load_model, provenance
+from gemma4_trace.hf.model import DEMO_IMAGE_PROMPT, DEMO_PROMPT, LoadedModel, load_model, provenance
 
 
 @dataclass
@@ -47,9 +47,12 @@ def record_trace(
     device: str = "cpu",
     chat: bool = True,
     force: bool = False,
-    progress: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> str:
-    """Record HF Gemma 4 on one prompt into `output`; return a one-line summary."""
+    """Record HF Gemma 4 on one prompt into `output`; return a one-line summary.
+
+    `progress(done, total)`, when given, is called after each generated token.
+    """
     check_output_path(output, force)  # fail before loading anything
     if prompt is not None and input_ids is not None:
         raise TraceToolError("give exactly one of --prompt or --input-ids")
@@ -275,7 +278,8 @@ def _np(t):
 
 
 def record_loaded(
-    lm: LoadedModel, inputs: PromptInputs, output, *, max_new_tokens: int, force: bool = False, progress: bool = False
+    lm: LoadedModel, inputs: PromptInputs, output, *, max_new_tokens: int, force: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[int]:
     """Run greedy generate() with hooks and write the trace; return the generated ids."""
     import torch
@@ -290,7 +294,7 @@ def record_loaded(
     prompt_len = ids.shape[1]
     impl = model.config._attn_implementation or "eager"
     original = ALL_ATTENTION_FUNCTIONS.get(impl, modeling_gemma4.eager_attention_forward)
-    bar = _Progress(max_new_tokens, enabled=progress)
+    streamer = _ProgressStreamer(max_new_tokens, progress) if progress is not None else None
 
     with TraceWriter(output, force=force, source_dtype=lm.dtype) as w:
         w.write_header(
@@ -304,14 +308,13 @@ def record_loaded(
             rec.install(stack)
             ALL_ATTENTION_FUNCTIONS[impl] = rec.attention(original)
             stack.callback(ALL_ATTENTION_FUNCTIONS._local_mapping.pop, impl, None)
-            stack.callback(bar.close)
             with torch.no_grad():
                 out = model.generate(
                     ids, **extra, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                     eos_token_id=eos, pad_token_id=lm.text_config.pad_token_id,
                     # an index tensor (not the int generate() uses) keeps all positions in KV-reusing layers
                     logits_to_keep=torch.tensor([-1], device=lm.device),
-                    streamer=bar, top_k=None, top_p=None, temperature=None,
+                    streamer=streamer, top_k=None, top_p=None, temperature=None,
                 )
         generated = out[0, prompt_len:].tolist()
         if rec.pending_token_step:
@@ -321,16 +324,17 @@ def record_loaded(
     return generated
 
 
-class _Progress(ProgressBar):
-    """The progress bar as a generate() streamer: put() is called once per generated token."""
+class _ProgressStreamer:
+    """A generate() streamer that reports progress: put() is called once per generated token."""
 
-    def __init__(self, total: int, enabled: bool):
-        super().__init__("recording", total, enabled)
+    def __init__(self, total: int, progress: Callable[[int, int], None]):
+        self.total, self.progress = total, progress
         self.done = -1  # the first put() is the prompt
 
     def put(self, value) -> None:
         self.done += 1
-        self.update(self.done)
+        if self.done > 0:
+            self.progress(self.done, self.total)
 
     def end(self) -> None:
         pass
@@ -343,7 +347,7 @@ def rerecord_trace(reference, output, *, model_dir=None, device: str = "cpu", fo
 
     from gemma4_trace.traces import TraceReader
 
-    from .model import load_for_reference
+    from gemma4_trace.hf.model import load_for_reference
 
     check_output_path(output, force)
     with TraceReader(reference) as r:

@@ -3,26 +3,41 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from gemma4_trace.progress import ProgressBar
+from gemma4_trace.hf.model import load_for_reference, provenance
+from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.atomic import check_output_path
-from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError, one_line
 from gemma4_trace.traces.layers import layer_infos_from_config
 from gemma4_trace.traces.reader import TraceReader
 from gemma4_trace.traces.writer import TraceWriter
 
-MODES = ("teacher-forced", "free-running")
+from .api import WriterProbe, make_runtime
+
+# the modes a replay can run in (the trace format's modes, less the recorder's "reference")
+MODES = tuple(m for m in S.MODES if m != "reference")
 
 
-def default_max_seq(prompt_len: int, max_new_tokens: int) -> int:
-    """Prompt + new tokens rounded up to a multiple of 8."""
-    n = prompt_len + max_new_tokens
-    return -(-n // 8) * 8
+@dataclass
+class Reference:
+    """What a replay takes from the reference trace (read once; the file is closed after)."""
+
+    provenance: dict
+    prompt_ids: list[int]
+    extra: dict  # processor outputs besides ids, numpy arrays
+    max_new_tokens: int
+    eos: list[int]
+    prompt_text: str
+    chat: bool
+    tokens: list[int]  # the reference's generated tokens, one per step
+    n_steps: int
 
 
-def _read_reference(reference) -> dict:
-    with TraceReader(reference) as r:
-        return dict(
+def read_reference(path) -> Reference:
+    with TraceReader(path) as r:
+        return Reference(
             provenance=dict(r.provenance),
             prompt_ids=[int(x) for x in r.prompt_ids],
             extra=r.extra_inputs(),
@@ -35,6 +50,12 @@ def _read_reference(reference) -> dict:
         )
 
 
+def default_max_seq(prompt_len: int, max_new_tokens: int) -> int:
+    """Prompt + new tokens rounded up to a multiple of 8."""
+    n = prompt_len + max_new_tokens
+    return -(-n // 8) * 8
+
+
 def replay_trace(
     reference,
     output,
@@ -44,92 +65,112 @@ def replay_trace(
     max_seq: int | None = None,
     mode: str = "teacher-forced",
     force: bool = False,
-    progress: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> str:
-    """Replay REF's inputs through a runtime and write the candidate trace; return a summary line."""
-    import torch
+    """Replay REF's inputs through a runtime and write the candidate trace; return a summary line.
 
-    from gemma4_trace.recorder.model import load_for_reference, provenance
-
-    from .api import WriterProbe, make_runtime
-
+    `progress(done, total)`, when given, is called after each step.
+    """
     if mode not in MODES:
         raise TraceToolError(f"mode must be one of {MODES}, got {mode!r}")
-    check_output_path(output, force)
-    ref = _read_reference(reference)
-    T, n_new = len(ref["prompt_ids"]), ref["max_new_tokens"]
-    if max_seq is None:
-        max_seq = default_max_seq(T, n_new)
+    check_output_path(output, force)  # fail before loading anything
+    ref = read_reference(reference)
+    T, n_new = len(ref.prompt_ids), ref.max_new_tokens
+    max_seq = default_max_seq(T, n_new) if max_seq is None else max_seq
     if T + n_new > max_seq:
-        raise TraceToolError(
-            f"prompt ({T} tokens) + max_new_tokens ({n_new}) = {T + n_new} exceeds --max-seq {max_seq}"
-        )
-    loaded = load_for_reference(ref["provenance"], model_dir)
+        raise TraceToolError(f"prompt ({T} tokens) + max_new_tokens ({n_new}) = {T + n_new} exceeds --max-seq {max_seq}")
+    loaded = load_for_reference(ref.provenance, model_dir)
     rt = make_runtime(runtime, loaded, max_seq)
-    name = rt.name
-    layers = layer_infos_from_config(loaded.text_config)
-    extra = {k: torch.as_tensor(v) for k, v in ref["extra"].items()}
-    ids = torch.tensor(ref["prompt_ids"], dtype=torch.long)
-    eos = set(ref["eos"])
-    ref_tokens = ref["tokens"]
-    n_steps = ref["n_steps"] if mode == "teacher-forced" else n_new
-    vocab = loaded.text_config.vocab_size
-    bar = ProgressBar("replaying", n_steps, progress)
-    plugin = runtime != "static"
+    runner = _CheckedRuntime(rt, plugin=runtime != "static", vocab=loaded.text_config.vocab_size)
     t0 = time.perf_counter()
+    with TraceWriter(output, force=force, source_dtype=loaded.dtype) as w:
+        w.write_header(
+            provenance(loaded, runtime=rt.name, mode=mode), ref.prompt_ids, layer_infos_from_config(loaded.text_config),
+            max_new_tokens=n_new, eos_token_ids=ref.eos, prompt_text=ref.prompt_text,
+            chat_template_applied=ref.chat, extra_inputs=ref.extra,
+        )
+        tokens = _run_steps(runner, ref, mode, w, progress)
+    seconds = time.perf_counter() - t0
+    return (
+        f"wrote {output}: {rt.name} runtime, {mode}, {len(tokens)} steps, max_seq {max_seq}, "
+        f"{_agreement(tokens, ref.tokens, mode)} ({seconds:.1f} s)"
+    )
 
-    def call(what, fn, *args):
+
+class _CheckedRuntime:
+    """A runtime's prefill/decode whose failures and wrong logits become one-line errors.
+
+    A plug-in's exception is the user's input (one line, exit 2); one from the static
+    runtime is a bug of ours and keeps its traceback.
+    """
+
+    def __init__(self, rt, plugin: bool, vocab: int):
+        self.rt, self.plugin, self.vocab = rt, plugin, vocab
+
+    def prefill(self, ids, extra: dict, probe):
+        return self._logits("prefill", self.rt.prefill, ids, extra, probe)
+
+    def decode(self, step: int, token: int, position: int, probe):
+        return self._logits(f"decode step {step}", self.rt.decode, token, position, probe)
+
+    def _logits(self, what: str, fn, *args):
+        import torch
+
         try:
             logits = fn(*args)
         except TraceToolError:
             raise
         except Exception as e:
-            if not plugin:
+            if not self.plugin:
                 raise
-            raise TraceToolError(f"runtime {name} failed in {what}: {type(e).__name__}: {str(e)[:200]}") from None
+            raise TraceToolError(f"runtime {self.rt.name} failed in {what}: {type(e).__name__}: {one_line(e, 200)}") from None
         logits = torch.as_tensor(logits).detach().reshape(-1) if logits is not None else None
-        if logits is None or logits.shape[0] != vocab:
+        if logits is None or logits.shape[0] != self.vocab:
             shape = None if logits is None else tuple(logits.shape)
-            raise TraceToolError(f"runtime {name} returned logits of shape {shape} from {what}; expected ({vocab},)")
+            raise TraceToolError(f"runtime {self.rt.name} returned logits of shape {shape} from {what}; expected ({self.vocab},)")
         return logits
 
+
+def _run_steps(runner: _CheckedRuntime, ref: Reference, mode: str, w: TraceWriter, progress) -> list[int]:
+    """Prefill, then one decode step per token, each written as a step; return the chosen tokens.
+
+    Teacher-forced: every reference step, fed the reference's tokens. Free-running: the
+    runtime's own tokens, until an EOS id or max_new_tokens.
+    """
+    import torch
+
+    T = len(ref.prompt_ids)
+    n_steps = ref.n_steps if mode == "teacher-forced" else ref.max_new_tokens
+    ids = torch.tensor(ref.prompt_ids, dtype=torch.long)
+    extra = {k: torch.as_tensor(v) for k, v in ref.extra.items()}
+    eos = set(ref.eos)
+    probe = WriterProbe(w, runner.rt.name)
     tokens: list[int] = []
-    with TraceWriter(output, force=force, source_dtype=loaded.dtype) as w:
-        w.write_header(
-            provenance(loaded, runtime=name, mode=mode), ref["prompt_ids"], layers,
-            max_new_tokens=n_new, eos_token_ids=ref["eos"], prompt_text=ref["prompt_text"],
-            chat_template_applied=ref["chat"], extra_inputs=ref["extra"],
-        )
-        probe = WriterProbe(w, name)
-        try:
-            for step in range(n_steps):
-                probe.next_step()
-                if step == 0:
-                    w.begin_step(range(0, T))
-                    logits = call("prefill", rt.prefill, ids, extra, probe)
-                else:
-                    fed = ref_tokens[step - 1] if mode == "teacher-forced" else tokens[-1]
-                    w.begin_step(range(T + step - 1, T + step))
-                    logits = call(f"decode step {step}", rt.decode, fed, T + step - 1, probe)
-                token = int(torch.argmax(logits))
-                w.add("logits", logits.float().cpu().numpy(), source_dtype=str(logits.dtype).removeprefix("torch."))
-                w.add("token", token)
-                w.end_step()
-                tokens.append(token)
-                bar.update(step + 1)
-                if mode == "free-running" and token in eos:
-                    break
-        finally:
-            bar.close()
-    seconds = time.perf_counter() - t0
+    for step in range(n_steps):
+        probe.next_step()
+        if step == 0:
+            w.begin_step(range(0, T))
+            logits = runner.prefill(ids, extra, probe)
+        else:
+            fed = ref.tokens[step - 1] if mode == "teacher-forced" else tokens[-1]
+            position = T + step - 1
+            w.begin_step(range(position, position + 1))
+            logits = runner.decode(step, fed, position, probe)
+        token = int(torch.argmax(logits))
+        w.add("logits", logits.float().cpu().numpy(), source_dtype=str(logits.dtype).removeprefix("torch."))
+        w.add("token", token)
+        w.end_step()
+        tokens.append(token)
+        if progress is not None:
+            progress(step + 1, n_steps)
+        if mode == "free-running" and token in eos:
+            break
+    return tokens
+
+
+def _agreement(tokens: list[int], ref_tokens: list[int], mode: str) -> str:
     if mode == "teacher-forced":
         agree = sum(a == b for a, b in zip(tokens, ref_tokens))
-        detail = f"{agree}/{len(tokens)} tokens agree with the reference"
-    else:
-        n = len(tokens)
-        same = tokens == ref_tokens[:n] and n == len(ref_tokens)
-        detail = "same tokens as the reference" if same else "tokens differ from the reference"
-    return (
-        f"wrote {output}: {name} runtime, {mode}, {len(tokens)} steps, max_seq {max_seq}, "
-        f"{detail} ({seconds:.1f} s)"
-    )
+        return f"{agree}/{len(tokens)} tokens agree with the reference"
+    same = tokens == ref_tokens[: len(tokens)] and len(tokens) == len(ref_tokens)
+    return "same tokens as the reference" if same else "tokens differ from the reference"

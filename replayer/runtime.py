@@ -14,6 +14,8 @@ With probe=None no reporting code runs at all.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -129,6 +131,18 @@ class _Layer(nn.Module):
             shape = (1, info.num_kv_heads, max_seq, info.head_dim)
             self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+
+@dataclass
+class _Step:
+    """What every layer of one forward call (prefill or a decode step) shares."""
+
+    input_pos: torch.Tensor  # (n,) absolute positions fed
+    masks: dict  # layer type -> allowed[query, key] (1, n, max_seq) bool
+    rope: dict  # layer type -> (cos, sin), each (1, n, head_dim of that type)
+    valid: torch.Tensor | None  # prefill: (max_seq,) bool, the whole cache is rewritten; decode: None
+    probe: object | None
+    report_rows: int  # leading rows reported to the probe: T in prefill (never padding), 1 in decode
 
 
 class StaticGemma4Runtime(nn.Module):
@@ -294,17 +308,18 @@ class StaticGemma4Runtime(nn.Module):
         self._check_cache(i, "reads K/V", src.v_cache)
         return src.k_cache, src.v_cache
 
-    def _layer(self, i, x, ple, cos, sin, mask, input_pos, valid, probe, n_rep):
-        """One decoder layer on x (1, n, H) at positions input_pos (n,).
+    def _step(self, input_pos, masks, valid, probe, report_rows: int) -> _Step:
+        rope = {t: (getattr(self, f"cos_{t}")[input_pos][None], getattr(self, f"sin_{t}")[input_pos][None]) for t in self.types}
+        return _Step(input_pos, masks, rope, valid, probe, report_rows)
 
-        valid (max_seq,) bool is given in prefill: the whole cache is rewritten, padding rows
-        as zeros. In decode (valid None) one row per position is written.
-        """
+    def _attention(self, i: int, h: torch.Tensor, step: _Step) -> torch.Tensor:
+        """Layer i's attention on the normed input h (1, n, H): writes its K/V rows (if it owns
+        K/V), attends over the whole cache through the mask; returns o_proj's output (1, n, H)."""
         L, info = self.layers[i], self.infos[i]
-        n, H, D = x.shape[1], info.num_heads, info.head_dim
-        KV = info.num_kv_heads
-        residual = x
-        h = rms_norm(x, L.input_norm, self.eps)
+        n, H, D, KV = h.shape[1], info.num_heads, info.head_dim, info.num_kv_heads
+        cos, sin = step.rope[info.layer_type]
+        mask = step.masks[info.layer_type]
+        probe, rows = step.probe, step.report_rows
 
         q = rms_norm(F.linear(h, L.q_proj).view(1, n, H, D), L.q_norm, self.eps)
         q = apply_rope(q, cos, sin)  # (1, n, H, D)
@@ -313,14 +328,14 @@ class StaticGemma4Runtime(nn.Module):
             v = k_raw if L.k_eq_v else F.linear(h, L.v_proj).view(1, n, KV, D)
             k = apply_rope(rms_norm(k_raw, L.k_norm, self.eps), cos, sin)
             v = rms_norm(v, None, self.eps)
-            self._write_kv(i, k.transpose(1, 2), v.transpose(1, 2), input_pos, valid)  # rows (1, KV, n, D)
+            self._write_kv(i, k.transpose(1, 2), v.transpose(1, 2), step.input_pos, step.valid)  # rows (1, KV, n, D)
             if probe is not None:
-                probe.tensor("k", k[0, :n_rep], layer=i)
-                probe.tensor("v", v[0, :n_rep], layer=i)
-        k_all, v_all = self._read_kv(i, input_pos)  # (1, KV, S, D)
+                probe.tensor("k", k[0, :rows], layer=i)
+                probe.tensor("v", v[0, :rows], layer=i)
+        k_all, v_all = self._read_kv(i, step.input_pos)  # (1, KV, S, D)
         if probe is not None:
-            probe.tensor("mask", mask[0, :n_rep], layer=i)
-            probe.tensor("q", q[0, :n_rep], layer=i)
+            probe.tensor("mask", mask[0, :rows], layer=i)
+            probe.tensor("q", q[0, :rows], layer=i)
 
         G = H // KV  # query heads per KV head; head h reads KV head h // G
         qg = q.transpose(1, 2).reshape(1, KV, G * n, D)
@@ -328,10 +343,16 @@ class StaticGemma4Runtime(nn.Module):
         scores = scores.float().masked_fill(~mask[:, None, None], torch.finfo(torch.float32).min)
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(1, KV, G * n, -1)
         attn = torch.matmul(probs, v_all).view(1, H, n, D).transpose(1, 2).reshape(1, n, H * D)
-        attn = F.linear(attn, L.o_proj)  # (1, n, hidden)
+        return F.linear(attn, L.o_proj)  # (1, n, hidden)
+
+    def _layer(self, i: int, x: torch.Tensor, ple: torch.Tensor | None, step: _Step) -> torch.Tensor:
+        """One decoder layer on x (1, n, H) at positions step.input_pos (n,)."""
+        L = self.layers[i]
+        probe, rows = step.probe, step.report_rows
+        attn = self._attention(i, rms_norm(x, L.input_norm, self.eps), step)
         if probe is not None:
-            probe.tensor("attn_out", attn[0, :n_rep], layer=i)
-        x = residual + rms_norm(attn, L.post_attn_norm, self.eps)
+            probe.tensor("attn_out", attn[0, :rows], layer=i)
+        x = x + rms_norm(attn, L.post_attn_norm, self.eps)
 
         residual = x
         h = self._mlp(L, rms_norm(x, L.pre_ffn_norm, self.eps))
@@ -344,27 +365,26 @@ class StaticGemma4Runtime(nn.Module):
             x = x + rms_norm(F.linear(g, L.ple_proj), L.ple_norm, self.eps)
         x = x * L.layer_scalar
         if probe is not None:
-            probe.tensor("layer_out", x[0, :n_rep], layer=i)
+            probe.tensor("layer_out", x[0, :rows], layer=i)
         return x
 
-    def _decoder(self, x, ple_ids, input_pos, masks, valid, probe, n_rep):
-        """Embeddings (1, n, H) at positions input_pos (n,) -> final hidden (1, n, H)."""
+    def _decoder(self, x: torch.Tensor, ple_ids: torch.Tensor, step: _Step) -> torch.Tensor:
+        """Embeddings (1, n, H) at positions step.input_pos (n,) -> final hidden (1, n, H)."""
         ple = self._per_layer_inputs(ple_ids, x) if self.ple_dim else None
-        rope = {t: (getattr(self, f"cos_{t}")[input_pos][None], getattr(self, f"sin_{t}")[input_pos][None]) for t in self.types}
+        probe, rows = step.probe, step.report_rows
         if probe is not None:
-            probe.tensor("embeddings", x[0, :n_rep])
+            probe.tensor("embeddings", x[0, :rows])
             if ple is not None:
-                probe.tensor("per_layer_inputs", ple[0, :n_rep])
+                probe.tensor("per_layer_inputs", ple[0, :rows])
             for t in self.types:
                 cos_kind, sin_kind = rope_kinds(t)
-                probe.tensor(cos_kind, rope[t][0][0, :n_rep])
-                probe.tensor(sin_kind, rope[t][1][0, :n_rep])
-        for i, info in enumerate(self.infos):
-            cos, sin = rope[info.layer_type]
-            x = self._layer(i, x, ple, cos, sin, masks[info.layer_type], input_pos, valid, probe, n_rep)
+                probe.tensor(cos_kind, step.rope[t][0][0, :rows])
+                probe.tensor(sin_kind, step.rope[t][1][0, :rows])
+        for i in range(self.n_layers):
+            x = self._layer(i, x, ple, step)
         x = rms_norm(x, self.final_norm, self.eps)
         if probe is not None:
-            probe.tensor("final_hidden", x[0, :n_rep])
+            probe.tensor("final_hidden", x[0, :rows])
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -390,28 +410,31 @@ class StaticGemma4Runtime(nn.Module):
         return {t: getattr(self, f"mask_{t}")[input_pos][None] for t in self.types}
 
     # ------------------------------------------------------------------ static steps (exportable)
-    def prefill_step(self, ids, ple_ids, mm_embeds, mm_slots, block_ids, n_valid, probe=None, n_rep: int | None = None):
+    def prefill_step(self, ids, ple_ids, mm_embeds, mm_slots, block_ids, n_valid, probe=None, report_rows: int | None = None):
         """Prefill over the padded prompt; all shapes fixed by max_seq.
 
         ids, ple_ids (1, S) long: prompt ids, multimodal tokens replaced by pad, right-padded
         mm_embeds (1, S, H): vision soft tokens at their slots; mm_slots (1, S) bool
         block_ids (S,) long: image block of each position (-1 for text) for bidirectional masks
         n_valid () long: prompt length T. Returns the logits (vocab,) at position T - 1.
+        report_rows: how many leading rows the probe gets (the T prompt rows, never padding;
+        a Python int, since n_valid is a tensor in an exported graph); default all S.
         """
         S = self.max_seq
         input_pos = torch.arange(S, device=ids.device)
         x = torch.where(mm_slots[..., None], mm_embeds, self._embed(ids))  # soft tokens are not scaled
         valid = input_pos < n_valid
         masks = self._prefill_masks(input_pos, valid, block_ids)
-        h = self._decoder(x, ple_ids, input_pos, masks, valid, probe, n_rep if n_rep is not None else S)
+        step = self._step(input_pos, masks, valid, probe, S if report_rows is None else report_rows)
+        h = self._decoder(x, ple_ids, step)
         last = torch.index_select(h[0], 0, (n_valid - 1).reshape(1))  # (1, H)
         return self._logits(last)[0]
 
     def decode_step(self, token, input_pos, probe=None):
         """One token (1, 1) long (multimodal ids already replaced by pad) at input_pos (1,)."""
         x = self._embed(token)
-        masks = self._decode_masks(input_pos)
-        h = self._decoder(x, token, input_pos, masks, None, probe, 1)
+        step = self._step(input_pos, self._decode_masks(input_pos), None, probe, report_rows=1)
+        h = self._decoder(x, token, step)
         return self._logits(h[0, 0])
 
     # ------------------------------------------------------------------ public API
@@ -461,8 +484,9 @@ class StaticGemma4Runtime(nn.Module):
     @torch.no_grad()
     def prefill(self, input_ids, extra_inputs: dict | None = None, probe=None) -> torch.Tensor:
         """Run the prompt (T,) ids; return the logits (vocab,) at position T - 1."""
-        args = self.prepare_prefill(input_ids, extra_inputs or {})
-        return self.prefill_step(*args, probe=probe, n_rep=int(args[-1]))
+        ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+        args = self.prepare_prefill(ids, extra_inputs or {})
+        return self.prefill_step(*args, probe=probe, report_rows=len(ids))
 
     @torch.no_grad()
     def decode(self, token_id: int, position: int, probe=None) -> torch.Tensor:
@@ -475,16 +499,3 @@ class StaticGemma4Runtime(nn.Module):
             torch.tensor([[tok]], dtype=torch.long, device=dev), torch.tensor([position], dtype=torch.long, device=dev), probe
         )
 
-
-def generate(rt, input_ids, extra_inputs: dict | None, max_new_tokens: int, eos_token_ids) -> list[int]:
-    """Greedy generation with any runtime: stop at any EOS id or after max_new_tokens tokens."""
-    ids = list(int(i) for i in torch.as_tensor(input_ids).reshape(-1).tolist())
-    if len(ids) + max_new_tokens > rt.max_seq:
-        raise TraceToolError(
-            f"prompt ({len(ids)}) + new tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} exceeds max_seq {rt.max_seq}"
-        )
-    eos = set(int(e) for e in eos_token_ids)
-    out = [int(torch.argmax(rt.prefill(ids, extra_inputs or {}, None)))]
-    while len(out) < max_new_tokens and out[-1] not in eos:
-        out.append(int(torch.argmax(rt.decode(out[-1], len(ids) + len(out) - 1, None))))
-    return out

@@ -56,7 +56,7 @@ def build() -> str:
         for bug, (factory, ref_name, what) in BUGS.items():
             ref = reference_path(ref_name, work)
             run = work / f"{bug}.h5"
-            replay_trace(ref, run, runtime=runtime_spec(bug), force=True, progress=False)
+            replay_trace(ref, run, runtime=runtime_spec(bug), force=True)
             result = diff_traces(ref, run)
             first = format_text(result).splitlines()[0]
             tok = result.tokens
@@ -73,7 +73,7 @@ def build() -> str:
         for bug, (factory, ref_name, what) in CRASHING.items():
             ref = reference_path(ref_name, work)
             try:
-                replay_trace(ref, work / f"{bug}.h5", runtime=runtime_spec(bug), force=True, progress=False)
+                replay_trace(ref, work / f"{bug}.h5", runtime=runtime_spec(bug), force=True)
                 line = "(no error: the runtime did not fail)"
             except TraceToolError as e:
                 line = f"error: {e}"

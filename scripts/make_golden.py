@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gemma4_trace.recorder import golden  # noqa: E402
+from gemma4_trace.recorder import golden
 
 
 def main() -> int:

@@ -24,10 +24,9 @@ from pathlib import Path
 
 import torch
 
+from gemma4_trace.recorder.golden import GOLDEN_DIR
 from gemma4_trace.replayer.runtime import StaticGemma4Runtime
 
-ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = ROOT / "traces" / "golden"
 # a prompt shorter than the sliding window, decoding past it (positions 0..12)
 RECORDED = {"prompt5": dict(input_ids=[2, 100, 101, 102, 103], max_new_tokens=8)}
 
@@ -35,7 +34,7 @@ RECORDED = {"prompt5": dict(input_ids=[2, 100, 101, 102, 103], max_new_tokens=8)
 def reference_path(name: str, workdir: Path) -> Path:
     """A golden trace by name, or a reference in RECORDED recorded (once) into workdir."""
     if name not in RECORDED:
-        return GOLDEN / f"{name}.h5"
+        return GOLDEN_DIR / f"{name}.h5"
     out = Path(workdir) / f"{name}.h5"
     if not out.exists():
         from gemma4_trace.recorder.record import record_trace

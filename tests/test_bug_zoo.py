@@ -39,7 +39,7 @@ def zoo(workdir):
         if bug not in cache:
             ref = reference_path(BUGS[bug][1], workdir)
             run = workdir / f"{bug}.h5"
-            replay_trace(ref, run, runtime=runtime_spec(bug), force=True, progress=False)
+            replay_trace(ref, run, runtime=runtime_spec(bug), force=True)
             cache[bug] = (ref, run, diff_traces(ref, run))
         return cache[bug]
 
@@ -182,7 +182,7 @@ def test_static_runtime_matches_each_reference(workdir, name):
     """The zoo's references replay cleanly on the unmodified runtime: each divergence is the bug's."""
     ref = reference_path(name, workdir)
     run = workdir / f"static_{name}.h5"
-    replay_trace(ref, run, force=True, progress=False)
+    replay_trace(ref, run, force=True)
     result = diff_traces(ref, run)
     assert result.match, format_text(result)
     if name in RECORDED:  # prompt5 exists to decode past the window from a shorter prompt
@@ -212,7 +212,7 @@ def test_sliding_head_dim_cache_fails_naming_the_layer(workdir):
     assert f.layers[layer].kv_role != "reuses" and f.layers[layer].head_dim != f.layers[f.first_sliding].head_dim
     out = workdir / "crash.h5"
     with pytest.raises(TraceToolError, match=rf"layer {layer} \(full_attention\) writes K/V"):
-        replay_trace(ref, out, runtime=runtime_spec("sliding_head_dim_cache"), progress=False)
+        replay_trace(ref, out, runtime=runtime_spec("sliding_head_dim_cache"))
     assert not out.exists()
     r = CliRunner().invoke(main, ["replay", str(ref), "--runtime", runtime_spec("sliding_head_dim_cache"), "-o", str(out)])
     assert r.exit_code == 2, r.output

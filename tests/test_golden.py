@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 from gemma4_trace.diff import diff_traces, format_text
+from gemma4_trace.hf.model import DEMO_IMAGE_PROMPT
 from gemma4_trace.recorder import golden
 from gemma4_trace.recorder.record import rerecord_trace
 from gemma4_trace.traces import TraceReader
@@ -25,7 +26,7 @@ def test_goldens_cover_what_they_claim():
     with TraceReader(golden.golden_path("eos")) as r:
         assert int(r.tokens()[-1]) in r.eos_token_ids and r.n_steps < r.max_new_tokens
     with TraceReader(golden.golden_path("image")) as r:
-        assert "pixel_values" in r.extra_inputs() and r.prompt_text == "Describe the image."
+        assert "pixel_values" in r.extra_inputs() and r.prompt_text == DEMO_IMAGE_PROMPT
 
 
 def test_static_runtime_matches_every_golden(gemma4_golden):
@@ -65,7 +66,7 @@ def test_update_golden_rerecords_with_hf(pytester, tmp_path):
     # make the file in the folder something other than an HF recording
     from gemma4_trace.replayer.replay import replay_trace
 
-    replay_trace(golden.golden_path("short"), folder / "short.h5", force=True, progress=False)
+    replay_trace(golden.golden_path("short"), folder / "short.h5", force=True)
     with TraceReader(folder / "short.h5") as r:
         assert r.provenance["runtime"] == "static"
     pytester.makepyfile(test_ok=USER_TEST.format(runtime="static"))

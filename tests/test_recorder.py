@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from gemma4_trace.recorder.model import load_model
+from gemma4_trace.hf.model import load_model
 from gemma4_trace.recorder.record import PromptInputs, record_loaded
 from tests import tiny_models
 from gemma4_trace.traces import TraceReader
@@ -126,7 +126,7 @@ def test_recording_twice_gives_the_same_content_hash(tmp_path):
 
 @pytest.fixture(scope="module")
 def image_recording(tmp_path_factory):
-    from gemma4_trace.recorder.model import DEMO_IMAGE, DEMO_IMAGE_PROMPT
+    from gemma4_trace.hf.model import DEMO_IMAGE, DEMO_IMAGE_PROMPT
     from gemma4_trace.recorder.record import _open_image, prepare_inputs
 
     d = tmp_path_factory.mktemp("image")

@@ -11,11 +11,12 @@ import pytest
 from click.testing import CliRunner
 
 from gemma4_trace.cli import main
+from gemma4_trace.hf.model import DEMO_IMAGE, DEMO_IMAGE_PROMPT, DEMO_PROMPT, EMBEDDED_MODEL_DIR
 from gemma4_trace.recorder.record import record_trace
 from gemma4_trace.replayer.replay import replay_trace
-from tests import tiny_models
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
+from tests import tiny_models
 
 REL = 5e-5
 PROMPT = [2, 5, 9, 17, 33, 4, 8, 60, 61, 62, 11]  # 11 tokens, window 4: crossed several times
@@ -63,7 +64,7 @@ def compare(ref_path, run_path, same_kinds=True):
 def test_teacher_forced_matches_reference(recorded, tmp_path, variant):
     model, ref = recorded(variant)
     run = tmp_path / "run.h5"
-    summary = replay_trace(ref, run, model_dir=model, progress=False)
+    summary = replay_trace(ref, run, model_dir=model)
     assert "12/12 tokens agree" in summary
     compare(ref, run)
     with TraceReader(run) as r:
@@ -75,7 +76,7 @@ def test_free_running_fills_max_seq(recorded, tmp_path):
     # prompt = max_seq - max_new_tokens: the last decode step writes slot max_seq - 2
     model, ref = recorded("base", 13, tuple(range(3, 22)))  # 19 + 13 = 32
     run = tmp_path / "run.h5"
-    summary = replay_trace(ref, run, model_dir=model, mode="free-running", max_seq=32, progress=False)
+    summary = replay_trace(ref, run, model_dir=model, mode="free-running", max_seq=32)
     assert "same tokens as the reference" in summary
     compare(ref, run)
     with TraceReader(run) as r:
@@ -101,7 +102,7 @@ def test_cli_replay_and_plugin(recorded, tmp_path):
 def test_buggy_plugin_is_visible_in_logits_only(recorded, tmp_path):
     model, ref = recorded("base")
     run = tmp_path / "run.h5"
-    replay_trace(ref, run, model_dir=model, runtime="tests.plugin_runtime:make_no_softcap", progress=False)
+    replay_trace(ref, run, model_dir=model, runtime="tests.plugin_runtime:make_no_softcap")
     with TraceReader(ref) as a, TraceReader(run) as b:
         assert np.allclose(a.read("final_hidden"), b.read("final_hidden"), rtol=1e-4, atol=1e-4)
         assert not np.allclose(a.read("logits"), b.read("logits"), rtol=1e-3, atol=1e-3)
@@ -147,7 +148,7 @@ def test_existing_output_kept_without_force(recorded, tmp_path):
     out = tmp_path / "run.h5"
     out.write_text("keep me")
     with pytest.raises(TraceToolError, match="already exists"):
-        replay_trace(ref, out, model_dir=model, progress=False)
+        replay_trace(ref, out, model_dir=model)
     assert out.read_text() == "keep me"
 
 
@@ -162,29 +163,26 @@ def test_interrupt_leaves_nothing(recorded, tmp_path, monkeypatch):
 
     monkeypatch.setattr(StaticGemma4Runtime, "decode", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        replay_trace(ref, out, model_dir=model, progress=False)
+        replay_trace(ref, out, model_dir=model)
     assert not out.exists() and not list(tmp_path.glob(".trace-partial-*"))
 
 
 # ------------------------------------------------------------------ the embedded model (text + vision)
-EMBEDDED_DIR = __import__("recorder.model", fromlist=["DEFAULT_MODEL_DIR"]).DEFAULT_MODEL_DIR
-
-
-@pytest.mark.skipif(not (EMBEDDED_DIR / "config.json").exists(), reason="embedded model not built")
+@pytest.mark.skipif(not (EMBEDDED_MODEL_DIR / "config.json").exists(), reason="embedded model not built")
 def test_embedded_text_free_running(tmp_path):
     ref, run = tmp_path / "ref.h5", tmp_path / "run.h5"
     # 13 prompt + 40 new tokens: window 8 crossed five times; no --model -> the embedded model
-    record_trace(None, ref, prompt="Tell me a story.", max_new_tokens=40)
-    summary = replay_trace(ref, run, mode="free-running", progress=False)
+    record_trace(None, ref, prompt=DEMO_PROMPT, max_new_tokens=40)
+    summary = replay_trace(ref, run, mode="free-running")
     assert "same tokens as the reference" in summary
     compare(ref, run)
 
 
-@pytest.mark.skipif(not (EMBEDDED_DIR / "example.png").exists(), reason="embedded model not built")
+@pytest.mark.skipif(not DEMO_IMAGE.exists(), reason="embedded model not built")
 def test_embedded_image_teacher_forced(tmp_path):
     ref, run = tmp_path / "ref.h5", tmp_path / "run.h5"
-    record_trace(None, ref, prompt="Describe the image.", images=[str(EMBEDDED_DIR / "example.png")], max_new_tokens=11)
-    replay_trace(ref, run, progress=False)
+    record_trace(None, ref, prompt=DEMO_IMAGE_PROMPT, images=[str(DEMO_IMAGE)], max_new_tokens=11)
+    replay_trace(ref, run)
     compare(ref, run)  # includes the bidirectional image-block masks of the sliding layers
     with TraceReader(run) as r:
         assert {"pixel_values", "image_position_ids", "mm_token_type_ids"} <= set(r.extra_inputs())
@@ -192,7 +190,7 @@ def test_embedded_image_teacher_forced(tmp_path):
 
 def test_tiny_two_images_bidirectional(tmp_path):
     """Two images, one with padding patches, recorded through HF generate() and replayed."""
-    from gemma4_trace.recorder.model import load_model
+    from gemma4_trace.hf.model import load_model
     from gemma4_trace.recorder.record import PromptInputs, record_loaded
     from tests.test_runtime import BOI, EOI, IMG, image_inputs
 
@@ -200,7 +198,7 @@ def test_tiny_two_images_bidirectional(tmp_path):
     ids = [2, 5, BOI] + [IMG] * 4 + [EOI, 9, 17, BOI] + [IMG] * 2 + [EOI, 33, 4]
     ref, run = tmp_path / "ref.h5", tmp_path / "run.h5"
     record_loaded(load_model(model), PromptInputs(ids, image_inputs(ids)), ref, max_new_tokens=8)
-    replay_trace(ref, run, model_dir=model, progress=False)
+    replay_trace(ref, run, model_dir=model)
     compare(ref, run)
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma4_trace.recorder.model import load_model
-from gemma4_trace.replayer.runtime import StaticGemma4Runtime, generate
-from tests import tiny_models
+from gemma4_trace.hf.model import load_model
+from gemma4_trace.replayer.runtime import StaticGemma4Runtime
 from gemma4_trace.traces.errors import TraceToolError
+from tests import tiny_models
 
 REL = 5e-5
 IMG, BOI, EOI = 120, 121, 122
@@ -30,6 +30,22 @@ class Collect:
 
     def tensor(self, kind, value, layer=None):
         self.d[(kind, layer)] = value.clone()
+
+
+def generate(rt, input_ids, extra_inputs: dict | None, max_new_tokens: int, eos_token_ids) -> list[int]:
+    """Greedy generation with any runtime: stop at any EOS id or after max_new_tokens tokens.
+
+    A test helper (in production the replay driver feeds runtimes)."""
+    ids = list(int(i) for i in torch.as_tensor(input_ids).reshape(-1).tolist())
+    if len(ids) + max_new_tokens > rt.max_seq:
+        raise TraceToolError(
+            f"prompt ({len(ids)}) + new tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} exceeds max_seq {rt.max_seq}"
+        )
+    eos = set(int(e) for e in eos_token_ids)
+    out = [int(torch.argmax(rt.prefill(ids, extra_inputs or {}, None)))]
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        out.append(int(torch.argmax(rt.decode(out[-1], len(ids) + len(out) - 1, None))))
+    return out
 
 
 @pytest.fixture(scope="module")
