@@ -148,7 +148,7 @@ def _embedded_model_dir(model_name: str):
 @main.command()
 @click.argument("reference", metavar="REF.h5", type=click.Path())
 @click.option("--model", "model_dir", type=click.Path(), default=None, help="model folder [default: the one REF was recorded with]")
-@click.option("--runtime", default="static", show_default=True, help="'static' or MODULE:FACTORY of a plug-in runtime")
+@click.option("--runtime", default="static", show_default=True, help="'static', a quantized 'static-w8' / 'static-w4g32' / 'static-w8a8' (needs torchao), or MODULE:FACTORY of a plug-in runtime")
 @click.option("--max-seq", type=click.IntRange(1, 1_000_000), default=None, help="static sequence length [default: prompt + new tokens, rounded up to 8]")
 @click.option("--teacher-forcing/--free-running", default=True, show_default=True, help="feed REF's tokens, or the runtime's own")
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
@@ -197,3 +197,17 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
         write_html(result, report, force=force)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else format_text(result))
     sys.exit(0 if result.match else EXIT_DIVERGENCE)
+
+
+@main.command()
+@click.argument("reference", metavar="REF.h5", type=click.Path())
+@click.argument("bases", metavar="BASE.h5...", nargs=-1, required=True, type=click.Path())
+@click.option("-o", "--output", required=True, type=click.Path(), help="tolerances TOML file to write")
+@click.option("--margin", type=float, default=2.0, show_default=True, help="thresholds = worst known-good error x margin (>= 1)")
+@click.option("--force", is_flag=True, help="replace an existing output")
+@user_errors
+def calibrate(reference, bases, output, margin, force):
+    """Write tolerances from known-good runs: `trace diff REF BASE --tolerances` then matches."""
+    from gemma4_trace.diff.calibrate import write_calibration
+
+    click.echo(write_calibration(reference, list(bases), output, margin=margin, force=force))

@@ -29,6 +29,7 @@ from gemma4_trace.traces.errors import TraceToolError, one_line
 
 REQUIRED_METHODS = ("prefill", "decode")
 DRIVER_KINDS = ("logits", "token")  # written by the replay driver, never by a runtime
+QUANTIZED_RUNTIMES = ("static-w8", "static-w4g32", "static-w8a8")  # built in, need torchao
 
 
 class WriterProbe:
@@ -74,7 +75,7 @@ def load_factory(spec: str):
     """Import MODULE:FACTORY (only now, when named) and return the factory callable."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise TraceToolError(f"--runtime {spec!r}: expected 'static' or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)")
+        raise TraceToolError(f"--runtime {spec!r}: expected 'static', {', '.join(QUANTIZED_RUNTIMES)} or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)")
     # like `python -m`: a module in the current folder is found without installing it
     cwd = os.getcwd()
     added = cwd not in sys.path
@@ -112,6 +113,10 @@ def make_runtime(spec: str, loaded, max_seq: int):
         from .runtime import StaticGemma4Runtime
 
         return StaticGemma4Runtime(loaded, max_seq)
+    if spec in QUANTIZED_RUNTIMES:  # the static runtime with quantized weights (replayer/quant.py)
+        from .quant import make_quantized
+
+        return make_quantized(loaded, max_seq, spec)
     factory = load_factory(spec)
     try:
         rt = factory(loaded, max_seq)

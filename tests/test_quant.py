@@ -1,0 +1,160 @@
+"""Quantized static runtimes (replayer/quant.py) and `trace calibrate` (diff/calibrate.py).
+
+The quantized weights are checked against a direct numpy quantize-dequantize; the runtimes
+against the float static runtime on the embedded model; calibrated tolerances against the
+errors read straight from the traces.
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from gemma4_trace.cli import main
+from gemma4_trace.diff import diff_traces
+from gemma4_trace.diff.calibrate import calibrate, round_up
+from gemma4_trace.replayer.quant import SCHEMES, quantize_activation, quantize_weight
+from gemma4_trace.replayer.replay import replay_trace
+from gemma4_trace.traces.reader import TraceReader
+from tests.bug_zoo import reference_path
+
+pytest.importorskip("torchao")
+
+
+def np_fake_quant(w: np.ndarray, bits: int, group: int | None) -> np.ndarray:
+    """Symmetric quantize-dequantize, one scale per row and group: the textbook formula
+    (float32, times the reciprocal of the scale as torchao computes it: ties round alike)."""
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    out = np.empty_like(w)
+    g = w.shape[1] if group is None else group
+    for c0 in range(0, w.shape[1], g):
+        blk = w[:, c0:c0 + g]
+        scale = np.maximum(np.abs(blk).max(axis=1, keepdims=True) / ((qmax - qmin) / 2), np.finfo(np.float32).eps)
+        out[:, c0:c0 + g] = np.clip(np.round(blk * (np.float32(1) / scale)), qmin, qmax) * scale
+    return out
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32)])
+def test_weight_quantization_is_the_textbook_formula(bits, group):
+    w = torch.randn(24, 80, generator=torch.Generator().manual_seed(0))  # 80 = 2 groups of 32 + one of 16
+    got = quantize_weight(w, bits, group).numpy()
+    want = np_fake_quant(w.numpy(), bits, group)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    g = 80 if group is None else group
+    for c0 in range(0, 80, g):  # at most 2^bits levels per row and group
+        levels = max(len(np.unique(r)) for r in got[:, c0:c0 + g])
+        assert levels <= 2**bits
+    assert not np.array_equal(got, w.numpy())
+
+
+def test_activation_quantization_is_per_token_int8():
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(1))
+    got = quantize_activation(x).numpy()
+    xs = x.numpy()
+    scale = np.abs(xs).max(-1, keepdims=True) / np.float32(127)
+    np.testing.assert_allclose(got, np.clip(np.round(xs * (np.float32(1) / scale)), -127, 127) * scale, rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("quant")
+
+
+@pytest.fixture(scope="module")
+def runs(workdir):
+    """REF (prompt5: decodes past the window) and one replay per runtime, each made once."""
+    ref = reference_path("prompt5", workdir)
+    out = {}
+    for name in ("static", *SCHEMES):
+        out[name] = workdir / f"{name}.h5"
+        replay_trace(ref, out[name], runtime=name, force=True)
+    return ref, out
+
+
+def test_runtime_name_is_recorded_and_numbers_differ_by_scheme(runs):
+    ref, out = runs
+    logits = {}
+    for name, path in out.items():
+        with TraceReader(path) as r:
+            assert r.provenance["runtime"] == name
+            logits[name] = r.read("logits")
+            emb = r.read("embeddings")
+    with TraceReader(ref) as r:
+        ref_logits, ref_emb = r.read("logits"), r.read("embeddings")
+    np.testing.assert_allclose(emb, ref_emb, rtol=1e-6)  # embeddings are not quantized
+
+    def rel(a):
+        return float(np.linalg.norm(a - ref_logits) / np.linalg.norm(ref_logits))
+
+    # float32 round-off < int8 noise < int4 noise; w8a8 differs from w8 (activations quantized)
+    assert rel(logits["static"]) < 1e-5 < rel(logits["static-w8"]) < rel(logits["static-w4g32"])
+    assert not np.array_equal(logits["static-w8a8"], logits["static-w8"])
+
+
+def test_quantized_run_fails_the_float_defaults(runs):
+    ref, out = runs
+    assert not diff_traces(ref, out["static-w8"]).match
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_calibrated_tolerances_match_the_base_by_construction(runs, workdir, scheme):
+    ref, out = runs
+    toml = workdir / f"{scheme}.toml"
+    r = CliRunner().invoke(main, ["calibrate", str(ref), str(out[scheme]), "-o", str(toml), "--margin", "1"])
+    assert r.exit_code == 0, r.output
+    result = diff_traces(ref, out[scheme], toml)
+    assert result.match, result.first_divergence and result.first_divergence["sentence"]
+    # margin 1: each rule's threshold is the worst error rounded up, so some tensor sits close to it
+    rules = tomllib.loads(toml.read_text())["rule"]
+    by_key = {(r["kind"], r.get("layer"), r["step"]): r["rel_l2"] for r in rules}
+    worst = _worst_rel(ref, out[scheme], "layer_out", 3)
+    for phase, value in worst.items():
+        t = by_key[("layer_out", 3, phase)]
+        assert value <= t <= max(1e-4, value * 1.01)
+
+
+def _worst_rel(ref, run, kind, layer) -> dict:
+    """Worst per-row rel-L2 by phase, straight from the two traces (l2 floor 1e-6 as float32)."""
+    with TraceReader(ref) as a, TraceReader(run) as b:
+        x, y, T = a.read(kind, layer).astype(np.float64), b.read(kind, layer).astype(np.float64), a.prompt_len
+    x, y = x.reshape(len(x), -1), y.reshape(len(y), -1)
+    rel = np.linalg.norm(y - x, axis=1) / np.maximum(np.linalg.norm(x, axis=1), 1e-6 * np.sqrt(x.shape[1]))
+    n0 = 1 if kind == "logits" else T  # logits: one row per step; others one per position
+    return {"prefill": rel[:n0].max(), "decode": rel[n0:].max()}
+
+
+def test_calibration_over_several_bases_takes_the_worst(runs):
+    ref, out = runs
+    text, summary = calibrate(ref, [out["static-w8"], out["static-w8a8"]], margin=2.0)
+    rules = {(r["kind"], r.get("layer"), r["step"]): r["rel_l2"] for r in tomllib.loads(text)["rule"]}
+    for kind, layer in (("q", 0), ("layer_out", 7), ("logits", None)):
+        for phase in ("prefill", "decode"):
+            w = max(_worst_rel(ref, out[s], kind, layer)[phase] for s in ("static-w8", "static-w8a8"))
+            assert rules[(kind, layer, phase)] == max(1e-4, round_up(2 * w))
+    assert summary["bases"] == 2 and summary["rules"] == len(rules)
+
+
+def test_round_up_never_rounds_down():
+    for x in (1.23456e-3, 0.1, 9.999e-5, 1.0 / 3, 7.0, 123456.0):
+        v = round_up(x)
+        assert v >= x and v <= x * 1.01 and float(repr(v)) == v and len(f"{v:.2e}") <= 9
+
+
+def test_calibrate_bad_input_is_one_line(runs, workdir, tmp_path):
+    ref, out = runs
+    golden = reference_path("short", workdir)  # another prompt: incompatible
+    cases = [
+        [str(ref), str(out["static-w8"]), "-o", str(tmp_path / "a.toml"), "--margin", "0.5"],
+        [str(ref), str(golden), "-o", str(tmp_path / "b.toml")],
+        [str(ref), str(tmp_path / "missing.h5"), "-o", str(tmp_path / "c.toml")],
+        [str(ref), str(out["static-w8"]), "-o", str(ref)],  # exists: never replaced without --force
+    ]
+    for args in cases:
+        r = CliRunner().invoke(main, ["calibrate", *args])
+        assert r.exit_code == 2, (args, r.output)
+        assert r.output.count("\n") == 1 and r.output.startswith("error: "), r.output
+    assert not any(tmp_path.iterdir())
