@@ -98,7 +98,7 @@ def test_tolerances_option(traces, tmp_path):
 def test_no_torch_imported(traces):
     ref, _, bad = traces
     code = (
-        "import sys, diff, gemma4_trace.cli\n"
+        "import sys, gemma4_trace.diff, gemma4_trace.cli\n"
         "from click.testing import CliRunner\n"
         "from gemma4_trace.cli import main\n"
         "r = CliRunner().invoke(main, ['diff', '--help'])\n"
