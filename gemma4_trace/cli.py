@@ -170,6 +170,20 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, output, forc
     click.echo(summary)
 
 
+@main.command("import")
+@click.argument("dump_dir", metavar="DUMP_DIR", type=click.Path())
+@click.option("--reference", required=True, type=click.Path(), help="REF.h5: inputs, model metadata (and tokens when the dump has none)")
+@click.option("--map", "map_path", required=True, type=click.Path(), help="TOML map: which file holds which kind, and its layout (docs/import.md)")
+@click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
+@click.option("--force", is_flag=True, help="replace an existing output")
+@user_errors
+def import_cmd(dump_dir, reference, map_path, output, force):
+    """Build a candidate trace from a folder of dumped tensors (.npy, .safetensors, raw)."""
+    from gemma4_trace.replayer.dump_import import import_dump
+
+    click.echo(import_dump(dump_dir, reference, map_path, output, force=force))
+
+
 @main.command("diff")
 @click.argument("reference", metavar="REF.h5", type=click.Path())
 @click.argument("candidate", metavar="RUN.h5", type=click.Path())
