@@ -1,0 +1,110 @@
+"""What installing the package does to other people's environments.
+
+- `pip install .` (not editable) puts only gemma4_trace* into site-packages: no generic
+  top-level `traces`, `diff`, `recorder`, `replayer` or `hf` next to users' modules.
+- Our pytest plug-in is loaded in every pytest run on a machine where we are installed:
+  a project with its own traces.py, diff.py and recorder.py still passes, under `pytest`
+  and `python -m pytest` (which puts the project folder first on sys.path), and the
+  plug-in still finds its own goldens.
+- `pytest --update-golden` without `--golden-dir` refuses (one line) instead of rewriting
+  the goldens inside the installed package.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SOURCES = ("pyproject.toml", "README.md", "gemma4_trace", "traces", "diff", "recorder", "replayer", "hf")
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # only what is installed, never this checkout
+    return env
+
+
+def test_pip_install_puts_only_gemma4_trace_into_site_packages(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in SOURCES:  # a copy, so that building leaves no build/ or egg-info in the checkout
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy(ROOT / name, src / name)
+    target = tmp_path / "site-packages"
+    p = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+         "--target", str(target), str(src)],
+        capture_output=True, text=True, env=_env(), timeout=300,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    # --target also receives the `trace` console script in bin/ (a venv's bin/, not site-packages)
+    top = sorted(e.name for e in target.iterdir() if e.name != "bin")
+    assert top and all(name.startswith("gemma4_trace") for name in top), top
+    assert any(name.endswith(".dist-info") for name in top), top
+    pkg = target / "gemma4_trace"
+    for sub in ("traces", "diff", "recorder", "replayer", "hf"):
+        assert (pkg / sub / "__init__.py").is_file(), sub
+    assert (pkg / "recorder" / "tiny_model" / "config.json").is_file()  # package data travels
+    assert sorted(p.name for p in (pkg / "traces" / "golden").glob("*.h5")) == ["eos.h5", "image.h5", "short.h5", "window.h5"]
+
+
+# a user's project whose module names are the generic ones we used to install
+USER_MODULES = {
+    "traces.py": "def load(name):\n    return f'user traces {name}'\n",
+    "diff.py": "def load(name):\n    return f'user diff {name}'\n",
+    "recorder.py": "def load(name):\n    return f'user recorder {name}'\n",
+}
+USER_TEST = """
+import diff
+import recorder
+import traces
+
+
+def test_own_modules():
+    assert traces.load("a") == "user traces a"
+    assert diff.load("b") == "user diff b"
+    assert recorder.load("c") == "user recorder c"
+
+
+def test_our_plugin_is_loaded_and_finds_its_goldens(pytestconfig, gemma4_golden):
+    assert pytestconfig.pluginmanager.hasplugin("gemma4_trace")
+    assert gemma4_golden.folder == GOLDEN_DIR and len(gemma4_golden.paths) == 4
+"""
+
+
+@pytest.fixture
+def user_project(tmp_path):
+    from gemma4_trace.recorder.golden import GOLDEN_DIR
+
+    for name, text in USER_MODULES.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "test_user.py").write_text(f"from pathlib import Path\n\nGOLDEN_DIR = Path({str(GOLDEN_DIR)!r})\n" + USER_TEST)
+    return tmp_path
+
+
+@pytest.mark.parametrize("command", [[str(BIN / "pytest")], [sys.executable, "-m", "pytest"]], ids=["pytest", "python -m pytest"])
+def test_a_project_with_its_own_traces_diff_recorder_modules_passes(user_project, command):
+    p = subprocess.run([*command, "-q", "-p", "no:cacheprovider"], cwd=user_project, capture_output=True, text=True,
+                       env=_env(), timeout=300)
+    assert p.returncode == 0 and "2 passed" in p.stdout, p.stdout + p.stderr
+
+
+def test_update_golden_without_golden_dir_refuses(user_project):
+    from gemma4_trace.recorder.golden import GOLDEN_DIR
+
+    before = {p.name: p.stat().st_mtime_ns for p in GOLDEN_DIR.iterdir()}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--update-golden"],
+                       cwd=user_project, capture_output=True, text=True, env=_env(), timeout=300)
+    assert p.returncode == pytest.ExitCode.USAGE_ERROR, p.stdout + p.stderr
+    errors = [line for line in (p.stdout + p.stderr).splitlines() if "--update-golden" in line]
+    assert len(errors) == 1 and "--golden-dir" in errors[0], p.stdout + p.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in GOLDEN_DIR.iterdir()} == before
