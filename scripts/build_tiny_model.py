@@ -43,8 +43,11 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / "recorder" / "tiny_model"
+# the demo prompts `trace record` uses, and where the embedded model lives: defined once there
+from gemma4_trace.hf.model import DEMO_IMAGE_PROMPT, EMBEDDED_MODEL_DIR
+from gemma4_trace.hf.model import DEMO_PROMPT as DEMO_TEXT_PROMPT
+
+DEFAULT_OUT = EMBEDDED_MODEL_DIR
 SEED = 1234
 
 # --------------------------------------------------------------------------------------------
@@ -120,9 +123,6 @@ CHAT_TEMPLATE = (
 # --------------------------------------------------------------------------------------------
 # Corpus
 # --------------------------------------------------------------------------------------------
-DEMO_TEXT_PROMPT = "Tell me a story."
-DEMO_IMAGE_PROMPT = "Describe the image."
-
 TEXT_QA = [
     (
         DEMO_TEXT_PROMPT,

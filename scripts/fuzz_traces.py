@@ -48,8 +48,9 @@ sys.path.insert(0, str(ROOT))
 from click.testing import CliRunner  # noqa: E402
 
 from gemma4_trace.cli import main as cli_main  # noqa: E402
+from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 
-GOLDEN = ROOT / "traces" / "golden" / "short.h5"
+GOLDEN = golden_path("short")
 COMMANDS = ("show", "show --hash", "diff GOLDEN CORRUPT", "diff CORRUPT GOLDEN")
 ALLOWED = {"show": {0, 2}, "show --hash": {0, 2}, "diff GOLDEN CORRUPT": {0, 1, 2}, "diff CORRUPT GOLDEN": {0, 1, 2}}
 MESSAGE_KINDS = (  # (substring of the error line, label) in the order tried

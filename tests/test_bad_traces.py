@@ -16,8 +16,9 @@ import pytest
 from click.testing import CliRunner
 
 from gemma4_trace.cli import main
+from gemma4_trace.recorder.golden import golden_path
 
-GOLDEN = Path(__file__).resolve().parents[1] / "traces" / "golden" / "short.h5"
+GOLDEN = golden_path("short")
 # short.h5: 13 prompt ids, 3 steps (15 positions), 8 layers of 4 heads / 1 KV head, max_new_tokens 3
 
 
@@ -251,7 +252,8 @@ def test_flipped_byte_in_tokens_and_inputs(tmp_path):
     img = tmp_path / "image.h5"
     shutil.copyfile(GOLDEN.with_name("image.h5"), img)
     _flip_in_chunk(img, "inputs/extra/pixel_values", 1)
-    assert_one_line_error(invoke("show", img), str(img), "is corrupt", "'inputs/extra/pixel_values'")
+    r = invoke("show", img)  # the summary gives the extra inputs' shapes without reading them
+    assert r.exit_code == 0 and "pixel_values (" in r.output, r.output
     assert_one_line_error(invoke("show", "--hash", img), str(img), "'inputs/extra/pixel_values'")
 
 
