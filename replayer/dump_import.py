@@ -24,7 +24,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.atomic import check_output_path
-from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError, one_line
 from gemma4_trace.traces.reader import TraceReader
 from gemma4_trace.traces.writer import TraceWriter
 
@@ -98,7 +98,7 @@ def load_map(path) -> dict:
     except (OSError, UnicodeDecodeError) as e:
         _fail(f"map {path} cannot be read ({getattr(e, 'strerror', None) or e})")
     except tomllib.TOMLDecodeError as e:
-        _fail(f"map {path} is not valid TOML ({str(e).splitlines()[0]})")
+        _fail(f"map {path} is not valid TOML ({one_line(e)})")
     unknown = sorted(set(raw) - TOP_KEYS)
     if unknown:
         _fail(f"map {path}: unknown key {unknown[0]!r} (known: {', '.join(sorted(TOP_KEYS))})")
@@ -260,7 +260,7 @@ def _read_numpy(path: Path, e: Entry, key: str | None) -> tuple[np.ndarray, str]
     except TraceToolError:
         raise
     except (ValueError, OSError, EOFError) as ex:
-        _fail(f"{path}: not a readable .{e.format} file ({str(ex).splitlines()[0][:120] if str(ex) else type(ex).__name__})")
+        _fail(f"{path}: not a readable .{e.format} file ({one_line(ex, 120)})")
     if not isinstance(arr, np.ndarray) or arr.dtype.name not in NUMPY_DTYPES:
         _fail(f"{path}: holds {getattr(arr, 'dtype', type(arr).__name__)} data; expected numbers")
     return arr, arr.dtype.name
