@@ -30,6 +30,11 @@ from gemma4_trace.traces.errors import TraceToolError, one_line
 REQUIRED_METHODS = ("prefill", "decode")
 DRIVER_KINDS = ("logits", "token")  # written by the replay driver, never by a runtime
 QUANTIZED_RUNTIMES = ("static-w8", "static-w4g32", "static-w8a8")  # built in, need torchao
+# built-in names of runtimes whose code needs an optional extra (imported only when named)
+EXTRA_RUNTIMES = {
+    "tico": "gemma4_trace.replayer.tico_runtime:make_tico",  # gemma4-trace[tico]
+    "tico-quant": "gemma4_trace.replayer.tico_runtime:make_tico_quant",
+}
 
 
 class WriterProbe:
@@ -75,7 +80,7 @@ def load_factory(spec: str):
     """Import MODULE:FACTORY (only now, when named) and return the factory callable."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise TraceToolError(f"--runtime {spec!r}: expected 'static', {', '.join(QUANTIZED_RUNTIMES)} or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)")
+        raise TraceToolError(f"--runtime {spec!r}: expected 'static', {', '.join(QUANTIZED_RUNTIMES + tuple(EXTRA_RUNTIMES))} or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)")
     # like `python -m`: a module in the current folder is found without installing it
     cwd = os.getcwd()
     added = cwd not in sys.path
@@ -117,6 +122,7 @@ def make_runtime(spec: str, loaded, max_seq: int):
         from .quant import make_quantized
 
         return make_quantized(loaded, max_seq, spec)
+    spec = EXTRA_RUNTIMES.get(spec, spec)
     factory = load_factory(spec)
     try:
         rt = factory(loaded, max_seq)
