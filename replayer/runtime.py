@@ -309,6 +309,7 @@ class StaticGemma4Runtime(nn.Module):
         return src.k_cache, src.v_cache
 
     def _step(self, input_pos, masks, valid, probe, report_rows: int) -> _Step:
+        """The state of one forward call, with the RoPE rows (1, n, D) per layer type at input_pos."""
         rope = {t: (getattr(self, f"cos_{t}")[input_pos][None], getattr(self, f"sin_{t}")[input_pos][None]) for t in self.types}
         return _Step(input_pos, masks, rope, valid, probe, report_rows)
 
