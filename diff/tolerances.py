@@ -198,6 +198,8 @@ def load_tolerances(path: str | Path | None) -> Tolerances:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise TraceToolError(f"tolerances file {p}: not valid TOML ({e})") from None
+    except RecursionError:  # tomllib recurses once per nesting level
+        raise TraceToolError(f"tolerances file {p}: not valid TOML (nested too deeply)") from None
     unknown = sorted(set(data) - set(TOP_FIELDS))
     if unknown:
         raise TraceToolError(f"tolerances file {p}: unknown top-level key(s) {unknown}; expected [[rule]] and [tokens]")
@@ -234,7 +236,7 @@ def load_tolerances(path: str | Path | None) -> Tolerances:
     if bad:
         raise TraceToolError(f"tolerances file {p}, [tokens]: unknown key(s) {bad}; allowed: {', '.join(TOKEN_FIELDS)}")
     margin = tok.get("near_tie_margin", NEAR_TIE_MARGIN)
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin < 0:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:  # nan too
         raise TraceToolError(f"tolerances file {p}, [tokens]: near_tie_margin must be a number >= 0, got {margin!r}")
     accept = tok.get("accept_near_ties", False)
     if not isinstance(accept, bool):

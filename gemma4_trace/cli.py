@@ -13,6 +13,7 @@ import sys
 
 import click
 
+from gemma4_trace.traces.atomic import check_output_path
 from gemma4_trace.traces.errors import TraceToolError, one_line
 
 EXIT_DIVERGENCE = 1
@@ -106,6 +107,7 @@ def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, 
     from gemma4_trace.progress import ProgressBar
     from gemma4_trace.recorder.record import record_trace
 
+    check_output_path(output, force, inputs=[*images, *_model_files(model_dir)])
     bar = ProgressBar("recording")
     try:
         summary = record_trace(
@@ -115,7 +117,7 @@ def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, 
         )
     finally:
         bar.close()
-    click.echo(summary)
+    click.echo(one_line(summary))
 
 
 @main.command()
@@ -136,6 +138,18 @@ def show(trace_path, show_hash, model_dir):
             return
         folder = Path(model_dir) if model_dir else _embedded_model_dir(r.provenance["model_name"])
         click.echo(summarize(r, decoder_for(folder / "tokenizer.json" if folder else None)))
+
+
+def _model_files(model_dir) -> list:
+    """The files of a model folder (the embedded one by default): inputs an output must not replace."""
+    from pathlib import Path
+
+    from gemma4_trace.hf.model import EMBEDDED_MODEL_DIR
+
+    try:
+        return [p for p in Path(model_dir or EMBEDDED_MODEL_DIR).iterdir() if p.is_file()]
+    except OSError:
+        return []
 
 
 def _embedded_model_dir(model_name: str):
@@ -159,6 +173,7 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, output, forc
     from gemma4_trace.progress import ProgressBar
     from gemma4_trace.replayer.replay import replay_trace
 
+    check_output_path(output, force, inputs=[reference, *_model_files(model_dir)])
     bar = ProgressBar("replaying")
     try:
         summary = replay_trace(
@@ -167,7 +182,7 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, output, forc
         )
     finally:
         bar.close()
-    click.echo(summary)
+    click.echo(one_line(summary))  # it names the runtime, which a plug-in chose
 
 
 @main.command("import")
@@ -201,6 +216,8 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
     from gemma4_trace.diff import diff_traces, format_text, write_html
     from gemma4_trace.traces.show import decoder_for
 
+    if report:  # before the work: never onto an input, a device or a FIFO
+        check_output_path(report, force, inputs=[reference, candidate, tolerances, model_dir and Path(model_dir) / "tokenizer.json"])
     result = diff_traces(reference, candidate, tolerances)
     folder = Path(model_dir) if model_dir else _embedded_model_dir(result.reference.get("model_name", ""))
     decode = decoder_for(folder / "tokenizer.json" if folder else None)
@@ -209,7 +226,8 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
         result.tokens["candidate_text"] = decode(result.tokens["candidate"])
     if report:
         write_html(result, report, force=force)
-    click.echo(json.dumps(result.to_json(), indent=2) if as_json else format_text(result))
+    text = json.dumps(result.to_json(), indent=2) if as_json else format_text(result)
+    click.echo("\n".join(one_line(line) for line in text.splitlines()))  # trace text never drives the terminal
     sys.exit(0 if result.match else EXIT_DIVERGENCE)
 
 

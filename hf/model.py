@@ -13,6 +13,7 @@ from importlib.metadata import version
 from importlib.resources import files
 from pathlib import Path
 
+from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces.errors import TraceToolError, one_line
 
 # the tiny checkpoint shipped in the repository's recorder/tiny_model (docs refer to it there)
@@ -102,6 +103,9 @@ def load_model(model_dir: str | Path | None = None, dtype: str = "float32", devi
         raise TraceToolError(f"{path} has no *.safetensors weights (only safetensors are loaded)")
     if dtype not in DTYPES:
         raise TraceToolError(f"--dtype must be one of {', '.join(DTYPES)}")
+    # a config can claim any size (10^6 layers): refuse what cannot fit before building it
+    LIM.check_config(data, f"{path}/config.json")
+    LIM.check_fits(LIM.model_bytes(data, 2 if dtype == "bfloat16" else 4), f"the model in {path}")
 
     import torch
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gemma4_trace.traces import TraceWriter, layer_infos_from_config
+from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces.atomic import check_output_path
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.schema import rope_kinds
@@ -295,6 +296,9 @@ def record_loaded(
     impl = model.config._attn_implementation or "eager"
     original = ALL_ATTENTION_FUNCTIONS.get(impl, modeling_gemma4.eager_attention_forward)
     streamer = _ProgressStreamer(max_new_tokens, progress) if progress is not None else None
+    LIM.check_fits(LIM.generation_bytes(lm.text_config, prompt_len, prompt_len + max_new_tokens,
+                                        2 if lm.dtype == "bfloat16" else 4),
+                   f"recording {prompt_len} prompt tokens + {max_new_tokens} new tokens")
 
     with TraceWriter(output, force=force, source_dtype=lm.dtype) as w:
         w.write_header(

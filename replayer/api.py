@@ -24,6 +24,7 @@ import importlib
 import os
 import sys
 
+from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError, one_line
 
@@ -64,16 +65,54 @@ class WriterProbe:
             raise TraceToolError(f"runtime {self.runtime_name} reported {kind!r} layer {layer} twice in one step")
         self.seen.add(key)
         source = str(getattr(value, "dtype", "float32")).removeprefix("torch.")
+        self._check_size(kind, layer, value)  # before any copy: an expanded view can claim terabytes
         if hasattr(value, "detach"):
             value = value.detach()
             value = (value.float() if value.is_floating_point() else value).cpu().numpy()
+        complex_tensor = hasattr(value, "is_complex") and value.is_complex()
+        if complex_tensor or isinstance(value, (str, bytes)) or getattr(getattr(value, "dtype", None), "kind", "f") in "cOSUV":
+            raise TraceToolError(f"runtime {self.runtime_name} reported {kind!r} layer {layer} as "
+                                 f"{getattr(value, 'dtype', type(value).__name__)}; expected real numbers")
         try:
             self.w.add(kind, value, layer=layer, source_dtype=source)
-        except ValueError as e:
-            raise TraceToolError(f"runtime {self.runtime_name}: {e}") from None
+        except (ValueError, TypeError) as e:
+            raise TraceToolError(f"runtime {self.runtime_name}: {one_line(e, 200)}") from None
+
+    def _check_size(self, kind: str, layer, value) -> None:
+        spec = S.KIND_BY_NAME[kind]
+        try:
+            shape = tuple(int(d) for d in (value.shape if hasattr(value, "shape") else __import__("numpy").shape(value)))
+        except (TypeError, ValueError):
+            raise TraceToolError(f"runtime {self.runtime_name} reported {kind!r} as {type(value).__name__}, "
+                                 "not a tensor") from None
+        rows = 1 if spec.index == "step" else self.w.step_rows
+        limit = LIM.row_limits(self.w.model_config, self.w.layers)[kind] * rows
+        n = 1
+        for d in shape:
+            n *= d
+        if n > limit:
+            raise TraceToolError(f"runtime {self.runtime_name} reported {kind!r} layer {layer} of shape {shape}: "
+                                 f"{n} values, more than {rows} row(s) of {kind} may hold ({limit})")
 
     def next_step(self) -> None:
         self.seen.clear()
+
+
+def as_logits(value, vocab: int, name: str, what: str):
+    """A runtime's logits as a 1-D real tensor of `vocab` values, or a one-line error saying what came back."""
+    import torch
+
+    n = getattr(value, "numel", lambda: None)() if hasattr(value, "numel") else None
+    if n is not None and n != vocab:  # checked before any copy (an expanded view can be huge)
+        raise TraceToolError(f"runtime {name} returned logits of shape {tuple(value.shape)} from {what}; expected ({vocab},)")
+    try:
+        t = torch.as_tensor(value).detach().reshape(-1) if value is not None else None
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        t = None
+    if t is None or t.is_complex() or t.dtype == torch.bool or t.shape[0] != vocab:
+        got = "None" if value is None else (f"a {type(value).__name__}" if t is None else f"{t.dtype} of shape {tuple(t.shape)}")
+        raise TraceToolError(f"runtime {name} returned logits as {got} from {what}; expected real numbers of shape ({vocab},)")
+    return t
 
 
 def load_factory(spec: str):
@@ -88,7 +127,7 @@ def load_factory(spec: str):
         sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
-    except Exception as e:  # an import error of any kind inside the plug-in is the user's input
+    except (Exception, SystemExit) as e:  # an import error of any kind inside the plug-in is the user's input
         raise TraceToolError(f"cannot import runtime plug-in module {module_name!r}: {type(e).__name__}: {one_line(e, 200)}") from None
     finally:
         if added:
@@ -114,6 +153,10 @@ def check_runtime(rt, where: str):
 
 def make_runtime(spec: str, loaded, max_seq: int):
     """'static' or MODULE:FACTORY -> a runtime object that follows the API."""
+    if spec == "static" or spec in QUANTIZED_RUNTIMES:  # refuse what cannot fit before allocating it
+        dtype_bytes = 2 if "16" in str(getattr(loaded, "dtype", "float32")) else 4
+        LIM.check_fits(LIM.static_runtime_bytes(loaded.text_config, max_seq, dtype_bytes),
+                       f"the static runtime for max_seq {max_seq}")
     if spec == "static":
         from .runtime import StaticGemma4Runtime
 
@@ -128,6 +171,6 @@ def make_runtime(spec: str, loaded, max_seq: int):
         rt = factory(loaded, max_seq)
     except TraceToolError:
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # sys.exit() in a plug-in must not end the replay as a success
         raise TraceToolError(f"runtime plug-in {spec} failed to start: {type(e).__name__}: {one_line(e, 200)}") from None
     return check_runtime(rt, spec)

@@ -14,7 +14,7 @@ from gemma4_trace.traces.layers import layer_infos_from_config
 from gemma4_trace.traces.reader import TraceReader
 from gemma4_trace.traces.writer import TraceWriter
 
-from .api import WriterProbe, make_runtime
+from .api import WriterProbe, as_logits, make_runtime
 
 # the modes a replay can run in (the trace format's modes, less the recorder's "reference")
 MODES = tuple(m for m in S.MODES if m != "reference")
@@ -120,15 +120,11 @@ class _CheckedRuntime:
             logits = fn(*args)
         except TraceToolError:
             raise
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # sys.exit() in a plug-in is a failure, never a silent exit 0
             if not self.plugin:
                 raise
             raise TraceToolError(f"runtime {self.rt.name} failed in {what}: {type(e).__name__}: {one_line(e, 200)}") from None
-        logits = torch.as_tensor(logits).detach().reshape(-1) if logits is not None else None
-        if logits is None or logits.shape[0] != self.vocab:
-            shape = None if logits is None else tuple(logits.shape)
-            raise TraceToolError(f"runtime {self.rt.name} returned logits of shape {shape} from {what}; expected ({self.vocab},)")
-        return logits
+        return as_logits(logits, self.vocab, self.rt.name, what)
 
 
 def _run_steps(runner: _CheckedRuntime, ref: Reference, mode: str, w: TraceWriter, progress) -> list[int]:

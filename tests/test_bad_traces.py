@@ -95,6 +95,143 @@ def _soft_link(name):
     return _edit(fn)
 
 
+# ---------------------------------------------------------------- hostile files (docs/robustness.md, threat model)
+CANARY = b"CANARY-SECRET-BYTES-" * 8  # 160 bytes a trace must never make the tool read
+
+
+def _canary(path: Path) -> Path:
+    c = path.parent / "canary.bin"
+    c.write_bytes(CANARY)
+    return c
+
+
+def _external_storage(name):
+    """`name` rewritten as a dataset whose bytes live in another file (HDF5 external raw storage)."""
+    def apply(path: Path):
+        canary = _canary(path)
+        with h5py.File(path, "r+") as f:
+            old = f[name]
+            shape, dtype, attrs = old.shape, old.dtype, dict(old.attrs)
+            del f[name]
+            ds = f.create_dataset(name, shape=shape, dtype=dtype, external=[(str(canary), 0, h5py.h5f.UNLIMITED)])
+            for k, v in attrs.items():
+                ds.attrs[k] = v
+
+    return apply
+
+
+def _external_link(name, target_file="other.h5"):
+    def apply(path: Path):
+        shutil.copyfile(GOLDEN, path.parent / target_file)  # following the link would "work": a match
+        with h5py.File(path, "r+") as f:
+            del f[name]
+            f[name] = h5py.ExternalLink(target_file, "/" + name)
+
+    return apply
+
+
+def _virtual(name, source="missing-source.h5"):
+    def fn(f):
+        old = f[name]
+        layout = h5py.VirtualLayout(shape=old.shape, dtype=old.dtype)
+        layout[...] = h5py.VirtualSource(source, "/" + name, shape=old.shape)
+        attrs = dict(old.attrs)
+        del f[name]
+        ds = f.create_virtual_dataset(name, layout, fillvalue=0)
+        for k, v in attrs.items():
+            ds.attrs[k] = v
+
+    return _edit(fn)
+
+
+def _hard_link(name, to):
+    def fn(f):
+        del f[name]
+        f[name] = f[to]
+
+    return _edit(fn)
+
+
+def _soft_link_to(name, to):
+    def fn(f):
+        del f[name]
+        f[name] = h5py.SoftLink(to)
+
+    return _edit(fn)
+
+
+def _sparse(name, shape, chunks, maxshape=None):
+    """A dataset declaring a huge shape with nothing stored (every chunk missing)."""
+    def fn(f):
+        attrs = dict(f[name].attrs)
+        del f[name]
+        ds = f.create_dataset(name, shape=shape, dtype="float32", chunks=chunks, compression="gzip", maxshape=maxshape)
+        for k, v in attrs.items():
+            ds.attrs[k] = v
+
+    return _edit(fn)
+
+
+def _deep_tree(where, depth=2000):
+    return _edit(lambda f: f.create_group(f"{where}/" + "/".join(["d"] * depth)))
+
+
+def _huge_attribute(path: Path):
+    """A 20 MiB prompt text (dense attribute storage: the group is recreated in the latest format)."""
+    with h5py.File(path, "r+", libver="latest") as f:
+        old, new = f["inputs"], f.create_group("inputs_new")
+        for k in old:
+            f.copy(old[k], new, k)
+        for k in old.attrs:
+            new.attrs[k] = old.attrs[k]
+        del f["inputs"]
+        f.move("inputs_new", "inputs")
+        f["inputs"].attrs["prompt_text"] = np.array(b"x" * (20 << 20))
+
+
+def _bomb_header(path: Path):
+    """A header of 200,000 prompt positions (consistent everywhere) whose tensors declare 400 MB
+    with nothing stored: what a compression bomb declares, in a file of a few MB."""
+    n = 200_000
+    with h5py.File(path, "r+") as f:
+        del f["tensors"], f["inputs/prompt_ids"], f["steps/positions"]
+        f["inputs/prompt_ids"] = np.full(n, 5, dtype=np.int64)
+        f["inputs"].attrs["max_new_tokens"] = 1
+        f["steps/positions"] = np.array([[0, n]], dtype=np.int64)
+        t = f.create_group("tensors")
+        t["token"] = np.array([5], dtype=np.int64)
+        t["token"].attrs["source_dtype"] = "int64"
+        for name in ("embeddings", "L00/layer_out"):
+            ds = t.create_dataset(name, shape=(n, 256), dtype="float32", chunks=(256, 256), compression="gzip")
+            ds.attrs["source_dtype"] = "float32"
+
+
+HOSTILE = [
+    ("external-storage-prompt-ids", _external_storage("inputs/prompt_ids"), ["'inputs/prompt_ids'", "external file"]),
+    ("external-storage-tokens", _external_storage("tensors/token"), ["'tensors/token'", "external file"]),
+    ("external-storage-tensor", _external_storage("tensors/L02/q"), ["'tensors/L02/q'", "external file"]),
+    ("external-link-dataset", _external_link("tensors/L03/q"), ["'tensors/L03/q' is an external link"]),
+    ("external-link-tensors", _external_link("tensors"), ["'tensors' is an external link"]),
+    ("external-link-model", _external_link("model"), ["'model' is an external link"]),
+    ("external-link-relative", _external_link("tensors/L05", "../bad0/other.h5"), ["'tensors/L05' is an external link"]),
+    ("soft-link-layer-group", _soft_link_to("tensors/L02", "/tensors/L01"), ["'tensors/L02' is a soft link"]),
+    ("hard-link-layer-group", _hard_link("tensors/L02", "tensors/L01"), ["two names"]),
+    ("hard-link-dataset", _hard_link("tensors/L04/q", "tensors/L05/q"), ["two names"]),
+    ("virtual-dataset", _virtual("tensors/L03/q"), ["'tensors/L03/q' is a virtual dataset"]),
+    ("virtual-dataset-tokens", _virtual("tensors/token"), ["'tensors/token' is a virtual dataset"]),
+    ("sparse-huge-row", _sparse("tensors/L00/attn_out", (15, 10**9), (1, 1 << 20)),
+     ["'tensors/L00/attn_out'", "more than the model config justifies"]),
+    ("sparse-huge-logits", _sparse("tensors/logits", (3, 10**10), (1, 1 << 20)), ["'tensors/logits'", "justifies"]),
+    ("huge-chunk", _sparse("tensors/L00/layer_out", (15, 64), (1 << 20, 64), (None, 64)), ["'tensors/L00/layer_out'", "chunks of"]),
+    ("compression-bomb", _bomb_header, ["declare", "compression bomb"]),
+    ("deep-tree-at-root", _deep_tree("junk"), ["'/' holds 'junk', which is not part of a trace"]),
+    ("deep-tree-in-layer", _deep_tree("tensors/L01/junk"), ["'junk' is not a per-layer kind"]),
+    ("huge-attribute", _huge_attribute, ["'prompt_text'", "20.0 MiB"]),
+    ("many-attributes", _edit(lambda f: [f.attrs.__setitem__(f"a{i}", i) for i in range(100)]), ["113 attributes"]),
+    ("max-new-tokens-huge", _setattr("inputs", "max_new_tokens", 1 << 40), ["'max_new_tokens'", "positions"]),
+    ("layers-too-many", _rows("model/head_dim", lambda a: a * 0 + 100_000), ["model/head_dim of layer 0 is 100000"]),
+]
+
 # (id, how to damage a copy of short.h5, substrings of the error line)
 CASES = [
     ("truncated", _bytes(lambda b: b[: len(b) // 2]), ["truncated", "copy it again"]),
@@ -161,6 +298,7 @@ CASES = [
     ("dataset-where-group", _edit(lambda f: (f.__delitem__("model"), f.__setitem__("model", np.arange(3)))),
      ["'model' is a Dataset, not a group"]),
 ]
+CASES += HOSTILE
 IDS = [c[0] for c in CASES]
 
 

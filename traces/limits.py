@@ -75,7 +75,10 @@ def check_fits(nbytes: int, what: str) -> None:
 
 def _get(cfg, key: str, default=0):
     """A config value from a dict or an HF config object; non-numbers count as the default."""
-    v = cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+    try:
+        v = cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+    except Exception:  # noqa: BLE001 - HF configs raise on per-layer fields read globally (head_dim)
+        return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return default
     return max(0, int(v)) if v == v and abs(v) != float("inf") else default
@@ -91,10 +94,16 @@ def _dims(cfg) -> dict:
     t = text_config(cfg)
     hidden = _get(t, "hidden_size", 0)
     heads = _get(t, "num_attention_heads", 1) or 1
+    try:  # per-layer head_dim (Gemma 4's full layers are wider)
+        per_layer = t.get("per_layer_config") if isinstance(t, dict) else getattr(t, "per_layer_config", None)
+        entries = list(per_layer.values() if isinstance(per_layer, dict) else per_layer or [])
+        layer_hd = max([_get(e, "head_dim", 0) for e in entries] or [0])
+    except Exception:  # noqa: BLE001 - an odd per_layer_config just gives no per-layer sizes
+        layer_hd = 0
     return dict(
         V=_get(t, "vocab_size", 0), H=hidden, L=_get(t, "num_hidden_layers", 0), heads=heads,
         kv=_get(t, "num_key_value_heads", heads) or heads,
-        hd=max(_get(t, "head_dim", 0), _get(t, "global_head_dim", 0)) or (hidden // heads if heads else 0),
+        hd=max(_get(t, "head_dim", 0), _get(t, "global_head_dim", 0), layer_hd) or (hidden // heads if heads else 0),
         I=_get(t, "intermediate_size", 0), ple=_get(t, "hidden_size_per_layer_input", 0),
         Vple=_get(t, "vocab_size_per_layer_input", 0) or _get(t, "vocab_size", 0),
         E=_get(t, "num_experts", 0), Imoe=_get(t, "moe_intermediate_size", 0),
@@ -131,6 +140,29 @@ def generation_bytes(cfg, prompt_len: int, positions: int, dtype_bytes: int) -> 
     activations = prompt_len * (4 * d["H"] + 3 * d["I"] + d["L"] * d["ple"]) * max(dtype_bytes, 4)
     recorded = prompt_len * d["L"] * (prompt_len + (d["heads"] + 2 * d["kv"]) * d["hd"] * 4 + 2 * d["H"] * 4)
     return caches + scores + activations + recorded
+
+
+def row_limits(cfg, layers) -> dict[str, int]:
+    """Values one row of each kind may hold: ROW_SLACK times what the model config and the per-layer
+    metadata say. Widths need not match (a runtime reporting a wrong width is a `shape` divergence
+    for the diff), but a width no config justifies is refused before anything is read or copied."""
+    t = text_config(cfg) if isinstance(cfg, dict) else {}
+    t = t if isinstance(t, dict) else {}
+
+    def size(key, cap):
+        v = t.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= cap else cap
+
+    hidden = size("hidden_size", MAX_HIDDEN)
+    ple = size("hidden_size_per_layer_input", hidden)
+    vocab = size("vocab_size", MAX_VOCAB)
+    hd = max([li.head_dim for li in layers] or [MAX_HEAD_DIM])
+    heads = max([li.num_heads for li in layers] or [MAX_HEADS])
+    per = {"embeddings": hidden, "attn_out": hidden, "layer_out": hidden, "final_hidden": hidden,
+           "per_layer_inputs": max(1, len(layers)) * ple, "q": heads * hd, "k": heads * hd, "v": heads * hd,
+           "logits": vocab, "token": 1, "mask": MAX_POSITIONS // ROW_SLACK,
+           "rope_cos_sliding": hd, "rope_sin_sliding": hd, "rope_cos_full": hd, "rope_sin_full": hd}
+    return {k: ROW_SLACK * v for k, v in per.items()}
 
 
 def check_config(cfg, where: str) -> None:

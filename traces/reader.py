@@ -103,12 +103,6 @@ def _nbytes(shape, dtype) -> int:
     return n * max(1, np.dtype(dtype).itemsize)
 
 
-def _cfg_int(cfg: dict, key: str, cap: int) -> int:
-    """A size from the model config, or the cap when the config does not give a sane one."""
-    v = cfg.get(key)
-    return int(v) if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= cap else cap
-
-
 class TraceReader:
     """Read-only view of a trace. Use as a context manager or call close()."""
 
@@ -213,8 +207,10 @@ class TraceReader:
             aid = obj.attrs.get_id(key)
             size = aid.get_storage_size()
             count = int(np.prod(aid.shape)) if aid.shape else 1
-            vlen = aid.dtype.kind == "O"  # variable-length data lives elsewhere: only a few texts
-            if size > LIM.MAX_ATTR_BYTES or (vlen and (count > 16 or h5py.check_string_dtype(aid.dtype) is None)):
+            # variable-length data lives in the global heap, where its size cannot be checked before
+            # reading: only one text (older traces), at most the file's size
+            vlen = aid.dtype.kind == "O"
+            if size > LIM.MAX_ATTR_BYTES or (vlen and (count > 1 or h5py.check_string_dtype(aid.dtype) is None)):
                 what = f"{LIM.fmt_bytes(size)}" if not vlen else f"{count} variable-length values"
                 self._bad(f"the attribute {key!r} of {path!r} holds {what}, more than a trace attribute may "
                           f"({LIM.fmt_bytes(LIM.MAX_ATTR_BYTES)} of text or numbers)")
@@ -278,11 +274,24 @@ class TraceReader:
             self._bad(f"the dataset {path!r} has dtype {dt}, expected {DTYPE_WORDS.get(kinds, kinds)}")
         return obj
 
-    def _small(self, ds: h5py.Dataset, max_len: int, what: str) -> np.ndarray:
+    def _small(self, ds: h5py.Dataset, max_len: int, what: str, vlen_text: bool = False) -> np.ndarray:
         """Read a small dataset whole, after checking its declared length (a bomb is never inflated)."""
         n = ds.shape[0] if ds.shape else 1
         if n > max_len or _nbytes(ds.shape, ds.dtype) > max_len * 64:
             self._bad(f"{ds.name.lstrip('/')!r} has shape {ds.shape}: more than {max_len} {what}")
+        if vlen_text and ds.ndim == 1 and ds.dtype.kind == "O":
+            # variable-length text (older traces) has no size to check before reading: one entry at a
+            # time, each a short name, so memory stays bounded by the file's size
+            out = []
+            for i in range(n):
+                try:
+                    v = ds[i]
+                except READ_ERRORS as e:
+                    raise self._corrupt_data(ds.name, e) from None
+                if len(v) > 64:
+                    self._bad(f"{ds.name.lstrip('/')!r} entry {i} is {len(v)} characters long (a name is short)")
+                out.append(v)
+            return np.array(out, dtype=object)
         return self._read_small(ds)
 
     def _read_small(self, ds: h5py.Dataset) -> np.ndarray:
@@ -415,7 +424,7 @@ class TraceReader:
                 self._bad(f"the dataset {path!r} has dtype {ds.dtype}, expected strings")
             if not text and not _is_integer_dtype(ds.dtype):
                 self._bad(f"the dataset {path!r} has dtype {ds.dtype}, expected integer")
-            vals = self._small(ds, LIM.MAX_LAYERS, "layers")
+            vals = self._small(ds, LIM.MAX_LAYERS, "layers", vlen_text=text)
             if text:
                 try:
                     vals = [_attr_text(x) for x in vals]
@@ -458,21 +467,6 @@ class TraceReader:
                 self._bad(f"{S.DSET_STEP_POSITIONS!r}: step {s} feeds positions [{a}, {b}), expected [{want[0]}, "
                           f"{want[1]}) (a prefill over the {T} prompt ids, then one position per decode step)")
 
-    def _row_limits(self) -> dict[str, int]:
-        """Elements a row of each kind may have: ROW_SLACK times what the model config and the
-        per-layer metadata say (widths are not required to match: a runtime reporting a wrong
-        width is a `shape` divergence for the diff, but a width no config justifies is refused)."""
-        cfg = self._config.get("text_config") if isinstance(self._config.get("text_config"), dict) else self._config
-        hidden = _cfg_int(cfg, "hidden_size", LIM.MAX_HIDDEN)
-        ple = _cfg_int(cfg, "hidden_size_per_layer_input", hidden)
-        vocab = _cfg_int(cfg, "vocab_size", LIM.MAX_VOCAB)
-        hd = max(li.head_dim for li in self.layers)
-        heads = max(li.num_heads for li in self.layers)
-        per = {"embeddings": hidden, "attn_out": hidden, "layer_out": hidden, "final_hidden": hidden,
-               "per_layer_inputs": len(self.layers) * ple, "q": heads * hd, "k": heads * hd, "v": heads * hd,
-               "logits": vocab, "token": 1, "mask": LIM.MAX_POSITIONS // LIM.ROW_SLACK}
-        return {k: LIM.ROW_SLACK * per.get(k, hd) for k in S.KIND_NAMES}  # rope_*: head_dim
-
     def _check_tensors(self) -> None:
         g = self._group(S.GROUP_TENSORS)
         present: list[tuple[str, int | None]] = []
@@ -496,7 +490,7 @@ class TraceReader:
                 present.append((name, None))
         if ("token", None) not in present:
             self._bad(f"the dataset '{S.tensor_path('token', None)}' (the chosen tokens) is missing")
-        limits = self._row_limits()
+        limits = LIM.row_limits(self._config, self.layers)
         for kind, layer in present:
             self._check_tensor(kind, layer, limits[kind])
         self._present = set(present)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .errors import one_line
 from .reader import TraceReader
+
+PROMPT_CHARS = 400  # the summary quotes this much of the prompt text
 
 
 def decoder_for(tokenizer_json: Path | None):
@@ -43,11 +46,13 @@ def summarize(r: TraceReader, decode=None) -> str:
     ]
     prompt = f"prompt     {r.prompt_len} tokens"
     if r.prompt_text:
-        prompt += f" from {json.dumps(r.prompt_text)}" + (" (chat template)" if r.chat_template_applied else "")
+        text = r.prompt_text
+        quoted = json.dumps(text[:PROMPT_CHARS]) + (f" ... ({len(text)} characters)" if len(text) > PROMPT_CHARS else "")
+        prompt += f" from {quoted}" + (" (chat template)" if r.chat_template_applied else "")
     lines.append(prompt)
-    extra = r.extra_inputs()
+    extra = r.extra_shapes()  # shapes only: nothing is read
     if extra:
-        lines.append("inputs     " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in extra.items()))
+        lines.append("inputs     " + ", ".join(f"{k} {shape}" for k, shape in extra.items()))
     lines.append(
         f"steps      {r.n_steps} (prefill + {r.n_steps - 1} decode), positions 0..{r.n_positions - 1}, "
         f"max_new_tokens {r.max_new_tokens}, eos {r.eos_token_ids}"
@@ -74,4 +79,5 @@ def summarize(r: TraceReader, decode=None) -> str:
         size = sum(r.storage_size(kind, l) for l in layers)
         where = f"x {len(layers)} layers" if layer is not None else ""
         lines.append(f"  {kind:<17} {str(ds.shape):<16} {r.source_dtype(kind, layer):<9} {_fmt_bytes(size):>10} {where}")
-    return "\n".join(lines)
+    # every value here comes from the file: one line each, no control characters for the terminal
+    return "\n".join(one_line(line) for line in lines)

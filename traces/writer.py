@@ -122,6 +122,8 @@ class TraceWriter:
         self._steps: list[tuple[int, int]] = []
         self._step_open = False
         self._n_layers = 0
+        self.layers: list[LayerInfo] = []
+        self.model_config: dict = {}
 
     def __enter__(self) -> "TraceWriter":
         self._ctx = atomic_output(self.path, self.force)
@@ -185,6 +187,8 @@ class TraceWriter:
             data = fixed_text(vals) if isinstance(vals[0], str) else np.asarray(vals, dtype=np.int64)
             f.create_dataset(S.model_field_path(field), data=data)
         self._n_layers = len(layers)
+        self.layers = list(layers)  # what a probe may report is bounded by these (traces/limits.py)
+        self.model_config = provenance["model_config"] if isinstance(provenance["model_config"], dict) else {}
 
     # ---------------------------------------------------------------- steps
     def begin_step(self, positions: range) -> None:
@@ -198,6 +202,12 @@ class TraceWriter:
 
     def end_step(self) -> None:
         self._step_open = False
+
+    @property
+    def step_rows(self) -> int:
+        """Positions the open step feeds (rows a position-indexed kind adds)."""
+        start, stop = self._steps[-1]
+        return stop - start
 
     @property
     def step(self) -> int:
