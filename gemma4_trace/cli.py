@@ -14,7 +14,7 @@ import sys
 import click
 
 from gemma4_trace.traces.atomic import check_output_path
-from gemma4_trace.traces.errors import TraceToolError, one_line
+from gemma4_trace.traces.errors import TraceToolError, interrupted, one_line
 
 EXIT_DIVERGENCE = 1
 EXIT_USAGE = 2
@@ -45,6 +45,8 @@ def user_errors(fn):
         except MemoryError:
             _fail("out of memory")
         except Exception as e:  # a bug of ours: still one line, the traceback on request
+            if interrupted(e):  # Ctrl-C inside C code (h5py) can arrive wrapped in another exception
+                _fail("interrupted; nothing was written", EXIT_INTERRUPTED)
             if os.environ.get("GEMMA4_TRACE_DEBUG"):
                 raise
             _fail(f"internal error ({type(e).__name__}: {one_line(e, 200)}); "

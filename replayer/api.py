@@ -81,7 +81,9 @@ class WriterProbe:
     def _check_size(self, kind: str, layer, value) -> None:
         spec = S.KIND_BY_NAME[kind]
         try:
-            shape = tuple(int(d) for d in (value.shape if hasattr(value, "shape") else __import__("numpy").shape(value)))
+            import numpy as np
+
+            shape = tuple(int(d) for d in (value.shape if hasattr(value, "shape") else np.shape(value)))
         except (TypeError, ValueError):
             raise TraceToolError(f"runtime {self.runtime_name} reported {kind!r} as {type(value).__name__}, "
                                  "not a tensor") from None

@@ -27,3 +27,13 @@ def one_line(msg: object, limit: int | None = None) -> str:
     text = str(msg).encode("utf-8", "backslashreplace").decode("utf-8")
     text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return text if limit is None else text[:limit]
+
+
+def interrupted(e: BaseException) -> bool:
+    """Whether `e` is a Ctrl-C that C code (h5py's callbacks) wrapped in another exception."""
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False

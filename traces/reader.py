@@ -33,7 +33,7 @@ import numpy as np
 
 from . import limits as LIM
 from . import schema as S
-from .errors import TraceCorruptError, TraceFileError, TraceToolError, one_line
+from .errors import TraceCorruptError, TraceFileError, TraceToolError, interrupted, one_line
 from .layers import LayerInfo
 
 HASH_BLOCK_BYTES = 64 << 20  # content_hash reads a dataset this many bytes at a time
@@ -142,6 +142,8 @@ class TraceReader:
             raise
         except Exception as e:  # noqa: BLE001 - damaged HDF5 metadata surfaces as any h5py exception
             self.close()
+            if interrupted(e):  # Ctrl-C inside an h5py callback arrives wrapped (SystemError)
+                raise KeyboardInterrupt from None
             raise _corrupt(
                 f"{self.path} is damaged: reading {self._at} failed ({type(e).__name__}: {one_line(e, 200)}); {ADVICE}"
             ) from None
@@ -301,6 +303,8 @@ class TraceReader:
             raise self._corrupt_data(ds.name, e) from None
 
     def _corrupt_data(self, name: str, e: BaseException) -> TraceCorruptError:
+        if interrupted(e):  # Ctrl-C during the read, not damage
+            raise KeyboardInterrupt from None
         return _corrupt(
             f"{self.path} is corrupt: the dataset {name.lstrip('/')!r} cannot be read back ({one_line(e, 200)}); "
             "its stored bytes were damaged after writing (checksum or decompression failure): "
