@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import html
 import math
-import os
-import tempfile
 from pathlib import Path
 
-from gemma4_trace.traces.atomic import check_output_path, no_space
-from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.atomic import atomic_output, check_output_path
 
-from .report import format_text, growth_summary, sci, token_summary, val
+from .metrics import PRIMARY, THRESHOLD_METRICS
+from .report import fmt, format_text, growth_summary, sci, token_summary
+from .result import DiffResult, Divergence, Growth, TensorSummary, TokenInfo
 
 MAX_COLS = 400  # heatmap steps are binned (max) beyond this
 CSS = """
@@ -43,8 +41,8 @@ def _color(ratio) -> str:
     return f"#{r:02x}{g:02x}{b:02x}"
 
 
-def _heatmap(growth: dict, div: dict | None) -> str:
-    table, thr, layers = growth["table"], growth["thresholds"], growth["layers"]
+def _heatmap(growth: Growth, div: Divergence | None) -> str:
+    table, thr, layers = growth.table, growth.thresholds, growth.layers
     if not table or not table[0]:
         return "<p>no layer outputs compared</p>"
     n_steps = len(table[0])
@@ -68,9 +66,9 @@ def _heatmap(growth: dict, div: dict | None) -> str:
             steps = f"step {s0}" if s1 - s0 == 1 else f"steps {s0}-{s1 - 1}"
             out.append(f'<rect x="{left + c * cw}" y="{y}" width="{cw}" height="{ch}" fill="{_color(worst)}">'
                        f'<title>layer {l}, {steps}: rel-L2 {sci(v)} (x{sci(worst)} of tolerance)</title></rect>')
-    if div is not None and div.get("layer") is not None and div["layer"] in layers:
-        c = div["step"] // bin_
-        y = top + layers.index(div["layer"]) * ch
+    if div is not None and div.layer is not None and div.layer in layers:
+        c = div.step // bin_
+        y = top + layers.index(div.layer) * ch
         out.append(f'<rect x="{left + c * cw}" y="{y}" width="{cw}" height="{ch}" fill="none" stroke="#000" '
                    f'stroke-width="2"><title>first divergence</title></rect>')
     for c in range(0, cols, max(1, cols // 10)):
@@ -82,19 +80,19 @@ def _heatmap(growth: dict, div: dict | None) -> str:
     return "".join(out)
 
 
-def _curves(growth: dict, div: dict | None) -> str:
-    table, layers = growth["table"], growth["layers"]
+def _curves(growth: Growth, div: Divergence | None) -> str:
+    table, layers = growth.table, growth.layers
     if not table or not table[0] or not layers:
         return ""
     n_steps = len(table[0])
-    series = [("worst step", growth["max_over_steps"], "#c0392b")]
+    series = [("worst step", growth.max_over_steps, "#c0392b")]
     series.append(("step 0 (prefill)", [row[0] for row in table], "#2c7fb8"))
     if n_steps > 1:
         series.append((f"step {n_steps - 1} (last)", [row[-1] for row in table], "#7b3294"))
-    if div is not None and 0 < div["step"] < n_steps - 1:
-        series.append((f"step {div['step']} (divergence)", [row[div["step"]] for row in table], "#e66101"))
+    if div is not None and 0 < div.step < n_steps - 1:
+        series.append((f"step {div.step} (divergence)", [row[div.step] for row in table], "#e66101"))
     vals = [v for _, s, _ in series for v in s if v is not None and v > 0 and math.isfinite(v)]
-    thr = [t for row in growth["thresholds"] for t in row if t]
+    thr = [t for row in growth.thresholds for t in row if t]
     vals += thr[:1]
     if not vals:
         return "<p>all layer outputs identical (rel-L2 = 0)</p>"
@@ -127,12 +125,12 @@ def _curves(growth: dict, div: dict | None) -> str:
     return "".join(out)
 
 
-def _token_table(tokens: dict, limit: int = 300) -> str:
-    ref, run = tokens.get("reference", []), tokens.get("candidate", [])
+def _token_table(tokens: TokenInfo, limit: int = 300) -> str:
+    ref, run = tokens.reference, tokens.candidate
     n = max(len(ref), len(run))
     if not n:
         return "<p>no tokens</p>"
-    mism = set(tokens.get("mismatch_steps", []))
+    mism = set(tokens.mismatch_steps or [])
     rows = [s for s in range(n) if s < limit or s in mism]
     out = ["<table><tr><th>step</th><th>REF token</th><th>RUN token</th><th>match</th></tr>"]
     for s in rows:
@@ -140,8 +138,8 @@ def _token_table(tokens: dict, limit: int = 300) -> str:
         b = run[s] if s < len(run) else None
         ok = a is not None and a == b
         note = "" if ok else ("-" if a is None or b is None else "no")
-        if s == tokens.get("first_mismatch_step"):
-            note = f"no - {tokens.get('label', '')}"
+        if s == tokens.first_mismatch_step:
+            note = f"no - {tokens.flip.label}"
         out.append(f'<tr class="{"" if ok else "x"}"><td>{s}</td><td>{"" if a is None else a}</td>'
                    f'<td>{"" if b is None else b}</td><td class="l">{"yes" if ok else html.escape(note)}</td></tr>')
     if len(rows) < n:
@@ -150,20 +148,23 @@ def _token_table(tokens: dict, limit: int = 300) -> str:
     return "".join(out)
 
 
-def _tensor_table(tensors: list[dict]) -> str:
-    out = ["<table><tr><th>kind</th><th>layer</th><th>rows</th><th>max rel-L2</th><th>tolerance</th>"
-           "<th>max abs</th><th>min cosine</th><th>status</th></tr>"]
+def _tensor_table(tensors: list[TensorSummary]) -> str:
+    # the tolerance column is the primary metric's, next to it
+    heads = "".join(f"<th>{m.summary_label}</th>" + ("<th>tolerance</th>" if m.name == PRIMARY else "")
+                    for m in THRESHOLD_METRICS)
+    out = [f"<table><tr><th>kind</th><th>layer</th><th>rows</th>{heads}<th>status</th></tr>"]
     for t in tensors:
-        bad = t["status"] != "ok"
-        out.append(f'<tr class="{"x" if bad else ""}"><td class="l">{t["kind"]}</td><td>{"" if t["layer"] is None else t["layer"]}</td>'
-                   f'<td>{t.get("rows_compared", 0)}/{t["rows"]}</td><td>{sci(t.get("max_rel_l2"))}</td>'
-                   f'<td>{sci(t.get("threshold"))}</td><td>{sci(t.get("max_abs"))}</td>'
-                   f'<td>{val(t["min_cosine"]) if "min_cosine" in t else "-"}</td><td class="l">{t["status"]}</td></tr>')
+        worst = t.worst or {}
+        cells = "".join(f"<td>{fmt(m, worst.get(m.name))}</td>" + (f"<td>{sci(t.threshold)}</td>" if m.name == PRIMARY else "")
+                        for m in THRESHOLD_METRICS)
+        out.append(f'<tr class="{"x" if t.status != "ok" else ""}"><td class="l">{t.kind}</td>'
+                   f'<td>{"" if t.layer is None else t.layer}</td><td>{t.rows_compared}/{t.rows}</td>{cells}'
+                   f'<td class="l">{t.status}</td></tr>')
     out.append("</table>")
     return "".join(out)
 
 
-def render_html(result) -> str:
+def render_html(result: DiffResult) -> str:
     d = result.first_divergence
     e = html.escape
     ref, run = result.reference, result.candidate
@@ -171,7 +172,7 @@ def render_html(result) -> str:
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>trace diff: {'match' if result.match else 'divergence'}</title>",
         f"<style>{CSS}</style></head><body>",
-        f"<h1>trace diff: {e(Path(ref['path']).name)} (REF) vs {e(Path(run['path']).name)} (RUN)</h1>",
+        f"<h1>trace diff: {e(Path(ref.path).name)} (REF) vs {e(Path(run.path).name)} (RUN)</h1>",
         f'<div class="verdict {"good" if result.match else "bad"}">{e(format_text(result))}</div>',
         "<h2>Error growth: layer x step</h2>",
         _heatmap(result.growth, d),
@@ -187,29 +188,17 @@ def render_html(result) -> str:
         _tensor_table(result.tensors),
         "<h2>Provenance</h2>",
         "<table>" + "".join(
-            f'<tr><th class="l">{e(k)}</th><td class="l">{e(str(ref.get(k)))}</td><td class="l">{e(str(run.get(k)))}</td></tr>'
+            f'<tr><th class="l">{e(k)}</th><td class="l">{e(str(getattr(ref, k)))}</td><td class="l">{e(str(getattr(run, k)))}</td></tr>'
             for k in ("path", "mode", "dtype", "runtime", "device", "steps", "positions")) + "</table>",
         "</body></html>",
     ]
     return "\n".join(parts)
 
 
-def write_html(result, path, force: bool = False) -> Path:
-    """Write the report atomically: a temporary file in the same folder, renamed when complete."""
-    path = check_output_path(path, force)
-    text = render_html(result)
-    folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=".diff-report-", suffix=".html.tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        if path.exists() and not force:
-            raise TraceToolError(f"output {path} already exists; pass --force to replace it")
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, OSError) and no_space(e):
-            raise TraceToolError(f"no space left on device writing {path}; nothing was written") from None
-        raise
-    return path
+def write_html(result: DiffResult, path, force: bool = False) -> Path:
+    """Write the report with the traces' atomic writer: complete or absent, a normal file's mode,
+    never over a file that appeared meanwhile (without force) nor over either trace."""
+    check_output_path(path, force, inputs=(result.reference.path, result.candidate.path))
+    with atomic_output(path, force) as tmp:
+        tmp.write_text(render_html(result), encoding="utf-8")
+    return Path(path)

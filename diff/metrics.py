@@ -7,13 +7,54 @@ small vectors. NaN or Inf in either row never passes.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
-METRIC_ORDER = ("nonfinite", "rel_l2", "max_abs", "cosine")
-METRIC_LABEL = {"nonfinite": "non-finite values", "rel_l2": "rel-L2", "max_abs": "max-abs",
-                "cosine": "cosine", "mask_keys": "mask keys", "shape": "shape", "rows": "rows",
-                "missing": "missing", "token": "token"}
+
+@dataclass(frozen=True)
+class Metric:
+    """One way two traces can disagree. The tolerance parser, the comparer and every report
+    read this table; a metric with `threshold` is a TOML field and a RowStats attribute."""
+
+    name: str
+    label: str  # in reports: "rel-L2 9.1e-4 > 1e-4"
+    group: str  # "row": per-row float metric | "mask" | "token" | "structure": could not compare
+    threshold: bool = False  # has a tolerance per (kind, layer, step)
+    fails_below: bool = False  # the tolerance is a minimum (cosine), not a maximum
+    off: float = math.inf  # threshold that disables the check (TOML `false`)
+    lo: float = 0.0  # valid thresholds: lo <= t (<= hi)
+    hi: float = math.inf
+    what: str = ""  # the threshold in words, for errors about its range
+    best: float = 0.0  # value for identical rows
+    summary: str = ""  # key of the worst value in a tensor summary (JSON)
+    summary_label: str = ""  # its column heading in the HTML report
+    plain: bool = False  # print as a plain number (4 significant digits), not scientific
+
+    def fails(self, values: np.ndarray, limit) -> np.ndarray:
+        return values < limit if self.fails_below else values > limit
+
+    def worst(self, a: float, values: np.ndarray) -> float:
+        return min(a, float(values.min())) if self.fails_below else max(a, float(values.max()))
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("nonfinite", "non-finite values", "row"),  # NaN/Inf in either row: never passes
+    Metric("rel_l2", "rel-L2", "row", threshold=True, summary="max_rel_l2", summary_label="max rel-L2"),
+    Metric("max_abs", "max-abs", "row", threshold=True, summary="max_abs", summary_label="max abs"),
+    Metric("cosine", "cosine", "row", threshold=True, fails_below=True, off=-math.inf, lo=-1.0, hi=1.0,
+           what="a minimum similarity", best=1.0, summary="min_cosine", summary_label="min cosine", plain=True),
+    Metric("mask_keys", "mask keys", "mask"),  # key positions allowed in one trace, blocked in the other
+    Metric("shape", "shape", "structure"),
+    Metric("rows", "rows", "structure"),
+    Metric("missing", "missing", "structure"),
+    Metric("token", "token", "token"),
+)
+METRIC = {m.name: m for m in METRICS}
+ROW_METRICS = tuple(m for m in METRICS if m.group == "row")  # RowStats checks them in this order
+THRESHOLD_METRICS = tuple(m for m in METRICS if m.threshold)
+METRIC_ORDER = tuple(m.name for m in ROW_METRICS)
+PRIMARY = "rel_l2"  # the error measure of growth tables, origin verdicts and tensor summaries' tolerance
 
 
 class RowStats:
@@ -54,9 +95,10 @@ class RowStats:
         self.max_abs[bad] = np.inf
         self.cosine[bad] = -np.inf
 
-    def failing(self, rel_tol, abs_tol, cos_min, skip) -> tuple[np.ndarray, np.ndarray]:
+    def failing(self, limits: dict[str, np.ndarray], skip: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(fails per row, index into METRIC_ORDER of the first failing metric per row)."""
-        checks = np.stack([self.nonfinite, self.rel_l2 > rel_tol, self.max_abs > abs_tol, self.cosine < cos_min])
+        checks = np.stack([m.fails(getattr(self, m.name), limits[m.name]) if m.threshold else getattr(self, m.name)
+                           for m in ROW_METRICS])
         fails = checks.any(axis=0) & ~skip
         return fails, np.argmax(checks, axis=0)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import math
 
-from .metrics import METRIC_LABEL
+from .metrics import METRIC, ROW_METRICS
+from .result import DiffResult, Divergence, Growth, MaskDetail, Problem, RowDetail, TokenFlip, TokenInfo
 
 
 def sci(v) -> str:
@@ -25,6 +26,11 @@ def sci(v) -> str:
     return f"{m.removesuffix('.0')}e{int(e)}"
 
 
+def fmt(metric, v) -> str:
+    """A metric's value as reports print it ("-" when there is none)."""
+    return "-" if v is None else val(v) if metric.plain else sci(v)
+
+
 def val(v) -> str:
     if isinstance(v, str):
         return v
@@ -34,21 +40,21 @@ def val(v) -> str:
     return f"{v:.4g}"
 
 
-def _layer_words(d: dict) -> str:
-    role = d.get("kv_role")
-    extra = {"reuses": f", reuses layer {d.get('kv_source')}", "stores": ", stores K/V for later layers"}.get(role, "")
-    return f"layer {d['layer']} ({d.get('layer_type', '?')}{extra})"
+def _layer_words(d: Divergence) -> str:
+    li = d.layer_info
+    extra = {"reuses": f", reuses layer {li.kv_source}", "stores": ", stores K/V for later layers"}.get(li.kv_role, "")
+    return f"layer {d.layer} ({li.layer_type}{extra})"
 
 
-def _element(d: dict) -> str:
-    if "head" in d:
-        return f"head {d['head']} channel {d['channel']}"
-    if "ple_layer" in d:
-        return f"per-layer slot {d['ple_layer']} channel {d['channel']}"
-    if "vocab_id" in d:
-        return f"token id {d['vocab_id']}"
-    if "channel" in d:
-        return f"channel {d['channel']}"
+def _element(names: dict[str, int]) -> str:
+    if "head" in names:
+        return f"head {names['head']} channel {names['channel']}"
+    if "ple_layer" in names:
+        return f"per-layer slot {names['ple_layer']} channel {names['channel']}"
+    if "vocab_id" in names:
+        return f"token id {names['vocab_id']}"
+    if "channel" in names:
+        return f"channel {names['channel']}"
     return ""
 
 
@@ -64,122 +70,120 @@ def _key_words(keys: list[int], n: int, position: int, n_positions: int) -> str:
     return shown + (f" and {n - len(keys)} more" if n > len(keys) else "")
 
 
-def divergence_sentence(result) -> str:
+def _mask_words(m: MaskDetail, position: int, n_positions: int) -> str:
+    parts = []
+    for keys, n, what in ((m.allowed_in_run_blocked_in_ref, m.n_allowed_in_run_blocked_in_ref, "allowed in RUN, blocked in REF"),
+                          (m.blocked_in_run_allowed_in_ref, m.n_blocked_in_run_allowed_in_ref, "blocked in RUN, allowed in REF")):
+        if n:
+            parts.append(f"key{'s' if len(keys) > 1 else ''} {_key_words(keys, n, position, n_positions)} {what}")
+    return "; ".join(parts) + f" (REF allows {m.ref_allowed}; RUN allows {m.run_allowed})"
+
+
+def divergence_sentence(result: DiffResult) -> str:
     d = result.first_divergence
     if d is None:
         return "no divergence"
-    where = [f"{d['phase']} step {d['step']}"]
-    if d["layer"] is not None:
+    where = [f"{d.phase} step {d.step}"]
+    if d.layer is not None:
         where.append(_layer_words(d))
-    where.append(f"kind {d['kind']}")
-    where.append(f"position {d['position']}")
+    where.append(f"kind {d.kind}")
+    where.append(f"position {d.position}")
     head = "first divergence: " + ", ".join(where)
-    metric = d["metric"]
-    if metric == "mask_keys":
-        n_pos = result.steps.get("positions_compared", 10**9)
-        parts = []
-        if d["n_allowed_in_run_blocked_in_ref"]:
-            ks = d["allowed_in_run_blocked_in_ref"]
-            parts.append(f"key{'s' if len(ks) > 1 else ''} {_key_words(ks, d['n_allowed_in_run_blocked_in_ref'], d['position'], n_pos)} allowed in RUN, blocked in REF")
-        if d["n_blocked_in_run_allowed_in_ref"]:
-            ks = d["blocked_in_run_allowed_in_ref"]
-            parts.append(f"key{'s' if len(ks) > 1 else ''} {_key_words(ks, d['n_blocked_in_run_allowed_in_ref'], d['position'], n_pos)} blocked in RUN, allowed in REF")
-        return f"{head}: " + "; ".join(parts) + f" (REF allows {d['ref_allowed']}; RUN allows {d['run_allowed']})"
-    if metric == "token":
-        s = f"{head}: RUN chose token {d['candidate_token']}, REF chose {d['reference_token']}"
-        return s + f" ({_tie_words(d)})"
-    if metric in ("shape", "rows", "missing"):
-        return f"{head}: {d['message']}"
-    elem = _element(d)
-    op = "<" if metric == "cosine" else ">"
-    if metric == "nonfinite":
-        cmp_ = f"{int(d['value'])} non-finite value(s) (NaN/Inf never pass)"
+    det = d.detail
+    if isinstance(det, MaskDetail):
+        return f"{head}: " + _mask_words(det, d.position, result.steps.positions_compared)
+    if isinstance(det, TokenFlip):
+        return f"{head}: RUN chose token {det.candidate_token}, REF chose {det.reference_token} ({_tie_words(det)})"
+    if isinstance(det, Problem):
+        return f"{head}: {det.message}"
+    elem = _element(det.first.names)
+    m = METRIC[d.metric]
+    if m.threshold:
+        cmp_ = f"{m.label} {sci(d.value)} {'<' if m.fails_below else '>'} {sci(d.threshold)}"
     else:
-        cmp_ = f"{METRIC_LABEL[metric]} {sci(d['value'])} {op} {sci(d['threshold'])}"
-    s = f"{head}{', ' + elem if elem else ''}: {cmp_} (REF {val(d['ref_value'])} vs RUN {val(d['run_value'])})"
-    return s
+        cmp_ = f"{int(d.value)} non-finite value(s) (NaN/Inf never pass)"
+    return f"{head}{', ' + elem if elem else ''}: {cmp_} (REF {val(det.first.ref)} vs RUN {val(det.first.run)})"
 
 
-def _tie_words(t: dict) -> str:
-    label = t.get("label", "unknown")
-    if "reference_margin" not in t:
-        return label
-    return (f"{label}: REF top-1/top-2 margin {t['reference_margin']:.3g}, REF logit gap to RUN's token "
-            f"{t['reference_gap']:.3g}; RUN's token ranks {t['candidate_rank']} under REF logits")
+def _tie_words(t: TokenFlip) -> str:
+    if t.reference_margin is None:
+        return t.label
+    return (f"{t.label}: REF top-1/top-2 margin {t.reference_margin:.3g}, REF logit gap to RUN's token "
+            f"{t.reference_gap:.3g}; RUN's token ranks {t.candidate_rank} under REF logits")
 
 
-def token_summary(tokens: dict) -> str:
-    n = tokens.get("compared_steps", 0)
+def token_summary(tokens: TokenInfo) -> str:
+    n = tokens.compared_steps
     if not n:
         return "tokens: none compared"
-    s = (f"tokens: {tokens['matches']}/{n} generated tokens match ({100 * tokens['accuracy']:.1f}%)")
-    m = tokens.get("first_mismatch_step")
+    s = f"tokens: {tokens.matches}/{n} generated tokens match ({100 * tokens.accuracy:.1f}%)"
+    m, flip = tokens.first_mismatch_step, tokens.flip
     if m is not None:
         phase = "prefill" if m == 0 else "decode"
-        s += (f"; first mismatch at {phase} step {m}: REF {tokens['reference_token']} vs RUN "
-              f"{tokens['candidate_token']} ({_tie_words(tokens)})")
-    for side, key in (("REF", "reference_text"), ("RUN", "candidate_text")):
-        if key in tokens:
-            s += f"\n  {side} text: {json.dumps(tokens[key])}"
+        s += (f"; first mismatch at {phase} step {m}: REF {flip.reference_token} vs RUN "
+              f"{flip.candidate_token} ({_tie_words(flip)})")
+    for side, text in (("REF", tokens.reference_text), ("RUN", tokens.candidate_text)):
+        if text is not None:
+            s += f"\n  {side} text: {json.dumps(text)}"
     return s
 
 
-def growth_summary(growth: dict, max_layers: int = 48) -> str:
-    vals = growth.get("max_over_steps") or []
+def growth_summary(growth: Growth, max_layers: int = 48) -> str:
+    vals = growth.max_over_steps
     if not vals:
         return "error growth: no layer outputs compared"
-    items = [f"L{l} {sci(v)}" for l, v in zip(growth["layers"], vals)]
+    items = [f"L{l} {sci(v)}" for l, v in zip(growth.layers, vals)]
     if len(items) > max_layers:
         items = items[: max_layers // 2] + ["..."] + items[-max_layers // 2:]
     s = "error growth (layer_out rel-L2, worst step): " + "  ".join(items)
-    j = growth.get("largest_jump")
-    if j and j["ratio"] > 1:
-        s += f"\n  largest jump: into layer {j['layer']} (x{j['ratio']:.3g}: {sci(j['before'])} -> {sci(j['after'])})"
+    j = growth.largest_jump
+    if j and j.ratio > 1:
+        s += f"\n  largest jump: into layer {j.layer} (x{j.ratio:.3g}: {sci(j.before)} -> {sci(j.after)})"
     return s
 
 
-def origin_summary(d: dict) -> str | None:
-    o = d.get("origin")
+def origin_summary(d: Divergence) -> str | None:
+    o = d.origin
     if not o:
         return None
-    where = f"layer {d['layer']}" if d["layer"] is not None else d["kind"]
-    if "input_rel_l2" not in o:
-        return f"  origin: {o['verdict']} ({o.get('reason', '')})"
-    inp = o["input_kind"] + (f" of layer {o['input_layer']}" if o["input_layer"] is not None else "")
-    s = (f"  origin: {o['verdict']} in {where}: its input ({inp}) has rel-L2 {sci(o['input_rel_l2'])} "
-         f"(tolerance {sci(o['input_threshold'])}), {d['kind']} here {sci(o['rel_l2_here'])}")
-    if "output_rel_l2" in o and d["kind"] != "layer_out":
-        s += f", layer output {sci(o['output_rel_l2'])}"
-    if o.get("reason"):
-        s += f" - {o['reason']}"
+    where = f"layer {d.layer}" if d.layer is not None else d.kind
+    i = o.input
+    if i is None:
+        return f"  origin: {o.verdict} ({o.reason or ''})"
+    inp = i.kind + (f" of layer {i.layer}" if i.layer is not None else "")
+    s = (f"  origin: {o.verdict} in {where}: its input ({inp}) has rel-L2 {sci(i.rel_l2)} "
+         f"(tolerance {sci(i.threshold)}), {d.kind} here {sci(i.here)}")
+    if i.output_rel_l2 is not None and d.kind != "layer_out":
+        s += f", layer output {sci(i.output_rel_l2)}"
+    if o.reason:
+        s += f" - {o.reason}"
     return s
 
 
-def format_text(result) -> str:
+def format_text(result: DiffResult) -> str:
     lines = []
     d = result.first_divergence
     st = result.steps
     if d is None:
-        lines.append(f"match: no divergence over {st['numbers_compared']} step(s), {len(result.tensors)} tensors")
+        lines.append(f"match: no divergence over {st.numbers_compared} step(s), {len(result.tensors)} tensors")
     else:
-        lines.append(d.get("sentence") or divergence_sentence(result))
-        if d["metric"] in ("rel_l2", "max_abs", "cosine", "nonfinite"):
-            w = d["worst"]
-            m = d["metrics"]
-            lines.append(f"  worst element: {_element(w) or 'index ' + str(w['index'])} (REF {val(w['ref'])} vs RUN "
-                         f"{val(w['run'])}); row: rel-L2 {sci(m['rel_l2'])}, max-abs {sci(m['max_abs'])}, "
-                         f"cosine {val(m['cosine'])}")
+        lines.append(d.sentence or divergence_sentence(result))
+        if isinstance(d.detail, RowDetail):
+            w = d.detail.worst
+            row = ", ".join(f"{m.label} {fmt(m, d.detail.metrics[m.name])}" for m in ROW_METRICS if m.threshold)
+            lines.append(f"  worst element: {_element(w.names) or 'index ' + str(list(w.index))} (REF {val(w.ref)} vs RUN "
+                         f"{val(w.run)}); row: {row}")
         o = origin_summary(d)
         if o:
             lines.append(o)
     lines.append(token_summary(result.tokens))
     lines.append(growth_summary(result.growth))
     ref, run = result.reference, result.candidate
-    decode = max(0, st["numbers_compared"] - 1)
+    decode = max(0, st.numbers_compared - 1)
     lines.append(
-        f"compared: prefill of {st['prompt_len']} positions + {decode} decode step(s), {len(result.tensors)} tensors; "
-        f"REF {ref['mode']} {ref['dtype']} ({ref['runtime']}), RUN {run['mode']} {run['dtype']} ({run['runtime']}); "
-        f"tolerances: {result.tolerances['source']}"
+        f"compared: prefill of {st.prompt_len} positions + {decode} decode step(s), {len(result.tensors)} tensors; "
+        f"REF {ref.mode} {ref.dtype} ({ref.runtime}), RUN {run.mode} {run.dtype} ({run.runtime}); "
+        f"tolerances: {result.tolerances.source}"
     )
     for n in result.notes:
         lines.append(f"note: {n}")

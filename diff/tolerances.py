@@ -9,7 +9,6 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +16,13 @@ import numpy as np
 
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
+
+from .metrics import METRIC, THRESHOLD_METRICS
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 # Built-in defaults by precision class of the two traces (the looser one wins).
 # float32: reordered sums in a float32 Gemma 4 give rel-L2 1e-7..1e-5 on the residual
@@ -26,14 +32,16 @@ from gemma4_trace.traces.errors import TraceToolError
 # reference drifts to ~1e-2 relative through the stack, so 5e-2 leaves ~5x headroom and
 # still catches structural bugs (which give O(0.1..1)).
 # float16: 11-bit mantissa, 8x finer than bf16.
+# Every other metric's check is off by default. l2_floor: see docs/tolerances.md.
+_REL_L2_AND_FLOOR = {"float32": (1e-4, 1e-6), "float16": (1e-2, 1e-4), "bfloat16": (5e-2, 1e-4)}
 DEFAULTS: dict[str, dict[str, float]] = {
-    "float32": {"rel_l2": 1e-4, "max_abs": math.inf, "cosine": -math.inf, "l2_floor": 1e-6},
-    "float16": {"rel_l2": 1e-2, "max_abs": math.inf, "cosine": -math.inf, "l2_floor": 1e-4},
-    "bfloat16": {"rel_l2": 5e-2, "max_abs": math.inf, "cosine": -math.inf, "l2_floor": 1e-4},
+    prec: {m.name: m.off for m in THRESHOLD_METRICS} | {"rel_l2": rel, "l2_floor": floor}
+    for prec, (rel, floor) in _REL_L2_AND_FLOOR.items()
 }
 NEAR_TIE_MARGIN = 0.5  # logits: REF's gap between its token and RUN's token below this is a near tie
 
-THRESHOLD_FIELDS = ("rel_l2", "max_abs", "cosine", "l2_floor")
+LIMIT_FIELDS = tuple(m.name for m in THRESHOLD_METRICS)  # one per metric with a tolerance
+THRESHOLD_FIELDS = LIMIT_FIELDS + ("l2_floor",)  # l2_floor: rel-L2's denominator floor
 MATCH_FIELDS = ("kind", "layer", "step")
 RULE_FIELDS = MATCH_FIELDS + THRESHOLD_FIELDS + ("skip", "note")
 TOKEN_FIELDS = ("near_tie_margin", "accept_near_ties")
@@ -134,15 +142,14 @@ class Rule:
 class StepTolerance:
     """Thresholds for one (kind, layer), one entry per step. Disabled checks are +-inf."""
 
-    rel_l2: np.ndarray
-    max_abs: np.ndarray
-    cosine: np.ndarray
+    limits: dict[str, np.ndarray]  # metric name -> threshold per step
     l2_floor: np.ndarray
     skip: np.ndarray
     precision: str
 
     def at(self, step: int) -> dict:
-        return {f: float(getattr(self, f)[step]) for f in THRESHOLD_FIELDS} | {"skip": bool(self.skip[step])}
+        return ({f: float(v[step]) for f, v in self.limits.items()}
+                | {"l2_floor": float(self.l2_floor[step]), "skip": bool(self.skip[step])})
 
 
 class Tolerances:
@@ -166,24 +173,29 @@ class Tolerances:
                     skip[mask] = v
                 elif f in arrays:
                     arrays[f][mask] = v
-        return StepTolerance(**arrays, skip=skip, precision=precision)
+        floor = arrays.pop("l2_floor")
+        return StepTolerance(arrays, floor, skip, precision)
 
     def describe(self) -> dict:
         return {"source": self.source, "rules": len(self.rules), "near_tie_margin": self.near_tie_margin,
                 "accept_near_ties": self.accept_near_ties,
                 "defaults": {k: v["rel_l2"] for k, v in DEFAULTS.items()}}
 
+    to_json = describe  # as DiffResult.to_json reports it
+
 
 def _threshold(v, name: str, where: str) -> float:
+    m = METRIC.get(name)  # None for l2_floor
     if v is False:  # disable the check
-        return {"rel_l2": math.inf, "max_abs": math.inf, "cosine": -math.inf, "l2_floor": 0.0}[name]
+        return m.off if m else 0.0
     if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
         raise TraceToolError(f"{where}: {name} must be a number (or false to disable), got {v!r}")
     v = float(v)
-    if name == "cosine" and not -1.0 <= v <= 1.0:
-        raise TraceToolError(f"{where}: cosine is a minimum similarity in [-1, 1], got {v}")
-    if name != "cosine" and v < 0:
-        raise TraceToolError(f"{where}: {name} must be >= 0, got {v}")
+    lo, hi = (m.lo, m.hi) if m else (0.0, math.inf)
+    if math.isfinite(hi) and not lo <= v <= hi:
+        raise TraceToolError(f"{where}: {name} is {m.what} in [{lo:g}, {hi:g}], got {v}")
+    if v < lo:
+        raise TraceToolError(f"{where}: {name} must be >= {lo:g}, got {v}")
     return v
 
 
@@ -227,7 +239,7 @@ def load_tolerances(path: str | Path | None) -> Tolerances:
         if "note" in r and not isinstance(r["note"], str):
             raise TraceToolError(f"{where}: note must be a string")
         if not values:
-            raise TraceToolError(f"{where}: sets nothing; give rel_l2, max_abs, cosine, l2_floor or skip")
+            raise TraceToolError(f"{where}: sets nothing; give {', '.join(THRESHOLD_FIELDS)} or skip")
         rules.append(Rule(i, kind, layer, step, values))
     tok = data.get("tokens", {})
     if not isinstance(tok, dict):

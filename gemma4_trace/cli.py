@@ -221,11 +221,11 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
     if report:  # before the work: never onto an input, a device or a FIFO
         check_output_path(report, force, inputs=[reference, candidate, tolerances, model_dir and Path(model_dir) / "tokenizer.json"])
     result = diff_traces(reference, candidate, tolerances)
-    folder = Path(model_dir) if model_dir else _embedded_model_dir(result.reference.get("model_name", ""))
+    folder = Path(model_dir) if model_dir else _embedded_model_dir(result.reference.model_name)
     decode = decoder_for(folder / "tokenizer.json" if folder else None)
     if decode is not None:
-        result.tokens["reference_text"] = decode(result.tokens["reference"])
-        result.tokens["candidate_text"] = decode(result.tokens["candidate"])
+        result.tokens.reference_text = decode(result.tokens.reference)
+        result.tokens.candidate_text = decode(result.tokens.candidate)
     if report:
         write_html(result, report, force=force)
     text = json.dumps(result.to_json(), indent=2) if as_json else format_text(result)

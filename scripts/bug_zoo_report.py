@@ -60,9 +60,9 @@ def build() -> str:
             result = diff_traces(ref, run)
             first = format_text(result).splitlines()[0]
             tok = result.tokens
-            m = tok["first_mismatch_step"]
+            m = tok.first_mismatch_step
             tokens = ("tokens unchanged" if m is None else
-                      f"tokens {tok['matches']}/{tok['compared_steps']} match, first mismatch at step {m}")
+                      f"tokens {tok.matches}/{tok.compared_steps} match, first mismatch at step {m}")
             out.append(f"### `{bug}` (`{factory}`, reference `{ref_name}`)\n")
             out.append(f"What is wrong: {what}.\n")
             out.append(f"    {first}\n")

@@ -137,16 +137,16 @@ def check_details(bug: str, f: Facts, d: dict, result) -> None:
         assert d["allowed_in_run_blocked_in_ref"] == list(range(T + 1, max_seq))
         assert "never-written slot" in d["sentence"]
     elif bug == "no_softcap":
-        assert all(t["status"] == "ok" for t in result.tensors if t["kind"] != "logits")
+        assert all(t.status == "ok" for t in result.tensors if t.kind != "logits")
     elif bug == "no_ple":
-        assert {"kind": "per_layer_inputs", "layer": None, "reason": "only in REF"} in result.skipped
+        assert ("per_layer_inputs", None, "only in REF") in [(s.kind, s.layer, s.reason) for s in result.skipped]
 
 
 def check_tokens(ref, run, result, d) -> None:
     """The token report against the chosen tokens read straight from both traces."""
     with TraceReader(ref) as a, TraceReader(run) as b:
         rt, ct = a.tokens(), b.tokens()
-    tok = result.tokens
+    tok = result.to_json()["tokens"]
     assert tok["reference"] == rt.tolist() and tok["candidate"] == ct.tolist()
     diff = np.flatnonzero(rt != ct)
     first = int(diff[0]) if diff.size else None
@@ -162,7 +162,7 @@ def test_bug_is_localised(zoo, bug):
     ref, run, result = zoo(bug)
     f = Facts(ref)
     assert not result.match
-    d = result.first_divergence
+    d = result.to_json()["first_divergence"]
     step, layer, kind, position = expected(bug, f)
     assert (d["step"], d["layer"], d["kind"], d["position"]) == (step, layer, kind, position), d["sentence"]
     assert d["phase"] == ("prefill" if step == 0 else "decode")
@@ -174,7 +174,7 @@ def test_bug_is_localised(zoo, bug):
 def test_no_softcap_keeps_every_token(zoo):
     # tanh(x / cap) * cap is strictly increasing: the argmax cannot change
     _, _, result = zoo("no_softcap")
-    assert result.tokens["first_mismatch_step"] is None and result.tokens["accuracy"] == 1.0
+    assert result.tokens.first_mismatch_step is None and result.tokens.accuracy == 1.0
 
 
 @pytest.mark.parametrize("name", sorted({ref for _, ref, _ in BUGS.values()}))

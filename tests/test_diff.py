@@ -10,6 +10,7 @@ import pytest
 
 import gemma4_trace.diff.core as diff_core
 from gemma4_trace.diff import diff_traces, format_text, load_tolerances, render_html, write_html
+from gemma4_trace.diff.result import Skipped
 from tests.synth import LAYERS, WINDOW, write_trace
 from gemma4_trace.traces import TraceToolError
 
@@ -67,6 +68,11 @@ def run_trace(tmp_path, name="run.h5", **kw):
     return p
 
 
+def first(r):
+    """The first divergence as JSON consumers see it."""
+    return r.to_json()["first_divergence"]
+
+
 def check_contract(j):
     assert set(j) >= {"match", "first_divergence", "tokens"}
     assert isinstance(j["match"], bool)
@@ -107,7 +113,7 @@ def test_static_mask_width_is_not_a_divergence(ref, tmp_path):
 def test_planted_value_reported_exactly(ref, tmp_path):
     run = run_trace(tmp_path, edit=plant(kind="k", layer=2, step=2, index=(0, 3)))
     r = diff_traces(ref, run)
-    d = r.first_divergence
+    d = first(r)
     assert not r.match
     assert (d["step"], d["phase"], d["layer"], d["kind"], d["position"]) == (2, "decode", 2, "k", 6)
     assert (d["head"], d["channel"]) == (0, 3)
@@ -116,9 +122,13 @@ def test_planted_value_reported_exactly(ref, tmp_path):
     assert d["worst"]["index"] == [0, 3]
     assert d["origin"]["verdict"] == "introduced"
     check_contract(r.to_json())
-    first = format_text(r).splitlines()[0]
-    assert first.startswith("first divergence: decode step 2, layer 2 (sliding_attention, stores K/V")
-    assert "kind k, position 6, head 0 channel 3: rel-L2" in first and "> 1e-4 (REF" in first
+    line = format_text(r).splitlines()[0]
+    assert line.startswith("first divergence: decode step 2, layer 2 (sliding_attention, stores K/V")
+    assert "kind k, position 6, head 0 channel 3: rel-L2" in line and "> 1e-4 (REF" in line
+    # the typed result behind the JSON
+    t = r.first_divergence
+    assert (t.phase, t.layer_info.kv_role, t.detail.first.names, t.origin.input.kind) == (
+        "decode", "stores", {"head": 0, "channel": 3}, "layer_out")
 
 
 def test_earliest_in_dataflow_order_wins(ref, tmp_path):
@@ -128,7 +138,7 @@ def test_earliest_in_dataflow_order_wins(ref, tmp_path):
         plant(kind="layer_out", layer=0, step=1, index=(4,)),  # <- first
         plant(kind="q", layer=1, step=0, row=3, index=(1, 5), delta=0.0),  # no change
     ))
-    d = diff_traces(ref, run).first_divergence
+    d = first(diff_traces(ref, run))
     assert (d["step"], d["layer"], d["kind"], d["position"], d["channel"]) == (1, 0, "layer_out", 5, 4)
 
 
@@ -137,7 +147,7 @@ def test_prefill_first_failing_position_and_head(ref, tmp_path):
         plant(kind="q", layer=1, step=0, row=4, index=(0, 0)),
         plant(kind="q", layer=1, step=0, row=2, index=(1, 6)),  # earlier position wins
     ))
-    d = diff_traces(ref, run).first_divergence
+    d = first(diff_traces(ref, run))
     assert (d["step"], d["phase"], d["layer"], d["kind"], d["position"], d["head"], d["channel"]) == (
         0, "prefill", 1, "q", 2, 1, 6)
 
@@ -152,7 +162,7 @@ def test_sliding_window_off_by_one_in_mask(ref, tmp_path):
         return rows
 
     r = diff_traces(ref, run_trace(tmp_path, edit=widen, mask_width=12))
-    d = r.first_divergence
+    d = first(r)
     assert (d["step"], d["layer"], d["kind"], d["position"], d["metric"]) == (3, 0, "mask", 7, "mask_keys")
     assert d["allowed_in_run_blocked_in_ref"] == [3] and d["blocked_in_run_allowed_in_ref"] == []
     assert d["value"] == 1.0
@@ -164,7 +174,7 @@ def test_padding_slot_visible_in_mask(ref, tmp_path):
     # the static runtime lets the prefill's last query see a never-written cache slot
     run = run_trace(tmp_path, edit=plant(kind="mask", layer=1, step=0, row=4, index=(10,), value=True), mask_width=12)
     r = diff_traces(ref, run)
-    d = r.first_divergence
+    d = first(r)
     assert (d["step"], d["layer"], d["kind"], d["position"]) == (0, 1, "mask", 4)
     assert d["allowed_in_run_blocked_in_ref"] == [10]
     assert "key 10 (never-written slot) allowed in RUN, blocked in REF" in d["sentence"]
@@ -175,14 +185,14 @@ def test_future_key_blocked_and_allowed(ref, tmp_path):
         plant(kind="mask", layer=0, step=0, row=1, index=(2,), value=True),  # future token leaks
         plant(kind="mask", layer=0, step=0, row=1, index=(0,), value=False),
     ))
-    d = diff_traces(ref, run).first_divergence
+    d = first(diff_traces(ref, run))
     assert d["position"] == 1 and d["allowed_in_run_blocked_in_ref"] == [2] and d["blocked_in_run_allowed_in_ref"] == [0]
     assert "key 2 (future) allowed in RUN" in d["sentence"] and "key 0 blocked in RUN, allowed in REF" in d["sentence"]
 
 
 def test_nan_never_passes(ref, tmp_path):
     run = run_trace(tmp_path, edit=plant(kind="attn_out", layer=3, step=1, index=(2,), value=np.nan))
-    d = diff_traces(ref, run).first_divergence
+    d = first(diff_traces(ref, run))
     assert (d["step"], d["layer"], d["kind"], d["metric"], d["channel"]) == (1, 3, "attn_out", "nonfinite", 2)
     # NaN at the same place in both traces is not a match either
     nan = plant(kind="final_hidden", step=0, row=1, index=(0,), value=np.inf)
@@ -190,7 +200,7 @@ def test_nan_never_passes(ref, tmp_path):
     write_trace(a, edit=nan)
     write_trace(b, edit=nan)
     r = diff_traces(a, b)
-    assert not r.match and r.first_divergence["kind"] == "final_hidden" and r.first_divergence["metric"] == "nonfinite"
+    assert not r.match and first(r)["kind"] == "final_hidden" and first(r)["metric"] == "nonfinite"
     json.dumps(r.to_json(), allow_nan=False)
 
 
@@ -199,7 +209,7 @@ def test_shape_mismatch_is_a_divergence_not_a_crash(ref, tmp_path):
         return rows[:, :, :7] if (k, l) == ("q", 1) else rows
 
     r = diff_traces(ref, run_trace(tmp_path, edit=cut))
-    d = r.first_divergence
+    d = first(r)
     assert (d["kind"], d["layer"], d["metric"], d["step"]) == ("q", 1, "shape", 0)
     assert "(2, 8) in REF vs (2, 7) in RUN" in format_text(r)
 
@@ -208,7 +218,7 @@ def test_logits_divergence_global_kind(ref, tmp_path):
     def capless(k, l, s, rows):  # e.g. a missing final soft-cap
         return rows * 1.5 if k == "logits" and s == 1 else rows
 
-    d = diff_traces(ref, run_trace(tmp_path, edit=capless)).first_divergence
+    d = first(diff_traces(ref, run_trace(tmp_path, edit=capless)))
     assert (d["step"], d["layer"], d["kind"], d["position"]) == (1, None, "logits", 5)
     assert d["origin"]["verdict"] == "introduced" and d["origin"]["input_kind"] == "final_hidden"
 
@@ -218,7 +228,7 @@ def test_row_blocks_give_the_same_answer(tmp_path, monkeypatch):
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     write_trace(a, prompt_len=700, new_tokens=2)
     write_trace(b, prompt_len=700, new_tokens=2, edit=plant(kind="layer_out", layer=2, step=0, row=650, index=(3,)))
-    d = diff_traces(a, b).first_divergence
+    d = first(diff_traces(a, b))
     assert (d["kind"], d["layer"], d["position"], d["channel"]) == ("layer_out", 2, 650, 3)
 
 
@@ -244,7 +254,7 @@ def test_token_flip_labelled(tmp_path, second, label):
     write_trace(tmp_path / "ref.h5", edit=logits)
     run = run_trace(tmp_path, edit=chain(logits, plant(kind="token", step=2, index=(), value=alt)))
     r = diff_traces(tmp_path / "ref.h5", run)
-    d, t = r.first_divergence, r.tokens
+    d, t = first(r), r.to_json()["tokens"]
     assert (d["step"], d["kind"], d["layer"], d["position"], d["metric"]) == (2, "token", None, 6, "token")
     assert t["first_mismatch_step"] == 2 and t["accuracy"] == 0.75
     assert t["reference_token"] == tokens[2] and t["candidate_token"] == alt
@@ -263,7 +273,7 @@ def test_accept_near_ties(tmp_path):
     tol = tmp_path / "t.toml"
     tol.write_text("[tokens]\naccept_near_ties = true\nnear_tie_margin = 0.2\n")
     r = diff_traces(tmp_path / "ref.h5", run, tol)
-    assert r.match and r.tokens["first_mismatch_step"] == 1 and r.tokens["label"] == "near tie"
+    assert r.match and r.tokens.first_mismatch_step == 1 and r.tokens.flip.label == "near tie"
 
 
 def test_free_running_stops_comparing_numbers_after_token_mismatch(ref, tmp_path):
@@ -277,33 +287,33 @@ def test_free_running_stops_comparing_numbers_after_token_mismatch(ref, tmp_path
 
     edit = chain(plant(kind="token", step=1, index=(), value=alt), diverge_after)
     free = diff_traces(ref, run_trace(tmp_path, "free.h5", mode="free-running", edit=edit))
-    d = free.first_divergence
+    d = first(free)
     assert (d["step"], d["kind"]) == (1, "token")
-    assert free.steps["numbers_compared"] == 2 and free.steps["compared"] == 4
+    assert free.steps.numbers_compared == 2 and free.steps.compared == 4
     assert any("not compared" in n for n in free.notes)
     assert "tensors of steps 2..3 were not compared" in format_text(free)
-    assert len(free.growth["table"][0]) == 2
+    assert len(free.growth.table[0]) == 2
     # teacher-forced: everything is compared, the same plant diverges in numbers too
     tf = diff_traces(ref, run_trace(tmp_path, "tf.h5", edit=edit))
-    assert tf.steps["numbers_compared"] == 4 and (tf.first_divergence["step"], tf.first_divergence["kind"]) == (1, "token")
-    assert any(t["kind"] == "embeddings" and t["status"] == "diverged" for t in tf.tensors)
+    assert tf.steps.numbers_compared == 4 and (first(tf)["step"], first(tf)["kind"]) == (1, "token")
+    assert any(t.kind == "embeddings" and t.status == "diverged" for t in tf.tensors)
     assert not any("not compared" in n for n in tf.notes)
 
 
 def test_fewer_steps_compares_common_steps(ref, tmp_path):
     r = diff_traces(ref, run_trace(tmp_path, mode="free-running", stop_after=3))
     assert r.match
-    assert r.steps["compared"] == 3 and r.tokens["compared_steps"] == 3
+    assert r.steps.compared == 3 and r.tokens.compared_steps == 3
     assert "RUN has 3 steps, REF has 4: compared the first 3" in format_text(r)
 
 
 def test_missing_kind_is_reported_but_only_logits_and_token_diverge(ref, tmp_path):
     r = diff_traces(ref, run_trace(tmp_path, "a.h5", omit=("final_hidden", "rope_cos_full")))
     assert r.match
-    assert {"kind": "final_hidden", "layer": None, "reason": "only in REF"} in r.skipped
+    assert Skipped("final_hidden", None, "only in REF") in r.skipped
     assert "final_hidden (only in REF)" in format_text(r)
     r = diff_traces(ref, run_trace(tmp_path, "b.h5", omit=("logits",)))
-    assert not r.match and r.first_divergence["kind"] == "logits" and r.first_divergence["metric"] == "missing"
+    assert not r.match and first(r)["kind"] == "logits" and first(r)["metric"] == "missing"
 
 
 # ---------------------------------------------------------------- precision and tolerances
@@ -311,12 +321,12 @@ def test_bfloat16_run_gets_looser_defaults(ref, tmp_path):
     bf = run_trace(tmp_path, "bf.h5", edit=noise(1e-2), dtype="bfloat16", source_dtype="bfloat16")
     r = diff_traces(ref, bf)
     assert r.match, format_text(r)
-    assert {t["precision"] for t in r.tensors if "precision" in t} == {"bfloat16"}
-    assert r.growth["thresholds"][0][0] == 5e-2
+    assert {t.precision for t in r.tensors if t.precision} == {"bfloat16"}
+    assert r.growth.thresholds[0][0] == 5e-2
     # the same error in a float32 run is a divergence
     f32 = run_trace(tmp_path, "f32.h5", edit=noise(1e-2))
     r = diff_traces(ref, f32)
-    assert not r.match and r.first_divergence["kind"] == "embeddings" and r.first_divergence["precision"] == "float32"
+    assert not r.match and first(r)["kind"] == "embeddings" and first(r)["precision"] == "float32"
 
 
 def test_tolerance_file_loosens_one_kind_and_next_divergence_shows(ref, tmp_path):
@@ -324,20 +334,20 @@ def test_tolerance_file_loosens_one_kind_and_next_divergence_shows(ref, tmp_path
         plant(kind="k", layer=0, step=1, index=(0, 2), delta=0.5),
         plant(kind="attn_out", layer=3, step=2, index=(1,)),
     ))
-    assert diff_traces(ref, run).first_divergence["kind"] == "k"
+    assert first(diff_traces(ref, run))["kind"] == "k"
     tol = tmp_path / "tol.toml"
     tol.write_text('[[rule]]\nkind = "k"\nlayer = "0-1"\nrel_l2 = 0.9\n')
-    d = diff_traces(ref, run, tol).first_divergence
+    d = first(diff_traces(ref, run, tol))
     assert (d["step"], d["layer"], d["kind"]) == (2, 3, "attn_out")
     # a later rule overrides an earlier one
     tol.write_text('[[rule]]\nkind = "k"\nrel_l2 = 0.9\n[[rule]]\nkind = "*"\nstep = "decode"\nrel_l2 = 1e-4\n')
-    assert diff_traces(ref, run, tol).first_divergence["kind"] == "k"
+    assert first(diff_traces(ref, run, tol))["kind"] == "k"
     # skip a kind in one layer on prefill only: not enough, the plant is on decode step 1
     tol.write_text('[[rule]]\nkind = "k"\nstep = "prefill"\nskip = true\n')
-    assert diff_traces(ref, run, tol).first_divergence["kind"] == "k"
+    assert first(diff_traces(ref, run, tol))["kind"] == "k"
     tol.write_text('[[rule]]\nkind = "attn_*"\nlayer = "3"\nstep = "1-"\nmax_abs = 0.5\nrel_l2 = false\n'
                    '[[rule]]\nkind = "k"\nskip = true\n')
-    d = diff_traces(ref, run, tol).first_divergence
+    d = first(diff_traces(ref, run, tol))
     assert (d["kind"], d["metric"], d["threshold"]) == ("attn_out", "max_abs", 0.5)
 
 
@@ -351,13 +361,13 @@ def test_tolerance_rule_matching():
                      '[[rule]]\nlayer = "*"\ncosine = 0.99\n[[rule]]\nlayer = "0-"\nmax_abs = 2\n')
         t = load_tolerances(p)
         q1 = t.resolve("q", 1, "float32", 5)
-        assert list(q1.rel_l2) == [1e-3, 1e-3, 0.5, 0.5, 1e-3]
-        assert list(t.resolve("q", 2, "float32", 5).rel_l2) == [1e-3] * 5
-        assert list(t.resolve("v", 1, "bfloat16", 5).rel_l2) == [1e-3] * 5
-        assert t.resolve("embeddings", None, "float32", 2).cosine[0] == 0.99  # "*" matches global kinds
-        assert math.isinf(t.resolve("embeddings", None, "float32", 2).max_abs[0])  # "0-" only layers
-        assert t.resolve("layer_out", 7, "float32", 2).max_abs[0] == 2
-        assert load_tolerances(None).resolve("q", 0, "bfloat16", 1).rel_l2[0] == 5e-2
+        assert list(q1.limits["rel_l2"]) == [1e-3, 1e-3, 0.5, 0.5, 1e-3]
+        assert list(t.resolve("q", 2, "float32", 5).limits["rel_l2"]) == [1e-3] * 5
+        assert list(t.resolve("v", 1, "bfloat16", 5).limits["rel_l2"]) == [1e-3] * 5
+        assert t.resolve("embeddings", None, "float32", 2).limits["cosine"][0] == 0.99  # "*" matches global kinds
+        assert math.isinf(t.resolve("embeddings", None, "float32", 2).limits["max_abs"][0])  # "0-" only layers
+        assert t.resolve("layer_out", 7, "float32", 2).limits["max_abs"][0] == 2
+        assert load_tolerances(None).resolve("q", 0, "bfloat16", 1).limits["rel_l2"][0] == 5e-2
 
 
 @pytest.mark.parametrize("text,msg", [
@@ -387,12 +397,12 @@ def test_growth_table_and_inherited_drift(ref, tmp_path):
     run = run_trace(tmp_path, edit=chain(noise(5e-5, kinds={"layer_out"}, layers={0}, seed=1),
                                          noise(2e-4, kinds={"layer_out"}, layers={1}, seed=2)))
     r = diff_traces(ref, run)
-    d = r.first_divergence
+    d = first(r)
     assert (d["kind"], d["layer"], d["step"]) == ("layer_out", 1, 0)
     assert d["origin"]["verdict"] == "inherited"
-    g = r.growth
-    assert len(g["table"]) == 4 and len(g["table"][0]) == 4
-    assert 1e-5 < g["table"][0][0] < 1e-4 < g["table"][1][0] and g["table"][2][0] == 0
+    t = r.growth.table
+    assert len(t) == 4 and len(t[0]) == 4
+    assert 1e-5 < t[0][0] < 1e-4 < t[1][0] and t[2][0] == 0
     assert "origin: inherited in layer 1" in format_text(r)
 
 
@@ -400,11 +410,11 @@ def test_growth_jump_and_introduced(ref, tmp_path):
     run = run_trace(tmp_path, edit=chain(noise(1e-6, kinds={"layer_out"}, seed=1),
                                          plant(kind="layer_out", layer=2, step=3, index=(0,))))
     r = diff_traces(ref, run)
-    d = r.first_divergence
+    d = first(r)
     assert (d["kind"], d["layer"], d["step"], d["position"]) == ("layer_out", 2, 3, 7)
     assert d["origin"]["verdict"] == "introduced" and d["origin"]["input_layer"] == 1
-    assert r.growth["table"][2][3] > 1e-2 > r.growth["table"][2][2]
-    assert r.growth["largest_jump"]["layer"] == 2
+    assert r.growth.table[2][3] > 1e-2 > r.growth.table[2][2]
+    assert r.growth.largest_jump.layer == 2
 
 
 # ---------------------------------------------------------------- compatibility
@@ -425,7 +435,7 @@ def test_different_prompt_refused_dtype_and_runtime_fine(ref, tmp_path):
     with pytest.raises(TraceToolError, match="different prompts.*index 2: "):
         diff_traces(ref, _prompt(tmp_path, ref))
     r = diff_traces(ref, run_trace(tmp_path, "d.h5", dtype="bfloat16"))
-    assert r.match and r.candidate["dtype"] == "bfloat16"
+    assert r.match and r.candidate.dtype == "bfloat16"
 
 
 def _prompt(tmp_path, ref):
@@ -486,9 +496,39 @@ def test_html_report_self_contained_and_atomic(ref, tmp_path):
     write_html(diff_traces(ref, ref), out, force=True)
     check_html(out.read_text())
     assert "match: no divergence" in out.read_text()
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".diff-report")] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.h5", "report.html", "run.h5"]  # no temporaries
     with pytest.raises(TraceToolError):
         write_html(r, tmp_path / "no-such-folder" / "r.html")
+    with pytest.raises(TraceToolError, match="is the input"):
+        write_html(r, run, force=True)
+    assert diff_traces(ref, run).first_divergence.kind == "v"  # the trace is intact
+
+
+def test_html_report_mode_and_race(ref, tmp_path, monkeypatch):
+    import os
+
+    import gemma4_trace.diff.html as diff_html
+
+    r = diff_traces(ref, ref)
+    old = os.umask(0o022)
+    try:
+        write_html(r, tmp_path / "a.html")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.html").stat().st_mode & 0o777 == 0o644  # as traces are
+    # another writer creates the file after the existence check: it is kept, ours is refused
+    out = tmp_path / "b.html"
+    render = diff_html.render_html
+
+    def racing(result):
+        out.write_text("the other run's report")
+        return render(result)
+
+    monkeypatch.setattr(diff_html, "render_html", racing)
+    with pytest.raises(TraceToolError, match="already exists"):
+        write_html(r, out)
+    assert out.read_text() == "the other run's report"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.html", "b.html", "ref.h5"]
 
 
 def test_html_bins_long_runs(tmp_path):
@@ -512,3 +552,26 @@ def test_documented_tolerance_examples_parse(tmp_path):
         p = tmp_path / f"ex{i}.toml"
         p.write_text(text)
         load_tolerances(p)
+
+
+def test_docs_list_every_metric_of_the_registry():
+    import re
+    from pathlib import Path
+
+    from gemma4_trace.diff.metrics import METRICS, THRESHOLD_METRICS
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    listed = re.search(r"`metric` - one of (.*?) - `value`", (docs / "diff.md").read_text(), re.S).group(1)
+    assert sorted(re.findall(r"`(\w+)`", listed)) == sorted(m.name for m in METRICS)
+    checks = re.findall(r"^\| `(\w+)` +\|", (docs / "tolerances.md").read_text(), re.M)
+    assert checks == [m.name for m in THRESHOLD_METRICS]
+
+
+def test_json_keys_come_from_the_registry(ref, tmp_path):
+    # every thresholded metric appears in the failing row's metrics and in each float tensor's summary
+    from gemma4_trace.diff.metrics import THRESHOLD_METRICS
+
+    j = diff_traces(ref, run_trace(tmp_path, edit=plant(kind="v", layer=0, step=0, index=(0, 1)))).to_json()
+    assert list(j["first_divergence"]["metrics"]) == [m.name for m in THRESHOLD_METRICS]
+    floats = [t for t in j["tensors"] if t["kind"] != "mask"]
+    assert floats and all({m.summary for m in THRESHOLD_METRICS} <= set(t) for t in floats)

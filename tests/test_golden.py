@@ -76,4 +76,4 @@ def test_update_golden_rerecords_with_hf(pytester, tmp_path):
         assert r.provenance["runtime"].startswith("hf-transformers")
     # the same recording as the shipped golden (bit-exact only on the CPU that recorded it)
     res = diff_traces(golden.golden_path("short"), folder / "short.h5")
-    assert res.match and res.reference["runtime"] == res.candidate["runtime"], format_text(res)
+    assert res.match and res.reference.runtime == res.candidate.runtime, format_text(res)

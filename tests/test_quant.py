@@ -107,7 +107,7 @@ def test_calibrated_tolerances_match_the_base_by_construction(runs, workdir, sch
     r = CliRunner().invoke(main, ["calibrate", str(ref), str(out[scheme]), "-o", str(toml), "--margin", "1"])
     assert r.exit_code == 0, r.output
     result = diff_traces(ref, out[scheme], toml)
-    assert result.match, result.first_divergence and result.first_divergence["sentence"]
+    assert result.match, result.first_divergence and result.first_divergence.sentence
     # margin 1: each rule's threshold is the worst error rounded up, so some tensor sits close to it
     rules = tomllib.loads(toml.read_text())["rule"]
     by_key = {(r["kind"], r.get("layer"), r["step"]): r["rel_l2"] for r in rules}

@@ -116,7 +116,7 @@ def test_quantized_runtime_alone_is_a_match_under_its_calibration(lab, model, sc
     run, tol = lab.base(model, scheme)
     assert not diff_traces(ref, run).match  # the float defaults cannot tell noise from bugs
     result = diff_traces(ref, run, tol)
-    assert result.match, result.first_divergence and result.first_divergence["sentence"]
+    assert result.match, result.first_divergence and result.first_divergence.sentence
 
 
 @pytest.mark.parametrize("model,scheme,bug", list(_cases()))
@@ -129,7 +129,7 @@ def test_bug_localised_with_calibrated_tolerances(lab, model, scheme, bug):
     f = Facts(ref)
     result = diff_traces(ref, run, tol)
     assert not result.match
-    d = result.first_divergence
+    d = result.to_json()["first_divergence"]
     assert (d["step"], d["layer"], d["kind"], d["position"]) == expected(bug, f, ref_tokens), d["sentence"]
     if bug == "window_off_by_one":
         assert d["allowed_in_run_blocked_in_ref"] == [0]  # key p - W at query p = W

@@ -1,0 +1,344 @@
+"""What `trace diff` found, as small dataclasses; reports read their fields.
+
+`to_json()` of each gives the keys and values of the JSON report (docs/diff.md), which
+consumers parse: a field declared with `opt()` is left out while it is None, a `detail`
+is spread into its parent, and key order is field order. New optional fields (a
+baseline's numbers, more metrics) are added with `opt()` and change nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from gemma4_trace.traces.layers import LayerInfo
+
+from .metrics import PRIMARY, THRESHOLD_METRICS
+from .tolerances import Tolerances
+
+# per-layer facts shown in reports, in the report's order
+LAYER_KEYS = ("layer_type", "kv_role", "kv_source", "head_dim", "num_heads", "num_kv_heads")
+
+
+def opt(default=None):
+    """A field left out of the JSON while it is None."""
+    return field(default=default, metadata={"omit_none": True})
+
+
+def json_fields(obj) -> dict:
+    """The dataclass's fields as a JSON dict, in field order, without unset optional ones."""
+    out = {}
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if v is None and f.metadata.get("omit_none"):
+            continue
+        out[f.name] = v
+    return out
+
+
+def jsonable(x):
+    """Plain JSON values: dataclasses through their to_json, numpy scalars as Python, inf as text."""
+    if hasattr(x, "to_json"):
+        return jsonable(x.to_json())
+    if isinstance(x, LayerInfo):
+        return {k: getattr(x, k) for k in LAYER_KEYS}
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        if math.isnan(x):
+            return "NaN"
+        if math.isinf(x):
+            return "Infinity" if x > 0 else "-Infinity"
+        return x
+    if isinstance(x, np.bool_):
+        return bool(x)
+    if isinstance(x, np.ndarray):
+        return jsonable(x.tolist())
+    return x
+
+
+# ---------------------------------------------------------------- first divergence details
+@dataclass
+class Element:
+    """One element of a row: its index in the row's shape, both values, named axes."""
+
+    index: tuple[int, ...]
+    ref: float
+    run: float
+    names: dict[str, int]  # e.g. {"head": 1, "channel": 11} (diff/core.py element_names)
+
+    def to_json(self) -> dict:
+        return {"index": list(self.index), "ref": self.ref, "run": self.run, **self.names}
+
+
+@dataclass
+class RowDetail:
+    """A float row that failed: its first failing and its worst element, all its metrics."""
+
+    first: Element
+    worst: Element
+    metrics: dict[str, float]  # every row metric with a tolerance, by name
+    precision: str
+
+    def to_json(self) -> dict:
+        return {**self.first.names, "index": list(self.first.index), "ref_value": self.first.ref,
+                "run_value": self.first.run, "worst": self.worst, "metrics": self.metrics,
+                "precision": self.precision}
+
+
+@dataclass
+class MaskDetail:
+    """Key positions where the two masks of one query row disagree (lists capped, counts not)."""
+
+    allowed_in_run_blocked_in_ref: list[int]
+    blocked_in_run_allowed_in_ref: list[int]
+    n_allowed_in_run_blocked_in_ref: int
+    n_blocked_in_run_allowed_in_ref: int
+    ref_allowed: str  # "0-3, 7"
+    run_allowed: str
+
+    def to_json(self) -> dict:
+        return json_fields(self)
+
+
+@dataclass
+class TokenFlip:
+    """The first step whose chosen tokens differ, judged by REF's logits there."""
+
+    reference_token: int
+    candidate_token: int
+    reference_margin: float | None = opt()  # REF's top-1 minus top-2 logit
+    reference_gap: float | None = opt()  # REF's logit of its token minus of RUN's
+    candidate_rank: int | None = opt()  # rank of RUN's token under REF's logits
+    label: str = "unknown"  # "near tie" | "real error" | "unknown (...)"
+
+    def to_json(self) -> dict:
+        return json_fields(self)
+
+
+@dataclass
+class Problem:
+    """A tensor that could not be compared row by row (shape, row count, missing)."""
+
+    message: str
+    ref_shape: list[int] | None = opt()
+    run_shape: list[int] | None = opt()
+
+    def to_json(self) -> dict:
+        return json_fields(self)
+
+
+@dataclass
+class InputError:
+    """The error of a divergent tensor's input (the residual stream before it)."""
+
+    kind: str
+    layer: int | None
+    rel_l2: float
+    threshold: float
+    here: float  # rel-L2 of the divergent tensor itself
+    output_rel_l2: float | None = None  # the layer's output, when it is a layer's tensor
+
+
+@dataclass
+class Origin:
+    """Was the divergence introduced here or carried in from upstream?"""
+
+    verdict: str  # "introduced" | "inherited" | "unknown"
+    reason: str | None = None
+    input: InputError | None = None
+
+    def to_json(self) -> dict:
+        i = self.input
+        out = {}
+        if i is not None:
+            out = {"input_kind": i.kind, "input_layer": i.layer, "input_rel_l2": i.rel_l2, "input_threshold": i.threshold}
+            if i.output_rel_l2 is not None:
+                out["output_rel_l2"] = i.output_rel_l2
+            out["rel_l2_here"] = i.here
+        out["verdict"] = self.verdict
+        if self.reason is not None:
+            out["reason"] = self.reason
+        return out
+
+
+@dataclass
+class Divergence:
+    """The first (step, data-flow order, position) where RUN leaves REF's tolerance."""
+
+    step: int
+    layer: int | None
+    kind: str
+    position: int
+    metric: str  # a name in diff.metrics.METRICS
+    value: float
+    threshold: float
+    detail: RowDetail | MaskDetail | TokenFlip | Problem
+    layer_info: LayerInfo | None = None  # the layer's facts, for per-layer kinds
+    origin: Origin | None = None
+    sentence: str | None = None
+
+    @property
+    def phase(self) -> str:
+        return "prefill" if self.step == 0 else "decode"
+
+    def to_json(self) -> dict:
+        out = {"step": self.step, "phase": self.phase, "layer": self.layer, "kind": self.kind,
+               "position": self.position, "metric": self.metric, "value": self.value,
+               "threshold": self.threshold, **self.detail.to_json()}
+        if self.layer_info is not None:
+            out.update(jsonable(self.layer_info))
+        if self.origin is not None:
+            out["origin"] = self.origin
+        if self.sentence is not None:
+            out["sentence"] = self.sentence
+        return out
+
+
+# ---------------------------------------------------------------- the rest of the report
+@dataclass
+class TokenInfo:
+    """Chosen tokens of both traces and how many agree."""
+
+    reference: list[int]
+    candidate: list[int]
+    compared_steps: int = 0
+    matches: int = 0
+    accuracy: float = 0.0
+    first_mismatch_step: int | None = None
+    mismatch_steps: list[int] | None = opt()  # the first 100
+    flip: TokenFlip | None = None  # at first_mismatch_step
+    reference_text: str | None = opt()  # decoded, when a tokenizer is known
+    candidate_text: str | None = opt()
+
+    def to_json(self) -> dict:
+        out = json_fields(self)
+        flip = out.pop("flip")
+        texts = {k: out.pop(k) for k in ("reference_text", "candidate_text") if k in out}
+        return out | (flip.to_json() if flip is not None else {}) | texts
+
+
+@dataclass
+class TensorSummary:
+    """How one (kind, layer) compared: rows, status, worst value of each metric."""
+
+    kind: str
+    layer: int | None
+    rows: int
+    rows_compared: int = 0
+    status: str = "ok"  # "ok" | "diverged" | "shape" | "rows"
+    threshold: float | None = opt()  # the primary metric's tolerance at step 0 (0 for masks)
+    precision: str | None = opt()
+    failed_rows: int | None = opt()  # float kinds
+    mismatched_rows: int | None = opt()  # masks
+    worst: dict[str, float] | None = None  # metric name -> worst value over compared rows
+
+    def to_json(self) -> dict:
+        out = json_fields(self)
+        worst = out.pop("worst")
+        if worst is not None:
+            out.update({m.summary: worst[m.name] for m in THRESHOLD_METRICS})
+        return out
+
+
+@dataclass
+class Jump:
+    """The largest step up in error from one layer to the next."""
+
+    layer: int
+    ratio: float
+    before: float
+    after: float
+
+    def to_json(self) -> dict:
+        return json_fields(self)
+
+
+@dataclass
+class Growth:
+    """rel-L2 of the residual stream (layer_out) per layer x step, against its tolerance."""
+
+    layers: list[int]
+    steps: list[int]
+    table: list[list[float | None]]  # [layer][step]
+    thresholds: list[list[float | None]]
+    max_over_steps: list[float | None]
+    largest_jump: Jump | None
+    metric: str = PRIMARY
+    kind: str = "layer_out"
+
+    def to_json(self) -> dict:
+        return {"metric": self.metric, "kind": self.kind, "layers": self.layers, "steps": self.steps,
+                "table": self.table, "thresholds": self.thresholds, "max_over_steps": self.max_over_steps,
+                "largest_jump": self.largest_jump}
+
+
+@dataclass
+class Skipped:
+    kind: str
+    layer: int | None
+    reason: str
+
+    def to_json(self) -> dict:
+        return json_fields(self)
+
+
+@dataclass
+class Steps:
+    reference: int
+    candidate: int
+    compared: int  # steps whose tokens compare
+    numbers_compared: int  # steps whose tensors compare
+    prompt_len: int
+    positions_compared: int
+    free_running: bool
+
+    def to_json(self) -> dict:
+        return json_fields(self)
+
+
+@dataclass
+class TraceInfo:
+    path: str
+    mode: str
+    dtype: str
+    runtime: str
+    device: str
+    steps: int
+    positions: int
+    model_name: str
+    model_config_sha256: str
+
+    def to_json(self) -> dict:
+        return json_fields(self)
+
+
+@dataclass
+class DiffResult:
+    match: bool
+    first_divergence: Divergence | None
+    tokens: TokenInfo
+    growth: Growth
+    tensors: list[TensorSummary]
+    skipped: list[Skipped]
+    notes: list[str]
+    steps: Steps
+    reference: TraceInfo
+    candidate: TraceInfo
+    tolerances: Tolerances
+    layers: list[LayerInfo] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return jsonable({
+            "match": self.match, "first_divergence": self.first_divergence, "tokens": self.tokens,
+            "steps": self.steps, "growth": self.growth, "tensors": self.tensors, "skipped": self.skipped,
+            "notes": self.notes, "reference": self.reference, "candidate": self.candidate,
+            "tolerances": self.tolerances, "layers": self.layers,
+        })
