@@ -187,6 +187,19 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, output, forc
     click.echo(one_line(summary))  # it names the runtime, which a plug-in chose
 
 
+@main.command("export-onnx")
+@click.option("--model", "model_dir", type=click.Path(), default=None, help="save_pretrained folder [default: embedded tiny model]")
+@click.option("--max-seq", type=click.IntRange(2, 1_000_000), required=True, help="static sequence length of the graphs")
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False), help="folder for prefill.onnx and decode.onnx")
+@click.option("--force", is_flag=True, help="replace existing .onnx files")
+@user_errors
+def export_onnx_cmd(model_dir, max_seq, out_dir, force):
+    """Export the static runtime's prefill and decode steps to ONNX (what --runtime onnx runs)."""
+    from gemma4_trace.replayer.onnx_runtime import export_command
+
+    click.echo(export_command(model_dir, max_seq, out_dir, force=force))
+
+
 @main.command("import")
 @click.argument("dump_dir", metavar="DUMP_DIR", type=click.Path())
 @click.option("--reference", required=True, type=click.Path(), help="REF.h5: inputs, model metadata (and tokens when the dump has none)")

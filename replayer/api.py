@@ -35,6 +35,7 @@ QUANTIZED_RUNTIMES = ("static-w8", "static-w4g32", "static-w8a8")  # built in, n
 EXTRA_RUNTIMES = {
     "tico": "gemma4_trace.replayer.tico_runtime:make_tico",  # gemma4-trace[tico]
     "tico-quant": "gemma4_trace.replayer.tico_runtime:make_tico_quant",
+    "onnx": "gemma4_trace.replayer.onnx_runtime:make_onnx",  # gemma4-trace[onnx]
 }
 
 

@@ -1,0 +1,218 @@
+"""`--runtime onnx`: the static runtime's prefill and decode steps exported to ONNX, run by
+onnxruntime on CPU (extra `gemma4-trace[onnx]`).
+
+Each step is one ONNX graph with static shapes (max_seq). The graphs are pure functions: the
+KV caches of the layers that own K/V are inputs, and the updated caches come back as outputs
+(the host keeps them between steps, as an NPU runtime's host code would). Every canonical
+kind the static runtime reports through its probe becomes an extra graph output, named
+`<kind>` or `L07.<kind>`, so a replay sees what the exported graph computed, with
+onnxruntime's kernels. The vision tower is not exported: its soft tokens are computed on the
+host by HF, as in the static runtime, and fed to the prefill graph.
+
+    trace export-onnx [--model DIR] --max-seq 32 -o DIR    # writes prefill.onnx, decode.onnx
+    trace replay REF.h5 --runtime onnx -o RUN.h5
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from gemma4_trace.traces.errors import TraceToolError
+
+from .runtime import StaticGemma4Runtime
+
+OPSET = 18
+PREFILL_INPUTS = ("ids", "ple_ids", "mm_embeds", "mm_slots", "block_ids", "n_valid")
+DECODE_INPUTS = ("token", "input_pos")
+
+
+def _import_ort():
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise TraceToolError(f"--runtime onnx needs onnxruntime: pip install 'gemma4-trace[onnx]' ({e})") from None
+    return onnxruntime
+
+
+class _ListProbe:
+    """Collects the probe's reports while the graph is traced: each becomes a graph output."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.values: list[torch.Tensor] = []
+
+    def tensor(self, kind, value, layer=None):
+        self.names.append(kind if layer is None else f"L{layer:02d}.{kind}")
+        self.values.append(value)
+
+
+class _FunctionalKV(StaticGemma4Runtime):
+    """The static runtime with its KV caches passed in and returned (no in-place buffer writes)."""
+
+    def owners(self) -> list[int]:
+        return [i for i, info in enumerate(self.infos) if info.kv_role != "reuses"]
+
+    def _write_kv(self, i, k_t, v_t, input_pos, valid):
+        kc, vc = self._kv[i]
+        if valid is None:
+            kc, vc = kc.index_copy(2, input_pos, k_t), vc.index_copy(2, input_pos, v_t)
+        else:  # prefill rewrites the whole cache; padding rows are zero
+            keep = valid[None, None, :, None]
+            kc, vc = torch.where(keep, k_t, torch.zeros_like(k_t)), torch.where(keep, v_t, torch.zeros_like(v_t))
+        self._kv[i] = (kc, vc)
+
+    def _read_kv(self, i, input_pos):
+        return self._kv[self.infos[i].kv_source]
+
+
+class _Graph(nn.Module):
+    """One step as a function: (step inputs..., caches...) -> (logits, caches..., reported kinds...)."""
+
+    def __init__(self, rt: _FunctionalKV, prefill: bool):
+        super().__init__()
+        self.rt, self.prefill, self.names = rt, prefill, None
+
+    def forward(self, *args):
+        rt = self.rt
+        n = len(PREFILL_INPUTS if self.prefill else DECODE_INPUTS)
+        step, caches = args[:n], args[n:]
+        rt._kv = {i: (caches[2 * j], caches[2 * j + 1]) for j, i in enumerate(rt.owners())}
+        probe = _ListProbe()
+        logits = rt.prefill_step(*step, probe=probe) if self.prefill else rt.decode_step(*step, probe=probe)
+        kv = [t for i in rt.owners() for t in rt._kv[i]]
+        self.names = probe.names
+        return (logits, *kv, *probe.values)
+
+
+def _cache_names(rt: _FunctionalKV) -> list[str]:
+    return [f"L{i:02d}.{c}_cache" for i in rt.owners() for c in ("k", "v")]
+
+
+def export_onnx(loaded, max_seq: int, out_dir) -> tuple[Path, Path]:
+    """Write prefill.onnx and decode.onnx for `loaded` at `max_seq`; return their paths."""
+    try:
+        import onnx  # noqa: F401
+        import onnxscript  # noqa: F401  (torch's ONNX exporter needs it)
+    except ImportError as e:
+        raise TraceToolError(f"exporting ONNX needs onnx and onnxscript: pip install 'gemma4-trace[onnx]' ({e})") from None
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise TraceToolError(f"output folder {out} does not exist")
+    rt = _FunctionalKV(loaded, max_seq)
+    caches = [torch.zeros(1, rt.infos[i].num_kv_heads, max_seq, rt.infos[i].head_dim, dtype=rt.dtype)
+              for i in rt.owners() for _ in ("k", "v")]
+    dev = rt.embed.device
+    steps = {
+        "prefill": (True, rt.prepare_prefill([0], {}), PREFILL_INPUTS),
+        "decode": (False, (torch.zeros(1, 1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev)),
+                   DECODE_INPUTS),
+    }
+    paths = []
+    for name, (prefill, example, inputs) in steps.items():
+        g = _Graph(rt, prefill).eval()
+        with torch.no_grad(), _quiet():
+            g(*example, *caches)  # learn the reported kinds' names (the order is fixed by the code)
+            outputs = ["logits", *(f"{c}_out" for c in _cache_names(rt)), *g.names]
+            path = out / f"{name}.onnx"
+            try:
+                torch.onnx.export(g, (*example, *caches), str(path), input_names=[*inputs, *_cache_names(rt)],
+                                  output_names=outputs, opset_version=OPSET, dynamo=True, external_data=False,
+                                  verbose=False, optimize=False)  # onnxruntime optimizes at load; 2x faster export
+            except Exception as e:  # noqa: BLE001 - the exporter fails in many ways; one line for the user
+                raise TraceToolError(f"ONNX export of the {name} step failed: {type(e).__name__}: "
+                                     f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The exporter prints pages of warnings and progress for a successful export: keep them off the console."""
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+class OnnxRuntime:
+    """The exported graphs run by onnxruntime on CPU; the host keeps the caches."""
+
+    def __init__(self, loaded, max_seq: int):
+        ort = _import_ort()
+        self.name = f"onnx (onnxruntime {ort.__version__}, CPU)"
+        self.max_seq = max_seq
+        self.host = _FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
+        with tempfile.TemporaryDirectory() as d:
+            paths = export_onnx(loaded, max_seq, d)
+            opts = ort.SessionOptions()
+            opts.log_severity_level = 3
+            self.sessions = [ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"]) for p in paths]
+        self.caches = {n: np.zeros((1, self.host.infos[int(n[1:3])].num_kv_heads, max_seq,
+                                    self.host.infos[int(n[1:3])].head_dim), dtype=np.float32)
+                       for n in _cache_names(self.host)}
+        self.T = 0
+
+    def _run(self, sess, feeds: dict, probe, rows: slice):
+        feeds = {**feeds, **self.caches}
+        names = [o.name for o in sess.get_outputs()]
+        outs = dict(zip(names, sess.run(None, feeds)))
+        for n in self.caches:
+            self.caches[n] = outs[f"{n}_out"]
+        if probe is not None:
+            for n in names:
+                if n == "logits" or n.endswith("_cache_out"):
+                    continue
+                layer, _, kind = n.rpartition(".")
+                probe.tensor(kind, torch.from_numpy(outs[n][rows]), layer=int(layer[1:]) if layer else None)
+        return torch.from_numpy(outs["logits"])
+
+    def prefill(self, input_ids, extra_inputs, probe):
+        args = self.host.prepare_prefill(input_ids, extra_inputs)
+        self.T = len(input_ids)
+        feeds = {n: a.cpu().numpy() for n, a in zip(PREFILL_INPUTS, args)}
+        return self._run(self.sessions[0], feeds, probe, slice(0, self.T))
+
+    def decode(self, token_id, position, probe):
+        tok = self.host.pad_id if int(token_id) in self.host.mm_token_ids else int(token_id)
+        feeds = {"token": np.array([[tok]], dtype=np.int64), "input_pos": np.array([position], dtype=np.int64)}
+        return self._run(self.sessions[1], feeds, probe, slice(0, 1))
+
+
+def make_onnx(loaded, max_seq: int):
+    if loaded.dtype != "float32":
+        raise TraceToolError(f"--runtime onnx runs float32 graphs; REF was recorded in {loaded.dtype}")
+    return OnnxRuntime(loaded, max_seq)
+
+
+def export_command(model_dir, max_seq: int, out_dir, force: bool = False) -> str:
+    """`trace export-onnx`: write prefill.onnx and decode.onnx into out_dir; return a summary line."""
+    import os
+
+    from gemma4_trace.hf.model import load_model
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    targets = [out / "prefill.onnx", out / "decode.onnx"]
+    existing = [str(t) for t in targets if t.exists()]
+    if existing and not force:
+        raise TraceToolError(f"output {existing[0]} already exists; pass --force to replace it")
+    loaded = load_model(model_dir)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".onnx-partial-") as tmp:
+        paths = export_onnx(loaded, max_seq, tmp)
+        for p, t in zip(paths, targets):
+            os.replace(p, t)  # both graphs exported before either replaces anything
+    sizes = ", ".join(f"{t} ({t.stat().st_size / 2**20:.1f} MiB)" for t in targets)
+    return f"wrote {sizes}: {loaded.name}, max_seq {max_seq}, opset {OPSET}, canonical kinds as extra outputs"
