@@ -249,8 +249,8 @@ def _read_safetensors(path: Path, key: str) -> tuple[np.ndarray, str]:
 
 def _read_numpy(path: Path, e: Entry, key: str | None) -> tuple[np.ndarray, str]:
     try:
-        if e.format == "npy":
-            arr = np.load(path, allow_pickle=False)
+        if e.format == "npy":  # memory-mapped: only the rows taken are read (a whole KV cache may be dumped)
+            arr = np.load(path, allow_pickle=False, mmap_mode="r")
         else:
             with np.load(path, allow_pickle=False) as z:
                 if key not in z.files:
