@@ -4,3 +4,11 @@
 and device checks, the processor, the config hash and the provenance a trace records.
 Nothing here imports torch or transformers until a model is loaded.
 """
+
+import logging
+
+# transformers imports torchao whenever it is installed (the `quant` extra): its notices about
+# CUDA-only kernels it cannot load and torch's pytree deprecations would print on every model
+# load, and say nothing about this tool's work
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)

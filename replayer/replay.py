@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,9 +16,10 @@ from gemma4_trace.traces.reader import TraceReader
 from gemma4_trace.traces.writer import TraceWriter
 
 from .api import WriterProbe, as_logits, make_runtime
+from .isolate import IsolatingProbe, check_supports_isolation
 
 # the modes a replay can run in (the trace format's modes, less the recorder's "reference")
-MODES = tuple(m for m in S.MODES if m != "reference")
+MODES = tuple(m for m in S.MODES if m not in ("reference", "isolated"))
 
 
 @dataclass
@@ -66,13 +68,17 @@ def replay_trace(
     mode: str = "teacher-forced",
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    isolate: bool = False,
 ) -> str:
     """Replay REF's inputs through a runtime and write the candidate trace; return a summary line.
 
-    `progress(done, total)`, when given, is called after each step.
+    `progress(done, total)`, when given, is called after each step. `isolate`: every layer
+    is fed REF's input (replayer/isolate.py); the trace's mode is "isolated".
     """
     if mode not in MODES:
         raise TraceToolError(f"mode must be one of {MODES}, got {mode!r}")
+    if isolate and mode != "teacher-forced":
+        raise TraceToolError("--isolate feeds REF's tokens and tensors; it cannot be combined with --free-running")
     check_output_path(output, force)  # fail before loading anything
     ref = read_reference(reference)
     T, n_new = len(ref.prompt_ids), ref.max_new_tokens
@@ -81,18 +87,23 @@ def replay_trace(
         raise TraceToolError(f"prompt ({T} tokens) + max_new_tokens ({n_new}) = {T + n_new} exceeds --max-seq {max_seq}")
     loaded = load_for_reference(ref.provenance, model_dir)
     rt = make_runtime(runtime, loaded, max_seq)
+    if isolate:
+        check_supports_isolation(rt)
     runner = _CheckedRuntime(rt, plugin=runtime != "static", vocab=loaded.text_config.vocab_size)
     t0 = time.perf_counter()
-    with TraceWriter(output, force=force, source_dtype=loaded.dtype) as w:
+    recorded_mode = "isolated" if isolate else mode
+    with contextlib.ExitStack() as stack:
+        w = stack.enter_context(TraceWriter(output, force=force, source_dtype=loaded.dtype))
         w.write_header(
-            provenance(loaded, runtime=rt.name, mode=mode), ref.prompt_ids, layer_infos_from_config(loaded.text_config),
-            max_new_tokens=n_new, eos_token_ids=ref.eos, prompt_text=ref.prompt_text,
-            chat_template_applied=ref.chat, extra_inputs=ref.extra,
+            provenance(loaded, runtime=rt.name, mode=recorded_mode), ref.prompt_ids,
+            layer_infos_from_config(loaded.text_config), max_new_tokens=n_new, eos_token_ids=ref.eos,
+            prompt_text=ref.prompt_text, chat_template_applied=ref.chat, extra_inputs=ref.extra,
         )
-        tokens = _run_steps(runner, ref, mode, w, progress)
+        probe = IsolatingProbe(w, rt.name, stack.enter_context(TraceReader(reference))) if isolate else None
+        tokens = _run_steps(runner, ref, mode, w, progress, probe)
     seconds = time.perf_counter() - t0
     return (
-        f"wrote {output}: {rt.name} runtime, {mode}, {len(tokens)} steps, max_seq {max_seq}, "
+        f"wrote {output}: {rt.name} runtime, {recorded_mode}, {len(tokens)} steps, max_seq {max_seq}, "
         f"{_agreement(tokens, ref.tokens, mode)} ({seconds:.1f} s)"
     )
 
@@ -127,7 +138,7 @@ class _CheckedRuntime:
         return as_logits(logits, self.vocab, self.rt.name, what)
 
 
-def _run_steps(runner: _CheckedRuntime, ref: Reference, mode: str, w: TraceWriter, progress) -> list[int]:
+def _run_steps(runner: _CheckedRuntime, ref: Reference, mode: str, w: TraceWriter, progress, probe=None) -> list[int]:
     """Prefill, then one decode step per token, each written as a step; return the chosen tokens.
 
     Teacher-forced: every reference step, fed the reference's tokens. Free-running: the
@@ -140,7 +151,7 @@ def _run_steps(runner: _CheckedRuntime, ref: Reference, mode: str, w: TraceWrite
     ids = torch.tensor(ref.prompt_ids, dtype=torch.long)
     extra = {k: torch.as_tensor(v) for k, v in ref.extra.items()}
     eos = set(ref.eos)
-    probe = WriterProbe(w, runner.rt.name)
+    probe = WriterProbe(w, runner.rt.name) if probe is None else probe
     tokens: list[int] = []
     for step in range(n_steps):
         probe.next_step()

@@ -133,6 +133,19 @@ class _Layer(nn.Module):
             self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
 
+def _through(probe, kind: str, x: torch.Tensor, rows: int, layer: int | None = None) -> torch.Tensor:
+    """Report x's first `rows` rows (1, n, ...) and continue with what the probe returns.
+
+    A probe returns None or the same rows (x goes on unchanged), or other rows: an isolating
+    probe hands back REF's (replayer/isolate.py), so the next layer sees REF's input.
+    """
+    view = x[0, :rows]
+    got = probe.tensor(kind, view, layer=layer)
+    if got is None or got is view:
+        return x
+    return torch.cat([got.to(x.dtype)[None], x[:, rows:]], dim=1)
+
+
 @dataclass
 class _Step:
     """What every layer of one forward call (prefill or a decode step) shares."""
@@ -154,6 +167,7 @@ class StaticGemma4Runtime(nn.Module):
     """
 
     name = "static"
+    supports_isolation = True  # continues with the tensors the probe returns (--isolate)
 
     def __init__(self, loaded, max_seq: int):
         super().__init__()
@@ -366,7 +380,7 @@ class StaticGemma4Runtime(nn.Module):
             x = x + rms_norm(F.linear(g, L.ple_proj), L.ple_norm, self.eps)
         x = x * L.layer_scalar
         if probe is not None:
-            probe.tensor("layer_out", x[0, :rows], layer=i)
+            x = _through(probe, "layer_out", x, rows, layer=i)
         return x
 
     def _decoder(self, x: torch.Tensor, ple_ids: torch.Tensor, step: _Step) -> torch.Tensor:
@@ -374,9 +388,9 @@ class StaticGemma4Runtime(nn.Module):
         ple = self._per_layer_inputs(ple_ids, x) if self.ple_dim else None
         probe, rows = step.probe, step.report_rows
         if probe is not None:
-            probe.tensor("embeddings", x[0, :rows])
+            x = _through(probe, "embeddings", x, rows)
             if ple is not None:
-                probe.tensor("per_layer_inputs", ple[0, :rows])
+                ple = _through(probe, "per_layer_inputs", ple, rows)
             for t in self.types:
                 cos_kind, sin_kind = rope_kinds(t)
                 probe.tensor(cos_kind, step.rope[t][0][0, :rows])

@@ -33,7 +33,7 @@ PROVENANCE_KEYS = (
     "dtype",
     "device",
     "runtime",
-    "mode",  # "teacher-forced" | "free-running" | "reference"
+    "mode",  # "teacher-forced" | "free-running" | "reference" | "isolated"
     "model_name",
     "model_config",  # JSON text
     "model_config_sha256",
@@ -48,7 +48,7 @@ LAYER_FIELDS = ("layer_type", "head_dim", "num_heads", "num_kv_heads", "kv_role"
 DSET_STEP_POSITIONS = "steps/positions"
 GROUP_TENSORS = "tensors"
 
-MODES = ("reference", "teacher-forced", "free-running")
+MODES = ("reference", "teacher-forced", "free-running", "isolated")  # isolated: teacher-forced, every layer fed REF's input
 KV_ROLES = ("owns", "stores", "reuses")
 
 # layer types as HF names them, and their short suffix in RoPE kind names
