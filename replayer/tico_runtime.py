@@ -115,17 +115,37 @@ class TicoRuntime:
         profile, has_image = self._profile(input_ids, extra)
         layout = self.Layout(max_seq=self.max_seq, visual_start_idx=profile.visual_start_idx,
                              num_visual_tokens=profile.num_visual_tokens)
+        tc = self.loaded.text_config
+        if hasattr(type(tc), "allow_global_per_layer_attribute_access"):
+            # TICO reads config-wide num_key_value_heads / head_dim and derives the per-type values
+            # itself; transformers 5.24 refuses such reads on per-layer (heterogeneous) configs
+            tc.allow_global_per_layer_attribute_access = True
         try:
             rt = self.rtmod.StaticGemma4Runtime(self.loaded.model, self.loaded.processor, layout=layout,
                                                vision_profile=profile, device="cpu")
         except (ValueError, RuntimeError, AssertionError) as e:
             raise TraceToolError(f"TICO's runtime refused this model or prompt: {str(e).splitlines()[0][:200]}") from None
+        rt._allocate_empty_cache = self._allocate_cache
         if not has_image:  # TICO's prefill always runs its vision step: bypass it and the fusion
             rt._get_or_create_vision_prefill = lambda image_position_ids: (lambda pixel_values: None)
             rt.mm_fusion = _TextOnlyFusion()
         self.rt = rt
         self._hook(rt)
         return has_image
+
+    def _allocate_cache(self, batch_size: int, dtype: torch.dtype) -> list:
+        """TICO's cache allocation, sized per layer from the per-layer config.
+
+        TICO 0.3.0 sizes caches from config-wide values; with attention_k_eq_v (full layers with
+        their own KV head count) it allocates the sliding layers' head count for full layers too,
+        and its prefill write then broadcasts one KV head into two (decode fails)."""
+        from gemma4_trace.traces.layers import layer_infos_from_config
+
+        return [self.rtmod.LayerCache(past_k=torch.zeros(batch_size, li.num_kv_heads, self.max_seq - 1, li.head_dim,
+                                                         dtype=dtype),
+                                      past_v=torch.zeros(batch_size, li.num_kv_heads, self.max_seq - 1, li.head_dim,
+                                                         dtype=dtype))
+                for li in layer_infos_from_config(self.loaded.text_config)]
 
     def _hook(self, rt) -> None:
         def put(kind, layer=None):

@@ -62,3 +62,20 @@ def test_missing_or_unsupported_is_one_line(tmp_path, monkeypatch):
     assert res.output.strip().splitlines() == [res.output.strip()]
     assert "pip install 'gemma4-trace[tico]'" in res.output
     assert not (tmp_path / "x.h5").exists()
+
+
+def test_per_layer_kv_heads_config(tmp_path):
+    # attention_k_eq_v: full layers have their own KV head count (per_layer_config); TICO 0.3.0
+    # sizes every cache from the sliding layers' count unless the adapter sizes them per layer
+    from tests import tiny_models
+    from gemma4_trace.recorder.record import record_trace
+
+    model = tiny_models.build(tmp_path / "model", "k_eq_v", multimodal=True)
+    ref, run, static = tmp_path / "ref.h5", tmp_path / "tico.h5", tmp_path / "static.h5"
+    record_trace(model, ref, input_ids=[2, 5, 9, 17, 33, 4, 8, 60, 61, 62, 11], max_new_tokens=6)
+    assert "6/6 tokens agree" in replay_trace(ref, run, model_dir=model, runtime="tico")
+    replay_trace(ref, static, model_dir=model)
+    with TraceReader(run) as r:
+        assert {li.num_kv_heads for li in r.layers} == {1, 2} and r.has("k", 2)
+    res = diff_traces(static, run)  # TICO against our static runtime: float32 rounding only
+    assert res.match, res.to_json()["first_divergence"]
