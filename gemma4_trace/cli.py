@@ -164,7 +164,7 @@ def _embedded_model_dir(model_name: str):
 @main.command()
 @click.argument("reference", metavar="REF.h5", type=click.Path())
 @click.option("--model", "model_dir", type=click.Path(), default=None, help="model folder [default: the one REF was recorded with]")
-@click.option("--runtime", default="static", show_default=True, help="'static', a quantized 'static-w8' / 'static-w4g32' / 'static-w8a8' (needs torchao), or MODULE:FACTORY of a plug-in runtime")
+@click.option("--runtime", default="static", show_default=True, help="'static', a quantized 'static-w8' / 'static-w4g32' / 'static-w8a8' (needs torchao), 'tico' / 'tico-quant' (extra [tico]), 'onnx' (extra [onnx]), or MODULE:FACTORY of a plug-in runtime")
 @click.option("--max-seq", type=click.IntRange(1, 1_000_000), default=None, help="static sequence length [default: prompt + new tokens, rounded up to 8]")
 @click.option("--teacher-forcing/--free-running", default=True, show_default=True, help="feed REF's tokens, or the runtime's own")
 @click.option("--isolate", is_flag=True, help="feed every layer REF's input: each layer's error is its own (teacher-forced)")
