@@ -116,6 +116,9 @@ def export_onnx(loaded, max_seq: int, out_dir) -> tuple[Path, Path]:
         "decode": (False, (torch.zeros(1, 1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev)),
                    DECODE_INPUTS),
     }
+    # protobuf caps a file at 2 GiB: a real checkpoint's weights go to <graph>.onnx.data beside it
+    weights = sum(b.numel() * b.element_size() for b in rt.buffers())
+    external = weights > 1 << 30
     paths = []
     for name, (prefill, example, inputs) in steps.items():
         g = _Graph(rt, prefill).eval()
@@ -125,7 +128,7 @@ def export_onnx(loaded, max_seq: int, out_dir) -> tuple[Path, Path]:
             path = out / f"{name}.onnx"
             try:
                 torch.onnx.export(g, (*example, *caches), str(path), input_names=[*inputs, *_cache_names(rt)],
-                                  output_names=outputs, opset_version=OPSET, dynamo=True, external_data=False,
+                                  output_names=outputs, opset_version=OPSET, dynamo=True, external_data=external,
                                   verbose=False, optimize=False)  # onnxruntime optimizes at load; 2x faster export
             except Exception as e:  # noqa: BLE001 - the exporter fails in many ways; one line for the user
                 raise TraceToolError(f"ONNX export of the {name} step failed: {type(e).__name__}: "
@@ -211,8 +214,8 @@ def export_command(model_dir, max_seq: int, out_dir, force: bool = False) -> str
         raise TraceToolError(f"output {existing[0]} already exists; pass --force to replace it")
     loaded = load_model(model_dir)
     with tempfile.TemporaryDirectory(dir=out, prefix=".onnx-partial-") as tmp:
-        paths = export_onnx(loaded, max_seq, tmp)
-        for p, t in zip(paths, targets):
-            os.replace(p, t)  # both graphs exported before either replaces anything
+        export_onnx(loaded, max_seq, tmp)
+        for p in sorted(Path(tmp).iterdir()):  # the graphs (and external weights, if any), all exported first
+            os.replace(p, out / p.name)
     sizes = ", ".join(f"{t} ({t.stat().st_size / 2**20:.1f} MiB)" for t in targets)
     return f"wrote {sizes}: {loaded.name}, max_seq {max_seq}, opset {OPSET}, canonical kinds as extra outputs"
