@@ -204,3 +204,22 @@ def test_existing_output_needs_force(dump, tmp_path):
     (tmp_path / "imp.h5").write_bytes(b"keep")
     _one_line_error(_import(dump, tmp_path), "already exists")
     assert (tmp_path / "imp.h5").read_bytes() == b"keep"
+
+
+def test_free_running_and_logits_rows(dump, tmp_path):
+    # logits stored for every row of the step (here: the real row last, zeros before it):
+    # a pos axis on a per-step kind takes the step's last row
+    n_rows = {0: 13, 1: 1, 2: 1}
+    for s, n in n_rows.items():
+        last = np.load(dump / f"step{s:03d}" / "logits.npy")
+        rows = np.zeros((n, last.shape[0]), np.float32)
+        rows[-1] = last
+        np.save(dump / f"step{s:03d}" / "all_logits.npy", rows)
+    m = (dump / "map.toml").read_text().replace('runtime = "static-dump"', 'runtime = "npu"\nmode = "free-running"')
+    m = m.replace('file = "step{step:03d}/logits.npy"', 'file = "step{step:03d}/all_logits.npy"\naxes = ["pos", "d"]')
+    res = _import(dump, tmp_path, m)
+    assert res.exit_code == 0, res.output
+    with TraceReader(tmp_path / "imp.h5") as r, TraceReader(GOLDEN) as g:
+        assert r.mode == "free-running" and r.provenance["runtime"] == "npu"
+        assert list(r.tokens()) == list(g.tokens())  # argmax of the real rows
+        assert np.array_equal(r.read("logits")[0], np.load(dump / "step000" / "logits.npy"))
