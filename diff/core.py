@@ -6,6 +6,7 @@ few temporaries of that size) and per-row metric vectors; never the whole trace.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -14,6 +15,7 @@ from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.reader import TraceReader
 
 from .align import PRE_KINDS, Plan, check_compatible, dataflow_sequence, make_plan
+from .baseline import DEFAULT_FACTOR, Baseline, BaselineInfo, check_baseline
 from .metrics import METRIC, METRIC_ORDER, PRIMARY, THRESHOLD_METRICS, RowStats, compare_mask_block, element_detail, mask_row_detail
 from .report import divergence_sentence
 from .result import (DiffResult, Divergence, Element, Growth, InputError, Jump, MaskDetail, Origin, Problem, RowDetail,
@@ -50,8 +52,11 @@ def _info(r: TraceReader, path) -> TraceInfo:
 
 
 class _Differ:
-    def __init__(self, ref: TraceReader, run: TraceReader, tol: Tolerances):
+    def __init__(self, ref: TraceReader, run: TraceReader, tol: Tolerances, base: TraceReader | None = None,
+                 baseline: Baseline | None = None):
         self.ref, self.run, self.tol = ref, run, tol
+        self.base, self.baseline = base, baseline  # three-way (diff/baseline.py) when given
+        self.outside_rows: dict[tuple[str, int | None], np.ndarray] = {}  # residual kinds: row leaves BASE's envelope
         self.layers = ref.layers
         self.seq = dataflow_sequence(len(self.layers))
         self.order = {key: i for i, key in enumerate(self.seq)}
@@ -166,8 +171,8 @@ class _Differ:
             summary.status = "diverged"
 
     def _blocks(self, spec: S.Kind, layer, n_rows: int, keep: bool):
-        """(first row, REF rows, RUN rows, their steps) block by block, over the rows that can
-        still beat the best divergence so far (all rows when `keep`)."""
+        """(first row, REF rows, RUN rows, BASE rows or None, their steps) block by block, over
+        the rows that can still beat the best divergence so far (all rows when `keep`)."""
         kind = spec.name
         limit = None if keep else self._row_limit(kind, layer, spec.index)
         end = n_rows if limit is None else min(n_rows, limit)
@@ -178,13 +183,19 @@ class _Differ:
         row_steps = self.row_steps if spec.index == "position" else np.arange(self.plan.numeric_steps)
         for r0 in range(0, end, block):
             r1 = min(end, r0 + block)
-            yield r0, self.ref.read(kind, layer, slice(r0, r1)), self.run.read(kind, layer, slice(r0, r1)), row_steps[r0:r1]
+            c = self.base.read(kind, layer, slice(r0, r1)) if self._three_way(kind, layer) else None
+            yield r0, self.ref.read(kind, layer, slice(r0, r1)), self.run.read(kind, layer, slice(r0, r1)), c, row_steps[r0:r1]
+
+    def _three_way(self, kind: str, layer) -> bool:
+        return self.base is not None and self.base.has(kind, layer)
 
     def _scan_mask(self, spec: S.Kind, layer, n_rows: int, tol: StepTolerance, summary: TensorSummary) -> bool:
         """Boolean rows compare exactly: the first row with a differing key diverges."""
-        for r0, a, b, st in self._blocks(spec, layer, n_rows, keep=False):
+        for r0, a, b, c, st in self._blocks(spec, layer, n_rows, keep=False):
             count = compare_mask_block(a, b)
             fails = (count > 0) & ~tol.skip[st]
+            if c is not None:  # a difference BASE has too is inside its envelope
+                fails &= compare_mask_block(c, b) > 0
             summary.mismatched_rows = (summary.mismatched_rows or 0) + int(fails.sum())
             summary.rows_compared = r0 + len(a)
             if fails.any():
@@ -203,10 +214,17 @@ class _Differ:
             sums = (np.zeros(n_rows), np.zeros(n_rows)) if spec.name == GROWTH_KIND else None
         worst = {m.name: m.best for m in THRESHOLD_METRICS}
         found = False
-        for r0, a, b, st in self._blocks(spec, layer, n_rows, keep):
+        for r0, a, b, c, st in self._blocks(spec, layer, n_rows, keep):
             r1 = r0 + len(a)
             rs = RowStats(a, b, tol.l2_floor[st])
-            fails, which = rs.failing({f: v[st] for f, v in tol.limits.items()}, tol.skip[st])
+            limits = {f: v[st] for f, v in tol.limits.items()}
+            bstats = None
+            if c is None:
+                fails, which = rs.failing(limits, tol.skip[st])
+            else:
+                fails, which, bstats = self.baseline.failing(a, b, c, rs, tol.l2_floor[st], limits, tol.skip[st])
+                if keep:
+                    self.outside_rows.setdefault((spec.name, layer), np.zeros(n_rows, dtype=bool))[r0:r1] = fails
             for m in THRESHOLD_METRICS:
                 worst[m.name] = m.worst(worst[m.name], getattr(rs, m.name))
             summary.failed_rows = (summary.failed_rows or 0) + int(fails.sum())
@@ -216,7 +234,7 @@ class _Differ:
                     sums[0][r0:r1], sums[1][r0:r1] = rs.nd, rs.na
             if not found and fails.any():
                 i = int(np.argmax(fails))
-                self._offer_row(spec, layer, r0 + i, a[i], b[i], rs, i, METRIC_ORDER[which[i]], tol)
+                self._offer_row(spec, layer, r0 + i, a[i], b[i], rs, i, METRIC_ORDER[which[i]], tol, bstats)
                 found = True
             summary.rows_compared = r1
             if found and not keep:
@@ -229,7 +247,7 @@ class _Differ:
         return found
 
     def _offer_row(self, spec: S.Kind, layer, row: int, a_row, b_row, rs: RowStats, i: int, metric: str,
-                   tol: StepTolerance) -> None:
+                   tol: StepTolerance, bstats=None) -> None:
         step, pos = self._position_of(spec.index, row)
         t = tol.at(step)
         if METRIC[metric].threshold:
@@ -241,8 +259,10 @@ class _Differ:
         first, worst = (Element(det[w], det[f"{w}_ref"], det[f"{w}_run"], element_names(spec.name, det[w]))
                         for w in ("first", "worst"))
         metrics = {m.name: float(getattr(rs, m.name)[i]) for m in THRESHOLD_METRICS}
-        self._offer(Divergence(step, layer, spec.name, pos, metric, value, threshold,
-                               RowDetail(first, worst, metrics, tol.precision)))
+        d = Divergence(step, layer, spec.name, pos, metric, value, threshold, RowDetail(first, worst, metrics, tol.precision))
+        if bstats is not None:
+            d.baseline = self.baseline.figures(metric, i, value, bstats, threshold)
+        self._offer(d)
 
     # ------------------------------------------------------------ tokens
     def _tokens_candidate(self) -> None:
@@ -270,6 +290,14 @@ class _Differ:
         if self.tol.accept_near_ties and flip.label == "near tie" and not plan.free_running:
             self.notes.append(f"token flip at step {m} is a near tie and accepted by the tolerances file")
             return
+        if self.base is not None and self.base.has("token"):  # flips BASE makes too are inside its envelope
+            bt = self.base.tokens()
+            outside = [s for s in info.mismatch_steps if s >= bt.size or bt[s] != ct[s]]
+            if not outside:
+                self.notes.append("every token RUN chooses differently from REF, BASE chooses too (inside the baseline)")
+                return
+            if outside[0] != m:
+                m, flip = outside[0], self._flip(outside[0])
         self._offer(Divergence(m, None, "token", plan.step_positions[m][1] - 1, "token", 1.0, 0.0, flip))
 
     def _flip(self, m: int) -> TokenFlip:
@@ -342,6 +370,10 @@ class _Differ:
         out = self.rel_rows.get(("layer_out", d.layer)) if d.layer is not None else None
         here = d.detail.metrics[PRIMARY]
         err = InputError(inp[0], inp[1], in_rel, in_tol, here, None if out is None else float(out[d.position]))
+        if inp in self.outside_rows:  # three-way: judged by BASE's envelope, not by the tolerance alone
+            if self.outside_rows[inp][d.position]:
+                return Origin("inherited", "the input already leaves the baseline's envelope", err)
+            return Origin("introduced", "the input is inside the baseline's envelope", err)
         if not math.isfinite(here) or (in_rel <= in_tol and here >= INTRODUCED_RATIO * max(in_rel, 1e-30)):
             return Origin("introduced", None, err)
         return Origin("inherited", "the input already carries a comparable error: accumulated drift or an upstream cause"
@@ -365,12 +397,21 @@ def _skipped_note(skipped: list[Skipped]) -> str:
             + (f" and {len(skipped) - 12} more" if len(skipped) > 12 else ""))
 
 
-def diff_traces(ref_path, run_path, tolerances_path=None) -> DiffResult:
-    """Compare a candidate trace against a reference; raise TraceToolError on bad input."""
+def diff_traces(ref_path, run_path, tolerances_path=None, baseline_path=None,
+                baseline_factor: float = DEFAULT_FACTOR) -> DiffResult:
+    """Compare a candidate trace against a reference; raise TraceToolError on bad input.
+
+    With `baseline_path`, RUN is judged by BASE's error envelope (diff/baseline.py)."""
     tol = load_tolerances(tolerances_path)
-    with TraceReader(ref_path) as ref, TraceReader(run_path) as run:
+    baseline = Baseline(baseline_path, baseline_factor) if baseline_path is not None else None
+    with contextlib.ExitStack() as stack:
+        ref = stack.enter_context(TraceReader(ref_path))
+        run = stack.enter_context(TraceReader(run_path))
         check_compatible(ref, run)
-        d = _Differ(ref, run, tol)
+        base = stack.enter_context(TraceReader(baseline_path)) if baseline is not None else None
+        if base is not None:
+            check_baseline(ref, run, base)
+        d = _Differ(ref, run, tol, base, baseline)
         d.run_all()
         growth = d.growth()
         first = d.best[1] if d.best is not None else None
@@ -395,6 +436,7 @@ def diff_traces(ref_path, run_path, tolerances_path=None) -> DiffResult:
             candidate=_info(run, run_path),
             tolerances=tol,
             layers=list(ref.layers),
+            baseline=None if base is None else BaselineInfo(_info(base, baseline_path), baseline.factor),
         )
         if first is not None:
             first.sentence = divergence_sentence(result)

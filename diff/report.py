@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from .baseline import baseline_words
 from .metrics import METRIC, ROW_METRICS
 from .result import DiffResult, Divergence, Growth, MaskDetail, Problem, RowDetail, TokenFlip, TokenInfo
 
@@ -98,7 +99,9 @@ def divergence_sentence(result: DiffResult) -> str:
         return f"{head}: {det.message}"
     elem = _element(det.first.names)
     m = METRIC[d.metric]
-    if m.threshold:
+    if m.threshold and d.baseline is not None:
+        cmp_ = baseline_words(m, d.value, d.baseline, fmt)
+    elif m.threshold:
         cmp_ = f"{m.label} {sci(d.value)} {'<' if m.fails_below else '>'} {sci(d.threshold)}"
     else:
         cmp_ = f"{int(d.value)} non-finite value(s) (NaN/Inf never pass)"
@@ -185,6 +188,10 @@ def format_text(result: DiffResult) -> str:
         f"REF {ref.mode} {ref.dtype} ({ref.runtime}), RUN {run.mode} {run.dtype} ({run.runtime}); "
         f"tolerances: {result.tolerances.source}"
     )
+    if result.baseline is not None:
+        b = result.baseline
+        lines.append(f"baseline: {b.trace.path} ({b.trace.mode} {b.trace.dtype}, {b.trace.runtime}): a row fails only "
+                     f"beyond the tolerance, beyond {b.factor:g}x BASE's error and beyond the tolerance from BASE")
     for n in result.notes:
         lines.append(f"note: {n}")
     return "\n".join(lines)

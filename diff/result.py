@@ -184,6 +184,7 @@ class Divergence:
     layer_info: LayerInfo | None = None  # the layer's facts, for per-layer kinds
     origin: Origin | None = None
     sentence: str | None = None
+    baseline: object | None = None  # diff.baseline.BaselineFigures under --baseline
 
     @property
     def phase(self) -> str:
@@ -197,6 +198,8 @@ class Divergence:
             out.update(jsonable(self.layer_info))
         if self.origin is not None:
             out["origin"] = self.origin
+        if self.baseline is not None:
+            out["baseline"] = self.baseline
         if self.sentence is not None:
             out["sentence"] = self.sentence
         return out
@@ -334,11 +337,13 @@ class DiffResult:
     candidate: TraceInfo
     tolerances: Tolerances
     layers: list[LayerInfo] = field(default_factory=list)
+    baseline: object | None = None  # diff.baseline.BaselineInfo under --baseline
 
     def to_json(self) -> dict:
         return jsonable({
             "match": self.match, "first_divergence": self.first_divergence, "tokens": self.tokens,
             "steps": self.steps, "growth": self.growth, "tensors": self.tensors, "skipped": self.skipped,
             "notes": self.notes, "reference": self.reference, "candidate": self.candidate,
+            **({"baseline": self.baseline} if self.baseline is not None else {}),
             "tolerances": self.tolerances, "layers": self.layers,
         })

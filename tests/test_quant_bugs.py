@@ -34,6 +34,11 @@ INIT = 0.02
 # gives rel-L2 0.3..1.3 per layer at layer 0 and 1..3 from layer 1 on (sharp softmax, no 1/sqrt(d)
 # scaling). A KV-reuse bug (attn_out -> 0, rel-L2 1) or one layer at int2 is inside that
 # envelope: these pairs need --baseline (a trusted run of the same quantization), not tolerances.
+# BASE here is the same simulated quantization as the bug's runtime, so their noise is the same
+# but for the bug: a low factor is right (docs/quantized.md; the default 4 is for a BASE whose
+# rounding is independent of RUN's). Measured: at 4 the int4 runs of the random variants put
+# the one-layer-at-int2 bug in a later kind or position of that layer, at 1.5 exactly.
+BASELINE_FACTOR = 1.5
 HIDDEN_BY_INT4_NOISE = {(m, "static-w4g32", b) for m in ("k_eq_v", "moe")
                         for b in ("reuse_own_cache_in_decode", "low_precision_layer")}
 
@@ -129,7 +134,48 @@ def test_bug_localised_with_calibrated_tolerances(lab, model, scheme, bug):
     f = Facts(ref)
     result = diff_traces(ref, run, tol)
     assert not result.match
-    d = result.to_json()["first_divergence"]
-    assert (d["step"], d["layer"], d["kind"], d["position"]) == expected(bug, f, ref_tokens), d["sentence"]
+    d = result.first_divergence
+    assert (d.step, d.layer, d.kind, d.position) == expected(bug, f, ref_tokens), d.sentence
     if bug == "window_off_by_one":
-        assert d["allowed_in_run_blocked_in_ref"] == [0]  # key p - W at query p = W
+        assert d.detail.allowed_in_run_blocked_in_ref == [0]  # key p - W at query p = W
+
+
+@pytest.mark.parametrize("factor", [BASELINE_FACTOR, 4.0])
+@pytest.mark.parametrize("scheme", WEIGHT_SCHEMES)
+@pytest.mark.parametrize("model", MODELS)
+def test_quantized_runtime_alone_is_a_match_under_baseline(lab, model, scheme, factor):
+    """RUN: the same quantization replayed at another max_seq (other matmul shapes, other
+    round-off); BASE: the quantized runtime. No false alarm, although REF is float."""
+    ref, folder = lab.ref(model)
+    base, _ = lab.base(model, scheme)
+    run = ref.parent / f"{model}-{scheme}-max-seq-64.h5"
+    if not run.exists():
+        replay_trace(ref, run, model_dir=folder, runtime=scheme, max_seq=64)
+    result = diff_traces(ref, run, baseline_path=base, baseline_factor=factor)
+    assert result.match, result.first_divergence and result.first_divergence.sentence
+    assert result.baseline.factor == factor and result.baseline.trace.runtime == scheme
+
+
+def _baseline_cases():
+    for model in MODELS:
+        for scheme in WEIGHT_SCHEMES:
+            for bug in BUGS:
+                hidden = (model, scheme, bug) == ("moe", "static-w4g32", "reuse_own_cache_in_decode")
+                marks = pytest.mark.skip(reason="BASE's own attn_out error there is 0.7+ (int4 MoE)") if hidden else ()
+                yield pytest.param(model, scheme, bug, marks=marks, id=f"{model}-{scheme}-{bug}")
+
+
+@pytest.mark.parametrize("model,scheme,bug", list(_baseline_cases()))
+def test_bug_localised_with_baseline(lab, model, scheme, bug):
+    ref, _ = lab.ref(model)
+    base, _ = lab.base(model, scheme)
+    run = lab.bug(model, scheme, bug)
+    with TraceReader(ref) as r:
+        ref_tokens = [int(t) for t in r.tokens()]
+    result = diff_traces(ref, run, baseline_path=base, baseline_factor=BASELINE_FACTOR)
+    assert not result.match
+    d = result.first_divergence
+    assert (d.step, d.layer, d.kind, d.position) == expected(bug, Facts(ref), ref_tokens), d.sentence
+    if d.baseline is not None:  # float rows: the figures say how far outside the envelope
+        assert d.baseline.ratio > BASELINE_FACTOR and d.baseline.run_vs_base > d.threshold
+        assert "x the baseline" in d.sentence or "BASE is exact here" in d.sentence

@@ -1,0 +1,141 @@
+"""Three-way diff: `trace diff REF RUN --baseline BASE [--baseline-factor F]`.
+
+BASE is a trusted run on the same inputs (the same quantization simulated in PyTorch, or
+the last good release of the port). A RUN row leaves BASE's error envelope, and fails,
+when for some metric all three hold (docs/quantized.md):
+
+  1. RUN vs REF fails the tolerance (the usual two-way check),
+  2. RUN vs REF exceeds F times BASE vs REF on the same row (for cosine: 1 - cosine),
+  3. RUN vs BASE fails the same tolerance, BASE taken as the reference.
+
+Non-finite values never pass. Masks fail where RUN's differs from REF's *and* from BASE's;
+tokens where RUN's differs from REF's *and* from BASE's. Without (3) a RUN that is BASE
+plus round-off would fail wherever BASE's own error is near zero; without (2) every
+quantized row fails against a float REF. All three traces are read in one pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from gemma4_trace.traces.errors import TraceToolError
+
+from .metrics import ROW_METRICS, RowStats
+from .result import json_fields
+
+DEFAULT_FACTOR = 4.0
+
+
+@dataclass
+class BaselineFigures:
+    """The baseline's numbers at the first divergence (JSON: first_divergence.baseline)."""
+
+    path: str
+    factor: float
+    base_value: float  # BASE vs REF, the divergence's metric on the same row
+    ratio: float  # value / base_value (for cosine: (1 - value) / (1 - base_value)); inf if BASE is exact
+    run_vs_base: float  # RUN vs BASE, BASE as the reference, same metric and row
+    run_vs_base_threshold: float  # the tolerance it is judged by (the same as RUN vs REF's)
+
+    def to_json(self) -> dict:
+        return json_fields(self)
+
+
+@dataclass
+class BaselineInfo:
+    """BASE and the factor it was used with (JSON: top-level "baseline")."""
+
+    trace: object  # diff.result.TraceInfo
+    factor: float
+
+    def to_json(self) -> dict:
+        return {**self.trace.to_json(), "factor": self.factor}
+
+
+def check_factor(factor) -> float:
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1:
+        raise TraceToolError(f"--baseline-factor must be a number >= 1, got {factor!r}")
+    return float(factor)
+
+
+def _excess(metric, stats: RowStats) -> np.ndarray:
+    """The metric as an error that grows from 0 (cosine: 1 - cosine)."""
+    v = getattr(stats, metric.name)
+    return 1.0 - v if metric.fails_below else v
+
+
+class Baseline:
+    """Row checks of RUN against REF inside BASE's envelope."""
+
+    def __init__(self, path, factor: float):
+        self.path = str(path)
+        self.factor = check_factor(factor)
+
+    def failing(self, a, b, c, rs: RowStats, floor, limits: dict, skip) -> tuple[np.ndarray, np.ndarray, tuple]:
+        """Like RowStats.failing for REF a, RUN b, BASE c: (fails, first failing metric index,
+        (REF-vs-BASE stats, BASE-vs-RUN stats)) per row."""
+        base = RowStats(a, c, floor)
+        rvb = RowStats(c, b, floor)
+        checks = []
+        for m in ROW_METRICS:
+            if not m.threshold:  # non-finite: never passes
+                checks.append(rs.nonfinite)
+                continue
+            beyond = m.fails(getattr(rs, m.name), limits[m.name])
+            envelope = _excess(m, rs) > self.factor * _excess(m, base)
+            vs_base = m.fails(getattr(rvb, m.name), limits[m.name])
+            checks.append(beyond & envelope & vs_base)
+        checks = np.stack(checks)
+        return checks.any(axis=0) & ~skip, np.argmax(checks, axis=0), (base, rvb)
+
+    def figures(self, metric, i: int, value: float, stats: tuple, threshold: float) -> BaselineFigures:
+        base, rvb = stats
+        m = next(x for x in ROW_METRICS if x.name == metric)
+        if not m.threshold:
+            return BaselineFigures(self.path, self.factor, float("nan"), float("nan"), float("nan"), threshold)
+        b_exc = float(_excess(m, base)[i])
+        r_exc = 1.0 - value if m.fails_below else value
+        ratio = r_exc / b_exc if b_exc > 0 else math.inf
+        return BaselineFigures(self.path, self.factor, float(getattr(base, m.name)[i]), ratio,
+                               float(getattr(rvb, m.name)[i]), threshold)
+
+
+def baseline_words(metric, value: float, fig: BaselineFigures, num) -> str:
+    """'rel-L2: RUN 6.1e-2 vs BASE 4.0e-3 against REF: 15x the baseline (limit 4x; ...)'.
+
+    `num(metric, value)` prints a number as the report does."""
+    ratio = "BASE is exact here" if math.isinf(fig.ratio) else f"{fig.ratio:.3g}x the baseline"
+    op = "<" if metric.fails_below else ">"
+    return (f"{metric.label}: RUN {num(metric, value)} vs BASE {num(metric, fig.base_value)} against REF: {ratio} "
+            f"(limit {fig.factor:g}x; RUN vs BASE {num(metric, fig.run_vs_base)} {op} "
+            f"{num(metric, fig.run_vs_base_threshold)})")
+
+
+def check_baseline(ref, run, base) -> None:
+    """Raise TraceToolError (exit 2) when BASE cannot judge RUN against REF."""
+    from .align import check_compatible
+
+    where = f"BASE {base.path}"
+    try:
+        check_compatible(ref, base)
+    except TraceToolError as e:
+        raise TraceToolError(f"{where} cannot be a baseline here: {e}") from None
+    need = min(ref.n_steps, run.n_steps)
+    if base.n_steps < need:
+        raise TraceToolError(f"{where} has {base.n_steps} steps, REF and RUN compare {need}: "
+                             "replay BASE on REF's inputs (teacher-forced)")
+    if (base.mode == "isolated") != (run.mode == "isolated"):
+        raise TraceToolError(f"{where} is {base.mode} and RUN is {run.mode}: a baseline must be replayed the same way")
+    if base.mode == "free-running" and ref.has("token") and base.has("token"):
+        rt, bt = ref.tokens()[:need], base.tokens()[:need]
+        if bt.size < rt.size or (bt != rt).any():
+            raise TraceToolError(f"{where} is free-running and its tokens leave REF's: replay it teacher-forced")
+    for kind, layer in base.kinds_present():
+        if ref.has(kind, layer) and kind not in ("mask", "token"):
+            a, b = ref.dataset(kind, layer).shape[1:], base.dataset(kind, layer).shape[1:]
+            if a != b:
+                what = kind + (f" of layer {layer}" if layer is not None else "")
+                raise TraceToolError(f"{where}: {what} rows are {tuple(b)}, REF's are {tuple(a)}")
