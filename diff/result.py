@@ -1,9 +1,11 @@
 """What `trace diff` found, as small dataclasses; reports read their fields.
 
 `to_json()` of each gives the keys and values of the JSON report (docs/diff.md), which
-consumers parse: a field declared with `opt()` is left out while it is None, a `detail`
-is spread into its parent, and key order is field order. New optional fields (a
-baseline's numbers, more metrics) are added with `opt()` and change nothing else.
+consumers parse, so it must not change by accident (tests/test_diff_json_stable.py). Most
+classes emit their fields in declaration order through `json_fields`, leaving out a field
+declared with `opt()` while it is None: a new optional field (a baseline's numbers, say) is
+one line. Divergence, Origin, TokenInfo and Growth spell their keys out, because parts of
+them are spread into the parent object (a divergence's `detail`, a token flip).
 """
 
 from __future__ import annotations
@@ -338,6 +340,7 @@ class DiffResult:
     tolerances: Tolerances
     layers: list[LayerInfo] = field(default_factory=list)
     baseline: object | None = None  # diff.baseline.BaselineInfo under --baseline
+    isolation: object | None = None  # diff.isolation.IsolationRanking for an isolated candidate
 
     def to_json(self) -> dict:
         return jsonable({
@@ -345,5 +348,6 @@ class DiffResult:
             "steps": self.steps, "growth": self.growth, "tensors": self.tensors, "skipped": self.skipped,
             "notes": self.notes, "reference": self.reference, "candidate": self.candidate,
             **({"baseline": self.baseline} if self.baseline is not None else {}),
+            **({"isolation": self.isolation} if self.isolation is not None else {}),
             "tolerances": self.tolerances, "layers": self.layers,
         })
