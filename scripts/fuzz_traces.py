@@ -72,6 +72,49 @@ WEIRD_ATTRS = (
 )
 
 
+class OutsideWatch:
+    """inotify on the files a hostile trace points at (and the folder they live in): any open or
+    read of them by the commands is a read outside the trace. (Linux only; without inotify the
+    check is reported as unavailable, never as passed.)"""
+
+    IN_ACCESS, IN_OPEN, IN_NONBLOCK = 0x1, 0x20, 0x800
+
+    def __init__(self, paths):
+        import ctypes
+        import ctypes.util
+
+        self.libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        self.fd = self.libc.inotify_init1(self.IN_NONBLOCK)
+        self.ok = self.fd >= 0
+        self.names = {}
+        for p in paths:
+            if self.ok:
+                wd = self.libc.inotify_add_watch(self.fd, str(p).encode(), self.IN_ACCESS | self.IN_OPEN)
+                self.ok = wd >= 0
+                self.names[wd] = Path(p).name
+
+    def events(self) -> list[str]:
+        """Names opened or read since the last call."""
+        if not self.ok:
+            return []
+        out, buf = [], b""
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            buf += chunk
+        i = 0
+        while i + 16 <= len(buf):
+            wd, mask, _cookie, length = np.frombuffer(buf[i : i + 16], dtype=np.dtype("<i4,<u4,<u4,<u4"))[0].tolist()
+            name = buf[i + 16 : i + 16 + length].rstrip(b"\0").decode(errors="replace")
+            out.append(name or self.names.get(wd, "?"))
+            i += 16 + length
+        return out
+
+
 class CaseTimeout(BaseException):
     """Raised by the per-case alarm; a BaseException so no `except Exception` swallows it."""
 
@@ -93,6 +136,22 @@ class Report:
     mutations: Counter = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
     library: list[str] = field(default_factory=list)  # the process died inside HDF5's C code (hang or crash)
+    outside: list[str] = field(default_factory=list)  # a command opened or read a file outside the trace
+    slow: list[str] = field(default_factory=list)  # a command ran longer than SLOW_SECONDS
+    big: list[str] = field(default_factory=list)  # the process grew past BIG_RSS
+    watch_ok: bool = True  # inotify available (else reads outside the file were not checked)
+    max_seconds: float = 0.0
+    max_rss: int = 0  # bytes, the worker processes' peak
+
+
+SLOW_SECONDS = 60.0
+BIG_RSS = 2 << 30
+
+
+def peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def golden_info(path: Path) -> Info:
@@ -258,6 +317,195 @@ STRUCTURAL = {"delete": m_delete, "rename": m_rename, "del_attr": m_del_attr, "a
               "reshape": m_reshape, "retype": m_retype, "values": m_values, "link": m_link}
 
 
+# ---------------------------------------------------------------- hostile files (a sender who means harm)
+# Files outside the trace that a hostile trace points at. A run that opens one of them has read
+# outside the file: the supervisor watches them with inotify (see OutsideWatch).
+ENV: dict = {}  # "canary": raw bytes file, "outside": a valid trace (following a link to it "works")
+CANARY = b"GEMMA4-TRACE-CANARY-" * 64
+
+
+def _copy_attrs(src, dst):
+    for k in src.attrs:
+        dst.attrs[k] = src.attrs[k]
+
+
+def _replace_dataset(f, name, make):
+    old = f[name]
+    attrs = {k: old.attrs[k] for k in old.attrs}
+    shape, dtype = old.shape, old.dtype
+    del f[name]
+    ds = make(shape, dtype)
+    for k, v in attrs.items():
+        ds.attrs[k] = v
+    return shape
+
+
+def h_external_storage(f, rng):
+    name = str(rng.choice(_names(f, datasets_only=True)))
+    shape = _replace_dataset(f, name, lambda shape, dtype: f.create_dataset(
+        name, shape=shape, dtype=dtype if dtype.kind != "O" else "int64",
+        external=[(str(ENV["canary"]), int(rng.integers(0, 64)), h5py.h5f.UNLIMITED)]))
+    return f"external storage {name} {shape} -> canary"
+
+
+def h_external_link(f, rng):
+    name = str(rng.choice(_names(f)))
+    del f[name]
+    target = ENV["outside"] if rng.random() < 0.7 else ENV["canary"]
+    # absolute or relative (HDF5 resolves relative names against the trace's folder)
+    fname = str(target) if rng.random() < 0.5 else target.name
+    f[name] = h5py.ExternalLink(fname, "/" + name)
+    return f"external link {name} -> {fname}"
+
+
+def h_soft_link(f, rng):
+    names = _names(f)
+    name = str(rng.choice(names))
+    is_group = isinstance(f[name], h5py.Group)
+    same = [n for n in names if n != name and isinstance(f[n], h5py.Group) == is_group
+            and not n.startswith(name + "/") and not name.startswith(n + "/")]
+    if not same:
+        return f"soft link {name} (no target)"
+    target = str(rng.choice(same))
+    del f[name]
+    f[name] = h5py.SoftLink("/" + target)
+    return f"soft link {name} -> {target}"
+
+
+def h_hard_link(f, rng):
+    names = _names(f)
+    name = str(rng.choice(names))
+    is_group = isinstance(f[name], h5py.Group)
+    same = [n for n in names if n != name and isinstance(f[n], h5py.Group) == is_group
+            and not n.startswith(name + "/") and not name.startswith(n + "/")]
+    if not same:
+        return f"hard link {name} (no target)"
+    target = str(rng.choice(same))
+    obj = f[target]
+    if rng.random() < 0.5:
+        del f[name]
+        f[name] = obj
+        return f"hard link {name} = {target}"
+    f[name + "_alias"] = obj  # a second name beside the first
+    return f"hard link {name}_alias = {target}"
+
+
+def h_virtual(f, rng):
+    name = str(rng.choice([n for n in _names(f, datasets_only=True) if f[n].dtype.kind != "O" and f[n].shape]))
+    source = ENV["outside"] if rng.random() < 0.5 else ENV["outside"].with_name("missing.h5")
+
+    def make(shape, dtype):
+        layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
+        layout[...] = h5py.VirtualSource(str(source), "/" + name, shape=shape)
+        return f.create_virtual_dataset(name, layout, fillvalue=0)
+
+    _replace_dataset(f, name, make)
+    return f"virtual {name} <- {source.name}"
+
+
+def h_sparse(f, rng):
+    """A huge declared shape with nothing stored (every chunk missing: no bytes on disk)."""
+    name = str(rng.choice([n for n in _names(f, datasets_only=True) if f[n].ndim >= 1 and f[n].dtype.kind in "biuf"]))
+    big = int(rng.choice([10**6, 10**9, 10**12]))
+
+    def make(shape, dtype):
+        new = list(shape)
+        axis = int(rng.integers(len(new)))
+        new[axis] = big
+        chunks = tuple(min(d, 1024) for d in new)
+        return f.create_dataset(name, shape=tuple(new), dtype=dtype, chunks=chunks, compression="gzip",
+                                maxshape=tuple(None for _ in new))
+
+    _replace_dataset(f, name, make)
+    return f"sparse {name} axis -> {big}"
+
+
+_ZERO_CHUNKS: dict = {}
+
+
+def _zero_chunk(nbytes: int) -> bytes:
+    if nbytes not in _ZERO_CHUNKS:
+        import zlib
+
+        _ZERO_CHUNKS[nbytes] = zlib.compress(bytes(nbytes), 9)
+    return _ZERO_CHUNKS[nbytes]
+
+
+def _bomb_dataset(g, name, shape, chunks, dtype="float32"):
+    """A dataset of gzip-compressed zeros, chunks written directly: ~1000x smaller on disk than declared."""
+    ds = g.create_dataset(name, shape=shape, dtype=dtype, chunks=chunks, compression="gzip")
+    raw = _zero_chunk(int(np.prod(chunks)) * np.dtype(dtype).itemsize)
+    for r in range(0, shape[0], chunks[0]):
+        for c in range(0, shape[1], chunks[1]):
+            ds.id.write_direct_chunk((r, c), raw)
+    ds.attrs["source_dtype"] = "float32" if dtype == "float32" else str(np.dtype(dtype))
+    return ds
+
+
+def h_bomb(f, rng):
+    """A compression bomb. Either within what the golden's header allows (the mask, wide as the
+    limits let it be), or behind a header of 200,000 positions, consistent everywhere, whose
+    tensors are gigabytes of compressed zeros in a file of a few MB."""
+    if rng.random() < 0.5:
+        layer = int(rng.integers(8))
+        name = f"tensors/L{layer:02d}/mask"
+        if name in f:
+            del f[name]
+        width = int(rng.choice([1 << 16, 1 << 18, 1 << 20]))
+        _bomb_dataset(f, name, (15, width), (15, 1 << 14), dtype="bool")
+        return f"bomb {name} (15, {width}) bool"
+    n = int(rng.choice([50_000, 200_000, 1_000_000]))
+    for k in ("tensors", "inputs/prompt_ids", "steps/positions"):
+        if k in f:
+            del f[k]
+    f["inputs/prompt_ids"] = np.full(n, 5, dtype=np.int64)
+    f["inputs"].attrs["max_new_tokens"] = 1
+    f.require_group("steps")["positions"] = np.array([[0, n]], dtype=np.int64)
+    t = f.create_group("tensors")
+    t["token"] = np.array([5], dtype=np.int64)
+    t["token"].attrs["source_dtype"] = "int64"
+    kinds = ["embeddings", "final_hidden", "L00/layer_out", "L01/attn_out"][: int(rng.integers(1, 5))]
+    for kind in kinds:
+        _bomb_dataset(t, kind, (n, 256), (256, 256))
+    return f"bomb header {n} positions, {len(kinds)} x ({n}, 256) float32 zeros"
+
+
+def h_deep(f, rng):
+    where = str(rng.choice(["junk", "tensors/L01/junk", "inputs/extra/junk", "model/junk", "tensors/junk"]))
+    depth = int(rng.integers(1000, ENV.get("deep_max", 20_000) + 1))
+    f.create_group(f"{where}/" + "/".join(["d"] * depth))
+    return f"deep tree {where} x {depth}"
+
+
+def h_huge_attr(f, rng):
+    how = int(rng.integers(3))
+    holder = str(rng.choice(["inputs", "/", "tensors/L02/q", "model/head_dim"]))
+    size = int(rng.choice([17 << 20, 64 << 20, 240 << 20])) if how == 0 else int(rng.choice([1 << 20, 20 << 20]))
+    if how == 0:  # fixed-length: needs dense attribute storage, so the object is rebuilt in the latest format
+        if holder in ("/", "model/head_dim", "tensors/L02/q"):
+            holder = "inputs"
+        old, new = f[holder], f.create_group(holder + "_new")
+        for k in old:
+            f.copy(old[k], new, k)
+        _copy_attrs(old, new)
+        del f[holder]
+        f.move(holder + "_new", holder)
+        f[holder].attrs["prompt_text"] = np.frombuffer(b"x" * size, dtype=f"S{size}")[0]
+        return f"fixed-length attribute {holder}@prompt_text of {size} bytes"
+    if how == 1:  # variable-length text: its bytes live in the global heap, bounded by the file
+        key = str(rng.choice(["prompt_text", "model_config", "source_dtype", "extra"]))
+        f[holder].attrs[key] = "y" * size
+        return f"vlen attribute {holder}@{key} of {size} bytes"
+    for i in range(int(rng.choice([100, 1000, 5000]))):  # many attributes
+        f[holder].attrs[f"a{i}"] = i
+    return f"many attributes on {holder}"
+
+
+HOSTILE = {"external_storage": h_external_storage, "external_link": h_external_link, "soft_link": h_soft_link,
+           "hard_link": h_hard_link, "virtual": h_virtual, "sparse": h_sparse, "bomb": h_bomb, "deep": h_deep,
+           "huge_attr": h_huge_attr}
+
+
 # ---------------------------------------------------------------- byte-level corruptions
 def _in_chunk(info: Info, off: int) -> bool:
     return any(a <= off < b for a, b in info.chunk_ranges)
@@ -297,23 +545,31 @@ def b_truncate(path, rng, info):
 
 BYTES = {"flip": b_flip, "meta_flip": lambda p, r, i: b_flip(p, r, i, meta_only=True), "smash": b_smash,
          "truncate": b_truncate}
-ALL = list(STRUCTURAL) + list(BYTES)
+DAMAGE = list(STRUCTURAL) + list(BYTES)
+ALL = DAMAGE + list(HOSTILE)
 
 
-def corrupt(src: Path, dst: Path, rng, info: Info) -> tuple[list[str], list[str]]:
-    """Copy src to dst and corrupt it; return (mutation names, descriptions)."""
+def corrupt(src: Path, dst: Path, rng, info: Info, only: str | None = None) -> tuple[list[str], list[str]]:
+    """Copy src to dst and corrupt it; return (mutation names, descriptions). Half the cases are
+    hostile (one hostile mutation, maybe with damage), half damage only; `only` forces one class."""
     shutil.copyfile(src, dst)
-    picks = [str(x) for x in rng.choice(ALL, size=int(rng.integers(1, 4)))]
-    structural = [p for p in picks if p in STRUCTURAL]
+    if only is not None:
+        picks = [only]
+    else:
+        picks = [str(x) for x in rng.choice(DAMAGE, size=int(rng.integers(1, 4)))]
+        if rng.random() < 0.5:
+            picks = [str(rng.choice(list(HOSTILE)))] + picks[: int(rng.integers(0, 2))]
+    # damage first, the hostile class last: walking a 20,000-deep tree to pick a name is quadratic
+    structural = [p for p in picks if p in STRUCTURAL] + [p for p in picks if p in HOSTILE]
     byte_level = [p for p in picks if p in BYTES]
     done = []
     if structural:
         with h5py.File(dst, "r+") as f:
             for p in structural:
                 try:
-                    done.append(STRUCTURAL[p](f, rng))
+                    done.append({**STRUCTURAL, **HOSTILE}[p](f, rng))
                 except (KeyError, ValueError, TypeError, OSError, RuntimeError) as e:  # e.g. its target is gone
-                    done.append(f"{p} failed ({type(e).__name__})")
+                    done.append(f"{p} failed ({type(e).__name__}: {str(e)[:80]})")
     for p in byte_level:
         done.append(BYTES[p](dst, rng, info))
     return picks, done
@@ -367,10 +623,12 @@ def message_kind(err: str) -> str:
 
 
 def run_case(case: int, seed: int, ref: Path, bad: Path, info: Info, timeout: float, talk: bool = False,
-             keep: Path | None = None, on_event=None) -> dict:
+             keep: Path | None = None, on_event=None, only: str | None = None, watch: OutsideWatch | None = None) -> dict:
     """Corrupt a copy of `ref` as case `case` of `seed` says, run every command on it, check each."""
     rng = np.random.default_rng([seed, case])  # each case reproducible alone: --seed S --case K
-    picks, done = corrupt(ref, bad, rng, info)
+    picks, done = corrupt(ref, bad, rng, info, only)
+    if watch is not None:
+        watch.events()  # making the case touched nothing outside, but drain anyway
     if keep is not None:
         shutil.copyfile(bad, keep)
     if talk:
@@ -381,10 +639,16 @@ def run_case(case: int, seed: int, ref: Path, bad: Path, info: Info, timeout: fl
     for command in COMMANDS:
         if on_event is not None:
             on_event({"begin": case, "command": command, "done": done})
+        t0, rss0 = time.perf_counter(), peak_rss()
         code, out, err, problem = run_cli(argv[command], timeout)
+        seconds = time.perf_counter() - t0
         problem = problem or check(command, code, out, err)
+        if CANARY[:20].decode() in out + err:
+            problem = (problem or "") + " canary bytes in the output (read outside the file)"
+        outside = sorted(set(watch.events())) if watch is not None else []
         kind = message_kind(err) if code == 2 and problem is None else None
-        results.append({"command": command, "code": code, "problem": problem, "message": kind})
+        results.append({"command": command, "code": code, "problem": problem, "message": kind,
+                        "seconds": seconds, "rss": peak_rss(), "rss_grew": peak_rss() > rss0, "outside": outside})
         if talk:
             print(f"    {command:<20} exit {code}  {(err.strip() or out.strip()).splitlines()[:1]}"
                   + (f"  FAIL: {problem}" if problem else ""), flush=True)
@@ -396,24 +660,42 @@ def add_case(rep: Report, seed: int, res: dict) -> None:
     rep.mutations.update(res["picks"])
     for r in res["results"]:
         rep.outcomes[(r["command"], r["code"])] += 1
+        where = f"case {res['case']} (--seed {seed} --case {res['case']}) [{'; '.join(res['done'])}] {r['command']}"
         if r["message"]:
             rep.messages[r["message"]] += 1
         if r["problem"]:
-            rep.failures.append(f"case {res['case']} (--seed {seed} --case {res['case']}) "
-                                f"[{'; '.join(res['done'])}] {r['command']}: {r['problem']}")
+            rep.failures.append(f"{where}: {r['problem']}")
+        rep.max_seconds = max(rep.max_seconds, r.get("seconds", 0.0))
+        rep.max_rss = max(rep.max_rss, r.get("rss", 0))
+        if r.get("seconds", 0.0) > SLOW_SECONDS:
+            rep.slow.append(f"{where}: {r['seconds']:.1f} s")
+        if r.get("rss", 0) > BIG_RSS and r.get("rss_grew"):  # this command raised the process's peak past it
+            rep.big.append(f"{where}: peak RSS {r['rss'] >> 20} MiB")
+        if r.get("outside"):
+            rep.outside.append(f"{where}: opened {', '.join(r['outside'])}")
+    rep.watch_ok = rep.watch_ok and res.get("watch_ok", True)
 
 
 def fuzz(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.0, first: int = 0,
-         talk: bool = False, keep: Path | None = None, on_event=None) -> Report:
+         talk: bool = False, keep: Path | None = None, on_event=None, only: str | None = None,
+         deep_max: int = 20_000) -> Report:
     """Run cases first..first+cases-1 in this process (what the test suite does)."""
     rep = Report()
     info = golden_info(golden)
-    with tempfile.TemporaryDirectory(prefix="trace-fuzz-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="trace-fuzz-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="trace-fuzz-outside-") as outside_dir:
         ref, bad = Path(tmp) / "golden.h5", Path(tmp) / "corrupt.h5"
         shutil.copyfile(golden, ref)
+        # what hostile traces point at, in a folder of its own: nothing a clean run ever opens
+        ENV.update(canary=Path(outside_dir) / "canary.bin", outside=Path(outside_dir) / "outside.h5", deep_max=deep_max)
+        ENV["canary"].write_bytes(CANARY)
+        shutil.copyfile(golden, ENV["outside"])
+        watch = OutsideWatch([outside_dir])
+        rep.watch_ok = watch.ok
         t0 = time.perf_counter()
         for case in range(first, first + cases):
-            res = run_case(case, seed, ref, bad, info, timeout, talk, keep, on_event)
+            res = run_case(case, seed, ref, bad, info, timeout, talk, keep, on_event, only, watch)
+            res["watch_ok"] = watch.ok
             add_case(rep, seed, res)
             if on_event is not None:
                 on_event({"result": res})
@@ -422,7 +704,8 @@ def fuzz(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.0, fi
 
 
 # ---------------------------------------------------------------- isolation: crashes inside HDF5
-def worker(seed: int, golden: Path, timeout: float, hang_after: float, start: int, stop: int) -> int:
+def worker(seed: int, golden: Path, timeout: float, hang_after: float, start: int, stop: int,
+           only: str | None = None, deep_max: int = 20_000) -> int:
     """Run cases start..stop-1 here; report each command begun and each case finished as JSON lines."""
     out = sys.stdout
     sys.stdout = sys.stderr  # only the protocol on the real stdout
@@ -436,7 +719,7 @@ def worker(seed: int, golden: Path, timeout: float, hang_after: float, start: in
         out.write(json.dumps(msg) + "\n")
         out.flush()
 
-    fuzz(stop - start, seed, golden, timeout, first=start, on_event=event)
+    fuzz(stop - start, seed, golden, timeout, first=start, on_event=event, only=only, deep_max=deep_max)
     faulthandler.cancel_dump_traceback_later()
     return 0
 
@@ -451,7 +734,7 @@ def _inside_hdf5(stderr: str) -> bool:
 
 
 def supervise(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.0, jobs: int = 2,
-              hang_after: float = 60.0) -> Report:
+              hang_after: float = 60.0, only: str | None = None, deep_max: int = 20_000) -> Report:
     """Run the cases in `jobs` worker processes. A worker that dies (a crash, or a hang that outlived
     `hang_after` seconds) ends its case: counted as a library defect when it died inside an h5py
     call, as a failure otherwise; a new worker resumes after that case."""
@@ -463,7 +746,7 @@ def supervise(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.
         while start < stop:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--seed", str(seed), "--golden",
                    str(golden), "--timeout", str(timeout), "--hang-after", str(hang_after), "--start", str(start),
-                   "--stop", str(stop)]
+                   "--stop", str(stop), "--deep-max", str(deep_max)] + (["--only", only] if only else [])
             with tempfile.TemporaryFile("w+") as err:
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
                 begun = None
@@ -516,6 +799,10 @@ def format_report(rep: Report, command_line: str) -> str:
         other = Counter({str(c): n for (cmd, c), n in rep.outcomes.items() if cmd == command and c not in (0, 1, 2)})
         lines.append(f"  {command:<20} exit 0: {counts[0]:>5}  exit 1: {counts[1]:>5}  exit 2: {counts[2]:>5}"
                      + "".join(f"  {'exit ' + c if c.lstrip('-').isdigit() else c}: {n}" for c, n in other.items()))
+    lines.append(f"reads outside the file (inotify on the files hostile traces point at): "
+                 f"{len(rep.outside) if rep.watch_ok else 'NOT CHECKED (no inotify)'}")
+    lines.append(f"commands over {SLOW_SECONDS:.0f} s: {len(rep.slow)} (slowest {rep.max_seconds:.1f} s); "
+                 f"over {BIG_RSS >> 30} GiB RSS: {len(rep.big)} (peak {rep.max_rss / 2**20:.0f} MiB)")
     lines.append(f"library defects (the process hung or crashed inside an HDF5 call; see docs/robustness.md): "
                  f"{len(rep.library)}")
     lines.append("exit-2 messages by kind:")
@@ -536,25 +823,32 @@ def main(argv=None) -> int:
     ap.add_argument("--case", type=int, default=None, help="run only this case, in this process, and describe it")
     ap.add_argument("--keep", type=Path, default=None, help="with --case: copy the corrupted file here")
     ap.add_argument("--show-failures", type=int, default=10, help="print at most this many failures")
+    ap.add_argument("--only", choices=ALL, default=None, help="apply only this corruption class (one per case)")
+    ap.add_argument("--deep-max", type=int, default=20_000, help="deepest group nesting the 'deep' class makes")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--stop", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return worker(args.seed, args.golden, args.timeout, args.hang_after, args.start, args.stop)
+        return worker(args.seed, args.golden, args.timeout, args.hang_after, args.start, args.stop, args.only,
+                      args.deep_max)
     if args.case is not None:
         faulthandler.enable()
         faulthandler.dump_traceback_later(args.hang_after, exit=True)
-        rep = fuzz(1, args.seed, args.golden, args.timeout, first=args.case, talk=True, keep=args.keep)
+        rep = fuzz(1, args.seed, args.golden, args.timeout, first=args.case, talk=True, keep=args.keep, only=args.only,
+                   deep_max=args.deep_max)
     else:
-        rep = supervise(args.cases, args.seed, args.golden, args.timeout, args.jobs, args.hang_after)
+        rep = supervise(args.cases, args.seed, args.golden, args.timeout, args.jobs, args.hang_after, args.only,
+                        args.deep_max)
     shown = " ".join(["python scripts/fuzz_traces.py", *(argv if argv is not None else sys.argv[1:])])
     print(format_report(rep, shown))
     for line in rep.library[: args.show_failures]:
         print("HDF5 " + line)
     for fail in rep.failures[: args.show_failures]:
         print("FAIL " + fail)
-    return 1 if rep.failures else 0
+    for line in (rep.outside + rep.slow + rep.big)[: args.show_failures]:
+        print("FAIL " + line)
+    return 1 if rep.failures or rep.outside or rep.slow or rep.big or not rep.watch_ok else 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_traces.py"
-CASES, SEED = 300, 2024
+CASES, SEED = 150, 2024
 
 
 def _load():
@@ -41,6 +41,8 @@ def test_fuzzed_traces_end_cleanly(fz):
     assert not rep.failures, summary + "\n" + "\n".join(rep.failures[:5])
     # no hang or crash inside HDF5 either (text is stored as fixed-length strings, see docs/robustness.md)
     assert not rep.library, summary + "\n" + "\n".join(rep.library)
+    # hostile files: nothing outside the trace opened, no command slow or big (docs/robustness.md)
+    assert rep.watch_ok and not rep.outside and not rep.slow and not rep.big, summary
     assert rep.cases == CASES
     # the corruptions reached every outcome: refused, unharmed, and (diff) diverged
     for command in fz.COMMANDS:
@@ -48,6 +50,30 @@ def test_fuzzed_traces_end_cleanly(fz):
     assert rep.outcomes[("diff GOLDEN CORRUPT", 1)] > 0, summary
     assert set(rep.mutations) == set(fz.ALL), summary
     assert {"corrupt data (checksum)", "invalid structure", "unreadable HDF5"} <= set(rep.messages), summary
+
+
+@pytest.mark.parametrize("hostile", ["external_storage", "external_link", "soft_link", "hard_link", "virtual",
+                                     "sparse", "bomb", "deep", "huge_attr"])
+def test_hostile_class_sample(fz, hostile):
+    """A few cases of each hostile class alone: refused or harmless, never a read outside the file
+    (inotify on the files they point at), never slow or big, always one line."""
+    rep = fz.fuzz(3, SEED + 7, timeout=30.0, only=hostile, deep_max=20_000)
+    summary = fz.format_report(rep, f"fuzz(3, only={hostile})")
+    assert rep.cases == 3 and rep.mutations[hostile] == 3, summary
+    assert not rep.failures, summary + "\n" + "\n".join(rep.failures[:3])
+    assert rep.watch_ok and not rep.outside, summary + "\n" + "\n".join(rep.outside[:3])
+    assert not rep.slow and not rep.big, summary
+
+
+def test_outside_watch_sees_a_read(fz, tmp_path):
+    """The check itself: reading a watched file is seen (so 0 reads outside means something)."""
+    target = tmp_path / "canary.bin"
+    target.write_bytes(b"x")
+    watch = fz.OutsideWatch([tmp_path])
+    assert watch.ok
+    assert watch.events() == []
+    target.read_bytes()
+    assert "canary.bin" in watch.events()
 
 
 def test_in_process_cases(fz):
