@@ -16,6 +16,7 @@ from gemma4_trace.traces.reader import TraceReader
 
 from .align import PRE_KINDS, Plan, check_compatible, dataflow_sequence, make_plan
 from .baseline import DEFAULT_FACTOR, Baseline, BaselineInfo, check_baseline
+from .isolation import rank_layers
 from .metrics import METRIC, METRIC_ORDER, PRIMARY, THRESHOLD_METRICS, RowStats, compare_mask_block, element_detail, mask_row_detail
 from .report import divergence_sentence
 from .result import (DiffResult, Divergence, Element, Growth, InputError, Jump, MaskDetail, Origin, Problem, RowDetail,
@@ -437,6 +438,7 @@ def diff_traces(ref_path, run_path, tolerances_path=None, baseline_path=None,
             tolerances=tol,
             layers=list(ref.layers),
             baseline=None if base is None else BaselineInfo(_info(base, baseline_path), baseline.factor),
+            isolation=rank_layers(growth) if run.mode == "isolated" else None,
         )
         if first is not None:
             first.sentence = divergence_sentence(result)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from gemma4_trace.traces.atomic import atomic_output, check_output_path
 
+from .isolation import ranking_html
 from .metrics import PRIMARY, THRESHOLD_METRICS
 from .report import fmt, format_text, growth_summary, sci, token_summary
 from .result import DiffResult, Divergence, Growth, TensorSummary, TokenInfo
@@ -174,6 +175,8 @@ def render_html(result: DiffResult) -> str:
         f"<style>{CSS}</style></head><body>",
         f"<h1>trace diff: {e(Path(ref.path).name)} (REF) vs {e(Path(run.path).name)} (RUN)</h1>",
         f'<div class="verdict {"good" if result.match else "bad"}">{e(format_text(result))}</div>',
+        *(["<h2>Layers by local error (isolated replay)</h2>", ranking_html(result.isolation, sci)]
+          if result.isolation is not None else []),
         "<h2>Error growth: layer x step</h2>",
         _heatmap(result.growth, d),
         '<p class="legend">green: under tolerance; yellow: at tolerance; red: far above. Hover a cell for its value.'

@@ -6,6 +6,7 @@ import json
 import math
 
 from .baseline import baseline_words
+from .isolation import ranking_text
 from .metrics import METRIC, ROW_METRICS
 from .result import DiffResult, Divergence, Growth, MaskDetail, Problem, RowDetail, TokenFlip, TokenInfo
 
@@ -181,6 +182,8 @@ def format_text(result: DiffResult) -> str:
             lines.append(o)
     lines.append(token_summary(result.tokens))
     lines.append(growth_summary(result.growth))
+    if result.isolation is not None:
+        lines.append(ranking_text(result.isolation, sci))
     ref, run = result.reference, result.candidate
     decode = max(0, st.numbers_compared - 1)
     lines.append(

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from gemma4_trace.cli import main
+from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
@@ -81,3 +82,24 @@ def test_isolate_is_refused_where_it_cannot_work(ref, tmp_path):
     r = CliRunner().invoke(main, ["replay", str(ref), "--isolate", "--free-running", "-o", str(out)])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "--free-running" in r.output, r.output
     assert not out.exists()
+
+
+@pytest.mark.parametrize("scheme", WEIGHT_SCHEMES)
+def test_diff_of_an_isolated_trace_ranks_the_planted_layer_first(ref, scheme, tmp_path):
+    run = _replay(ref, f"low-{scheme}-iso", runtime_spec("low_precision_layer", scheme))
+    result = diff_traces(ref, run)
+    ranking = result.isolation.ranking
+    assert ranking[0].layer == LOW_LAYER == int(np.argmax(local_errors(ref, run)))
+    assert [e.rel_l2 for e in ranking] == sorted((e.rel_l2 for e in ranking), reverse=True)
+    assert len(ranking) == len(result.layers)
+    assert f"local error, layer_out rel-L2 at the worst step: L{LOW_LAYER} " in format_text(result)
+    assert result.to_json()["isolation"]["ranking"][0]["layer"] == LOW_LAYER
+    r = CliRunner().invoke(main, ["diff", str(ref), str(run), "--report", str(tmp_path / "r.html")])
+    assert r.exit_code == 1 and "Layers by local error" in (tmp_path / "r.html").read_text()
+
+
+def test_float_isolated_ranking_is_round_off_and_plain_diffs_have_none(ref):
+    result = diff_traces(ref, _replay(ref, "static-iso", "static"))
+    assert result.match and max(e.rel_l2 for e in result.isolation.ranking) < 1e-5
+    plain = diff_traces(ref, _replay(ref, "w8", "static-w8", isolate=False))
+    assert plain.isolation is None and "isolation" not in plain.to_json()
