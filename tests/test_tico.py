@@ -50,6 +50,12 @@ def test_quantized_runs_end_to_end_and_calibrates(tmp_path):
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(main, ["diff", str(ref), str(run), "--tolerances", str(tol)])
     assert res.exit_code == 0, res.output
+    # and as the trusted BASE of a three-way diff: the float TICO run is inside its envelope
+    flt = tmp_path / "float.h5"
+    replay_trace(ref, flt, runtime="tico")
+    assert CliRunner().invoke(main, ["diff", str(ref), str(run)]).exit_code == 1
+    res = CliRunner().invoke(main, ["diff", str(ref), str(flt), "--baseline", str(run)])
+    assert res.exit_code == 0, res.output
 
 
 def test_missing_or_unsupported_is_one_line(tmp_path, monkeypatch):
