@@ -223,3 +223,16 @@ def test_free_running_and_logits_rows(dump, tmp_path):
         assert r.mode == "free-running" and r.provenance["runtime"] == "npu"
         assert list(r.tokens()) == list(g.tokens())  # argmax of the real rows
         assert np.array_equal(r.read("logits")[0], np.load(dump / "step000" / "logits.npy"))
+
+
+def test_import_does_not_need_torch(dumped, tmp_path):
+    # runs where the toolchain runs: numpy and h5py only
+    import subprocess
+    import sys
+
+    dump = dumped[0]
+    code = ("import sys; from gemma4_trace.cli import main; from click.testing import CliRunner; "
+            f"r = CliRunner().invoke(main, ['import', {str(dump)!r}, '--reference', {str(GOLDEN)!r}, "
+            f"'--map', {str(dump / 'map.toml')!r}, '-o', {str(tmp_path / 'x.h5')!r}]); "
+            "assert r.exit_code == 0, r.output; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
