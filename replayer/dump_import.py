@@ -390,7 +390,7 @@ def import_dump(dump_dir, reference, map_path, output, *, force: bool = False) -
     dump = Path(dump_dir)
     if not dump.is_dir():
         _fail(f"dump folder {dump}: no such folder")
-    check_output_path(output, force)
+    check_output_path(output, force, inputs=(reference, map_path))  # never over an input, even with --force
     m = load_map(map_path)
     with TraceReader(reference) as ref:
         sources = _sources(m["entries"], ref, f"map {map_path}")

@@ -37,7 +37,7 @@ NEG_ALLOWED_ABOVE = -1.0  # TICO's additive masks: 0 allowed, its fill value (-1
 
 def _import_tico():
     try:
-        import tico
+        import tico  # noqa: F401  (its absence is the message below)
         from tico.quantization.recipes.debug import static_gemma4_runtime as rtmod
         from tico.quantization.wrapq.wrappers.gemma4 import static_vision_profile as vp
         from tico.quantization.wrapq.wrappers.gemma4.utils import StaticGemma4Layout

@@ -204,6 +204,12 @@ def test_existing_output_needs_force(dump, tmp_path):
     (tmp_path / "imp.h5").write_bytes(b"keep")
     _one_line_error(_import(dump, tmp_path), "already exists")
     assert (tmp_path / "imp.h5").read_bytes() == b"keep"
+    ref = tmp_path / "ref.h5"
+    ref.write_bytes(GOLDEN.read_bytes())
+    res = CliRunner().invoke(main, ["import", str(dump), "--reference", str(ref), "--map", str(dump / "map.toml"),
+                                    "-o", str(ref), "--force"])
+    _one_line_error(res, "is the input")
+    assert ref.read_bytes() == GOLDEN.read_bytes()
 
 
 def test_free_running_and_logits_rows(dump, tmp_path):
