@@ -168,10 +168,11 @@ def _embedded_model_dir(model_name: str):
 @click.option("--max-seq", type=click.IntRange(1, 1_000_000), default=None, help="static sequence length [default: prompt + new tokens, rounded up to 8]")
 @click.option("--teacher-forcing/--free-running", default=True, show_default=True, help="feed REF's tokens, or the runtime's own")
 @click.option("--isolate", is_flag=True, help="feed every layer REF's input: each layer's error is its own (teacher-forced)")
+@click.option("--prefill-chunk", type=click.IntRange(0, 1_000_000), default=None, help="static runtime: prefill in chunks of N rows, shapes (N, max_seq); 0 = one step over max_seq [default: 256 when max_seq >= 1024, else 0]")
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
 @user_errors
-def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, output, force):
+def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, prefill_chunk, output, force):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""
     from gemma4_trace.progress import ProgressBar
     from gemma4_trace.replayer.replay import replay_trace
@@ -182,7 +183,7 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, out
         summary = replay_trace(
             reference, output, model_dir=model_dir, runtime=runtime, max_seq=max_seq,
             mode="teacher-forced" if teacher_forcing else "free-running", force=force, progress=bar,
-            isolate=isolate,
+            isolate=isolate, prefill_chunk=prefill_chunk,
         )
     finally:
         bar.close()

@@ -58,6 +58,25 @@ def default_max_seq(prompt_len: int, max_new_tokens: int) -> int:
     return -(-n // 8) * 8
 
 
+# chunked static prefill: the default chunk, used once max_seq reaches CHUNK_FROM (a prefill
+# over the whole max_seq holds max_seq x max_seq scores per head, 256 MiB per head at 8192)
+DEFAULT_PREFILL_CHUNK = 256
+CHUNK_FROM = 1024
+
+
+def resolve_prefill_chunk(chunk: int | None, max_seq: int) -> int | None:
+    """--prefill-chunk N -> the rows per prefill step (None: one step over the whole max_seq).
+
+    Not given: DEFAULT_PREFILL_CHUNK when max_seq >= CHUNK_FROM, else the whole max_seq.
+    0 or N >= max_seq: the whole max_seq.
+    """
+    if chunk is None:
+        chunk = DEFAULT_PREFILL_CHUNK if max_seq >= CHUNK_FROM else 0
+    if chunk < 0:
+        raise TraceToolError(f"--prefill-chunk must be >= 0, got {chunk}")
+    return None if chunk == 0 or chunk >= max_seq else chunk
+
+
 def replay_trace(
     reference,
     output,
@@ -69,11 +88,13 @@ def replay_trace(
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
     isolate: bool = False,
+    prefill_chunk: int | None = None,
 ) -> str:
     """Replay REF's inputs through a runtime and write the candidate trace; return a summary line.
 
     `progress(done, total)`, when given, is called after each step. `isolate`: every layer
     is fed REF's input (replayer/isolate.py); the trace's mode is "isolated".
+    `prefill_chunk`: rows per static prefill step (resolve_prefill_chunk); isolation prefills whole.
     """
     if mode not in MODES:
         raise TraceToolError(f"mode must be one of {MODES}, got {mode!r}")
@@ -89,6 +110,8 @@ def replay_trace(
     rt = make_runtime(runtime, loaded, max_seq)
     if isolate:
         check_supports_isolation(rt)
+    if hasattr(rt, "prefill_chunk"):  # the static runtime and its quantized variants
+        rt.prefill_chunk = None if isolate else resolve_prefill_chunk(prefill_chunk, max_seq)
     runner = _CheckedRuntime(rt, plugin=runtime != "static", vocab=loaded.text_config.vocab_size)
     t0 = time.perf_counter()
     recorded_mode = "isolated" if isolate else mode

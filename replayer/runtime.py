@@ -133,17 +133,59 @@ class _Layer(nn.Module):
             self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
 
-def _through(probe, kind: str, x: torch.Tensor, rows: int, layer: int | None = None) -> torch.Tensor:
-    """Report x's first `rows` rows (1, n, ...) and continue with what the probe returns.
+def _through(probe, kind: str, x: torch.Tensor, rows: slice, layer: int | None = None) -> torch.Tensor:
+    """Report x's rows `rows` (of (1, n, ...)) and continue with what the probe returns.
 
     A probe returns None or the same rows (x goes on unchanged), or other rows: an isolating
     probe hands back REF's (replayer/isolate.py), so the next layer sees REF's input.
     """
-    view = x[0, :rows]
+    view = x[0, rows]
     got = probe.tensor(kind, view, layer=layer)
     if got is None or got is view:
         return x
-    return torch.cat([got.to(x.dtype)[None], x[:, rows:]], dim=1)
+    return torch.cat([x[:, : rows.start], got.to(x.dtype)[None], x[:, rows.stop :]], dim=1)
+
+
+def chunk_plan(T: int, N: int, S: int, block_ids: torch.Tensor | None = None) -> list[tuple[int, slice]]:
+    """[(first position c0, rows of the chunk that are new prompt rows)] for a T-token prompt in
+    chunks of N rows over max_seq S.
+
+    Every chunk is a full (N, S) step: the last one starts at S - N when it would run past S
+    (its leading rows are then recomputed, and only its new rows reported). With bidirectional
+    vision masks a query sees later keys of its own image, so an image is never split: a chunk
+    that would end inside one stops before it, and the next chunk recomputes it whole.
+    """
+    plan, s = [], 0
+    while s < T:
+        c0 = min(s, S - N)
+        stop = min(c0 + N, T)
+        if block_ids is not None and stop < T and block_ids[stop] >= 0 and block_ids[stop] == block_ids[stop - 1]:
+            first = int((block_ids == block_ids[stop]).nonzero()[0])
+            if first <= s:
+                n_img = int((block_ids == block_ids[stop]).sum())
+                raise TraceToolError(f"--prefill-chunk {N} is shorter than an image of {n_img} soft tokens; use a chunk >= {n_img}")
+            stop = first
+        plan.append((c0, slice(s - c0, stop - c0)))
+        s = stop
+    return plan
+
+
+class _ChunkProbe:
+    """Collects a chunked prefill's reports per (kind, layer) and hands each on once, whole.
+
+    The trace writer takes one block of rows per kind and step; chunks report slices of it.
+    """
+
+    def __init__(self, probe):
+        self.probe, self.parts = probe, {}
+
+    def tensor(self, kind: str, value, layer: int | None = None):
+        self.parts.setdefault((kind, layer), []).append(value)
+        return None
+
+    def flush(self) -> None:
+        for (kind, layer), parts in self.parts.items():
+            self.probe.tensor(kind, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0), layer=layer)
 
 
 @dataclass
@@ -153,9 +195,9 @@ class _Step:
     input_pos: torch.Tensor  # (n,) absolute positions fed
     masks: dict  # layer type -> allowed[query, key] (1, n, max_seq) bool
     rope: dict  # layer type -> (cos, sin), each (1, n, head_dim of that type)
-    valid: torch.Tensor | None  # prefill: (max_seq,) bool, the whole cache is rewritten; decode: None
+    valid: torch.Tensor | None  # prefill: (n,) bool, rows that are prompt (not padding); decode: None
     probe: object | None
-    report_rows: int  # leading rows reported to the probe: T in prefill (never padding), 1 in decode
+    report: slice  # rows reported to the probe: the new prompt rows in prefill (never padding), 1 in decode
 
 
 class StaticGemma4Runtime(nn.Module):
@@ -169,9 +211,10 @@ class StaticGemma4Runtime(nn.Module):
     name = "static"
     supports_isolation = True  # continues with the tensors the probe returns (--isolate)
 
-    def __init__(self, loaded, max_seq: int):
+    def __init__(self, loaded, max_seq: int, prefill_chunk: int | None = None):
         super().__init__()
         model = loaded.model
+        self.prefill_chunk = prefill_chunk  # rows per prefill step; None: the whole max_seq
         self.__dict__["loaded"] = loaded
         self.multimodal = getattr(model.config, "vision_config", None) is not None
         cfg = model.config.get_text_config()
@@ -298,8 +341,9 @@ class StaticGemma4Runtime(nn.Module):
     def _write_kv(self, i: int, k_t: torch.Tensor, v_t: torch.Tensor, input_pos: torch.Tensor, valid) -> None:
         """Write layer i's K/V rows (1, KV, n, D) into its cache.
 
-        Prefill (valid (max_seq,) bool given) rewrites the whole cache, padding rows as zeros;
-        decode (valid None) writes one row per position.
+        Prefill (valid (n,) bool given) writes padding rows as zeros: over the whole max_seq it
+        rewrites the whole cache, a chunk writes its n rows at their positions; decode (valid
+        None) writes one row per position.
         """
         L = self.layers[i]
         self._check_cache(i, "writes K/V", L.k_cache, k_t)
@@ -309,8 +353,13 @@ class StaticGemma4Runtime(nn.Module):
             L.v_cache.index_copy_(2, input_pos, v_t)
         else:
             keep = valid[None, None, :, None]
-            L.k_cache.copy_(torch.where(keep, k_t, torch.zeros_like(k_t)))
-            L.v_cache.copy_(torch.where(keep, v_t, torch.zeros_like(v_t)))
+            k_t, v_t = torch.where(keep, k_t, torch.zeros_like(k_t)), torch.where(keep, v_t, torch.zeros_like(v_t))
+            if k_t.shape[2] == self.max_seq:
+                L.k_cache.copy_(k_t)
+                L.v_cache.copy_(v_t)
+            else:
+                L.k_cache.index_copy_(2, input_pos, k_t)
+                L.v_cache.index_copy_(2, input_pos, v_t)
 
     def _read_kv(self, i: int, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V (1, KV, max_seq, D) layer i attends over at positions input_pos.
@@ -322,10 +371,14 @@ class StaticGemma4Runtime(nn.Module):
         self._check_cache(i, "reads K/V", src.v_cache)
         return src.k_cache, src.v_cache
 
-    def _step(self, input_pos, masks, valid, probe, report_rows: int) -> _Step:
-        """The state of one forward call, with the RoPE rows (1, n, D) per layer type at input_pos."""
+    def _step(self, input_pos, masks, valid, probe, report_rows) -> _Step:
+        """The state of one forward call, with the RoPE rows (1, n, D) per layer type at input_pos.
+
+        report_rows: the rows the probe gets, a slice, or an int for the leading rows.
+        """
         rope = {t: (getattr(self, f"cos_{t}")[input_pos][None], getattr(self, f"sin_{t}")[input_pos][None]) for t in self.types}
-        return _Step(input_pos, masks, rope, valid, probe, report_rows)
+        report = report_rows if isinstance(report_rows, slice) else slice(0, report_rows)
+        return _Step(input_pos, masks, rope, valid, probe, report)
 
     def _attention(self, i: int, h: torch.Tensor, step: _Step) -> torch.Tensor:
         """Layer i's attention on the normed input h (1, n, H): writes its K/V rows (if it owns
@@ -334,7 +387,7 @@ class StaticGemma4Runtime(nn.Module):
         n, H, D, KV = h.shape[1], info.num_heads, info.head_dim, info.num_kv_heads
         cos, sin = step.rope[info.layer_type]
         mask = step.masks[info.layer_type]
-        probe, rows = step.probe, step.report_rows
+        probe, rows = step.probe, step.report
 
         q = rms_norm(F.linear(h, L.q_proj).view(1, n, H, D), L.q_norm, self.eps)
         q = apply_rope(q, cos, sin)  # (1, n, H, D)
@@ -345,28 +398,32 @@ class StaticGemma4Runtime(nn.Module):
             v = rms_norm(v, None, self.eps)
             self._write_kv(i, k.transpose(1, 2), v.transpose(1, 2), step.input_pos, step.valid)  # rows (1, KV, n, D)
             if probe is not None:
-                probe.tensor("k", k[0, :rows], layer=i)
-                probe.tensor("v", v[0, :rows], layer=i)
+                probe.tensor("k", k[0, rows], layer=i)
+                probe.tensor("v", v[0, rows], layer=i)
         k_all, v_all = self._read_kv(i, step.input_pos)  # (1, KV, S, D)
         if probe is not None:
-            probe.tensor("mask", mask[0, :rows], layer=i)
-            probe.tensor("q", q[0, :rows], layer=i)
+            probe.tensor("mask", mask[0, rows], layer=i)
+            probe.tensor("q", q[0, rows], layer=i)
 
         G = H // KV  # query heads per KV head; head h reads KV head h // G
-        qg = q.transpose(1, 2).reshape(1, KV, G * n, D)
-        scores = torch.matmul(qg, k_all.transpose(2, 3)).view(1, KV, G, n, -1)  # scaling = 1.0
-        scores = scores.float().masked_fill(~mask[:, None, None], torch.finfo(torch.float32).min)
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(1, KV, G * n, -1)
-        attn = torch.matmul(probs, v_all).view(1, H, n, D).transpose(1, 2).reshape(1, n, H * D)
+        # scores, softmax and the PV product in float32, as HF's SDPA keeps them (its kernels
+        # accumulate and hold scores in float32); rounding scores to bf16 before the softmax
+        # drifts measurably at E2B scale. For float32 weights .float() is a no-op: same graph.
+        qg = q.transpose(1, 2).reshape(1, KV, G * n, D).float()
+        scores = torch.matmul(qg, k_all.float().transpose(2, 3)).view(1, KV, G, n, -1)  # scaling = 1.0
+        scores = scores.masked_fill(~mask[:, None, None], torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1).view(1, KV, G * n, -1)
+        attn = torch.matmul(probs, v_all.float()).to(q.dtype)  # (1, KV, G * n, D)
+        attn = attn.view(1, H, n, D).transpose(1, 2).reshape(1, n, H * D)
         return F.linear(attn, L.o_proj)  # (1, n, hidden)
 
     def _layer(self, i: int, x: torch.Tensor, ple: torch.Tensor | None, step: _Step) -> torch.Tensor:
         """One decoder layer on x (1, n, H) at positions step.input_pos (n,)."""
         L = self.layers[i]
-        probe, rows = step.probe, step.report_rows
+        probe, rows = step.probe, step.report
         attn = self._attention(i, rms_norm(x, L.input_norm, self.eps), step)
         if probe is not None:
-            probe.tensor("attn_out", attn[0, :rows], layer=i)
+            probe.tensor("attn_out", attn[0, rows], layer=i)
         x = x + rms_norm(attn, L.post_attn_norm, self.eps)
 
         residual = x
@@ -386,20 +443,20 @@ class StaticGemma4Runtime(nn.Module):
     def _decoder(self, x: torch.Tensor, ple_ids: torch.Tensor, step: _Step) -> torch.Tensor:
         """Embeddings (1, n, H) at positions step.input_pos (n,) -> final hidden (1, n, H)."""
         ple = self._per_layer_inputs(ple_ids, x) if self.ple_dim else None
-        probe, rows = step.probe, step.report_rows
+        probe, rows = step.probe, step.report
         if probe is not None:
             x = _through(probe, "embeddings", x, rows)
             if ple is not None:
                 ple = _through(probe, "per_layer_inputs", ple, rows)
             for t in self.types:
                 cos_kind, sin_kind = rope_kinds(t)
-                probe.tensor(cos_kind, step.rope[t][0][0, :rows])
-                probe.tensor(sin_kind, step.rope[t][1][0, :rows])
+                probe.tensor(cos_kind, step.rope[t][0][0, rows])
+                probe.tensor(sin_kind, step.rope[t][1][0, rows])
         for i in range(self.n_layers):
             x = self._layer(i, x, ple, step)
         x = rms_norm(x, self.final_norm, self.eps)
         if probe is not None:
-            probe.tensor("final_hidden", x[0, :rows])
+            probe.tensor("final_hidden", x[0, rows])
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -409,16 +466,19 @@ class StaticGemma4Runtime(nn.Module):
         return logits
 
     def _prefill_masks(self, input_pos, valid, block_ids) -> dict:
-        """{layer type: allowed (1, S, S)} for the padded prompt; padding keys are never visible."""
-        masks = {"full_attention": self.mask_full_attention & valid[None, :]}
-        sliding = self.mask_sliding_attention
+        """{layer type: allowed (1, n, S)} for the n queries at input_pos (n,) of the padded
+        prompt; valid (S,): keys that are prompt, padding keys are never visible."""
+        masks = {"full_attention": self.mask_full_attention[input_pos] & valid[None, :]}
+        sliding = self.mask_sliding_attention[input_pos]
         if self.bidir_vision:
             # sliding layers: window AND (causal OR same image block); full layers stay causal
-            same = (block_ids[:, None] == block_ids[None, :]) & (block_ids[:, None] >= 0)
-            window = input_pos[None, :] > input_pos[:, None] - self.window
+            q_block = block_ids[input_pos]
+            same = (q_block[:, None] == block_ids[None, :]) & (q_block[:, None] >= 0)
+            keys = torch.arange(self.max_seq, device=input_pos.device)
+            window = keys[None, :] > input_pos[:, None] - self.window
             sliding = sliding | (same & window)
         masks["sliding_attention"] = sliding & valid[None, :]
-        return {t: m[None] for t, m in masks.items()}  # (1, S, S)
+        return {t: m[None] for t, m in masks.items()}  # (1, n, S)
 
     def _decode_masks(self, input_pos) -> dict:
         """{layer type: allowed (1, 1, S)} for one query at input_pos (1,)."""
@@ -437,12 +497,26 @@ class StaticGemma4Runtime(nn.Module):
         """
         S = self.max_seq
         input_pos = torch.arange(S, device=ids.device)
+        return self.prefill_chunk_step(ids, ple_ids, mm_embeds, mm_slots, block_ids, n_valid, input_pos, probe,
+                                       S if report_rows is None else report_rows)
+
+    def prefill_chunk_step(self, ids, ple_ids, mm_embeds, mm_slots, block_ids, n_valid, input_pos, probe=None, report_rows=None):
+        """Prefill of the n prompt rows at input_pos (n,) (consecutive positions); shapes (n, max_seq).
+
+        ids, ple_ids (1, n), mm_embeds (1, n, H), mm_slots (1, n): the rows of prepare_prefill's
+        tensors at input_pos; block_ids (S,) and n_valid () as for prefill_step. Writes the K/V
+        rows of these positions (padding rows as zeros) and attends over the cache, which holds
+        every earlier chunk's rows. Returns the logits (vocab,) at position n_valid - 1 when it
+        is among input_pos (else at the nearest row). report_rows: int (leading rows) or slice.
+        """
+        S, n = self.max_seq, ids.shape[1]
         x = torch.where(mm_slots[..., None], mm_embeds, self._embed(ids))  # soft tokens are not scaled
-        valid = input_pos < n_valid
-        masks = self._prefill_masks(input_pos, valid, block_ids)
-        step = self._step(input_pos, masks, valid, probe, S if report_rows is None else report_rows)
+        keys_valid = torch.arange(S, device=ids.device) < n_valid
+        masks = self._prefill_masks(input_pos, keys_valid, block_ids)
+        step = self._step(input_pos, masks, input_pos < n_valid, probe, n if report_rows is None else report_rows)
         h = self._decoder(x, ple_ids, step)
-        last = torch.index_select(h[0], 0, (n_valid - 1).reshape(1))  # (1, H)
+        row = torch.clamp(n_valid - 1 - input_pos[0], 0, n - 1)
+        last = torch.index_select(h[0], 0, row.reshape(1))  # (1, H)
         return self._logits(last)[0]
 
     def decode_step(self, token, input_pos, probe=None):
@@ -498,10 +572,30 @@ class StaticGemma4Runtime(nn.Module):
 
     @torch.no_grad()
     def prefill(self, input_ids, extra_inputs: dict | None = None, probe=None) -> torch.Tensor:
-        """Run the prompt (T,) ids; return the logits (vocab,) at position T - 1."""
+        """Run the prompt (T,) ids; return the logits (vocab,) at position T - 1.
+
+        With `prefill_chunk` N < max_seq the prompt runs in chunks of N rows (shapes (N, max_seq),
+        see chunk_plan), else over the whole padded max_seq in one step.
+        """
         ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
         args = self.prepare_prefill(ids, extra_inputs or {})
-        return self.prefill_step(*args, probe=probe, report_rows=len(ids))
+        N = self.prefill_chunk
+        if N is None or N >= self.max_seq:
+            return self.prefill_step(*args, probe=probe, report_rows=len(ids))
+        ids_p, ple_ids, mm_embeds, mm_slots, block_ids, n_valid = args
+        for L in self.layers:  # chunks write only the rows they cover; the rest must read as empty
+            if L.owns_kv:
+                L.k_cache.zero_()
+                L.v_cache.zero_()
+        chunks = _ChunkProbe(probe) if probe is not None else None
+        for c0, rows in chunk_plan(len(ids), N, self.max_seq, block_ids.cpu() if self.bidir_vision else None):
+            pos = torch.arange(c0, c0 + N, device=ids_p.device)
+            sl = slice(c0, c0 + N)
+            logits = self.prefill_chunk_step(ids_p[:, sl], ple_ids[:, sl], mm_embeds[:, sl], mm_slots[:, sl],
+                                             block_ids, n_valid, pos, chunks, rows)
+        if chunks is not None:
+            chunks.flush()
+        return logits  # the last chunk holds position T - 1
 
     @torch.no_grad()
     def decode(self, token_id: int, position: int, probe=None) -> torch.Tensor:
