@@ -22,6 +22,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.atomic import check_output_path
 from gemma4_trace.traces.errors import TraceToolError, one_line
@@ -256,6 +257,8 @@ def _read_numpy(path: Path, e: Entry, key: str | None) -> tuple[np.ndarray, str]
                 if key not in z.files:
                     shown = ", ".join(z.files[:8]) + (", ..." if len(z.files) > 8 else "")
                     _fail(f"{path}: no array {key!r} (it holds: {shown or 'nothing'})")
+                # a compressed member is inflated whole: refuse one that cannot fit before inflating it
+                LIM.check_fits(z.zip.getinfo(f"{key}.npy").file_size, f"{path} [{key}]")
                 arr = z[key]
     except TraceToolError:
         raise

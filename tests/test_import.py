@@ -242,3 +242,8 @@ def test_import_does_not_need_torch(dumped, tmp_path):
             f"'--map', {str(dump / 'map.toml')!r}, '-o', {str(tmp_path / 'x.h5')!r}]); "
             "assert r.exit_code == 0, r.output; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_npz_member_that_cannot_fit_is_refused_before_inflating(dump, tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMA4_TRACE_MEMORY_LIMIT", "1000")  # bytes; each ple.npz member inflates to 3.4 KiB
+    _one_line_error(_import(dump, tmp_path), dump / "step000" / "ple.npz", "[ple]", "more than the 1000 B")
