@@ -121,6 +121,18 @@ def prepare_inputs(lm: LoadedModel, prompt, input_ids, images, chat: bool) -> Pr
     return PromptInputs(ids, {k: v for k, v in enc.items() if v is not None}, prompt, use_chat)
 
 
+def check_positions(text_config, prompt_len: int, max_new_tokens: int) -> None:
+    """Refuse a run past the model's max positions (RoPE and masks are defined up to there)."""
+    limit = getattr(text_config, "max_position_embeddings", None)
+    if limit is None:
+        return
+    if prompt_len > limit:
+        raise TraceToolError(f"the prompt has {prompt_len} tokens, more than the model's {limit} positions (max_position_embeddings)")
+    if prompt_len + max_new_tokens > limit:
+        raise TraceToolError(f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} = {prompt_len + max_new_tokens} "
+                             f"exceeds the model's {limit} positions (max_position_embeddings)")
+
+
 def eos_ids(lm: LoadedModel) -> list[int]:
     eos = lm.model.generation_config.eos_token_id
     if eos is None:
@@ -293,6 +305,7 @@ def record_loaded(
     eos = eos_ids(lm)
     layers = layer_infos_from_config(lm.text_config)
     prompt_len = ids.shape[1]
+    check_positions(lm.text_config, prompt_len, max_new_tokens)
     impl = model.config._attn_implementation or "eager"
     original = ALL_ATTENTION_FUNCTIONS.get(impl, modeling_gemma4.eager_attention_forward)
     streamer = _ProgressStreamer(max_new_tokens, progress) if progress is not None else None

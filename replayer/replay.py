@@ -107,6 +107,9 @@ def replay_trace(
     if T + n_new > max_seq:
         raise TraceToolError(f"prompt ({T} tokens) + max_new_tokens ({n_new}) = {T + n_new} exceeds --max-seq {max_seq}")
     loaded = load_for_reference(ref.provenance, model_dir)
+    limit = getattr(loaded.text_config, "max_position_embeddings", None)
+    if limit is not None and max_seq > limit:
+        raise TraceToolError(f"--max-seq {max_seq} exceeds the model's {limit} positions (max_position_embeddings)")
     rt = make_runtime(runtime, loaded, max_seq)
     if isolate:
         check_supports_isolation(rt)
