@@ -104,6 +104,8 @@ def make_plan(ref: TraceReader, run: TraceReader, ref_tokens, run_tokens) -> Pla
         n = min(steps, ref_tokens.size, run_tokens.size)
         diff = np.flatnonzero(ref_tokens[:n] != run_tokens[:n])
         mismatch = int(diff[0]) if diff.size else None
-    free = "free-running" in (ref.mode, run.mode)
+    # a candidate that fed its own tokens (free-running, or a second reference recording: another
+    # dtype, another transformers release) has other inputs once its tokens differ from REF's
+    free = "free-running" in (ref.mode, run.mode) or run.mode == "reference"
     numeric = mismatch + 1 if (free and mismatch is not None) else steps
     return Plan(steps, numeric, list(ref.step_positions[:steps]), free, mismatch)

@@ -103,15 +103,15 @@ class Baseline:
                                float(getattr(rvb, m.name)[i]), threshold)
 
 
-def baseline_words(metric, value: float, fig: BaselineFigures, num) -> str:
+def baseline_words(metric, value: float, fig: BaselineFigures, num, pair) -> str:
     """'rel-L2: RUN 6.1e-2 vs BASE 4.0e-3 against REF: 15x the baseline (limit 4x; ...)'.
 
-    `num(metric, value)` prints a number as the report does."""
+    `num(metric, value)` prints a number as the report does, `pair(a, b)` two that must differ."""
+    rvb, thr = pair(fig.run_vs_base, fig.run_vs_base_threshold)
     ratio = "BASE is exact here" if math.isinf(fig.ratio) else f"{fig.ratio:.3g}x the baseline"
     op = "<" if metric.fails_below else ">"
     return (f"{metric.label}: RUN {num(metric, value)} vs BASE {num(metric, fig.base_value)} against REF: {ratio} "
-            f"(limit {fig.factor:g}x; RUN vs BASE {num(metric, fig.run_vs_base)} {op} "
-            f"{num(metric, fig.run_vs_base_threshold)})")
+            f"(limit {fig.factor:g}x; RUN vs BASE {rvb} {op} {thr})")
 
 
 def check_baseline(ref, run, base) -> None:

@@ -17,6 +17,7 @@ from gemma4_trace.traces.reader import TraceReader
 from .align import PRE_KINDS, Plan, check_compatible, dataflow_sequence, make_plan
 from .baseline import DEFAULT_FACTOR, Baseline, BaselineInfo, check_baseline
 from .isolation import rank_layers
+from .logits import logit_metrics
 from .metrics import METRIC, METRIC_ORDER, PRIMARY, THRESHOLD_METRICS, RowStats, compare_mask_block, element_detail, mask_row_detail
 from .report import divergence_sentence
 from .result import (DiffResult, Divergence, Element, Growth, InputError, Jump, MaskDetail, Origin, Problem, RowDetail,
@@ -129,6 +130,8 @@ class _Differ:
                 f"compared the first {plan.token_steps}"
             )
         m = plan.first_token_mismatch
+        if run.mode == "reference":
+            self.notes.append("RUN is a reference recording: it fed its own tokens, so it is compared as free-running")
         if plan.free_running and m is not None and plan.numeric_steps < plan.token_steps:
             self.notes.append(
                 f"free-running trace: tokens differ from step {m}, so tensors of steps {m + 1}.."
@@ -170,6 +173,8 @@ class _Differ:
         scan = self._scan_mask if spec.dtype == "bool" else self._scan_rows
         if scan(spec, layer, n_rows, tol, summary):
             summary.status = "diverged"
+        elif summary.rows_compared < n_rows:  # rows after the first divergence are not read
+            summary.status = "not compared" if summary.rows_compared == 0 else "partly compared"
 
     def _blocks(self, spec: S.Kind, layer, n_rows: int, keep: bool):
         """(first row, REF rows, RUN rows, BASE rows or None, their steps) block by block, over
@@ -212,7 +217,7 @@ class _Differ:
         keep = spec.name in RESIDUAL_KINDS
         if keep:
             rel_all = np.zeros(n_rows, dtype=np.float32)
-            sums = (np.zeros(n_rows), np.zeros(n_rows)) if spec.name == GROWTH_KIND else None
+            sums = (np.zeros(n_rows), np.zeros(n_rows)) if spec.name in (GROWTH_KIND, "embeddings") else None
         worst = {m.name: m.best for m in THRESHOLD_METRICS}
         found = False
         for r0, a, b, c, st in self._blocks(spec, layer, n_rows, keep):
@@ -243,7 +248,7 @@ class _Differ:
         summary.worst = worst
         if keep:
             self.rel_rows[(spec.name, layer)] = rel_all
-            if sums is not None:
+            if sums is not None:  # layer None: the embeddings, layer 0's input (for jumps into layer 0)
                 self.growth_sums[layer] = (*sums, int(np.prod(self.ref.dataset(spec.name, layer).shape[1:])))
         return found
 
@@ -321,44 +326,50 @@ class _Differ:
 
     # ------------------------------------------------------------ growth, origin
     def growth(self) -> Growth:
-        plan = self.plan
-        starts = np.array([a for a, _ in plan.step_positions[: plan.numeric_steps]])
-        table, thresholds = [], []
-        layers = sorted(self.growth_sums)
-        for l in layers:
-            nd, na, m = self.growth_sums[l]
-            n = min(nd.size, plan.n_rows)
-            st = starts[starts < n] if n else starts[:0]
-            if n == 0 or st.size == 0:
-                table.append([None] * plan.numeric_steps)
-                thresholds.append([None] * plan.numeric_steps)
-                continue
-            # rel-L2 of each step's rows taken together
-            snd = np.add.reduceat(nd[:n], st)
-            sna = np.add.reduceat(na[:n], st)
-            cnt = np.diff(np.append(st, n))
-            tol = self.thresholds[(GROWTH_KIND, l)]
-            floor = tol.l2_floor[: st.size] * np.sqrt(m * cnt)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                rel = np.sqrt(snd) / np.maximum(np.sqrt(sna), np.maximum(floor, 1e-300))
-            rel[snd == 0] = 0.0
-            table.append([float(x) for x in rel] + [None] * (plan.numeric_steps - st.size))
-            thresholds.append([float(x) for x in tol.limits[PRIMARY][: plan.numeric_steps]])
+        layers = sorted(l for l in self.growth_sums if l is not None)
+        rows = [self._step_rel(l) for l in layers]
+        table, thresholds = [r[0] for r in rows], [r[1] for r in rows]
+        embed = self._step_rel(None) if None in self.growth_sums else None
         per_layer = [max((v for v in row if v is not None), default=None) for row in table]
-        return Growth(layers, list(range(plan.numeric_steps)), table, thresholds, per_layer, _largest_jump(layers, per_layer))
+        return Growth(layers, list(range(self.plan.numeric_steps)), table, thresholds, per_layer,
+                      _largest_jump(layers, table, thresholds, embed))
+
+    def _step_rel(self, layer) -> tuple[list, list]:
+        """rel-L2 of each step's rows taken together, and its tolerance per step, for
+        layer_out of `layer` (None: the embeddings)."""
+        plan = self.plan
+        none = [None] * plan.numeric_steps
+        starts = np.array([a for a, _ in plan.step_positions[: plan.numeric_steps]])
+        nd, na, m = self.growth_sums[layer]
+        n = min(nd.size, plan.n_rows)
+        st = starts[starts < n] if n else starts[:0]
+        if n == 0 or st.size == 0:
+            return none, none
+        snd = np.add.reduceat(nd[:n], st)
+        sna = np.add.reduceat(na[:n], st)
+        cnt = np.diff(np.append(st, n))
+        tol = self.thresholds[(GROWTH_KIND, layer) if layer is not None else ("embeddings", None)]
+        floor = tol.l2_floor[: st.size] * np.sqrt(m * cnt)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rel = np.sqrt(snd) / np.maximum(np.sqrt(sna), np.maximum(floor, 1e-300))
+        rel[snd == 0] = 0.0
+        return ([float(x) for x in rel] + none[st.size:], [float(x) for x in tol.limits[PRIMARY][: plan.numeric_steps]])
 
     def _input_of(self, d: Divergence) -> tuple[str, int | None] | None:
         """The residual-stream tensor a divergent tensor is computed from."""
         if d.layer is not None:
             return ("layer_out", d.layer - 1) if d.layer > 0 else ("embeddings", None)
+        if d.kind == "per_layer_inputs":  # a projection of the embeddings plus a token-id lookup
+            return ("embeddings", None)
         return {"final_hidden": ("layer_out", len(self.layers) - 1), "logits": ("final_hidden", None)}.get(d.kind)
 
     def origin(self, d: Divergence) -> Origin | None:
         spec = S.KIND_BY_NAME[d.kind]
         if spec.dtype == "bool":
             return Origin("introduced", "the mask is computed from positions, not from data")
-        if d.kind in PRE_KINDS:
-            return Origin("introduced", "it is computed from token ids / positions, not from an earlier tensor")
+        if d.kind in PRE_KINDS and d.kind != "per_layer_inputs":
+            return Origin("introduced", "it is looked up from token ids (and vision features), not computed from an "
+                          "earlier tensor" if d.kind == "embeddings" else "it is computed from positions only")
         inp = self._input_of(d)
         if spec.dtype == "int" or inp is None or METRIC[d.metric].group == "structure":
             return None
@@ -381,14 +392,20 @@ class _Differ:
                       if in_rel <= in_tol else "the input already exceeds its tolerance", err)
 
 
-def _largest_jump(layers: list[int], per_layer: list[float | None]) -> Jump | None:
-    jump, prev = None, None
-    for l, v in zip(layers, per_layer):
-        if v is not None and prev is not None and prev > 0:
-            ratio = v / prev
-            if jump is None or ratio > jump.ratio:
-                jump = Jump(l, ratio, prev, v)
-        prev = v if v is not None else prev
+def _largest_jump(layers: list[int], table, thresholds, embed) -> Jump | None:
+    """The largest ratio of a layer's error to its input's at the same step, over every step;
+    the input of layer 0 is the embeddings. The input's error counts at least at its
+    tolerance, so round-off-sized errors make no jumps."""
+    jump = None
+    for s in range(len(table[0]) if table else 0):
+        prev = (embed[0][s], embed[1][s]) if embed is not None else (None, None)
+        for l, row, trow in zip(layers, table, thresholds):
+            v = row[s]
+            if v is not None and prev[0] is not None:
+                base = max(prev[0], prev[1] or 0.0)
+                if base > 0 and (jump is None or v / base > jump.ratio):
+                    jump = Jump(l, v / base, prev[0], v, s)
+            prev = (v, trow[s]) if v is not None else prev
     return jump
 
 
@@ -439,6 +456,7 @@ def diff_traces(ref_path, run_path, tolerances_path=None, baseline_path=None,
             layers=list(ref.layers),
             baseline=None if base is None else BaselineInfo(_info(base, baseline_path), baseline.factor),
             isolation=rank_layers(growth) if run.mode == "isolated" else None,
+            logits=logit_metrics(ref, run, plan.numeric_steps),
         )
         if first is not None:
             first.sentence = divergence_sentence(result)

@@ -9,6 +9,7 @@ from pathlib import Path
 from gemma4_trace.traces.atomic import atomic_output, check_output_path
 
 from .isolation import ranking_html
+from .logits import logits_svg, logits_text
 from .metrics import PRIMARY, THRESHOLD_METRICS
 from .report import fmt, format_text, growth_summary, sci, token_summary
 from .result import DiffResult, Divergence, Growth, TensorSummary, TokenInfo
@@ -158,7 +159,7 @@ def _tensor_table(tensors: list[TensorSummary]) -> str:
         worst = t.worst or {}
         cells = "".join(f"<td>{fmt(m, worst.get(m.name))}</td>" + (f"<td>{sci(t.threshold)}</td>" if m.name == PRIMARY else "")
                         for m in THRESHOLD_METRICS)
-        out.append(f'<tr class="{"x" if t.status != "ok" else ""}"><td class="l">{t.kind}</td>'
+        out.append(f'<tr class="{"x" if t.status in ("diverged", "shape", "rows") else ""}"><td class="l">{t.kind}</td>'
                    f'<td>{"" if t.layer is None else t.layer}</td><td>{t.rows_compared}/{t.rows}</td>{cells}'
                    f'<td class="l">{t.status}</td></tr>')
     out.append("</table>")
@@ -187,6 +188,8 @@ def render_html(result: DiffResult) -> str:
         "<h2>Tokens</h2>",
         f"<p>{e(token_summary(result.tokens)).replace(chr(10), '<br>')}</p>",
         _token_table(result.tokens),
+        *(["<h2>Logit distribution: KL(REF||RUN) per step</h2>", logits_svg(result.logits, sci),
+           f'<p class="legend">{e(logits_text(result.logits, sci))}</p>'] if result.logits is not None else []),
         "<h2>Tensors compared</h2>",
         _tensor_table(result.tensors),
         "<h2>Provenance</h2>",

@@ -7,6 +7,7 @@ import math
 
 from .baseline import baseline_words
 from .isolation import ranking_text
+from .logits import logits_text
 from .metrics import METRIC, ROW_METRICS
 from .result import DiffResult, Divergence, Growth, MaskDetail, Problem, RowDetail, TokenFlip, TokenInfo
 
@@ -26,6 +27,24 @@ def sci(v) -> str:
         return "0"
     m, e = f"{v:.1e}".split("e")
     return f"{m.removesuffix('.0')}e{int(e)}"
+
+
+def sci_pair(a: float, b: float) -> tuple[str, str]:
+    """Both numbers in sci(), with more digits where one digit would print them equal:
+    "1.04e-1 > 1e-1", never "1e-1 > 1e-1"."""
+    sa, sb = sci(a), sci(b)
+    digits = 1
+    while sa == sb and float(a) != float(b) and digits < 17:
+        digits += 1
+        sa, sb = (f"{float(x):.{digits}e}" for x in (a, b))
+        sa, sb = (_trim(x) for x in (sa, sb))
+    return sa, sb
+
+
+def _trim(s: str) -> str:
+    m, e = s.split("e")
+    m = m.rstrip("0").rstrip(".") if "." in m else m
+    return f"{m}e{int(e)}"
 
 
 def fmt(metric, v) -> str:
@@ -101,9 +120,12 @@ def divergence_sentence(result: DiffResult) -> str:
     elem = _element(det.first.names)
     m = METRIC[d.metric]
     if m.threshold and d.baseline is not None:
-        cmp_ = baseline_words(m, d.value, d.baseline, fmt)
+        cmp_ = baseline_words(m, d.value, d.baseline, fmt, sci_pair if not m.plain else lambda a, b: (val(a), val(b)))
     elif m.threshold:
-        cmp_ = f"{m.label} {sci(d.value)} {'<' if m.fails_below else '>'} {sci(d.threshold)}"
+        v, t = sci_pair(d.value, d.threshold) if not m.plain else (val(d.value), val(d.threshold))
+        if m.plain and v == t:
+            v, t = repr(float(d.value)), repr(float(d.threshold))
+        cmp_ = f"{m.label} {v} {'<' if m.fails_below else '>'} {t}"
     else:
         cmp_ = f"{int(d.value)} non-finite value(s) (NaN/Inf never pass)"
     return f"{head}{', ' + elem if elem else ''}: {cmp_} (REF {val(det.first.ref)} vs RUN {val(det.first.run)})"
@@ -142,7 +164,9 @@ def growth_summary(growth: Growth, max_layers: int = 48) -> str:
     s = "error growth (layer_out rel-L2, worst step): " + "  ".join(items)
     j = growth.largest_jump
     if j and j.ratio > 1:
-        s += f"\n  largest jump: into layer {j.layer} (x{j.ratio:.3g}: {sci(j.before)} -> {sci(j.after)})"
+        src = "from the embeddings " if j.layer == 0 else ""
+        at = "" if j.step is None else f" at {'prefill' if j.step == 0 else 'decode'} step {j.step}"
+        s += f"\n  largest jump: {src}into layer {j.layer}{at} (x{j.ratio:.3g}: {sci(j.before)} -> {sci(j.after)})"
     return s
 
 
@@ -181,6 +205,8 @@ def format_text(result: DiffResult) -> str:
         if o:
             lines.append(o)
     lines.append(token_summary(result.tokens))
+    if result.logits is not None:
+        lines.append(logits_text(result.logits, sci))
     lines.append(growth_summary(result.growth))
     if result.isolation is not None:
         lines.append(ranking_text(result.isolation, sci))

@@ -238,7 +238,8 @@ class TensorSummary:
     layer: int | None
     rows: int
     rows_compared: int = 0
-    status: str = "ok"  # "ok" | "diverged" | "shape" | "rows"
+    status: str = "ok"  # "ok" | "diverged" | "shape" | "rows" | "not compared" | "partly compared" (rows after
+    # the first divergence are not read: "ok" would claim they passed)
     threshold: float | None = opt()  # the primary metric's tolerance at step 0 (0 for masks)
     precision: str | None = opt()
     failed_rows: int | None = opt()  # float kinds
@@ -261,6 +262,7 @@ class Jump:
     ratio: float
     before: float
     after: float
+    step: int | None = opt()  # the step where it is largest
 
     def to_json(self) -> dict:
         return json_fields(self)
@@ -341,6 +343,7 @@ class DiffResult:
     layers: list[LayerInfo] = field(default_factory=list)
     baseline: object | None = None  # diff.baseline.BaselineInfo under --baseline
     isolation: object | None = None  # diff.isolation.IsolationRanking for an isolated candidate
+    logits: object | None = None  # diff.logits.LogitMetrics when both traces store logits
 
     def to_json(self) -> dict:
         return jsonable({
@@ -349,5 +352,6 @@ class DiffResult:
             "notes": self.notes, "reference": self.reference, "candidate": self.candidate,
             **({"baseline": self.baseline} if self.baseline is not None else {}),
             **({"isolation": self.isolation} if self.isolation is not None else {}),
+            **({"logit_metrics": self.logits} if self.logits is not None else {}),
             "tolerances": self.tolerances, "layers": self.layers,
         })

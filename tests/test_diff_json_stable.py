@@ -2,7 +2,9 @@
 
 The fixtures (tests/data/diff/) were written by the diff code before its dicts became
 dataclasses, so JSON consumers see the same keys and values; see tests/diff_fixtures.py
-for how the candidate traces are made and how paths are kept stable.
+for how the candidate traces are made and how paths are kept stable. Regenerated once on
+purpose when the report gained logit metrics, per-step jumps from the embeddings, the
+"not compared" status and the reference-as-free-running note (issue 11).
 """
 
 import json

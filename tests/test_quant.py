@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 from gemma4_trace.cli import main
-from gemma4_trace.diff import diff_traces
+from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.diff.calibrate import calibrate, round_up
 from gemma4_trace.replayer.quant import SCHEMES, quantize_activation, quantize_weight
 from gemma4_trace.replayer.replay import replay_trace
@@ -158,3 +158,33 @@ def test_calibrate_bad_input_is_one_line(runs, workdir, tmp_path):
         assert r.exit_code == 2, (args, r.output)
         assert r.output.count("\n") == 1 and r.output.startswith("error: "), r.output
     assert not any(tmp_path.iterdir())
+
+
+def test_logit_metrics_equal_a_direct_numpy_computation(runs):
+    ref, out = runs
+    result = diff_traces(ref, out["static-w4g32"])
+    with TraceReader(ref) as a, TraceReader(out["static-w4g32"]) as b:
+        x, y = a.read("logits").astype(np.float64), b.read("logits").astype(np.float64)
+    p = np.exp(x - x.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    q = np.exp(y - y.max(1, keepdims=True))
+    q /= q.sum(1, keepdims=True)
+    kl = np.array([np.sum(pi[pi > 0] * np.log(pi[pi > 0] / qi[pi > 0])) for pi, qi in zip(p, q)])
+    top1 = (x.argmax(1) == y.argmax(1)).astype(float)
+    top5 = np.array([len(set(np.argsort(-xi)[:5]) & set(np.argsort(-yi)[:5])) / 5 for xi, yi in zip(x, y)])
+    t = x.argmax(1)
+    drop = p[np.arange(len(t)), t] - q[np.arange(len(t)), t]
+    m = result.logits
+    np.testing.assert_allclose(m.kl, kl, rtol=1e-9, atol=1e-15)
+    np.testing.assert_array_equal(m.top1, top1)
+    np.testing.assert_array_equal(m.top5, top5)
+    np.testing.assert_allclose(m.drop, drop, rtol=1e-9, atol=1e-15)
+    s = m.summary
+    assert s.kl_mean == pytest.approx(kl.mean()) and s.kl_max == pytest.approx(kl.max())
+    assert s.kl_p99 == pytest.approx(np.percentile(kl, 99)) and s.kl_max_step == int(kl.argmax())
+    assert s.top1_agreement == pytest.approx(top1.mean()) and s.top5_overlap == pytest.approx(top5.mean())
+    assert s.drop_max == pytest.approx(drop.max()) and s.drop_max_step == int(drop.argmax())
+    assert top1.mean() < 1 and kl.max() > 1e-4  # int4 flips tokens: the figures are not trivially zero
+    j = result.to_json()["logit_metrics"]
+    assert set(j) == {"kl", "top1", "top5", "ref_token_prob_drop", "summary"} and len(j["kl"]) == len(kl)
+    assert "KL(REF||RUN) mean" in format_text(result)
