@@ -188,3 +188,30 @@ def test_logit_metrics_equal_a_direct_numpy_computation(runs):
     j = result.to_json()["logit_metrics"]
     assert set(j) == {"kl", "top1", "top5", "ref_token_prob_drop", "summary"} and len(j["kl"]) == len(kl)
     assert "KL(REF||RUN) mean" in format_text(result)
+
+
+def test_incompatible_baseline_is_one_line_exit_2(runs, workdir, tmp_path):
+    ref, out = runs
+    other = reference_path("short", workdir)  # another prompt
+    iso = workdir / "w8-iso.h5"
+    if not iso.exists():
+        replay_trace(ref, iso, runtime="static-w8", isolate=True)
+    for base, words in ((other, "cannot be a baseline"), (iso, "replayed the same way"),
+                        (tmp_path / "missing.h5", "no such file")):
+        r = CliRunner().invoke(main, ["diff", str(ref), str(out["static-w4g32"]), "--baseline", str(base)])
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and words in r.output, r.output
+    r = CliRunner().invoke(main, ["diff", str(ref), str(out["static-w8"]), "--baseline", str(out["static-w8"]),
+                                  "--baseline-factor", "0.5"])
+    assert r.exit_code == 2 and "--baseline-factor" in r.output, r.output
+
+
+def test_baseline_json_figures(runs):
+    """int4 judged by an int8 BASE: outside its envelope; the JSON carries both errors."""
+    ref, out = runs
+    result = diff_traces(ref, out["static-w4g32"], baseline_path=out["static-w8"])
+    j = result.to_json()
+    b = j["first_divergence"]["baseline"]
+    assert j["baseline"]["runtime"] == "static-w8" and j["baseline"]["factor"] == 4.0
+    assert b["ratio"] > 4 and b["base_value"] * b["ratio"] == pytest.approx(j["first_divergence"]["value"])
+    assert b["run_vs_base"] > b["run_vs_base_threshold"]
+    assert "x the baseline" in j["first_divergence"]["sentence"]
