@@ -75,12 +75,12 @@ def build(out_dir: str | Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
         if name.endswith("norm.weight") or name.endswith("layer_scalar"):
             return torch.ones(shape, dtype=target)
         g = torch.Generator().manual_seed(seed * 100_003 + i)
-        t = torch.empty(shape, dtype=torch.bfloat16)
+        t = torch.empty(shape, dtype=target)
         flat = t.view(-1)
-        for a in range(0, flat.numel(), FILL_ROWS):
+        for a in range(0, flat.numel(), FILL_ROWS):  # in blocks: never a second full-size copy
             n = min(FILL_ROWS, flat.numel() - a)
-            flat[a : a + n] = torch.randn(n, generator=g) * 0.02
-        return t.to(target)  # float32: exactly the bf16 values
+            flat[a : a + n] = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)  # float32: the bf16 values
+        return t
 
     weight_map, shard, shard_bytes, files, total = {}, {}, 0, [], 0
 

@@ -5,6 +5,16 @@
 
 `check` replays every golden trace through the runtime (teacher-forced and free-running
 by default), diffs each against its golden, and fails with the first divergence.
+
+One pytest item per golden x mode (so `pytest -n auto` with pytest-xdist spreads them
+over cores and machines): ask for the `gemma4_golden_case` fixture, which this plug-in
+parametrizes over every golden x mode (ids like `short-teacher-forced`):
+
+    def test_my_runtime(gemma4_golden_case):
+        gemma4_golden_case.check("my_pkg.runtime:create")
+
+`@pytest.mark.gemma4_modes("teacher-forced")` on such a test limits the modes;
+`gemma4_golden_cases(folder, modes)` lists the same cases for a parametrize of your own.
 Options: `--golden-dir DIR` (default: the goldens shipped with this package),
 `--golden-model DIR` (the checkpoint they were recorded with; default: the embedded
 model), `--update-golden` (re-record every golden in --golden-dir with HF from its own
@@ -30,6 +40,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "gemma4_modes(*modes): replay modes of the gemma4_golden_case items")
     if config.getoption("--update-golden") and not config.getoption("--golden-dir"):
         raise pytest.UsageError(
             "--update-golden rewrites golden traces: pass the folder to rewrite with --golden-dir DIR "
@@ -39,6 +50,60 @@ def pytest_configure(config):
 
 def golden_paths(folder: Path) -> list[Path]:
     return sorted(p for p in Path(folder).glob("*.h5") if not p.name.startswith("."))
+
+
+def _default_golden_dir(config=None) -> Path:
+    folder = config.getoption("--golden-dir") if config is not None else None
+    if folder is None:
+        from gemma4_trace.recorder import golden
+
+        folder = golden.GOLDEN_DIR
+    return Path(folder)
+
+
+def _replay_modes() -> tuple:
+    from gemma4_trace.replayer.replay import MODES
+
+    return MODES
+
+
+def gemma4_golden_cases(folder=None, modes=None, config=None) -> list:
+    """pytest.param((golden path, mode), id="name-mode") for every golden x mode.
+
+    folder: default --golden-dir (with `config`) or the packaged goldens; modes: default every
+    replay mode.
+    """
+    folder = _default_golden_dir(config) if folder is None else Path(folder)
+    return [pytest.param((p, m), id=f"{p.stem}-{m}") for p in golden_paths(folder) for m in (modes or _replay_modes())]
+
+
+def pytest_generate_tests(metafunc):
+    if "gemma4_golden_case" not in metafunc.fixturenames:
+        return
+    marker = metafunc.definition.get_closest_marker("gemma4_modes")
+    cases = gemma4_golden_cases(modes=marker.args if marker else None, config=metafunc.config)
+    if not cases:
+        cases = [pytest.param(None, id="no-goldens", marks=pytest.mark.skip(reason="no golden traces (*.h5) in --golden-dir"))]
+    metafunc.parametrize("gemma4_golden_case", cases, indirect=True)
+
+
+class GoldenCase:
+    """One golden x mode: `check(runtime)` replays it and fails with the first divergence."""
+
+    def __init__(self, path: Path, mode: str, model_dir, tmp: Path):
+        self.path, self.mode, self.model_dir, self.tmp = Path(path), mode, model_dir, tmp
+
+    def check(self, runtime: str = "static", tolerances=None):
+        from gemma4_trace.diff import diff_traces, format_text
+        from gemma4_trace.replayer.replay import replay_trace
+
+        out = self.tmp / f"{self.path.stem}.{self.mode}.h5"
+        replay_trace(self.path, out, model_dir=self.model_dir, runtime=runtime, mode=self.mode, force=True)
+        res = diff_traces(self.path, out, tolerances)
+        if not res.match:
+            first = format_text(res).splitlines()[0]
+            pytest.fail(f"runtime diverges from golden {self.path.name} ({self.mode}): {first}", pytrace=False)
+        return res
 
 
 class GoldenChecker:
@@ -79,12 +144,17 @@ class GoldenChecker:
 
 
 @pytest.fixture
+def gemma4_golden_case(request, tmp_path) -> GoldenCase:
+    """One golden x mode (parametrized by this plug-in): `.check(runtime)`."""
+    path, mode = request.param
+    cfg = request.config
+    if cfg.getoption("--update-golden"):
+        pytest.fail("--update-golden rewrites goldens once, through the gemma4_golden fixture, not per case")
+    return GoldenCase(path, mode, cfg.getoption("--golden-model"), tmp_path)
+
+
+@pytest.fixture
 def gemma4_golden(request, tmp_path) -> GoldenChecker:
     """Checks a runtime (`'static'` or `'MODULE:FACTORY'`) against golden traces."""
     cfg = request.config
-    folder = cfg.getoption("--golden-dir")
-    if folder is None:
-        from gemma4_trace.recorder import golden
-
-        folder = golden.GOLDEN_DIR
-    return GoldenChecker(folder, cfg.getoption("--golden-model"), cfg.getoption("--update-golden"), tmp_path)
+    return GoldenChecker(_default_golden_dir(cfg), cfg.getoption("--golden-model"), cfg.getoption("--update-golden"), tmp_path)

@@ -29,10 +29,18 @@ def test_goldens_cover_what_they_claim():
         assert "pixel_values" in r.extra_inputs() and r.prompt_text == DEMO_IMAGE_PROMPT
 
 
-def test_static_runtime_matches_every_golden(gemma4_golden):
-    results = gemma4_golden.check("static")  # teacher-forced and free-running
-    assert len(results) == 2 * len(golden.GOLDENS)
-    assert all(r.match and r.to_json()["tokens"]["accuracy"] == 1.0 for r in results)
+def test_static_runtime_matches_golden(gemma4_golden_case):
+    """One item per golden x mode (parametrized by the plug-in): pytest -n runs them in parallel."""
+    res = gemma4_golden_case.check("static")
+    assert res.match and res.to_json()["tokens"]["accuracy"] == 1.0
+
+
+def test_cases_are_every_golden_and_mode():
+    from gemma4_trace.pytest_plugin import gemma4_golden_cases
+
+    ids = [c.id for c in gemma4_golden_cases()]
+    assert ids == [f"{n}-{m}" for n in sorted(golden.GOLDENS) for m in ("teacher-forced", "free-running")]
+    assert [c.id for c in gemma4_golden_cases(modes=("teacher-forced",))] == [f"{n}-teacher-forced" for n in sorted(golden.GOLDENS)]
 
 
 @pytest.mark.parametrize("name", list(golden.GOLDENS))
@@ -48,6 +56,23 @@ USER_TEST = """
 def test_my_runtime(gemma4_golden):
     gemma4_golden.check("{runtime}", modes=("teacher-forced",))
 """
+
+
+CASE_TEST = """
+import pytest
+
+@pytest.mark.gemma4_modes("teacher-forced")
+def test_my_runtime(gemma4_golden_case):
+    gemma4_golden_case.check("{runtime}")
+"""
+
+
+def test_plugin_cases_one_item_per_golden(pytester):
+    pytester.makepyfile(test_bad=CASE_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"))
+    res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-v")
+    res.assert_outcomes(failed=len(golden.GOLDENS))  # the soft-cap bug shows in every golden
+    res.stdout.fnmatch_lines(["*test_my_runtime?short-teacher-forced? FAILED*",
+                              "*runtime diverges from golden short.h5 (teacher-forced): first divergence: *logits*"])
 
 
 def test_plugin_passes_a_correct_runtime_and_fails_a_buggy_one(pytester):
