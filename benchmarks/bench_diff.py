@@ -1,17 +1,20 @@
 """Benchmark `trace diff` on two >1 GB synthetic traces against a plain h5py read of both.
 
-    python benchmarks/bench_diff.py [--prefill 4096] [--decode 1024] [--dir /tmp] [--keep]
+    python benchmarks/bench_diff.py [--prefill 4096] [--decode 1024] [--dir /tmp] [--keep] [--baseline]
 
 Writes REF (random float32 with the trace writer) and RUN (REF + 1e-6 relative noise, masks
 over a static max_seq key axis) in the folder given, then measures in one run:
   (a) reading every dataset of both files with plain h5py (ds[()], warm page cache),
   (b) `trace diff REF RUN` as a subprocess: wall time and peak RSS,
-and prints b/a (target <= 1.5) and the peak RSS (target <= 300 MB).
+and prints b/a (target <= 1.5) and the peak RSS (target <= 300 MB). With --baseline a third
+trace BASE (REF + other 1e-6 noise) is written and (a) reads all three files, (b) runs
+`trace diff REF RUN --baseline BASE` (the three-way diff: one pass over three traces).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -38,26 +41,33 @@ def provenance(mode: str) -> dict:
                 model_config_sha256="0" * 64)
 
 
-def write_pair(ref_path: Path, run_path: Path, prefill: int, decode: int, seed: int = 0) -> None:
+def write_pair(ref_path: Path, run_path: Path, prefill: int, decode: int, seed: int = 0, base_path: Path | None = None) -> None:
     rng = np.random.default_rng(seed)
     noise = np.random.default_rng(seed + 1)
+    noise_c = np.random.default_rng(seed + 2)
     max_seq = prefill + decode
     ids = rng.integers(0, VOCAB, size=prefill)
-    with TraceWriter(ref_path, force=True) as wa, TraceWriter(run_path, force=True) as wb:
+    with contextlib.ExitStack() as stack:
+        wa = stack.enter_context(TraceWriter(ref_path, force=True))
+        wb = stack.enter_context(TraceWriter(run_path, force=True))
+        wc = stack.enter_context(TraceWriter(base_path, force=True)) if base_path else None
+        writers = [w for w in (wa, wb, wc) if w is not None]
         wa.write_header(provenance("reference"), ids, LAYERS, max_new_tokens=decode + 1, eos_token_ids=[1])
-        wb.write_header(provenance("teacher-forced"), ids, LAYERS, max_new_tokens=decode + 1, eos_token_ids=[1])
+        for w in writers[1:]:
+            w.write_header(provenance("teacher-forced"), ids, LAYERS, max_new_tokens=decode + 1, eos_token_ids=[1])
         start = 0
         for step in range(decode + 1):
             stop = prefill if step == 0 else start + 1
             n = stop - start
-            wa.begin_step(range(start, stop))
-            wb.begin_step(range(start, stop))
+            for w in writers:
+                w.begin_step(range(start, stop))
 
             def put(kind, shape, layer=None):
                 x = rng.standard_normal((n, *shape), dtype=np.float32)
                 wa.add(kind, x, layer)
-                x += np.float32(1e-6) * noise.standard_normal(x.shape, dtype=np.float32)
-                wb.add(kind, x, layer)
+                wb.add(kind, x + np.float32(1e-6) * noise.standard_normal(x.shape, dtype=np.float32), layer)
+                if wc is not None:
+                    wc.add(kind, x + np.float32(1e-6) * noise_c.standard_normal(x.shape, dtype=np.float32), layer)
 
             put("embeddings", (HIDDEN,))
             put("per_layer_inputs", (len(LAYERS), PLE))
@@ -68,7 +78,8 @@ def write_pair(ref_path: Path, run_path: Path, prefill: int, decode: int, seed: 
                 k = np.arange(max_seq)[None, :]
                 allowed = (k <= q) & ((k > q - 512) if li.layer_type == "sliding_attention" else True)
                 wa.add("mask", allowed[:, :stop], i)
-                wb.add("mask", allowed, i)  # static runtime: keys over max_seq
+                for w in writers[1:]:
+                    w.add("mask", allowed, i)  # static runtime: keys over max_seq
                 put("q", (HEADS, li.head_dim), i)
                 put("k", (1, li.head_dim), i)
                 put("v", (1, li.head_dim), i)
@@ -76,13 +87,11 @@ def write_pair(ref_path: Path, run_path: Path, prefill: int, decode: int, seed: 
                 put("layer_out", (HIDDEN,), i)
             put("final_hidden", (HIDDEN,))
             logits = rng.standard_normal(VOCAB, dtype=np.float32)
-            wa.add("logits", logits)
-            wb.add("logits", logits)
             tok = np.int64(np.argmax(logits))
-            wa.add("token", tok)
-            wb.add("token", tok)
-            wa.end_step()
-            wb.end_step()
+            for w in writers:
+                w.add("logits", logits)
+                w.add("token", tok)
+                w.end_step()
             start = stop
 
 
@@ -105,19 +114,22 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=1024)
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--keep", action="store_true", help="reuse existing files and keep them")
+    ap.add_argument("--baseline", action="store_true", help="three traces: trace diff REF RUN --baseline BASE")
     args = ap.parse_args()
     ref, run = Path(args.dir) / "bench_diff_ref.h5", Path(args.dir) / "bench_diff_run.h5"
-    if not (args.keep and ref.exists() and run.exists()):
+    base = Path(args.dir) / "bench_diff_base.h5" if args.baseline else None
+    files = [ref, run] + ([base] if base else [])
+    if not (args.keep and all(p.exists() for p in files)):
         t0 = time.perf_counter()
-        write_pair(ref, run, args.prefill, args.decode)
-        print(f"wrote 2 traces in {time.perf_counter() - t0:.1f} s")
+        write_pair(ref, run, args.prefill, args.decode, base_path=base)
+        print(f"wrote {len(files)} traces in {time.perf_counter() - t0:.1f} s")
     sizes = [p.stat().st_size / 1e9 for p in (ref, run)]
     print(f"REF {sizes[0]:.2f} GB, RUN {sizes[1]:.2f} GB on disk; {args.prefill} prefill positions + "
           f"{args.decode} decode steps, {len(LAYERS)} layers, hidden {HIDDEN}, q {HEADS}x256/512, vocab {VOCAB}")
-    plain_read([ref, run])  # warm the page cache
-    ta, nbytes = plain_read([ref, run])
+    plain_read(files)  # warm the page cache
+    ta, nbytes = plain_read(files)
     trace = shutil.which("trace") or str(Path(sys.executable).with_name("trace"))
-    cmd = [trace, "diff", str(ref), str(run)]
+    cmd = [trace, "diff", str(ref), str(run)] + (["--baseline", str(base)] if base else [])
     # /usr/bin/time -v reports the peak RSS of `trace diff` itself (RUSAGE_CHILDREN here would
     # also count this process's pages, inherited for a moment by the forked child)
     t0 = time.perf_counter()
@@ -125,15 +137,15 @@ def main() -> None:
     tb = time.perf_counter() - t0
     rss = [l for l in p.stderr.splitlines() if "Maximum resident set size" in l]
     peak_mb = int(rss[0].split(":")[1]) / 1024 if rss else float("nan")
-    ta2, _ = plain_read([ref, run])
+    ta2, _ = plain_read(files)
     ta = min(ta, ta2)
     print(p.stdout.strip().splitlines()[0] if p.stdout else p.stderr.strip().splitlines()[0])
     print(f"exit code {p.returncode}")
-    print(f"(a) plain h5py read of both files: {ta:.1f} s ({nbytes / 1e9:.2f} GB decompressed, {nbytes / 1e6 / ta:.0f} MB/s)")
+    print(f"(a) plain h5py read of all {len(files)} files: {ta:.1f} s ({nbytes / 1e9:.2f} GB decompressed, {nbytes / 1e6 / ta:.0f} MB/s)")
     print(f"(b) {' '.join(cmd)}: {tb:.1f} s")
     print(f"b/a = {tb / ta:.2f} (target <= 1.5); peak RSS of trace diff = {peak_mb:.0f} MB (target <= 300)")
     if not args.keep:
-        for q in (ref, run):
+        for q in files:
             os.unlink(q)
 
 

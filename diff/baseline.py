@@ -76,31 +76,38 @@ class Baseline:
 
     def failing(self, a, b, c, rs: RowStats, floor, limits: dict, skip) -> tuple[np.ndarray, np.ndarray, tuple]:
         """Like RowStats.failing for REF a, RUN b, BASE c: (fails, first failing metric index,
-        (REF-vs-BASE stats, BASE-vs-RUN stats)) per row."""
-        base = RowStats(a, c, floor)
-        rvb = RowStats(c, b, floor)
-        checks = []
-        for m in ROW_METRICS:
-            if not m.threshold:  # non-finite: never passes
-                checks.append(rs.nonfinite)
-                continue
-            beyond = m.fails(getattr(rs, m.name), limits[m.name])
-            envelope = _excess(m, rs) > self.factor * _excess(m, base)
-            vs_base = m.fails(getattr(rvb, m.name), limits[m.name])
-            checks.append(beyond & envelope & vs_base)
-        checks = np.stack(checks)
-        return checks.any(axis=0) & ~skip, np.argmax(checks, axis=0), (base, rvb)
+        stats for figures) per row. BASE's numbers are computed only for the rows that fail
+        the plain tolerance (few in a float RUN, all in a quantized one)."""
+        n = len(a)
+        beyond = {m.name: m.fails(getattr(rs, m.name), limits[m.name]) for m in ROW_METRICS if m.threshold}
+        cand = np.zeros(n, dtype=bool)
+        for v in beyond.values():
+            cand |= v
+        rows = np.flatnonzero(cand & ~skip)
+        checks = {m.name: (rs.nonfinite if not m.threshold else np.zeros(n, dtype=bool)) for m in ROW_METRICS}
+        base = rvb = None
+        if rows.size:
+            base = RowStats(a[rows], c[rows], floor[rows])  # BASE vs REF
+            rvb = RowStats(c[rows], b[rows], floor[rows])  # RUN vs BASE, BASE as the reference
+            for m in ROW_METRICS:
+                if m.threshold:
+                    envelope = _excess(m, rs)[rows] > self.factor * _excess(m, base)
+                    vs_base = m.fails(getattr(rvb, m.name), limits[m.name][rows])
+                    checks[m.name][rows] = beyond[m.name][rows] & envelope & vs_base
+        stacked = np.stack([checks[m.name] for m in ROW_METRICS])
+        return stacked.any(axis=0) & ~skip, np.argmax(stacked, axis=0), (rows, base, rvb)
 
     def figures(self, metric, i: int, value: float, stats: tuple, threshold: float) -> BaselineFigures:
-        base, rvb = stats
+        rows, base, rvb = stats
         m = next(x for x in ROW_METRICS if x.name == metric)
-        if not m.threshold:
+        j = int(np.searchsorted(rows, i))
+        if not m.threshold or j >= rows.size or rows[j] != i:  # non-finite: no envelope
             return BaselineFigures(self.path, self.factor, float("nan"), float("nan"), float("nan"), threshold)
-        b_exc = float(_excess(m, base)[i])
+        b_exc = float(_excess(m, base)[j])
         r_exc = 1.0 - value if m.fails_below else value
         ratio = r_exc / b_exc if b_exc > 0 else math.inf
-        return BaselineFigures(self.path, self.factor, float(getattr(base, m.name)[i]), ratio,
-                               float(getattr(rvb, m.name)[i]), threshold)
+        return BaselineFigures(self.path, self.factor, float(getattr(base, m.name)[j]), ratio,
+                               float(getattr(rvb, m.name)[j]), threshold)
 
 
 def baseline_words(metric, value: float, fig: BaselineFigures, num, pair) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 from .result import json_fields
 
 TOP_K = 5
-BLOCK_BYTES = 16 << 20
+BLOCK_BYTES = 4 << 20  # float64 temporaries: a few times this per trace
 
 
 @dataclass
