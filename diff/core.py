@@ -18,7 +18,8 @@ from .align import PRE_KINDS, Plan, check_compatible, dataflow_sequence, make_pl
 from .baseline import DEFAULT_FACTOR, Baseline, BaselineInfo, check_baseline
 from .isolation import rank_layers
 from .logits import logit_metrics
-from .metrics import METRIC, METRIC_ORDER, PRIMARY, THRESHOLD_METRICS, RowStats, compare_mask_block, element_detail, mask_row_detail
+from .metrics import (METRIC, METRIC_ORDER, PRIMARY, THRESHOLD_METRICS, RowStats, compare_mask_block, element_detail,
+                      mask_row_detail, ranges_text)
 from .report import divergence_sentence
 from .result import (DiffResult, Divergence, Element, Growth, InputError, Jump, MaskDetail, Origin, Problem, RowDetail,
                      Skipped, Steps, TensorSummary, TokenFlip, TokenInfo, TraceInfo)
@@ -69,6 +70,7 @@ class _Differ:
         self.rel_rows: dict[tuple[str, int | None], np.ndarray] = {}  # residual kinds: rel-L2 per row
         self.growth_sums: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # layer -> (|d|^2, |a|^2, row size)
         self.thresholds: dict[tuple[str, int | None], StepTolerance] = {}
+        self.absent: dict[tuple[str, int | None], np.ndarray] = {}  # rows a trace lacks (rows_present): not compared
 
     # ------------------------------------------------------------ candidates
     def _offer(self, d: Divergence) -> None:
@@ -167,6 +169,7 @@ class _Differ:
             self._offer(Divergence(step, layer, kind, pos, "rows", float(short), float(n_rows),
                                    Problem(f"{who} has {short} rows, the compared steps need {n_rows}")))
             n_rows = short
+        self._absent_rows(kind, layer, n_rows, summary)
         tol = self._tolerance(kind, layer)
         summary.threshold = 0.0 if spec.dtype == "bool" else float(tol.limits[PRIMARY][0])
         summary.precision = tol.precision
@@ -175,6 +178,21 @@ class _Differ:
             summary.status = "diverged"
         elif summary.rows_compared < n_rows:  # rows after the first divergence are not read
             summary.status = "not compared" if summary.rows_compared == 0 else "partly compared"
+
+    def _absent_rows(self, kind: str, layer, n_rows: int, summary: TensorSummary) -> None:
+        """Rows a runtime did not report (a trace's rows_present flags): left out of the comparison
+        (REF's row stands in for RUN's, so they count as equal) and named in the report."""
+        flags = [(who, r.rows_present(kind, layer)) for who, r in (("REF", self.ref), ("RUN", self.run))]
+        flags = [(who, f[:n_rows]) for who, f in flags if f is not None and not f[:n_rows].all()]
+        if not flags:
+            return
+        absent = np.zeros(n_rows, dtype=bool)
+        for _, f in flags:
+            absent[: len(f)] |= ~f
+        self.absent[(kind, layer)] = absent
+        summary.absent_rows = int(absent.sum())
+        summary.absent_positions = ranges_text(np.flatnonzero(absent))
+        summary.absent_in = " and ".join(who for who, _ in flags)
 
     def _blocks(self, spec: S.Kind, layer, n_rows: int, keep: bool):
         """(first row, REF rows, RUN rows, BASE rows or None, their steps) block by block, over
@@ -190,7 +208,13 @@ class _Differ:
         for r0 in range(0, end, block):
             r1 = min(end, r0 + block)
             c = self.base.read(kind, layer, slice(r0, r1)) if self._three_way(kind, layer) else None
-            yield r0, self.ref.read(kind, layer, slice(r0, r1)), self.run.read(kind, layer, slice(r0, r1)), c, row_steps[r0:r1]
+            a, b = self.ref.read(kind, layer, slice(r0, r1)), self.run.read(kind, layer, slice(r0, r1))
+            gone = self.absent.get((kind, layer), np.zeros(0, dtype=bool))[r0:r1]
+            if gone.any():  # a row one trace lacks is not compared: REF's stands in
+                b[gone] = a[gone]
+                if c is not None:
+                    c[gone] = a[gone]
+            yield r0, a, b, c, row_steps[r0:r1]
 
     def _three_way(self, kind: str, layer) -> bool:
         return self.base is not None and self.base.has(kind, layer)
@@ -415,6 +439,13 @@ def _skipped_note(skipped: list[Skipped]) -> str:
             + (f" and {len(skipped) - 12} more" if len(skipped) > 12 else ""))
 
 
+def _absent_note(tensors: list[TensorSummary]) -> str:
+    parts = [f"{t.kind}{f' L{t.layer}' if t.layer is not None else ''} positions {t.absent_positions} (absent in {t.absent_in})"
+             for t in tensors if t.absent_rows]
+    return ("rows not reported (not compared): " + "; ".join(parts[:12])
+            + (f"; and {len(parts) - 12} more tensors" if len(parts) > 12 else ""))
+
+
 def diff_traces(ref_path, run_path, tolerances_path=None, baseline_path=None,
                 baseline_factor: float = DEFAULT_FACTOR) -> DiffResult:
     """Compare a candidate trace against a reference; raise TraceToolError on bad input.
@@ -439,6 +470,8 @@ def diff_traces(ref_path, run_path, tolerances_path=None, baseline_path=None,
             first.origin = d.origin(first)
         if d.skipped:
             d.notes.append(_skipped_note(d.skipped))
+        if d.absent:
+            d.notes.append(_absent_note(d.tensors))
         plan = d.plan
         result = DiffResult(
             match=first is None,

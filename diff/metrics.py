@@ -157,12 +157,12 @@ def mask_row_detail(ra: np.ndarray, rb: np.ndarray, limit: int = 16) -> dict:
         "blocked_in_run_allowed_in_ref": [int(x) for x in ref_only[:limit]],
         "n_allowed_in_run_blocked_in_ref": int(run_only.size),
         "n_blocked_in_run_allowed_in_ref": int(ref_only.size),
-        "ref_allowed": _ranges(np.flatnonzero(a)),
-        "run_allowed": _ranges(np.flatnonzero(b)),
+        "ref_allowed": ranges_text(np.flatnonzero(a)),
+        "run_allowed": ranges_text(np.flatnonzero(b)),
     }
 
 
-def _ranges(idx: np.ndarray) -> str:
+def ranges_text(idx: np.ndarray) -> str:
     """'0-3, 7' for [0, 1, 2, 3, 7]."""
     if idx.size == 0:
         return "none"

@@ -244,6 +244,9 @@ class TensorSummary:
     precision: str | None = opt()
     failed_rows: int | None = opt()  # float kinds
     mismatched_rows: int | None = opt()  # masks
+    absent_rows: int | None = opt()  # rows a trace did not report (rows_present): not compared
+    absent_positions: str | None = opt()  # their positions, "0-11"
+    absent_in: str | None = opt()  # "RUN", "REF" or "REF and RUN"
     worst: dict[str, float] | None = None  # metric name -> worst value over compared rows
 
     def to_json(self) -> dict:

@@ -30,6 +30,21 @@ def _terminate(signum, frame):
     raise KeyboardInterrupt
 
 
+_debug = [False]  # --debug on `trace` or on a command; reset by every `trace` invocation
+
+
+def debug_enabled() -> bool:
+    return _debug[0] or os.environ.get("GEMMA4_TRACE_DEBUG", "") not in ("", "0")
+
+
+def _set_debug(ctx, param, value):
+    if value:
+        _debug[0] = True
+
+
+DEBUG_HELP = "print the full traceback of a failure (a plug-in's, chained) besides the one-line error; also GEMMA4_TRACE_DEBUG=1"
+
+
 def user_errors(fn):
     """Map library exceptions to exit codes and one-line messages: never a traceback."""
 
@@ -39,6 +54,10 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except TraceToolError as e:
+            if debug_enabled() and (e.__cause__ is not None or e.__context__ is not None):
+                import traceback  # the chain: where a plug-in's exception was raised, then where we re-raised it
+
+                click.echo("".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip(), err=True)
             _fail(str(e))
         except KeyboardInterrupt:
             _fail("interrupted; nothing was written", EXIT_INTERRUPTED)
@@ -47,7 +66,7 @@ def user_errors(fn):
         except Exception as e:  # a bug of ours: still one line, the traceback on request
             if interrupted(e):  # Ctrl-C inside C code (h5py) can arrive wrapped in another exception
                 _fail("interrupted; nothing was written", EXIT_INTERRUPTED)
-            if os.environ.get("GEMMA4_TRACE_DEBUG"):
+            if debug_enabled():
                 raise
             _fail(f"internal error ({type(e).__name__}: {one_line(e, 200)}); "
                   "set GEMMA4_TRACE_DEBUG=1 to see the traceback")
@@ -74,8 +93,10 @@ class _OneLineErrors(click.Group):
 
 @click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="gemma4-trace")
-def main():
+@click.option("--debug", is_flag=True, help=DEBUG_HELP)
+def main(debug):
     """Record, replay and diff layer-by-layer traces of Gemma 4."""
+    _debug[0] = debug
 
 
 def _int_list(ctx, param, value):
@@ -171,6 +192,7 @@ def _embedded_model_dir(model_name: str):
 @click.option("--prefill-chunk", type=click.IntRange(0, 1_000_000), default=None, help="static runtime: prefill in chunks of N rows, shapes (N, max_seq); 0 = one step over max_seq [default: 256 when max_seq >= 1024, else 0]")
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
+@click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug, help=DEBUG_HELP)
 @user_errors
 def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, prefill_chunk, output, force):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""

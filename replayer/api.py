@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import traceback
 
 from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces import schema as S
@@ -50,8 +51,9 @@ class WriterProbe:
         self.w = writer
         self.runtime_name = runtime_name
         self.seen: set[tuple[str, int | None]] = set()
+        self.last: tuple[str, int | None] | None = None  # the step's last report: what a crash came after
 
-    def tensor(self, kind: str, value, layer: int | None = None) -> None:
+    def tensor(self, kind: str, value, layer: int | None = None, positions=None) -> None:
         spec = S.KIND_BY_NAME.get(kind)
         if spec is None or kind in DRIVER_KINDS:
             allowed = ", ".join(k for k in S.KIND_NAMES if k not in DRIVER_KINDS)
@@ -75,9 +77,10 @@ class WriterProbe:
             raise TraceToolError(f"runtime {self.runtime_name} reported {kind!r} layer {layer} as "
                                  f"{getattr(value, 'dtype', type(value).__name__)}; expected real numbers")
         try:
-            self.w.add(kind, value, layer=layer, source_dtype=source)
+            self.w.add(kind, value, layer=layer, source_dtype=source, positions=positions)
         except (ValueError, TypeError) as e:
             raise TraceToolError(f"runtime {self.runtime_name}: {one_line(e, 200)}") from None
+        self.last = key
 
     def _check_size(self, kind: str, layer, value) -> None:
         spec = S.KIND_BY_NAME[kind]
@@ -99,6 +102,62 @@ class WriterProbe:
 
     def next_step(self) -> None:
         self.seen.clear()
+        self.last = None
+
+
+_DRIVER_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay.py")}
+
+
+def progress_words(probe) -> str:
+    """What a runtime had reported in the step when it failed: "after layer 4 q"."""
+    last = getattr(probe, "last", None)
+    if last is None:
+        return "before reporting anything"
+    kind, layer = last
+    return f"after {kind}" if layer is None else f"after layer {layer} {kind}"
+
+
+def plugin_roots(spec: str, rt=None) -> list[str]:
+    """The source files and folders that are the plug-in's own code: its factory's module, and
+    its runtime class's module (a module in a package: the whole top-level package, unless the
+    package is ours, as for the built-in extras)."""
+    roots = []
+    for name in (spec.partition(":")[0], type(rt).__module__ if rt is not None else None):
+        module = sys.modules.get(name or "")
+        top = sys.modules.get((name or "").split(".")[0])
+        if module is None:
+            continue
+        if top is not None and top is not module and top.__name__ != "gemma4_trace" and getattr(top, "__path__", None):
+            roots += [os.path.join(os.path.abspath(p), "") for p in top.__path__]  # a folder: its files
+        elif getattr(module, "__file__", None):
+            roots.append(os.path.abspath(module.__file__))
+    return roots
+
+
+def failure_site(e: BaseException, roots: list[str]) -> str:
+    """' at FILE:LINE' of the innermost frame of `e`'s traceback inside the plug-in's code (roots),
+    else of the innermost frame; the path relative to the current folder when it is below it."""
+    inside = innermost = None
+    if isinstance(e, SyntaxError) and e.filename:  # raised while compiling: no frame of the plug-in's own
+        inside = (os.path.abspath(e.filename), e.lineno or 0)
+    tb = e.__traceback__
+    while tb is not None:
+        site = (os.path.abspath(tb.tb_frame.f_code.co_filename), tb.tb_lineno)
+        if site[0] not in _DRIVER_FILES:  # the frame that called the plug-in is no origin
+            innermost = site
+        if any(site[0] == r or (r.endswith(os.sep) and site[0].startswith(r)) for r in roots):
+            inside = site
+        tb = tb.tb_next
+    site = inside or innermost
+    if site is None:
+        return ""
+    rel = os.path.relpath(site[0])
+    return f" at {site[0] if rel.startswith('..') else rel}:{site[1]}"
+
+
+def debug_traceback(e: BaseException) -> str:
+    """The full traceback of `e` with its chain (what --debug prints)."""
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))
 
 
 def as_logits(value, vocab: int, name: str, what: str):
@@ -131,7 +190,8 @@ def load_factory(spec: str):
     try:
         module = importlib.import_module(module_name)
     except (Exception, SystemExit) as e:  # an import error of any kind inside the plug-in is the user's input
-        raise TraceToolError(f"cannot import runtime plug-in module {module_name!r}: {type(e).__name__}: {one_line(e, 200)}") from None
+        raise TraceToolError(f"cannot import runtime plug-in module {module_name!r}"
+                             f"{failure_site(e, plugin_roots(spec))}: {type(e).__name__}: {one_line(e, 200)}") from e
     finally:
         if added:
             sys.path.remove(cwd)
@@ -175,5 +235,6 @@ def make_runtime(spec: str, loaded, max_seq: int):
     except TraceToolError:
         raise
     except (Exception, SystemExit) as e:  # sys.exit() in a plug-in must not end the replay as a success
-        raise TraceToolError(f"runtime plug-in {spec} failed to start: {type(e).__name__}: {one_line(e, 200)}") from None
+        raise TraceToolError(f"runtime plug-in {spec} failed to start{failure_site(e, plugin_roots(spec))}: "
+                             f"{type(e).__name__}: {one_line(e, 200)}") from e  # --debug prints the chain
     return check_runtime(rt, spec)

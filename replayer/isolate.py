@@ -45,14 +45,16 @@ class IsolatingProbe(WriterProbe):
         self.step += 1  # teacher-forced: the replay feeds REF's positions, step by step
         self.rows = slice(*self.ref.step_positions[self.step])
 
-    def tensor(self, kind: str, value, layer: int | None = None):
-        super().tensor(kind, value, layer)
+    def tensor(self, kind: str, value, layer: int | None = None, positions=None):
+        super().tensor(kind, value, layer, positions)
         if kind not in INPUT_KINDS:
             return value
         if not self.ref.has(kind, layer):
             what = kind + (f" of layer {layer}" if layer is not None else "")
             raise TraceToolError(f"--isolate: the reference stores no {what}, so the layer after it cannot be isolated")
         ref = torch.from_numpy(self.ref.read(kind, layer, self.rows))
+        if positions is not None:  # the runtime reported (and continues with) only these rows
+            ref = ref[torch.as_tensor(positions).reshape(-1).cpu() - self.rows.start]
         if tuple(ref.shape) != tuple(value.shape):
             raise TraceToolError(f"--isolate: REF's {kind} rows {tuple(ref.shape)} do not fit the runtime's {tuple(value.shape)}")
         return ref.to(dtype=value.dtype, device=value.device)

@@ -15,7 +15,7 @@ from gemma4_trace.traces.layers import layer_infos_from_config
 from gemma4_trace.traces.reader import TraceReader
 from gemma4_trace.traces.writer import TraceWriter
 
-from .api import WriterProbe, as_logits, make_runtime
+from .api import WriterProbe, as_logits, failure_site, make_runtime, plugin_roots, progress_words
 from .isolate import IsolatingProbe, check_supports_isolation
 
 # the modes a replay can run in (the trace format's modes, less the recorder's "reference")
@@ -115,7 +115,8 @@ def replay_trace(
         check_supports_isolation(rt)
     if hasattr(rt, "prefill_chunk"):  # the static runtime and its quantized variants
         rt.prefill_chunk = None if isolate else resolve_prefill_chunk(prefill_chunk, max_seq)
-    runner = _CheckedRuntime(rt, plugin=runtime != "static", vocab=loaded.text_config.vocab_size)
+    runner = _CheckedRuntime(rt, plugin=runtime != "static", vocab=loaded.text_config.vocab_size,
+                             roots=plugin_roots(runtime, rt))
     t0 = time.perf_counter()
     recorded_mode = "isolated" if isolate else mode
     with contextlib.ExitStack() as stack:
@@ -137,12 +138,13 @@ def replay_trace(
 class _CheckedRuntime:
     """A runtime's prefill/decode whose failures and wrong logits become one-line errors.
 
-    A plug-in's exception is the user's input (one line, exit 2); one from the static
-    runtime is a bug of ours and keeps its traceback.
+    A plug-in's exception is the user's input (one line, exit 2) naming where in the plug-in's
+    code it was raised and what the step had reported before (`--debug` prints the chained
+    traceback); one from the static runtime is a bug of ours and keeps its traceback.
     """
 
-    def __init__(self, rt, plugin: bool, vocab: int):
-        self.rt, self.plugin, self.vocab = rt, plugin, vocab
+    def __init__(self, rt, plugin: bool, vocab: int, roots: list[str] = ()):
+        self.rt, self.plugin, self.vocab, self.roots = rt, plugin, vocab, list(roots)
 
     def prefill(self, ids, extra: dict, probe):
         return self._logits("prefill", self.rt.prefill, ids, extra, probe)
@@ -160,7 +162,8 @@ class _CheckedRuntime:
         except (Exception, SystemExit) as e:  # sys.exit() in a plug-in is a failure, never a silent exit 0
             if not self.plugin:
                 raise
-            raise TraceToolError(f"runtime {self.rt.name} failed in {what}: {type(e).__name__}: {one_line(e, 200)}") from None
+            raise TraceToolError(f"runtime {self.rt.name} failed in {what}{failure_site(e, self.roots)} "
+                                 f"{progress_words(args[-1])}: {type(e).__name__}: {one_line(e, 200)}") from e
         return as_logits(logits, self.vocab, self.rt.name, what)
 
 

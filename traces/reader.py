@@ -474,8 +474,12 @@ class TraceReader:
     def _check_tensors(self) -> None:
         g = self._group(S.GROUP_TENSORS)
         present: list[tuple[str, int | None]] = []
+        flags: list[tuple[str, int | None]] = []  # <kind>.rows_present: which rows a runtime reported
         for name in g:
             obj_path = f"{S.GROUP_TENSORS}/{name}"
+            if name.endswith(S.ROWS_PRESENT_SUFFIX):
+                flags.append((name.removesuffix(S.ROWS_PRESENT_SUFFIX), None))
+                continue
             m = _LAYER_GROUP.match(name)
             if m and S.layer_group(int(m.group(1))) == obj_path:
                 layer = int(m.group(1))
@@ -483,6 +487,9 @@ class TraceReader:
                     self._bad(f"{obj_path!r} is a layer group, but the model has {len(self.layers)} layers")
                 lg = self._group(obj_path)
                 for kind in lg:
+                    if kind.endswith(S.ROWS_PRESENT_SUFFIX):
+                        flags.append((kind.removesuffix(S.ROWS_PRESENT_SUFFIX), layer))
+                        continue
                     spec = S.KIND_BY_NAME.get(kind)
                     if spec is None or not spec.per_layer:
                         self._bad(f"{obj_path}/{kind!r} is not a per-layer kind ({', '.join(S.LAYER_KIND_NAMES)})")
@@ -498,6 +505,9 @@ class TraceReader:
         for kind, layer in present:
             self._check_tensor(kind, layer, limits[kind])
         self._present = set(present)
+        self._flags = set()
+        for kind, layer in flags:
+            self._check_rows_present(kind, layer)
         # the chosen tokens are tiny and every command needs them: read and check them now
         path = S.tensor_path("token", None)
         t = self._read_small(self.f[path])
@@ -532,6 +542,26 @@ class TraceReader:
         if elements > row_limit:
             self._bad(f"{path!r} has rows of shape {row} ({elements} values), more than the model config "
                       f"justifies ({row_limit})")
+
+    def _check_rows_present(self, kind: str, layer: int | None) -> None:
+        """<kind>.rows_present: (rows,) bool beside the position-indexed kind whose rows it flags."""
+        spec = S.KIND_BY_NAME.get(kind)
+        where = f"{S.tensor_path(kind, layer) if spec and spec.per_layer == (layer is not None) else kind}"
+        path = f"{where}{S.ROWS_PRESENT_SUFFIX}"
+        if spec is None or spec.index != "position" or (kind, layer) not in self._present:
+            self._bad(f"{path!r} flags rows of a tensor this trace does not store by position")
+        ds = self._dset(path, 1, "b")
+        rows = self.f[S.tensor_path(kind, layer)].shape[0]
+        if ds.shape != (rows,):
+            self._bad(f"{path!r} has shape {ds.shape}, expected ({rows},): one flag per row of {kind}")
+        self._flags.add((kind, layer))
+
+    def rows_present(self, kind: str, layer: int | None = None) -> np.ndarray | None:
+        """(rows,) bool: which rows of a kind hold data (a runtime may report a subset of a step's
+        rows; the others are zeros); None when every row does."""
+        if (kind, layer) not in self._flags:
+            return None
+        return self._read_small(self.f[S.rows_present_path(kind, layer)]).astype(bool)
 
     def _check_declared(self) -> None:
         """All datasets together may declare only so much for the file's size: a dataset of zeros

@@ -9,6 +9,8 @@ Nothing outside `traces/` writes an HDF5 path string. A trace holds, for one pro
     /steps/positions        (n_steps, 2) int64, [start, stop) absolute positions fed at each step
     /tensors/<kind>         global kinds, rows indexed by position (or by step)
     /tensors/L07/<kind>     per-layer kinds, rows indexed by absolute position
+    /tensors/<path>.rows_present  (rows,) bool, only where a runtime reported a subset of some
+                            step's rows: False rows hold zeros and are no data (never compared)
 
 Step 0 is the prefill over positions 0..T-1; decode step s >= 1 feeds one token at
 position T+s-1, so every position belongs to exactly one step.
@@ -114,6 +116,14 @@ def tensor_path(kind: str, layer: int | None) -> str:
     if spec.per_layer != (layer is not None):
         raise ValueError(f"kind {kind!r} is {'per layer' if spec.per_layer else 'global'}; got layer={layer}")
     return f"{layer_group(layer)}/{kind}" if layer is not None else f"{GROUP_TENSORS}/{kind}"
+
+
+ROWS_PRESENT_SUFFIX = ".rows_present"
+
+
+def rows_present_path(kind: str, layer: int | None) -> str:
+    """The HDF5 path of a position-indexed kind's row-presence flags (written only when some row is absent)."""
+    return tensor_path(kind, layer) + ROWS_PRESENT_SUFFIX
 
 
 def model_field_path(field: str) -> str:

@@ -54,6 +54,7 @@ class _Series:
         self.pending: list[np.ndarray] = []
         self.pending_rows = 0
         self.rows = 0
+        self.absent: list[tuple[int, int]] = []  # [start, stop) row ranges a runtime did not report
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
         self.chunk_rows = int(max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // row_bytes)))
         self.ds = None
@@ -98,6 +99,36 @@ class _Series:
         if self.grow_last:
             self.row_shape = (self.ds.shape[1],)
         self.pending, self.pending_rows = [], 0
+
+
+def _spread_rows(kind, layer, arr: np.ndarray, positions, start: int, stop: int, index: str):
+    """Rows reported at some of a step's positions -> the step's full rows (zeros where absent) and
+    the absent row ranges [a, b) relative to `start`."""
+    if index == "step":
+        raise ValueError(f"{kind} has one row per step; positions= is for position-indexed kinds")
+    pos = np.asarray(positions.tolist() if hasattr(positions, "tolist") else list(positions)).reshape(-1)
+    if pos.dtype.kind not in "iu":
+        raise ValueError(f"{kind} layer {layer}: positions must be integers, got {pos.dtype}")
+    n = stop - start
+    if pos.size == 0 or pos.size > n or np.any(np.diff(pos) <= 0) or pos[0] < start or pos[-1] >= stop:
+        raise ValueError(f"{kind} layer {layer}: positions must be increasing absolute positions within this "
+                         f"step's {start}..{stop - 1}, got {pos[:8].tolist()}{' ...' if pos.size > 8 else ''}")
+    if arr.ndim == 0 or arr.shape[0] != pos.size:
+        raise ValueError(f"{kind} layer {layer}: {arr.shape[0] if arr.ndim else 0} rows for {pos.size} positions")
+    full = np.zeros((n, *arr.shape[1:]), dtype=arr.dtype)
+    full[pos - start] = arr
+    present = np.zeros(n + 2, dtype=bool)
+    present[1:-1][pos - start] = True
+    edges = np.flatnonzero(np.diff(present.astype(np.int8)))  # run boundaries, shifted by one
+    runs = list(zip(edges[::2], edges[1::2]))  # present runs [a, b)
+    absent, prev = [], 0
+    for a, b in runs:
+        if a > prev:
+            absent.append((prev, int(a)))
+        prev = int(b)
+    if prev < n:
+        absent.append((prev, n))
+    return full, absent
 
 
 class TraceWriter:
@@ -213,14 +244,22 @@ class TraceWriter:
     def step(self) -> int:
         return len(self._steps) - 1
 
-    def add(self, kind: str, value, layer: int | None = None, source_dtype: str | None = None) -> None:
-        """Add the rows of `kind` for the open step: one per fed position, or one per step."""
+    def add(self, kind: str, value, layer: int | None = None, source_dtype: str | None = None,
+            positions=None) -> None:
+        """Add the rows of `kind` for the open step: one per fed position, or one per step.
+
+        `positions` (increasing absolute positions of this step): `value` holds only these rows;
+        the others are stored as zeros and flagged absent (schema.rows_present_path).
+        """
         if not self._step_open:
             raise ValueError("add() outside begin_step/end_step")
         spec = S.KIND_BY_NAME[kind]
         path = S.tensor_path(kind, layer)
         arr, src = _to_array(value, source_dtype or self.source_dtype)
         start, stop = self._steps[-1]
+        absent = []
+        if positions is not None:
+            arr, absent = _spread_rows(kind, layer, arr, positions, start, stop, spec.index)
         if spec.index == "step":
             arr = arr.reshape(1, *arr.shape)
         elif arr.shape[0] != stop - start:
@@ -233,9 +272,16 @@ class TraceWriter:
         expected_rows = (self.step if spec.index == "step" else start)
         if series.rows + series.pending_rows != expected_rows:
             raise ValueError(f"{kind} layer {layer}: rows out of order at step {self.step}")
+        series.absent += [(start + a, start + b) for a, b in absent]
         series.append(arr)
 
     def _finish(self) -> None:
         for s in self._series.values():
             s.flush()
+            if s.absent:  # rows reported only in part: say which rows are data
+                present = np.ones(s.rows, dtype=bool)
+                for a, b in s.absent:
+                    present[a:b] = False
+                self.f.create_dataset(s.path + S.ROWS_PRESENT_SUFFIX, data=present, chunks=(min(s.rows, 1 << 16),),
+                                      **COMPRESSION)
         self.f.create_dataset(S.DSET_STEP_POSITIONS, data=np.asarray(self._steps, dtype=np.int64).reshape(-1, 2))
