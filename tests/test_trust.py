@@ -93,6 +93,20 @@ def test_record_output_onto_a_model_file_refused(tmp_path):
     assert (model / "config.json").read_bytes() == before
 
 
+def test_show_quotes_a_long_prompt_in_part(tmp_path):
+    """A 4 MB prompt text (under the attribute cap): `trace show` prints a summary, not the text."""
+    import h5py
+
+    p = tmp_path / "long-prompt.h5"
+    shutil.copyfile(GOLDEN, p)
+    with h5py.File(p, "r+") as f:
+        f["inputs"].attrs["prompt_text"] = "z" * (4 << 20)
+    r = invoke("show", p)
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("prompt"))
+    assert len(r.output) < 10_000 and "(4194304 characters)" in line, line[:300]
+
+
 # ---------------------------------------------------------------- not regular files
 def test_fifo_socket_and_device_refused_as_traces(tmp_path):
     fifo = tmp_path / "fifo.h5"
