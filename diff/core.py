@@ -194,6 +194,23 @@ class _Differ:
         summary.absent_positions = ranges_text(np.flatnonzero(absent))
         summary.absent_in = " and ".join(who for who, _ in flags)
 
+    def _image_blocks_of(self, ra: np.ndarray, rb: np.ndarray, position: int) -> list[dict] | None:
+        """The image blocks (runs of the config's image_token_id in REF's prompt, numbered from 1)
+        that hold a key the two mask rows disagree on, or the query: [{"image", "first", "last"}]."""
+        token = self.ref.model_config.get("image_token_id")
+        ids = np.asarray(self.ref.prompt_ids)
+        if not isinstance(token, int) or not (ids == token).any():
+            return None
+        w = max(ra.shape[0], rb.shape[0])
+        keys = np.flatnonzero(np.pad(ra, (0, w - ra.shape[0])) != np.pad(rb, (0, w - rb.shape[0])))
+        is_img = np.concatenate([[False], ids == token, [False]]).astype(np.int8)
+        edges = np.flatnonzero(np.diff(is_img))  # starts and stops of the runs
+        out = []
+        for n, (first, stop) in enumerate(zip(edges[::2], edges[1::2]), 1):
+            if first <= position < stop or ((keys >= first) & (keys < stop)).any():
+                out.append({"image": n, "first": int(first), "last": int(stop) - 1})
+        return out or None
+
     def _blocks(self, spec: S.Kind, layer, n_rows: int, keep: bool):
         """(first row, REF rows, RUN rows, BASE rows or None, their steps) block by block, over
         the rows that can still beat the best divergence so far (all rows when `keep`)."""
@@ -231,8 +248,9 @@ class _Differ:
             if fails.any():
                 i = int(np.argmax(fails))
                 step, pos = self._position_of(spec.index, r0 + i)
-                self._offer(Divergence(step, layer, spec.name, pos, "mask_keys", float(count[i]), 0.0,
-                                       MaskDetail(**mask_row_detail(a[i], b[i]))))
+                detail = MaskDetail(**mask_row_detail(a[i], b[i]))
+                detail.image_blocks = self._image_blocks_of(a[i], b[i], pos)
+                self._offer(Divergence(step, layer, spec.name, pos, "mask_keys", float(count[i]), 0.0, detail))
                 return True
         return False
 

@@ -97,7 +97,9 @@ def _mask_words(m: MaskDetail, position: int, n_positions: int) -> str:
                           (m.blocked_in_run_allowed_in_ref, m.n_blocked_in_run_allowed_in_ref, "blocked in RUN, allowed in REF")):
         if n:
             parts.append(f"key{'s' if len(keys) > 1 else ''} {_key_words(keys, n, position, n_positions)} {what}")
-    return "; ".join(parts) + f" (REF allows {m.ref_allowed}; RUN allows {m.run_allowed})"
+    images = "".join(f"; keys {b['first']}-{b['last']} = image {b['image']}"
+                      + (" (the query's own)" if b["first"] <= position <= b["last"] else "") for b in m.image_blocks or ())
+    return "; ".join(parts) + f" (REF allows {m.ref_allowed}; RUN allows {m.run_allowed}){images}"
 
 
 def divergence_sentence(result: DiffResult) -> str:

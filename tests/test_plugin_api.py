@@ -180,3 +180,31 @@ def test_reader_refuses_bad_row_flags(last_row_runs, tmp_path, edit, needle):
     with pytest.raises(TraceCorruptError, match="not a valid trace") as e:
         TraceReader(bad)
     assert needle in str(e.value), str(e.value)
+
+
+# ------------------------------------------------------------------ masks on an image prompt
+def test_mask_divergence_names_the_image_block(tmp_path):
+    """Image tokens attending causally (TICO's text masks): the first image query of sliding layer 0
+    misses the later keys of its own image, and the report says which keys are that image."""
+    out = tmp_path / "run.h5"
+    r = invoke("replay", IMAGE, "--runtime", f"{PLUGIN}:make_causal_vision", "-o", out)
+    assert r.exit_code == 0, r.output
+    with TraceReader(IMAGE) as ref:
+        ids = list(ref.prompt_ids)
+        token = ref.model_config["image_token_id"]
+    first, last = ids.index(token), len(ids) - 1 - ids[::-1].index(token)
+    assert ids[first : last + 1] == [token] * (last - first + 1)  # one image block
+    r = invoke("diff", IMAGE, out)
+    assert r.exit_code == 1
+    head = r.output.splitlines()[0]
+    assert head.startswith(f"first divergence: prefill step 0, layer 0 (sliding_attention), kind mask, position {first}:")
+    assert f"blocked in RUN, allowed in REF (REF allows 0-{last}; RUN allows 0-{first})" in head
+    assert head.endswith(f"; keys {first}-{last} = image 1 (the query's own)"), head
+    d = json.loads(invoke("diff", IMAGE, out, "--json").output)["first_divergence"]
+    assert d["image_blocks"] == [{"image": 1, "first": first, "last": last}]
+    assert d["n_blocked_in_run_allowed_in_ref"] == last - first
+    # a text prompt's mask divergence names no image
+    text_run = tmp_path / "text.h5"
+    assert invoke("replay", GOLDEN, "--runtime", "tests.bug_zoo:make_window_off_by_one", "-o", text_run).exit_code == 0
+    d = json.loads(invoke("diff", GOLDEN, text_run, "--json").output)["first_divergence"]
+    assert d["kind"] == "mask" and "image_blocks" not in d and "= image" not in d["sentence"]
