@@ -67,6 +67,22 @@ def test_my_runtime(gemma4_golden_case):
 """
 
 
+@pytest.fixture
+def _gemma4_imported():
+    import transformers
+
+    transformers.Gemma4ForCausalLM, transformers.Gemma4ForConditionalGeneration  # noqa: B018 (lazy imports)
+
+
+@pytest.fixture
+def pytester(_gemma4_imported, pytester):
+    """pytester, with transformers' Gemma 4 imported before it snapshots sys.modules: an
+    in-process run unloads the modules it imported, and torch's operator libraries cannot be
+    imported twice in one process (whichever test runs first in a process, with -k or under
+    xdist, would break the next)."""
+    return pytester
+
+
 def test_plugin_cases_one_item_per_golden(pytester):
     pytester.makepyfile(test_bad=CASE_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"))
     res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-v")
