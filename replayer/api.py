@@ -108,6 +108,18 @@ class WriterProbe:
 _DRIVER_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay.py")}
 
 
+def report(probe, kind: str, value, layer: int | None = None, positions=None):
+    """Report `value` when a probe is on and return the tensor to continue with: `value`, or the
+    probe's rows (REF's under --isolate). With probe None nothing runs.
+
+        x = report(probe, "layer_out", x_rows, layer=i)
+    """
+    if probe is None:
+        return value
+    got = probe.tensor(kind, value, layer) if positions is None else probe.tensor(kind, value, layer, positions=positions)
+    return value if got is None else got
+
+
 def progress_words(probe) -> str:
     """What a runtime had reported in the step when it failed: "after layer 4 q"."""
     last = getattr(probe, "last", None)

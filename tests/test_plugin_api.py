@@ -208,3 +208,26 @@ def test_mask_divergence_names_the_image_block(tmp_path):
     assert invoke("replay", GOLDEN, "--runtime", "tests.bug_zoo:make_window_off_by_one", "-o", text_run).exit_code == 0
     d = json.loads(invoke("diff", GOLDEN, text_run, "--json").output)["first_divergence"]
     assert d["kind"] == "mask" and "image_blocks" not in d and "= image" not in d["sentence"]
+
+
+def test_report_helper_returns_what_to_continue_with():
+    import torch
+
+    from gemma4_trace.replayer.api import report
+
+    x = torch.ones(2, 3)
+
+    class Probe:
+        def __init__(self, back):
+            self.back, self.calls = back, []
+
+        def tensor(self, kind, value, layer=None, positions=None):
+            self.calls.append((kind, layer, positions))
+            return self.back
+
+    assert report(None, "layer_out", x, layer=1) is x
+    p = Probe(None)
+    assert report(p, "layer_out", x, layer=1) is x and p.calls == [("layer_out", 1, None)]
+    ref = torch.zeros(1, 3)
+    p = Probe(ref)
+    assert report(p, "final_hidden", x[1:], positions=[12]) is ref and p.calls == [("final_hidden", None, [12])]
