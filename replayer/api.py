@@ -40,6 +40,10 @@ EXTRA_RUNTIMES = {
 }
 
 
+class ReportError(TraceToolError):
+    """A report the probe refuses (unknown kind, wrong rows, ...): the driver adds where the plug-in made it."""
+
+
 class WriterProbe:
     """A probe that streams the runtime's tensors into a TraceWriter's open step.
 
@@ -57,15 +61,15 @@ class WriterProbe:
         spec = S.KIND_BY_NAME.get(kind)
         if spec is None or kind in DRIVER_KINDS:
             allowed = ", ".join(k for k in S.KIND_NAMES if k not in DRIVER_KINDS)
-            raise TraceToolError(f"runtime {self.runtime_name} reported unknown kind {kind!r} (known: {allowed})")
+            raise ReportError(f"runtime {self.runtime_name} reported unknown kind {kind!r} (known: {allowed})")
         if (layer is None) == spec.per_layer:
-            raise TraceToolError(
+            raise ReportError(
                 f"runtime {self.runtime_name} reported {kind!r} with layer={layer}; "
                 f"{kind} is {'per layer' if spec.per_layer else 'global (layer=None)'}"
             )
         key = (kind, layer)
         if key in self.seen:
-            raise TraceToolError(f"runtime {self.runtime_name} reported {kind!r} layer {layer} twice in one step")
+            raise ReportError(f"runtime {self.runtime_name} reported {kind!r} layer {layer} twice in one step")
         self.seen.add(key)
         source = str(getattr(value, "dtype", "float32")).removeprefix("torch.")
         self._check_size(kind, layer, value)  # before any copy: an expanded view can claim terabytes
@@ -74,12 +78,12 @@ class WriterProbe:
             value = (value.float() if value.is_floating_point() else value).cpu().numpy()
         complex_tensor = hasattr(value, "is_complex") and value.is_complex()
         if complex_tensor or isinstance(value, (str, bytes)) or getattr(getattr(value, "dtype", None), "kind", "f") in "cOSUV":
-            raise TraceToolError(f"runtime {self.runtime_name} reported {kind!r} layer {layer} as "
+            raise ReportError(f"runtime {self.runtime_name} reported {kind!r} layer {layer} as "
                                  f"{getattr(value, 'dtype', type(value).__name__)}; expected real numbers")
         try:
             self.w.add(kind, value, layer=layer, source_dtype=source, positions=positions)
         except (ValueError, TypeError) as e:
-            raise TraceToolError(f"runtime {self.runtime_name}: {one_line(e, 200)}") from None
+            raise ReportError(f"runtime {self.runtime_name}: {one_line(e, 200)}") from None
         self.last = key
 
     def _check_size(self, kind: str, layer, value) -> None:
@@ -89,7 +93,7 @@ class WriterProbe:
 
             shape = tuple(int(d) for d in (value.shape if hasattr(value, "shape") else np.shape(value)))
         except (TypeError, ValueError):
-            raise TraceToolError(f"runtime {self.runtime_name} reported {kind!r} as {type(value).__name__}, "
+            raise ReportError(f"runtime {self.runtime_name} reported {kind!r} as {type(value).__name__}, "
                                  "not a tensor") from None
         rows = 1 if spec.index == "step" else self.w.step_rows
         limit = LIM.row_limits(self.w.model_config, self.w.layers)[kind] * rows
@@ -97,7 +101,7 @@ class WriterProbe:
         for d in shape:
             n *= d
         if n > limit:
-            raise TraceToolError(f"runtime {self.runtime_name} reported {kind!r} layer {layer} of shape {shape}: "
+            raise ReportError(f"runtime {self.runtime_name} reported {kind!r} layer {layer} of shape {shape}: "
                                  f"{n} values, more than {rows} row(s) of {kind} may hold ({limit})")
 
     def next_step(self) -> None:
@@ -146,9 +150,10 @@ def plugin_roots(spec: str, rt=None) -> list[str]:
     return roots
 
 
-def failure_site(e: BaseException, roots: list[str]) -> str:
+def failure_site(e: BaseException, roots: list[str], inside_only: bool = False) -> str:
     """' at FILE:LINE' of the innermost frame of `e`'s traceback inside the plug-in's code (roots),
-    else of the innermost frame; the path relative to the current folder when it is below it."""
+    else (unless inside_only) of the innermost frame outside the driver; the path relative to the
+    current folder when it is below it."""
     inside = innermost = None
     if isinstance(e, SyntaxError) and e.filename:  # raised while compiling: no frame of the plug-in's own
         inside = (os.path.abspath(e.filename), e.lineno or 0)
@@ -160,7 +165,7 @@ def failure_site(e: BaseException, roots: list[str]) -> str:
         if any(site[0] == r or (r.endswith(os.sep) and site[0].startswith(r)) for r in roots):
             inside = site
         tb = tb.tb_next
-    site = inside or innermost
+    site = inside or (None if inside_only else innermost)
     if site is None:
         return ""
     rel = os.path.relpath(site[0])

@@ -15,7 +15,7 @@ from gemma4_trace.traces.layers import layer_infos_from_config
 from gemma4_trace.traces.reader import TraceReader
 from gemma4_trace.traces.writer import TraceWriter
 
-from .api import WriterProbe, as_logits, failure_site, make_runtime, plugin_roots, progress_words
+from .api import ReportError, WriterProbe, as_logits, failure_site, make_runtime, plugin_roots, progress_words
 from .isolate import IsolatingProbe, check_supports_isolation
 
 # the modes a replay can run in (the trace format's modes, less the recorder's "reference")
@@ -157,6 +157,11 @@ class _CheckedRuntime:
 
         try:
             logits = fn(*args)
+        except ReportError as e:  # the probe refused a report: say where the plug-in made it
+            site = failure_site(e, self.roots, inside_only=True) if self.plugin else ""
+            if not site:
+                raise
+            raise TraceToolError(f"{e} (reported{site})") from e
         except TraceToolError:
             raise
         except (Exception, SystemExit) as e:  # sys.exit() in a plug-in is a failure, never a silent exit 0

@@ -113,6 +113,7 @@ def test_deferred_construction_replays_and_matches(tmp_path):
 def test_bad_positions_are_one_line(tmp_path, factory, needle):
     line = error_line(invoke("replay", GOLDEN, "--runtime", f"{PLUGIN}:{factory}", "-o", tmp_path / "r.h5"))
     assert "runtime bad-positions" in line and needle in line, line
+    assert line.endswith(f"(reported at {site('CRASH-SITE-POSITIONS')})"), line  # where the plug-in reported
 
 
 # ------------------------------------------------------------------ a subset of a step's rows
