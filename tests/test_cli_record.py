@@ -11,13 +11,19 @@ import pytest
 from click.testing import CliRunner
 
 from gemma4_trace.cli import main
-from tests import tiny_models
 from gemma4_trace.traces import TraceReader
+from tests import tiny_models
 
 
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):
     return tiny_models.build(tmp_path_factory.mktemp("m") / "model", "base")
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    """Room for a run far longer than the test lasts (record refuses more positions than the model has)."""
+    return tiny_models.build(tmp_path_factory.mktemp("m") / "model", "base", max_position_embeddings=1 << 20)
 
 
 def run(*args):
@@ -123,9 +129,9 @@ def test_show_bad_files(tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
-def test_interrupted_record_leaves_nothing(text_model, tmp_path, sig):
+def test_interrupted_record_leaves_nothing(long_model, tmp_path, sig):
     out = tmp_path / "t.h5"
-    cmd = [sys.executable, "-m", "gemma4_trace", "record", "--model", str(text_model), "--input-ids", "2,17",
+    cmd = [sys.executable, "-m", "gemma4_trace", "record", "--model", str(long_model), "--input-ids", "2,17",
            "--max-new-tokens", "100000", "-o", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
@@ -139,7 +145,7 @@ def test_interrupted_record_leaves_nothing(text_model, tmp_path, sig):
     if sig == signal.SIGKILL:
         # a killed run cannot clean up; its clearly named partial file goes at the next run
         assert [p for p in tmp_path.iterdir() if p.name.startswith(".trace-partial")]
-        assert run("record", "--model", text_model, "--input-ids", "2", "--max-new-tokens", 1, "-o", out).exit_code == 0
+        assert run("record", "--model", long_model, "--input-ids", "2", "--max-new-tokens", 1, "-o", out).exit_code == 0
         assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]
     else:
         assert proc.returncode == 130, err
