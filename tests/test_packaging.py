@@ -108,3 +108,14 @@ def test_update_golden_without_golden_dir_refuses(user_project):
     errors = [line for line in (p.stdout + p.stderr).splitlines() if "--update-golden" in line]
     assert len(errors) == 1 and "--golden-dir" in errors[0], p.stdout + p.stderr
     assert {p.name: p.stat().st_mtime_ns for p in GOLDEN_DIR.iterdir()} == before
+
+
+def test_plugin_imports_nothing_of_ours_or_heavy_at_load(tmp_path):
+    code = (
+        "import sys\nbefore = set(sys.modules)\nimport gemma4_trace.pytest_plugin\n"
+        "new = {m.split('.')[0] if not m.startswith('gemma4_trace') else m for m in set(sys.modules) - before}\n"
+        "print(sorted(new & {'gemma4_trace', 'gemma4_trace.pytest_plugin', 'gemma4_trace.traces', 'gemma4_trace.hf',\n"
+        "    'gemma4_trace.recorder', 'gemma4_trace.diff', 'h5py', 'numpy', 'torch', 'transformers'}))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=_env(), timeout=120)
+    assert p.stdout.strip() == "['gemma4_trace', 'gemma4_trace.pytest_plugin']", p.stdout + p.stderr
