@@ -105,6 +105,7 @@ class _Differ:
         self.plan: Plan = make_plan(ref, run, self.ref_tokens, self.run_tokens)
         self.row_steps = self.plan.row_steps()
         self._step_notes()
+        self._selection_notes()
         self._tokens_candidate()
         present_ref = set(ref.kinds_present())
         present_run = set(run.kinds_present())
@@ -122,6 +123,13 @@ class _Differ:
                                            Problem(f"logits stored only in {where}")))
                 continue
             self._compare(kind, layer)
+
+    def _selection_notes(self) -> None:
+        """Say what a selective recording left out: those kinds, layers and steps are not compared."""
+        for who, r in (("REF", self.ref), ("RUN", self.run)):
+            if r.selection is not None:
+                self.notes.append(f"{who} is a selective recording, keeping only {r.selection.describe()}: "
+                                  "the rest was not compared")
 
     def _step_notes(self) -> None:
         ref, run, plan = self.ref, self.run, self.plan

@@ -113,6 +113,19 @@ def _int_list(ctx, param, value):
     return ids
 
 
+def selection_options(fn):
+    """--layers / --kinds / --steps: a selective trace (logits and tokens are always kept)."""
+    fn = click.option("--steps", default=None, help="keep only these steps, e.g. 0-4 (0 = prefill) [default: all]")(fn)
+    fn = click.option("--kinds", default=None, help="keep only these kinds, e.g. q,k,v,layer_out [default: all]")(fn)
+    return click.option("--layers", default=None, help="keep only these layers, e.g. 0-3,17 [default: all]")(fn)
+
+
+def _selection(layers, kinds, steps):
+    from gemma4_trace.traces.selection import Selection
+
+    return Selection.parse(layers, kinds, steps)
+
+
 @main.command()
 @click.option("--model", "model_dir", type=click.Path(), default=None, help="save_pretrained folder [default: embedded tiny model]")
 @click.option("--prompt", default=None, help="prompt text (needs a tokenizer in the model folder)")
@@ -124,19 +137,21 @@ def _int_list(ctx, param, value):
 @click.option("--no-chat", is_flag=True, help="feed the prompt as raw text, without the chat template")
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
+@selection_options
 @user_errors
-def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, no_chat, output, force):
+def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, no_chat, output, force, layers, kinds, steps):
     """Run HF Gemma 4 greedy generation with hooks and write a reference trace."""
     from gemma4_trace.progress import ProgressBar
     from gemma4_trace.recorder.record import record_trace
 
     check_output_path(output, force, inputs=[*images, *_model_files(model_dir)])
+    selection = _selection(layers, kinds, steps)
     bar = ProgressBar("recording")
     try:
         summary = record_trace(
             model_dir=model_dir, output=output, prompt=prompt, input_ids=input_ids, images=list(images),
             max_new_tokens=max_new_tokens, dtype=dtype, device=device, chat=not no_chat, force=force,
-            progress=bar,
+            progress=bar, selection=selection,
         )
     finally:
         bar.close()
@@ -193,8 +208,9 @@ def _embedded_model_dir(model_name: str):
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
 @click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug, help=DEBUG_HELP)
+@selection_options
 @user_errors
-def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, prefill_chunk, output, force):
+def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, prefill_chunk, output, force, layers, kinds, steps):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""
     from gemma4_trace.progress import ProgressBar
     from gemma4_trace.replayer.replay import replay_trace
@@ -205,7 +221,7 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, pre
         summary = replay_trace(
             reference, output, model_dir=model_dir, runtime=runtime, max_seq=max_seq,
             mode="teacher-forced" if teacher_forcing else "free-running", force=force, progress=bar,
-            isolate=isolate, prefill_chunk=prefill_chunk,
+            isolate=isolate, prefill_chunk=prefill_chunk, selection=_selection(layers, kinds, steps),
         )
     finally:
         bar.close()

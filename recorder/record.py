@@ -49,10 +49,12 @@ def record_trace(
     chat: bool = True,
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    selection=None,
 ) -> str:
     """Record HF Gemma 4 on one prompt into `output`; return a one-line summary.
 
     `progress(done, total)`, when given, is called after each generated token.
+    `selection` (traces.selection.Selection): the layers, kinds and steps to keep; None: all.
     """
     check_output_path(output, force)  # fail before loading anything
     if prompt is not None and input_ids is not None:
@@ -66,7 +68,8 @@ def record_trace(
     pil_images = [_open_image(p) for p in images]
     lm = load_model(model_dir, dtype=dtype, device=device)
     inputs = prepare_inputs(lm, prompt, input_ids, pil_images, chat)
-    tokens = record_loaded(lm, inputs, output, max_new_tokens=max_new_tokens, force=force, progress=progress)
+    tokens = record_loaded(lm, inputs, output, max_new_tokens=max_new_tokens, force=force, progress=progress,
+                           selection=selection)
     text = ""
     if lm.tokenizer is not None:
         text = " -> " + repr(lm.tokenizer.decode(tokens, skip_special_tokens=False))
@@ -256,22 +259,31 @@ class _StepRecorder:
         return hook
 
     def _on_return(self, module, args, out):
+        import numpy as np
         import torch
 
         b, w = self.buf, self.w
         w.begin_step(self.positions)
-        w.add("embeddings", _np(b["embeddings"]))
+
+        def put(kind, t, layer=None):
+            if not w.keeps(kind, layer):  # a selective recording: never copied
+                return
+            if not w.keeps_now(kind, layer):  # a step left out: zero rows, flagged absent by the writer
+                t = np.zeros(tuple(t.shape), dtype=bool if t.dtype == torch.bool else np.float32)
+            w.add(kind, _np(t) if hasattr(t, "detach") else t, layer=layer)
+
+        put("embeddings", b["embeddings"])
         n_layers = len(self.text_model.layers)
-        if ("ple", 0) in b:
-            w.add("per_layer_inputs", _np(torch.stack([b[("ple", i)] for i in range(n_layers)], dim=1)))
+        if ("ple", 0) in b and w.keeps("per_layer_inputs"):
+            put("per_layer_inputs", torch.stack([b[("ple", i)] for i in range(n_layers)], dim=1))
         for lt in sorted(set(self.layer_types)):
             for kind in rope_kinds(lt):
-                w.add(kind, _np(b[kind]))
+                put(kind, b[kind])
         for i in range(n_layers):
             for kind in ("mask", "q", "k", "v", "attn_out", "layer_out"):
                 if (kind, i) in b:
-                    w.add(kind, _np(b[(kind, i)]), layer=i)
-        w.add("final_hidden", _np(b["final_hidden"]))
+                    put(kind, b[(kind, i)], layer=i)
+        put("final_hidden", b["final_hidden"])
         logits = out.logits[0, -1]
         w.add("logits", _np(logits))
         self.n_steps += 1
@@ -292,7 +304,7 @@ def _np(t):
 
 def record_loaded(
     lm: LoadedModel, inputs: PromptInputs, output, *, max_new_tokens: int, force: bool = False,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None, selection=None,
 ) -> list[int]:
     """Run greedy generate() with hooks and write the trace; return the generated ids."""
     import torch
@@ -306,6 +318,8 @@ def record_loaded(
     layers = layer_infos_from_config(lm.text_config)
     prompt_len = ids.shape[1]
     check_positions(lm.text_config, prompt_len, max_new_tokens)
+    if selection is not None:
+        selection.check(len(layers), max_new_tokens)
     impl = model.config._attn_implementation or "eager"
     original = ALL_ATTENTION_FUNCTIONS.get(impl, modeling_gemma4.eager_attention_forward)
     streamer = _ProgressStreamer(max_new_tokens, progress) if progress is not None else None
@@ -313,7 +327,7 @@ def record_loaded(
                                         2 if lm.dtype == "bfloat16" else 4),
                    f"recording {prompt_len} prompt tokens + {max_new_tokens} new tokens")
 
-    with TraceWriter(output, force=force, source_dtype=lm.dtype) as w:
+    with TraceWriter(output, force=force, source_dtype=lm.dtype, selection=selection) as w:
         w.write_header(
             provenance(lm, runtime=f"hf-transformers ({impl})", mode="reference"),
             inputs.input_ids, layers, max_new_tokens=max_new_tokens, eos_token_ids=eos,

@@ -35,6 +35,7 @@ class Reference:
     chat: bool
     tokens: list[int]  # the reference's generated tokens, one per step
     n_steps: int
+    selection: object = None  # a selective reference's Selection (traces/selection.py), else None
 
 
 def read_reference(path) -> Reference:
@@ -49,7 +50,16 @@ def read_reference(path) -> Reference:
             chat=r.chat_template_applied,
             tokens=[int(t) for t in r.tokens()],
             n_steps=r.n_steps,
+            selection=r.selection,
         )
+
+
+def json_layers(prov: dict) -> list:
+    """The layer types of the model a trace's provenance names (no model load)."""
+    import json
+
+    cfg = json.loads(prov["model_config"])
+    return list(cfg.get("text_config", cfg)["layer_types"])
 
 
 def default_max_seq(prompt_len: int, max_new_tokens: int) -> int:
@@ -89,12 +99,14 @@ def replay_trace(
     progress: Callable[[int, int], None] | None = None,
     isolate: bool = False,
     prefill_chunk: int | None = None,
+    selection=None,
 ) -> str:
     """Replay REF's inputs through a runtime and write the candidate trace; return a summary line.
 
     `progress(done, total)`, when given, is called after each step. `isolate`: every layer
     is fed REF's input (replayer/isolate.py); the trace's mode is "isolated".
     `prefill_chunk`: rows per static prefill step (resolve_prefill_chunk); isolation prefills whole.
+    `selection` (traces.selection.Selection): what to keep; default what REF kept.
     """
     if mode not in MODES:
         raise TraceToolError(f"mode must be one of {MODES}, got {mode!r}")
@@ -106,6 +118,9 @@ def replay_trace(
     max_seq = default_max_seq(T, n_new) if max_seq is None else max_seq
     if T + n_new > max_seq:
         raise TraceToolError(f"prompt ({T} tokens) + max_new_tokens ({n_new}) = {T + n_new} exceeds --max-seq {max_seq}")
+    selection = ref.selection if selection is None else selection
+    if selection is not None:
+        selection.check(len(json_layers(ref.provenance)), n_new)
     loaded = load_for_reference(ref.provenance, model_dir)
     limit = getattr(loaded.text_config, "max_position_embeddings", None)
     if limit is not None and max_seq > limit:
@@ -120,7 +135,7 @@ def replay_trace(
     t0 = time.perf_counter()
     recorded_mode = "isolated" if isolate else mode
     with contextlib.ExitStack() as stack:
-        w = stack.enter_context(TraceWriter(output, force=force, source_dtype=loaded.dtype))
+        w = stack.enter_context(TraceWriter(output, force=force, source_dtype=loaded.dtype, selection=selection))
         w.write_header(
             provenance(loaded, runtime=rt.name, mode=recorded_mode), ref.prompt_ids,
             layer_infos_from_config(loaded.text_config), max_new_tokens=n_new, eos_token_ids=ref.eos,

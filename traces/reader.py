@@ -384,6 +384,14 @@ class TraceReader:
             self._bad("the root attribute 'model_config' is not a JSON object")
         self.provenance = prov
         self._config = cfg
+        self.selection = None  # a selective recording's Selection (traces/selection.py); None: everything
+        if S.ATTR_SELECTION in f.attrs:
+            from .selection import Selection
+
+            try:
+                self.selection = Selection.from_json(self._text_attr(f, S.ATTR_SELECTION, "the root"))
+            except (ValueError, RecursionError) as e:
+                self._bad(f"the root attribute {S.ATTR_SELECTION!r} is not a valid selection ({one_line(str(e), 120)})")
 
         g = self._group(S.GROUP_INPUTS)
         self._members(g, S.GROUP_INPUTS, _MEMBERS[S.GROUP_INPUTS])

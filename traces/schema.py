@@ -27,6 +27,10 @@ SCHEMA_VERSION = 1
 ATTR_SCHEMA = "schema"
 ATTR_SCHEMA_VERSION = "schema_version"
 ATTR_SOURCE_DTYPE = "source_dtype"
+# optional: what a selective recording kept (JSON {"layers", "kinds", "steps"}; traces/selection.py).
+# Absent: everything. Schema version unchanged: a reader without it still reads such a trace right
+# (left-out kinds are absent, left-out steps are rows flagged absent); it cannot say why.
+ATTR_SELECTION = "selection"
 PROVENANCE_KEYS = (
     "creator_version",
     "torch_version",

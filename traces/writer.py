@@ -143,8 +143,9 @@ class TraceWriter:
     The file appears at `path` only when the `with` block ends without an exception.
     """
 
-    def __init__(self, path: str | Path, force: bool = False, source_dtype: str | None = None):
+    def __init__(self, path: str | Path, force: bool = False, source_dtype: str | None = None, selection=None):
         self.path = Path(path)
+        self.selection = selection  # traces.selection.Selection: what to keep (None: everything)
         self.force = force
         self.source_dtype = source_dtype
         self._ctx = None
@@ -193,6 +194,8 @@ class TraceWriter:
         f = self.f
         f.attrs[S.ATTR_SCHEMA] = fixed_text(S.SCHEMA_NAME)
         f.attrs[S.ATTR_SCHEMA_VERSION] = S.SCHEMA_VERSION
+        if self.selection is not None:
+            f.attrs[S.ATTR_SELECTION] = fixed_text(json.dumps(self.selection.to_json(), sort_keys=True))
         missing = [k for k in S.PROVENANCE_KEYS if k not in provenance]
         if missing:
             raise ValueError(f"provenance lacks {missing}")
@@ -255,11 +258,15 @@ class TraceWriter:
             raise ValueError("add() outside begin_step/end_step")
         spec = S.KIND_BY_NAME[kind]
         path = S.tensor_path(kind, layer)
+        if not self.keeps(kind, layer):
+            return
         arr, src = _to_array(value, source_dtype or self.source_dtype)
         start, stop = self._steps[-1]
         absent = []
         if positions is not None:
             arr, absent = _spread_rows(kind, layer, arr, positions, start, stop, spec.index)
+        if self.selection is not None and not self.selection.keeps_step(kind, self.step):
+            arr, absent = np.zeros_like(arr), [(0, stop - start)]  # a step left out: zero rows, flagged absent
         if spec.index == "step":
             arr = arr.reshape(1, *arr.shape)
         elif arr.shape[0] != stop - start:
@@ -274,6 +281,14 @@ class TraceWriter:
             raise ValueError(f"{kind} layer {layer}: rows out of order at step {self.step}")
         series.absent += [(start + a, start + b) for a, b in absent]
         series.append(arr)
+
+    def keeps(self, kind: str, layer: int | None = None) -> bool:
+        """Does the selection keep (kind, layer) at all? (Callers skip computing what it does not.)"""
+        return self.selection is None or self.selection.keeps(kind, layer)
+
+    def keeps_now(self, kind: str, layer: int | None = None) -> bool:
+        """Does the selection keep (kind, layer) at the open step?"""
+        return self.keeps(kind, layer) and (self.selection is None or self.selection.keeps_step(kind, self.step))
 
     def _finish(self) -> None:
         for s in self._series.values():

@@ -1,0 +1,127 @@
+"""Selective recording: which layers, kinds and steps a trace keeps (`--layers 0-3,17
+--kinds q,k,v,layer_out --steps 0-4` on `trace record` and `trace replay`).
+
+Logits and the chosen token are always kept (the diff and free-running replay need them).
+A (kind, layer) left out is not written at all; a step left out is written as zero rows
+flagged absent (`<kind>.rows_present`), so every kept dataset still has one row per position.
+The writer stores the selection as the root attribute `selection` (JSON, schema.ATTR_SELECTION);
+readers that predate it read such a trace correctly, they only cannot say why rows are absent.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from . import schema as S
+from .errors import TraceToolError
+
+ALWAYS_KEPT = ("logits", "token")
+
+
+def parse_ranges(text: str, what: str) -> tuple[int, ...]:
+    """'0-3,17' -> (0, 1, 2, 3, 17); a bad range is a TraceToolError naming the option."""
+    out: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        a, sep, b = part.partition("-")
+        try:
+            lo, hi = int(a), int(b) if sep else int(a)
+        except ValueError:
+            raise TraceToolError(f"--{what} {text!r}: expected numbers and ranges like 0-3,17") from None
+        if lo < 0 or hi < lo:
+            raise TraceToolError(f"--{what} {text!r}: bad range {part!r} (want a-b with 0 <= a <= b)")
+        if hi - lo > 1_000_000:
+            raise TraceToolError(f"--{what} {text!r}: range {part!r} is too large")
+        out.update(range(lo, hi + 1))
+    if not out:
+        raise TraceToolError(f"--{what} {text!r}: nothing selected")
+    return tuple(sorted(out))
+
+
+def ranges_text(values) -> str:
+    """(0, 1, 2, 3, 17) -> '0-3,17'."""
+    vals, parts = sorted(values), []
+    i = 0
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        parts.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class Selection:
+    layers: tuple[int, ...] | None = None  # None: every layer
+    kinds: tuple[str, ...] | None = None  # None: every kind
+    steps: tuple[int, ...] | None = None  # None: every step
+
+    @classmethod
+    def parse(cls, layers: str | None = None, kinds: str | None = None, steps: str | None = None) -> "Selection | None":
+        """The CLI's filter strings -> a Selection (None when nothing is filtered)."""
+        if layers is None and kinds is None and steps is None:
+            return None
+        k = None
+        if kinds is not None:
+            names = tuple(dict.fromkeys(x for x in kinds.replace(" ", "").split(",") if x))
+            bad = [x for x in names if x not in S.KIND_NAMES]
+            if bad or not names:
+                raise TraceToolError(f"--kinds: unknown kind {bad[0] if bad else kinds!r} (known: {', '.join(S.KIND_NAMES)})")
+            k = tuple(x for x in S.KIND_NAMES if x in names or x in ALWAYS_KEPT)
+        return cls(parse_ranges(layers, "layers") if layers is not None else None, k,
+                   parse_ranges(steps, "steps") if steps is not None else None)
+
+    def check(self, n_layers: int, max_steps: int) -> None:
+        """Refuse layers the model does not have and steps the run cannot reach."""
+        if self.layers is not None and self.layers[-1] >= n_layers:
+            bad = ranges_text([x for x in self.layers if x >= n_layers])
+            raise TraceToolError(f"--layers {bad}: the model has {n_layers} layers (0-{n_layers - 1})")
+        if self.steps is not None and self.steps[0] >= max_steps:
+            raise TraceToolError(f"--steps {ranges_text(self.steps)}: the run has {max_steps} steps (0-{max_steps - 1}); "
+                                 "step 0 is the prefill, step s the s-th decode step")
+
+    def keeps(self, kind: str, layer: int | None = None) -> bool:
+        """Is (kind, layer) written at all (at the steps kept)?"""
+        if kind in ALWAYS_KEPT:
+            return True
+        if self.kinds is not None and kind not in self.kinds:
+            return False
+        return layer is None or self.layers is None or layer in self.layers
+
+    def keeps_step(self, kind: str, step: int) -> bool:
+        return kind in ALWAYS_KEPT or self.steps is None or step in self.steps
+
+    def to_json(self) -> dict:
+        return {"layers": None if self.layers is None else ranges_text(self.layers),
+                "kinds": None if self.kinds is None else list(self.kinds),
+                "steps": None if self.steps is None else ranges_text(self.steps)}
+
+    @classmethod
+    def from_json(cls, text: str) -> "Selection":
+        """A trace's `selection` attribute; ValueError when malformed (the reader says which file)."""
+        d = json.loads(text)
+        if not isinstance(d, dict) or set(d) - {"layers", "kinds", "steps"}:
+            raise ValueError("expected an object with layers, kinds, steps")
+        kinds = d.get("kinds")
+        if kinds is not None and (not isinstance(kinds, list) or any(k not in S.KIND_NAMES for k in kinds)):
+            raise ValueError("kinds must be a list of kind names")
+        try:
+            layers = parse_ranges(d["layers"], "layers") if d.get("layers") is not None else None
+            steps = parse_ranges(d["steps"], "steps") if d.get("steps") is not None else None
+        except (TraceToolError, TypeError, AttributeError) as e:
+            raise ValueError(str(e)) from None
+        return cls(layers, tuple(kinds) if kinds is not None else None, steps)
+
+    def describe(self) -> str:
+        """'layers 0-3,17; kinds q,k,v,layer_out (+ logits, token); steps 0-4'."""
+        parts = []
+        if self.layers is not None:
+            parts.append(f"layers {ranges_text(self.layers)}")
+        if self.kinds is not None:
+            parts.append("kinds " + ",".join(k for k in self.kinds if k not in ALWAYS_KEPT) + " (+ logits, token)")
+        if self.steps is not None:
+            parts.append(f"steps {ranges_text(self.steps)}")
+        return "; ".join(parts)
