@@ -140,6 +140,7 @@ def _one_base(ref, base, path, seq, ref_tokens, worst, tokens) -> None:
             w.floor, w.default = max(w.floor, DEFAULTS[prec]["l2_floor"]), DEFAULTS[prec]["rel_l2"]
         row_bytes = max(1, int(np.prod(da.shape[1:], dtype=np.int64)) * 4)
         block = max(1, BLOCK_BYTES // row_bytes)
+        kept = _rows_present(ref, base, kind, layer, n_rows)  # rows a runtime did not report are no data
         for r0 in range(0, n_rows, block):
             r1 = min(n_rows, r0 + block)
             st = steps[r0:r1]
@@ -148,12 +149,22 @@ def _one_base(ref, base, path, seq, ref_tokens, worst, tokens) -> None:
             if rs.nonfinite.any():
                 i = int(np.argmax(rs.nonfinite))
                 raise TraceToolError(f"{where}: non-finite values at step {int(st[i])}; not a known-good run")
-            for phase, sel in (("prefill", st == 0), ("decode", st > 0)):
+            for phase, sel in (("prefill", (st == 0) & kept[r0:r1]), ("decode", (st > 0) & kept[r0:r1])):
                 if sel.any():
                     w.seen[phase] = True
                     w.rel[phase] = max(w.rel[phase], float(rs.rel_l2[sel].max()))
     if base.has("mask", 0) or ref.has("mask", 0):
         _check_masks(ref, base, path, plan)
+
+
+def _rows_present(ref, base, kind: str, layer, n: int) -> np.ndarray:
+    """(n,) bool: rows both traces hold (a runtime may report a subset of a step's rows)."""
+    keep = np.ones(n, dtype=bool)
+    for r in (ref, base):
+        flags = r.rows_present(kind, layer) if S.KIND_BY_NAME[kind].index == "position" else None
+        if flags is not None:
+            keep[: min(n, len(flags))] &= flags[:n]
+    return keep
 
 
 def _check_masks(ref, base, path, plan) -> None:
@@ -165,6 +176,7 @@ def _check_masks(ref, base, path, plan) -> None:
             continue
         n = min(plan.n_rows, ref.dataset("mask", layer).shape[0], base.dataset("mask", layer).shape[0])
         count = compare_mask_block(ref.read("mask", layer, slice(0, n)), base.read("mask", layer, slice(0, n)))
+        count[~_rows_present(ref, base, "mask", layer, n)] = 0
         if count.any():
             pos = int(np.argmax(count > 0))
             raise TraceToolError(f"BASE {path}: mask of layer {layer} differs from REF's at position {pos}; "

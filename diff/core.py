@@ -239,6 +239,10 @@ class _Differ:
                 b[gone] = a[gone]
                 if c is not None:
                     c[gone] = a[gone]
+            base_flags = self.base.rows_present(kind, layer) if c is not None else None
+            if base_flags is not None:  # a row BASE lacks has no envelope there: RUN is judged by the tolerance alone
+                lacks = ~base_flags[r0:r1]
+                c[: len(lacks)][lacks] = a[: len(lacks)][lacks]
             yield r0, a, b, c, row_steps[r0:r1]
 
     def _three_way(self, kind: str, layer) -> bool:

@@ -168,3 +168,27 @@ def make_positions_past_step(loaded, max_seq):
 
 def make_positions_unsorted(loaded, max_seq):
     return _BadPositions(loaded, max_seq, [5, 3])
+
+
+class _PlantRow:
+    def __init__(self, probe, row):
+        self.probe, self.row = probe, row
+
+    def tensor(self, kind, value, layer=None):
+        if kind == "final_hidden" and value.shape[0] > self.row:
+            value = value.clone()
+            value[self.row, 0] += 1.0
+        return self.probe.tensor(kind, value, layer)
+
+
+class PlantedPromptRow(StaticGemma4Runtime):
+    """Reports every row; final_hidden's prompt row 3 has 1.0 added to channel 0."""
+
+    name = "planted-row-3"
+
+    def prefill(self, input_ids, extra_inputs=None, probe=None):
+        return super().prefill(input_ids, extra_inputs, None if probe is None else _PlantRow(probe, 3))
+
+
+def make_planted_prompt_row(loaded, max_seq):
+    return PlantedPromptRow(loaded, max_seq)

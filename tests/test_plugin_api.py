@@ -159,6 +159,22 @@ def test_planted_bug_in_a_present_row_is_found(last_row_runs):
     assert d["run_value"] == pytest.approx(d["ref_value"] + 1.0, abs=1e-5)
 
 
+def test_calibrate_and_baseline_leave_absent_rows_out(last_row_runs, tmp_path):
+    """A BASE that reports only the last prompt row: calibrating from it does not widen
+    final_hidden's tolerance by its zero rows, and --baseline judges RUN's rows BASE lacks by the
+    tolerance alone (not by an envelope of BASE's zeros)."""
+    base = last_row_runs["make_last_row_only"]
+    tol = tmp_path / "tol.toml"
+    assert invoke("calibrate", GOLDEN, base, "-o", tol).exit_code == 0
+    r = invoke("diff", GOLDEN, last_row_runs["make_last_row_only_planted"], "--tolerances", tol, "--json")
+    d = json.loads(r.output)["first_divergence"]
+    assert (d["kind"], d["position"], d["threshold"]) == ("final_hidden", 12, pytest.approx(1e-4))
+    run = tmp_path / "planted3.h5"
+    assert invoke("replay", GOLDEN, "--runtime", f"{PLUGIN}:make_planted_prompt_row", "-o", run).exit_code == 0
+    d = json.loads(invoke("diff", GOLDEN, run, "--baseline", base, "--json").output)["first_divergence"]
+    assert (d["step"], d["kind"], d["position"], d["channel"]) == (0, "final_hidden", 3, 0)
+
+
 def _edit(src, dst, fn):
     shutil.copyfile(src, dst)
     with h5py.File(dst, "r+") as f:
