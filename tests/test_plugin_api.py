@@ -140,6 +140,13 @@ def test_trace_flags_the_rows_present(last_row_runs):
         assert rel.max() < 1e-5
 
 
+def test_show_says_how_many_rows_were_reported(last_row_runs):
+    out = invoke("show", last_row_runs["make_last_row_only"]).output.splitlines()
+    i = next(i for i, ln in enumerate(out) if ln.strip().startswith("final_hidden"))
+    assert out[i + 1].strip() == "rows reported: 3 of 15"  # the last prompt row + 2 decode rows
+    assert "rows reported" not in invoke("show", GOLDEN).output
+
+
 def test_diff_compares_present_rows_and_names_the_absent(last_row_runs):
     r = invoke("diff", GOLDEN, last_row_runs["make_last_row_only"])
     assert r.exit_code == 0, r.output
@@ -248,3 +255,24 @@ def test_report_helper_returns_what_to_continue_with():
     ref = torch.zeros(1, 3)
     p = Probe(ref)
     assert report(p, "final_hidden", x[1:], positions=[12]) is ref and p.calls == [("final_hidden", None, [12])]
+
+
+def test_image_blocks_of_two_images():
+    """Which image block each differing key is in: two images (ids 9), keys differing in the second only."""
+    from types import SimpleNamespace
+
+    from gemma4_trace.diff.core import _Differ
+
+    ids = [2, 5, 7, 9, 9, 9, 8, 11, 7, 9, 9, 9, 9, 8, 3]  # image 1 = 3-5, image 2 = 9-12
+    d = SimpleNamespace(ref=SimpleNamespace(model_config={"image_token_id": 9}, prompt_ids=np.array(ids)))
+    ra = np.zeros(16, dtype=bool)
+    ra[:13] = True  # REF: query 10 sees its whole image (keys up to 12)
+    rb = ra.copy()
+    rb[11:13] = False  # RUN: causal inside the image
+    assert _Differ._image_blocks_of(d, ra, rb, 10) == [{"image": 2, "first": 9, "last": 12}]
+    rb2 = ra.copy()
+    rb2[4] = False  # a key of image 1, seen from a text query
+    assert _Differ._image_blocks_of(d, ra, rb2, 14) == [{"image": 1, "first": 3, "last": 5}]
+    assert _Differ._image_blocks_of(d, ra, ra[:14], 14) is None  # widths differ, no key differs
+    d.ref.model_config = {}
+    assert _Differ._image_blocks_of(d, ra, rb, 10) is None  # a text-only model

@@ -79,5 +79,10 @@ def summarize(r: TraceReader, decode=None) -> str:
         size = sum(r.storage_size(kind, l) for l in layers)
         where = f"x {len(layers)} layers" if layer is not None else ""
         lines.append(f"  {kind:<17} {str(ds.shape):<16} {r.source_dtype(kind, layer):<9} {_fmt_bytes(size):>10} {where}")
+        partial = [(l, f) for l in layers if (f := r.rows_present(kind, l)) is not None]
+        if partial:  # a runtime reported some rows only: say how many hold data
+            l, f = partial[0]
+            lines.append(f"    rows reported: {int(f.sum())} of {f.size}"
+                         + (f" (layer {l}; {len(partial)} layers partial)" if l is not None else ""))
     # every value here comes from the file: one line each, no control characters for the terminal
     return "\n".join(one_line(line) for line in lines)
