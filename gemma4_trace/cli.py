@@ -54,7 +54,8 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except TraceToolError as e:
-            if debug_enabled() and (e.__cause__ is not None or e.__context__ is not None):
+            # `raise ... from None` (a fault we explained: damage, a refusal) has no chain to show
+            if debug_enabled() and (e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__)):
                 import traceback  # the chain: where a plug-in's exception was raised, then where we re-raised it
 
                 click.echo("".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip(), err=True)

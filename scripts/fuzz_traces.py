@@ -142,6 +142,7 @@ class Report:
     watch_ok: bool = True  # inotify available (else reads outside the file were not checked)
     max_seconds: float = 0.0
     max_rss: int = 0  # bytes, the worker processes' peak
+    stopped: bool = False  # the --budget ran out before every case was run
 
 
 SLOW_SECONDS = 60.0
@@ -734,13 +735,15 @@ def _inside_hdf5(stderr: str) -> bool:
 
 
 def supervise(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.0, jobs: int = 2,
-              hang_after: float = 60.0, only: str | None = None, deep_max: int = 20_000) -> Report:
+              hang_after: float = 60.0, only: str | None = None, deep_max: int = 20_000,
+              budget: float | None = None) -> Report:
     """Run the cases in `jobs` worker processes. A worker that dies (a crash, or a hang that outlived
     `hang_after` seconds) ends its case: counted as a library defect when it died inside an h5py
     call, as a failure otherwise; a new worker resumes after that case."""
     rep = Report()
     lock = threading.Lock()
     bounds = np.linspace(0, cases, max(1, jobs) + 1).astype(int)
+    deadline = None if budget is None else time.perf_counter() + budget
 
     def run_range(start: int, stop: int) -> None:
         while start < stop:
@@ -751,6 +754,12 @@ def supervise(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
                 begun = None
                 for line in p.stdout:
+                    if deadline is not None and time.perf_counter() > deadline:  # out of time: stop here
+                        p.kill()
+                        p.wait()
+                        with lock:
+                            rep.stopped = True
+                        return
                     msg = json.loads(line)
                     if "begin" in msg:
                         begun = msg
@@ -792,7 +801,8 @@ def supervise(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.
 def format_report(rep: Report, command_line: str) -> str:
     lines = [f"$ {command_line}",
              f"{rep.cases} cases in {rep.seconds:.1f} s ({rep.cases / max(rep.seconds, 1e-9):.1f} cases/s, "
-             f"{len(COMMANDS)} commands each); failures: {len(rep.failures)}",
+             f"{len(COMMANDS)} commands each); failures: {len(rep.failures)}"
+             + (" (stopped by --budget before the rest)" if rep.stopped else ""),
              "exit codes by command:"]
     for command in COMMANDS:
         counts = {c: rep.outcomes[(command, c)] for c in (0, 1, 2)}
@@ -825,6 +835,8 @@ def main(argv=None) -> int:
     ap.add_argument("--show-failures", type=int, default=10, help="print at most this many failures")
     ap.add_argument("--only", choices=ALL, default=None, help="apply only this corruption class (one per case)")
     ap.add_argument("--deep-max", type=int, default=20_000, help="deepest group nesting the 'deep' class makes")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds: stop starting cases after this and report the cases run (a shared machine)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--stop", type=int, default=0, help=argparse.SUPPRESS)
@@ -839,7 +851,7 @@ def main(argv=None) -> int:
                    deep_max=args.deep_max)
     else:
         rep = supervise(args.cases, args.seed, args.golden, args.timeout, args.jobs, args.hang_after, args.only,
-                        args.deep_max)
+                        args.deep_max, args.budget)
     shown = " ".join(["python scripts/fuzz_traces.py", *(argv if argv is not None else sys.argv[1:])])
     print(format_report(rep, shown))
     for line in rep.library[: args.show_failures]:

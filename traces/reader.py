@@ -193,7 +193,7 @@ class TraceReader:
     def _visit(self, obj, path: str) -> None:
         """Checks every object walked: reached by one name only, few and small attributes, and for a
         dataset, bytes stored inside this file (layout, external storage, filters, chunk size)."""
-        self._at = path
+        self._at = path if path != "/" else "the root group"
         info = h5py.h5o.get_info(obj.id)
         if info.rc != 1 or info.addr in self._addrs:
             other = self._addrs.get(info.addr)
