@@ -114,6 +114,19 @@ def _int_list(ctx, param, value):
     return ids
 
 
+def _max_memory(value):
+    """'0=20GiB,cpu=60GiB' -> {0: '20GiB', 'cpu': '60GiB'} (accelerate's max_memory)."""
+    if value is None:
+        return None
+    out = {}
+    for part in value.replace(" ", "").split(","):
+        dev, sep, size = part.partition("=")
+        if not sep or not dev or not size:
+            raise click.BadParameter(f"expected DEVICE=SIZE pairs like 0=20GiB,cpu=60GiB, got {part!r}")
+        out[int(dev) if dev.isdigit() else dev] = size
+    return out
+
+
 def selection_options(fn):
     """--layers / --kinds / --steps: a selective trace (logits and tokens are always kept)."""
     fn = click.option("--steps", default=None, help="keep only these steps, e.g. 0-4 (0 = prefill) [default: all]")(fn)
@@ -138,9 +151,13 @@ def _selection(layers, kinds, steps):
 @click.option("--no-chat", is_flag=True, help="feed the prompt as raw text, without the chat template")
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
+@click.option("--device-map", type=click.Choice(["auto"]), default=None, help="place the model over GPUs, CPU and disk with accelerate (extra [big]); --device is ignored")
+@click.option("--max-memory", callback=lambda c, p, v: _max_memory(v), default=None, help="with --device-map: memory per device, e.g. 0=20GiB,cpu=60GiB")
+@click.option("--offload-folder", type=click.Path(file_okay=False), default=None, help="with --device-map: folder for the layers offloaded to disk")
 @selection_options
 @user_errors
-def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, no_chat, output, force, layers, kinds, steps):
+def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, no_chat, output, force, device_map,
+           max_memory, offload_folder, layers, kinds, steps):
     """Run HF Gemma 4 greedy generation with hooks and write a reference trace."""
     from gemma4_trace.progress import ProgressBar
     from gemma4_trace.recorder.record import record_trace
@@ -152,7 +169,8 @@ def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, 
         summary = record_trace(
             model_dir=model_dir, output=output, prompt=prompt, input_ids=input_ids, images=list(images),
             max_new_tokens=max_new_tokens, dtype=dtype, device=device, chat=not no_chat, force=force,
-            progress=bar, selection=selection,
+            progress=bar, selection=selection, device_map=device_map, max_memory=max_memory,
+            offload_folder=offload_folder,
         )
     finally:
         bar.close()
@@ -205,13 +223,15 @@ def _embedded_model_dir(model_name: str):
 @click.option("--max-seq", type=click.IntRange(1, 1_000_000), default=None, help="static sequence length [default: prompt + new tokens, rounded up to 8]")
 @click.option("--teacher-forcing/--free-running", default=True, show_default=True, help="feed REF's tokens, or the runtime's own")
 @click.option("--isolate", is_flag=True, help="feed every layer REF's input: each layer's error is its own (teacher-forced)")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True, help="where the model and the static runtime run")
 @click.option("--prefill-chunk", type=click.IntRange(0, 1_000_000), default=None, help="static runtime: prefill in chunks of N rows, shapes (N, max_seq); 0 = one step over max_seq [default: 256 when max_seq >= 1024, else 0]")
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
 @click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug, help=DEBUG_HELP)
 @selection_options
 @user_errors
-def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, prefill_chunk, output, force, layers, kinds, steps):
+def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, device, prefill_chunk, output, force, layers, kinds,
+           steps):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""
     from gemma4_trace.progress import ProgressBar
     from gemma4_trace.replayer.replay import replay_trace
@@ -222,7 +242,7 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, pre
         summary = replay_trace(
             reference, output, model_dir=model_dir, runtime=runtime, max_seq=max_seq,
             mode="teacher-forced" if teacher_forcing else "free-running", force=force, progress=bar,
-            isolate=isolate, prefill_chunk=prefill_chunk, selection=_selection(layers, kinds, steps),
+            isolate=isolate, prefill_chunk=prefill_chunk, selection=_selection(layers, kinds, steps), device=device,
         )
     finally:
         bar.close()

@@ -95,8 +95,14 @@ def config_sha256(cfg: dict) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
 
 
-def load_model(model_dir: str | Path | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Load a Gemma 4 checkpoint folder; raise TraceToolError (one line) on anything wrong."""
+def load_model(model_dir: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
+               device_map: str | dict | None = None, max_memory: dict | None = None, offload_folder=None) -> LoadedModel:
+    """Load a Gemma 4 checkpoint folder; raise TraceToolError (one line) on anything wrong.
+
+    device_map ("auto" or an explicit map) places the model with accelerate (extra [big]) over
+    the GPUs, the CPU (max_memory {device: size}) and disk (offload_folder), for a model larger
+    than one device; then `device` is where its inputs go (the embeddings' device).
+    """
     path, name = resolve_model_dir(model_dir)
     data = read_config_json(path)
     if not any(path.glob("*.safetensors")):
@@ -105,7 +111,13 @@ def load_model(model_dir: str | Path | None = None, dtype: str = "float32", devi
         raise TraceToolError(f"--dtype must be one of {', '.join(DTYPES)}")
     # a config can claim any size (10^6 layers): refuse what cannot fit before building it
     LIM.check_config(data, f"{path}/config.json")
-    LIM.check_fits(LIM.model_bytes(data, 2 if dtype == "bfloat16" else 4), f"the model in {path}")
+    if device_map is None:  # a device map offloads what does not fit: that is its point
+        LIM.check_fits(LIM.model_bytes(data, 2 if dtype == "bfloat16" else 4), f"the model in {path}")
+    else:
+        try:
+            import accelerate  # noqa: F401
+        except ImportError:
+            raise TraceToolError("--device-map needs accelerate: pip install 'gemma4-trace[big]'") from None
 
     import torch
 
@@ -117,13 +129,20 @@ def load_model(model_dir: str | Path | None = None, dtype: str = "float32", devi
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     cls = Gemma4ForConditionalGeneration if data["model_type"] == "gemma4" else Gemma4ForCausalLM
+    placement = {} if device_map is None else dict(device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
     try:
         model = cls.from_pretrained(
-            path, dtype=getattr(torch, dtype), use_safetensors=True, local_files_only=True, trust_remote_code=False
+            path, dtype=getattr(torch, dtype), use_safetensors=True, local_files_only=True, trust_remote_code=False,
+            **placement,
         )
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
         raise TraceToolError(f"cannot load {path}: {one_line(e, 300)}") from None
-    model.to(device).eval()
+    if device_map is None:
+        model.to(device)
+    else:  # inputs go where the embeddings execute; disk-offloaded modules execute on the CPU
+        where = [v for k, v in model.hf_device_map.items() if "embed_tokens" in k or k in ("", "model")]
+        device = f"cuda:{where[0]}" if where and isinstance(where[0], int) else "cpu"
+    model.eval()
     return LoadedModel(model, _load_processor(path), name, path, dtype, device)
 
 

@@ -50,11 +50,16 @@ def record_trace(
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
     selection=None,
+    device_map: str | None = None,
+    max_memory: dict | None = None,
+    offload_folder=None,
 ) -> str:
     """Record HF Gemma 4 on one prompt into `output`; return a one-line summary.
 
     `progress(done, total)`, when given, is called after each generated token.
     `selection` (traces.selection.Selection): the layers, kinds and steps to keep; None: all.
+    `device_map` "auto" (with max_memory, offload_folder): accelerate places the model over the
+    GPUs, CPU and disk (hf/model.py); the hooks copy what they record to the CPU.
     """
     check_output_path(output, force)  # fail before loading anything
     if prompt is not None and input_ids is not None:
@@ -66,7 +71,8 @@ def record_trace(
     if images and prompt is None:
         raise TraceToolError("--image needs --prompt (the processor places the image tokens)")
     pil_images = [_open_image(p) for p in images]
-    lm = load_model(model_dir, dtype=dtype, device=device)
+    lm = load_model(model_dir, dtype=dtype, device=device, device_map=device_map, max_memory=max_memory,
+                    offload_folder=offload_folder)
     inputs = prepare_inputs(lm, prompt, input_ids, pil_images, chat)
     tokens = record_loaded(lm, inputs, output, max_new_tokens=max_new_tokens, force=force, progress=progress,
                            selection=selection)

@@ -100,6 +100,7 @@ def replay_trace(
     isolate: bool = False,
     prefill_chunk: int | None = None,
     selection=None,
+    device: str = "cpu",
 ) -> str:
     """Replay REF's inputs through a runtime and write the candidate trace; return a summary line.
 
@@ -107,6 +108,7 @@ def replay_trace(
     is fed REF's input (replayer/isolate.py); the trace's mode is "isolated".
     `prefill_chunk`: rows per static prefill step (resolve_prefill_chunk); isolation prefills whole.
     `selection` (traces.selection.Selection): what to keep; default what REF kept.
+    `device`: where the model (and the static runtime's caches and tables) live, cpu or cuda.
     """
     if mode not in MODES:
         raise TraceToolError(f"mode must be one of {MODES}, got {mode!r}")
@@ -121,7 +123,7 @@ def replay_trace(
     selection = ref.selection if selection is None else selection
     if selection is not None:
         selection.check(len(json_layers(ref.provenance)), n_new)
-    loaded = load_for_reference(ref.provenance, model_dir)
+    loaded = load_for_reference(ref.provenance, model_dir, device=device)
     limit = getattr(loaded.text_config, "max_position_embeddings", None)
     if limit is not None and max_seq > limit:
         raise TraceToolError(f"--max-seq {max_seq} exceeds the model's {limit} positions (max_position_embeddings)")

@@ -1,0 +1,198 @@
+"""record / replay / diff on a full-size E2B-dimension random checkpoint, next to plain generate().
+
+    python benchmarks/make_e2b_random.py /tmp/e2b/bf16/e2b-random
+    python benchmarks/make_e2b_random.py /tmp/e2b/f32/e2b-random --dtype float32
+    python benchmarks/bench_e2b.py --bf16 /tmp/e2b/bf16/e2b-random --f32 /tmp/e2b/f32/e2b-random
+
+Each measured command runs in its own process (one at a time), which reports the seconds of
+its timed part and its own peak RSS (VmHWM). Traces go to --work (kept). Steps:
+
+  generate   plain HF generate() (bf16), the same greedy settings as the recorder
+  record     trace record (bf16)                      -> BASE.h5   (HF bf16)
+  replay     trace replay BASE (static runtime, bf16) -> RUN.h5
+  diff       trace diff BASE RUN
+  ref        trace record (float32, same weights)     -> REF.h5    (skipped without --f32)
+  three-way  trace diff REF RUN --baseline BASE, and rel-L2 of prefill layer_out vs REF
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def peak_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def prompt_ids(n: int, vocab: int = 262_144, seed: int = 0) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [2] + [rng.randrange(3, vocab) for _ in range(n - 1)]
+
+
+# ------------------------------------------------------------------ children (one command each)
+def child_generate(model_dir: str, dtype: str, n_prompt: int, n_new: int) -> dict:
+    import torch
+
+    from gemma4_trace.hf.model import load_model
+    from gemma4_trace.recorder.record import eos_ids
+
+    t0 = time.perf_counter()
+    lm = load_model(model_dir, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    ids = torch.tensor([prompt_ids(n_prompt)])
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = lm.model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, num_beams=1,
+                                eos_token_id=eos_ids(lm), pad_token_id=0, top_k=None, top_p=None, temperature=None)
+    return dict(load_s=load_s, seconds=time.perf_counter() - t0, tokens=out[0, n_prompt:].tolist())
+
+
+def child_record(model_dir: str, dtype: str, n_prompt: int, n_new: int, out: str) -> dict:
+    from gemma4_trace.hf.model import load_model
+    from gemma4_trace.recorder.record import PromptInputs, record_loaded
+
+    t0 = time.perf_counter()
+    lm = load_model(model_dir, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tokens = record_loaded(lm, PromptInputs(prompt_ids(n_prompt)), out, max_new_tokens=n_new, force=True)
+    return dict(load_s=load_s, seconds=time.perf_counter() - t0, tokens=tokens)
+
+
+def child_cli(args: list[str]) -> dict:
+    from gemma4_trace.cli import main
+
+    t0 = time.perf_counter()
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    return dict(seconds=time.perf_counter() - t0, exit=code)
+
+
+def run_child(name: str, *args) -> dict:
+    """Run one child in a fresh process; return its JSON (seconds, peak_mib, wall_s)."""
+    t0 = time.perf_counter()
+    p = subprocess.run([PY, __file__, "--child", name, json.dumps(list(args))], capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        raise SystemExit(f"{name} failed (exit {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    res = json.loads(lines[-1][7:])
+    res["wall_s"] = wall
+    res["out"] = "\n".join(ln for ln in p.stdout.splitlines() if not ln.startswith("RESULT "))[-3000:]
+    return res
+
+
+def rel_l2_layer_out(ref: str, other: str, layers: list[int], rows: slice) -> list[float]:
+    import numpy as np
+
+    from gemma4_trace.traces.reader import TraceReader
+
+    out = []
+    with TraceReader(ref) as a, TraceReader(other) as b:
+        for layer in layers:
+            x, y = a.read("layer_out", layer, rows).astype(np.float64), b.read("layer_out", layer, rows).astype(np.float64)
+            out.append(float(np.linalg.norm(x - y) / np.linalg.norm(x)))
+    return out
+
+
+def available_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bf16", required=False)
+    ap.add_argument("--f32", default=None, help="the float32 checkpoint of the same weights (REF)")
+    ap.add_argument("--prompt-len", type=int, default=600)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--ref-prompt-len", type=int, default=None, help="a shorter prompt for the float32 REF (default: the same)")
+    ap.add_argument("--work", default="/tmp/e2b/run")
+    ap.add_argument("--skip", default="", help="comma-separated steps to skip (generate,record,replay,diff,ref)")
+    ap.add_argument("--child", default=None)
+    ap.add_argument("child_args", nargs="?")
+    a = ap.parse_args()
+    if a.child:
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+        fn = {"generate": child_generate, "record": child_record, "cli": child_cli}[a.child]
+        args = json.loads(a.child_args)
+        res = fn(args) if a.child == "cli" else fn(*args)
+        res["peak_mib"] = peak_mib()
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    base, run, ref = str(work / "BASE.h5"), str(work / "RUN.h5"), str(work / "REF.h5")
+    T, n = a.prompt_len, a.new_tokens
+    skip = set(a.skip.split(","))
+    rows: dict = {}
+
+    def show(name, r, extra=""):
+        rows[name] = r
+        print(f"{name:10s} {r['seconds']:8.1f} s timed  {r['wall_s']:8.1f} s process  peak RSS {r['peak_mib'] / 1024:6.2f} GiB  {extra}", flush=True)
+
+    print(f"E2B-dimension random checkpoint {a.bf16}; prompt {T} tokens, {n} new tokens; 2 threads; "
+          f"available memory {available_gib():.1f} GiB", flush=True)
+    if "generate" not in skip:
+        show("generate", run_child("generate", a.bf16, "bfloat16", T, n))
+    if "record" not in skip:
+        r = run_child("record", a.bf16, "bfloat16", T, n, base)
+        show("record", r, f"trace {os.path.getsize(base) / 2**20:.1f} MiB")
+        if "generate" in rows:
+            print(f"record / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x (timed parts); "
+                  f"tokens equal: {r['tokens'] == rows['generate']['tokens']}", flush=True)
+    if "replay" not in skip:
+        r = run_child("cli", "replay", base, "--model", a.bf16, "-o", run, "--force")
+        show("replay", r, f"trace {os.path.getsize(run) / 2**20:.1f} MiB; {r['out'].strip().splitlines()[-1] if r['out'].strip() else ''}")
+    if "diff" not in skip:
+        r = run_child("cli", "diff", base, run)
+        show("diff", r, f"exit {r['exit']}: {r['out'].strip().splitlines()[0] if r['out'].strip() else ''}")
+    if a.f32 and "ref" not in skip:
+        TR = a.ref_prompt_len or T
+        print(f"float32 REF: available memory {available_gib():.1f} GiB", flush=True)
+        if TR != T:
+            raise SystemExit("a shorter REF prompt needs its own BASE and RUN: rerun with --prompt-len equal to it")
+        r = run_child("record", a.f32, "float32", TR, n, ref)
+        show("ref-f32", r, f"trace {os.path.getsize(ref) / 2**20:.1f} MiB")
+    if a.f32 and Path(ref).exists() and Path(run).exists():
+        r = run_child("cli", "diff", ref, run, "--baseline", base)
+        print(f"\n$ trace diff REF RUN --baseline BASE   (exit {r['exit']}, {r['seconds']:.1f} s)\n{r['out'].strip()}\n", flush=True)
+        layers = [0, 5, 10, 20, 34]
+        pre = slice(0, T)
+        b, c = rel_l2_layer_out(ref, base, layers, pre), rel_l2_layer_out(ref, run, layers, pre)
+        print("prefill layer_out rel-L2 vs REF (float32), layers " + " / ".join(map(str, layers)))
+        print("  BASE (HF bf16):     " + " / ".join(f"{x:.3f}" for x in b))
+        print("  RUN (static bf16):  " + " / ".join(f"{x:.3f}" for x in c))
+        for name, other in (("BASE", base), ("RUN", run)):
+            r = run_child("cli", "diff", ref, other, "--json")
+            try:
+                j = json.loads(r["out"][r["out"].index("{"):])
+                print(f"  tokens {name} vs REF: accuracy {j['tokens']['accuracy']:.3f}, first mismatch step {j['tokens']['first_mismatch_step']}")
+            except (ValueError, KeyError):
+                pass
+
+
+if __name__ == "__main__":
+    main()
