@@ -14,8 +14,11 @@ and the runtime it returns has
 `max_seq` is the static length to build for; the driver guarantees prompt + max_new_tokens
 <= max_seq and never reads a `max_seq` back from the runtime. The runtime reports
 canonical tensors (traces.schema.KINDS, except logits and token, which the driver writes)
-through `probe.tensor(kind, value, layer=None)`; `probe` may be None, and then nothing
-may be computed for it. See docs/runtime-api.md.
+through `probe.tensor(kind, value, layer=None, positions=None)` (positions: the absolute
+positions of the rows reported, when a runtime has only some of a step's rows) or `report()`;
+`probe` may be None, and then nothing may be computed for it. The driver makes one runtime per
+replay; a plug-in's exception becomes one line naming its file:line and the step's last
+report (`--debug` prints the chain). See docs/runtime-api.md.
 """
 
 from __future__ import annotations
