@@ -55,7 +55,9 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except TraceToolError as e:
             # `raise ... from None` (a fault we explained: damage, a refusal) has no chain to show
-            if debug_enabled() and (e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__)):
+            # only an explicit chain (`raise ... from e`: a plug-in's exception re-raised by the driver); a
+            # refusal raised while handling another exception (bad UTF-8, say) is no failure to trace
+            if debug_enabled() and e.__cause__ is not None:
                 import traceback  # the chain: where a plug-in's exception was raised, then where we re-raised it
 
                 click.echo("".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip(), err=True)
