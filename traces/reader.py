@@ -165,7 +165,8 @@ class TraceReader:
 
     # ------------------------------------------------------------------ validation
     def _bad(self, what: str):
-        raise _corrupt(f"{self.path} is not a valid trace: {what}; {ADVICE}")
+        # from None: the message says it all (no chained traceback, even with --debug)
+        raise _corrupt(f"{self.path} is not a valid trace: {what}; {ADVICE}") from None
 
     def _child(self, path: str):
         """The object at a schema path, reached only through hard links (never a soft or external
