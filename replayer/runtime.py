@@ -272,12 +272,8 @@ class StaticGemma4Runtime(nn.Module):
             self.register_buffer(f"cos_{t}", emb.cos().to(dtype).to(device), persistent=False)
             self.register_buffer(f"sin_{t}", emb.sin().to(dtype).to(device), persistent=False)
 
-        # masks allowed[query_pos, key_pos] (max_seq, max_seq)
-        q = torch.arange(self.max_seq)[:, None]
-        k = torch.arange(self.max_seq)[None, :]
-        causal = k <= q
-        self.register_buffer("mask_full_attention", causal.to(device), persistent=False)
-        self.register_buffer("mask_sliding_attention", (causal & (k > q - self.window)).to(device), persistent=False)
+        # masks are computed per step from positions (_mask_rows): a (max_seq, max_seq) table
+        # would be the one thing whose memory grows with max_seq squared
         # the HF multimodal model, for get_image_features only; kept out of this module's state
         self.__dict__["vision"] = model.model if self.multimodal else None
 
@@ -468,8 +464,8 @@ class StaticGemma4Runtime(nn.Module):
     def _prefill_masks(self, input_pos, valid, block_ids) -> dict:
         """{layer type: allowed (1, n, S)} for the n queries at input_pos (n,) of the padded
         prompt; valid (S,): keys that are prompt, padding keys are never visible."""
-        masks = {"full_attention": self.mask_full_attention[input_pos] & valid[None, :]}
-        sliding = self.mask_sliding_attention[input_pos]
+        masks = {"full_attention": self._mask_rows("full_attention", input_pos) & valid[None, :]}
+        sliding = self._mask_rows("sliding_attention", input_pos)
         if self.bidir_vision:
             # sliding layers: window AND (causal OR same image block); full layers stay causal
             q_block = block_ids[input_pos]
@@ -482,7 +478,17 @@ class StaticGemma4Runtime(nn.Module):
 
     def _decode_masks(self, input_pos) -> dict:
         """{layer type: allowed (1, 1, S)} for one query at input_pos (1,)."""
-        return {t: getattr(self, f"mask_{t}")[input_pos][None] for t in self.types}
+        return {t: self._mask_rows(t, input_pos)[None] for t in self.types}
+
+    def _mask_rows(self, layer_type: str, input_pos: torch.Tensor) -> torch.Tensor:
+        """allowed[query, key] (n, max_seq) for the queries at input_pos (n,): causal, and on sliding
+        layers within the window (key k visible from query q iff q - window < k <= q)."""
+        keys = torch.arange(self.max_seq, device=input_pos.device)[None, :]
+        q = input_pos[:, None]
+        allowed = keys <= q
+        if layer_type == "sliding_attention":
+            allowed = allowed & (keys > q - self.window)
+        return allowed
 
     # ------------------------------------------------------------------ static steps (exportable)
     def prefill_step(self, ids, ple_ids, mm_embeds, mm_slots, block_ids, n_valid, probe=None, report_rows: int | None = None):

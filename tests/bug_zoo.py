@@ -86,7 +86,7 @@ class SharedDecodeMask(_Bug):
     name = "bug-shared-decode-mask"
 
     def _decode_masks(self, input_pos):
-        m = self.mask_full_attention[input_pos][None]
+        m = self._mask_rows("full_attention", input_pos)[None]
         return {t: m for t in self.types}
 
 
@@ -256,10 +256,7 @@ class WindowOffByOne(_Bug):
 
     def __init__(self, loaded, max_seq):
         super().__init__(loaded, max_seq)
-        self.window += 1
-        q = torch.arange(self.max_seq)[:, None]
-        k = torch.arange(self.max_seq)[None, :]
-        self.mask_sliding_attention = (k <= q) & (k > q - self.window)
+        self.window += 1  # the masks are computed from it (_mask_rows)
 
 
 # ----------------------------------------------------------------------------- factories
