@@ -8,7 +8,7 @@ OUT ?= out
 $(BIN)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,quant,tico,onnx]"
+	$(BIN)/pip install -q -e ".[test,quant,tico,onnx,big]"
 	touch $@
 
 # record HF on the embedded tiny model, replay the static runtime, diff the two
