@@ -138,13 +138,28 @@ def _with_header(tmp_path, max_new_tokens: int) -> Path:
 def test_replay_with_a_huge_max_new_tokens_refused_before_allocating(tmp_path):
     ref = _with_header(tmp_path, 40_000)
     line = one_line_error(invoke("replay", ref, "-o", tmp_path / "run.h5", env={"GEMMA4_TRACE_MEMORY_LIMIT": "4G"}),
-                          "static runtime for max_seq 40016 needs about", "more than the 4.0 GiB available")
-    assert "GiB" in line and not (tmp_path / "run.h5").exists()
+                          "40016")
+    # the memory estimate (about 78 GiB) or, first for the tiny model, its 2048 positions
+    assert ("needs about" in line and "4.0 GiB available" in line) or "max_position_embeddings" in line, line
+    assert not (tmp_path / "run.h5").exists()
+
+
+def test_static_runtime_estimate(monkeypatch):
+    """The estimate itself (the replay tests above may stop first at the tiny model's 2048 positions)."""
+    from gemma4_trace.traces import limits as LIM
+    from gemma4_trace.traces.errors import TraceToolError
+
+    cfg = json.loads((EMBEDDED_MODEL_DIR / "config.json").read_text())
+    monkeypatch.setenv("GEMMA4_TRACE_MEMORY_LIMIT", "4G")
+    LIM.check_fits(LIM.static_runtime_bytes(cfg, 16, 4), "the static runtime for max_seq 16")
+    with pytest.raises(TraceToolError, match=r"max_seq 40016 needs about 7\d\.\d GiB .* more than the 4\.0 GiB"):
+        LIM.check_fits(LIM.static_runtime_bytes(cfg, 40016, 4), "the static runtime for max_seq 40016")
 
 
 def test_max_seq_too_large_refused_before_allocating(tmp_path):
-    one_line_error(invoke("replay", GOLDEN, "--max-seq", "1000000", "-o", tmp_path / "run.h5",
-                          env={"GEMMA4_TRACE_MEMORY_LIMIT": "8G"}), "max_seq 1000000 needs about", "TiB")
+    line = one_line_error(invoke("replay", GOLDEN, "--max-seq", "1000000", "-o", tmp_path / "run.h5",
+                                 env={"GEMMA4_TRACE_MEMORY_LIMIT": "8G"}), "1000000")
+    assert ("needs about" in line and "TiB" in line) or "max_position_embeddings" in line, line
     assert not (tmp_path / "run.h5").exists()
 
 
@@ -167,8 +182,9 @@ def test_model_too_big_for_the_memory_refused(tmp_path):
 
 
 def test_recording_too_long_refused(tmp_path):
-    one_line_error(invoke("record", "--input-ids", "2,10,11", "--max-new-tokens", "100000", "-o", tmp_path / "t.h5",
-                          env={"GEMMA4_TRACE_MEMORY_LIMIT": "8M"}), "recording 3 prompt tokens + 100000 new tokens")
+    # the tiny model's weights (~2 MB) fit in 3 MB; a KV cache for 2003 positions (~4 MB) does not
+    one_line_error(invoke("record", "--input-ids", "2,10,11", "--max-new-tokens", "2000", "-o", tmp_path / "t.h5",
+                          env={"GEMMA4_TRACE_MEMORY_LIMIT": "3M"}), "recording 3 prompt tokens + 2000 new tokens")
 
 
 # ---------------------------------------------------------------- plug-ins: failures are one line
@@ -255,7 +271,9 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path, command):
         out, err = p.communicate(timeout=120)
         err = "".join(ln for ln in err.splitlines(keepends=True) if not ln.startswith("import time:"))
         assert "Traceback" not in err, (delay, err)
-        if p.returncode == 0:  # finished before the signal came: a complete, normal run
+        # finished before the signal came (or it came while the interpreter was exiting, after the
+        # output was complete: Python restores the default handler at exit)
+        if p.returncode == 0 or (p.returncode == -signal.SIGINT and out.strip() and not _ours(err).strip()):
             continue
         assert p.returncode == 130, (delay, p.returncode, err)
         lines = _ours(err).splitlines()
