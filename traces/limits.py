@@ -120,14 +120,15 @@ def model_bytes(cfg, dtype_bytes: int) -> int:
 
 
 def static_runtime_bytes(cfg, max_seq: int, dtype_bytes: int) -> int:
-    """What the static runtime allocates beyond the weights for `max_seq` (all layers' KV caches,
-    the (max_seq, max_seq) masks and RoPE tables, and one padded prefill: scores, activations)."""
+    """What the static runtime allocates beyond the weights for `max_seq`: all layers' KV caches,
+    RoPE tables, and one prefill chunk (its masks, attention scores over max_seq keys, activations)."""
     d, s = _dims(cfg), int(max_seq)
+    chunk = s if s < 1024 else 256  # the runtime's default prefill chunk (rows of one prefill pass)
     caches = d["L"] * 2 * d["kv"] * s * d["hd"] * dtype_bytes
-    masks = 4 * s * s  # two bool masks plus their temporaries
+    masks = 4 * chunk * s  # a step's masks, computed from positions, and their temporaries
     rope = 4 * s * d["hd"] * (4 + dtype_bytes)
-    scores = 3 * d["heads"] * s * s * max(dtype_bytes, 4)
-    activations = s * (4 * d["H"] + 3 * d["I"] + d["L"] * d["ple"]) * max(dtype_bytes, 4)
+    scores = 3 * d["heads"] * chunk * s * max(dtype_bytes, 4)
+    activations = chunk * (4 * d["H"] + 3 * d["I"] + d["L"] * d["ple"]) * max(dtype_bytes, 4)
     return caches + masks + rope + scores + activations
 
 
