@@ -8,30 +8,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.make_e2b_random import E2B_TEXT as E2B_FULL
+
 S, F = "sliding_attention", "full_attention"
 
-E2B_TEXT = dict(
+# E2B's widths (benchmarks/make_e2b_random.py holds every E2B dimension); 10 layers, 5 of
+# them reusing K/V, a 16k vocabulary and the default init so that a build stays small
+E2B_TEXT = {k: v for k, v in E2B_FULL.items() if k not in ("max_position_embeddings", "rope_parameters", "tie_word_embeddings")}
+E2B_TEXT.update(
     vocab_size=16384,
     vocab_size_per_layer_input=16384,
-    hidden_size=1536,
-    intermediate_size=6144,
     num_hidden_layers=10,
     layer_types=[S, S, S, S, F, S, S, S, S, F],
-    num_attention_heads=8,
-    num_key_value_heads=1,
-    head_dim=256,
-    global_head_dim=512,
-    sliding_window=512,
-    hidden_size_per_layer_input=256,
     num_kv_shared_layers=5,
-    use_double_wide_mlp=True,
-    final_logit_softcapping=30.0,
-    pad_token_id=0,
-    eos_token_id=1,
-    bos_token_id=2,
     initializer_range=0.02,
 )
-
 
 def build(out_dir: str | Path, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
     """Write the random E2B-shaped checkpoint (text-only) to out_dir, once."""
