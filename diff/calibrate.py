@@ -204,7 +204,7 @@ def write_calibration(reference, bases, output, margin: float = DEFAULT_MARGIN, 
     """Calibrate and write the TOML atomically; return a one-line summary."""
     if not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 1.0:
         raise TraceToolError(f"--margin must be a number >= 1 (the known-good runs must pass), got {margin}")
-    check_output_path(output, force)
+    check_output_path(output, force, inputs=(reference, *bases))  # never over a trace it reads
     text, s = calibrate(reference, bases, margin)
     with atomic_output(output, force) as tmp:
         Path(tmp).write_text(text, encoding="utf-8")

@@ -114,7 +114,7 @@ def replay_trace(
         raise TraceToolError(f"mode must be one of {MODES}, got {mode!r}")
     if isolate and mode != "teacher-forced":
         raise TraceToolError("--isolate feeds REF's tokens and tensors; it cannot be combined with --free-running")
-    check_output_path(output, force)  # fail before loading anything
+    check_output_path(output, force, inputs=(reference,))  # fail before loading anything; never over REF
     ref = read_reference(reference)
     T, n_new = len(ref.prompt_ids), ref.max_new_tokens
     max_seq = default_max_seq(T, n_new) if max_seq is None else max_seq

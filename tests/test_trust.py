@@ -69,6 +69,15 @@ def test_replay_output_onto_its_reference_refused(ref, tmp_path):
     assert ref.read_bytes() == before
 
 
+def test_calibrate_output_onto_a_trace_it_reads_refused(ref, tmp_path):
+    base = tmp_path / "b.h5"
+    shutil.copyfile(ref, base)
+    before = base.read_bytes()
+    for out in (base, ref):
+        one_line_error(invoke("calibrate", ref, base, "-o", out, "--force"), "is the input")
+    assert base.read_bytes() == before
+
+
 def test_diff_report_onto_a_trace_or_a_device_refused(ref, tmp_path):
     before = ref.read_bytes()
     one_line_error(invoke("diff", ref, ref, "--report", ref, "--force"), "is the input")
