@@ -359,12 +359,18 @@ def h_external_link(f, rng):
     return f"external link {name} -> {fname}"
 
 
-def h_soft_link(f, rng):
+def _link_pair(f, rng) -> tuple[str, list[str]]:
+    """A random object name and the other names of its type outside its own subtree."""
     names = _names(f)
     name = str(rng.choice(names))
     is_group = isinstance(f[name], h5py.Group)
     same = [n for n in names if n != name and isinstance(f[n], h5py.Group) == is_group
             and not n.startswith(name + "/") and not name.startswith(n + "/")]
+    return name, same
+
+
+def h_soft_link(f, rng):
+    name, same = _link_pair(f, rng)
     if not same:
         return f"soft link {name} (no target)"
     target = str(rng.choice(same))
@@ -374,11 +380,7 @@ def h_soft_link(f, rng):
 
 
 def h_hard_link(f, rng):
-    names = _names(f)
-    name = str(rng.choice(names))
-    is_group = isinstance(f[name], h5py.Group)
-    same = [n for n in names if n != name and isinstance(f[n], h5py.Group) == is_group
-            and not n.startswith(name + "/") and not name.startswith(n + "/")]
+    name, same = _link_pair(f, rng)
     if not same:
         return f"hard link {name} (no target)"
     target = str(rng.choice(same))
