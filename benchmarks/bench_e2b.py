@@ -9,6 +9,7 @@ its timed part and its own peak RSS (VmHWM). Traces go to --work (kept). Steps:
 
   generate   plain HF generate() (bf16), the same greedy settings as the recorder
   record     trace record (bf16)                      -> BASE.h5   (HF bf16)
+  record-last  trace record --shared-kv-prefill last  -> LAST.h5   (generate()'s prefill shortcut)
   replay     trace replay BASE (static runtime, bf16) -> RUN.h5
   diff       trace diff BASE RUN
   ref        trace record (float32, same weights)     -> REF.h5    (skipped without --f32)
@@ -53,7 +54,7 @@ def child_generate(model_dir: str, dtype: str, n_prompt: int, n_new: int) -> dic
     t0 = time.perf_counter()
     lm = load_model(model_dir, dtype=dtype)
     load_s = time.perf_counter() - t0
-    ids = torch.tensor([prompt_ids(n_prompt)])
+    ids = torch.tensor([prompt_ids(n_prompt, lm.text_config.vocab_size)])
     t0 = time.perf_counter()
     with torch.no_grad():
         out = lm.model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, num_beams=1,
@@ -61,7 +62,7 @@ def child_generate(model_dir: str, dtype: str, n_prompt: int, n_new: int) -> dic
     return dict(load_s=load_s, seconds=time.perf_counter() - t0, tokens=out[0, n_prompt:].tolist())
 
 
-def child_record(model_dir: str, dtype: str, n_prompt: int, n_new: int, out: str) -> dict:
+def child_record(model_dir: str, dtype: str, n_prompt: int, n_new: int, out: str, shared_kv_prefill: str = "all") -> dict:
     from gemma4_trace.hf.model import load_model
     from gemma4_trace.recorder.record import PromptInputs, record_loaded
 
@@ -69,7 +70,8 @@ def child_record(model_dir: str, dtype: str, n_prompt: int, n_new: int, out: str
     lm = load_model(model_dir, dtype=dtype)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    tokens = record_loaded(lm, PromptInputs(prompt_ids(n_prompt)), out, max_new_tokens=n_new, force=True)
+    tokens = record_loaded(lm, PromptInputs(prompt_ids(n_prompt, lm.text_config.vocab_size)), out, max_new_tokens=n_new, force=True,
+                           shared_kv_prefill=shared_kv_prefill)
     return dict(load_s=load_s, seconds=time.perf_counter() - t0, tokens=tokens)
 
 
@@ -127,7 +129,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--ref-prompt-len", type=int, default=None, help="a shorter prompt for the float32 REF (default: the same)")
     ap.add_argument("--work", default="/tmp/e2b/run")
-    ap.add_argument("--skip", default="", help="comma-separated steps to skip (generate,record,replay,diff,ref)")
+    ap.add_argument("--skip", default="", help="comma-separated steps to skip (generate,record,record-last,replay,diff,ref)")
     ap.add_argument("--child", default=None)
     ap.add_argument("child_args", nargs="?")
     a = ap.parse_args()
@@ -151,7 +153,7 @@ def main() -> None:
 
     def show(name, r, extra=""):
         rows[name] = r
-        print(f"{name:10s} {r['seconds']:8.1f} s timed  {r['wall_s']:8.1f} s process  peak RSS {r['peak_mib'] / 1024:6.2f} GiB  {extra}", flush=True)
+        print(f"{name:11s} {r['seconds']:8.1f} s timed  {r['wall_s']:8.1f} s process  peak RSS {r['peak_mib'] / 1024:6.2f} GiB  {extra}", flush=True)
 
     print(f"E2B-dimension random checkpoint {a.bf16}; prompt {T} tokens, {n} new tokens; 2 threads; "
           f"available memory {available_gib():.1f} GiB", flush=True)
@@ -163,6 +165,16 @@ def main() -> None:
         if "generate" in rows:
             print(f"record / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x (timed parts); "
                   f"tokens equal: {r['tokens'] == rows['generate']['tokens']}", flush=True)
+    if "record-last" not in skip:
+        last = str(work / "LAST.h5")
+        r = run_child("record", a.bf16, "bfloat16", T, n, last, "last")
+        show("record-last", r, f"trace {os.path.getsize(last) / 2**20:.1f} MiB")
+        if "generate" in rows:
+            print(f"record --shared-kv-prefill last / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x "
+                  f"(timed parts); tokens equal: {r['tokens'] == rows['generate']['tokens']}", flush=True)
+        if Path(base).exists():
+            d = run_child("cli", "diff", base, last)
+            print(f"  trace diff BASE LAST: exit {d['exit']}: {d['out'].strip().splitlines()[0] if d['out'].strip() else ''}", flush=True)
     if "replay" not in skip:
         r = run_child("cli", "replay", base, "--model", a.bf16, "-o", run, "--force")
         show("replay", r, f"trace {os.path.getsize(run) / 2**20:.1f} MiB; {r['out'].strip().splitlines()[-1] if r['out'].strip() else ''}")

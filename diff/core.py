@@ -236,13 +236,14 @@ class _Differ:
             a, b = self.ref.read(kind, layer, slice(r0, r1)), self.run.read(kind, layer, slice(r0, r1))
             gone = self.absent.get((kind, layer), np.zeros(0, dtype=bool))[r0:r1]
             if gone.any():  # a row one trace lacks is not compared: REF's stands in
-                b[gone] = a[gone]
+                _stand_in(b, a, gone)
                 if c is not None:
-                    c[gone] = a[gone]
+                    _stand_in(c, a, gone)
             base_flags = self.base.rows_present(kind, layer) if c is not None else None
             if base_flags is not None:  # a row BASE lacks has no envelope there: RUN is judged by the tolerance alone
-                lacks = ~base_flags[r0:r1]
-                c[: len(lacks)][lacks] = a[: len(lacks)][lacks]
+                lacks = np.zeros(len(a), dtype=bool)
+                lacks[: len(base_flags[r0:r1])] = ~base_flags[r0:r1]
+                _stand_in(c, a, lacks)
             yield r0, a, b, c, row_steps[r0:r1]
 
     def _three_way(self, kind: str, layer) -> bool:
@@ -467,6 +468,17 @@ def _skipped_note(skipped: list[Skipped]) -> str:
     shown = ", ".join(s.kind + (f" L{s.layer}" if s.layer is not None else "") + f" ({s.reason})" for s in skipped[:12])
     return ("tensors in only one trace (not compared): " + shown
             + (f" and {len(skipped) - 12} more" if len(skipped) > 12 else ""))
+
+
+def _stand_in(dst: np.ndarray, src: np.ndarray, rows: np.ndarray) -> None:
+    """dst[rows] = src[rows]; mask rows of different widths (REF's grow, a static runtime's are
+    max_seq wide) are copied over the common columns and blocked beyond them."""
+    if dst.shape[1:] == src.shape[1:]:
+        dst[rows] = src[rows]
+        return
+    w = min(dst.shape[1], src.shape[1])
+    dst[rows] = 0
+    dst[rows, :w] = src[rows, :w]
 
 
 def _absent_note(tensors: list[TensorSummary]) -> str:

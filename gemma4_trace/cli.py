@@ -156,10 +156,13 @@ def _selection(layers, kinds, steps):
 @click.option("--device-map", type=click.Choice(["auto"]), default=None, help="place the model over GPUs, CPU and disk with accelerate (extra [big]); --device is ignored")
 @click.option("--max-memory", callback=lambda c, p, v: _max_memory(v), default=None, help="with --device-map: memory per device, e.g. 0=20GiB,cpu=60GiB")
 @click.option("--offload-folder", type=click.Path(file_okay=False), default=None, help="with --device-map: folder for the layers offloaded to disk")
+@click.option("--shared-kv-prefill", type=click.Choice(["all", "last"]), default="all", show_default=True,
+              help="prefill rows of the KV-sharing layers: all, or only the last as generate() computes them "
+                   "(faster on long prompts; the others are stored absent and not compared)")
 @selection_options
 @user_errors
 def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, no_chat, output, force, device_map,
-           max_memory, offload_folder, layers, kinds, steps):
+           max_memory, offload_folder, shared_kv_prefill, layers, kinds, steps):
     """Run HF Gemma 4 greedy generation with hooks and write a reference trace."""
     from gemma4_trace.progress import ProgressBar
     from gemma4_trace.recorder.record import record_trace
@@ -172,7 +175,7 @@ def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, 
             model_dir=model_dir, output=output, prompt=prompt, input_ids=input_ids, images=list(images),
             max_new_tokens=max_new_tokens, dtype=dtype, device=device, chat=not no_chat, force=force,
             progress=bar, selection=selection, device_map=device_map, max_memory=max_memory,
-            offload_folder=offload_folder,
+            offload_folder=offload_folder, shared_kv_prefill=shared_kv_prefill,
         )
     finally:
         bar.close()

@@ -10,8 +10,11 @@ does not grow with the number of steps. What is recorded is what HF computed:
 - logits are the model output (soft-capped) at the predicting position.
 
 generate() normally passes `logits_to_keep=1`, which lets KV-reusing layers process
-only the last prompt position in prefill. The recorder passes an index tensor
-instead, which keeps every position in every layer and leaves the numbers unchanged.
+only the last prompt position in prefill (their other rows feed nothing: they write no
+K/V). By default the recorder passes an index tensor instead, which keeps every position
+in every layer and leaves the numbers unchanged. `shared_kv_prefill="last"` keeps
+generate()'s shortcut (its speed on long prompts): those layers' other prefill rows are
+stored as zeros flagged absent, and the diff does not compare them.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def record_trace(
     device_map: str | None = None,
     max_memory: dict | None = None,
     offload_folder=None,
+    shared_kv_prefill: str = "all",
 ) -> str:
     """Record HF Gemma 4 on one prompt into `output`; return a one-line summary.
 
@@ -60,6 +64,8 @@ def record_trace(
     `selection` (traces.selection.Selection): the layers, kinds and steps to keep; None: all.
     `device_map` "auto" (with max_memory, offload_folder): accelerate places the model over the
     GPUs, CPU and disk (hf/model.py); the hooks copy what they record to the CPU.
+    `shared_kv_prefill` "all" (every prefill row of every layer) or "last" (generate()'s shortcut,
+    see the module docstring).
     """
     check_output_path(output, force)  # fail before loading anything
     if prompt is not None and input_ids is not None:
@@ -75,7 +81,7 @@ def record_trace(
                     offload_folder=offload_folder)
     inputs = prepare_inputs(lm, prompt, input_ids, pil_images, chat)
     tokens = record_loaded(lm, inputs, output, max_new_tokens=max_new_tokens, force=force, progress=progress,
-                           selection=selection)
+                           selection=selection, shared_kv_prefill=shared_kv_prefill)
     text = ""
     if lm.tokenizer is not None:
         text = " -> " + repr(lm.tokenizer.decode(tokens, skip_special_tokens=False))
@@ -153,8 +159,9 @@ def eos_ids(lm: LoadedModel) -> list[int]:
 class _StepRecorder:
     """Hooks that gather one forward call's canonical tensors, then write them as a step."""
 
-    def __init__(self, lm: LoadedModel, writer: TraceWriter, prompt_len: int):
+    def __init__(self, lm: LoadedModel, writer: TraceWriter, prompt_len: int, shortcut: bool = False):
         self.lm, self.w, self.T = lm, writer, prompt_len
+        self.shortcut = shortcut  # generate()'s prefill shortcut: KV-sharing layers see only the last row
         self.text_model = lm.model.model.language_model if lm.multimodal else lm.model.model
         self.layer_types = list(lm.text_config.layer_types)
         self.owner = [li.kv_role != "reuses" for li in layer_infos_from_config(lm.text_config)]
@@ -172,6 +179,7 @@ class _StepRecorder:
             i = module.layer_idx
             q_len, k_len = query.shape[2], key.shape[2]
             assert query.shape[0] == 1, "the recorder runs batch 1"
+            assert q_len == len(self.positions) or (self.shortcut and q_len == 1), (q_len, self.positions)
             allowed = self._allowed(attention_mask, q_len, k_len, query.device)
             self.buf[("mask", i)] = allowed
             self.buf[("q", i)] = query[0].transpose(0, 1)  # (q, H, D)
@@ -188,13 +196,13 @@ class _StepRecorder:
 
         HF hands attention the K/V of a contiguous run of positions ending at the last
         query position (a sliding cache keeps only its window), and a mask that is None
-        (sdpa's causal fast path), bool, or additive float.
+        (sdpa's causal fast path), bool, or additive float. The queries are the step's last
+        q_len positions (all of them, or the last one under generate()'s prefill shortcut).
         """
         import torch
 
-        start = self.positions.start
         last = self.positions.stop - 1
-        assert q_len == len(self.positions), (q_len, self.positions)
+        start = last + 1 - q_len
         if mask is None:
             local = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
             if q_len > 1:
@@ -224,6 +232,15 @@ class _StepRecorder:
             hooks.append(layer.self_attn.register_forward_hook(self._on_attn_out(i)))
         for h in hooks:
             stack.callback(h.remove)
+        slicer = getattr(tm, "_maybe_slice_kv_shared_inputs", None)
+        if slicer is not None:  # the per-layer inputs of every position, before the shortcut drops rows
+            def see_all_rows(hidden, per_layer_inputs, *args, **kwargs):
+                if per_layer_inputs is not None:
+                    self.buf["ple_all"] = per_layer_inputs[0]
+                return slicer(hidden, per_layer_inputs, *args, **kwargs)
+
+            tm._maybe_slice_kv_shared_inputs = see_all_rows
+            stack.callback(delattr, tm, "_maybe_slice_kv_shared_inputs")
 
     def _on_call(self, module, args, kwargs):
         ids = kwargs.get("input_ids")
@@ -276,12 +293,16 @@ class _StepRecorder:
                 return
             if not w.keeps_now(kind, layer):  # a step left out: zero rows, flagged absent by the writer
                 t = np.zeros(tuple(t.shape), dtype=bool if t.dtype == torch.bool else np.float32)
-            w.add(kind, _np(t) if hasattr(t, "detach") else t, layer=layer)
+            n = t.shape[0]  # fewer rows than positions: the last ones (generate()'s prefill shortcut)
+            rows = None if n == len(self.positions) else range(self.positions.stop - n, self.positions.stop)
+            w.add(kind, _np(t) if hasattr(t, "detach") else t, layer=layer, positions=rows)
 
         put("embeddings", b["embeddings"])
         n_layers = len(self.text_model.layers)
         if ("ple", 0) in b and w.keeps("per_layer_inputs"):
-            put("per_layer_inputs", torch.stack([b[("ple", i)] for i in range(n_layers)], dim=1))
+            ple = [b[("ple", i)] for i in range(n_layers)]
+            whole = all(p.shape[0] == len(self.positions) for p in ple)
+            put("per_layer_inputs", torch.stack(ple, dim=1) if whole else b["ple_all"])
         for lt in sorted(set(self.layer_types)):
             for kind in rope_kinds(lt):
                 put(kind, b[kind])
@@ -310,7 +331,7 @@ def _np(t):
 
 def record_loaded(
     lm: LoadedModel, inputs: PromptInputs, output, *, max_new_tokens: int, force: bool = False,
-    progress: Callable[[int, int], None] | None = None, selection=None,
+    progress: Callable[[int, int], None] | None = None, selection=None, shared_kv_prefill: str = "all",
 ) -> list[int]:
     """Run greedy generate() with hooks and write the trace; return the generated ids."""
     import torch
@@ -326,6 +347,9 @@ def record_loaded(
     check_positions(lm.text_config, prompt_len, max_new_tokens)
     if selection is not None:
         selection.check(len(layers), max_new_tokens)
+    if shared_kv_prefill not in ("all", "last"):
+        raise TraceToolError(f"--shared-kv-prefill must be all or last, got {shared_kv_prefill!r}")
+    shortcut = shared_kv_prefill == "last" and any(li.kv_role == "reuses" for li in layers)
     impl = model.config._attn_implementation or "eager"
     original = ALL_ATTENTION_FUNCTIONS.get(impl, modeling_gemma4.eager_attention_forward)
     streamer = _ProgressStreamer(max_new_tokens, progress) if progress is not None else None
@@ -335,12 +359,13 @@ def record_loaded(
 
     with TraceWriter(output, force=force, source_dtype=lm.dtype, selection=selection) as w:
         w.write_header(
-            provenance(lm, runtime=f"hf-transformers ({impl})", mode="reference"),
+            provenance(lm, runtime=f"hf-transformers ({impl}{', KV-shared prefill: last row' if shortcut else ''})",
+                       mode="reference"),
             inputs.input_ids, layers, max_new_tokens=max_new_tokens, eos_token_ids=eos,
             prompt_text=inputs.text, chat_template_applied=inputs.chat,
             extra_inputs={k: _np(v) for k, v in extra.items()},
         )
-        rec = _StepRecorder(lm, w, prompt_len)
+        rec = _StepRecorder(lm, w, prompt_len, shortcut)
         with contextlib.ExitStack() as stack:
             rec.install(stack)
             ALL_ATTENTION_FUNCTIONS[impl] = rec.attention(original)
@@ -350,7 +375,7 @@ def record_loaded(
                     ids, **extra, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                     eos_token_id=eos, pad_token_id=lm.text_config.pad_token_id,
                     # an index tensor (not the int generate() uses) keeps all positions in KV-reusing layers
-                    logits_to_keep=torch.tensor([-1], device=lm.device),
+                    logits_to_keep=1 if shortcut else torch.tensor([-1], device=lm.device),
                     streamer=streamer, top_k=None, top_p=None, temperature=None,
                 )
         generated = out[0, prompt_len:].tolist()
