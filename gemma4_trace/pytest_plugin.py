@@ -41,11 +41,30 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gemma4_modes(*modes): replay modes of the gemma4_golden_case items")
+    _share_cores_between_workers()
     if config.getoption("--update-golden") and not config.getoption("--golden-dir"):
         raise pytest.UsageError(
             "--update-golden rewrites golden traces: pass the folder to rewrite with --golden-dir DIR "
             "(the goldens shipped inside the package are never rewritten)"
         )
+
+
+def _share_cores_between_workers() -> None:
+    """In a pytest-xdist worker, give torch cores // workers threads. Its default, a thread per
+    core in every worker, oversubscribes the cores (docs/benchmarks.md: -n 2 was slower than
+    -n 0 on 2 cores). A user's own OMP_NUM_THREADS is left alone."""
+    import os
+    import sys
+
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not workers.isdigit() or int(workers) < 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # read when torch is imported
+    torch = sys.modules.get("torch")
+    if torch is not None:  # already imported (by a conftest): set it directly
+        torch.set_num_threads(threads)
 
 
 def golden_paths(folder: Path) -> list[Path]:

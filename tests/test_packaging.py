@@ -119,3 +119,19 @@ def test_plugin_imports_nothing_of_ours_or_heavy_at_load(tmp_path):
     )
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=_env(), timeout=120)
     assert p.stdout.strip() == "['gemma4_trace', 'gemma4_trace.pytest_plugin']", p.stdout + p.stderr
+
+
+def test_xdist_workers_share_the_cores(tmp_path):
+    """Under `pytest -n 2` each worker's torch gets cores // 2 threads (not one per core each)."""
+    (tmp_path / "test_threads.py").write_text(
+        "import os, torch\n"
+        "def test_a(): open(f'threads-{os.environ[\"PYTEST_XDIST_WORKER\"]}-a', 'w').write(str(torch.get_num_threads()))\n"
+        "def test_b(): open(f'threads-{os.environ[\"PYTEST_XDIST_WORKER\"]}-b', 'w').write(str(torch.get_num_threads()))\n"
+    )
+    env = {k: v for k, v in _env().items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "test_threads.py"],
+                       cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    cores = len(os.sched_getaffinity(0))
+    seen = {f.read_text() for f in tmp_path.glob("threads-*")}
+    assert len(list(tmp_path.glob("threads-*"))) == 2 and seen == {str(max(1, cores // 2))}, seen
