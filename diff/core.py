@@ -103,8 +103,8 @@ class _Differ:
         self.ref_tokens = ref.tokens() if ref.has("token") else None
         self.run_tokens = run.tokens() if run.has("token") else None
         self.plan: Plan = make_plan(ref, run, self.ref_tokens, self.run_tokens)
+        self._step_notes()  # may shorten the numeric steps (a BASE recording that leaves REF's tokens)
         self.row_steps = self.plan.row_steps()
-        self._step_notes()
         self._selection_notes()
         self._tokens_candidate()
         present_ref = set(ref.kinds_present())
@@ -147,6 +147,24 @@ class _Differ:
                 f"free-running trace: tokens differ from step {m}, so tensors of steps {m + 1}.."
                 f"{plan.token_steps - 1} were not compared (their inputs differ)"
             )
+        self._base_steps()
+
+    def _base_steps(self) -> None:
+        """A BASE that is a reference recording fed its own tokens: once they leave REF's, its
+        later steps had other inputs than REF's and give no envelope, so the numbers of those
+        steps are not compared. (A free-running BASE that leaves them is refused instead, as it
+        can be replayed teacher-forced; a recording cannot.)"""
+        base, plan = self.base, self.plan
+        if base is None or base.mode != "reference" or self.ref_tokens is None or not base.has("token"):
+            return
+        bt = base.tokens()
+        n = min(plan.numeric_steps, bt.size, self.ref_tokens.size)
+        leave = np.flatnonzero(bt[:n] != self.ref_tokens[:n])
+        if leave.size and leave[0] + 1 < plan.numeric_steps:
+            m = int(leave[0])
+            self.notes.append(f"BASE is a reference recording whose tokens leave REF's at step {m}: its later steps had "
+                              f"other inputs, so tensors of steps {m + 1}..{plan.numeric_steps - 1} were not compared")
+            plan.numeric_steps = m + 1
 
     def _tolerance(self, kind, layer) -> StepTolerance:
         ra = self.ref.source_dtype(kind, layer)
@@ -366,8 +384,8 @@ class _Differ:
             return
         if self.base is not None and self.base.has("token"):  # flips BASE makes too are inside its envelope
             bt = self.base.tokens()
-            outside = [s for s in info.mismatch_steps
-                       if (s >= bt.size or bt[s] != ct[s]) and not self._base_could_flip(s)]
+            outside = [s for s in info.mismatch_steps  # only steps whose inputs all three share
+                       if s < plan.numeric_steps and (s >= bt.size or bt[s] != ct[s]) and not self._base_could_flip(s)]
             if not outside:
                 self.notes.append("every token RUN chooses differently from REF is inside the baseline: BASE chooses it "
                                   "too, or REF prefers REF's token by at most twice BASE's largest logit error there")

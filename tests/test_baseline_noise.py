@@ -107,3 +107,22 @@ def test_token_flip_within_base_logit_error(tmp_path):
             d = r.to_json()["first_divergence"]
             assert not r.match and (d["kind"], d["step"]) == ("token", 1), format_text(r)
         assert not diff_traces(ref, run).match  # two-way, every such flip is a divergence
+
+
+def test_a_recorded_base_that_leaves_ref_tokens_bounds_the_steps(tmp_path):
+    """BASE recorded on its own tokens (an HF bf16 recording) leaves REF's at step 1: its later
+    steps had other inputs and give no envelope, so they are not compared (with a note)."""
+    from gemma4_trace.traces.reader import TraceReader
+
+    ref, base, run = tmp_path / "ref.h5", tmp_path / "base.h5", tmp_path / "run.h5"
+    write_trace(ref, prompt_len=8)
+    with TraceReader(ref) as r:
+        other = (int(r.tokens()[1]) + 1) % 11
+    write_trace(run, prompt_len=8, mode="teacher-forced", edit=noisy(2, flips=(0,), step=3))
+    write_trace(base, prompt_len=8, mode="reference", edit=noisy(1, token=(1, other)))
+    r = diff_traces(ref, run, baseline_path=base)
+    assert r.match and r.to_json()["steps"]["numbers_compared"] == 2, format_text(r)
+    assert any("leave REF's at step 1" in n and "steps 2..3 were not compared" in n for n in r.notes), r.notes
+    write_trace(base, prompt_len=8, mode="reference", edit=noisy(1), force=True)  # on REF's tokens
+    d = diff_traces(ref, run, baseline_path=base).to_json()["first_divergence"]
+    assert (d["step"], d["layer"], d["kind"]) == (3, 1, "attn_out")
