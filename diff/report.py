@@ -223,7 +223,7 @@ def format_text(result: DiffResult) -> str:
         b = result.baseline
         lines.append(f"baseline: {b.trace.path} ({b.trace.mode} {b.trace.dtype}, {b.trace.runtime}): a row fails only "
                      f"beyond the tolerance, beyond {b.factor:g}x BASE's error there, beyond BASE's largest in that step "
-                     f"and beyond the tolerance from BASE")
+                     f"(where RUN does not track BASE) and beyond the tolerance from BASE")
     for n in result.notes:
         lines.append(f"note: {n}")
     return "\n".join(lines)

@@ -68,7 +68,7 @@ def test_an_error_beyond_base_worst_fails_on_its_row(tmp_path):
 
 def test_base_noise_in_prefill_does_not_cover_a_decode_step(tmp_path):
     """Check 3 is per step: BASE's prefill flip says nothing about a decode step's row."""
-    ref, base, run = traces(tmp_path, noisy(1, flips=(2,)), noisy(2, flips=(0,), step=2))
+    ref, base, run = traces(tmp_path, noisy(1, flips=(2,)), noisy(2, flips=(0,), step=2, scale=0.5 * FLIP))
     d = diff_traces(ref, run, baseline_path=base).to_json()["first_divergence"]
     assert (d["step"], d["layer"], d["kind"]) == (2, 1, "attn_out")
 
@@ -122,7 +122,28 @@ def test_a_recorded_base_that_leaves_ref_tokens_bounds_the_steps(tmp_path):
     write_trace(base, prompt_len=8, mode="reference", edit=noisy(1, token=(1, other)))
     r = diff_traces(ref, run, baseline_path=base)
     assert r.match and r.to_json()["steps"]["numbers_compared"] == 2, format_text(r)
-    assert any("leave REF's at step 1" in n and "steps 2..3 were not compared" in n for n in r.notes), r.notes
+    assert any("leave REF's at step 1" in n and "tokens of steps 2..3 were not judged" in n for n in r.notes), r.notes
     write_trace(base, prompt_len=8, mode="reference", edit=noisy(1), force=True)  # on REF's tokens
     d = diff_traces(ref, run, baseline_path=base).to_json()["first_divergence"]
     assert (d["step"], d["layer"], d["kind"]) == (3, 1, "attn_out")
+
+
+def test_every_token_flip_is_judged_not_only_the_first_hundred(tmp_path):
+    """RUN and BASE flip the same tokens at steps 1..100 (inside); RUN alone flips step 110."""
+    from gemma4_trace.traces.reader import TraceReader
+
+    ref = tmp_path / "ref.h5"
+    write_trace(ref, prompt_len=4, new_tokens=120)
+    with TraceReader(ref) as r:
+        other = (r.tokens() + 1) % 11
+
+    def flips(steps):
+        def edit(k, l, s, rows):
+            return np.int64(other[s]) if k == "token" and s in steps else rows
+        return edit
+
+    base, run = tmp_path / "base.h5", tmp_path / "run.h5"
+    write_trace(base, prompt_len=4, new_tokens=120, mode="teacher-forced", edit=flips(range(1, 101)))
+    write_trace(run, prompt_len=4, new_tokens=120, mode="teacher-forced", edit=flips({*range(1, 101), 110}))
+    d = diff_traces(ref, run, baseline_path=base).to_json()["first_divergence"]
+    assert (d["kind"], d["step"]) == ("token", 110)

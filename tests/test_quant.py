@@ -215,3 +215,38 @@ def test_baseline_json_figures(runs):
     assert b["ratio"] > 4 and b["base_value"] * b["ratio"] == pytest.approx(j["first_divergence"]["value"])
     assert b["run_vs_base"] > b["run_vs_base_threshold"]
     assert "x the baseline" in j["first_divergence"]["sentence"]
+
+
+def test_one_bad_row_below_base_worst_fails_when_run_tracks_base(tmp_path):
+    """RUN is BASE's quantization (it tracks BASE row by row) with one prefill row wrong: its
+    error is 0.9x BASE's worst row in the step but over 4x BASE's on that row. Check 3 of the
+    envelope (BASE's worst in the step) must not excuse it."""
+    import shutil
+
+    import h5py
+
+    from gemma4_trace.recorder.golden import GOLDEN_DIR
+    from gemma4_trace.traces import schema as S
+    from gemma4_trace.traces.reader import TraceReader
+
+    ref, base, run = GOLDEN_DIR / "short.h5", tmp_path / "base.h5", tmp_path / "run.h5"
+    replay_trace(ref, base, runtime="static-w8")
+    shutil.copy(base, run)
+    with TraceReader(ref) as r, TraceReader(base) as b:
+        T = r.prompt_len
+        for kind, layer in ((k, l) for l in range(len(r.layers)) for k in ("q", "attn_out", "layer_out")):
+            a = r.read(kind, layer, slice(0, T)).astype(np.float64).reshape(T, -1)
+            c = b.read(kind, layer, slice(0, T)).astype(np.float64).reshape(T, -1)
+            err = np.linalg.norm(a - c, axis=1) / np.linalg.norm(a, axis=1)
+            if 0.9 * err.max() > 4.5 * err.min():  # a step whose BASE errors spread that far
+                break
+        else:
+            pytest.fail("no prefill tensor of the int8 BASE spreads its row errors 5x")
+        shape = r.dataset(kind, layer).shape[1:]
+    row = int(np.argmin(err))
+    u = np.random.default_rng(0).standard_normal(a.shape[1])
+    bad = a[row] + 0.9 * err.max() * np.linalg.norm(a[row]) * u / np.linalg.norm(u)
+    with h5py.File(run, "r+") as f:
+        f[S.tensor_path(kind, layer)][row] = bad.reshape(shape).astype(np.float32)
+    d = diff_traces(ref, run, baseline_path=base).to_json()["first_divergence"]
+    assert (d["step"], d["layer"], d["kind"], d["position"]) == (0, layer, kind, row), d
