@@ -157,8 +157,8 @@ def _selection(layers, kinds, steps):
 @click.option("--max-memory", callback=lambda c, p, v: _max_memory(v), default=None, help="with --device-map: memory per device, e.g. 0=20GiB,cpu=60GiB")
 @click.option("--offload-folder", type=click.Path(file_okay=False), default=None, help="with --device-map: folder for the layers offloaded to disk")
 @click.option("--shared-kv-prefill", type=click.Choice(["all", "last"]), default="all", show_default=True,
-              help="prefill rows of the KV-sharing layers: all, or only the last as generate() computes them "
-                   "(faster on long prompts; the others are stored absent and not compared)")
+              help="prefill rows of the KV-sharing layers (and final_hidden): all, or only the last as generate() "
+                   "computes them (faster on long prompts; the others are stored absent and not compared)")
 @selection_options
 @user_errors
 def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, no_chat, output, force, device_map,

@@ -13,8 +13,9 @@ generate() normally passes `logits_to_keep=1`, which lets KV-reusing layers proc
 only the last prompt position in prefill (their other rows feed nothing: they write no
 K/V). By default the recorder passes an index tensor instead, which keeps every position
 in every layer and leaves the numbers unchanged. `shared_kv_prefill="last"` keeps
-generate()'s shortcut (its speed on long prompts): those layers' other prefill rows are
-stored as zeros flagged absent, and the diff does not compare them.
+generate()'s shortcut (its speed on long prompts): those layers' other prefill rows, and
+final_hidden's (the norm after them), are stored as zeros flagged absent, and the diff does
+not compare them.
 """
 
 from __future__ import annotations
@@ -349,7 +350,8 @@ def record_loaded(
         selection.check(len(layers), max_new_tokens)
     if shared_kv_prefill not in ("all", "last"):
         raise TraceToolError(f"--shared-kv-prefill must be all or last, got {shared_kv_prefill!r}")
-    shortcut = shared_kv_prefill == "last" and any(li.kv_role == "reuses" for li in layers)
+    # HF slices only a prefill of 2+ positions (and not under flash / flex attention, GPU only)
+    shortcut = shared_kv_prefill == "last" and any(li.kv_role == "reuses" for li in layers) and prompt_len > 1
     impl = model.config._attn_implementation or "eager"
     original = ALL_ATTENTION_FUNCTIONS.get(impl, modeling_gemma4.eager_attention_forward)
     streamer = _ProgressStreamer(max_new_tokens, progress) if progress is not None else None

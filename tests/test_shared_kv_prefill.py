@@ -119,3 +119,12 @@ def test_image_prompt_and_a_model_without_sharing(tmp_path):
     with TraceReader(plain) as r:
         assert "last row" not in r.provenance["runtime"]
         assert all(r.rows_present(k, l) is None for k, l in r.kinds_present() if k != "token")
+
+
+def test_one_token_prompt_has_nothing_to_leave_out(tmp_path):
+    out = tmp_path / "one.h5"
+    res = run("record", "--input-ids", "2", "--max-new-tokens", 2, "-o", out, "--shared-kv-prefill", "last")
+    assert res.exit_code == 0, res.output
+    with TraceReader(out) as r:
+        assert "last row" not in r.provenance["runtime"]
+        assert all(r.rows_present(k, l) is None for k, l in r.kinds_present() if k != "token")
