@@ -129,9 +129,19 @@ def test_xdist_workers_share_the_cores(tmp_path):
         "def test_b(): open(f'threads-{os.environ[\"PYTEST_XDIST_WORKER\"]}-b', 'w').write(str(torch.get_num_threads()))\n"
     )
     env = {k: v for k, v in _env().items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "test_threads.py"],
-                       cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stdout + p.stderr
-    cores = len(os.sched_getaffinity(0))
-    seen = {f.read_text() for f in tmp_path.glob("threads-*")}
-    assert len(list(tmp_path.glob("threads-*"))) == 2 and seen == {str(max(1, cores // 2))}, seen
+
+    def threads_seen(*extra):
+        for f in tmp_path.glob("threads-*"):
+            f.unlink()
+        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, "-n", "2",
+                            "test_threads.py"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 0, p.stdout + p.stderr
+        files = list(tmp_path.glob("threads-*"))
+        assert len(files) == 2, files
+        return {f.read_text() for f in files}
+
+    shared = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    default = threads_seen("-p", "no:gemma4_trace")  # torch's own choice in each worker
+    if default == {shared}:
+        pytest.skip(f"torch already picks {shared} thread(s) per worker here: nothing to tell apart")
+    assert threads_seen() == {shared}, default
