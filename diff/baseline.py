@@ -113,11 +113,13 @@ class Baseline:
                     bound[n][s[0]] = e.max()
         return bound
 
-    def failing(self, a, b, c, rs: RowStats, floor, limits: dict, skip, ceiling) -> tuple[np.ndarray, np.ndarray, tuple]:
+    def failing(self, a, b, c, rs: RowStats, floor, limits: dict, skip, ceiling,
+                lacks=None) -> tuple[np.ndarray, np.ndarray, tuple]:
         """Like RowStats.failing for REF a, RUN b, BASE c: (fails, first failing metric index,
         stats for figures) per row. BASE's numbers are computed only for the rows that fail
         the plain tolerance (few in a float RUN, all in a quantized one). `ceiling()`: per metric,
-        BASE's worst excess in each row's step (step_worst, by row), called only for such rows."""
+        BASE's worst excess in each row's step (step_worst, by row), called only for such rows.
+        `lacks`: rows BASE has no data for (REF's stand in): no envelope, the tolerance alone."""
         n = len(a)
         beyond = {m.name: m.fails(getattr(rs, m.name), limits[m.name]) for m in ROW_METRICS if m.threshold}
         cand = np.zeros(n, dtype=bool)
@@ -134,6 +136,8 @@ class Baseline:
                 if m.threshold:
                     run_exc = _excess(m, rs)[rows]
                     envelope = (run_exc > self.factor * _excess(m, base)) & (run_exc > ceil[m.name][rows])
+                    if lacks is not None:
+                        envelope |= lacks[rows]
                     vs_base = m.fails(getattr(rvb, m.name), limits[m.name][rows])
                     checks[m.name][rows] = beyond[m.name][rows] & envelope & vs_base
         stacked = np.stack([checks[m.name] for m in ROW_METRICS])

@@ -239,8 +239,9 @@ class _Differ:
         return out or None
 
     def _blocks(self, spec: S.Kind, layer, n_rows: int, keep: bool):
-        """(first row, REF rows, RUN rows, BASE rows or None, their steps) block by block, over
-        the rows that can still beat the best divergence so far (all rows when `keep`)."""
+        """(first row, REF rows, RUN rows, BASE rows or None, rows BASE lacks or None, their
+        steps) block by block, over the rows that can still beat the best divergence so far
+        (all rows when `keep`). Where BASE lacks a row REF's stands in for it."""
         kind = spec.name
         limit = None if keep else self._row_limit(kind, layer, spec.index)
         end = n_rows if limit is None else min(n_rows, limit)
@@ -253,24 +254,25 @@ class _Differ:
             r1 = min(end, r0 + block)
             c = self.base.read(kind, layer, slice(r0, r1)) if self._three_way(kind, layer) else None
             a, b = self.ref.read(kind, layer, slice(r0, r1)), self.run.read(kind, layer, slice(r0, r1))
-            if c is not None:
-                c = _usable_base_rows(c, a)
+            lacks = None
+            if c is not None:  # a row BASE lacks has no envelope there: RUN is judged by the tolerance alone
+                c, lacks = _usable_base_rows(c, a)
+                base_flags = self.base.rows_present(kind, layer)
+                if base_flags is not None:
+                    flags = base_flags[r0:r1]
+                    lacks[: len(flags)] |= ~flags
+                    _stand_in(c, a, lacks)
             gone = self.absent.get((kind, layer), np.zeros(0, dtype=bool))[r0:r1]
-            if gone.any():  # a row one trace lacks is not compared: REF's stands in
+            if gone.any():  # a row REF or RUN lacks is not compared: REF's stands in
                 _stand_in(b, a, gone)
                 if c is not None:
                     _stand_in(c, a, gone)
-            base_flags = self.base.rows_present(kind, layer) if c is not None else None
-            if base_flags is not None:  # a row BASE lacks has no envelope there: RUN is judged by the tolerance alone
-                lacks = np.zeros(len(a), dtype=bool)
-                lacks[: len(base_flags[r0:r1])] = ~base_flags[r0:r1]
-                _stand_in(c, a, lacks)
-            yield r0, a, b, c, row_steps[r0:r1]
+            yield r0, a, b, c, lacks, row_steps[r0:r1]
 
     def _base_step_worst(self, spec: S.Kind, layer, n_rows: int, tol: StepTolerance) -> dict[str, np.ndarray]:
         """Check 3's bound per step of this tensor (diff/baseline.py), from one pass over all three."""
-        blocks = ((a, b, c, tol.l2_floor[st], tol.skip[st], st)
-                  for _, a, b, c, st in self._blocks(spec, layer, n_rows, keep=True))
+        blocks = ((a, b, c, tol.l2_floor[st], tol.skip[st] | lacks, st)  # BASE's own rows only
+                  for _, a, b, c, lacks, st in self._blocks(spec, layer, n_rows, keep=True))
         return self.baseline.step_worst(blocks, len(tol.skip))
 
     def _three_way(self, kind: str, layer) -> bool:
@@ -278,7 +280,7 @@ class _Differ:
 
     def _scan_mask(self, spec: S.Kind, layer, n_rows: int, tol: StepTolerance, summary: TensorSummary) -> bool:
         """Boolean rows compare exactly: the first row with a differing key diverges."""
-        for r0, a, b, c, st in self._blocks(spec, layer, n_rows, keep=False):
+        for r0, a, b, c, _, st in self._blocks(spec, layer, n_rows, keep=False):
             count = compare_mask_block(a, b)
             fails = (count > 0) & ~tol.skip[st]
             if c is not None:  # a difference BASE has too is inside its envelope
@@ -308,7 +310,7 @@ class _Differ:
             if not step_worst:
                 step_worst.update(self._base_step_worst(spec, layer, n_rows, tol))
             return {m: v[st] for m, v in step_worst.items()}
-        for r0, a, b, c, st in self._blocks(spec, layer, n_rows, keep):
+        for r0, a, b, c, lacks, st in self._blocks(spec, layer, n_rows, keep):
             r1 = r0 + len(a)
             rs = RowStats(a, b, tol.l2_floor[st])
             limits = {f: v[st] for f, v in tol.limits.items()}
@@ -317,7 +319,7 @@ class _Differ:
                 fails, which = rs.failing(limits, tol.skip[st])
             else:
                 fails, which, bstats = self.baseline.failing(a, b, c, rs, tol.l2_floor[st], limits, tol.skip[st],
-                                                             lambda: ceiling(st))
+                                                             lambda: ceiling(st), lacks)
                 if keep:
                     self.outside_rows.setdefault((spec.name, layer), np.zeros(n_rows, dtype=bool))[r0:r1] = fails
             for m in THRESHOLD_METRICS:
@@ -523,19 +525,19 @@ def _skipped_note(skipped: list[Skipped]) -> str:
             + (f" and {len(skipped) - 12} more" if len(skipped) > 12 else ""))
 
 
-def _usable_base_rows(c: np.ndarray, a: np.ndarray) -> np.ndarray:
-    """BASE's rows where they can be an envelope; REF's stand in for the rows BASE lacks (a BASE
-    that stopped reporting) or holds NaN/Inf in, so there RUN is judged by the tolerance alone."""
-    if len(c) < len(a):
+def _usable_base_rows(c: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """BASE's rows, REF's standing in for those BASE lacks (a BASE that stopped reporting) or
+    holds NaN/Inf in; and which rows those are (no envelope there)."""
+    lacks = np.arange(len(a)) >= len(c)
+    if lacks.any():
         full = np.zeros((len(a), *c.shape[1:]), dtype=c.dtype)
         full[: len(c)] = c
-        _stand_in(full, a, np.arange(len(a)) >= len(c))
         c = full
     if c.dtype.kind == "f":
-        bad = ~np.isfinite(c.reshape(len(c), -1)).all(axis=1)
-        if bad.any():
-            _stand_in(c, a, bad)
-    return c
+        lacks |= ~np.isfinite(c.reshape(len(c), -1)).all(axis=1)
+    if lacks.any():
+        _stand_in(c, a, lacks)
+    return c, lacks
 
 
 def _stand_in(dst: np.ndarray, src: np.ndarray, rows: np.ndarray) -> None:

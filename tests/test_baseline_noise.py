@@ -147,3 +147,35 @@ def test_every_token_flip_is_judged_not_only_the_first_hundred(tmp_path):
     write_trace(run, prompt_len=4, new_tokens=120, mode="teacher-forced", edit=flips({*range(1, 101), 110}))
     d = diff_traces(ref, run, baseline_path=base).to_json()["first_divergence"]
     assert (d["kind"], d["step"]) == ("token", 110)
+
+
+def _rewrite(path, kind, layer, fn):
+    """Replace one tensor dataset of a trace by fn(its data), keeping its attributes."""
+    import h5py
+
+    from gemma4_trace.traces import schema as S
+
+    with h5py.File(path, "r+") as f:
+        p = S.tensor_path(kind, layer)
+        data, attrs = f[p][...], dict(f[p].attrs)
+        del f[p]
+        new = f.create_dataset(p, data=fn(data))
+        new.attrs.update(attrs)
+
+
+def test_rows_base_lacks_or_spoils_give_no_envelope(tmp_path):
+    """A BASE that holds NaN in a row of attn_out, or stopped reporting it after decode step
+    1, gives no envelope there: RUN's error on such a row is judged by the tolerance
+    alone (found), and nothing crashes."""
+    ref, base, run = traces(tmp_path, noisy(1, flips=(1,), scale=0.4), noisy(2, flips=(1, 6), scale=0.3))
+    assert diff_traces(ref, run, baseline_path=base).match  # row 6 inside BASE's worst (row 1) in prefill
+    _rewrite(base, "attn_out", 1, lambda d: np.where(np.arange(len(d))[:, None] == 6, np.nan, d).astype(d.dtype))
+    d = diff_traces(ref, run, baseline_path=base).to_json()["first_divergence"]
+    assert (d["step"], d["layer"], d["kind"], d["position"]) == (0, 1, "attn_out", 6)
+
+    (tmp_path / "b").mkdir()  # BASE stopped reporting attn_out of layer 1 after decode step 1
+    ref2, base2, run2 = traces(tmp_path / "b", noisy(1, flips=(0,), step=3), noisy(2, flips=(0,), step=3))
+    assert diff_traces(ref2, run2, baseline_path=base2).match  # the same flip in both: inside
+    _rewrite(base2, "attn_out", 1, lambda d: d[:9])
+    d = diff_traces(ref2, run2, baseline_path=base2).to_json()["first_divergence"]
+    assert (d["step"], d["layer"], d["kind"]) == (3, 1, "attn_out")
