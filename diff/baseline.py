@@ -135,11 +135,11 @@ class Baseline:
             for m in ROW_METRICS:
                 if m.threshold:
                     run_exc = _excess(m, rs)[rows]
-                    envelope = (run_exc > self.factor * _excess(m, base)) & (run_exc > ceil[m.name][rows])
+                    outside = (run_exc > self.factor * _excess(m, base)) & (run_exc > ceil[m.name][rows])
                     if lacks is not None:
-                        envelope |= lacks[rows]
+                        outside |= lacks[rows]
                     vs_base = m.fails(getattr(rvb, m.name), limits[m.name][rows])
-                    checks[m.name][rows] = beyond[m.name][rows] & envelope & vs_base
+                    checks[m.name][rows] = beyond[m.name][rows] & outside & vs_base
         stacked = np.stack([checks[m.name] for m in ROW_METRICS])
         return stacked.any(axis=0) & ~skip, np.argmax(stacked, axis=0), (rows, base, rvb, ceil)
 
