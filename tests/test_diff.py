@@ -11,6 +11,7 @@ import pytest
 import gemma4_trace.diff.core as diff_core
 from gemma4_trace.diff import diff_traces, format_text, load_tolerances, render_html, write_html
 from gemma4_trace.diff.result import Skipped
+from tests.diff_fixtures import chain
 from tests.synth import LAYERS, WINDOW, write_trace
 from gemma4_trace.traces import TraceToolError
 
@@ -29,15 +30,6 @@ def plant(**where):
                 rows[(row, *index)] = value
             else:
                 rows[(row, *index)] += delta
-        return rows
-
-    return edit
-
-
-def chain(*edits):
-    def edit(k, l, s, rows):
-        for e in edits:
-            rows = e(k, l, s, rows)
         return rows
 
     return edit
