@@ -412,7 +412,9 @@ class _Differ:
         a = self.ref.read("logits", None, slice(m, m + 1))[0].astype(np.float64)
         c = self.base.read("logits", None, slice(m, m + 1))[0].astype(np.float64)
         ours, theirs = int(self.ref_tokens[m]), int(self.run_tokens[m])
-        if a.shape != c.shape or not 0 <= min(ours, theirs) <= max(ours, theirs) < a.size or not (np.all(np.isfinite(a)) and np.all(np.isfinite(c))):
+        if a.shape != c.shape or not 0 <= min(ours, theirs) <= max(ours, theirs) < a.size:
+            return False
+        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(c))):
             return False
         gap = a[ours] - a[theirs]  # as TokenFlip.reference_gap
         return gap <= 2 * float(np.percentile(np.abs(a - c), 99))  # BASE's large errors, not its one worst
