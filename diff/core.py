@@ -26,20 +26,15 @@ from .result import (DiffResult, Divergence, Element, Growth, InputError, Jump, 
 from .tolerances import StepTolerance, Tolerances, load_tolerances, precision_class
 
 BLOCK_BYTES = 16 << 20  # rows read at once per trace
-# the residual stream: full per-row rel-L2 kept, the inputs that origin verdicts compare against
-RESIDUAL_KINDS = ("embeddings", "layer_out", "final_hidden")
 GROWTH_KIND = "layer_out"  # the growth table's rows
 INTRODUCED_RATIO = 10.0  # error at least this many times the layer input's: introduced here
-# report names for the axis words of the kinds table's row shapes; a row's last axis is also "channel"
-AXIS_NAMES = {"heads": "head", "kv_heads": "head", "L": "ple_layer", "vocab": "vocab_id"}
-
-
 def element_names(kind: str, idx: tuple) -> dict[str, int]:
-    """Named axes of one element of a row: (1, 11) of q is {"head": 1, "channel": 11}."""
-    axes = [a.strip() for a in S.KIND_BY_NAME[kind].shape.split(")")[0].strip("(").split(",") if a.strip()]
+    """Named axes of one element of a row: (1, 11) of q is {"head": 1, "channel": 11}; a row's last
+    axis is also "channel"."""
+    axes = S.KIND_BY_NAME[kind].axes
     if not idx or len(idx) != len(axes):
         return {"channel": idx[0]} if len(idx) == 1 else {}
-    return {AXIS_NAMES[a]: i for a, i in zip(axes, idx) if a in AXIS_NAMES} | {"channel": idx[-1]}
+    return {a.report: i for a, i in zip(axes, idx) if a.report} | {"channel": idx[-1]}
 
 
 def _same_row_shape(spec: S.Kind, da, db) -> bool:
@@ -298,7 +293,7 @@ class _Differ:
 
     def _scan_rows(self, spec: S.Kind, layer, n_rows: int, tol: StepTolerance, summary: TensorSummary) -> bool:
         """Float rows: every row metric against its tolerance; residual kinds are read whole."""
-        keep = spec.name in RESIDUAL_KINDS
+        keep = spec.residual
         if keep:
             rel_all = np.zeros(n_rows, dtype=np.float32)
             sums = (np.zeros(n_rows), np.zeros(n_rows)) if spec.name in (GROWTH_KIND, "embeddings") else None

@@ -28,7 +28,7 @@ from gemma4_trace.traces import TraceWriter, layer_infos_from_config
 from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces.atomic import check_output_path
 from gemma4_trace.traces.errors import TraceToolError
-from gemma4_trace.traces.schema import rope_kinds
+from gemma4_trace.traces.schema import LAYER_KIND_NAMES, rope_kinds
 
 from gemma4_trace.hf.model import DEMO_IMAGE_PROMPT, DEMO_PROMPT, LoadedModel, load_model, provenance
 
@@ -308,7 +308,7 @@ class _StepRecorder:
             for kind in rope_kinds(lt):
                 put(kind, b[kind])
         for i in range(n_layers):
-            for kind in ("mask", "q", "k", "v", "attn_out", "layer_out"):
+            for kind in LAYER_KIND_NAMES:
                 if (kind, i) in b:
                     put(kind, b[(kind, i)], layer=i)
         put("final_hidden", b["final_hidden"])

@@ -39,9 +39,6 @@ SHAPE_WORDS = ("n", "start", "stop")
 DUMP_MODES = ("teacher-forced", "free-running")
 ADDITIVE_ALLOWED_ABOVE = -1.0  # additive masks: 0 where allowed, a large negative number (or -inf) where not
 
-# axis names of each kind's rows after "pos" (docs/import.md)
-ROW_AXES = {"q": ("head", "d"), "k": ("head", "d"), "v": ("head", "d"), "mask": ("key",),
-            "per_layer_inputs": ("layer", "d"), "token": ()}
 NUMPY_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
                 "uint32", "uint64", "bool")
 FILE_DTYPES = NUMPY_DTYPES + ("bfloat16",)
@@ -51,7 +48,8 @@ SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F
 
 
 def row_axes(kind: str) -> tuple[str, ...]:
-    return ROW_AXES.get(kind, ("d",))
+    """The axis names of a kind's rows after "pos" (docs/import.md)."""
+    return tuple(a.dump for a in S.KIND_BY_NAME[kind].axes)
 
 
 def _fail(msg: str):

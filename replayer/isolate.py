@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import torch
 
+from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
 
 from .api import WriterProbe
 
-# the tensors that are some layer's input; returned from REF in isolation
-INPUT_KINDS = ("embeddings", "per_layer_inputs", "layer_out")
 
 
 def check_supports_isolation(rt) -> None:
@@ -47,7 +46,7 @@ class IsolatingProbe(WriterProbe):
 
     def tensor(self, kind: str, value, layer: int | None = None, positions=None):
         super().tensor(kind, value, layer, positions)
-        if kind not in INPUT_KINDS:
+        if kind not in S.LAYER_INPUT_KINDS:
             return value
         if not self.ref.has(kind, layer):
             what = kind + (f" of layer {layer}" if layer is not None else "")

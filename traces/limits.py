@@ -13,9 +13,11 @@ line giving the estimate and the limit, instead of allocating until the kernel k
 
 from __future__ import annotations
 
+import math
 import os
 
 from .errors import TraceToolError
+from .schema import KINDS
 
 MAX_LAYERS = 512
 MAX_HEADS = 1024
@@ -159,10 +161,9 @@ def row_limits(cfg, layers) -> dict[str, int]:
     vocab = size("vocab_size", MAX_VOCAB)
     hd = max([li.head_dim for li in layers] or [MAX_HEAD_DIM])
     heads = max([li.num_heads for li in layers] or [MAX_HEADS])
-    per = {"embeddings": hidden, "attn_out": hidden, "layer_out": hidden, "final_hidden": hidden,
-           "per_layer_inputs": max(1, len(layers)) * ple, "q": heads * hd, "k": heads * hd, "v": heads * hd,
-           "logits": vocab, "token": 1, "mask": MAX_POSITIONS // ROW_SLACK,
-           "rope_cos_sliding": hd, "rope_sin_sliding": hd, "rope_cos_full": hd, "rope_sin_full": hd}
+    width = {"hidden": hidden, "ple": ple, "layers": max(1, len(layers)), "heads": heads, "head_dim": hd,
+             "vocab": vocab, "keys": MAX_POSITIONS // ROW_SLACK}
+    per = {k.name: math.prod(width[a.width] for a in k.axes) for k in KINDS}
     return {k: ROW_SLACK * v for k, v in per.items()}
 
 

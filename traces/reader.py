@@ -541,12 +541,11 @@ class TraceReader:
             # the diff reports it as a 'rows' divergence
             self._bad(f"{path!r} has {rows} rows, expected {self.n_positions} (one per position)")
         li = self.layers[layer] if layer is not None else None
-        want = {"q": (0, li.num_heads, "heads") if li else None,
-                "k": (0, li.num_kv_heads, "KV heads") if li else None,
-                "v": (0, li.num_kv_heads, "KV heads") if li else None,
-                "per_layer_inputs": (0, len(self.layers), "layers")}.get(kind)
-        if want is not None and row[want[0]] != want[1]:
-            self._bad(f"{path!r} has rows of shape {row}, but the model metadata says {want[1]} {want[2]}")
+        for axis, size in zip(spec.axes, row):
+            want = len(self.layers) if axis.meta == "layers" else getattr(li, axis.meta) if li and axis.meta else None
+            if want is not None and size != want:
+                what = axis.meta.removeprefix("num_").replace("kv_", "KV ")  # heads, KV heads, layers
+                self._bad(f"{path!r} has rows of shape {row}, but the model metadata says {want} {what}")
         elements = _nbytes(row, np.uint8)
         if elements > row_limit:
             self._bad(f"{path!r} has rows of shape {row} ({elements} values), more than the model config "

@@ -66,42 +66,88 @@ DTYPE_KINDS = {"float": "f", "bool": "b", "int": "iu"}
 
 
 @dataclass(frozen=True)
+class Axis:
+    """One axis of a kind's row: every fact about it that some part of the tool needs."""
+
+    name: str  # as docs/trace-format.md writes the row shape
+    width: str  # the config fact that bounds it (traces/limits.py row_limits): see WIDTHS
+    report: str | None = None  # its name in a diff's element report (None: only "channel")
+    dump: str = "d"  # its name in a dump map's `axes` (docs/import.md)
+    meta: str | None = None  # the layer metadata (or "layers") its size must equal, checked on read
+
+
+# what bounds an axis's size (the reader refuses a row ROW_SLACK times wider than the config says)
+WIDTHS = ("hidden", "ple", "layers", "heads", "head_dim", "vocab", "keys")
+
+_HIDDEN = Axis("hidden", "hidden")
+_HEAD_DIM = Axis("head_dim", "head_dim")
+
+
+@dataclass(frozen=True)
 class Kind:
     name: str
     per_layer: bool
     index: str  # "position": one row per absolute position; "step": one row per step
-    row_ndim: int  # dimensions of one row (after the row axis)
     dtype: str  # "float" (stored float32, source dtype in an attribute) | "bool" | "int" (int64)
-    shape: str  # row shape, documented (docs/trace-format.md)
+    axes: tuple[Axis, ...]  # one row's axes (after the row axis)
     doc: str
+    residual: bool = False  # the residual stream: the inputs a divergence's origin is judged against
+    layer_input: bool = False  # some layer's input: what --isolate hands back from REF
+
+    @property
+    def row_ndim(self) -> int:
+        return len(self.axes)
+
+    @property
+    def shape(self) -> str:
+        """The row shape as docs/trace-format.md writes it."""
+        names = [a.name for a in self.axes]
+        text = "()" if not names else f"({names[0]},)" if len(names) == 1 else f"({', '.join(names)})"
+        return text + (" bool" if self.dtype == "bool" else "")
 
     @property
     def grows(self) -> bool:
-        """The mask's key axis grows with the run (its rows get wider step by step)."""
-        return self.name == "mask"
+        """The key axis grows with the run (its rows get wider step by step)."""
+        return any(a.width == "keys" for a in self.axes)
 
+
+def _rope(name: str, layer_type: str) -> Kind:
+    head_dim = Axis(f"head_dim_{layer_type}", "head_dim")
+    return Kind(name, False, "position", "float", (head_dim,), f"RoPE {name.split('_')[1]}, {layer_type} layers")
+
+
+_HEADS = Axis("heads", "heads", report="head", dump="head", meta="num_heads")
+_KV_HEADS = Axis("kv_heads", "heads", report="head", dump="head", meta="num_kv_heads")
 
 # The canonical kinds in data-flow order: the order `trace diff` searches them in.
 KINDS: tuple[Kind, ...] = (
-    Kind("embeddings", False, "position", 1, "float", "(hidden,)", "input embeddings after vision merge"),
-    Kind("per_layer_inputs", False, "position", 2, "float", "(L, ple_dim)", "per-layer inputs as fed to layers"),
-    Kind("rope_cos_sliding", False, "position", 1, "float", "(head_dim_sliding,)", "RoPE cos, sliding layers"),
-    Kind("rope_sin_sliding", False, "position", 1, "float", "(head_dim_sliding,)", "RoPE sin, sliding layers"),
-    Kind("rope_cos_full", False, "position", 1, "float", "(head_dim_full,)", "RoPE cos, full layers"),
-    Kind("rope_sin_full", False, "position", 1, "float", "(head_dim_full,)", "RoPE sin, full layers"),
-    Kind("mask", True, "position", 1, "bool", "(K,) bool", "allowed[query_pos, key_pos] over absolute key positions"),
-    Kind("q", True, "position", 2, "float", "(heads, head_dim)", "query after q_norm and RoPE"),
-    Kind("k", True, "position", 2, "float", "(kv_heads, head_dim)", "key row written at this position (k_norm, RoPE)"),
-    Kind("v", True, "position", 2, "float", "(kv_heads, head_dim)", "value row written at this position (v_norm)"),
-    Kind("attn_out", True, "position", 1, "float", "(hidden,)", "attention output after o_proj"),
-    Kind("layer_out", True, "position", 1, "float", "(hidden,)", "decoder layer output (residual stream)"),
-    Kind("final_hidden", False, "position", 1, "float", "(hidden,)", "hidden state after the final norm"),
-    Kind("logits", False, "step", 1, "float", "(vocab,)", "soft-capped logits at the predicting position"),
-    Kind("token", False, "step", 0, "int", "()", "token chosen at this step"),
+    Kind("embeddings", False, "position", "float", (_HIDDEN,), "input embeddings after vision merge",
+         residual=True, layer_input=True),
+    Kind("per_layer_inputs", False, "position", "float",
+         (Axis("L", "layers", report="ple_layer", dump="layer", meta="layers"), Axis("ple_dim", "ple")),
+         "per-layer inputs as fed to layers", layer_input=True),
+    _rope("rope_cos_sliding", "sliding"),
+    _rope("rope_sin_sliding", "sliding"),
+    _rope("rope_cos_full", "full"),
+    _rope("rope_sin_full", "full"),
+    Kind("mask", True, "position", "bool", (Axis("K", "keys", dump="key"),),
+         "allowed[query_pos, key_pos] over absolute key positions"),
+    Kind("q", True, "position", "float", (_HEADS, _HEAD_DIM), "query after q_norm and RoPE"),
+    Kind("k", True, "position", "float", (_KV_HEADS, _HEAD_DIM), "key row written at this position (k_norm, RoPE)"),
+    Kind("v", True, "position", "float", (_KV_HEADS, _HEAD_DIM), "value row written at this position (v_norm)"),
+    Kind("attn_out", True, "position", "float", (_HIDDEN,), "attention output after o_proj"),
+    Kind("layer_out", True, "position", "float", (_HIDDEN,), "decoder layer output (residual stream)",
+         residual=True, layer_input=True),
+    Kind("final_hidden", False, "position", "float", (_HIDDEN,), "hidden state after the final norm", residual=True),
+    Kind("logits", False, "step", "float", (Axis("vocab", "vocab", report="vocab_id"),),
+         "soft-capped logits at the predicting position"),
+    Kind("token", False, "step", "int", (), "token chosen at this step"),
 )
 KIND_BY_NAME = {k.name: k for k in KINDS}
 KIND_NAMES = tuple(k.name for k in KINDS)
 LAYER_KIND_NAMES = tuple(k.name for k in KINDS if k.per_layer)
+RESIDUAL_KINDS = tuple(k.name for k in KINDS if k.residual)
+LAYER_INPUT_KINDS = tuple(k.name for k in KINDS if k.layer_input)
 
 
 def rope_kinds(layer_type: str) -> tuple[str, str]:
