@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gemma4_trace.traces import LayerInfo, TraceWriter  # noqa: E402
+from gemma4_trace.traces import LayerInfo, Provenance, TraceHeader, TraceWriter  # noqa: E402
 
 HIDDEN, PLE, VOCAB, HEADS = 1536, 256, 32768, 8
 TYPES = ["sliding_attention"] * 3 + ["full_attention"]
@@ -34,8 +34,8 @@ LAYERS = [LayerInfo(TYPES[i % 4], 256 if TYPES[i % 4] == "sliding_attention" els
           for i in range(8)]
 
 
-def provenance(mode: str) -> dict:
-    return dict(creator_version="bench", torch_version="-", transformers_version="-", h5py_version=h5py.__version__,
+def provenance(mode: str) -> Provenance:
+    return Provenance(creator_version="bench", torch_version="-", transformers_version="-", h5py_version=h5py.__version__,
                 dtype="float32", device="cpu", runtime="bench", mode=mode, model_name="bench",
                 model_config={"hidden_size": HIDDEN, "num_hidden_layers": len(LAYERS), "vocab_size": VOCAB},
                 model_config_sha256="0" * 64)
@@ -52,9 +52,10 @@ def write_pair(ref_path: Path, run_path: Path, prefill: int, decode: int, seed: 
         wb = stack.enter_context(TraceWriter(run_path, force=True))
         wc = stack.enter_context(TraceWriter(base_path, force=True)) if base_path else None
         writers = [w for w in (wa, wb, wc) if w is not None]
-        wa.write_header(provenance("reference"), ids, LAYERS, max_new_tokens=decode + 1, eos_token_ids=[1])
+        header = TraceHeader(provenance("reference"), ids, LAYERS, max_new_tokens=decode + 1, eos_token_ids=[1])
+        wa.write_header(header)
         for w in writers[1:]:
-            w.write_header(provenance("teacher-forced"), ids, LAYERS, max_new_tokens=decode + 1, eos_token_ids=[1])
+            w.write_header(header.with_provenance(header.provenance.replace(mode="teacher-forced")))
         start = 0
         for step in range(decode + 1):
             stop = prefill if step == 0 else start + 1

@@ -24,7 +24,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gemma4_trace.traces import TraceWriter, layer_infos_from_config
+from gemma4_trace.traces import Provenance, TraceHeader, TraceWriter, layer_infos_from_config
 from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces.atomic import check_output_path
 from gemma4_trace.traces.errors import TraceToolError
@@ -360,13 +360,14 @@ def record_loaded(
                    f"recording {prompt_len} prompt tokens + {max_new_tokens} new tokens")
 
     with TraceWriter(output, force=force, source_dtype=lm.dtype, selection=selection) as w:
-        w.write_header(
-            provenance(lm, runtime=f"hf-transformers ({impl}{', KV-shared prefill: last row' if shortcut else ''})",
-                       mode="reference"),
+        w.write_header(TraceHeader(
+            Provenance.from_dict(provenance(
+                lm, runtime=f"hf-transformers ({impl}{', KV-shared prefill: last row' if shortcut else ''})",
+                mode="reference")),
             inputs.input_ids, layers, max_new_tokens=max_new_tokens, eos_token_ids=eos,
             prompt_text=inputs.text, chat_template_applied=inputs.chat,
             extra_inputs={k: _np(v) for k, v in extra.items()},
-        )
+        ))
         rec = _StepRecorder(lm, w, prompt_len, shortcut)
         with contextlib.ExitStack() as stack:
             rec.install(stack)

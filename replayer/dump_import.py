@@ -454,9 +454,7 @@ def import_dump(dump_dir, reference, map_path, output, *, force: bool = False) -
         prov["h5py_version"] = h5py.__version__
         tokens: list[int] = []
         with TraceWriter(output, force=force) as w:
-            w.write_header(prov, ref.prompt_ids, ref.layers, max_new_tokens=ref.max_new_tokens,
-                           eos_token_ids=ref.eos_token_ids, prompt_text=ref.prompt_text,
-                           chat_template_applied=ref.chat_template_applied, extra_inputs=ref.extra_inputs())
+            w.write_header(ref.header().with_provenance(prov))
             for step in range(n_steps):
                 a, b = positions[step]
                 w.begin_step(range(a, b))

@@ -11,6 +11,7 @@ from gemma4_trace.hf.model import load_for_reference, provenance
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.atomic import check_output_path
 from gemma4_trace.traces.errors import TraceToolError, one_line
+from gemma4_trace.traces.header import Provenance, TraceHeader
 from gemma4_trace.traces.layers import layer_infos_from_config
 from gemma4_trace.traces.reader import TraceReader
 from gemma4_trace.traces.writer import TraceWriter
@@ -138,11 +139,11 @@ def replay_trace(
     recorded_mode = "isolated" if isolate else mode
     with contextlib.ExitStack() as stack:
         w = stack.enter_context(TraceWriter(output, force=force, source_dtype=loaded.dtype, selection=selection))
-        w.write_header(
-            provenance(loaded, runtime=rt.name, mode=recorded_mode), ref.prompt_ids,
+        w.write_header(TraceHeader(
+            Provenance.from_dict(provenance(loaded, runtime=rt.name, mode=recorded_mode)), ref.prompt_ids,
             layer_infos_from_config(loaded.text_config), max_new_tokens=n_new, eos_token_ids=ref.eos,
             prompt_text=ref.prompt_text, chat_template_applied=ref.chat, extra_inputs=ref.extra,
-        )
+        ))
         probe = IsolatingProbe(w, rt.name, stack.enter_context(TraceReader(reference))) if isolate else None
         tokens = _run_steps(runner, ref, mode, w, progress, probe)
     seconds = time.perf_counter() - t0

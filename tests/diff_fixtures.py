@@ -35,11 +35,8 @@ DATA = Path(__file__).parent / "data" / "diff"
 def copy_trace(src, dst, edit=None, mode=None, stop_after=None, omit=()):
     """Write `dst` as `src` with `edit(kind, layer, step, rows) -> rows` applied to every block."""
     with TraceReader(src) as r, TraceWriter(dst) as w:
-        prov = dict(r.provenance)
-        prov["mode"] = mode or prov["mode"]
-        w.write_header(prov, r.prompt_ids, r.layers, max_new_tokens=r.max_new_tokens,
-                       eos_token_ids=r.eos_token_ids, prompt_text=r.prompt_text,
-                       chat_template_applied=r.chat_template_applied, extra_inputs=r.extra_inputs())
+        header = r.header()
+        w.write_header(header.with_provenance(header.provenance.replace(mode=mode or header.provenance.mode)))
         present = [kl for kl in r.kinds_present() if kl[0] not in omit and kl not in omit]
         for step, (a, b) in enumerate(r.step_positions[:stop_after]):
             w.begin_step(range(a, b))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gemma4_trace.traces import LayerInfo, TraceWriter
+from gemma4_trace.traces import LayerInfo, Provenance, TraceHeader, TraceWriter
 
 LAYERS = [
     LayerInfo("sliding_attention", 4, 2, 1, "owns", 0),
@@ -50,8 +50,9 @@ def write_trace(path, prompt_len=5, new_tokens=4, seed=0, edit=None, mode="refer
     tokens = rng.integers(0, VOCAB, size=new_tokens)
     with TraceWriter(path, force=force, source_dtype=source_dtype) as w:
         ids = rng.integers(0, VOCAB, size=prompt_len)
-        w.write_header(provenance(layers, config, mode=mode, dtype=dtype), ids if prompt_ids is None else prompt_ids,
-                       layers, max_new_tokens=new_tokens, eos_token_ids=[1])
+        w.write_header(TraceHeader(Provenance.from_dict(provenance(layers, config, mode=mode, dtype=dtype)),
+                                   ids if prompt_ids is None else prompt_ids, layers, max_new_tokens=new_tokens,
+                                   eos_token_ids=[1]))
         start = 0
         for step in range(new_tokens if stop_after is None else min(stop_after, new_tokens)):
             stop = prompt_len if step == 0 else start + 1

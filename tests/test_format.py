@@ -4,6 +4,7 @@ import pytest
 
 from tests.synth import LAYERS, write_trace
 from gemma4_trace.traces import KIND_NAMES, TraceFileError, TraceReader, TraceToolError, TraceWriter, schema
+from gemma4_trace.traces import Provenance, TraceHeader
 
 
 def test_golden_kind_names_in_dataflow_order():
@@ -99,7 +100,8 @@ def test_rows_must_match_positions(tmp_path):
     with pytest.raises(ValueError, match="rows for"):
         with TraceWriter(tmp_path / "t.h5") as w:
             from tests.synth import provenance
-            w.write_header(provenance(), [1, 2, 3], LAYERS, max_new_tokens=1, eos_token_ids=[1])
+            w.write_header(TraceHeader(Provenance.from_dict(provenance()), [1, 2, 3], LAYERS, max_new_tokens=1,
+                                       eos_token_ids=[1]))
             w.begin_step(range(0, 3))
             w.add("embeddings", np.zeros((2, 6)))
     assert not (tmp_path / "t.h5").exists()

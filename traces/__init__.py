@@ -1,6 +1,7 @@
 """The trace format: the only package that knows HDF5 names. No torch, no transformers."""
 
 from .errors import TraceCorruptError, TraceFileError, TraceToolError
+from .header import Provenance, TraceHeader
 from .layers import LayerInfo, layer_infos_from_config
 from .reader import TraceReader
 from .schema import KIND_NAMES, KINDS, SCHEMA_NAME, SCHEMA_VERSION
@@ -12,8 +13,10 @@ __all__ = [
     "SCHEMA_NAME",
     "SCHEMA_VERSION",
     "LayerInfo",
+    "Provenance",
     "TraceCorruptError",
     "TraceFileError",
+    "TraceHeader",
     "TraceReader",
     "TraceToolError",
     "TraceWriter",

@@ -33,6 +33,7 @@ import numpy as np
 
 from . import limits as LIM
 from . import schema as S
+from .header import Provenance, TraceHeader
 from .errors import TraceCorruptError, TraceFileError, TraceToolError, interrupted, one_line
 from .layers import LayerInfo
 
@@ -613,6 +614,14 @@ class TraceReader:
             self._check_memory(ds, _nbytes(ds.shape, ds.dtype))
             out[k] = self._read_small(ds)
         return out
+
+    def header(self) -> TraceHeader:
+        """The trace's header, whole (the extra inputs are read): what a copy of it writes."""
+        return TraceHeader(
+            Provenance.from_dict(self.provenance), self.prompt_ids, self.layers, max_new_tokens=self.max_new_tokens,
+            eos_token_ids=self.eos_token_ids, prompt_text=self.prompt_text,
+            chat_template_applied=self.chat_template_applied, extra_inputs=self.extra_inputs(),
+        )
 
     def has(self, kind: str, layer: int | None = None) -> bool:
         return (kind, layer) in self._present

@@ -3,6 +3,7 @@
 Nothing outside `traces/` writes an HDF5 path string. A trace holds, for one prompt:
 
     /                       attrs: schema, schema_version, provenance (see PROVENANCE_KEYS)
+    /inputs                 attrs: max_new_tokens, eos_token_ids, prompt_text, chat_template_applied
     /inputs/prompt_ids      (T,) int64, raw prompt ids (image tokens kept)
     /inputs/extra/<name>    model inputs besides ids (pixel_values, image_position_ids, ...)
     /model/<field>          per-layer metadata, one entry per decoder layer
@@ -31,6 +32,9 @@ ATTR_SOURCE_DTYPE = "source_dtype"
 # Absent: everything. Schema version unchanged: a reader without it still reads such a trace right
 # (left-out kinds are absent, left-out steps are rows flagged absent); it cannot say why.
 ATTR_SELECTION = "selection"
+# provenance: root attributes, one text each (model_config: JSON text)
+ATTR_MODE = "mode"  # "teacher-forced" | "free-running" | "reference" | "isolated" (MODES)
+ATTR_MODEL_CONFIG = "model_config"  # JSON text
 PROVENANCE_KEYS = (
     "creator_version",
     "torch_version",
@@ -39,20 +43,43 @@ PROVENANCE_KEYS = (
     "dtype",
     "device",
     "runtime",
-    "mode",  # "teacher-forced" | "free-running" | "reference" | "isolated"
+    ATTR_MODE,
     "model_name",
-    "model_config",  # JSON text
+    ATTR_MODEL_CONFIG,
     "model_config_sha256",
 )
 
 # groups and datasets
 GROUP_INPUTS = "inputs"
-DSET_PROMPT_IDS = "inputs/prompt_ids"
-GROUP_INPUT_EXTRA = "inputs/extra"
+DSET_PROMPT_IDS = f"{GROUP_INPUTS}/prompt_ids"
+GROUP_INPUT_EXTRA = f"{GROUP_INPUTS}/extra"
 GROUP_MODEL = "model"
 LAYER_FIELDS = ("layer_type", "head_dim", "num_heads", "num_kv_heads", "kv_role", "kv_source")
-DSET_STEP_POSITIONS = "steps/positions"
+LAYER_TEXT_FIELDS = ("layer_type", "kv_role")  # stored as text; the other fields as integers
+GROUP_STEPS = "steps"
+DSET_STEP_POSITIONS = f"{GROUP_STEPS}/positions"
 GROUP_TENSORS = "tensors"
+LAYER_GROUP_PREFIX = "L"  # tensors/L07: the per-layer group of layer 7
+
+# attributes of the inputs group
+ATTR_MAX_NEW_TOKENS = "max_new_tokens"
+ATTR_EOS_TOKEN_IDS = "eos_token_ids"  # every EOS id, sorted
+ATTR_PROMPT_TEXT = "prompt_text"
+ATTR_CHAT_TEMPLATE_APPLIED = "chat_template_applied"
+
+
+def leaf(path: str) -> str:
+    """The last name of an HDF5 path (a member's name in its group)."""
+    return path.rsplit("/", 1)[-1]
+
+
+# the names each group above tensors/ may hold (tensors/ is checked kind by kind)
+MEMBERS = {
+    "/": (GROUP_INPUTS, GROUP_MODEL, GROUP_STEPS, GROUP_TENSORS),
+    GROUP_INPUTS: (leaf(DSET_PROMPT_IDS), leaf(GROUP_INPUT_EXTRA)),
+    GROUP_MODEL: LAYER_FIELDS,
+    GROUP_STEPS: (leaf(DSET_STEP_POSITIONS),),
+}
 
 MODES = ("reference", "teacher-forced", "free-running", "isolated")  # isolated: teacher-forced, every layer fed REF's input
 KV_ROLES = ("owns", "stores", "reuses")
@@ -157,7 +184,7 @@ def rope_kinds(layer_type: str) -> tuple[str, str]:
 
 
 def layer_group(layer: int) -> str:
-    return f"{GROUP_TENSORS}/L{layer:02d}"
+    return f"{GROUP_TENSORS}/{LAYER_GROUP_PREFIX}{layer:02d}"
 
 
 def tensor_path(kind: str, layer: int | None) -> str:

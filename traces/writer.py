@@ -15,6 +15,7 @@ import numpy as np
 
 from . import schema as S
 from .atomic import atomic_output
+from .header import TraceHeader
 from .layers import LayerInfo
 
 CHUNK_BYTES = 1 << 20  # target uncompressed chunk size
@@ -134,7 +135,7 @@ def _spread_rows(kind, layer, arr: np.ndarray, positions, start: int, stop: int,
 class TraceWriter:
     """Write a trace: `with TraceWriter(path, force=...) as w:` then header, steps, tensors.
 
-        w.write_header(provenance, prompt_ids, layers, max_new_tokens=..., eos_token_ids=...)
+        w.write_header(TraceHeader(provenance, prompt_ids, layers, max_new_tokens=..., eos_token_ids=...))
         w.begin_step(positions=range(0, T))        # step 0: the prefill
         w.add("q", q_rows, layer=3)                 # rows for the step's positions
         w.add("logits", logits_row)                 # step-indexed kinds: one row
@@ -179,50 +180,34 @@ class TraceWriter:
         return self._ctx.__exit__(exc_type, exc, tb)
 
     # ---------------------------------------------------------------- header
-    def write_header(
-        self,
-        provenance: dict,
-        prompt_ids,
-        layers: list[LayerInfo],
-        *,
-        max_new_tokens: int,
-        eos_token_ids: list[int],
-        prompt_text: str = "",
-        chat_template_applied: bool = False,
-        extra_inputs: dict | None = None,
-    ) -> None:
+    def write_header(self, header: TraceHeader) -> None:
         f = self.f
         f.attrs[S.ATTR_SCHEMA] = fixed_text(S.SCHEMA_NAME)
         f.attrs[S.ATTR_SCHEMA_VERSION] = S.SCHEMA_VERSION
         if self.selection is not None:
             f.attrs[S.ATTR_SELECTION] = fixed_text(json.dumps(self.selection.to_json(), sort_keys=True))
-        missing = [k for k in S.PROVENANCE_KEYS if k not in provenance]
-        if missing:
-            raise ValueError(f"provenance lacks {missing}")
-        if provenance["mode"] not in S.MODES:
-            raise ValueError(f"mode {provenance['mode']!r} not in {S.MODES}")
-        for k in S.PROVENANCE_KEYS:
-            v = provenance[k]
-            f.attrs[k] = fixed_text(json.dumps(v, sort_keys=True) if isinstance(v, dict) else str(v))
-        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
-        f.create_dataset(S.DSET_PROMPT_IDS, data=ids)
+        for k, text in header.provenance.attrs().items():
+            f.attrs[k] = fixed_text(text)
+        f.create_dataset(S.DSET_PROMPT_IDS, data=header.prompt_ids)
         g = f[S.GROUP_INPUTS]
-        g.attrs["max_new_tokens"] = int(max_new_tokens)
-        g.attrs["eos_token_ids"] = np.asarray(sorted(set(int(e) for e in eos_token_ids)), dtype=np.int64)
-        g.attrs["prompt_text"] = fixed_text(prompt_text)
-        g.attrs["chat_template_applied"] = bool(chat_template_applied)
+        g.attrs[S.ATTR_MAX_NEW_TOKENS] = header.max_new_tokens
+        g.attrs[S.ATTR_EOS_TOKEN_IDS] = np.asarray(header.eos_token_ids, dtype=np.int64)
+        g.attrs[S.ATTR_PROMPT_TEXT] = fixed_text(header.prompt_text)
+        g.attrs[S.ATTR_CHAT_TEMPLATE_APPLIED] = bool(header.chat_template_applied)
         f.require_group(S.GROUP_INPUT_EXTRA)
-        for name, value in sorted((extra_inputs or {}).items()):
+        for name, value in sorted(header.extra_inputs.items()):
             arr, src = _to_array(value, None)
             ds = f.create_dataset(S.input_extra_path(name), data=arr, **COMPRESSION)
             ds.attrs[S.ATTR_SOURCE_DTYPE] = fixed_text(src)
-        for field in S.LAYER_FIELDS:
-            vals = [getattr(li, field) for li in layers]
-            data = fixed_text(vals) if isinstance(vals[0], str) else np.asarray(vals, dtype=np.int64)
-            f.create_dataset(S.model_field_path(field), data=data)
+        layers = header.layers
+        for name in S.LAYER_FIELDS:
+            vals = [getattr(li, name) for li in layers]
+            data = fixed_text(vals) if name in S.LAYER_TEXT_FIELDS else np.asarray(vals, dtype=np.int64)
+            f.create_dataset(S.model_field_path(name), data=data)
         self._n_layers = len(layers)
         self.layers = list(layers)  # what a probe may report is bounded by these (traces/limits.py)
-        self.model_config = provenance["model_config"] if isinstance(provenance["model_config"], dict) else {}
+        cfg = header.provenance.model_config
+        self.model_config = cfg if isinstance(cfg, dict) else {}
 
     # ---------------------------------------------------------------- steps
     def begin_step(self, positions: range) -> None:
