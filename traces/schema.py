@@ -54,8 +54,11 @@ GROUP_INPUTS = "inputs"
 DSET_PROMPT_IDS = f"{GROUP_INPUTS}/prompt_ids"
 GROUP_INPUT_EXTRA = f"{GROUP_INPUTS}/extra"
 GROUP_MODEL = "model"
-LAYER_FIELDS = ("layer_type", "head_dim", "num_heads", "num_kv_heads", "kv_role", "kv_source")
-LAYER_TEXT_FIELDS = ("layer_type", "kv_role")  # stored as text; the other fields as integers
+# per-layer metadata: one dataset per traces.layers.LayerInfo field, named as the field
+FIELD_LAYER_TYPE, FIELD_KV_ROLE, FIELD_KV_SOURCE = "layer_type", "kv_role", "kv_source"
+FIELD_HEAD_DIM, FIELD_NUM_HEADS, FIELD_NUM_KV_HEADS = "head_dim", "num_heads", "num_kv_heads"
+LAYER_FIELDS = (FIELD_LAYER_TYPE, FIELD_HEAD_DIM, FIELD_NUM_HEADS, FIELD_NUM_KV_HEADS, FIELD_KV_ROLE, FIELD_KV_SOURCE)
+LAYER_TEXT_FIELDS = (FIELD_LAYER_TYPE, FIELD_KV_ROLE)  # stored as text; the other fields as integers
 GROUP_STEPS = "steps"
 DSET_STEP_POSITIONS = f"{GROUP_STEPS}/positions"
 GROUP_TENSORS = "tensors"
@@ -143,8 +146,10 @@ def _rope(name: str, layer_type: str) -> Kind:
     return Kind(name, False, "position", "float", (head_dim,), f"RoPE {name.split('_')[1]}, {layer_type} layers")
 
 
-_HEADS = Axis("heads", "heads", report="head", dump="head", meta="num_heads")
-_KV_HEADS = Axis("kv_heads", "heads", report="head", dump="head", meta="num_kv_heads")
+_HEADS = Axis("heads", "heads", report="head", dump="head", meta=FIELD_NUM_HEADS)
+_KV_HEADS = Axis("kv_heads", "heads", report="head", dump="head", meta=FIELD_NUM_KV_HEADS)
+
+KIND_TOKEN = "token"  # the chosen tokens: every trace holds them
 
 # The canonical kinds in data-flow order: the order `trace diff` searches them in.
 KINDS: tuple[Kind, ...] = (
@@ -168,7 +173,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("final_hidden", False, "position", "float", (_HIDDEN,), "hidden state after the final norm", residual=True),
     Kind("logits", False, "step", "float", (Axis("vocab", "vocab", report="vocab_id"),),
          "soft-capped logits at the predicting position"),
-    Kind("token", False, "step", "int", (), "token chosen at this step"),
+    Kind(KIND_TOKEN, False, "step", "int", (), "token chosen at this step"),
 )
 KIND_BY_NAME = {k.name: k for k in KINDS}
 KIND_NAMES = tuple(k.name for k in KINDS)
