@@ -5,23 +5,48 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import schema as S
 from .errors import one_line
+from .header import Provenance
 from .reader import TraceReader
 
 PROMPT_CHARS = 400  # the summary quotes this much of the prompt text
 
 
-def decoder_for(tokenizer_json: Path | None):
-    """A decode(ids) function from a tokenizer.json via the `tokenizers` package, or None."""
+class Decoder:
+    """decode(ids) -> text, or None when some id is not in the tokenizer's vocabulary.
+
+    Token ids come from a trace (untrusted: a buggy runtime's dump may hold any int64), and the
+    tokenizer takes only its own ids: it would skip an unknown id below 2^32 without a word and
+    fail on a larger one. An id outside the vocabulary means no text; `unknown(ids)` says which."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+
+    def unknown(self, ids) -> tuple[int, int] | None:
+        """(index, id) of the first id outside the tokenizer's vocabulary, or None."""
+        for i, t in enumerate(ids):
+            if not 0 <= int(t) < self.vocab_size:
+                return i, int(t)
+        return None
+
+    def __call__(self, ids) -> str | None:
+        if self.unknown(ids) is not None:
+            return None
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def decoder_for(tokenizer_json: Path | None) -> Decoder | None:
+    """A Decoder from a tokenizer.json via the `tokenizers` package, or None."""
     if tokenizer_json is None or not tokenizer_json.is_file():
         return None
     try:
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(tokenizer_json))
+        return Decoder(Tokenizer.from_file(str(tokenizer_json)))
     except Exception:  # noqa: BLE001 - any unreadable tokenizer just means no text
         return None
-    return lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -32,17 +57,17 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def summarize(r: TraceReader, decode=None) -> str:
-    p = r.provenance
+def summarize(r: TraceReader, decode: Decoder | None = None) -> str:
+    p = Provenance.from_dict(r.provenance)
     cfg = r.model_config
     text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     tokens = r.tokens()
     lines = [
-        f"trace      {r.path} ({_fmt_bytes(r.path.stat().st_size)}, schema v{r.f.attrs['schema_version']})",
-        f"model      {p['model_name']}  config sha256 {p['model_config_sha256'][:12]}",
-        f"producer   {p['runtime']}, mode {p['mode']}, {p['dtype']} on {p['device']}",
-        f"versions   creator {p['creator_version']}, torch {p['torch_version']}, "
-        f"transformers {p['transformers_version']}, h5py {p['h5py_version']}",
+        f"trace      {r.path} ({_fmt_bytes(r.path.stat().st_size)}, schema v{r.f.attrs[S.ATTR_SCHEMA_VERSION]})",
+        f"model      {p.model_name}  config sha256 {p.model_config_sha256[:12]}",
+        f"producer   {p.runtime}, mode {p.mode}, {p.dtype} on {p.device}",
+        f"versions   creator {p.creator_version}, torch {p.torch_version}, "
+        f"transformers {p.transformers_version}, h5py {p.h5py_version}",
     ]
     prompt = f"prompt     {r.prompt_len} tokens"
     if r.prompt_text:
@@ -60,7 +85,10 @@ def summarize(r: TraceReader, decode=None) -> str:
     ended = "ended at EOS" if len(tokens) and int(tokens[-1]) in r.eos_token_ids else "no EOS"
     lines.append(f"generated  {len(tokens)} tokens ({ended}): {tokens.tolist()}")
     if decode is not None:
-        lines.append(f"text       {json.dumps(decode(tokens))}")
+        bad = decode.unknown(tokens)
+        lines.append(f"text       {json.dumps(decode(tokens))}" if bad is None else
+                     f"text       not decoded: token {bad[1]} of step {bad[0]} is not in the tokenizer's vocabulary "
+                     f"(ids 0..{decode.vocab_size - 1})")
     window = text_cfg.get("sliding_window")
     lines.append(f"layers     {len(r.layers)} (hidden {text_cfg.get('hidden_size')}, sliding window {window})")
     for i, li in enumerate(r.layers):
