@@ -1,6 +1,6 @@
 """The structure checks a trace passes on open, before any tensor data is read.
 
-A trace is untrusted input (docs/robustness.md, "Threat model"). `validate` checks
+A trace is untrusted input (docs/robustness.md, "Threat model"). `Validator` checks
 everything that can be checked without reading tensor data: the object tree is walked only
 along the names the schema defines, and every name must be a hard link to an object no
 other name reaches (no soft or external links); every dataset keeps its bytes inside the
@@ -68,8 +68,10 @@ class Checked:
     objects: list[str] = field(default_factory=list)  # every group and dataset, as walked (content_hash hashes these)
 
 
-class Validator:
-    """Walks an open trace file once; `run()` returns what it checked or raises one line.
+class _Objects:
+    """The HDF5 discipline of every object a trace walk reaches, whatever the schema says of it:
+    hard links only, one name per object, few and small attributes, bytes inside the file, and
+    small datasets read only after their declared size is checked.
 
     `at` names what was being read, for the reader's message when h5py itself fails."""
 
@@ -80,20 +82,6 @@ class Validator:
         self._addrs: dict[int, str] = {}
         self._declared = 0  # bytes all datasets declare
 
-    def run(self) -> Checked:
-        self._visit(self.f, "/")
-        self._check_schema()
-        self._members(self.f, "/", S.MEMBERS["/"])
-        self._check_provenance()
-        self._check_selection()
-        self._check_inputs()
-        self._check_model()
-        self._check_steps()
-        self._check_tensors()
-        self._check_declared()
-        return self.out
-
-    # ------------------------------------------------------------------ objects
     def _bad(self, what: str):
         # from None: the message says it all (no chained traceback, even with --debug)
         raise corrupt(f"{self.path} is not a valid trace: {what}; {ADVICE}") from None
@@ -263,6 +251,34 @@ class Validator:
         if n < minimum:
             self._bad(f"the attribute {key!r} of {where} is {n}, expected >= {minimum}")
         return n
+
+    def _check_declared(self) -> None:
+        """All datasets together may declare only so much for the file's size: a dataset of zeros
+        compressed a thousandfold (a compression bomb) would cost time and memory to inflate."""
+        self.at = "the sizes of the datasets"
+        allowed = max(LIM.MIN_DECLARED, LIM.EXPANSION * self.file_size)
+        if self._declared > allowed:
+            self._bad(f"its datasets declare {LIM.fmt_bytes(self._declared)} of data in a file of "
+                      f"{LIM.fmt_bytes(self.file_size)} (at most {LIM.EXPANSION}x the file size, or "
+                      f"{LIM.fmt_bytes(LIM.MIN_DECLARED)}): a compression bomb or a damaged file")
+
+
+class Validator(_Objects):
+    """Walks an open trace file once along the schema's names; `run()` returns what it checked or
+    raises one line."""
+
+    def run(self) -> Checked:
+        self._visit(self.f, "/")
+        self._check_schema()
+        self._members(self.f, "/", S.MEMBERS["/"])
+        self._check_provenance()
+        self._check_selection()
+        self._check_inputs()
+        self._check_model()
+        self._check_steps()
+        self._check_tensors()
+        self._check_declared()
+        return self.out
 
     # ------------------------------------------------------------------ header
     def _check_schema(self) -> None:
@@ -523,16 +539,6 @@ class Validator:
         if t.size and (t.min() < 0 or t.max() > np.iinfo(np.int64).max):
             self._bad(f"{path!r} holds token ids out of range ({t.min()}..{t.max()})")
         self.out.tokens = t.astype(np.int64).reshape(-1)
-
-    def _check_declared(self) -> None:
-        """All datasets together may declare only so much for the file's size: a dataset of zeros
-        compressed a thousandfold (a compression bomb) would cost time and memory to inflate."""
-        self.at = "the sizes of the datasets"
-        allowed = max(LIM.MIN_DECLARED, LIM.EXPANSION * self.file_size)
-        if self._declared > allowed:
-            self._bad(f"its datasets declare {LIM.fmt_bytes(self._declared)} of data in a file of "
-                      f"{LIM.fmt_bytes(self.file_size)} (at most {LIM.EXPANSION}x the file size, or "
-                      f"{LIM.fmt_bytes(LIM.MIN_DECLARED)}): a compression bomb or a damaged file")
 
 
 # ---------------------------------------------------------------------- shared with the reader
