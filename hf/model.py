@@ -139,11 +139,29 @@ def load_model(model_dir: str | Path | None = None, dtype: str = "float32", devi
         raise TraceToolError(f"cannot load {path}: {one_line(e, 300)}") from None
     if device_map is None:
         model.to(device)
-    else:  # inputs go where the embeddings execute; disk-offloaded modules execute on the CPU
-        where = [v for k, v in model.hf_device_map.items() if "embed_tokens" in k or k in ("", "model")]
-        device = f"cuda:{where[0]}" if where and isinstance(where[0], int) else "cpu"
+    else:
+        device = _input_device(model)
     model.eval()
     return LoadedModel(model, _load_processor(path), name, path, dtype, device)
+
+
+def _input_device(model) -> str:
+    """Where a device-mapped model's inputs go: where its input embeddings execute.
+
+    accelerate dispatches (and sets `hf_device_map`) only a model spread over several devices
+    or offloaded to disk; a model that fits on one device (any checkpoint class) is simply
+    placed there. Disk-offloaded modules execute on the CPU.
+    """
+    embeddings = model.get_input_embeddings()
+    placed = getattr(model, "hf_device_map", None)
+    if not placed:
+        return str(embeddings.weight.device)
+    name = next(n for n, m in model.named_modules() if m is embeddings)
+    owners = [k for k in placed if k == "" or name == k or name.startswith(k + ".")]
+    where = placed[max(owners, key=len)] if owners else "cpu"
+    if isinstance(where, int):
+        return f"cuda:{where}"
+    return "cpu" if where == "disk" else str(where)
 
 
 def _load_processor(path: Path):
