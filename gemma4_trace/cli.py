@@ -206,19 +206,19 @@ def _model_files(model_dir) -> list:
     """The files of a model folder (the embedded one by default): inputs an output must not replace."""
     from pathlib import Path
 
-    from gemma4_trace.hf.model import EMBEDDED_MODEL_DIR
+    from gemma4_trace.hf.model import embedded_model_dir
 
     try:
-        return [p for p in Path(model_dir or EMBEDDED_MODEL_DIR).iterdir() if p.is_file()]
+        return [p for p in Path(model_dir or embedded_model_dir()).iterdir() if p.is_file()]
     except OSError:
         return []
 
 
 def _embedded_model_dir(model_name: str):
     """The embedded model's folder when a trace was recorded from it (no torch import)."""
-    from gemma4_trace.hf.model import EMBEDDED_MODEL_DIR, EMBEDDED_NAME
+    from gemma4_trace.hf.model import EMBEDDED_NAME, embedded_model_dir
 
-    return EMBEDDED_MODEL_DIR if model_name == EMBEDDED_NAME else None
+    return embedded_model_dir() if model_name == EMBEDDED_NAME else None
 
 
 @main.command()

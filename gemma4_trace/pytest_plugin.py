@@ -41,12 +41,21 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gemma4_modes(*modes): replay modes of the gemma4_golden_case items")
-    _share_cores_between_workers()
     if config.getoption("--update-golden") and not config.getoption("--golden-dir"):
         raise pytest.UsageError(
             "--update-golden rewrites golden traces: pass the folder to rewrite with --golden-dir DIR "
             "(the goldens shipped inside the package are never rewritten)"
         )
+
+
+FIXTURES = ("gemma4_golden", "gemma4_golden_case")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Only a session that runs this plug-in's fixtures gets its thread setting: a project that
+    merely has the package installed keeps its own."""
+    if any(name in FIXTURES for item in items for name in getattr(item, "fixturenames", ())):
+        _share_cores_between_workers()
 
 
 def _share_cores_between_workers() -> None:

@@ -1,6 +1,6 @@
 """Loading Gemma 4 checkpoints (safetensors only, never remote code) and describing them.
 
-No torch or transformers import at module level: the CLI reads EMBEDDED_MODEL_DIR and
+No torch or transformers import at module level: the CLI asks embedded_model_dir() and
 EMBEDDED_NAME from here in commands that must start without torch.
 """
 
@@ -16,13 +16,19 @@ from pathlib import Path
 from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces.errors import TraceToolError, one_line
 
-# the tiny checkpoint shipped in the repository's recorder/tiny_model (docs refer to it there)
-EMBEDDED_MODEL_DIR = Path(str(files("gemma4_trace.recorder") / "tiny_model"))
 EMBEDDED_NAME = "tiny-gemma4 (embedded)"
+
+
+def embedded_model_dir() -> Path:
+    """The tiny checkpoint shipped with the package (hf/tiny_model in the repository): the one
+    place that knows where it lives."""
+    return Path(str(files("gemma4_trace.hf") / "tiny_model"))
+
+
 # what `trace record` asks the embedded model when no prompt is given
 DEMO_PROMPT = "Tell me a story."
 DEMO_IMAGE_PROMPT = "Describe the image."
-DEMO_IMAGE = EMBEDDED_MODEL_DIR / "example.png"
+DEMO_IMAGE = embedded_model_dir() / "example.png"
 GEMMA4_TYPES = ("gemma4", "gemma4_text")
 # config keys that say nothing about the network: left out of the config hash
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "architectures", "_commit_hash")
@@ -58,7 +64,7 @@ class LoadedModel:
 def resolve_model_dir(model_dir: str | Path | None) -> tuple[Path, str]:
     """The folder to load and the name a trace records for it (never an absolute path)."""
     if model_dir is None:
-        return EMBEDDED_MODEL_DIR, EMBEDDED_NAME
+        return embedded_model_dir(), EMBEDDED_NAME
     path = Path(model_dir)
     return path, path.resolve().name
 
