@@ -191,8 +191,9 @@ def show(trace_path, show_hash, model_dir):
     """Print a readable summary of a trace."""
     from pathlib import Path
 
+    from gemma4_trace.hf.model import decoder_for
+    from gemma4_trace.show import summarize
     from gemma4_trace.traces.reader import TraceReader
-    from gemma4_trace.traces.show import decoder_for, summarize
 
     with TraceReader(trace_path) as r:
         if show_hash:
@@ -298,7 +299,7 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
     from pathlib import Path
 
     from gemma4_trace.diff import diff_traces, format_text, write_html
-    from gemma4_trace.traces.show import decoder_for
+    from gemma4_trace.hf.model import decoder_for
 
     if report:  # before the work: never onto an input, a device or a FIFO
         check_output_path(report, force, inputs=[reference, candidate, tolerances, model_dir and Path(model_dir) / "tokenizer.json"])

@@ -16,6 +16,8 @@ from pathlib import Path
 from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces.errors import TraceToolError, one_line
 
+from . import memory
+
 EMBEDDED_NAME = "tiny-gemma4 (embedded)"
 
 
@@ -116,9 +118,9 @@ def load_model(model_dir: str | Path | None = None, dtype: str = "float32", devi
     if dtype not in DTYPES:
         raise TraceToolError(f"--dtype must be one of {', '.join(DTYPES)}")
     # a config can claim any size (10^6 layers): refuse what cannot fit before building it
-    LIM.check_config(data, f"{path}/config.json")
+    memory.check_config(data, f"{path}/config.json")
     if device_map is None:  # a device map offloads what does not fit: that is its point
-        LIM.check_fits(LIM.model_bytes(data, 2 if dtype == "bfloat16" else 4), f"the model in {path}")
+        LIM.check_fits(memory.model_bytes(data, 2 if dtype == "bfloat16" else 4), f"the model in {path}")
     else:
         try:
             import accelerate  # noqa: F401
@@ -189,6 +191,19 @@ def _load_processor(path: Path):
     except (OSError, ValueError, TypeError, ImportError) as e:
         raise TraceToolError(f"cannot load the tokenizer/processor in {path}: {one_line(e, 200)}") from None
     return None
+
+
+def decoder_for(tokenizer_json: Path | None):
+    """A decode(ids) function from a tokenizer.json via the `tokenizers` package (no torch), or None."""
+    if tokenizer_json is None or not tokenizer_json.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tokenizer_json))
+    except Exception:  # noqa: BLE001 - any unreadable tokenizer just means no text
+        return None
+    return lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def _processor_without_torchvision(path: Path):

@@ -30,6 +30,7 @@ from gemma4_trace.traces.atomic import check_output_path
 from gemma4_trace.traces.errors import TraceToolError, one_line
 from gemma4_trace.traces.schema import LAYER_KIND_NAMES, rope_kinds
 
+from gemma4_trace.hf.memory import generation_bytes
 from gemma4_trace.hf.model import DEMO_IMAGE_PROMPT, DEMO_PROMPT, LoadedModel, load_model, provenance
 
 
@@ -355,7 +356,7 @@ def record_loaded(
     impl = model.config._attn_implementation or "eager"
     original = ALL_ATTENTION_FUNCTIONS.get(impl, modeling_gemma4.eager_attention_forward)
     streamer = _ProgressStreamer(max_new_tokens, progress) if progress is not None else None
-    LIM.check_fits(LIM.generation_bytes(lm.text_config, prompt_len, prompt_len + max_new_tokens,
+    LIM.check_fits(generation_bytes(lm.text_config, prompt_len, prompt_len + max_new_tokens,
                                         2 if lm.dtype == "bfloat16" else 4),
                    f"recording {prompt_len} prompt tokens + {max_new_tokens} new tokens")
 

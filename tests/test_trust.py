@@ -155,14 +155,15 @@ def test_replay_with_a_huge_max_new_tokens_refused_before_allocating(tmp_path):
 
 def test_static_runtime_estimate(monkeypatch):
     """The estimate itself (the replay tests above may stop first at the tiny model's 2048 positions)."""
+    from gemma4_trace.replayer.runtime import memory_estimate
     from gemma4_trace.traces import limits as LIM
     from gemma4_trace.traces.errors import TraceToolError
 
     cfg = json.loads((embedded_model_dir() / "config.json").read_text())
     monkeypatch.setenv("GEMMA4_TRACE_MEMORY_LIMIT", "4G")
-    LIM.check_fits(LIM.static_runtime_bytes(cfg, 16, 4), "the static runtime for max_seq 16")
+    LIM.check_fits(memory_estimate(cfg, 16, 4), "the static runtime for max_seq 16")
     with pytest.raises(TraceToolError, match=r"max_seq 1000000 needs about \d+\.\d GiB .* more than the 4\.0 GiB"):
-        LIM.check_fits(LIM.static_runtime_bytes(cfg, 1_000_000, 4), "the static runtime for max_seq 1000000")
+        LIM.check_fits(memory_estimate(cfg, 1_000_000, 4), "the static runtime for max_seq 1000000")
 
 
 def test_max_seq_too_large_refused_before_allocating(tmp_path):
