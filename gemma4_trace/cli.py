@@ -191,8 +191,9 @@ def show(trace_path, show_hash, model_dir):
     """Print a readable summary of a trace."""
     from pathlib import Path
 
+    from gemma4_trace.hf.model import decoder_for
+    from gemma4_trace.show import summarize
     from gemma4_trace.traces.reader import TraceReader
-    from gemma4_trace.traces.show import decoder_for, summarize
 
     with TraceReader(trace_path) as r:
         if show_hash:
@@ -206,19 +207,19 @@ def _model_files(model_dir) -> list:
     """The files of a model folder (the embedded one by default): inputs an output must not replace."""
     from pathlib import Path
 
-    from gemma4_trace.hf.model import EMBEDDED_MODEL_DIR
+    from gemma4_trace.hf.model import embedded_model_dir
 
     try:
-        return [p for p in Path(model_dir or EMBEDDED_MODEL_DIR).iterdir() if p.is_file()]
+        return [p for p in Path(model_dir or embedded_model_dir()).iterdir() if p.is_file()]
     except OSError:
         return []
 
 
 def _embedded_model_dir(model_name: str):
     """The embedded model's folder when a trace was recorded from it (no torch import)."""
-    from gemma4_trace.hf.model import EMBEDDED_MODEL_DIR, EMBEDDED_NAME
+    from gemma4_trace.hf.model import EMBEDDED_NAME, embedded_model_dir
 
-    return EMBEDDED_MODEL_DIR if model_name == EMBEDDED_NAME else None
+    return embedded_model_dir() if model_name == EMBEDDED_NAME else None
 
 
 @main.command()
@@ -298,7 +299,7 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
     from pathlib import Path
 
     from gemma4_trace.diff import diff_traces, format_text, write_html
-    from gemma4_trace.traces.show import decoder_for
+    from gemma4_trace.hf.model import decoder_for
 
     if report:  # before the work: never onto an input, a device or a FIFO
         check_output_path(report, force, inputs=[reference, candidate, tolerances, model_dir and Path(model_dir) / "tokenizer.json"])

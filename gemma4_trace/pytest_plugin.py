@@ -41,12 +41,21 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gemma4_modes(*modes): replay modes of the gemma4_golden_case items")
-    _share_cores_between_workers()
     if config.getoption("--update-golden") and not config.getoption("--golden-dir"):
         raise pytest.UsageError(
             "--update-golden rewrites golden traces: pass the folder to rewrite with --golden-dir DIR "
             "(the goldens shipped inside the package are never rewritten)"
         )
+
+
+FIXTURES = ("gemma4_golden", "gemma4_golden_case")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Only a session that runs this plug-in's fixtures gets its thread setting: a project that
+    merely has the package installed keeps its own."""
+    if any(name in FIXTURES for item in items for name in getattr(item, "fixturenames", ())):
+        _share_cores_between_workers()
 
 
 def _share_cores_between_workers() -> None:
@@ -65,6 +74,13 @@ def _share_cores_between_workers() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:  # already imported (by a conftest): set it directly
         torch.set_num_threads(threads)
+
+
+def _safe(text: str) -> str:
+    """File names and trace text as one printable line (as the CLI prints them): no terminal escapes."""
+    from gemma4_trace.traces.errors import one_line
+
+    return one_line(text)
 
 
 def golden_paths(folder: Path) -> list[Path]:
@@ -93,7 +109,7 @@ def gemma4_golden_cases(folder=None, modes=None, config=None) -> list:
     replay mode.
     """
     folder = _default_golden_dir(config) if folder is None else Path(folder)
-    return [pytest.param((p, m), id=f"{p.stem}-{m}") for p in golden_paths(folder) for m in (modes or _replay_modes())]
+    return [pytest.param((p, m), id=_safe(f"{p.stem}-{m}")) for p in golden_paths(folder) for m in (modes or _replay_modes())]
 
 
 def pytest_generate_tests(metafunc):
@@ -121,7 +137,7 @@ class GoldenCase:
         res = diff_traces(self.path, out, tolerances)
         if not res.match:
             first = format_text(res).splitlines()[0]
-            pytest.fail(f"runtime diverges from golden {self.path.name} ({self.mode}): {first}", pytrace=False)
+            pytest.fail(_safe(f"runtime diverges from golden {self.path.name} ({self.mode}): {first}"), pytrace=False)
         return res
 
 
@@ -130,16 +146,25 @@ class GoldenChecker:
         self.folder, self.model_dir, self.tmp = Path(folder), model_dir, tmp
         self.paths = golden_paths(self.folder)
         if not self.paths:
-            pytest.fail(f"no golden traces (*.h5) in {self.folder}")
+            pytest.fail(_safe(f"no golden traces (*.h5) in {self.folder}"), pytrace=False)
         if update:
             self.update()
 
     def update(self) -> None:
-        """Re-record each golden from its own inputs with the installed transformers."""
-        from gemma4_trace.recorder.record import rerecord_trace
+        """Re-record each golden from its own inputs with the installed transformers; every
+        golden's inputs are checked before the first is rewritten."""
+        from gemma4_trace.recorder.record import check_extra_inputs, rerecord_trace
+        from gemma4_trace.traces import TraceReader
+        from gemma4_trace.traces.errors import TraceToolError, one_line
 
-        for p in self.paths:
-            rerecord_trace(p, p, model_dir=self.model_dir, force=True)
+        try:
+            for p in self.paths:
+                with TraceReader(p) as r:
+                    check_extra_inputs(r)
+            for p in self.paths:
+                rerecord_trace(p, p, model_dir=self.model_dir, force=True)
+        except TraceToolError as e:
+            pytest.fail(f"--update-golden: {one_line(e)}", pytrace=False)
 
     def check(self, runtime: str = "static", modes=None, tolerances=None):
         """Replay every golden through `runtime` in `modes` (default: every replay mode)
@@ -156,7 +181,7 @@ class GoldenChecker:
                 results.append(res)
                 if not res.match:
                     first = format_text(res).splitlines()[0]
-                    failures.append(f"{p.name} ({mode}): {first}")
+                    failures.append(_safe(f"{p.name} ({mode}): {first}"))
         if failures:
             pytest.fail("runtime diverges from golden traces:\n  " + "\n  ".join(failures), pytrace=False)
         return results

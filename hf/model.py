@@ -1,6 +1,6 @@
 """Loading Gemma 4 checkpoints (safetensors only, never remote code) and describing them.
 
-No torch or transformers import at module level: the CLI reads EMBEDDED_MODEL_DIR and
+No torch or transformers import at module level: the CLI asks embedded_model_dir() and
 EMBEDDED_NAME from here in commands that must start without torch.
 """
 
@@ -16,13 +16,21 @@ from pathlib import Path
 from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces.errors import TraceToolError, one_line
 
-# the tiny checkpoint shipped in the repository's recorder/tiny_model (docs refer to it there)
-EMBEDDED_MODEL_DIR = Path(str(files("gemma4_trace.recorder") / "tiny_model"))
+from . import memory
+
 EMBEDDED_NAME = "tiny-gemma4 (embedded)"
+
+
+def embedded_model_dir() -> Path:
+    """The tiny checkpoint shipped with the package (hf/tiny_model in the repository): the one
+    place that knows where it lives."""
+    return Path(str(files("gemma4_trace.hf") / "tiny_model"))
+
+
 # what `trace record` asks the embedded model when no prompt is given
 DEMO_PROMPT = "Tell me a story."
 DEMO_IMAGE_PROMPT = "Describe the image."
-DEMO_IMAGE = EMBEDDED_MODEL_DIR / "example.png"
+DEMO_IMAGE = embedded_model_dir() / "example.png"
 GEMMA4_TYPES = ("gemma4", "gemma4_text")
 # config keys that say nothing about the network: left out of the config hash
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "architectures", "_commit_hash")
@@ -58,7 +66,7 @@ class LoadedModel:
 def resolve_model_dir(model_dir: str | Path | None) -> tuple[Path, str]:
     """The folder to load and the name a trace records for it (never an absolute path)."""
     if model_dir is None:
-        return EMBEDDED_MODEL_DIR, EMBEDDED_NAME
+        return embedded_model_dir(), EMBEDDED_NAME
     path = Path(model_dir)
     return path, path.resolve().name
 
@@ -110,9 +118,9 @@ def load_model(model_dir: str | Path | None = None, dtype: str = "float32", devi
     if dtype not in DTYPES:
         raise TraceToolError(f"--dtype must be one of {', '.join(DTYPES)}")
     # a config can claim any size (10^6 layers): refuse what cannot fit before building it
-    LIM.check_config(data, f"{path}/config.json")
+    memory.check_config(data, f"{path}/config.json")
     if device_map is None:  # a device map offloads what does not fit: that is its point
-        LIM.check_fits(LIM.model_bytes(data, 2 if dtype == "bfloat16" else 4), f"the model in {path}")
+        LIM.check_fits(memory.model_bytes(data, 2 if dtype == "bfloat16" else 4), f"the model in {path}")
     else:
         try:
             import accelerate  # noqa: F401
@@ -139,11 +147,29 @@ def load_model(model_dir: str | Path | None = None, dtype: str = "float32", devi
         raise TraceToolError(f"cannot load {path}: {one_line(e, 300)}") from None
     if device_map is None:
         model.to(device)
-    else:  # inputs go where the embeddings execute; disk-offloaded modules execute on the CPU
-        where = [v for k, v in model.hf_device_map.items() if "embed_tokens" in k or k in ("", "model")]
-        device = f"cuda:{where[0]}" if where and isinstance(where[0], int) else "cpu"
+    else:
+        device = _input_device(model)
     model.eval()
     return LoadedModel(model, _load_processor(path), name, path, dtype, device)
+
+
+def _input_device(model) -> str:
+    """Where a device-mapped model's inputs go: where its input embeddings execute.
+
+    accelerate dispatches (and sets `hf_device_map`) only a model spread over several devices
+    or offloaded to disk; a model that fits on one device (any checkpoint class) is simply
+    placed there. Disk-offloaded modules execute on the CPU.
+    """
+    embeddings = model.get_input_embeddings()
+    placed = getattr(model, "hf_device_map", None)
+    if not placed:
+        return str(embeddings.weight.device)
+    name = next(n for n, m in model.named_modules() if m is embeddings)
+    owners = [k for k in placed if k == "" or name == k or name.startswith(k + ".")]
+    where = placed[max(owners, key=len)] if owners else "cpu"
+    if isinstance(where, int):
+        return f"cuda:{where}"
+    return "cpu" if where == "disk" else str(where)
 
 
 def _load_processor(path: Path):
@@ -165,6 +191,42 @@ def _load_processor(path: Path):
     except (OSError, ValueError, TypeError, ImportError) as e:
         raise TraceToolError(f"cannot load the tokenizer/processor in {path}: {one_line(e, 200)}") from None
     return None
+
+
+class Decoder:
+    """decode(ids) -> text, or None when some id is not in the tokenizer's vocabulary.
+
+    Token ids come from a trace (untrusted: a buggy runtime's dump may hold any int64), and the
+    tokenizer takes only its own ids: it would skip an unknown id below 2^32 without a word and
+    fail on a larger one. An id outside the vocabulary means no text; `unknown(ids)` says which."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+
+    def unknown(self, ids) -> tuple[int, int] | None:
+        """(index, id) of the first id outside the tokenizer's vocabulary, or None."""
+        for i, t in enumerate(ids):
+            if not 0 <= int(t) < self.vocab_size:
+                return i, int(t)
+        return None
+
+    def __call__(self, ids) -> str | None:
+        if self.unknown(ids) is not None:
+            return None
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def decoder_for(tokenizer_json: Path | None) -> Decoder | None:
+    """A Decoder from a tokenizer.json via the `tokenizers` package (no torch), or None."""
+    if tokenizer_json is None or not tokenizer_json.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        return Decoder(Tokenizer.from_file(str(tokenizer_json)))
+    except Exception:  # noqa: BLE001 - any unreadable tokenizer just means no text
+        return None
 
 
 def _processor_without_torchvision(path: Path):

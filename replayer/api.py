@@ -238,8 +238,9 @@ def make_runtime(spec: str, loaded, max_seq: int):
     """'static' or MODULE:FACTORY -> a runtime object that follows the API."""
     if spec == "static" or spec in QUANTIZED_RUNTIMES:  # refuse what cannot fit before allocating it
         dtype_bytes = 2 if "16" in str(getattr(loaded, "dtype", "float32")) else 4
-        LIM.check_fits(LIM.static_runtime_bytes(loaded.text_config, max_seq, dtype_bytes),
-                       f"the static runtime for max_seq {max_seq}")
+        from .runtime import memory_estimate
+
+        LIM.check_fits(memory_estimate(loaded.text_config, max_seq, dtype_bytes), f"the static runtime for max_seq {max_seq}")
     if spec == "static":
         from .runtime import StaticGemma4Runtime
 

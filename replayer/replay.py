@@ -18,6 +18,7 @@ from gemma4_trace.traces.writer import TraceWriter
 
 from .api import ReportError, WriterProbe, as_logits, failure_site, make_runtime, plugin_roots, progress_words
 from .isolate import IsolatingProbe, check_supports_isolation
+from .runtime import resolve_prefill_chunk
 
 # the modes a replay can run in (the trace format's modes, less the recorder's "reference")
 MODES = tuple(m for m in S.MODES if m not in ("reference", "isolated"))
@@ -67,25 +68,6 @@ def default_max_seq(prompt_len: int, max_new_tokens: int) -> int:
     """Prompt + new tokens rounded up to a multiple of 8."""
     n = prompt_len + max_new_tokens
     return -(-n // 8) * 8
-
-
-# chunked static prefill: the default chunk, used once max_seq reaches CHUNK_FROM (a prefill
-# over the whole max_seq holds max_seq x max_seq scores per head, 256 MiB per head at 8192)
-DEFAULT_PREFILL_CHUNK = 256
-CHUNK_FROM = 1024
-
-
-def resolve_prefill_chunk(chunk: int | None, max_seq: int) -> int | None:
-    """--prefill-chunk N -> the rows per prefill step (None: one step over the whole max_seq).
-
-    Not given: DEFAULT_PREFILL_CHUNK when max_seq >= CHUNK_FROM, else the whole max_seq.
-    0 or N >= max_seq: the whole max_seq.
-    """
-    if chunk is None:
-        chunk = DEFAULT_PREFILL_CHUNK if max_seq >= CHUNK_FROM else 0
-    if chunk < 0:
-        raise TraceToolError(f"--prefill-chunk must be >= 0, got {chunk}")
-    return None if chunk == 0 or chunk >= max_seq else chunk
 
 
 def replay_trace(

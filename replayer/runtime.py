@@ -20,12 +20,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gemma4_trace.hf.memory import config_dims
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.layers import LayerInfo, layer_infos_from_config
 from gemma4_trace.traces.schema import rope_kinds
 
 SUPPORTED_ROPE = ("default", "proportional")
 UNSUPPORTED_INPUTS = ("pixel_values_videos", "input_features", "input_features_mask")
+
+# chunked prefill: the default chunk, used once max_seq reaches CHUNK_FROM (a prefill over the
+# whole max_seq holds max_seq x max_seq scores per head, 256 MiB per head at 8192)
+DEFAULT_PREFILL_CHUNK = 256
+CHUNK_FROM = 1024
+
+
+def resolve_prefill_chunk(chunk: int | None, max_seq: int) -> int | None:
+    """--prefill-chunk N -> the rows per prefill step (None: one step over the whole max_seq).
+
+    Not given: DEFAULT_PREFILL_CHUNK when max_seq >= CHUNK_FROM, else the whole max_seq.
+    0 or N >= max_seq: the whole max_seq.
+    """
+    if chunk is None:
+        chunk = DEFAULT_PREFILL_CHUNK if max_seq >= CHUNK_FROM else 0
+    if chunk < 0:
+        raise TraceToolError(f"--prefill-chunk must be >= 0, got {chunk}")
+    return None if chunk == 0 or chunk >= max_seq else chunk
+
+
+def memory_estimate(cfg, max_seq: int, dtype_bytes: int, prefill_chunk: int | None = None) -> int:
+    """What the runtime allocates beyond the weights for `max_seq` (a config dict or an HF config):
+    all layers' KV caches, RoPE tables, and one prefill chunk (its masks, attention scores over
+    max_seq keys, activations) of the size resolve_prefill_chunk gives."""
+    d, s = config_dims(cfg), int(max_seq)
+    chunk = resolve_prefill_chunk(prefill_chunk, s) or s  # rows of one prefill pass
+    caches = d["L"] * 2 * d["kv"] * s * d["hd"] * dtype_bytes
+    masks = 4 * chunk * s  # a step's masks, computed from positions, and their temporaries
+    rope = 4 * s * d["hd"] * (4 + dtype_bytes)
+    scores = 3 * d["heads"] * chunk * s * max(dtype_bytes, 4)
+    activations = chunk * (4 * d["H"] + 3 * d["I"] + d["L"] * d["ple"]) * max(dtype_bytes, 4)
+    return caches + masks + rope + scores + activations
 
 
 # ----------------------------------------------------------------------------- math

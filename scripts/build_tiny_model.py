@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Build the embedded tiny Gemma 4 checkpoint (recorder/tiny_model) from scratch.
+"""Build the embedded tiny Gemma 4 checkpoint (hf/tiny_model) from scratch.
 
 Everything is generated locally and deterministically, no download:
   1. a small BPE tokenizer (``tokenizers`` library) trained on the corpus below, wrapped in
@@ -11,7 +11,7 @@ Everything is generated locally and deterministically, no download:
   4. a short training run through the Hugging Face forward (``labels=...``) so that greedy
      decoding of the demo prompts is readable and confident.
 
-Usage: python scripts/build_tiny_model.py [--out recorder/tiny_model] [--steps N]
+Usage: python scripts/build_tiny_model.py [--out hf/tiny_model] [--steps N]
 
 Two runs produce bit-identical files (fixed seeds, one thread, deterministic algorithms).
 """
@@ -44,10 +44,10 @@ import torch
 from PIL import Image, ImageDraw
 
 # the demo prompts `trace record` uses, and where the embedded model lives: defined once there
-from gemma4_trace.hf.model import DEMO_IMAGE_PROMPT, EMBEDDED_MODEL_DIR
+from gemma4_trace.hf.model import DEMO_IMAGE_PROMPT, embedded_model_dir
 from gemma4_trace.hf.model import DEMO_PROMPT as DEMO_TEXT_PROMPT
 
-DEFAULT_OUT = EMBEDDED_MODEL_DIR
+DEFAULT_OUT = embedded_model_dir()
 SEED = 1234
 
 # --------------------------------------------------------------------------------------------
@@ -723,7 +723,7 @@ def write_readme(out_dir: Path, results: dict):
         "",
         f"`Gemma4ForConditionalGeneration` (text + vision, no audio), {n_params / 1e6:.2f}M parameters, float32, random init",
         "briefly trained on a toy chat corpus. Rebuild (deterministic, ~2 min on 2 CPU cores, bit-identical files):",
-        "`python scripts/build_tiny_model.py [--out recorder/tiny_model]`.",
+        "`python scripts/build_tiny_model.py [--out hf/tiny_model]`.",
         "",
         f"- Text: {tc.num_hidden_layers} layers [{lt}] (S = sliding, window {tc.sliding_window}, head_dim {tc.per_layer_config['sliding_attention'].head_dim};"
         f" F = full, head_dim {tc.per_layer_config['full_attention'].head_dim}, proportional RoPE x0.25),"

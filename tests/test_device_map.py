@@ -54,3 +54,22 @@ def test_replay_on_cuda_matches(tmp_path):
             assert r.provenance["device"] == "cuda"
         res = diff_traces(golden.golden_path(name), out)
         assert res.match, format_text(res)
+
+
+@pytest.mark.parametrize("max_memory", [None, "cpu=20KB"], ids=["one-device", "disk"])
+def test_text_only_checkpoint_records_with_device_map(tmp_path, max_memory):
+    """Gemma4ForCausalLM: a model that fits on one device is not dispatched (no hf_device_map)."""
+    from tests import tiny_models
+
+    model = tiny_models.build(tmp_path / "m", "base")
+    args = ["record", "--model", str(model), "--input-ids", "2,10,11,12", "--max-new-tokens", "3"]
+    plain, mapped = tmp_path / "plain.h5", tmp_path / "mapped.h5"
+    assert CliRunner().invoke(main, [*args, "-o", str(plain)]).exit_code == 0
+    extra = ["--max-memory", max_memory, "--offload-folder", str(tmp_path / "off")] if max_memory else []
+    res = CliRunner().invoke(main, [*args, "--device-map", "auto", *extra, "-o", str(mapped)])
+    assert res.exit_code == 0, res.output
+    res = diff_traces(plain, mapped)
+    assert res.match, format_text(res)
+    with TraceReader(plain) as a, TraceReader(mapped) as b:
+        assert b.provenance["device"] == "cpu"
+        np.testing.assert_allclose(a.read("logits"), b.read("logits"), rtol=1e-5, atol=1e-6)

@@ -118,3 +118,64 @@ def test_update_golden_rerecords_with_hf(pytester, tmp_path):
     # the same recording as the shipped golden (bit-exact only on the CPU that recorded it)
     res = diff_traces(golden.golden_path("short"), folder / "short.h5")
     assert res.match and res.reference.runtime == res.candidate.runtime, format_text(res)
+
+
+def _with_extra(src, dst, name, value):
+    import h5py
+
+    from gemma4_trace.traces.schema import input_extra_path
+
+    shutil.copy(src, dst)
+    with h5py.File(dst, "a") as f:
+        f.create_dataset(input_extra_path(name), data=value)
+
+
+@pytest.mark.parametrize("name", ["suppress_tokens", "max_new_tokens"])
+def test_update_golden_refuses_extra_inputs_the_forward_does_not_take(pytester, tmp_path, name):
+    """An extra input is passed to generate() by name on a re-record: suppress_tokens would
+    silently change the tokens, max_new_tokens would crash the update. Both are refused, in one
+    line, before any golden is rewritten."""
+    import numpy as np
+
+    folder = tmp_path / "goldens"
+    folder.mkdir()
+    shutil.copy(golden.golden_path("short"), folder / "a.h5")  # re-recorded first if nothing is checked
+    with TraceReader(golden.golden_path("short")) as r:
+        first = int(r.tokens()[0])
+    _with_extra(golden.golden_path("short"), folder / "b.h5", name, np.array([first]))
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.iterdir()}
+    pytester.makepyfile(test_ok=USER_TEST.format(runtime="static"))
+    res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--golden-dir", str(folder), "--update-golden")
+    res.assert_outcomes(errors=1)
+    lines = [line for line in res.stdout.lines if "not an input of" in line]
+    assert len(lines) >= 1 and f"extra input '{name}'" in lines[0] and "b.h5" in lines[0], res.stdout.str()
+    assert "Traceback" not in res.stdout.str()
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.iterdir()} == before
+
+
+def test_extra_input_shapes_are_checked(tmp_path):
+    import numpy as np
+
+    from gemma4_trace.recorder.record import check_extra_inputs
+    from gemma4_trace.traces.errors import TraceToolError
+
+    with TraceReader(golden.golden_path("image")) as r:
+        check_extra_inputs(r)  # the shipped image golden: pixel_values, image_position_ids, mm_token_type_ids
+    _with_extra(golden.golden_path("short"), tmp_path / "s.h5", "mm_token_type_ids", np.zeros((1, 5), np.int64))
+    with TraceReader(tmp_path / "s.h5") as r, pytest.raises(TraceToolError, match=r"mm_token_type_ids has shape \(1, 5\), expected \(1, 13\)"):
+        check_extra_inputs(r)
+
+
+def test_plugin_escapes_golden_names(pytester, tmp_path):
+    """A golden's file name is printed as the CLI prints names: no terminal escape codes pass."""
+    folder = tmp_path / "goldens"
+    folder.mkdir()
+    evil = "short\x1b]0;owned\x07\x1b[2J"
+    shutil.copy(golden.golden_path("short"), folder / f"{evil}.h5")
+    pytester.makepyfile(test_bad=USER_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"),
+                        test_case=CASE_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"))
+    res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-v", "--golden-dir", str(folder))
+    res.assert_outcomes(failed=2)
+    out = res.stdout.str()
+    assert "\x1b" not in out and "\x07" not in out
+    assert "short\\x1b]0;owned\\x07\\x1b[2J.h5 (teacher-forced): first divergence" in out, out

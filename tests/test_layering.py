@@ -28,7 +28,7 @@ MAY_IMPORT = {
     "replayer": {"replayer", "hf", "traces"},
 }
 NO_TORCH = ("traces", "diff")  # `trace diff` / `trace show` run where no model is installed
-CLI_MODULES = ("gemma4_trace.cli", "gemma4_trace.progress", "gemma4_trace.pytest_plugin", "gemma4_trace.__main__")
+CLI_MODULES = ("gemma4_trace.cli", "gemma4_trace.progress", "gemma4_trace.show", "gemma4_trace.pytest_plugin", "gemma4_trace.__main__")
 
 
 def package_of(path: Path, root: Path) -> str:

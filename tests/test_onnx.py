@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -67,3 +69,70 @@ def test_export_onnx_writes_checked_graphs(tmp_path):
     res = CliRunner().invoke(main, ["export-onnx", "--max-seq", "16", "-o", str(out)])
     assert res.exit_code == 2 and "already exists; pass --force" in res.output
     assert (out / "decode.onnx").stat().st_mtime_ns == before
+
+
+def _no_model_load(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the output paths were checked")
+
+    monkeypatch.setattr("gemma4_trace.hf.model.load_model", refuse)
+
+
+def _one_line_error(res, *words):
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and res.output.startswith("error: "), res.output
+    assert "internal error" not in res.output and all(w in res.output for w in words), res.output
+
+
+@pytest.mark.parametrize("case", ["device", "under-a-file", "graph-is-a-folder", "graph-is-a-folder-force"])
+def test_export_onnx_checks_outputs_before_loading(tmp_path, monkeypatch, case):
+    _no_model_load(monkeypatch)
+    out, extra, words = tmp_path / "graphs", [], ["graphs"]
+    if case == "device":
+        out, words = "/dev/full", ["/dev/full exists and is not a folder"]
+    elif case == "under-a-file":
+        (tmp_path / "file").write_text("x")
+        out, words = tmp_path / "file" / "graphs", ["cannot make output folder"]
+    else:
+        (out / "prefill.onnx").mkdir(parents=True)
+        extra, words = (["--force"] if case.endswith("force") else []), ["prefill.onnx exists and is not a regular file"]
+    res = CliRunner().invoke(main, ["export-onnx", "--max-seq", "16", "-o", str(out), *extra])
+    _one_line_error(res, *words)
+    if case.startswith("graph"):
+        assert sorted(p.name for p in out.iterdir()) == ["prefill.onnx"]  # no decode.onnx without its prefill
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_export_onnx_refuses_a_read_only_folder(tmp_path, monkeypatch):
+    _no_model_load(monkeypatch)
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o555)
+    try:
+        res = CliRunner().invoke(main, ["export-onnx", "--max-seq", "16", "-o", str(out)])
+    finally:
+        out.chmod(0o755)
+    _one_line_error(res, "not writable")
+
+
+def test_export_onnx_places_both_graphs_or_neither(tmp_path, monkeypatch):
+    """A graph that cannot be put in place (here a folder appears at prefill.onnx after the
+    checks) leaves the previous decode.onnx, not a new decode.onnx without its prefill graph."""
+    import types
+
+    from gemma4_trace.replayer import onnx_runtime
+
+    out = tmp_path / "graphs"
+    out.mkdir()
+    (out / "decode.onnx").write_bytes(b"old decode")
+
+    def export(loaded, max_seq, folder):
+        for g in ("prefill", "decode"):
+            (folder / f"{g}.onnx").write_bytes(b"new " + g.encode())
+        (out / "prefill.onnx").mkdir()  # after the checks, before the graphs are placed
+
+    monkeypatch.setattr("gemma4_trace.hf.model.load_model", lambda *a, **k: types.SimpleNamespace(name="tiny"))
+    monkeypatch.setattr(onnx_runtime, "export_onnx", export)
+    res = CliRunner().invoke(main, ["export-onnx", "--max-seq", "16", "-o", str(out), "--force"])
+    _one_line_error(res, "prefill.onnx", "no .onnx file was changed")
+    assert (out / "decode.onnx").read_bytes() == b"old decode"
+    assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "prefill.onnx"]  # no partial folder left

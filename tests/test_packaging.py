@@ -53,7 +53,9 @@ def test_pip_install_puts_only_gemma4_trace_into_site_packages(tmp_path):
     pkg = target / "gemma4_trace"
     for sub in ("traces", "diff", "recorder", "replayer", "hf"):
         assert (pkg / sub / "__init__.py").is_file(), sub
-    assert (pkg / "recorder" / "tiny_model" / "config.json").is_file()  # package data travels
+    assert sorted(p.name for p in (pkg / "hf" / "tiny_model").iterdir()) == sorted(  # package data travels
+        p.name for p in (ROOT / "hf" / "tiny_model").iterdir())
+    assert not (pkg / "recorder" / "tiny_model").exists()
     assert sorted(p.name for p in (pkg / "traces" / "golden").glob("*.h5")) == ["eos.h5", "image.h5", "short.h5", "window.h5"]
 
 
@@ -122,26 +124,29 @@ def test_plugin_imports_nothing_of_ours_or_heavy_at_load(tmp_path):
 
 
 def test_xdist_workers_share_the_cores(tmp_path):
-    """Under `pytest -n 2` each worker's torch gets cores // 2 threads (not one per core each)."""
-    (tmp_path / "test_threads.py").write_text(
-        "import os, torch\n"
-        "def test_a(): open(f'threads-{os.environ[\"PYTEST_XDIST_WORKER\"]}-a', 'w').write(str(torch.get_num_threads()))\n"
-        "def test_b(): open(f'threads-{os.environ[\"PYTEST_XDIST_WORKER\"]}-b', 'w').write(str(torch.get_num_threads()))\n"
-    )
+    """Under `pytest -n 2` each worker's torch gets cores // 2 threads (not one per core each) in a
+    session that uses the golden fixtures; a session that does not keeps torch's own choice."""
+    for name, arg in (("golden", "gemma4_golden"), ("plain", "")):
+        (tmp_path / f"test_{name}.py").write_text(
+            "import os, torch\n"
+            f"def test_a({arg}): open(f'threads-{{os.environ[\"PYTEST_XDIST_WORKER\"]}}-a', 'w').write(str(torch.get_num_threads()))\n"
+            f"def test_b({arg}): open(f'threads-{{os.environ[\"PYTEST_XDIST_WORKER\"]}}-b', 'w').write(str(torch.get_num_threads()))\n"
+        )
     env = {k: v for k, v in _env().items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
 
-    def threads_seen(*extra):
+    def threads_seen(test_file, *extra):
         for f in tmp_path.glob("threads-*"):
             f.unlink()
         p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, "-n", "2",
-                            "test_threads.py"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+                            test_file], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
         assert p.returncode == 0, p.stdout + p.stderr
         files = list(tmp_path.glob("threads-*"))
         assert len(files) == 2, files
         return {f.read_text() for f in files}
 
     shared = str(max(1, len(os.sched_getaffinity(0)) // 2))
-    default = threads_seen("-p", "no:gemma4_trace")  # torch's own choice in each worker
+    default = threads_seen("test_plain.py", "-p", "no:gemma4_trace")  # torch's own choice in each worker
     if default == {shared}:
         pytest.skip(f"torch already picks {shared} thread(s) per worker here: nothing to tell apart")
-    assert threads_seen() == {shared}, default
+    assert threads_seen("test_plain.py") == default  # installed, its fixtures unused: no thread setting
+    assert threads_seen("test_golden.py") == {shared}, default

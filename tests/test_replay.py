@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from gemma4_trace.cli import main
-from gemma4_trace.hf.model import DEMO_IMAGE, DEMO_IMAGE_PROMPT, DEMO_PROMPT, EMBEDDED_MODEL_DIR
+from gemma4_trace.hf.model import DEMO_IMAGE, DEMO_IMAGE_PROMPT, DEMO_PROMPT, embedded_model_dir
 from gemma4_trace.recorder.record import record_trace
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.errors import TraceToolError
@@ -168,7 +168,7 @@ def test_interrupt_leaves_nothing(recorded, tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ the embedded model (text + vision)
-@pytest.mark.skipif(not (EMBEDDED_MODEL_DIR / "config.json").exists(), reason="embedded model not built")
+@pytest.mark.skipif(not (embedded_model_dir() / "config.json").exists(), reason="embedded model not built")
 def test_embedded_text_free_running(tmp_path):
     ref, run = tmp_path / "ref.h5", tmp_path / "run.h5"
     # 13 prompt + 40 new tokens: window 8 crossed five times; no --model -> the embedded model

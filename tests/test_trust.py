@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from gemma4_trace.cli import main
-from gemma4_trace.hf.model import EMBEDDED_MODEL_DIR
+from gemma4_trace.hf.model import embedded_model_dir
 from gemma4_trace.traces.reader import TraceReader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def test_diff_report_onto_a_trace_or_a_device_refused(ref, tmp_path):
 
 def test_record_output_onto_a_model_file_refused(tmp_path):
     model = tmp_path / "model"
-    shutil.copytree(EMBEDDED_MODEL_DIR, model)
+    shutil.copytree(embedded_model_dir(), model)
     before = (model / "config.json").read_bytes()
     one_line_error(invoke("record", "--model", model, "--input-ids", "2,10,11", "-o", model / "config.json", "--force"),
                    "is the input")
@@ -155,14 +155,15 @@ def test_replay_with_a_huge_max_new_tokens_refused_before_allocating(tmp_path):
 
 def test_static_runtime_estimate(monkeypatch):
     """The estimate itself (the replay tests above may stop first at the tiny model's 2048 positions)."""
+    from gemma4_trace.replayer.runtime import memory_estimate
     from gemma4_trace.traces import limits as LIM
     from gemma4_trace.traces.errors import TraceToolError
 
-    cfg = json.loads((EMBEDDED_MODEL_DIR / "config.json").read_text())
+    cfg = json.loads((embedded_model_dir() / "config.json").read_text())
     monkeypatch.setenv("GEMMA4_TRACE_MEMORY_LIMIT", "4G")
-    LIM.check_fits(LIM.static_runtime_bytes(cfg, 16, 4), "the static runtime for max_seq 16")
+    LIM.check_fits(memory_estimate(cfg, 16, 4), "the static runtime for max_seq 16")
     with pytest.raises(TraceToolError, match=r"max_seq 1000000 needs about \d+\.\d GiB .* more than the 4\.0 GiB"):
-        LIM.check_fits(LIM.static_runtime_bytes(cfg, 1_000_000, 4), "the static runtime for max_seq 1000000")
+        LIM.check_fits(memory_estimate(cfg, 1_000_000, 4), "the static runtime for max_seq 1000000")
 
 
 def test_max_seq_too_large_refused_before_allocating(tmp_path):
@@ -174,7 +175,7 @@ def test_max_seq_too_large_refused_before_allocating(tmp_path):
 
 def test_model_config_with_a_million_layers_refused(tmp_path):
     model = tmp_path / "model"
-    shutil.copytree(EMBEDDED_MODEL_DIR, model)
+    shutil.copytree(embedded_model_dir(), model)
     cfg = json.loads((model / "config.json").read_text())
     cfg["text_config"]["num_hidden_layers"] = 10**6
     cfg["text_config"]["layer_types"] = ["sliding_attention"] * 10**6

@@ -1,69 +1,25 @@
-"""`trace show`: a readable summary of one trace (numpy and h5py only)."""
+"""`trace show`: the command's readable summary of one trace (numpy and h5py only)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-from . import schema as S
-from .errors import one_line
-from .header import Provenance
-from .reader import TraceReader
+from gemma4_trace.traces import schema as S
+from gemma4_trace.traces.errors import one_line
+from gemma4_trace.traces.header import Provenance
+from gemma4_trace.traces.limits import fmt_bytes
+from gemma4_trace.traces.reader import TraceReader
 
 PROMPT_CHARS = 400  # the summary quotes this much of the prompt text
 
 
-class Decoder:
-    """decode(ids) -> text, or None when some id is not in the tokenizer's vocabulary.
-
-    Token ids come from a trace (untrusted: a buggy runtime's dump may hold any int64), and the
-    tokenizer takes only its own ids: it would skip an unknown id below 2^32 without a word and
-    fail on a larger one. An id outside the vocabulary means no text; `unknown(ids)` says which."""
-
-    def __init__(self, tok):
-        self.tok = tok
-        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-
-    def unknown(self, ids) -> tuple[int, int] | None:
-        """(index, id) of the first id outside the tokenizer's vocabulary, or None."""
-        for i, t in enumerate(ids):
-            if not 0 <= int(t) < self.vocab_size:
-                return i, int(t)
-        return None
-
-    def __call__(self, ids) -> str | None:
-        if self.unknown(ids) is not None:
-            return None
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-
-def decoder_for(tokenizer_json: Path | None) -> Decoder | None:
-    """A Decoder from a tokenizer.json via the `tokenizers` package, or None."""
-    if tokenizer_json is None or not tokenizer_json.is_file():
-        return None
-    try:
-        from tokenizers import Tokenizer
-
-        return Decoder(Tokenizer.from_file(str(tokenizer_json)))
-    except Exception:  # noqa: BLE001 - any unreadable tokenizer just means no text
-        return None
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def summarize(r: TraceReader, decode: Decoder | None = None) -> str:
+def summarize(r: TraceReader, decode=None) -> str:
     p = Provenance.from_dict(r.provenance)
     cfg = r.model_config
     text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     tokens = r.tokens()
     lines = [
-        f"trace      {r.path} ({_fmt_bytes(r.path.stat().st_size)}, schema v{r.f.attrs[S.ATTR_SCHEMA_VERSION]})",
+        f"trace      {r.path} ({fmt_bytes(r.path.stat().st_size)}, schema v{r.f.attrs[S.ATTR_SCHEMA_VERSION]})",
         f"model      {p.model_name}  config sha256 {p.model_config_sha256[:12]}",
         f"producer   {p.runtime}, mode {p.mode}, {p.dtype} on {p.device}",
         f"versions   creator {p.creator_version}, torch {p.torch_version}, "
@@ -106,7 +62,7 @@ def summarize(r: TraceReader, decode: Decoder | None = None) -> str:
         ds = r.dataset(kind, layer)
         size = sum(r.storage_size(kind, l) for l in layers)
         where = f"x {len(layers)} layers" if layer is not None else ""
-        lines.append(f"  {kind:<17} {str(ds.shape):<16} {r.source_dtype(kind, layer):<9} {_fmt_bytes(size):>10} {where}")
+        lines.append(f"  {kind:<17} {str(ds.shape):<16} {r.source_dtype(kind, layer):<9} {fmt_bytes(size):>10} {where}")
         partial = [(l, f) for l in layers if (f := r.rows_present(kind, l)) is not None]
         if partial:  # a runtime reported some rows only: say how many hold data
             l, f = partial[0]
