@@ -17,6 +17,7 @@ shapes that differ from REF's, or a free-running BASE whose tokens leave REF's.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,14 @@ def round_up(x: float, digits: int = 3) -> float:
     return v
 
 
+def toml_comment_name(path) -> str:
+    """A file's name as a double-quoted, escaped string safe inside a TOML comment: no newline
+    (which would end the comment and let the name write configuration) nor any other
+    control character (which TOML forbids in comments)."""
+    name = json.dumps(Path(path).name, ensure_ascii=True)  # escapes \n, \r, every C0 control, non-ASCII
+    return name.replace("\x7f", "\\u007f")  # DEL: json leaves it raw, TOML forbids it
+
+
 def _precision(ref: TraceReader, base: TraceReader, kind, layer) -> str:
     return precision_class(ref.source_dtype(kind, layer), base.source_dtype(kind, layer),
                            ref.provenance["dtype"], base.provenance["dtype"])
@@ -88,7 +97,7 @@ def calibrate(reference, bases, margin: float = DEFAULT_MARGIN) -> tuple[str, di
     head = [
         "# written by `trace calibrate`: the worst rel-L2 of the known-good runs against REF,",
         f"# times {margin:g}, per kind, layer and phase (never below the built-in default).",
-        f"# REF: {Path(reference).name}; BASE: {', '.join(Path(b).name for b in bases)}",
+        f"# REF: {toml_comment_name(reference)}; BASE: {', '.join(toml_comment_name(b) for b in bases)}",
         "version = 1",
         "",
     ]
