@@ -15,14 +15,13 @@ from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.reader import TraceReader
 
 from .align import PRE_KINDS, Plan, check_compatible, dataflow_sequence, make_plan
-from .baseline import DEFAULT_FACTOR, Baseline, BaselineInfo, check_baseline
+from .baseline import DEFAULT_FACTOR, Baseline, check_baseline
 from .isolation import rank_layers
 from .logits import logit_metrics
 from .metrics import (METRIC, METRIC_ORDER, PRIMARY, THRESHOLD_METRICS, RowStats, compare_mask_block, element_detail,
                       mask_row_detail, ranges_text)
-from .report import divergence_sentence
-from .result import (DiffResult, Divergence, Element, Growth, InputError, Jump, MaskDetail, Origin, Problem, RowDetail,
-                     Skipped, Steps, TensorSummary, TokenFlip, TokenInfo, TraceInfo)
+from .result import (BaselineInfo, DiffResult, Divergence, Element, Growth, InputError, Jump, MaskDetail, Origin, Problem,
+                     RowDetail, Skipped, Steps, TensorSummary, TokenFlip, TokenInfo, TraceInfo)
 from .tolerances import StepTolerance, Tolerances, load_tolerances, precision_class
 
 BLOCK_BYTES = 16 << 20  # rows read at once per trace
@@ -556,9 +555,10 @@ def _absent_note(tensors: list[TensorSummary]) -> str:
             + (f"; and {len(parts) - 12} more tensors" if len(parts) > 12 else ""))
 
 
-def diff_traces(ref_path, run_path, tolerances_path=None, baseline_path=None,
-                baseline_factor: float = DEFAULT_FACTOR) -> DiffResult:
+def compare(ref_path, run_path, tolerances_path=None, baseline_path=None,
+            baseline_factor: float = DEFAULT_FACTOR) -> DiffResult:
     """Compare a candidate trace against a reference; raise TraceToolError on bad input.
+    The result holds numbers and facts only (diff_traces adds the divergence's sentence).
 
     With `baseline_path`, RUN is judged by BASE's error envelope (diff/baseline.py)."""
     tol = load_tolerances(tolerances_path)
@@ -601,6 +601,4 @@ def diff_traces(ref_path, run_path, tolerances_path=None, baseline_path=None,
             isolation=rank_layers(growth) if run.mode == "isolated" else None,
             logits=logit_metrics(ref, run, plan.numeric_steps),
         )
-        if first is not None:
-            first.sentence = divergence_sentence(result)
         return result

@@ -8,11 +8,10 @@ from pathlib import Path
 
 from gemma4_trace.traces.atomic import atomic_output, check_output_path
 
-from .isolation import ranking_html
-from .logits import logits_svg, logits_text
+from .fmt import fmt, sci
 from .metrics import PRIMARY, THRESHOLD_METRICS
-from .report import fmt, format_text, growth_summary, sci, token_summary
-from .result import DiffResult, Divergence, Growth, TensorSummary, TokenInfo
+from .report import format_text, growth_summary, logits_text, token_summary
+from .result import DiffResult, Divergence, Growth, IsolationRanking, LogitMetrics, TensorSummary, TokenInfo
 
 MAX_COLS = 400  # heatmap steps are binned (max) beyond this
 CSS = """
@@ -127,6 +126,51 @@ def _curves(growth: Growth, div: Divergence | None) -> str:
     return "".join(out)
 
 
+def _ranking(r: IsolationRanking) -> str:
+    top = r.ranking[0].rel_l2 if r.ranking else 0.0
+    rows = []
+    for rank, e in enumerate(r.ranking, 1):
+        width = int(300 * e.rel_l2 / top) if top > 0 else 0
+        bar = f'<svg width="{width + 2}" height="10"><rect width="{width}" height="10" fill="#c0392b"/></svg>'
+        rows.append(f"<tr><td>{rank}</td><td>L{e.layer}</td><td>{html.escape(sci(e.rel_l2))}</td>"
+                    f"<td>{e.step}</td><td>{html.escape(sci(e.threshold))}</td><td class=l>{bar}</td></tr>")
+    return ("<p class=legend>Every layer was fed REF's input (trace replay --isolate): each error is the layer's own.</p>"
+            "<table><tr><th>rank</th><th>layer</th><th>layer_out rel-L2</th><th>worst step</th><th>tolerance</th>"
+            "<th class=l></th></tr>" + "".join(rows) + "</table>")
+
+
+def _logits_plot(m: LogitMetrics) -> str:
+    """KL(REF||RUN) per step on a log scale, top-1 disagreements marked."""
+    kl = [v if v is not None and math.isfinite(v) else None for v in m.kl]
+    pos = [v for v in kl if v is not None and v > 0]
+    if not pos:
+        return "<p>KL is 0 at every step</p>"
+    lo, hi = math.floor(math.log10(min(pos))), math.ceil(math.log10(max(pos)))
+    hi = max(hi, lo + 1)
+    W, H, L, T, B = 900, 220, 60, 10, 30
+    n = len(kl)
+
+    def X(i):
+        return L + (W - L - 10) * (i / max(1, n - 1))
+
+    def Y(v):
+        return T + (H - T - B) * (hi - math.log10(max(v, 10.0**lo))) / (hi - lo)
+
+    out = [f'<svg width="{W}" height="{H}" role="img">']
+    for e in range(lo, hi + 1):
+        out.append(f'<text x="{L - 6}" y="{Y(10.0 ** e) + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>'
+                   f'<line x1="{L}" x2="{W - 10}" y1="{Y(10.0 ** e):.1f}" y2="{Y(10.0 ** e):.1f}" stroke="#eee"/>')
+    pts = " ".join(f"{X(i):.1f},{Y(v):.1f}" for i, v in enumerate(kl) if v is not None)
+    out.append(f'<polyline fill="none" stroke="#2c6fbb" stroke-width="1.5" points="{pts}"/>')
+    for i, (v, t1) in enumerate(zip(kl, m.top1)):
+        if v is not None:
+            color = "#c0392b" if t1 == 0 else "#2c6fbb"
+            out.append(f'<circle cx="{X(i):.1f}" cy="{Y(v):.1f}" r="2.5" fill="{color}">'
+                       f"<title>step {i}: KL {sci(v)}, top-5 overlap {m.top5[i]:.2f}, drop {sci(m.drop[i])}</title></circle>")
+    out.append(f'<text x="{L}" y="{H - 8}" font-size="11">step 0 .. {n - 1} (red: top-1 differs)</text></svg>')
+    return "".join(out)
+
+
 def _token_table(tokens: TokenInfo, limit: int = 300) -> str:
     ref, run = tokens.reference, tokens.candidate
     n = max(len(ref), len(run))
@@ -176,7 +220,7 @@ def render_html(result: DiffResult) -> str:
         f"<style>{CSS}</style></head><body>",
         f"<h1>trace diff: {e(Path(ref.path).name)} (REF) vs {e(Path(run.path).name)} (RUN)</h1>",
         f'<div class="verdict {"good" if result.match else "bad"}">{e(format_text(result))}</div>',
-        *(["<h2>Layers by local error (isolated replay)</h2>", ranking_html(result.isolation, sci)]
+        *(["<h2>Layers by local error (isolated replay)</h2>", _ranking(result.isolation)]
           if result.isolation is not None else []),
         "<h2>Error growth: layer x step</h2>",
         _heatmap(result.growth, d),
@@ -188,8 +232,8 @@ def render_html(result: DiffResult) -> str:
         "<h2>Tokens</h2>",
         f"<p>{e(token_summary(result.tokens)).replace(chr(10), '<br>')}</p>",
         _token_table(result.tokens),
-        *(["<h2>Logit distribution: KL(REF||RUN) per step</h2>", logits_svg(result.logits, sci),
-           f'<p class="legend">{e(logits_text(result.logits, sci))}</p>'] if result.logits is not None else []),
+        *(["<h2>Logit distribution: KL(REF||RUN) per step</h2>", _logits_plot(result.logits),
+           f'<p class="legend">{e(logits_text(result.logits))}</p>'] if result.logits is not None else []),
         "<h2>Tensors compared</h2>",
         _tensor_table(result.tensors),
         "<h2>Provenance</h2>",
