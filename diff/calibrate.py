@@ -30,11 +30,11 @@ from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
 
 from .align import check_compatible, dataflow_sequence, make_plan
+from .blocks import paired_blocks
 from .metrics import RowStats
 from .tolerances import DEFAULTS, NEAR_TIE_MARGIN, precision_class
 
 DEFAULT_MARGIN = 2.0
-BLOCK_BYTES = 16 << 20
 PHASES = ("prefill", "decode")
 EXACT_KINDS = ("mask", "token")  # compared exactly by the diff: nothing to calibrate
 
@@ -147,18 +147,14 @@ def _one_base(ref, base, path, seq, ref_tokens, worst, tokens) -> None:
             w = worst[(kind, layer)] = _Worst(DEFAULTS[prec]["l2_floor"], DEFAULTS[prec]["rel_l2"])
         elif DEFAULTS[prec]["rel_l2"] > w.default:  # a looser precision in another BASE
             w.floor, w.default = max(w.floor, DEFAULTS[prec]["l2_floor"]), DEFAULTS[prec]["rel_l2"]
-        row_bytes = max(1, int(np.prod(da.shape[1:], dtype=np.int64)) * 4)
-        block = max(1, BLOCK_BYTES // row_bytes)
         kept = _rows_present(ref, base, kind, layer, n_rows)  # rows a runtime did not report are no data
-        for r0 in range(0, n_rows, block):
-            r1 = min(n_rows, r0 + block)
-            st = steps[r0:r1]
-            rs = RowStats(ref.read(kind, layer, slice(r0, r1)), base.read(kind, layer, slice(r0, r1)),
-                          np.full(r1 - r0, w.floor))
+        for rows, a, b in paired_blocks(ref, base, kind, layer, n_rows):
+            st, keep = steps[rows], kept[rows]
+            rs = RowStats(a, b, np.full(len(a), w.floor))
             if rs.nonfinite.any():
                 i = int(np.argmax(rs.nonfinite))
                 raise TraceToolError(f"{where}: non-finite values at step {int(st[i])}; not a known-good run")
-            for phase, sel in (("prefill", (st == 0) & kept[r0:r1]), ("decode", (st > 0) & kept[r0:r1])):
+            for phase, sel in (("prefill", (st == 0) & keep), ("decode", (st > 0) & keep)):
                 if sel.any():
                     w.seen[phase] = True
                     w.rel[phase] = max(w.rel[phase], float(rs.rel_l2[sel].max()))

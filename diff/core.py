@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.reader import TraceReader
 
 from .align import PRE_KINDS, Plan, check_compatible, dataflow_sequence, make_plan
+from .blocks import Block, compared_blocks
 from .baseline import DEFAULT_FACTOR, Baseline, check_baseline
 from .isolation import rank_layers
 from .logits import logit_metrics
@@ -24,7 +26,6 @@ from .result import (BaselineInfo, DiffResult, Divergence, Element, Growth, Inpu
                      RowDetail, Skipped, Steps, TensorSummary, TokenFlip, TokenInfo, TraceInfo)
 from .tolerances import StepTolerance, Tolerances, load_tolerances, precision_class
 
-BLOCK_BYTES = 16 << 20  # rows read at once per trace
 GROWTH_KIND = "layer_out"  # the growth table's rows
 INTRODUCED_RATIO = 10.0  # error at least this many times the layer input's: introduced here
 def element_names(kind: str, idx: tuple) -> dict[str, int]:
@@ -232,41 +233,18 @@ class _Differ:
                 out.append({"image": n, "first": int(first), "last": int(stop) - 1})
         return out or None
 
-    def _blocks(self, spec: S.Kind, layer, n_rows: int, keep: bool):
-        """(first row, REF rows, RUN rows, BASE rows or None, rows BASE lacks or None, their
-        steps) block by block, over the rows that can still beat the best divergence so far
-        (all rows when `keep`). Where BASE lacks a row REF's stands in for it."""
-        kind = spec.name
-        limit = None if keep else self._row_limit(kind, layer, spec.index)
-        end = n_rows if limit is None else min(n_rows, limit)
-        ds = self.ref.dataset(kind, layer)
-        row_bytes = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
-        chunk = (ds.chunks or (1,))[0]
-        block = max(chunk, (BLOCK_BYTES // row_bytes) // chunk * chunk)
+    def _blocks(self, spec: S.Kind, layer, n_rows: int, keep: bool) -> Iterator[Block]:
+        """The blocks of rows that can still beat the best divergence so far (all rows when `keep`)."""
+        limit = None if keep else self._row_limit(spec.name, layer, spec.index)
         row_steps = self.row_steps if spec.index == "position" else np.arange(self.plan.numeric_steps)
-        for r0 in range(0, end, block):
-            r1 = min(end, r0 + block)
-            c = self.base.read(kind, layer, slice(r0, r1)) if self._three_way(kind, layer) else None
-            a, b = self.ref.read(kind, layer, slice(r0, r1)), self.run.read(kind, layer, slice(r0, r1))
-            lacks = None
-            if c is not None:  # a row BASE lacks has no envelope there: RUN is judged by the tolerance alone
-                c, lacks = _usable_base_rows(c, a)
-                base_flags = self.base.rows_present(kind, layer)
-                if base_flags is not None:
-                    flags = base_flags[r0:r1]
-                    lacks[: len(flags)] |= ~flags
-                    _stand_in(c, a, lacks)
-            gone = self.absent.get((kind, layer), np.zeros(0, dtype=bool))[r0:r1]
-            if gone.any():  # a row REF or RUN lacks is not compared: REF's stands in
-                _stand_in(b, a, gone)
-                if c is not None:
-                    _stand_in(c, a, gone)
-            yield r0, a, b, c, lacks, row_steps[r0:r1]
+        return compared_blocks(self.ref, self.run, self.base if self._three_way(spec.name, layer) else None,
+                               spec.name, layer, n_rows if limit is None else min(n_rows, limit), row_steps,
+                               self.absent.get((spec.name, layer)))
 
     def _base_step_worst(self, spec: S.Kind, layer, n_rows: int, tol: StepTolerance) -> dict[str, np.ndarray]:
         """Check 3's bound per step of this tensor (diff/baseline.py), from one pass over all three."""
-        blocks = ((a, b, c, tol.l2_floor[st], tol.skip[st] | lacks, st)  # BASE's own rows only
-                  for _, a, b, c, lacks, st in self._blocks(spec, layer, n_rows, keep=True))
+        blocks = ((k.ref, k.run, k.base, tol.l2_floor[k.steps], tol.skip[k.steps] | k.base_lacks, k.steps)  # BASE's own rows
+                  for k in self._blocks(spec, layer, n_rows, keep=True))
         return self.baseline.step_worst(blocks, len(tol.skip))
 
     def _three_way(self, kind: str, layer) -> bool:
@@ -274,7 +252,7 @@ class _Differ:
 
     def _scan_mask(self, spec: S.Kind, layer, n_rows: int, tol: StepTolerance, summary: TensorSummary) -> bool:
         """Boolean rows compare exactly: the first row with a differing key diverges."""
-        for r0, a, b, c, _, st in self._blocks(spec, layer, n_rows, keep=False):
+        for r0, a, b, c, _, st in self._blocks(spec, layer, n_rows, keep=False):  # Block's fields in order
             count = compare_mask_block(a, b)
             fails = (count > 0) & ~tol.skip[st]
             if c is not None:  # a difference BASE has too is inside its envelope
@@ -304,7 +282,7 @@ class _Differ:
             if not step_worst:
                 step_worst.update(self._base_step_worst(spec, layer, n_rows, tol))
             return {m: v[st] for m, v in step_worst.items()}
-        for r0, a, b, c, lacks, st in self._blocks(spec, layer, n_rows, keep):
+        for r0, a, b, c, lacks, st in self._blocks(spec, layer, n_rows, keep):  # Block's fields in order
             r1 = r0 + len(a)
             rs = RowStats(a, b, tol.l2_floor[st])
             limits = {f: v[st] for f, v in tol.limits.items()}
@@ -520,32 +498,6 @@ def _skipped_note(skipped: list[Skipped]) -> str:
     shown = ", ".join(s.kind + (f" L{s.layer}" if s.layer is not None else "") + f" ({s.reason})" for s in skipped[:12])
     return ("tensors in only one trace (not compared): " + shown
             + (f" and {len(skipped) - 12} more" if len(skipped) > 12 else ""))
-
-
-def _usable_base_rows(c: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """BASE's rows, REF's standing in for those BASE lacks (a BASE that stopped reporting) or
-    holds NaN/Inf in; and which rows those are (no envelope there)."""
-    lacks = np.arange(len(a)) >= len(c)
-    if lacks.any():
-        full = np.zeros((len(a), *c.shape[1:]), dtype=c.dtype)
-        full[: len(c)] = c
-        c = full
-    if c.dtype.kind == "f":
-        lacks |= ~np.isfinite(c.reshape(len(c), -1)).all(axis=1)
-    if lacks.any():
-        _stand_in(c, a, lacks)
-    return c, lacks
-
-
-def _stand_in(dst: np.ndarray, src: np.ndarray, rows: np.ndarray) -> None:
-    """dst[rows] = src[rows]; mask rows of different widths (REF's grow, a static runtime's are
-    max_seq wide) are copied over the common columns and blocked beyond them."""
-    if dst.shape[1:] == src.shape[1:]:
-        dst[rows] = src[rows]
-        return
-    w = min(dst.shape[1], src.shape[1])
-    dst[rows] = 0
-    dst[rows, :w] = src[rows, :w]
 
 
 def _absent_note(tensors: list[TensorSummary]) -> str:

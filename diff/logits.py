@@ -8,7 +8,7 @@ vocabulary (float64):
 - drop: p[t] - q[t] for REF's top-1 token t (how much probability RUN takes from it)
 Summary: KL mean / 99th percentile (linear interpolation) / max (and its step), top-1
 agreement rate, mean top-5 overlap, drop mean / max (and its step). A step whose logits hold
-NaN or Inf gets NaN and is left out of the summary. Logits are read in row blocks.
+NaN or Inf gets NaN and is left out of the summary. Logits are read in row blocks (blocks.py).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import math
 
 import numpy as np
 
+from .blocks import paired_blocks
 from .result import LogitMetrics, LogitSummary
 
 TOP_K = 5
-BLOCK_BYTES = 4 << 20  # float64 temporaries: a few times this per trace
 
 
 def step_metrics(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -56,9 +56,7 @@ def logit_metrics(ref, run, n_steps: int) -> LogitMetrics | None:
     n = min(n_steps, da.shape[0], db.shape[0])
     if n == 0 or da.shape[1:] != db.shape[1:] or da.ndim != 2:
         return None
-    block = max(1, BLOCK_BYTES // max(1, da.shape[1] * 8))
-    parts = [step_metrics(ref.read("logits", None, slice(r0, min(n, r0 + block))),
-                          run.read("logits", None, slice(r0, min(n, r0 + block)))) for r0 in range(0, n, block)]
+    parts = [step_metrics(a, b) for _, a, b in paired_blocks(ref, run, "logits", None, n, value_bytes=8)]  # float64
     kl, top1, top5, drop = (np.concatenate([p[i] for p in parts]) for i in range(4))
     return LogitMetrics(kl.tolist(), top1.tolist(), top5.tolist(), drop.tolist(), _summary(kl, top1, top5, drop))
 
