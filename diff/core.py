@@ -1,4 +1,4 @@
-"""diff_traces: one streaming pass over both traces in data-flow order, then the report data.
+"""compare: one streaming pass over both traces in data-flow order, then the result data.
 
 Memory is bounded by a row block of the largest dataset (BLOCK_BYTES per trace plus a
 few temporaries of that size) and per-row metric vectors; never the whole trace.
@@ -7,7 +7,6 @@ few temporaries of that size) and per-row metric vectors; never the whole trace.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,19 +14,21 @@ import numpy as np
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.reader import TraceReader
 
-from .align import PRE_KINDS, Plan, check_compatible, dataflow_sequence, make_plan
-from .blocks import Block, compared_blocks
+from .align import Plan, check_compatible, dataflow_sequence, make_plan
 from .baseline import DEFAULT_FACTOR, Baseline, check_baseline
+from .blocks import Block, compared_blocks
 from .isolation import rank_layers
 from .logits import logit_metrics
 from .metrics import (METRIC, METRIC_ORDER, PRIMARY, THRESHOLD_METRICS, RowStats, compare_mask_block, element_detail,
                       mask_row_detail, ranges_text)
-from .result import (BaselineInfo, DiffResult, Divergence, Element, Growth, InputError, Jump, MaskDetail, Origin, Problem,
-                     RowDetail, Skipped, Steps, TensorSummary, TokenFlip, TokenInfo, TraceInfo)
+from .origin import GROWTH_KIND, Residuals, origin
+from .origin import growth as growth_table
+from .result import (BaselineInfo, DiffResult, Divergence, Element, MaskDetail, Problem, RowDetail, Skipped, Steps,
+                     TensorSummary, TraceInfo)
+from .tokens import judge_tokens
 from .tolerances import StepTolerance, Tolerances, load_tolerances, precision_class
 
-GROWTH_KIND = "layer_out"  # the growth table's rows
-INTRODUCED_RATIO = 10.0  # error at least this many times the layer input's: introduced here
+
 def element_names(kind: str, idx: tuple) -> dict[str, int]:
     """Named axes of one element of a row: (1, 11) of q is {"head": 1, "channel": 11}; a row's last
     axis is also "channel"."""
@@ -54,7 +55,6 @@ class _Differ:
                  baseline: Baseline | None = None):
         self.ref, self.run, self.tol = ref, run, tol
         self.base, self.baseline = base, baseline  # three-way (diff/baseline.py) when given
-        self.outside_rows: dict[tuple[str, int | None], np.ndarray] = {}  # residual kinds: row leaves BASE's envelope
         self.layers = ref.layers
         self.seq = dataflow_sequence(len(self.layers))
         self.order = {key: i for i, key in enumerate(self.seq)}
@@ -62,9 +62,7 @@ class _Differ:
         self.skipped: list[Skipped] = []
         self.tensors: list[TensorSummary] = []
         self.best: tuple[tuple, Divergence] | None = None  # (search key, divergence)
-        self.rel_rows: dict[tuple[str, int | None], np.ndarray] = {}  # residual kinds: rel-L2 per row
-        self.growth_sums: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # layer -> (|d|^2, |a|^2, row size)
-        self.thresholds: dict[tuple[str, int | None], StepTolerance] = {}
+        self.res = Residuals()  # for growth and origin
         self.absent: dict[tuple[str, int | None], np.ndarray] = {}  # rows a trace lacks (rows_present): not compared
 
     # ------------------------------------------------------------ candidates
@@ -101,7 +99,12 @@ class _Differ:
         self._step_notes()  # may shorten the numeric steps (a BASE recording that leaves REF's tokens)
         self.row_steps = self.plan.row_steps()
         self._selection_notes()
-        self._tokens_candidate()
+        tokens = judge_tokens(ref, self.base, self.plan, self.ref_tokens, self.run_tokens, self.tol)
+        self.tokens = tokens.info
+        self.notes += tokens.notes
+        self.skipped += tokens.skipped
+        if tokens.divergence is not None:
+            self._offer(tokens.divergence)
         present_ref = set(ref.kinds_present())
         present_run = set(run.kinds_present())
         for kind, layer in self.seq:
@@ -167,7 +170,7 @@ class _Differ:
         rb = self.run.source_dtype(kind, layer)
         prec = precision_class(ra, rb, self.ref.provenance["dtype"], self.run.provenance["dtype"])
         t = self.tol.resolve(kind, layer, prec, self.plan.numeric_steps)
-        self.thresholds[(kind, layer)] = t
+        self.res.thresholds[(kind, layer)] = t
         return t
 
     # ------------------------------------------------------------ one (kind, layer)
@@ -293,7 +296,7 @@ class _Differ:
                 fails, which, bstats = self.baseline.failing(a, b, c, rs, tol.l2_floor[st], limits, tol.skip[st],
                                                              lambda: ceiling(st), lacks)
                 if keep:
-                    self.outside_rows.setdefault((spec.name, layer), np.zeros(n_rows, dtype=bool))[r0:r1] = fails
+                    self.res.outside_rows.setdefault((spec.name, layer), np.zeros(n_rows, dtype=bool))[r0:r1] = fails
             for m in THRESHOLD_METRICS:
                 worst[m.name] = m.worst(worst[m.name], getattr(rs, m.name))
             summary.failed_rows = (summary.failed_rows or 0) + int(fails.sum())
@@ -310,9 +313,9 @@ class _Differ:
                 break
         summary.worst = worst
         if keep:
-            self.rel_rows[(spec.name, layer)] = rel_all
+            self.res.rel_rows[(spec.name, layer)] = rel_all
             if sums is not None:  # layer None: the embeddings, layer 0's input (for jumps into layer 0)
-                self.growth_sums[layer] = (*sums, int(np.prod(self.ref.dataset(spec.name, layer).shape[1:])))
+                self.res.growth_sums[layer] = (*sums, int(np.prod(self.ref.dataset(spec.name, layer).shape[1:])))
         return found
 
     def _offer_row(self, spec: S.Kind, layer, row: int, a_row, b_row, rs: RowStats, i: int, metric: str,
@@ -332,166 +335,6 @@ class _Differ:
         if bstats is not None:
             d.baseline = self.baseline.figures(metric, i, value, bstats, threshold)
         self._offer(d)
-
-    # ------------------------------------------------------------ tokens
-    def _tokens_candidate(self) -> None:
-        plan, rt, ct = self.plan, self.ref_tokens, self.run_tokens
-        self.tokens = info = TokenInfo([] if rt is None else [int(x) for x in rt], [] if ct is None else [int(x) for x in ct])
-        if rt is None or ct is None:
-            where = "REF" if rt is None and ct is not None else "RUN" if ct is None and rt is not None else None
-            if where:
-                other = "RUN" if where == "REF" else "REF"
-                self.skipped.append(Skipped("token", None, f"only in {other}"))
-                self._offer(Divergence(0, None, "token", self._last_prefill_position(), "missing", 1.0, 0.0,
-                                       Problem(f"chosen tokens stored only in {other}")))
-            else:
-                self.notes.append("neither trace stores chosen tokens")
-            return
-        n = min(plan.token_steps, rt.size, ct.size)
-        eq = rt[:n] == ct[:n]
-        info.compared_steps, info.matches, info.accuracy = int(n), int(eq.sum()), float(eq.mean()) if n else 1.0
-        m = plan.first_token_mismatch
-        if m is None:
-            return
-        info.first_mismatch_step = m
-        info.mismatch_steps = [int(s) for s in np.flatnonzero(~eq)[:100]]
-        info.flip = flip = self._flip(m)
-        if self.tol.accept_near_ties and flip.label == "near tie" and not plan.free_running:
-            self.notes.append(f"token flip at step {m} is a near tie and accepted by the tolerances file")
-            return
-        if self.base is not None and self.base.has("token"):  # flips BASE makes too are inside its envelope
-            bt = self.base.tokens()
-            flips = np.flatnonzero(~eq)
-            judged = [int(s) for s in flips if s < plan.numeric_steps]  # BASE had REF's inputs there
-            outside = [s for s in judged if (s >= bt.size or bt[s] != ct[s]) and not self._base_could_flip(s)]
-            if not outside:
-                bounded = f" up to step {plan.numeric_steps - 1}" if len(judged) < flips.size else ""
-                self.notes.append(f"every token RUN chooses differently from REF{bounded} is inside the baseline: BASE "
-                                  "chooses it too, or REF prefers its own by at most twice BASE's 99th-percentile logit error")
-                return
-            if outside[0] != m:
-                m, flip = outside[0], self._flip(outside[0])
-        self._offer(Divergence(m, None, "token", plan.step_positions[m][1] - 1, "token", 1.0, 0.0, flip))
-
-    def _base_could_flip(self, m: int) -> bool:
-        """Is RUN's token at step m within reach of BASE's own logit error? REF prefers its token
-        by `gap`; logits off by d can reverse a gap up to 2d. d is BASE's 99th-percentile
-        absolute logit error at that step (its single worst logit would excuse too much)."""
-        if not (self.base.has("logits") and self.ref.has("logits")):
-            return False
-        if m >= min(self.base.dataset("logits").shape[0], self.ref.dataset("logits").shape[0]):
-            return False
-        a = self.ref.read("logits", None, slice(m, m + 1))[0].astype(np.float64)
-        c = self.base.read("logits", None, slice(m, m + 1))[0].astype(np.float64)
-        ours, theirs = int(self.ref_tokens[m]), int(self.run_tokens[m])
-        if a.shape != c.shape or not 0 <= min(ours, theirs) <= max(ours, theirs) < a.size:
-            return False
-        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(c))):
-            return False
-        gap = a[ours] - a[theirs]  # as TokenFlip.reference_gap
-        return gap <= 2 * float(np.percentile(np.abs(a - c), 99))  # BASE's large errors, not its one worst
-
-    def _flip(self, m: int) -> TokenFlip:
-        """The tokens chosen at step m, labelled by REF's logits there."""
-        rt, ct = self.ref_tokens, self.run_tokens
-        flip = TokenFlip(int(rt[m]), int(ct[m]))
-        if not (self.ref.has("logits") and m < self.ref.dataset("logits").shape[0]):
-            flip.label = "unknown (no REF logits)"
-            return flip
-        lg = self.ref.read("logits", None, slice(m, m + 1))[0].astype(np.float64)
-        if not (np.all(np.isfinite(lg)) and lg.size > max(rt[m], ct[m])):
-            flip.label = "unknown (REF logits unusable)"
-            return flip
-        top2 = np.partition(lg, -2)[-2:] if lg.size >= 2 else np.array([lg.max(), lg.max()])
-        flip.reference_margin = float(top2.max() - top2.min())
-        flip.reference_gap = float(lg[rt[m]] - lg[ct[m]])
-        flip.candidate_rank = int(np.count_nonzero(lg > lg[ct[m]])) + 1
-        flip.label = "near tie" if flip.reference_gap < self.tol.near_tie_margin else "real error"
-        return flip
-
-    # ------------------------------------------------------------ growth, origin
-    def growth(self) -> Growth:
-        layers = sorted(l for l in self.growth_sums if l is not None)
-        rows = [self._step_rel(l) for l in layers]
-        table, thresholds = [r[0] for r in rows], [r[1] for r in rows]
-        embed = self._step_rel(None) if None in self.growth_sums else None
-        per_layer = [max((v for v in row if v is not None), default=None) for row in table]
-        return Growth(layers, list(range(self.plan.numeric_steps)), table, thresholds, per_layer,
-                      _largest_jump(layers, table, thresholds, embed))
-
-    def _step_rel(self, layer) -> tuple[list, list]:
-        """rel-L2 of each step's rows taken together, and its tolerance per step, for
-        layer_out of `layer` (None: the embeddings)."""
-        plan = self.plan
-        none = [None] * plan.numeric_steps
-        starts = np.array([a for a, _ in plan.step_positions[: plan.numeric_steps]])
-        nd, na, m = self.growth_sums[layer]
-        n = min(nd.size, plan.n_rows)
-        st = starts[starts < n] if n else starts[:0]
-        if n == 0 or st.size == 0:
-            return none, none
-        snd = np.add.reduceat(nd[:n], st)
-        sna = np.add.reduceat(na[:n], st)
-        cnt = np.diff(np.append(st, n))
-        tol = self.thresholds[(GROWTH_KIND, layer) if layer is not None else ("embeddings", None)]
-        floor = tol.l2_floor[: st.size] * np.sqrt(m * cnt)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            rel = np.sqrt(snd) / np.maximum(np.sqrt(sna), np.maximum(floor, 1e-300))
-        rel[snd == 0] = 0.0
-        return ([float(x) for x in rel] + none[st.size:], [float(x) for x in tol.limits[PRIMARY][: plan.numeric_steps]])
-
-    def _input_of(self, d: Divergence) -> tuple[str, int | None] | None:
-        """The residual-stream tensor a divergent tensor is computed from."""
-        if d.layer is not None:
-            return ("layer_out", d.layer - 1) if d.layer > 0 else ("embeddings", None)
-        if d.kind == "per_layer_inputs":  # a projection of the embeddings plus a token-id lookup
-            return ("embeddings", None)
-        return {"final_hidden": ("layer_out", len(self.layers) - 1), "logits": ("final_hidden", None)}.get(d.kind)
-
-    def origin(self, d: Divergence) -> Origin | None:
-        spec = S.KIND_BY_NAME[d.kind]
-        if spec.dtype == "bool":
-            return Origin("introduced", "the mask is computed from positions, not from data")
-        if d.kind in PRE_KINDS and d.kind != "per_layer_inputs":
-            return Origin("introduced", "it is looked up from token ids (and vision features), not computed from an "
-                          "earlier tensor" if d.kind == "embeddings" else "it is computed from positions only")
-        inp = self._input_of(d)
-        if spec.dtype == "int" or inp is None or METRIC[d.metric].group == "structure":
-            return None
-        rows = self.rel_rows.get(inp)
-        if rows is None or d.position >= rows.size:
-            return Origin("unknown", f"{inp[0]} of layer {inp[1]} not compared" if inp[1] is not None
-                          else f"{inp[0]} not compared")
-        in_rel = float(rows[d.position])
-        in_tol = float(self.thresholds[inp].limits[PRIMARY][d.step])
-        out = self.rel_rows.get(("layer_out", d.layer)) if d.layer is not None else None
-        here = d.detail.metrics[PRIMARY]
-        err = InputError(inp[0], inp[1], in_rel, in_tol, here, None if out is None else float(out[d.position]))
-        if inp in self.outside_rows:  # three-way: judged by BASE's envelope, not by the tolerance alone
-            if self.outside_rows[inp][d.position]:
-                return Origin("inherited", "the input already leaves the baseline's envelope", err)
-            return Origin("introduced", "the input is inside the baseline's envelope", err)
-        if not math.isfinite(here) or (in_rel <= in_tol and here >= INTRODUCED_RATIO * max(in_rel, 1e-30)):
-            return Origin("introduced", None, err)
-        return Origin("inherited", "the input already carries a comparable error: accumulated drift or an upstream cause"
-                      if in_rel <= in_tol else "the input already exceeds its tolerance", err)
-
-
-def _largest_jump(layers: list[int], table, thresholds, embed) -> Jump | None:
-    """The largest ratio of a layer's error to its input's at the same step, over every step;
-    the input of layer 0 is the embeddings. The input's error counts at least at its
-    tolerance, so round-off-sized errors make no jumps."""
-    jump = None
-    for s in range(len(table[0]) if table else 0):
-        prev = (embed[0][s], embed[1][s]) if embed is not None else (None, None)
-        for l, row, trow in zip(layers, table, thresholds):
-            v = row[s]
-            if v is not None and prev[0] is not None:
-                base = max(prev[0], prev[1] or 0.0)
-                if base > 0 and (jump is None or v / base > jump.ratio):
-                    jump = Jump(l, v / base, prev[0], v, s)
-            prev = (v, trow[s]) if v is not None else prev
-    return jump
 
 
 def _skipped_note(skipped: list[Skipped]) -> str:
@@ -524,12 +367,12 @@ def compare(ref_path, run_path, tolerances_path=None, baseline_path=None,
             check_baseline(ref, run, base)
         d = _Differ(ref, run, tol, base, baseline)
         d.run_all()
-        growth = d.growth()
+        growth = growth_table(d.res, d.plan)
         first = d.best[1] if d.best is not None else None
         if first is not None:
             if first.layer is not None:
                 first.layer_info = ref.layers[first.layer]
-            first.origin = d.origin(first)
+            first.origin = origin(first, d.res, len(ref.layers))
         if d.skipped:
             d.notes.append(_skipped_note(d.skipped))
         if d.absent:
