@@ -14,7 +14,7 @@ import numpy as np
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.reader import TraceReader
 
-from .align import Plan, check_compatible, dataflow_sequence, make_plan
+from .align import Plan, check_compatible, dataflow_sequence, make_plan, plan_notes
 from .baseline import DEFAULT_FACTOR, Baseline, check_baseline
 from .blocks import Block, compared_blocks
 from .isolation import rank_layers
@@ -96,9 +96,8 @@ class _Differ:
         self.ref_tokens = ref.tokens() if ref.has("token") else None
         self.run_tokens = run.tokens() if run.has("token") else None
         self.plan: Plan = make_plan(ref, run, self.ref_tokens, self.run_tokens)
-        self._step_notes()  # may shorten the numeric steps (a BASE recording that leaves REF's tokens)
+        self.notes += plan_notes(ref, run, self.base, self.plan, self.ref_tokens)  # may shorten the numeric steps
         self.row_steps = self.plan.row_steps()
-        self._selection_notes()
         tokens = judge_tokens(ref, self.base, self.plan, self.ref_tokens, self.run_tokens, self.tol)
         self.tokens = tokens.info
         self.notes += tokens.notes
@@ -121,49 +120,6 @@ class _Differ:
                                            Problem(f"logits stored only in {where}")))
                 continue
             self._compare(kind, layer)
-
-    def _selection_notes(self) -> None:
-        """Say what a selective recording left out: those kinds, layers and steps are not compared."""
-        for who, r in (("REF", self.ref), ("RUN", self.run)):
-            if r.selection is not None:
-                self.notes.append(f"{who} is a selective recording, keeping only {r.selection.describe()}: "
-                                  "the rest was not compared")
-
-    def _step_notes(self) -> None:
-        ref, run, plan = self.ref, self.run, self.plan
-        if ref.n_steps != run.n_steps:
-            fewer, more = ("RUN", "REF") if run.n_steps < ref.n_steps else ("REF", "RUN")
-            self.notes.append(
-                f"{fewer} has {min(ref.n_steps, run.n_steps)} steps, {more} has {max(ref.n_steps, run.n_steps)}: "
-                f"compared the first {plan.token_steps}"
-            )
-        m = plan.first_token_mismatch
-        if run.mode == "reference":
-            self.notes.append("RUN is a reference recording: it fed its own tokens, so it is compared as free-running")
-        if plan.free_running and m is not None and plan.numeric_steps < plan.token_steps:
-            self.notes.append(
-                f"free-running trace: tokens differ from step {m}, so tensors of steps {m + 1}.."
-                f"{plan.token_steps - 1} were not compared (their inputs differ)"
-            )
-        self._base_steps()
-
-    def _base_steps(self) -> None:
-        """A BASE that is a reference recording fed its own tokens: once they leave REF's, its
-        later steps had other inputs than REF's and give no envelope, so the numbers of those
-        steps are not compared. (A free-running BASE that leaves them is refused instead, as it
-        can be replayed teacher-forced; a recording cannot.)"""
-        base, plan = self.base, self.plan
-        if base is None or base.mode != "reference" or self.ref_tokens is None or not base.has("token"):
-            return
-        bt = base.tokens()
-        n = min(plan.numeric_steps, bt.size, self.ref_tokens.size)
-        leave = np.flatnonzero(bt[:n] != self.ref_tokens[:n])
-        if leave.size and leave[0] + 1 < plan.numeric_steps:
-            m = int(leave[0])
-            self.notes.append(f"BASE is a reference recording whose tokens leave REF's at step {m}: its later steps had "
-                              f"other inputs, so tensors and tokens of steps {m + 1}..{plan.numeric_steps - 1} "
-                              "were not judged")
-            plan.numeric_steps = m + 1
 
     def _tolerance(self, kind, layer) -> StepTolerance:
         ra = self.ref.source_dtype(kind, layer)
