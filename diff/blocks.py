@@ -88,3 +88,17 @@ def _stand_in(dst: np.ndarray, src: np.ndarray, rows: np.ndarray) -> None:
     w = min(dst.shape[1], src.shape[1])
     dst[rows] = 0
     dst[rows, :w] = src[rows, :w]
+
+
+def absent_rows(ref, run, kind: str, layer, n_rows: int) -> tuple[np.ndarray | None, str]:
+    """(n_rows,) bool: rows REF or RUN did not report (a trace's rows_present flags), or None
+    when both reported all; and which trace lacks them ("REF", "RUN", "REF and RUN"). Such rows
+    are left out of the comparison (REF's stands in for RUN's, compared_blocks)."""
+    flags = [(who, r.rows_present(kind, layer)) for who, r in (("REF", ref), ("RUN", run))]
+    flags = [(who, f[:n_rows]) for who, f in flags if f is not None and not f[:n_rows].all()]
+    if not flags:
+        return None, ""
+    absent = np.zeros(n_rows, dtype=bool)
+    for _, f in flags:
+        absent[: len(f)] |= ~f
+    return absent, " and ".join(who for who, _ in flags)

@@ -16,11 +16,11 @@ from gemma4_trace.traces.reader import TraceReader
 
 from .align import Plan, check_compatible, dataflow_sequence, make_plan, plan_notes
 from .baseline import DEFAULT_FACTOR, Baseline, check_baseline
-from .blocks import Block, compared_blocks
+from .blocks import Block, absent_rows, compared_blocks
 from .isolation import rank_layers
 from .logits import logit_metrics
 from .metrics import (METRIC, METRIC_ORDER, PRIMARY, THRESHOLD_METRICS, RowStats, compare_mask_block, element_detail,
-                      mask_row_detail, ranges_text)
+                      image_blocks, mask_row_detail, ranges_text)
 from .origin import GROWTH_KIND, Residuals, origin
 from .origin import growth as growth_table
 from .result import (BaselineInfo, DiffResult, Divergence, Element, MaskDetail, Problem, RowDetail, Skipped, Steps,
@@ -161,36 +161,16 @@ class _Differ:
             summary.status = "not compared" if summary.rows_compared == 0 else "partly compared"
 
     def _absent_rows(self, kind: str, layer, n_rows: int, summary: TensorSummary) -> None:
-        """Rows a runtime did not report (a trace's rows_present flags): left out of the comparison
-        (REF's row stands in for RUN's, so they count as equal) and named in the report."""
-        flags = [(who, r.rows_present(kind, layer)) for who, r in (("REF", self.ref), ("RUN", self.run))]
-        flags = [(who, f[:n_rows]) for who, f in flags if f is not None and not f[:n_rows].all()]
-        if not flags:
-            return
-        absent = np.zeros(n_rows, dtype=bool)
-        for _, f in flags:
-            absent[: len(f)] |= ~f
-        self.absent[(kind, layer)] = absent
-        summary.absent_rows = int(absent.sum())
-        summary.absent_positions = ranges_text(np.flatnonzero(absent))
-        summary.absent_in = " and ".join(who for who, _ in flags)
+        """Rows a runtime did not report: left out of the comparison and named in the report."""
+        absent, who = absent_rows(self.ref, self.run, kind, layer, n_rows)
+        if absent is not None:
+            self.absent[(kind, layer)] = absent
+            summary.absent_rows = int(absent.sum())
+            summary.absent_positions = ranges_text(np.flatnonzero(absent))
+            summary.absent_in = who
 
     def _image_blocks_of(self, ra: np.ndarray, rb: np.ndarray, position: int) -> list[dict] | None:
-        """The image blocks (runs of the config's image_token_id in REF's prompt, numbered from 1)
-        that hold a key the two mask rows disagree on, or the query: [{"image", "first", "last"}]."""
-        token = self.ref.model_config.get("image_token_id")
-        ids = np.asarray(self.ref.prompt_ids)
-        if not isinstance(token, int) or not (ids == token).any():
-            return None
-        w = max(ra.shape[0], rb.shape[0])
-        keys = np.flatnonzero(np.pad(ra, (0, w - ra.shape[0])) != np.pad(rb, (0, w - rb.shape[0])))
-        is_img = np.concatenate([[False], ids == token, [False]]).astype(np.int8)
-        edges = np.flatnonzero(np.diff(is_img))  # starts and stops of the runs
-        out = []
-        for n, (first, stop) in enumerate(zip(edges[::2], edges[1::2]), 1):
-            if first <= position < stop or ((keys >= first) & (keys < stop)).any():
-                out.append({"image": n, "first": int(first), "last": int(stop) - 1})
-        return out or None
+        return image_blocks(self.ref.model_config, self.ref.prompt_ids, ra, rb, position)
 
     def _blocks(self, spec: S.Kind, layer, n_rows: int, keep: bool) -> Iterator[Block]:
         """The blocks of rows that can still beat the best divergence so far (all rows when `keep`)."""
