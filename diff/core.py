@@ -303,33 +303,38 @@ def compare(ref_path, run_path, tolerances_path=None, baseline_path=None,
             check_baseline(ref, run, base)
         d = _Differ(ref, run, tol, base, baseline)
         d.run_all()
-        growth = growth_table(d.res, d.plan)
-        first = d.best[1] if d.best is not None else None
-        if first is not None:
-            if first.layer is not None:
-                first.layer_info = ref.layers[first.layer]
-            first.origin = origin(first, d.res, len(ref.layers))
-        if d.skipped:
-            d.notes.append(_skipped_note(d.skipped))
-        if d.absent:
-            d.notes.append(_absent_note(d.tensors))
-        plan = d.plan
-        result = DiffResult(
-            match=first is None,
-            first_divergence=first,
-            tokens=d.tokens,
-            growth=growth,
-            tensors=d.tensors,
-            skipped=d.skipped,
-            notes=d.notes,
-            steps=Steps(ref.n_steps, run.n_steps, plan.token_steps, plan.numeric_steps, ref.prompt_len, plan.n_rows,
-                        plan.free_running),
-            reference=_info(ref, ref_path),
-            candidate=_info(run, run_path),
-            tolerances=tol,
-            layers=list(ref.layers),
-            baseline=None if base is None else BaselineInfo(_info(base, baseline_path), baseline.factor),
-            isolation=rank_layers(growth) if run.mode == "isolated" else None,
-            logits=logit_metrics(ref, run, plan.numeric_steps),
-        )
-        return result
+        return _result(d, ref_path, run_path, baseline_path)
+
+
+def _result(d: _Differ, ref_path, run_path, baseline_path) -> DiffResult:
+    """The finished pass as a DiffResult: the first divergence with its layer and origin, the
+    growth table and the figures computed after the pass."""
+    ref, run, base, plan = d.ref, d.run, d.base, d.plan
+    growth = growth_table(d.res, plan)
+    first = d.best[1] if d.best is not None else None
+    if first is not None:
+        if first.layer is not None:
+            first.layer_info = ref.layers[first.layer]
+        first.origin = origin(first, d.res, len(ref.layers))
+    if d.skipped:
+        d.notes.append(_skipped_note(d.skipped))
+    if d.absent:
+        d.notes.append(_absent_note(d.tensors))
+    return DiffResult(
+        match=first is None,
+        first_divergence=first,
+        tokens=d.tokens,
+        growth=growth,
+        tensors=d.tensors,
+        skipped=d.skipped,
+        notes=d.notes,
+        steps=Steps(ref.n_steps, run.n_steps, plan.token_steps, plan.numeric_steps, ref.prompt_len, plan.n_rows,
+                    plan.free_running),
+        reference=_info(ref, ref_path),
+        candidate=_info(run, run_path),
+        tolerances=d.tol,
+        layers=list(ref.layers),
+        baseline=None if base is None else BaselineInfo(_info(base, baseline_path), d.baseline.factor),
+        isolation=rank_layers(growth) if run.mode == "isolated" else None,
+        logits=logit_metrics(ref, run, plan.numeric_steps),
+    )
