@@ -236,6 +236,28 @@ def _threshold(v, name: str, where: str) -> float:
     return v
 
 
+def _rule(r: dict, i: int, where: str, budget: list[int]) -> Rule:
+    """One [[rule]] table, checked; `budget`: pattern alternatives the file may still use."""
+    bad = sorted(set(r) - set(RULE_FIELDS))
+    if bad:
+        raise TraceToolError(f"{where}: unknown key(s) {_show(bad)}; allowed: {', '.join(RULE_FIELDS)}")
+    kind = _Pattern(r["kind"], "kind", where, False, budget) if "kind" in r else None
+    if kind is not None and not kind.any and not any(kind.match(k) for k in S.KIND_NAMES):
+        raise TraceToolError(f"{where}: kind {_show(r['kind'])} matches no kind; kinds are {', '.join(S.KIND_NAMES)}")
+    layer = _Pattern(r["layer"], "layer", where, True, budget) if "layer" in r else None
+    step = _Pattern(r["step"], "step", where, True, budget) if "step" in r else None
+    values = {f: _threshold(r[f], f, where) for f in THRESHOLD_FIELDS if f in r}
+    if "skip" in r:
+        if not isinstance(r["skip"], bool):
+            raise TraceToolError(f"{where}: skip must be true or false, got {_show(r['skip'])}")
+        values["skip"] = r["skip"]
+    if "note" in r and not isinstance(r["note"], str):
+        raise TraceToolError(f"{where}: note must be a string")
+    if not values:
+        raise TraceToolError(f"{where}: sets nothing; give {', '.join(THRESHOLD_FIELDS)} or skip")
+    return Rule(i, kind, layer, step, values)
+
+
 def _read_bounded(p: Path) -> str:
     """The file's text, refused before reading when it is not a regular file or is too large."""
     try:
@@ -272,7 +294,7 @@ def load_tolerances(path: str | Path | None) -> Tolerances:
         raise TraceToolError(f"tolerances file {p}: not valid TOML (nested too deeply)") from None
     unknown = sorted(set(data) - set(TOP_FIELDS))
     if unknown:
-        raise TraceToolError(f"tolerances file {p}: unknown top-level key(s) {unknown}; expected [[rule]] and [tokens]")
+        raise TraceToolError(f"tolerances file {p}: unknown top-level key(s) {_show(unknown)}; expected [[rule]] and [tokens]")
     if "version" in data and data["version"] != 1:
         raise TraceToolError(f"tolerances file {p}: version {_show(data['version'])} not supported (use 1)")
     raw_rules = data.get("rule", [])
@@ -280,34 +302,14 @@ def load_tolerances(path: str | Path | None) -> Tolerances:
         raise TraceToolError(f"tolerances file {p}: 'rule' must be an array of tables ([[rule]])")
     if len(raw_rules) > MAX_RULES:
         raise TraceToolError(f"tolerances file {p}: {len(raw_rules)} rules, more than the {MAX_RULES} allowed")
-    rules = []
     budget = [MAX_ALTERNATIVES]  # pattern alternatives left for the whole file
-    for i, r in enumerate(raw_rules, 1):
-        where = f"tolerances file {p}, rule {i}"
-        bad = sorted(set(r) - set(RULE_FIELDS))
-        if bad:
-            raise TraceToolError(f"{where}: unknown key(s) {bad}; allowed: {', '.join(RULE_FIELDS)}")
-        kind = _Pattern(r["kind"], "kind", where, False, budget) if "kind" in r else None
-        if kind is not None and not kind.any and not any(kind.match(k) for k in S.KIND_NAMES):
-            raise TraceToolError(f"{where}: kind {_show(r['kind'])} matches no kind; kinds are {', '.join(S.KIND_NAMES)}")
-        layer = _Pattern(r["layer"], "layer", where, True, budget) if "layer" in r else None
-        step = _Pattern(r["step"], "step", where, True, budget) if "step" in r else None
-        values = {f: _threshold(r[f], f, where) for f in THRESHOLD_FIELDS if f in r}
-        if "skip" in r:
-            if not isinstance(r["skip"], bool):
-                raise TraceToolError(f"{where}: skip must be true or false, got {_show(r['skip'])}")
-            values["skip"] = r["skip"]
-        if "note" in r and not isinstance(r["note"], str):
-            raise TraceToolError(f"{where}: note must be a string")
-        if not values:
-            raise TraceToolError(f"{where}: sets nothing; give {', '.join(THRESHOLD_FIELDS)} or skip")
-        rules.append(Rule(i, kind, layer, step, values))
+    rules = [_rule(r, i, f"tolerances file {p}, rule {i}", budget) for i, r in enumerate(raw_rules, 1)]
     tok = data.get("tokens", {})
     if not isinstance(tok, dict):
         raise TraceToolError(f"tolerances file {p}: [tokens] must be a table")
     bad = sorted(set(tok) - set(TOKEN_FIELDS))
     if bad:
-        raise TraceToolError(f"tolerances file {p}, [tokens]: unknown key(s) {bad}; allowed: {', '.join(TOKEN_FIELDS)}")
+        raise TraceToolError(f"tolerances file {p}, [tokens]: unknown key(s) {_show(bad)}; allowed: {', '.join(TOKEN_FIELDS)}")
     margin = tok.get("near_tie_margin", NEAR_TIE_MARGIN)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:  # nan too
         raise TraceToolError(f"tolerances file {p}, [tokens]: near_tie_margin must be a number >= 0, got {_show(margin)}")
