@@ -111,7 +111,7 @@ class MaskDetail:
     n_blocked_in_run_allowed_in_ref: int
     ref_allowed: str  # "0-3, 7"
     run_allowed: str
-    image_blocks: list[dict] | None = opt()  # image blocks of the differing keys or the query: {image, first, last}
+    image_blocks: list[dict[str, int]] | None = opt()  # image blocks of the differing keys or the query: {image, first, last}
 
     def to_json(self) -> dict:
         return json_fields(self)
