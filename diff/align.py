@@ -109,3 +109,45 @@ def make_plan(ref: TraceReader, run: TraceReader, ref_tokens, run_tokens) -> Pla
     free = "free-running" in (ref.mode, run.mode) or run.mode == "reference"
     numeric = mismatch + 1 if (free and mismatch is not None) else steps
     return Plan(steps, numeric, list(ref.step_positions[:steps]), free, mismatch)
+
+
+def plan_notes(ref: TraceReader, run: TraceReader, base: TraceReader | None, plan: Plan, ref_tokens) -> list[str]:
+    """What the plan leaves uncompared, in words: steps one trace lacks, steps after a
+    free-running flip, a BASE recording's steps after its tokens leave REF's (this shortens
+    plan.numeric_steps), what selective recordings left out."""
+    notes = []
+    if ref.n_steps != run.n_steps:
+        fewer, more = ("RUN", "REF") if run.n_steps < ref.n_steps else ("REF", "RUN")
+        notes.append(f"{fewer} has {min(ref.n_steps, run.n_steps)} steps, {more} has {max(ref.n_steps, run.n_steps)}: "
+                     f"compared the first {plan.token_steps}")
+    m = plan.first_token_mismatch
+    if run.mode == "reference":
+        notes.append("RUN is a reference recording: it fed its own tokens, so it is compared as free-running")
+    if plan.free_running and m is not None and plan.numeric_steps < plan.token_steps:
+        notes.append(f"free-running trace: tokens differ from step {m}, so tensors of steps {m + 1}.."
+                     f"{plan.token_steps - 1} were not compared (their inputs differ)")
+    notes += _base_steps(base, plan, ref_tokens)
+    for who, r in (("REF", ref), ("RUN", run)):
+        if r.selection is not None:
+            notes.append(f"{who} is a selective recording, keeping only {r.selection.describe()}: "
+                         "the rest was not compared")
+    return notes
+
+
+def _base_steps(base: TraceReader | None, plan: Plan, ref_tokens) -> list[str]:
+    """A BASE that is a reference recording fed its own tokens: once they leave REF's, its
+    later steps had other inputs than REF's and give no envelope, so the numbers of those
+    steps are not compared. (A free-running BASE that leaves them is refused instead, as it
+    can be replayed teacher-forced; a recording cannot.)"""
+    if base is None or base.mode != "reference" or ref_tokens is None or not base.has("token"):
+        return []
+    bt = base.tokens()
+    n = min(plan.numeric_steps, bt.size, ref_tokens.size)
+    leave = np.flatnonzero(bt[:n] != ref_tokens[:n])
+    if not (leave.size and leave[0] + 1 < plan.numeric_steps):
+        return []
+    m = int(leave[0])
+    note = (f"BASE is a reference recording whose tokens leave REF's at step {m}: its later steps had "
+            f"other inputs, so tensors and tokens of steps {m + 1}..{plan.numeric_steps - 1} were not judged")
+    plan.numeric_steps = m + 1
+    return [note]

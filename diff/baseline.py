@@ -26,43 +26,15 @@ tolerance, in a first pass over all three traces; the rows are then checked in a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from gemma4_trace.traces.errors import TraceToolError
 
 from .metrics import ROW_METRICS, RowStats
-from .result import json_fields
+from .result import BaselineFigures
 
 DEFAULT_FACTOR = 4.0
-
-
-@dataclass
-class BaselineFigures:
-    """The baseline's numbers at the first divergence (JSON: first_divergence.baseline)."""
-
-    path: str
-    factor: float
-    base_value: float  # BASE vs REF, the divergence's metric on the same row
-    ratio: float  # value / base_value (for cosine: (1 - value) / (1 - base_value)); inf if BASE is exact
-    base_step_worst: float  # check 3's bound: BASE vs REF, its worst over this tensor and step (best: not applied)
-    run_vs_base: float  # RUN vs BASE, BASE as the reference, same metric and row
-    run_vs_base_threshold: float  # the tolerance it is judged by (the same as RUN vs REF's)
-
-    def to_json(self) -> dict:
-        return json_fields(self)
-
-
-@dataclass
-class BaselineInfo:
-    """BASE and the factor it was used with (JSON: top-level "baseline")."""
-
-    trace: object  # diff.result.TraceInfo
-    factor: float
-
-    def to_json(self) -> dict:
-        return {**self.trace.to_json(), "factor": self.factor}
 
 
 def check_factor(factor) -> float:
@@ -157,20 +129,6 @@ class Baseline:
         return BaselineFigures(self.path, self.factor, float(getattr(base, m.name)[j]), ratio,
                                1.0 - worst if m.fails_below else worst, float(getattr(rvb, m.name)[j]), threshold)
 
-
-def baseline_words(metric, value: float, fig: BaselineFigures, num, pair) -> str:
-    """'rel-L2: RUN 6.1e-2 vs BASE 4.0e-3 against REF: 15x the baseline (limit 4x; ...)'.
-
-    `num(metric, value)` prints a number as the report does, `pair(a, b)` two that must differ."""
-    rvb, thr = pair(fig.run_vs_base, fig.run_vs_base_threshold)
-    ratio = "BASE is exact here" if math.isinf(fig.ratio) else f"{fig.ratio:.3g}x the baseline"
-    op = "<" if metric.fails_below else ">"
-    bound = 1.0 - fig.base_step_worst if metric.fails_below else fig.base_step_worst
-    worst = ""  # check 3 applied: RUN and BASE are independent noisy runs here
-    if bound > 0:
-        worst = f"BASE's {'least' if metric.fails_below else 'largest'} in this step {num(metric, fig.base_step_worst)}; "
-    return (f"{metric.label}: RUN {num(metric, value)} vs BASE {num(metric, fig.base_value)} against REF: {ratio} "
-            f"(limit {fig.factor:g}x; {worst}RUN vs BASE {rvb} {op} {thr})")
 
 
 def check_baseline(ref, run, base) -> None:

@@ -17,6 +17,7 @@ shapes that differ from REF's, or a free-running BASE whose tokens leave REF's.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,11 +30,11 @@ from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
 
 from .align import check_compatible, dataflow_sequence, make_plan
+from .blocks import paired_blocks
 from .metrics import RowStats
 from .tolerances import DEFAULTS, NEAR_TIE_MARGIN, precision_class
 
 DEFAULT_MARGIN = 2.0
-BLOCK_BYTES = 16 << 20
 PHASES = ("prefill", "decode")
 EXACT_KINDS = ("mask", "token")  # compared exactly by the diff: nothing to calibrate
 
@@ -58,6 +59,14 @@ def round_up(x: float, digits: int = 3) -> float:
     while v < x:  # the decimal's nearest float fell below x
         v = float(f"{v * (1 + 10.0 ** -digits):.{digits - 1}e}")
     return v
+
+
+def toml_comment_name(path) -> str:
+    """A file's name as a double-quoted, escaped string safe inside a TOML comment: no newline
+    (which would end the comment and let the name write configuration) nor any other
+    control character (which TOML forbids in comments)."""
+    name = json.dumps(Path(path).name, ensure_ascii=True)  # escapes \n, \r, every C0 control, non-ASCII
+    return name.replace("\x7f", "\\u007f")  # DEL: json leaves it raw, TOML forbids it
 
 
 def _precision(ref: TraceReader, base: TraceReader, kind, layer) -> str:
@@ -88,7 +97,7 @@ def calibrate(reference, bases, margin: float = DEFAULT_MARGIN) -> tuple[str, di
     head = [
         "# written by `trace calibrate`: the worst rel-L2 of the known-good runs against REF,",
         f"# times {margin:g}, per kind, layer and phase (never below the built-in default).",
-        f"# REF: {Path(reference).name}; BASE: {', '.join(Path(b).name for b in bases)}",
+        f"# REF: {toml_comment_name(reference)}; BASE: {', '.join(toml_comment_name(b) for b in bases)}",
         "version = 1",
         "",
     ]
@@ -138,18 +147,14 @@ def _one_base(ref, base, path, seq, ref_tokens, worst, tokens) -> None:
             w = worst[(kind, layer)] = _Worst(DEFAULTS[prec]["l2_floor"], DEFAULTS[prec]["rel_l2"])
         elif DEFAULTS[prec]["rel_l2"] > w.default:  # a looser precision in another BASE
             w.floor, w.default = max(w.floor, DEFAULTS[prec]["l2_floor"]), DEFAULTS[prec]["rel_l2"]
-        row_bytes = max(1, int(np.prod(da.shape[1:], dtype=np.int64)) * 4)
-        block = max(1, BLOCK_BYTES // row_bytes)
         kept = _rows_present(ref, base, kind, layer, n_rows)  # rows a runtime did not report are no data
-        for r0 in range(0, n_rows, block):
-            r1 = min(n_rows, r0 + block)
-            st = steps[r0:r1]
-            rs = RowStats(ref.read(kind, layer, slice(r0, r1)), base.read(kind, layer, slice(r0, r1)),
-                          np.full(r1 - r0, w.floor))
+        for rows, a, b in paired_blocks(ref, base, kind, layer, n_rows):
+            st, keep = steps[rows], kept[rows]
+            rs = RowStats(a, b, np.full(len(a), w.floor))
             if rs.nonfinite.any():
                 i = int(np.argmax(rs.nonfinite))
                 raise TraceToolError(f"{where}: non-finite values at step {int(st[i])}; not a known-good run")
-            for phase, sel in (("prefill", (st == 0) & kept[r0:r1]), ("decode", (st > 0) & kept[r0:r1])):
+            for phase, sel in (("prefill", (st == 0) & keep), ("decode", (st > 0) & keep)):
                 if sel.any():
                     w.seen[phase] = True
                     w.rel[phase] = max(w.rel[phase], float(rs.rel_l2[sel].max()))

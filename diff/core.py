@@ -1,4 +1,4 @@
-"""diff_traces: one streaming pass over both traces in data-flow order, then the report data.
+"""compare: one streaming pass over both traces in data-flow order, then the result data.
 
 Memory is bounded by a row block of the largest dataset (BLOCK_BYTES per trace plus a
 few temporaries of that size) and per-row metric vectors; never the whole trace.
@@ -7,27 +7,28 @@ few temporaries of that size) and per-row metric vectors; never the whole trace.
 from __future__ import annotations
 
 import contextlib
-import math
+from collections.abc import Iterator
 
 import numpy as np
 
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.reader import TraceReader
 
-from .align import PRE_KINDS, Plan, check_compatible, dataflow_sequence, make_plan
-from .baseline import DEFAULT_FACTOR, Baseline, BaselineInfo, check_baseline
+from .align import Plan, check_compatible, dataflow_sequence, make_plan, plan_notes
+from .baseline import DEFAULT_FACTOR, Baseline, check_baseline
+from .blocks import Block, absent_rows, compared_blocks
 from .isolation import rank_layers
 from .logits import logit_metrics
 from .metrics import (METRIC, METRIC_ORDER, PRIMARY, THRESHOLD_METRICS, RowStats, compare_mask_block, element_detail,
-                      mask_row_detail, ranges_text)
-from .report import divergence_sentence
-from .result import (DiffResult, Divergence, Element, Growth, InputError, Jump, MaskDetail, Origin, Problem, RowDetail,
-                     Skipped, Steps, TensorSummary, TokenFlip, TokenInfo, TraceInfo)
+                      image_blocks, mask_row_detail, ranges_text)
+from .origin import GROWTH_KIND, Residuals, origin
+from .origin import growth as growth_table
+from .result import (BaselineInfo, DiffResult, Divergence, Element, MaskDetail, Problem, RowDetail, Skipped, Steps,
+                     TensorSummary, TraceInfo)
+from .tokens import judge_tokens
 from .tolerances import StepTolerance, Tolerances, load_tolerances, precision_class
 
-BLOCK_BYTES = 16 << 20  # rows read at once per trace
-GROWTH_KIND = "layer_out"  # the growth table's rows
-INTRODUCED_RATIO = 10.0  # error at least this many times the layer input's: introduced here
+
 def element_names(kind: str, idx: tuple) -> dict[str, int]:
     """Named axes of one element of a row: (1, 11) of q is {"head": 1, "channel": 11}; a row's last
     axis is also "channel"."""
@@ -54,7 +55,6 @@ class _Differ:
                  baseline: Baseline | None = None):
         self.ref, self.run, self.tol = ref, run, tol
         self.base, self.baseline = base, baseline  # three-way (diff/baseline.py) when given
-        self.outside_rows: dict[tuple[str, int | None], np.ndarray] = {}  # residual kinds: row leaves BASE's envelope
         self.layers = ref.layers
         self.seq = dataflow_sequence(len(self.layers))
         self.order = {key: i for i, key in enumerate(self.seq)}
@@ -62,9 +62,7 @@ class _Differ:
         self.skipped: list[Skipped] = []
         self.tensors: list[TensorSummary] = []
         self.best: tuple[tuple, Divergence] | None = None  # (search key, divergence)
-        self.rel_rows: dict[tuple[str, int | None], np.ndarray] = {}  # residual kinds: rel-L2 per row
-        self.growth_sums: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # layer -> (|d|^2, |a|^2, row size)
-        self.thresholds: dict[tuple[str, int | None], StepTolerance] = {}
+        self.res = Residuals()  # for growth and origin
         self.absent: dict[tuple[str, int | None], np.ndarray] = {}  # rows a trace lacks (rows_present): not compared
 
     # ------------------------------------------------------------ candidates
@@ -98,10 +96,14 @@ class _Differ:
         self.ref_tokens = ref.tokens() if ref.has("token") else None
         self.run_tokens = run.tokens() if run.has("token") else None
         self.plan: Plan = make_plan(ref, run, self.ref_tokens, self.run_tokens)
-        self._step_notes()  # may shorten the numeric steps (a BASE recording that leaves REF's tokens)
+        self.notes += plan_notes(ref, run, self.base, self.plan, self.ref_tokens)  # may shorten the numeric steps
         self.row_steps = self.plan.row_steps()
-        self._selection_notes()
-        self._tokens_candidate()
+        tokens = judge_tokens(ref, self.base, self.plan, self.ref_tokens, self.run_tokens, self.tol)
+        self.tokens = tokens.info
+        self.notes += tokens.notes
+        self.skipped += tokens.skipped
+        if tokens.divergence is not None:
+            self._offer(tokens.divergence)
         present_ref = set(ref.kinds_present())
         present_run = set(run.kinds_present())
         for kind, layer in self.seq:
@@ -119,55 +121,12 @@ class _Differ:
                 continue
             self._compare(kind, layer)
 
-    def _selection_notes(self) -> None:
-        """Say what a selective recording left out: those kinds, layers and steps are not compared."""
-        for who, r in (("REF", self.ref), ("RUN", self.run)):
-            if r.selection is not None:
-                self.notes.append(f"{who} is a selective recording, keeping only {r.selection.describe()}: "
-                                  "the rest was not compared")
-
-    def _step_notes(self) -> None:
-        ref, run, plan = self.ref, self.run, self.plan
-        if ref.n_steps != run.n_steps:
-            fewer, more = ("RUN", "REF") if run.n_steps < ref.n_steps else ("REF", "RUN")
-            self.notes.append(
-                f"{fewer} has {min(ref.n_steps, run.n_steps)} steps, {more} has {max(ref.n_steps, run.n_steps)}: "
-                f"compared the first {plan.token_steps}"
-            )
-        m = plan.first_token_mismatch
-        if run.mode == "reference":
-            self.notes.append("RUN is a reference recording: it fed its own tokens, so it is compared as free-running")
-        if plan.free_running and m is not None and plan.numeric_steps < plan.token_steps:
-            self.notes.append(
-                f"free-running trace: tokens differ from step {m}, so tensors of steps {m + 1}.."
-                f"{plan.token_steps - 1} were not compared (their inputs differ)"
-            )
-        self._base_steps()
-
-    def _base_steps(self) -> None:
-        """A BASE that is a reference recording fed its own tokens: once they leave REF's, its
-        later steps had other inputs than REF's and give no envelope, so the numbers of those
-        steps are not compared. (A free-running BASE that leaves them is refused instead, as it
-        can be replayed teacher-forced; a recording cannot.)"""
-        base, plan = self.base, self.plan
-        if base is None or base.mode != "reference" or self.ref_tokens is None or not base.has("token"):
-            return
-        bt = base.tokens()
-        n = min(plan.numeric_steps, bt.size, self.ref_tokens.size)
-        leave = np.flatnonzero(bt[:n] != self.ref_tokens[:n])
-        if leave.size and leave[0] + 1 < plan.numeric_steps:
-            m = int(leave[0])
-            self.notes.append(f"BASE is a reference recording whose tokens leave REF's at step {m}: its later steps had "
-                              f"other inputs, so tensors and tokens of steps {m + 1}..{plan.numeric_steps - 1} "
-                              "were not judged")
-            plan.numeric_steps = m + 1
-
     def _tolerance(self, kind, layer) -> StepTolerance:
         ra = self.ref.source_dtype(kind, layer)
         rb = self.run.source_dtype(kind, layer)
         prec = precision_class(ra, rb, self.ref.provenance["dtype"], self.run.provenance["dtype"])
         t = self.tol.resolve(kind, layer, prec, self.plan.numeric_steps)
-        self.thresholds[(kind, layer)] = t
+        self.res.thresholds[(kind, layer)] = t
         return t
 
     # ------------------------------------------------------------ one (kind, layer)
@@ -202,72 +161,29 @@ class _Differ:
             summary.status = "not compared" if summary.rows_compared == 0 else "partly compared"
 
     def _absent_rows(self, kind: str, layer, n_rows: int, summary: TensorSummary) -> None:
-        """Rows a runtime did not report (a trace's rows_present flags): left out of the comparison
-        (REF's row stands in for RUN's, so they count as equal) and named in the report."""
-        flags = [(who, r.rows_present(kind, layer)) for who, r in (("REF", self.ref), ("RUN", self.run))]
-        flags = [(who, f[:n_rows]) for who, f in flags if f is not None and not f[:n_rows].all()]
-        if not flags:
-            return
-        absent = np.zeros(n_rows, dtype=bool)
-        for _, f in flags:
-            absent[: len(f)] |= ~f
-        self.absent[(kind, layer)] = absent
-        summary.absent_rows = int(absent.sum())
-        summary.absent_positions = ranges_text(np.flatnonzero(absent))
-        summary.absent_in = " and ".join(who for who, _ in flags)
+        """Rows a runtime did not report: left out of the comparison and named in the report."""
+        absent, who = absent_rows(self.ref, self.run, kind, layer, n_rows)
+        if absent is not None:
+            self.absent[(kind, layer)] = absent
+            summary.absent_rows = int(absent.sum())
+            summary.absent_positions = ranges_text(np.flatnonzero(absent))
+            summary.absent_in = who
 
     def _image_blocks_of(self, ra: np.ndarray, rb: np.ndarray, position: int) -> list[dict] | None:
-        """The image blocks (runs of the config's image_token_id in REF's prompt, numbered from 1)
-        that hold a key the two mask rows disagree on, or the query: [{"image", "first", "last"}]."""
-        token = self.ref.model_config.get("image_token_id")
-        ids = np.asarray(self.ref.prompt_ids)
-        if not isinstance(token, int) or not (ids == token).any():
-            return None
-        w = max(ra.shape[0], rb.shape[0])
-        keys = np.flatnonzero(np.pad(ra, (0, w - ra.shape[0])) != np.pad(rb, (0, w - rb.shape[0])))
-        is_img = np.concatenate([[False], ids == token, [False]]).astype(np.int8)
-        edges = np.flatnonzero(np.diff(is_img))  # starts and stops of the runs
-        out = []
-        for n, (first, stop) in enumerate(zip(edges[::2], edges[1::2]), 1):
-            if first <= position < stop or ((keys >= first) & (keys < stop)).any():
-                out.append({"image": n, "first": int(first), "last": int(stop) - 1})
-        return out or None
+        return image_blocks(self.ref.model_config, self.ref.prompt_ids, ra, rb, position)
 
-    def _blocks(self, spec: S.Kind, layer, n_rows: int, keep: bool):
-        """(first row, REF rows, RUN rows, BASE rows or None, rows BASE lacks or None, their
-        steps) block by block, over the rows that can still beat the best divergence so far
-        (all rows when `keep`). Where BASE lacks a row REF's stands in for it."""
-        kind = spec.name
-        limit = None if keep else self._row_limit(kind, layer, spec.index)
-        end = n_rows if limit is None else min(n_rows, limit)
-        ds = self.ref.dataset(kind, layer)
-        row_bytes = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
-        chunk = (ds.chunks or (1,))[0]
-        block = max(chunk, (BLOCK_BYTES // row_bytes) // chunk * chunk)
+    def _blocks(self, spec: S.Kind, layer, n_rows: int, keep: bool) -> Iterator[Block]:
+        """The blocks of rows that can still beat the best divergence so far (all rows when `keep`)."""
+        limit = None if keep else self._row_limit(spec.name, layer, spec.index)
         row_steps = self.row_steps if spec.index == "position" else np.arange(self.plan.numeric_steps)
-        for r0 in range(0, end, block):
-            r1 = min(end, r0 + block)
-            c = self.base.read(kind, layer, slice(r0, r1)) if self._three_way(kind, layer) else None
-            a, b = self.ref.read(kind, layer, slice(r0, r1)), self.run.read(kind, layer, slice(r0, r1))
-            lacks = None
-            if c is not None:  # a row BASE lacks has no envelope there: RUN is judged by the tolerance alone
-                c, lacks = _usable_base_rows(c, a)
-                base_flags = self.base.rows_present(kind, layer)
-                if base_flags is not None:
-                    flags = base_flags[r0:r1]
-                    lacks[: len(flags)] |= ~flags
-                    _stand_in(c, a, lacks)
-            gone = self.absent.get((kind, layer), np.zeros(0, dtype=bool))[r0:r1]
-            if gone.any():  # a row REF or RUN lacks is not compared: REF's stands in
-                _stand_in(b, a, gone)
-                if c is not None:
-                    _stand_in(c, a, gone)
-            yield r0, a, b, c, lacks, row_steps[r0:r1]
+        return compared_blocks(self.ref, self.run, self.base if self._three_way(spec.name, layer) else None,
+                               spec.name, layer, n_rows if limit is None else min(n_rows, limit), row_steps,
+                               self.absent.get((spec.name, layer)))
 
     def _base_step_worst(self, spec: S.Kind, layer, n_rows: int, tol: StepTolerance) -> dict[str, np.ndarray]:
         """Check 3's bound per step of this tensor (diff/baseline.py), from one pass over all three."""
-        blocks = ((a, b, c, tol.l2_floor[st], tol.skip[st] | lacks, st)  # BASE's own rows only
-                  for _, a, b, c, lacks, st in self._blocks(spec, layer, n_rows, keep=True))
+        blocks = ((k.ref, k.run, k.base, tol.l2_floor[k.steps], tol.skip[k.steps] | k.base_lacks, k.steps)  # BASE's own rows
+                  for k in self._blocks(spec, layer, n_rows, keep=True))
         return self.baseline.step_worst(blocks, len(tol.skip))
 
     def _three_way(self, kind: str, layer) -> bool:
@@ -275,7 +191,7 @@ class _Differ:
 
     def _scan_mask(self, spec: S.Kind, layer, n_rows: int, tol: StepTolerance, summary: TensorSummary) -> bool:
         """Boolean rows compare exactly: the first row with a differing key diverges."""
-        for r0, a, b, c, _, st in self._blocks(spec, layer, n_rows, keep=False):
+        for r0, a, b, c, _, st in self._blocks(spec, layer, n_rows, keep=False):  # Block's fields in order
             count = compare_mask_block(a, b)
             fails = (count > 0) & ~tol.skip[st]
             if c is not None:  # a difference BASE has too is inside its envelope
@@ -305,7 +221,7 @@ class _Differ:
             if not step_worst:
                 step_worst.update(self._base_step_worst(spec, layer, n_rows, tol))
             return {m: v[st] for m, v in step_worst.items()}
-        for r0, a, b, c, lacks, st in self._blocks(spec, layer, n_rows, keep):
+        for r0, a, b, c, lacks, st in self._blocks(spec, layer, n_rows, keep):  # Block's fields in order
             r1 = r0 + len(a)
             rs = RowStats(a, b, tol.l2_floor[st])
             limits = {f: v[st] for f, v in tol.limits.items()}
@@ -316,7 +232,7 @@ class _Differ:
                 fails, which, bstats = self.baseline.failing(a, b, c, rs, tol.l2_floor[st], limits, tol.skip[st],
                                                              lambda: ceiling(st), lacks)
                 if keep:
-                    self.outside_rows.setdefault((spec.name, layer), np.zeros(n_rows, dtype=bool))[r0:r1] = fails
+                    self.res.outside_rows.setdefault((spec.name, layer), np.zeros(n_rows, dtype=bool))[r0:r1] = fails
             for m in THRESHOLD_METRICS:
                 worst[m.name] = m.worst(worst[m.name], getattr(rs, m.name))
             summary.failed_rows = (summary.failed_rows or 0) + int(fails.sum())
@@ -333,9 +249,9 @@ class _Differ:
                 break
         summary.worst = worst
         if keep:
-            self.rel_rows[(spec.name, layer)] = rel_all
+            self.res.rel_rows[(spec.name, layer)] = rel_all
             if sums is not None:  # layer None: the embeddings, layer 0's input (for jumps into layer 0)
-                self.growth_sums[layer] = (*sums, int(np.prod(self.ref.dataset(spec.name, layer).shape[1:])))
+                self.res.growth_sums[layer] = (*sums, int(np.prod(self.ref.dataset(spec.name, layer).shape[1:])))
         return found
 
     def _offer_row(self, spec: S.Kind, layer, row: int, a_row, b_row, rs: RowStats, i: int, metric: str,
@@ -356,197 +272,11 @@ class _Differ:
             d.baseline = self.baseline.figures(metric, i, value, bstats, threshold)
         self._offer(d)
 
-    # ------------------------------------------------------------ tokens
-    def _tokens_candidate(self) -> None:
-        plan, rt, ct = self.plan, self.ref_tokens, self.run_tokens
-        self.tokens = info = TokenInfo([] if rt is None else [int(x) for x in rt], [] if ct is None else [int(x) for x in ct])
-        if rt is None or ct is None:
-            where = "REF" if rt is None and ct is not None else "RUN" if ct is None and rt is not None else None
-            if where:
-                other = "RUN" if where == "REF" else "REF"
-                self.skipped.append(Skipped("token", None, f"only in {other}"))
-                self._offer(Divergence(0, None, "token", self._last_prefill_position(), "missing", 1.0, 0.0,
-                                       Problem(f"chosen tokens stored only in {other}")))
-            else:
-                self.notes.append("neither trace stores chosen tokens")
-            return
-        n = min(plan.token_steps, rt.size, ct.size)
-        eq = rt[:n] == ct[:n]
-        info.compared_steps, info.matches, info.accuracy = int(n), int(eq.sum()), float(eq.mean()) if n else 1.0
-        m = plan.first_token_mismatch
-        if m is None:
-            return
-        info.first_mismatch_step = m
-        info.mismatch_steps = [int(s) for s in np.flatnonzero(~eq)[:100]]
-        info.flip = flip = self._flip(m)
-        if self.tol.accept_near_ties and flip.label == "near tie" and not plan.free_running:
-            self.notes.append(f"token flip at step {m} is a near tie and accepted by the tolerances file")
-            return
-        if self.base is not None and self.base.has("token"):  # flips BASE makes too are inside its envelope
-            bt = self.base.tokens()
-            flips = np.flatnonzero(~eq)
-            judged = [int(s) for s in flips if s < plan.numeric_steps]  # BASE had REF's inputs there
-            outside = [s for s in judged if (s >= bt.size or bt[s] != ct[s]) and not self._base_could_flip(s)]
-            if not outside:
-                bounded = f" up to step {plan.numeric_steps - 1}" if len(judged) < flips.size else ""
-                self.notes.append(f"every token RUN chooses differently from REF{bounded} is inside the baseline: BASE "
-                                  "chooses it too, or REF prefers its own by at most twice BASE's 99th-percentile logit error")
-                return
-            if outside[0] != m:
-                m, flip = outside[0], self._flip(outside[0])
-        self._offer(Divergence(m, None, "token", plan.step_positions[m][1] - 1, "token", 1.0, 0.0, flip))
-
-    def _base_could_flip(self, m: int) -> bool:
-        """Is RUN's token at step m within reach of BASE's own logit error? REF prefers its token
-        by `gap`; logits off by d can reverse a gap up to 2d. d is BASE's 99th-percentile
-        absolute logit error at that step (its single worst logit would excuse too much)."""
-        if not (self.base.has("logits") and self.ref.has("logits")):
-            return False
-        if m >= min(self.base.dataset("logits").shape[0], self.ref.dataset("logits").shape[0]):
-            return False
-        a = self.ref.read("logits", None, slice(m, m + 1))[0].astype(np.float64)
-        c = self.base.read("logits", None, slice(m, m + 1))[0].astype(np.float64)
-        ours, theirs = int(self.ref_tokens[m]), int(self.run_tokens[m])
-        if a.shape != c.shape or not 0 <= min(ours, theirs) <= max(ours, theirs) < a.size:
-            return False
-        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(c))):
-            return False
-        gap = a[ours] - a[theirs]  # as TokenFlip.reference_gap
-        return gap <= 2 * float(np.percentile(np.abs(a - c), 99))  # BASE's large errors, not its one worst
-
-    def _flip(self, m: int) -> TokenFlip:
-        """The tokens chosen at step m, labelled by REF's logits there."""
-        rt, ct = self.ref_tokens, self.run_tokens
-        flip = TokenFlip(int(rt[m]), int(ct[m]))
-        if not (self.ref.has("logits") and m < self.ref.dataset("logits").shape[0]):
-            flip.label = "unknown (no REF logits)"
-            return flip
-        lg = self.ref.read("logits", None, slice(m, m + 1))[0].astype(np.float64)
-        if not (np.all(np.isfinite(lg)) and lg.size > max(rt[m], ct[m])):
-            flip.label = "unknown (REF logits unusable)"
-            return flip
-        top2 = np.partition(lg, -2)[-2:] if lg.size >= 2 else np.array([lg.max(), lg.max()])
-        flip.reference_margin = float(top2.max() - top2.min())
-        flip.reference_gap = float(lg[rt[m]] - lg[ct[m]])
-        flip.candidate_rank = int(np.count_nonzero(lg > lg[ct[m]])) + 1
-        flip.label = "near tie" if flip.reference_gap < self.tol.near_tie_margin else "real error"
-        return flip
-
-    # ------------------------------------------------------------ growth, origin
-    def growth(self) -> Growth:
-        layers = sorted(l for l in self.growth_sums if l is not None)
-        rows = [self._step_rel(l) for l in layers]
-        table, thresholds = [r[0] for r in rows], [r[1] for r in rows]
-        embed = self._step_rel(None) if None in self.growth_sums else None
-        per_layer = [max((v for v in row if v is not None), default=None) for row in table]
-        return Growth(layers, list(range(self.plan.numeric_steps)), table, thresholds, per_layer,
-                      _largest_jump(layers, table, thresholds, embed))
-
-    def _step_rel(self, layer) -> tuple[list, list]:
-        """rel-L2 of each step's rows taken together, and its tolerance per step, for
-        layer_out of `layer` (None: the embeddings)."""
-        plan = self.plan
-        none = [None] * plan.numeric_steps
-        starts = np.array([a for a, _ in plan.step_positions[: plan.numeric_steps]])
-        nd, na, m = self.growth_sums[layer]
-        n = min(nd.size, plan.n_rows)
-        st = starts[starts < n] if n else starts[:0]
-        if n == 0 or st.size == 0:
-            return none, none
-        snd = np.add.reduceat(nd[:n], st)
-        sna = np.add.reduceat(na[:n], st)
-        cnt = np.diff(np.append(st, n))
-        tol = self.thresholds[(GROWTH_KIND, layer) if layer is not None else ("embeddings", None)]
-        floor = tol.l2_floor[: st.size] * np.sqrt(m * cnt)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            rel = np.sqrt(snd) / np.maximum(np.sqrt(sna), np.maximum(floor, 1e-300))
-        rel[snd == 0] = 0.0
-        return ([float(x) for x in rel] + none[st.size:], [float(x) for x in tol.limits[PRIMARY][: plan.numeric_steps]])
-
-    def _input_of(self, d: Divergence) -> tuple[str, int | None] | None:
-        """The residual-stream tensor a divergent tensor is computed from."""
-        if d.layer is not None:
-            return ("layer_out", d.layer - 1) if d.layer > 0 else ("embeddings", None)
-        if d.kind == "per_layer_inputs":  # a projection of the embeddings plus a token-id lookup
-            return ("embeddings", None)
-        return {"final_hidden": ("layer_out", len(self.layers) - 1), "logits": ("final_hidden", None)}.get(d.kind)
-
-    def origin(self, d: Divergence) -> Origin | None:
-        spec = S.KIND_BY_NAME[d.kind]
-        if spec.dtype == "bool":
-            return Origin("introduced", "the mask is computed from positions, not from data")
-        if d.kind in PRE_KINDS and d.kind != "per_layer_inputs":
-            return Origin("introduced", "it is looked up from token ids (and vision features), not computed from an "
-                          "earlier tensor" if d.kind == "embeddings" else "it is computed from positions only")
-        inp = self._input_of(d)
-        if spec.dtype == "int" or inp is None or METRIC[d.metric].group == "structure":
-            return None
-        rows = self.rel_rows.get(inp)
-        if rows is None or d.position >= rows.size:
-            return Origin("unknown", f"{inp[0]} of layer {inp[1]} not compared" if inp[1] is not None
-                          else f"{inp[0]} not compared")
-        in_rel = float(rows[d.position])
-        in_tol = float(self.thresholds[inp].limits[PRIMARY][d.step])
-        out = self.rel_rows.get(("layer_out", d.layer)) if d.layer is not None else None
-        here = d.detail.metrics[PRIMARY]
-        err = InputError(inp[0], inp[1], in_rel, in_tol, here, None if out is None else float(out[d.position]))
-        if inp in self.outside_rows:  # three-way: judged by BASE's envelope, not by the tolerance alone
-            if self.outside_rows[inp][d.position]:
-                return Origin("inherited", "the input already leaves the baseline's envelope", err)
-            return Origin("introduced", "the input is inside the baseline's envelope", err)
-        if not math.isfinite(here) or (in_rel <= in_tol and here >= INTRODUCED_RATIO * max(in_rel, 1e-30)):
-            return Origin("introduced", None, err)
-        return Origin("inherited", "the input already carries a comparable error: accumulated drift or an upstream cause"
-                      if in_rel <= in_tol else "the input already exceeds its tolerance", err)
-
-
-def _largest_jump(layers: list[int], table, thresholds, embed) -> Jump | None:
-    """The largest ratio of a layer's error to its input's at the same step, over every step;
-    the input of layer 0 is the embeddings. The input's error counts at least at its
-    tolerance, so round-off-sized errors make no jumps."""
-    jump = None
-    for s in range(len(table[0]) if table else 0):
-        prev = (embed[0][s], embed[1][s]) if embed is not None else (None, None)
-        for l, row, trow in zip(layers, table, thresholds):
-            v = row[s]
-            if v is not None and prev[0] is not None:
-                base = max(prev[0], prev[1] or 0.0)
-                if base > 0 and (jump is None or v / base > jump.ratio):
-                    jump = Jump(l, v / base, prev[0], v, s)
-            prev = (v, trow[s]) if v is not None else prev
-    return jump
-
 
 def _skipped_note(skipped: list[Skipped]) -> str:
     shown = ", ".join(s.kind + (f" L{s.layer}" if s.layer is not None else "") + f" ({s.reason})" for s in skipped[:12])
     return ("tensors in only one trace (not compared): " + shown
             + (f" and {len(skipped) - 12} more" if len(skipped) > 12 else ""))
-
-
-def _usable_base_rows(c: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """BASE's rows, REF's standing in for those BASE lacks (a BASE that stopped reporting) or
-    holds NaN/Inf in; and which rows those are (no envelope there)."""
-    lacks = np.arange(len(a)) >= len(c)
-    if lacks.any():
-        full = np.zeros((len(a), *c.shape[1:]), dtype=c.dtype)
-        full[: len(c)] = c
-        c = full
-    if c.dtype.kind == "f":
-        lacks |= ~np.isfinite(c.reshape(len(c), -1)).all(axis=1)
-    if lacks.any():
-        _stand_in(c, a, lacks)
-    return c, lacks
-
-
-def _stand_in(dst: np.ndarray, src: np.ndarray, rows: np.ndarray) -> None:
-    """dst[rows] = src[rows]; mask rows of different widths (REF's grow, a static runtime's are
-    max_seq wide) are copied over the common columns and blocked beyond them."""
-    if dst.shape[1:] == src.shape[1:]:
-        dst[rows] = src[rows]
-        return
-    w = min(dst.shape[1], src.shape[1])
-    dst[rows] = 0
-    dst[rows, :w] = src[rows, :w]
 
 
 def _absent_note(tensors: list[TensorSummary]) -> str:
@@ -556,9 +286,10 @@ def _absent_note(tensors: list[TensorSummary]) -> str:
             + (f"; and {len(parts) - 12} more tensors" if len(parts) > 12 else ""))
 
 
-def diff_traces(ref_path, run_path, tolerances_path=None, baseline_path=None,
-                baseline_factor: float = DEFAULT_FACTOR) -> DiffResult:
+def compare(ref_path, run_path, tolerances_path=None, baseline_path=None,
+            baseline_factor: float = DEFAULT_FACTOR) -> DiffResult:
     """Compare a candidate trace against a reference; raise TraceToolError on bad input.
+    The result holds numbers and facts only (diff_traces adds the divergence's sentence).
 
     With `baseline_path`, RUN is judged by BASE's error envelope (diff/baseline.py)."""
     tol = load_tolerances(tolerances_path)
@@ -572,35 +303,38 @@ def diff_traces(ref_path, run_path, tolerances_path=None, baseline_path=None,
             check_baseline(ref, run, base)
         d = _Differ(ref, run, tol, base, baseline)
         d.run_all()
-        growth = d.growth()
-        first = d.best[1] if d.best is not None else None
-        if first is not None:
-            if first.layer is not None:
-                first.layer_info = ref.layers[first.layer]
-            first.origin = d.origin(first)
-        if d.skipped:
-            d.notes.append(_skipped_note(d.skipped))
-        if d.absent:
-            d.notes.append(_absent_note(d.tensors))
-        plan = d.plan
-        result = DiffResult(
-            match=first is None,
-            first_divergence=first,
-            tokens=d.tokens,
-            growth=growth,
-            tensors=d.tensors,
-            skipped=d.skipped,
-            notes=d.notes,
-            steps=Steps(ref.n_steps, run.n_steps, plan.token_steps, plan.numeric_steps, ref.prompt_len, plan.n_rows,
-                        plan.free_running),
-            reference=_info(ref, ref_path),
-            candidate=_info(run, run_path),
-            tolerances=tol,
-            layers=list(ref.layers),
-            baseline=None if base is None else BaselineInfo(_info(base, baseline_path), baseline.factor),
-            isolation=rank_layers(growth) if run.mode == "isolated" else None,
-            logits=logit_metrics(ref, run, plan.numeric_steps),
-        )
-        if first is not None:
-            first.sentence = divergence_sentence(result)
-        return result
+        return _result(d, ref_path, run_path, baseline_path)
+
+
+def _result(d: _Differ, ref_path, run_path, baseline_path) -> DiffResult:
+    """The finished pass as a DiffResult: the first divergence with its layer and origin, the
+    growth table and the figures computed after the pass."""
+    ref, run, base, plan = d.ref, d.run, d.base, d.plan
+    growth = growth_table(d.res, plan)
+    first = d.best[1] if d.best is not None else None
+    if first is not None:
+        if first.layer is not None:
+            first.layer_info = ref.layers[first.layer]
+        first.origin = origin(first, d.res, len(ref.layers))
+    if d.skipped:
+        d.notes.append(_skipped_note(d.skipped))
+    if d.absent:
+        d.notes.append(_absent_note(d.tensors))
+    return DiffResult(
+        match=first is None,
+        first_divergence=first,
+        tokens=d.tokens,
+        growth=growth,
+        tensors=d.tensors,
+        skipped=d.skipped,
+        notes=d.notes,
+        steps=Steps(ref.n_steps, run.n_steps, plan.token_steps, plan.numeric_steps, ref.prompt_len, plan.n_rows,
+                    plan.free_running),
+        reference=_info(ref, ref_path),
+        candidate=_info(run, run_path),
+        tolerances=d.tol,
+        layers=list(ref.layers),
+        baseline=None if base is None else BaselineInfo(_info(base, baseline_path), d.baseline.factor),
+        isolation=rank_layers(growth) if run.mode == "isolated" else None,
+        logits=logit_metrics(ref, run, plan.numeric_steps),
+    )

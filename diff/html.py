@@ -8,11 +8,10 @@ from pathlib import Path
 
 from gemma4_trace.traces.atomic import atomic_output, check_output_path
 
-from .isolation import ranking_html
-from .logits import logits_svg, logits_text
+from .fmt import fmt, sci
 from .metrics import PRIMARY, THRESHOLD_METRICS
-from .report import fmt, format_text, growth_summary, sci, token_summary
-from .result import DiffResult, Divergence, Growth, TensorSummary, TokenInfo
+from .report import format_text, growth_summary, logits_text, token_summary
+from .result import DiffResult, Divergence, Growth, IsolationRanking, LogitMetrics, TensorSummary, TokenInfo
 
 MAX_COLS = 400  # heatmap steps are binned (max) beyond this
 CSS = """
@@ -43,6 +42,49 @@ def _color(ratio) -> str:
     return f"#{r:02x}{g:02x}{b:02x}"
 
 
+def _svg(width, height, body: list[str] | str = "", role: bool = True) -> str:
+    """An inline SVG element (every plot of the report is one)."""
+    return (f'<svg width="{width}" height="{height}"' + (' role="img">' if role else ">")
+            + (body if isinstance(body, str) else "".join(body)) + "</svg>")
+
+
+class _LogPlot:
+    """The frame of a plot with a log-scale y axis over points 0..n-1 (error vs layer, KL vs
+    step): decades spanning the values, coordinates, grid lines, polylines."""
+
+    def __init__(self, values: list[float], n: int, width: int, height: int, left: int, top: int, bottom: int,
+                 right: int):
+        lo, hi = math.floor(math.log10(min(values))), math.ceil(math.log10(max(values)))
+        self.lo, self.hi = lo, max(hi, lo + 1)
+        self.n, self.width, self.height = n, width, height
+        self.left, self.top, self.bottom, self.right = left, top, bottom, right
+
+    def x(self, i: float) -> float:
+        return self.left + (self.width - self.left - self.right) * (i / max(1, self.n - 1))
+
+    def y(self, v: float) -> float:  # values below the lowest decade sit on it
+        span = self.height - self.top - self.bottom
+        return self.top + span * (self.hi - math.log10(max(v, 10.0**self.lo))) / (self.hi - self.lo)
+
+    def hline(self, v: float, stroke: str, extra: str = "") -> str:
+        y = f"{self.y(v):.1f}"
+        return f'<line x1="{self.left}" x2="{self.width - self.right}" y1="{y}" y2="{y}" stroke="{stroke}"{extra}'
+
+    def grid(self, stroke: str, label_first: bool = False) -> list[str]:
+        """A line and a label "1eN" at each decade."""
+        out = []
+        for e in range(self.lo, self.hi + 1):
+            line = self.hline(10.0**e, stroke) + "/>"
+            label = f'<text x="{self.left - 6}" y="{self.y(10.0**e) + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>'
+            out.append(label + line if label_first else line + label)
+        return out
+
+    @staticmethod
+    def polyline(points: list[tuple[float, float]], color: str, width: str) -> str:
+        return (f'<polyline fill="none" stroke="{color}" stroke-width="{width}" points="'
+                + " ".join(f"{x:.1f},{y:.1f}" for x, y in points) + '"/>')
+
+
 def _heatmap(growth: Growth, div: Divergence | None) -> str:
     table, thr, layers = growth.table, growth.thresholds, growth.layers
     if not table or not table[0]:
@@ -54,7 +96,7 @@ def _heatmap(growth: Growth, div: Divergence | None) -> str:
     ch = max(8, min(22, 600 // max(1, len(layers))))
     left, top = 48, 22
     w, h = left + cols * cw + 10, top + len(layers) * ch + 30
-    out = [f'<svg width="{w}" height="{h}" role="img">']
+    out = []
     for li, (l, row, trow) in enumerate(zip(layers, table, thr)):
         y = top + li * ch
         out.append(f'<text x="{left - 6}" y="{y + ch * 0.75:.1f}" font-size="11" text-anchor="end">L{l}</text>')
@@ -78,8 +120,7 @@ def _heatmap(growth: Growth, div: Divergence | None) -> str:
                    f'{c * bin_}</text>')
     out.append(f'<text x="{left}" y="{h - 8}" font-size="11">step (columns{", max over " + str(bin_) + " steps" if bin_ > 1 else ""}) '
                f'/ layer (rows); colour = rel-L2 of layer_out relative to its tolerance</text>')
-    out.append("</svg>")
-    return "".join(out)
+    return _svg(w, h, out)
 
 
 def _curves(growth: Growth, div: Divergence | None) -> str:
@@ -98,33 +139,56 @@ def _curves(growth: Growth, div: Divergence | None) -> str:
     vals += thr[:1]
     if not vals:
         return "<p>all layer outputs identical (rel-L2 = 0)</p>"
-    lo, hi = math.floor(math.log10(min(vals))), math.ceil(math.log10(max(vals)))
-    hi = max(hi, lo + 1)
-    W, H, L, T, B = 700, 260, 60, 14, 36
-    def X(i): return L + (W - L - 150) * (i / max(1, len(layers) - 1))
-    def Y(v): return T + (H - T - B) * (hi - math.log10(v)) / (hi - lo)
-    out = [f'<svg width="{W}" height="{H}" role="img">']
-    for e in range(lo, hi + 1):
-        out.append(f'<line x1="{L}" x2="{W - 150}" y1="{Y(10**e):.1f}" y2="{Y(10**e):.1f}" stroke="#e3e3e8"/>'
-                   f'<text x="{L - 6}" y="{Y(10**e) + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>')
+    p = _LogPlot(vals, len(layers), width=700, height=260, left=60, top=14, bottom=36, right=150)
+    W, H, L, T, B = p.width, p.height, p.left, p.top, p.bottom
+    out = p.grid("#e3e3e8")
     if thr:
         t = thr[0]
-        out.append(f'<line x1="{L}" x2="{W - 150}" y1="{Y(t):.1f}" y2="{Y(t):.1f}" stroke="#555" stroke-dasharray="4 3">'
-                   f'<title>tolerance {sci(t)}</title></line>')
+        out.append(p.hline(t, "#555", ' stroke-dasharray="4 3">') + f"<title>tolerance {sci(t)}</title></line>")
     for i, l in enumerate(layers):
         if len(layers) <= 40 or i % max(1, len(layers) // 20) == 0:
-            out.append(f'<text x="{X(i):.1f}" y="{H - B + 14}" font-size="10" text-anchor="middle">{l}</text>')
+            out.append(f'<text x="{p.x(i):.1f}" y="{H - B + 14}" font-size="10" text-anchor="middle">{l}</text>')
     out.append(f'<text x="{(L + W - 150) / 2:.0f}" y="{H - 6}" font-size="11" text-anchor="middle">layer</text>')
     for k, (name, s, color) in enumerate(series):
-        pts = [(X(i), Y(v)) for i, v in enumerate(s) if v is not None and v > 0 and math.isfinite(v)]
+        pts = [(p.x(i), p.y(v)) for i, v in enumerate(s) if v is not None and v > 0 and math.isfinite(v)]
         if pts:
-            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="'
-                       + " ".join(f"{x:.1f},{y:.1f}" for x, y in pts) + '"/>')
+            out.append(p.polyline(pts, color, "2"))
             out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"/>' for x, y in pts]
         out.append(f'<rect x="{W - 140}" y="{T + k * 18}" width="12" height="4" fill="{color}"/>'
                    f'<text x="{W - 122}" y="{T + k * 18 + 6}" font-size="11">{html.escape(name)}</text>')
-    out.append("</svg>")
-    return "".join(out)
+    return _svg(W, H, out)
+
+
+def _ranking(r: IsolationRanking) -> str:
+    top = r.ranking[0].rel_l2 if r.ranking else 0.0
+    rows = []
+    for rank, e in enumerate(r.ranking, 1):
+        width = int(300 * e.rel_l2 / top) if top > 0 else 0
+        bar = _svg(width + 2, 10, f'<rect width="{width}" height="10" fill="#c0392b"/>', role=False)
+        rows.append(f"<tr><td>{rank}</td><td>L{e.layer}</td><td>{html.escape(sci(e.rel_l2))}</td>"
+                    f"<td>{e.step}</td><td>{html.escape(sci(e.threshold))}</td><td class=l>{bar}</td></tr>")
+    return ("<p class=legend>Every layer was fed REF's input (trace replay --isolate): each error is the layer's own.</p>"
+            "<table><tr><th>rank</th><th>layer</th><th>layer_out rel-L2</th><th>worst step</th><th>tolerance</th>"
+            "<th class=l></th></tr>" + "".join(rows) + "</table>")
+
+
+def _logits_plot(m: LogitMetrics) -> str:
+    """KL(REF||RUN) per step on a log scale, top-1 disagreements marked."""
+    kl = [v if v is not None and math.isfinite(v) else None for v in m.kl]
+    pos = [v for v in kl if v is not None and v > 0]
+    if not pos:
+        return "<p>KL is 0 at every step</p>"
+    n = len(kl)
+    p = _LogPlot(pos, n, width=900, height=220, left=60, top=10, bottom=30, right=10)
+    out = p.grid("#eee", label_first=True)
+    out.append(p.polyline([(p.x(i), p.y(v)) for i, v in enumerate(kl) if v is not None], "#2c6fbb", "1.5"))
+    for i, (v, t1) in enumerate(zip(kl, m.top1)):
+        if v is not None:
+            color = "#c0392b" if t1 == 0 else "#2c6fbb"
+            out.append(f'<circle cx="{p.x(i):.1f}" cy="{p.y(v):.1f}" r="2.5" fill="{color}">'
+                       f"<title>step {i}: KL {sci(v)}, top-5 overlap {m.top5[i]:.2f}, drop {sci(m.drop[i])}</title></circle>")
+    out.append(f'<text x="{p.left}" y="{p.height - 8}" font-size="11">step 0 .. {n - 1} (red: top-1 differs)</text>')
+    return _svg(p.width, p.height, out)
 
 
 def _token_table(tokens: TokenInfo, limit: int = 300) -> str:
@@ -176,7 +240,7 @@ def render_html(result: DiffResult) -> str:
         f"<style>{CSS}</style></head><body>",
         f"<h1>trace diff: {e(Path(ref.path).name)} (REF) vs {e(Path(run.path).name)} (RUN)</h1>",
         f'<div class="verdict {"good" if result.match else "bad"}">{e(format_text(result))}</div>',
-        *(["<h2>Layers by local error (isolated replay)</h2>", ranking_html(result.isolation, sci)]
+        *(["<h2>Layers by local error (isolated replay)</h2>", _ranking(result.isolation)]
           if result.isolation is not None else []),
         "<h2>Error growth: layer x step</h2>",
         _heatmap(result.growth, d),
@@ -188,8 +252,8 @@ def render_html(result: DiffResult) -> str:
         "<h2>Tokens</h2>",
         f"<p>{e(token_summary(result.tokens)).replace(chr(10), '<br>')}</p>",
         _token_table(result.tokens),
-        *(["<h2>Logit distribution: KL(REF||RUN) per step</h2>", logits_svg(result.logits, sci),
-           f'<p class="legend">{e(logits_text(result.logits, sci))}</p>'] if result.logits is not None else []),
+        *(["<h2>Logit distribution: KL(REF||RUN) per step</h2>", _logits_plot(result.logits),
+           f'<p class="legend">{e(logits_text(result.logits))}</p>'] if result.logits is not None else []),
         "<h2>Tensors compared</h2>",
         _tensor_table(result.tensors),
         "<h2>Provenance</h2>",

@@ -8,50 +8,19 @@ vocabulary (float64):
 - drop: p[t] - q[t] for REF's top-1 token t (how much probability RUN takes from it)
 Summary: KL mean / 99th percentile (linear interpolation) / max (and its step), top-1
 agreement rate, mean top-5 overlap, drop mean / max (and its step). A step whose logits hold
-NaN or Inf gets NaN and is left out of the summary. Logits are read in row blocks.
+NaN or Inf gets NaN and is left out of the summary. Logits are read in row blocks (blocks.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
-from .result import json_fields
+from .blocks import paired_blocks
+from .result import LogitMetrics, LogitSummary
 
 TOP_K = 5
-BLOCK_BYTES = 4 << 20  # float64 temporaries: a few times this per trace
-
-
-@dataclass
-class LogitSummary:
-    steps: int  # steps with finite logits in both traces
-    kl_mean: float
-    kl_p99: float
-    kl_max: float
-    kl_max_step: int | None
-    top1_agreement: float
-    top5_overlap: float
-    drop_mean: float
-    drop_max: float
-    drop_max_step: int | None
-
-    def to_json(self) -> dict:
-        return json_fields(self)
-
-
-@dataclass
-class LogitMetrics:
-    kl: list[float]  # one entry per compared step
-    top1: list[float]
-    top5: list[float]
-    drop: list[float]
-    summary: LogitSummary
-
-    def to_json(self) -> dict:
-        return {"kl": self.kl, "top1": self.top1, "top5": self.top5, "ref_token_prob_drop": self.drop,
-                "summary": self.summary}
 
 
 def step_metrics(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -87,9 +56,7 @@ def logit_metrics(ref, run, n_steps: int) -> LogitMetrics | None:
     n = min(n_steps, da.shape[0], db.shape[0])
     if n == 0 or da.shape[1:] != db.shape[1:] or da.ndim != 2:
         return None
-    block = max(1, BLOCK_BYTES // max(1, da.shape[1] * 8))
-    parts = [step_metrics(ref.read("logits", None, slice(r0, min(n, r0 + block))),
-                          run.read("logits", None, slice(r0, min(n, r0 + block)))) for r0 in range(0, n, block)]
+    parts = [step_metrics(a, b) for _, a, b in paired_blocks(ref, run, "logits", None, n, value_bytes=8)]  # float64
     kl, top1, top5, drop = (np.concatenate([p[i] for p in parts]) for i in range(4))
     return LogitMetrics(kl.tolist(), top1.tolist(), top5.tolist(), drop.tolist(), _summary(kl, top1, top5, drop))
 
@@ -106,45 +73,3 @@ def _summary(kl, top1, top5, drop) -> LogitSummary:
         kl_max_step=int(idx[np.argmax(k)]), top1_agreement=float(top1[ok].mean()), top5_overlap=float(top5[ok].mean()),
         drop_mean=float(d.mean()), drop_max=float(d.max()), drop_max_step=int(idx[np.argmax(d)]),
     )
-
-
-def logits_text(m: LogitMetrics, sci) -> str:
-    s = m.summary
-    if not s.steps:
-        return "logits: no step with finite logits in both traces"
-    return (f"logits over {s.steps} step(s): KL(REF||RUN) mean {sci(s.kl_mean)}, p99 {sci(s.kl_p99)}, max {sci(s.kl_max)} "
-            f"(step {s.kl_max_step}); top-1 agreement {100 * s.top1_agreement:.1f}%, top-5 overlap "
-            f"{100 * s.top5_overlap:.1f}%; REF token's probability drop mean {sci(s.drop_mean)}, max "
-            f"{sci(s.drop_max)} (step {s.drop_max_step})")
-
-
-def logits_svg(m: LogitMetrics, sci) -> str:
-    """KL(REF||RUN) per step on a log scale, top-1 disagreements marked."""
-    kl = [v if v is not None and math.isfinite(v) else None for v in m.kl]
-    pos = [v for v in kl if v is not None and v > 0]
-    if not pos:
-        return "<p>KL is 0 at every step</p>"
-    lo, hi = math.floor(math.log10(min(pos))), math.ceil(math.log10(max(pos)))
-    hi = max(hi, lo + 1)
-    W, H, L, T, B = 900, 220, 60, 10, 30
-    n = len(kl)
-
-    def X(i):
-        return L + (W - L - 10) * (i / max(1, n - 1))
-
-    def Y(v):
-        return T + (H - T - B) * (hi - math.log10(max(v, 10.0**lo))) / (hi - lo)
-
-    out = [f'<svg width="{W}" height="{H}" role="img">']
-    for e in range(lo, hi + 1):
-        out.append(f'<text x="{L - 6}" y="{Y(10.0 ** e) + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>'
-                   f'<line x1="{L}" x2="{W - 10}" y1="{Y(10.0 ** e):.1f}" y2="{Y(10.0 ** e):.1f}" stroke="#eee"/>')
-    pts = " ".join(f"{X(i):.1f},{Y(v):.1f}" for i, v in enumerate(kl) if v is not None)
-    out.append(f'<polyline fill="none" stroke="#2c6fbb" stroke-width="1.5" points="{pts}"/>')
-    for i, (v, t1) in enumerate(zip(kl, m.top1)):
-        if v is not None:
-            color = "#c0392b" if t1 == 0 else "#2c6fbb"
-            out.append(f'<circle cx="{X(i):.1f}" cy="{Y(v):.1f}" r="2.5" fill="{color}">'
-                       f"<title>step {i}: KL {sci(v)}, top-5 overlap {m.top5[i]:.2f}, drop {sci(m.drop[i])}</title></circle>")
-    out.append(f'<text x="{L}" y="{H - 8}" font-size="11">step 0 .. {n - 1} (red: top-1 differs)</text></svg>')
-    return "".join(out)

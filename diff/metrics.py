@@ -175,3 +175,21 @@ def ranges_text(idx: np.ndarray) -> str:
         prev = x
     out.append(f"{start}-{prev}" if prev > start else f"{start}")
     return ", ".join(out)
+
+
+def image_blocks(model_config: dict, prompt_ids, ra: np.ndarray, rb: np.ndarray, position: int) -> list[dict] | None:
+    """The image blocks (runs of the config's image_token_id in REF's prompt, numbered from 1)
+    that hold a key the two mask rows disagree on, or the query: [{"image", "first", "last"}]."""
+    token = model_config.get("image_token_id")
+    ids = np.asarray(prompt_ids)
+    if not isinstance(token, int) or not (ids == token).any():
+        return None
+    w = max(ra.shape[0], rb.shape[0])
+    keys = np.flatnonzero(np.pad(ra, (0, w - ra.shape[0])) != np.pad(rb, (0, w - rb.shape[0])))
+    is_img = np.concatenate([[False], ids == token, [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(is_img))  # starts and stops of the runs
+    out = []
+    for n, (first, stop) in enumerate(zip(edges[::2], edges[1::2]), 1):
+        if first <= position < stop or ((keys >= first) & (keys < stop)).any():
+            out.append({"image": n, "first": int(first), "last": int(stop) - 1})
+    return out or None

@@ -5,60 +5,13 @@ from __future__ import annotations
 import json
 import math
 
-from .baseline import baseline_words
-from .isolation import ranking_text
-from .logits import logits_text
-from .metrics import METRIC, ROW_METRICS
-from .result import DiffResult, Divergence, Growth, MaskDetail, Problem, RowDetail, TokenFlip, TokenInfo
+from .fmt import fmt, sci, sci_pair, val
+from .metrics import METRIC, ROW_METRICS, Metric
+from .result import (BaselineFigures, DiffResult, Divergence, Growth, IsolationRanking, LogitMetrics, MaskDetail, Problem,
+                     RowDetail, TokenFlip, TokenInfo)
 
-
-def sci(v) -> str:
-    """4.1e-2 style (no exponent padding); 0 and non-finite spelled plainly."""
-    if v is None:
-        return "-"
-    if isinstance(v, str):
-        return v
-    v = float(v)
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    if v == 0:
-        return "0"
-    m, e = f"{v:.1e}".split("e")
-    return f"{m.removesuffix('.0')}e{int(e)}"
-
-
-def sci_pair(a: float, b: float) -> tuple[str, str]:
-    """Both numbers in sci(), with more digits where one digit would print them equal:
-    "1.04e-1 > 1e-1", never "1e-1 > 1e-1"."""
-    sa, sb = sci(a), sci(b)
-    digits = 1
-    while sa == sb and float(a) != float(b) and digits < 17:
-        digits += 1
-        sa, sb = (f"{float(x):.{digits}e}" for x in (a, b))
-        sa, sb = (_trim(x) for x in (sa, sb))
-    return sa, sb
-
-
-def _trim(s: str) -> str:
-    m, e = s.split("e")
-    m = m.rstrip("0").rstrip(".") if "." in m else m
-    return f"{m}e{int(e)}"
-
-
-def fmt(metric, v) -> str:
-    """A metric's value as reports print it ("-" when there is none)."""
-    return "-" if v is None else val(v) if metric.plain else sci(v)
-
-
-def val(v) -> str:
-    if isinstance(v, str):
-        return v
-    v = float(v)
-    if not math.isfinite(v):
-        return sci(v)
-    return f"{v:.4g}"
+__all__ = ["divergence_sentence", "fmt", "format_text", "growth_summary", "sci", "sci_pair", "token_summary", "val"]
+SHOWN = 5  # layers of an isolation ranking in the text (all in the JSON and HTML)
 
 
 def _layer_words(d: Divergence) -> str:
@@ -122,7 +75,7 @@ def divergence_sentence(result: DiffResult) -> str:
     elem = _element(det.first.names)
     m = METRIC[d.metric]
     if m.threshold and d.baseline is not None:
-        cmp_ = baseline_words(m, d.value, d.baseline, fmt, sci_pair if not m.plain else lambda a, b: (val(a), val(b)))
+        cmp_ = baseline_words(m, d.value, d.baseline)
     elif m.threshold:
         v, t = sci_pair(d.value, d.threshold) if not m.plain else (val(d.value), val(d.threshold))
         if m.plain and v == t:
@@ -190,6 +143,37 @@ def origin_summary(d: Divergence) -> str | None:
     return s
 
 
+def baseline_words(metric: Metric, value: float, fig: BaselineFigures) -> str:
+    """'rel-L2: RUN 6.1e-2 vs BASE 4.0e-3 against REF: 15x the baseline (limit 4x; ...)'."""
+    num = fmt
+    rvb, thr = (sci_pair if not metric.plain else lambda a, b: (val(a), val(b)))(fig.run_vs_base, fig.run_vs_base_threshold)
+    ratio = "BASE is exact here" if math.isinf(fig.ratio) else f"{fig.ratio:.3g}x the baseline"
+    op = "<" if metric.fails_below else ">"
+    bound = 1.0 - fig.base_step_worst if metric.fails_below else fig.base_step_worst
+    worst = ""  # check 3 applied: RUN and BASE are independent noisy runs here
+    if bound > 0:
+        worst = f"BASE's {'least' if metric.fails_below else 'largest'} in this step {num(metric, fig.base_step_worst)}; "
+    return (f"{metric.label}: RUN {num(metric, value)} vs BASE {num(metric, fig.base_value)} against REF: {ratio} "
+            f"(limit {fig.factor:g}x; {worst}RUN vs BASE {rvb} {op} {thr})")
+
+
+def ranking_text(r: IsolationRanking) -> str:
+    items = [f"L{e.layer} {sci(e.rel_l2)} (step {e.step})" for e in r.ranking[:SHOWN]]
+    more = f", {len(r.ranking) - SHOWN} more" if len(r.ranking) > SHOWN else ""
+    return ("isolated replay (every layer fed REF's input): layers by local error, layer_out rel-L2 at the worst step: "
+            + ", ".join(items) + more)
+
+
+def logits_text(m: LogitMetrics) -> str:
+    s = m.summary
+    if not s.steps:
+        return "logits: no step with finite logits in both traces"
+    return (f"logits over {s.steps} step(s): KL(REF||RUN) mean {sci(s.kl_mean)}, p99 {sci(s.kl_p99)}, max {sci(s.kl_max)} "
+            f"(step {s.kl_max_step}); top-1 agreement {100 * s.top1_agreement:.1f}%, top-5 overlap "
+            f"{100 * s.top5_overlap:.1f}%; REF token's probability drop mean {sci(s.drop_mean)}, max "
+            f"{sci(s.drop_max)} (step {s.drop_max_step})")
+
+
 def format_text(result: DiffResult) -> str:
     lines = []
     d = result.first_divergence
@@ -208,10 +192,10 @@ def format_text(result: DiffResult) -> str:
             lines.append(o)
     lines.append(token_summary(result.tokens))
     if result.logits is not None:
-        lines.append(logits_text(result.logits, sci))
+        lines.append(logits_text(result.logits))
     lines.append(growth_summary(result.growth))
     if result.isolation is not None:
-        lines.append(ranking_text(result.isolation, sci))
+        lines.append(ranking_text(result.isolation))
     ref, run = result.reference, result.candidate
     decode = max(0, st.numbers_compared - 1)
     lines.append(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import Literal
 
 import numpy as np
 
@@ -66,6 +67,11 @@ def jsonable(x):
     return x
 
 
+TensorStatus = Literal["ok", "diverged", "shape", "rows", "not compared", "partly compared"]
+Verdict = Literal["introduced", "inherited", "unknown"]
+FlipLabel = Literal["near tie", "real error", "unknown", "unknown (no REF logits)", "unknown (REF logits unusable)"]
+
+
 # ---------------------------------------------------------------- first divergence details
 @dataclass
 class Element:
@@ -105,7 +111,7 @@ class MaskDetail:
     n_blocked_in_run_allowed_in_ref: int
     ref_allowed: str  # "0-3, 7"
     run_allowed: str
-    image_blocks: list[dict] | None = opt()  # image blocks of the differing keys or the query: {image, first, last}
+    image_blocks: list[dict[str, int]] | None = opt()  # image blocks of the differing keys or the query: {image, first, last}
 
     def to_json(self) -> dict:
         return json_fields(self)
@@ -120,7 +126,7 @@ class TokenFlip:
     reference_margin: float | None = opt()  # REF's top-1 minus top-2 logit
     reference_gap: float | None = opt()  # REF's logit of its token minus of RUN's
     candidate_rank: int | None = opt()  # rank of RUN's token under REF's logits
-    label: str = "unknown"  # "near tie" | "real error" | "unknown (...)"
+    label: FlipLabel = "unknown"
 
     def to_json(self) -> dict:
         return json_fields(self)
@@ -154,7 +160,7 @@ class InputError:
 class Origin:
     """Was the divergence introduced here or carried in from upstream?"""
 
-    verdict: str  # "introduced" | "inherited" | "unknown"
+    verdict: Verdict
     reason: str | None = None
     input: InputError | None = None
 
@@ -187,7 +193,7 @@ class Divergence:
     layer_info: LayerInfo | None = None  # the layer's facts, for per-layer kinds
     origin: Origin | None = None
     sentence: str | None = None
-    baseline: object | None = None  # diff.baseline.BaselineFigures under --baseline
+    baseline: BaselineFigures | None = None  # under --baseline
 
     @property
     def phase(self) -> str:
@@ -239,8 +245,8 @@ class TensorSummary:
     layer: int | None
     rows: int
     rows_compared: int = 0
-    status: str = "ok"  # "ok" | "diverged" | "shape" | "rows" | "not compared" | "partly compared" (rows after
-    # the first divergence are not read: "ok" would claim they passed)
+    status: TensorStatus = "ok"  # "not compared" / "partly compared": rows after the first divergence are
+    # not read ("ok" would claim they passed)
     threshold: float | None = opt()  # the primary metric's tolerance at step 0 (0 for masks)
     precision: str | None = opt()
     failed_rows: int | None = opt()  # float kinds
@@ -345,9 +351,9 @@ class DiffResult:
     candidate: TraceInfo
     tolerances: Tolerances
     layers: list[LayerInfo] = field(default_factory=list)
-    baseline: object | None = None  # diff.baseline.BaselineInfo under --baseline
-    isolation: object | None = None  # diff.isolation.IsolationRanking for an isolated candidate
-    logits: object | None = None  # diff.logits.LogitMetrics when both traces store logits
+    baseline: BaselineInfo | None = None  # under --baseline
+    isolation: IsolationRanking | None = None  # for an isolated candidate
+    logits: LogitMetrics | None = None  # when both traces store logits
 
     def to_json(self) -> dict:
         return jsonable({
@@ -359,3 +365,82 @@ class DiffResult:
             **({"logit_metrics": self.logits} if self.logits is not None else {}),
             "tolerances": self.tolerances, "layers": self.layers,
         })
+
+
+# ---------------------------------------------------------------- feature results
+@dataclass
+class BaselineFigures:
+    """The baseline's numbers at the first divergence (JSON: first_divergence.baseline)."""
+
+    path: str
+    factor: float
+    base_value: float  # BASE vs REF, the divergence's metric on the same row
+    ratio: float  # value / base_value (for cosine: (1 - value) / (1 - base_value)); inf if BASE is exact
+    base_step_worst: float  # check 3's bound: BASE vs REF, its worst over this tensor and step (best: not applied)
+    run_vs_base: float  # RUN vs BASE, BASE as the reference, same metric and row
+    run_vs_base_threshold: float  # the tolerance it is judged by (the same as RUN vs REF's)
+
+    def to_json(self) -> dict:
+        return json_fields(self)
+
+
+@dataclass
+class BaselineInfo:
+    """BASE and the factor it was used with (JSON: top-level "baseline")."""
+
+    trace: TraceInfo
+    factor: float
+
+    def to_json(self) -> dict:
+        return {**self.trace.to_json(), "factor": self.factor}
+
+
+@dataclass
+class LayerError:
+    layer: int
+    rel_l2: float  # worst over steps
+    step: int  # where it is worst
+    threshold: float  # the tolerance at that step
+
+    def to_json(self) -> dict:
+        return json_fields(self)
+
+
+@dataclass
+class IsolationRanking:
+    ranking: list[LayerError]  # worst local error first
+    metric: str = "rel_l2"
+    kind: str = "layer_out"
+
+    def to_json(self) -> dict:
+        return {"metric": self.metric, "kind": self.kind, "ranking": self.ranking}
+
+
+@dataclass
+class LogitSummary:
+    steps: int  # steps with finite logits in both traces
+    kl_mean: float
+    kl_p99: float
+    kl_max: float
+    kl_max_step: int | None
+    top1_agreement: float
+    top5_overlap: float
+    drop_mean: float
+    drop_max: float
+    drop_max_step: int | None
+
+    def to_json(self) -> dict:
+        return json_fields(self)
+
+
+@dataclass
+class LogitMetrics:
+    kl: list[float]  # one entry per compared step
+    top1: list[float]
+    top5: list[float]
+    drop: list[float]
+    summary: LogitSummary
+
+    def to_json(self) -> dict:
+        return {"kl": self.kl, "top1": self.top1, "top5": self.top5, "ref_token_prob_drop": self.drop,
+                "summary": self.summary}

@@ -9,6 +9,8 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
+import reprlib
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +48,19 @@ MATCH_FIELDS = ("kind", "layer", "step")
 RULE_FIELDS = MATCH_FIELDS + THRESHOLD_FIELDS + ("skip", "note")
 TOKEN_FIELDS = ("near_tie_margin", "accept_near_ties")
 TOP_FIELDS = ("rule", "tokens", "version")
+# A tolerances file is untrusted input: bounded before it is read, and its matching cost bounded
+# (every tensor is matched against every rule: tensors x rules, patterns compiled once).
+MAX_FILE_BYTES = 4 << 20  # a calibrated file for a 60-layer model: ~0.3 MiB, ~2,000 rules, ~6,000 alternatives
+MAX_RULES = 8_192
+MAX_ALTERNATIVES = 16_384  # comma-separated pattern alternatives in the whole file
+
+_short = reprlib.Repr()
+_short.maxlevel, _short.maxstring, _short.maxother, _short.maxlist, _short.maxdict = 3, 60, 60, 6, 6
+
+
+def _show(v) -> str:
+    """A value from the file for an error line: bounded in length and nesting."""
+    return _short.repr(v)
 
 
 def precision_class(*dtypes: str) -> str:
@@ -59,56 +74,79 @@ def precision_class(*dtypes: str) -> str:
 
 
 # ------------------------------------------------------------------ patterns
-_RANGE = re.compile(r"^(\d+)?-(\d+)?$")
+_RANGE = re.compile(r"^(\d{1,18})?-(\d{1,18})?$")  # longer numbers are no layer or step
 
 
 class _Pattern:
-    """Comma-separated alternatives: '*', 'N', 'A-B', 'A-', '-B', or an fnmatch glob."""
+    """Comma-separated alternatives: '*', 'N', 'A-B', 'A-', '-B', or an fnmatch glob.
 
-    def __init__(self, raw, what: str, where: str, numeric: bool):
+    The globs are compiled once into one regular expression, so a match costs one regex
+    search plus one comparison per range, whatever the number of alternatives."""
+
+    def __init__(self, raw, what: str, where: str, numeric: bool, budget: list[int]):
         if isinstance(raw, bool) or not isinstance(raw, (str, int, list)):
-            raise TraceToolError(f"{where}: {what} must be a string, an integer or a list, got {raw!r}")
+            raise TraceToolError(f"{where}: {what} must be a string, an integer or a list, got {_show(raw)}")
         items = raw if isinstance(raw, list) else [raw]
-        self.alts: list[tuple[str, object]] = []
+        self.ranges: list[tuple[int, int | None]] = []
+        globs: list[str] = []
         for item in items:
             if isinstance(item, bool) or not isinstance(item, (str, int)):
-                raise TraceToolError(f"{where}: {what} entry {item!r} must be a string or an integer")
-            for alt in str(item).split(","):
+                raise TraceToolError(f"{where}: {what} entry {_show(item)} must be a string or an integer")
+            alts = str(item).split(",")
+            budget[0] -= len(alts)
+            if budget[0] < 0:
+                raise TraceToolError(f"{where}: more than {MAX_ALTERNATIVES} pattern alternatives in the file; "
+                                     "merge them into ranges or globs")
+            for alt in alts:
                 alt = alt.strip()
                 if not alt:
-                    raise TraceToolError(f"{where}: empty {what} pattern in {raw!r}")
+                    raise TraceToolError(f"{where}: empty {what} pattern in {_show(raw)}")
                 if numeric and alt in ("prefill", "decode") and what == "step":
-                    self.alts.append(("range", (0, 0) if alt == "prefill" else (1, None)))
+                    self.ranges.append((0, 0) if alt == "prefill" else (1, None))
                     continue
                 m = _RANGE.match(alt) if numeric else None
                 if m and (m.group(1) or m.group(2)):
                     lo = int(m.group(1)) if m.group(1) else 0
                     hi = int(m.group(2)) if m.group(2) else None
                     if hi is not None and hi < lo:
-                        raise TraceToolError(f"{where}: {what} range {alt!r} is empty ({lo} > {hi})")
-                    self.alts.append(("range", (lo, hi)))
+                        raise TraceToolError(f"{where}: {what} range {_show(alt)} is empty ({lo} > {hi})")
+                    self.ranges.append((lo, hi))
                 elif numeric and not re.fullmatch(r"[0-9*?\[\]!]+", alt):
                     raise TraceToolError(
-                        f"{where}: {what} pattern {alt!r} is not a number, a range like '10-15' or a glob"
+                        f"{where}: {what} pattern {_show(alt)} is not a number, a range like '10-15' or a glob"
                         + (" (or 'prefill'/'decode')" if what == "step" else "")
                     )
                 else:
-                    self.alts.append(("glob", alt))
-        self.any = any(kind == "glob" and alt == "*" for kind, alt in self.alts)
+                    globs.append(alt)
+        self.any = "*" in globs
+        self._seen: dict = {}  # value -> match: a file's patterns meet few distinct kinds and layers
+        self.glob = re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in dict.fromkeys(globs))) if globs else None
 
     def match(self, value) -> bool:
         if self.any:
             return True
         if value is None:
             return False
-        for kind, alt in self.alts:
-            if kind == "range":
-                lo, hi = alt
-                if isinstance(value, int) and value >= lo and (hi is None or value <= hi):
-                    return True
-            elif fnmatch.fnmatchcase(str(value), alt):
-                return True
-        return False
+        hit = self._seen.get(value)
+        if hit is None:
+            hit = self._seen[value] = self._match(value)
+        return hit
+
+    def _match(self, value) -> bool:
+        if isinstance(value, int) and any(value >= lo and (hi is None or value <= hi) for lo, hi in self.ranges):
+            return True
+        return self.glob is not None and self.glob.match(str(value)) is not None
+
+    def mask(self, n: int) -> np.ndarray:
+        """(n,) bool: which of 0..n-1 match."""
+        if self.any:
+            return np.ones(n, dtype=bool)
+        m = np.zeros(n, dtype=bool)
+        for lo, hi in self.ranges:
+            m[lo: n if hi is None else hi + 1] = True
+        if self.glob is not None:
+            m |= np.fromiter((self.glob.match(str(i)) is not None for i in range(n)), dtype=bool, count=n)
+        return m
 
 
 @dataclass
@@ -130,10 +168,7 @@ class Rule:
     def step_mask(self, n_steps: int) -> np.ndarray:
         m = self._step_cache.get(n_steps)
         if m is None:
-            if self.step is None or self.step.any:
-                m = np.ones(n_steps, dtype=bool)
-            else:
-                m = np.fromiter((self.step.match(s) for s in range(n_steps)), dtype=bool, count=n_steps)
+            m = np.ones(n_steps, dtype=bool) if self.step is None else self.step.mask(n_steps)
             self._step_cache[n_steps] = m
         return m
 
@@ -188,9 +223,11 @@ def _threshold(v, name: str, where: str) -> float:
     m = METRIC.get(name)  # None for l2_floor
     if v is False:  # disable the check
         return m.off if m else 0.0
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-        raise TraceToolError(f"{where}: {name} must be a number (or false to disable), got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TraceToolError(f"{where}: {name} must be a number (or false to disable), got {_show(v)}")
     v = float(v)
+    if not math.isfinite(v):  # inf would silently turn the check off, nan would never compare
+        raise TraceToolError(f"{where}: {name} is {v}, not a finite number (write false to disable the check)")
     lo, hi = (m.lo, m.hi) if m else (0.0, math.inf)
     if math.isfinite(hi) and not lo <= v <= hi:
         raise TraceToolError(f"{where}: {name} is {m.what} in [{lo:g}, {hi:g}], got {v}")
@@ -199,57 +236,85 @@ def _threshold(v, name: str, where: str) -> float:
     return v
 
 
+def _rule(r: dict, i: int, where: str, budget: list[int]) -> Rule:
+    """One [[rule]] table, checked; `budget`: pattern alternatives the file may still use."""
+    bad = sorted(set(r) - set(RULE_FIELDS))
+    if bad:
+        raise TraceToolError(f"{where}: unknown key(s) {_show(bad)}; allowed: {', '.join(RULE_FIELDS)}")
+    kind = _Pattern(r["kind"], "kind", where, False, budget) if "kind" in r else None
+    if kind is not None and not kind.any and not any(kind.match(k) for k in S.KIND_NAMES):
+        raise TraceToolError(f"{where}: kind {_show(r['kind'])} matches no kind; kinds are {', '.join(S.KIND_NAMES)}")
+    layer = _Pattern(r["layer"], "layer", where, True, budget) if "layer" in r else None
+    step = _Pattern(r["step"], "step", where, True, budget) if "step" in r else None
+    values = {f: _threshold(r[f], f, where) for f in THRESHOLD_FIELDS if f in r}
+    if "skip" in r:
+        if not isinstance(r["skip"], bool):
+            raise TraceToolError(f"{where}: skip must be true or false, got {_show(r['skip'])}")
+        values["skip"] = r["skip"]
+    if "note" in r and not isinstance(r["note"], str):
+        raise TraceToolError(f"{where}: note must be a string")
+    if not values:
+        raise TraceToolError(f"{where}: sets nothing; give {', '.join(THRESHOLD_FIELDS)} or skip")
+    return Rule(i, kind, layer, step, values)
+
+
+def _read_bounded(p: Path) -> str:
+    """The file's text, refused before reading when it is not a regular file or is too large."""
+    try:
+        st = p.stat()
+    except OSError:
+        raise TraceToolError(f"tolerances file {p}: no such file") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise TraceToolError(f"tolerances file {p}: not a regular file")
+    if st.st_size > MAX_FILE_BYTES:
+        raise TraceToolError(f"tolerances file {p}: {st.st_size} bytes, more than the {MAX_FILE_BYTES} allowed")
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)  # the file may grow after the stat
+    except OSError as e:
+        raise TraceToolError(f"tolerances file {p}: cannot read ({e.strerror})") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise TraceToolError(f"tolerances file {p}: more than the {MAX_FILE_BYTES} bytes allowed")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TraceToolError(f"tolerances file {p}: not valid TOML ({e})") from None
+
+
 def load_tolerances(path: str | Path | None) -> Tolerances:
     """Parse a TOML tolerances file; TraceToolError names the file and what is wrong."""
     if path is None:
         return Tolerances()
     p = Path(path)
-    if not p.is_file():
-        raise TraceToolError(f"tolerances file {p}: no such file")
     try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise TraceToolError(f"tolerances file {p}: not valid TOML ({e})") from None
+        data = tomllib.loads(_read_bounded(p))
+    except (tomllib.TOMLDecodeError, ValueError) as e:  # ValueError: an integer of over 4300 digits
+        raise TraceToolError(f"tolerances file {p}: not valid TOML ({_show(str(e))})") from None
     except RecursionError:  # tomllib recurses once per nesting level
         raise TraceToolError(f"tolerances file {p}: not valid TOML (nested too deeply)") from None
     unknown = sorted(set(data) - set(TOP_FIELDS))
     if unknown:
-        raise TraceToolError(f"tolerances file {p}: unknown top-level key(s) {unknown}; expected [[rule]] and [tokens]")
+        raise TraceToolError(f"tolerances file {p}: unknown top-level key(s) {_show(unknown)}; expected [[rule]] and [tokens]")
     if "version" in data and data["version"] != 1:
-        raise TraceToolError(f"tolerances file {p}: version {data['version']!r} not supported (use 1)")
+        raise TraceToolError(f"tolerances file {p}: version {_show(data['version'])} not supported (use 1)")
     raw_rules = data.get("rule", [])
     if not isinstance(raw_rules, list) or not all(isinstance(r, dict) for r in raw_rules):
         raise TraceToolError(f"tolerances file {p}: 'rule' must be an array of tables ([[rule]])")
-    rules = []
-    for i, r in enumerate(raw_rules, 1):
-        where = f"tolerances file {p}, rule {i}"
-        bad = sorted(set(r) - set(RULE_FIELDS))
-        if bad:
-            raise TraceToolError(f"{where}: unknown key(s) {bad}; allowed: {', '.join(RULE_FIELDS)}")
-        kind = _Pattern(r["kind"], "kind", where, numeric=False) if "kind" in r else None
-        if kind is not None and not kind.any and not any(kind.match(k) for k in S.KIND_NAMES):
-            raise TraceToolError(f"{where}: kind {r['kind']!r} matches no kind; kinds are {', '.join(S.KIND_NAMES)}")
-        layer = _Pattern(r["layer"], "layer", where, numeric=True) if "layer" in r else None
-        step = _Pattern(r["step"], "step", where, numeric=True) if "step" in r else None
-        values = {f: _threshold(r[f], f, where) for f in THRESHOLD_FIELDS if f in r}
-        if "skip" in r:
-            if not isinstance(r["skip"], bool):
-                raise TraceToolError(f"{where}: skip must be true or false, got {r['skip']!r}")
-            values["skip"] = r["skip"]
-        if "note" in r and not isinstance(r["note"], str):
-            raise TraceToolError(f"{where}: note must be a string")
-        if not values:
-            raise TraceToolError(f"{where}: sets nothing; give {', '.join(THRESHOLD_FIELDS)} or skip")
-        rules.append(Rule(i, kind, layer, step, values))
+    if len(raw_rules) > MAX_RULES:
+        raise TraceToolError(f"tolerances file {p}: {len(raw_rules)} rules, more than the {MAX_RULES} allowed")
+    budget = [MAX_ALTERNATIVES]  # pattern alternatives left for the whole file
+    rules = [_rule(r, i, f"tolerances file {p}, rule {i}", budget) for i, r in enumerate(raw_rules, 1)]
     tok = data.get("tokens", {})
     if not isinstance(tok, dict):
         raise TraceToolError(f"tolerances file {p}: [tokens] must be a table")
     bad = sorted(set(tok) - set(TOKEN_FIELDS))
     if bad:
-        raise TraceToolError(f"tolerances file {p}, [tokens]: unknown key(s) {bad}; allowed: {', '.join(TOKEN_FIELDS)}")
+        raise TraceToolError(f"tolerances file {p}, [tokens]: unknown key(s) {_show(bad)}; allowed: {', '.join(TOKEN_FIELDS)}")
     margin = tok.get("near_tie_margin", NEAR_TIE_MARGIN)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:  # nan too
-        raise TraceToolError(f"tolerances file {p}, [tokens]: near_tie_margin must be a number >= 0, got {margin!r}")
+        raise TraceToolError(f"tolerances file {p}, [tokens]: near_tie_margin must be a number >= 0, got {_show(margin)}")
+    if not math.isfinite(margin):  # would accept every token flip as a near tie
+        raise TraceToolError(f"tolerances file {p}, [tokens]: near_tie_margin is {margin}, not a finite number")
     accept = tok.get("accept_near_ties", False)
     if not isinstance(accept, bool):
         raise TraceToolError(f"tolerances file {p}, [tokens]: accept_near_ties must be true or false")

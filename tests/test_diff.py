@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 import numpy as np
 import pytest
 
-import gemma4_trace.diff.core as diff_core
+import gemma4_trace.diff.blocks as diff_blocks
 from gemma4_trace.diff import diff_traces, format_text, load_tolerances, render_html, write_html
 from gemma4_trace.diff.result import Skipped
 from tests.diff_fixtures import chain
@@ -216,7 +216,7 @@ def test_logits_divergence_global_kind(ref, tmp_path):
 
 
 def test_row_blocks_give_the_same_answer(tmp_path, monkeypatch):
-    monkeypatch.setattr(diff_core, "BLOCK_BYTES", 1)  # one chunk per read
+    monkeypatch.setattr(diff_blocks, "BLOCK_BYTES", 1)  # one chunk per read
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     write_trace(a, prompt_len=700, new_tokens=2)
     write_trace(b, prompt_len=700, new_tokens=2, edit=plant(kind="layer_out", layer=2, step=0, row=650, index=(3,)))

@@ -1,0 +1,117 @@
+"""Where a divergence comes from: the growth of the residual stream's error layer by layer
+(the growth table and its largest jump) and the origin verdict (introduced in the divergent
+tensor, or inherited from its input), from what the row pass recorded (Residuals)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gemma4_trace.traces import schema as S
+
+from .align import PRE_KINDS, Plan
+from .metrics import METRIC, PRIMARY
+from .result import Divergence, Growth, InputError, Jump, Origin
+from .tolerances import StepTolerance
+
+GROWTH_KIND = "layer_out"  # the growth table's rows
+INTRODUCED_RATIO = 10.0  # error at least this many times the layer input's: introduced here
+
+Key = tuple[str, int | None]  # (kind, layer)
+
+
+@dataclass
+class Residuals:
+    """What the row pass records for growth and origin."""
+
+    rel_rows: dict[Key, np.ndarray] = field(default_factory=dict)  # residual kinds: rel-L2 per row
+    outside_rows: dict[Key, np.ndarray] = field(default_factory=dict)  # residual kinds: row leaves BASE's envelope
+    growth_sums: dict[int | None, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)  # |d|^2, |a|^2, row size
+    thresholds: dict[Key, StepTolerance] = field(default_factory=dict)  # every compared tensor's
+
+
+def growth(res: Residuals, plan: Plan) -> Growth:
+    """The growth table: layer_out rel-L2 per layer x step, and the largest jump."""
+    layers = sorted(l for l in res.growth_sums if l is not None)
+    rows = [_step_rel(res, plan, l) for l in layers]
+    table, thresholds = [r[0] for r in rows], [r[1] for r in rows]
+    embed = _step_rel(res, plan, None) if None in res.growth_sums else None
+    per_layer = [max((v for v in row if v is not None), default=None) for row in table]
+    return Growth(layers, list(range(plan.numeric_steps)), table, thresholds, per_layer,
+                  _largest_jump(layers, table, thresholds, embed))
+
+def _step_rel(res: Residuals, plan: Plan, layer) -> tuple[list, list]:
+    """rel-L2 of each step's rows taken together, and its tolerance per step, for
+    layer_out of `layer` (None: the embeddings)."""
+    none = [None] * plan.numeric_steps
+    starts = np.array([a for a, _ in plan.step_positions[: plan.numeric_steps]])
+    nd, na, m = res.growth_sums[layer]
+    n = min(nd.size, plan.n_rows)
+    st = starts[starts < n] if n else starts[:0]
+    if n == 0 or st.size == 0:
+        return none, none
+    snd = np.add.reduceat(nd[:n], st)
+    sna = np.add.reduceat(na[:n], st)
+    cnt = np.diff(np.append(st, n))
+    tol = res.thresholds[(GROWTH_KIND, layer) if layer is not None else ("embeddings", None)]
+    floor = tol.l2_floor[: st.size] * np.sqrt(m * cnt)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.sqrt(snd) / np.maximum(np.sqrt(sna), np.maximum(floor, 1e-300))
+    rel[snd == 0] = 0.0
+    return ([float(x) for x in rel] + none[st.size:], [float(x) for x in tol.limits[PRIMARY][: plan.numeric_steps]])
+
+def _input_of(d: Divergence, n_layers: int) -> tuple[str, int | None] | None:
+    """The residual-stream tensor a divergent tensor is computed from."""
+    if d.layer is not None:
+        return ("layer_out", d.layer - 1) if d.layer > 0 else ("embeddings", None)
+    if d.kind == "per_layer_inputs":  # a projection of the embeddings plus a token-id lookup
+        return ("embeddings", None)
+    return {"final_hidden": ("layer_out", n_layers - 1), "logits": ("final_hidden", None)}.get(d.kind)
+
+def origin(d: Divergence, res: Residuals, n_layers: int) -> Origin | None:
+    """Was the divergence introduced in its tensor or carried in by its input?"""
+    spec = S.KIND_BY_NAME[d.kind]
+    if spec.dtype == "bool":
+        return Origin("introduced", "the mask is computed from positions, not from data")
+    if d.kind in PRE_KINDS and d.kind != "per_layer_inputs":
+        return Origin("introduced", "it is looked up from token ids (and vision features), not computed from an "
+                      "earlier tensor" if d.kind == "embeddings" else "it is computed from positions only")
+    inp = _input_of(d, n_layers)
+    if spec.dtype == "int" or inp is None or METRIC[d.metric].group == "structure":
+        return None
+    rows = res.rel_rows.get(inp)
+    if rows is None or d.position >= rows.size:
+        return Origin("unknown", f"{inp[0]} of layer {inp[1]} not compared" if inp[1] is not None
+                      else f"{inp[0]} not compared")
+    in_rel = float(rows[d.position])
+    in_tol = float(res.thresholds[inp].limits[PRIMARY][d.step])
+    out = res.rel_rows.get(("layer_out", d.layer)) if d.layer is not None else None
+    here = d.detail.metrics[PRIMARY]
+    err = InputError(inp[0], inp[1], in_rel, in_tol, here, None if out is None else float(out[d.position]))
+    if inp in res.outside_rows:  # three-way: judged by BASE's envelope, not by the tolerance alone
+        if res.outside_rows[inp][d.position]:
+            return Origin("inherited", "the input already leaves the baseline's envelope", err)
+        return Origin("introduced", "the input is inside the baseline's envelope", err)
+    if not math.isfinite(here) or (in_rel <= in_tol and here >= INTRODUCED_RATIO * max(in_rel, 1e-30)):
+        return Origin("introduced", None, err)
+    return Origin("inherited", "the input already carries a comparable error: accumulated drift or an upstream cause"
+                  if in_rel <= in_tol else "the input already exceeds its tolerance", err)
+
+
+def _largest_jump(layers: list[int], table, thresholds, embed) -> Jump | None:
+    """The largest ratio of a layer's error to its input's at the same step, over every step;
+    the input of layer 0 is the embeddings. The input's error counts at least at its
+    tolerance, so round-off-sized errors make no jumps."""
+    jump = None
+    for s in range(len(table[0]) if table else 0):
+        prev = (embed[0][s], embed[1][s]) if embed is not None else (None, None)
+        for l, row, trow in zip(layers, table, thresholds):
+            v = row[s]
+            if v is not None and prev[0] is not None:
+                base = max(prev[0], prev[1] or 0.0)
+                if base > 0 and (jump is None or v / base > jump.ratio):
+                    jump = Jump(l, v / base, prev[0], v, s)
+            prev = (v, trow[s]) if v is not None else prev
+    return jump
