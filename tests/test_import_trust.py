@@ -327,3 +327,23 @@ def test_malformed_inputs_are_one_line(tmp_path, case):
     res = _import(dump, tmp_path, m)
     _one_line_error(res, *needles)
     assert not (tmp_path / "imp.h5").exists()
+
+
+# ---------------------------------------------------------------- the fuzzer's import classes
+def test_fuzzer_import_classes_end_cleanly():
+    """Two cases of each hostile import class of scripts/fuzz_traces.py (which runs hundreds):
+    exit 0 or one line, nothing outside the dump opened (inotify), no dump file changed."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "fuzz_traces", Path(__file__).resolve().parents[1] / "scripts" / "fuzz_traces.py")
+    fz = importlib.util.module_from_spec(spec)
+    sys.modules["fuzz_traces"] = fz
+    spec.loader.exec_module(fz)
+    for cls in fz.IMPORT:
+        rep = fz.fuzz_import(2, 18, only=cls)
+        summary = fz.format_import_report(rep, f"fuzz_import(2, only={cls})")
+        assert rep.cases == 2 and rep.mutations[cls] == 2, summary
+        assert not rep.failures, summary + "\n" + "\n".join(rep.failures)
+        assert rep.watch_ok and not rep.outside and not rep.slow and not rep.big, summary
