@@ -971,7 +971,7 @@ def _npy_header(path: Path, header: str, data: bytes = b"") -> None:
 
 def i_npy(dump, m, rng):
     victim = dump / f"step{int(rng.integers(3)):03d}" / str(rng.choice(["embeddings.npy", "mask0.npy"]))
-    shape = str(rng.choice(["(-13, 64)", "(1e400, 64)", "(13, 1 << 40)", "(2**62, 2**62)", "(13, 67108864)",
+    shape = str(rng.choice(["(-13, 64)", "(1e400, 64)", "(13, 1099511627776)", "(4611686018427387904, 4611686018427387904)", "(13, 67108864)",
                             "(" * 2000 + ")" * 2000, "'x'", "(13, 64, 1, 1, 1)", "(13,)", "()", "(13, -1)"]))
     descr = str(rng.choice(["'<f4'", "'|b1'", "'>f4'", "'|O'", "[('a', '<f4')]", "'<c8'", "'<U3'", "'<f2'"]))
     if shape == "(13, 67108864)" and rng.random() < 0.5:  # a sparse file that really has the bytes
