@@ -24,7 +24,7 @@ from gemma4_trace.traces.reader import TraceReader
 from gemma4_trace.traces.writer import TraceWriter
 
 from . import files as F
-from .mapfile import INT_FIELDS, Entry, fail, load_map, row_axes
+from .mapfile import Entry, fail, load_map, row_axes
 
 ADDITIVE_ALLOWED_ABOVE = -1.0  # additive masks: 0 where allowed, a large negative number (or -inf) where not
 
@@ -226,7 +226,7 @@ def import_dump(dump_dir, reference, map_path, output, *, force: bool = False) -
             src.files = {}
             for step, rel, f in candidates(src):
                 if rel not in folder.names:
-                    other = (f"other steps of it exist" if src.files
+                    other = ("other steps of it exist" if src.files
                              else f"files matching its pattern exist (e.g. {folder.shown(example)})")
                     fail(f"{folder.shown(rel)}: missing (kind {src.entry.kind}"
                          f"{'' if src.layer is None else f' layer {src.layer}'}, step {step}); {other}")

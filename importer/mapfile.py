@@ -142,10 +142,27 @@ def read_map_text(path) -> str:
         fail(f"map {path}: not UTF-8 text")
 
 
+TOML_STRINGS_AND_COMMENTS = re.compile(r'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|"(?:\\.|[^"\\\n])*"|\'[^\'\n]*\'|#[^\n]*')
+MAX_NESTING = 16  # arrays and inline tables; a map nests 2 deep
+
+
+def nesting(text: str) -> int:
+    """How deep arrays and inline tables nest in TOML text (strings and comments skipped): checked
+    before parsing, which recurses once per level."""
+    depth = deepest = 0
+    for c in re.findall(r"[\[\]{}]", TOML_STRINGS_AND_COMMENTS.sub("", text)):
+        depth += 1 if c in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
 def load_map(path) -> dict:
     """Read and check a map file; every problem is one line naming the map and the entry."""
+    text = read_map_text(path)
+    if nesting(text) > MAX_NESTING:
+        fail(f"map {path}: nested more than {MAX_NESTING} deep; a map is a list of [[tensor]] tables")
     try:
-        raw = tomllib.loads(read_map_text(path))
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         fail(f"map {path} is not valid TOML ({one_line(e, 200)})")
     except RecursionError:

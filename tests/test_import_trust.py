@@ -204,10 +204,10 @@ def test_npz_member_is_refused_from_its_header_before_inflating(tmp_path):
 
 
 def test_raw_file_is_read_only_at_the_rows_used(tmp_path):
-    # a 256 MiB sparse raw buffer of which the step takes 13 rows of 64 floats
+    # a 1 GiB sparse raw buffer of which the step takes 13 rows of 64 floats
     dump = tmp_path / "dump"
     dump.mkdir()
-    rows = 1 << 20
+    rows = 1 << 22
     with open(dump / "buf.bin", "wb") as fh:
         fh.write(_emb()[:13].tobytes())
         fh.truncate(rows * 64 * 4)
@@ -221,7 +221,7 @@ def test_raw_file_is_read_only_at_the_rows_used(tmp_path):
                        timeout=120)
     last = p.stderr.strip().splitlines()[-1].split()
     assert last[3] == "0", p.stdout + p.stderr
-    assert int(last[1]) < 200 * 1024, p.stderr  # KiB: far below the buffer's 256 MiB
+    assert int(last[1]) < 512 * 1024, p.stderr  # KiB: far below the buffer's 1 GiB (70-280 MiB seen)
     with TraceReader(tmp_path / "imp.h5") as r:
         assert np.array_equal(r.read("embeddings"), _emb()[:13])
 
@@ -317,7 +317,7 @@ def test_malformed_inputs_are_one_line(tmp_path, case):
         needles = [target]
     elif case == "map_deep_toml":
         m = "x = " + "[" * 100000 + "]" * 100000 + "\n"
-        needles = ["map", "nested too deeply"]
+        needles = ["map", "nested more than 16 deep"]
     elif case == "map_format_list":
         m = EMB_MAP + "format = ['npy']\n"
         needles = ["format must be one of"]
