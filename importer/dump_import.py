@@ -115,7 +115,7 @@ class Source:
     layer: int | None
     expect: tuple | None  # canonical row shape (None: not checked, e.g. mask widths)
     limit: int  # values one row may hold (limits.row_limits: what REF's model config justifies)
-    files: dict = None  # step -> [(relative name, fields)], once found present
+    files: dict | None = None  # step -> [(relative name, fields)], once found present
 
 
 def _sources(entries: list[Entry], ref: TraceReader, where: str) -> list[Source]:
