@@ -277,7 +277,7 @@ def export_onnx_cmd(model_dir, max_seq, out_dir, force):
 @user_errors
 def import_cmd(dump_dir, reference, map_path, output, force):
     """Build a candidate trace from a folder of dumped tensors (.npy, .safetensors, raw)."""
-    from gemma4_trace.replayer.dump_import import import_dump
+    from gemma4_trace.importer import import_dump
 
     click.echo(import_dump(dump_dir, reference, map_path, output, force=force))
 

@@ -3,6 +3,7 @@
 
     python scripts/fuzz_traces.py --cases 4000 --seed 1        # counts by outcome
     python scripts/fuzz_traces.py --seed 1 --case 3245 --keep bad.h5   # replay one case, keep its file
+    python scripts/fuzz_traces.py --import-cases 400 --seed 18          # `trace import`: hostile maps and dumps
 
 A case applies one to three corruptions to a copy of the golden trace (default
 traces/golden/short.h5): bit flips at random offsets (anywhere, or only in HDF5 metadata),
@@ -823,6 +824,350 @@ def format_report(rep: Report, command_line: str) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- trace import: hostile maps and dumps
+# `--import-cases N` fuzzes `trace import` instead: each case builds a clean dump of the golden's own
+# rows (npy, npz, safetensors, raw), applies one hostile class below and runs the import. Allowed:
+# exit 0 or 2 (one line); a failure is anything else, 'internal error', canary bytes in the output
+# text or in the trace it wrote, an open of the watched outside folder, a run over SLOW_SECONDS or
+# BIG_RSS, or a dump file changed by the import.
+IMPORT_STEPS = [(0, 13), (13, 14), (14, 15)]
+IMPORT_MAP = """runtime = "fuzz"
+[[tensor]]
+kind = "embeddings"
+file = "step{step:03d}/embeddings.npy"
+[[tensor]]
+kind = "per_layer_inputs"
+file = "step{step:03d}/ple.npz"
+key = "ple"
+[[tensor]]
+kind = "final_hidden"
+file = "step{step:03d}/head.safetensors"
+key = "final_hidden"
+[[tensor]]
+kind = "rope_cos_sliding"
+file = "step{step:03d}/rope.bin"
+dtype = "float32"
+shape = ["n", 16]
+[[tensor]]
+kind = "mask"
+file = "step{step:03d}/mask{layer}.npy"
+layers = [0]
+[[tensor]]
+kind = "layer_out"
+file = "pos{position:03d}/out{layer}.npy"
+layers = [0]
+"""
+IMPORT_FILES = ("embeddings.npy", "ple.npz", "head.safetensors", "rope.bin", "mask0.npy")
+
+
+def _safetensors_bytes(tensors: dict) -> bytes:
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        b = np.ascontiguousarray(a, "<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    return len(h).to_bytes(8, "little") + h + b"".join(blobs)
+
+
+def build_dump(folder: Path) -> Path:
+    """The golden's rows as a dump in four formats; IMPORT_MAP imports it to a valid trace."""
+    from gemma4_trace.traces.reader import TraceReader
+
+    with TraceReader(GOLDEN) as g:
+        rows = {k: g.read(k) for k in ("embeddings", "per_layer_inputs", "final_hidden", "rope_cos_sliding")}
+        mask, out = g.read("mask", 0), g.read("layer_out", 0)
+    dump = folder / "dump"
+    for s, (a, b) in enumerate(IMPORT_STEPS):
+        d = dump / f"step{s:03d}"
+        d.mkdir(parents=True)
+        np.save(d / "embeddings.npy", rows["embeddings"][a:b])
+        np.savez_compressed(d / "ple.npz", ple=rows["per_layer_inputs"][a:b])
+        (d / "head.safetensors").write_bytes(_safetensors_bytes({"final_hidden": rows["final_hidden"][a:b]}))
+        rows["rope_cos_sliding"][a:b].astype("<f4").tofile(d / "rope.bin")
+        np.save(d / "mask0.npy", mask[a:b])
+    for p in range(IMPORT_STEPS[-1][1]):
+        (dump / f"pos{p:03d}").mkdir()
+        np.save(dump / f"pos{p:03d}" / "out0.npy", out[p])
+    (dump / "map.toml").write_text(IMPORT_MAP)
+    return dump
+
+
+def _pick_file(dump: Path, rng) -> Path:
+    return dump / f"step{int(rng.integers(3)):03d}" / str(rng.choice(IMPORT_FILES))
+
+
+def _set_file(text: str, kind: str, pattern: str) -> str:
+    """The map with the file pattern of `kind`'s entry replaced."""
+    out, current = [], None
+    for line in text.splitlines():
+        if line.startswith("kind = "):
+            current = line.split('"')[1]
+        if line.startswith("file = ") and current == kind:
+            line = "file = " + json.dumps(pattern)
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def i_outside_pattern(dump, m, rng):
+    target = str(rng.choice([str(ENV["canary"]), str(ENV["rows"]), "../outside/rows.bin", "/etc/passwd",
+                             "/proc/self/environ", "step000/../../outside/rows.bin", "./step000/rope.bin",
+                             "step000//rope.bin", "/dev/zero", "{step}/../../outside/rows.bin"]))
+    if target.startswith("../outside"):
+        target = os.path.relpath(ENV["rows"], dump)
+    return _set_file(m.read_text(), "rope_cos_sliding", target), f"file pattern {target}"
+
+
+def i_link(dump, m, rng):
+    """A dump file (or folder) replaced by a link leaving the dump."""
+    if rng.random() < 0.5:
+        victim = _pick_file(dump, rng)
+        victim.unlink()
+        target = ENV["rows"] if victim.name == "rope.bin" else ENV["canary"]
+        victim.symlink_to(target)
+        return None, f"link {victim.relative_to(dump)} -> {target.name}"
+    victim = dump / f"step{int(rng.integers(3)):03d}"
+    shutil.rmtree(victim)
+    victim.symlink_to(ENV["canary"].parent, target_is_directory=True)
+    return None, f"folder link {victim.name} -> outside"
+
+
+def i_special(dump, m, rng):
+    """A FIFO or a device where a dump file or the map should be."""
+    how = int(rng.integers(4))
+    if how == 0:
+        victim = _pick_file(dump, rng)
+        victim.unlink()
+        os.mkfifo(victim)
+        return None, f"fifo {victim.relative_to(dump)}"
+    if how == 1:
+        m.unlink()
+        os.mkfifo(m)
+        return None, "fifo map"
+    if how == 2:
+        return "MAP:/dev/zero", "map /dev/zero"
+    victim = _pick_file(dump, rng)
+    victim.unlink()
+    victim.symlink_to("/dev/zero")
+    return None, f"link {victim.relative_to(dump)} -> /dev/zero"
+
+
+def i_pattern(dump, m, rng):
+    """Hostile format fields in a file or key pattern."""
+    bad = str(rng.choice(["{step:>2000000000}", "{step:{n}}", "{kind[99]}", "{step.real}", "{step!r}", "{0}", "{}",
+                          "{", "}", "{layer:0999999d}", "{position:,}", "{kind:>99999999}", "{step:.5f}", "\0"]))
+    text = m.read_text()
+    if rng.random() < 0.5:
+        return text.replace('key = "ple"', f'key = "ple{bad}"'), f"key pattern ple{bad!r}"
+    return text.replace("embeddings.npy", f"embeddings{bad}.npy"), f"file pattern embeddings{bad!r}"
+
+
+def _npy_header(path: Path, header: str, data: bytes = b"") -> None:
+    h = header.encode("latin1")
+    h += b" " * (63 - (10 + len(h)) % 64) + b"\n"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h + data)
+
+
+def i_npy(dump, m, rng):
+    victim = dump / f"step{int(rng.integers(3)):03d}" / str(rng.choice(["embeddings.npy", "mask0.npy"]))
+    shape = str(rng.choice(["(-13, 64)", "(1e400, 64)", "(13, 1099511627776)", f"({2**62}, {2**62})", "(13, 67108864)",
+                            "(" * 2000 + ")" * 2000, "'x'", "(13, 64, 1, 1, 1)", "(13,)", "()", "(13, -1)"]))
+    descr = str(rng.choice(["'<f4'", "'|b1'", "'>f4'", "'|O'", "[('a', '<f4')]", "'<c8'", "'<U3'", "'<f2'"]))
+    if shape == "(13, 67108864)" and rng.random() < 0.5:  # a sparse file that really has the bytes
+        _npy_header(victim, f"{{'descr': '|b1', 'fortran_order': False, 'shape': {shape}, }}")
+        with open(victim, "r+b") as fh:
+            fh.truncate(victim.stat().st_size + 13 * 67108864)
+        return None, f"npy {victim.name} sparse {shape}"
+    _npy_header(victim, f"{{'descr': {descr}, 'fortran_order': {bool(rng.integers(2))}, 'shape': {shape}, }}",
+                bytes(int(rng.choice([0, 64, 3328]))))
+    return None, f"npy header {victim.name} {descr} {shape[:20]}"
+
+
+def i_npz(dump, m, rng):
+    import zipfile
+
+    victim = dump / f"step{int(rng.integers(3)):03d}" / "ple.npz"
+    how = int(rng.integers(5))
+    if how == 0:  # a member named without .npy
+        with zipfile.ZipFile(victim, "w") as z:
+            z.writestr("ple", b"data")
+        return None, "npz member without .npy"
+    if how == 1:  # a bomb: a huge declared array of compressed zeros, right or wrong row width
+        wide = rng.random() < 0.5
+        shape = (13, 8, 8 << int(rng.integers(10, 20))) if wide else (1 << int(rng.integers(18, 26)), 8, 8)
+        header = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}".encode()
+        header += b" " * (63 - (10 + len(header)) % 64) + b"\n"
+        with zipfile.ZipFile(victim, "w", zipfile.ZIP_DEFLATED) as z, z.open("ple.npy", "w", force_zip64=True) as w:
+            w.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header)
+            chunk = bytes(1 << 20)
+            for _ in range(64):  # 64 MiB inflated, ~64 KiB stored; the header declares more
+                w.write(chunk)
+        return None, f"npz bomb {shape}"
+    data = bytearray(victim.read_bytes())
+    if how == 2:  # sizes that lie (local header and central directory)
+        for sig, off in ((b"PK\x03\x04", 22), (b"PK\x01\x02", 24)):
+            i = data.find(sig)
+            if i >= 0:
+                data[i + off : i + off + 4] = int(rng.choice([1, 100, 2**31, 2**32 - 1])).to_bytes(4, "little")
+    elif how == 3:
+        for _ in range(int(rng.integers(1, 9))):
+            data[int(rng.integers(len(data)))] ^= 1 << int(rng.integers(8))
+    else:
+        data = data[: int(rng.integers(len(data)))]
+    victim.write_bytes(bytes(data))
+    return None, f"npz damage {how}"
+
+
+def i_safetensors(dump, m, rng):
+    victim = dump / f"step{int(rng.integers(3)):03d}" / "head.safetensors"
+    how = int(rng.integers(6))
+    if how == 0:
+        h = b"[" * 100000 + b"]" * 100000
+        victim.write_bytes(len(h).to_bytes(8, "little") + h)
+    elif how == 1:  # a header length past the file, or huge
+        victim.write_bytes(int(rng.choice([2**63, 2**40, 1 << 30])).to_bytes(8, "little") + b"{}")
+    else:
+        entry = {"dtype": "F32", "shape": [13, 64], "data_offsets": [0, 3328]}
+        field_, value = [("shape", [1e400, 64]), ("shape", [-13, 64]), ("shape", [2**62, 2**62]),
+                         ("data_offsets", [0, 2**62]), ("dtype", ["F32"]), ("shape", "13"),
+                         ("data_offsets", [5, 1]), ("shape", [13, 1 << 26])][int(rng.integers(8))]
+        entry[field_] = value
+        h = json.dumps({"final_hidden": entry}).encode()
+        victim.write_bytes(len(h).to_bytes(8, "little") + h + bytes(3328))
+        return None, f"safetensors {field_} = {str(value)[:30]}"
+    return None, f"safetensors header {how}"
+
+
+def i_raw(dump, m, rng):
+    """A raw buffer far longer than the rows taken (sparse), or a shape that does not fit its size."""
+    text = m.read_text()
+    rows = int(rng.choice([1 << 20, 1 << 24, 1 << 40]))
+    if rows <= 1 << 24:
+        for s in range(3):
+            with open(dump / f"step{s:03d}" / "rope.bin", "r+b") as fh:
+                fh.truncate(rows * 16 * 4)
+    return text.replace('shape = ["n", 16]', f'shape = [{rows}, 16]\nrows = "padded"'), f"raw {rows} rows padded"
+
+
+def i_map(dump, m, rng):
+    """Hostile map text: nesting, size, values of the wrong type."""
+    how = int(rng.integers(5))
+    text = m.read_text()
+    if how == 0:
+        return "x = " + "[" * 100000 + "]" * 100000 + "\n", "map nested 100000 deep"
+    if how == 1:
+        return text + "#" * (2 << 20) + "\n", "map of 2 MiB"
+    if how == 2:
+        key = str(rng.choice(["kind", "format", "dtype", "rows", "values", "byteorder", "layers", "axes", "shape",
+                              "key"]))
+        value = str(rng.choice(['["q"]', "{a = 1}", "1e400", "-1", "9223372036854775807", '"\\u0000"', "[[]]", "nan"]))
+        lines = text.splitlines()
+        i = [j for j, ln in enumerate(lines) if ln.startswith("file = ")][int(rng.integers(6))]
+        lines.insert(i + 1, f"{key} = {value}")
+        out = [ln for k, ln in enumerate(lines) if not (k == i + 2 and ln.startswith(key + " = "))]
+        return "\n".join(out) + "\n", f"map {key} = {value}"
+    if how == 3:
+        return text.replace("[[tensor]]", "[[tensor]]\nlayers = " + str(list(range(100000))), 1), "map layers x 100000"
+    return "steps = " + str(int(rng.choice([0, 10**18, 4]))) + "\n" + text, "map steps"
+
+
+def i_force_over_input(dump, m, rng):
+    victim = _pick_file(dump, rng)
+    return f"OUT:{victim}", f"-o {victim.relative_to(dump)} --force"
+
+
+IMPORT = {"import_outside_pattern": i_outside_pattern, "import_link": i_link, "import_special": i_special,
+          "import_pattern": i_pattern, "import_npy": i_npy, "import_npz": i_npz,
+          "import_safetensors": i_safetensors, "import_raw": i_raw, "import_map": i_map,
+          "import_force_over_input": i_force_over_input}
+
+
+def _tree_digest(folder: Path) -> dict:
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            out[str(p)] = p.stat().st_mtime_ns, p.stat().st_size
+    return out
+
+
+def run_import_case(case: int, seed: int, work: Path, timeout: float, watch: OutsideWatch | None = None,
+                    only: str | None = None, talk: bool = False) -> dict:
+    rng = np.random.default_rng([seed, case, 18])
+    pick = only or str(rng.choice(list(IMPORT)))
+    folder = work / f"case{case}"
+    dump = build_dump(folder)
+    m = dump / "map.toml"
+    text, done = IMPORT[pick](dump, m, rng)
+    map_arg, out = m, folder / "imp.h5"
+    if text and text.startswith("MAP:"):
+        map_arg = Path(text[4:])
+    elif text and text.startswith("OUT:"):
+        out = Path(text[4:])
+    elif text is not None:
+        m.write_text(text)
+    before = _tree_digest(dump)
+    if watch is not None:
+        watch.events()
+    argv = ["import", str(dump), "--reference", str(GOLDEN), "--map", str(map_arg), "-o", str(out), "--force"]
+    t0, rss0 = time.perf_counter(), peak_rss()
+    code, so, se, problem = run_cli(argv, timeout)
+    seconds = time.perf_counter() - t0
+    problem = problem or check("show", code, so, se)  # exit 0 or 2, one line
+    if CANARY[:20].decode() in so + se:
+        problem = (problem or "") + " canary bytes in the output (read outside the dump)"
+    if out.is_file() and not out.is_symlink() and CANARY[:20] in out.read_bytes():
+        problem = (problem or "") + " canary bytes in the trace written (read outside the dump)"
+    if _tree_digest(dump) != before:
+        problem = (problem or "") + " a dump file was changed"
+    outside = sorted(set(watch.events())) if watch is not None else []
+    if talk:
+        print(f"case {case}: {pick}: {done}\n    exit {code} {(se.strip() or so.strip())[:200]}"
+              + (f"  FAIL: {problem}" if problem else ""), flush=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"case": case, "picks": [pick], "done": [done], "watch_ok": watch is None or watch.ok,
+            "results": [{"command": "import", "code": code, "problem": problem,
+                         "message": (se.strip()[7:60] if code == 2 and problem is None else None),
+                         "seconds": seconds, "rss": peak_rss(), "rss_grew": peak_rss() > rss0, "outside": outside}]}
+
+
+def fuzz_import(cases: int, seed: int, timeout: float = 60.0, only: str | None = None, talk: bool = False,
+                budget: float | None = None) -> Report:
+    """Run import cases 0..cases-1 in this process (a FIFO open is ended by the case's alarm)."""
+    rep = Report()
+    with tempfile.TemporaryDirectory(prefix="trace-fuzz-import-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="trace-fuzz-outside-") as outside_dir:
+        ENV.update(canary=Path(outside_dir) / "canary.bin", rows=Path(outside_dir) / "rows.bin",
+                   outside=Path(outside_dir) / "outside.h5")
+        ENV["canary"].write_bytes(CANARY)
+        ENV["rows"].write_bytes((CANARY * 4)[: 13 * 16 * 4])  # the size of rope.bin's step-0 rows
+        watch = OutsideWatch([outside_dir])
+        rep.watch_ok = watch.ok
+        t0 = time.perf_counter()
+        for case in range(cases):
+            if budget is not None and time.perf_counter() - t0 > budget:
+                rep.stopped = True
+                break
+            add_case(rep, seed, run_import_case(case, seed, Path(tmp), timeout, watch, only, talk))
+        rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def format_import_report(rep: Report, command_line: str) -> str:
+    codes = Counter({c: n for (_cmd, c), n in rep.outcomes.items()})
+    return "\n".join([
+        f"$ {command_line}",
+        f"{rep.cases} import cases in {rep.seconds:.1f} s; failures: {len(rep.failures)}"
+        + (" (stopped by --budget before the rest)" if rep.stopped else ""),
+        "exit codes: " + ", ".join(f"{c}: {n}" for c, n in sorted(codes.items(), key=str)),
+        f"reads outside the dump (inotify on the files hostile maps point at): "
+        f"{len(rep.outside) if rep.watch_ok else 'NOT CHECKED (no inotify)'}",
+        f"runs over {SLOW_SECONDS:.0f} s: {len(rep.slow)} (slowest {rep.max_seconds:.1f} s); "
+        f"over {BIG_RSS >> 30} GiB RSS: {len(rep.big)} (peak {rep.max_rss / 2**20:.0f} MiB)",
+        "classes: " + ", ".join(f"{k} {v}" for k, v in sorted(rep.mutations.items())),
+    ])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=1000)
@@ -839,10 +1184,20 @@ def main(argv=None) -> int:
     ap.add_argument("--deep-max", type=int, default=20_000, help="deepest group nesting the 'deep' class makes")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds: stop starting cases after this and report the cases run (a shared machine)")
+    ap.add_argument("--import-cases", type=int, default=None,
+                    help="fuzz `trace import` with this many hostile maps and dumps instead (in this process)")
+    ap.add_argument("--import-only", choices=list(IMPORT), default=None, help="with --import-cases: only this class")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--stop", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.import_cases is not None:
+        rep = fuzz_import(args.import_cases, args.seed, max(args.timeout, SLOW_SECONDS), args.import_only,
+                          talk=args.case is not None, budget=args.budget)
+        print(format_import_report(rep, " ".join(["python scripts/fuzz_traces.py", *(argv or sys.argv[1:])])))
+        for line in (rep.failures + rep.outside + rep.slow + rep.big)[: args.show_failures]:
+            print("FAIL " + line)
+        return 1 if rep.failures or rep.outside or rep.slow or rep.big or not rep.watch_ok else 0
     if args.worker:
         return worker(args.seed, args.golden, args.timeout, args.hang_after, args.start, args.stop, args.only,
                       args.deep_max)

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from gemma4_trace.cli import main
 from gemma4_trace.diff import diff_traces
 from gemma4_trace.recorder.golden import golden_path
-from gemma4_trace.replayer.dump_import import import_dump
+from gemma4_trace.importer import import_dump
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.reader import TraceReader
 

@@ -1,0 +1,319 @@
+"""`trace import`: build a candidate trace from a folder of dumped tensors (docs/import.md).
+
+Many NPU toolchains cannot run Python inside the runtime but can dump intermediate tensors
+to files. A map (TOML, mapfile.py) says which file holds which canonical kind at which step
+and layer, and how the file's layout maps to ours; files.py reads the files with numpy only
+(no torch) and this module checks each file's layout against what the reference justifies,
+converts it to canonical rows and writes them with TraceWriter (atomic output). The header
+(inputs, provenance, per-layer metadata) comes from the reference trace.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+from dataclasses import dataclass
+
+import numpy as np
+
+from gemma4_trace.traces import limits as LIM
+from gemma4_trace.traces import schema as S
+from gemma4_trace.traces.atomic import check_output_path
+from gemma4_trace.traces.reader import TraceReader
+from gemma4_trace.traces.writer import TraceWriter
+
+from . import files as F
+from .mapfile import Entry, fail, load_map, row_axes
+
+ADDITIVE_ALLOWED_ABOVE = -1.0  # additive masks: 0 where allowed, a large negative number (or -inf) where not
+
+
+# ---------------------------------------------------------------- to canonical rows
+@dataclass
+class Layout:
+    """Where a file's rows are: checked from its shape alone, before any of its data is read."""
+
+    dropped: tuple[int, ...]  # the size-1 axes '_'
+    order: list[int]  # the kept axes, permuted to (pos?, *row axes)
+    rows: slice | None  # this step's rows on the pos axis (None: the file has no pos axis)
+    pos_rows: int  # size of the pos axis (0 when none)
+
+
+def layout(shape: tuple, dtype: str, e: Entry, fields: dict, src: Source, what: str) -> Layout:
+    """Check a stored shape and dtype against the map and what the reference justifies for the kind
+    (src.expect: the exact row shape; src.limit: the values one row may hold)."""
+    spec = S.KIND_BY_NAME[e.kind]
+    if e.dtype is not None and dtype != e.dtype:
+        fail(f"{what}: dtype {dtype}, but the map says {e.dtype}")
+    if e.shape is not None:
+        want = tuple(fields[x] if isinstance(x, str) else x for x in e.shape)
+        if tuple(shape) != want:
+            fail(f"{what}: shape {list(shape)}, but the map says {list(want)}")
+    if len(shape) != len(e.axes):
+        fail(f"{what}: has {len(shape)} axes {list(shape)}, but the map names {len(e.axes)}: {list(e.axes)}")
+    floating = dtype.startswith(("float", "bfloat"))
+    if spec.dtype == "float" and not floating:
+        fail(f"{what}: dtype {dtype}; {e.kind} needs floating-point data")
+    if spec.dtype == "int" and not dtype.startswith(("int", "uint")):
+        fail(f"{what}: dtype {dtype}; {e.kind} needs integer data")
+    if e.kind == "mask" and e.values == "additive" and not floating:
+        fail(f"{what}: dtype {dtype}; an additive mask needs floating-point data")
+    for name, size in zip(e.axes, shape):
+        if name == "_" and size != 1:
+            fail(f"{what}: axis '_' (dropped) has size {size}, expected 1 (shape {list(shape)})")
+    keep = [i for i, a in enumerate(e.axes) if a != "_"]
+    names = [e.axes[i] for i in keep]
+    size = dict(zip(names, (shape[i] for i in keep)))
+    canon = list(row_axes(e.kind))
+    row = [size[a] for a in canon]
+    rows, pos_rows = None, 0
+    if "pos" in names:
+        start, stop, n = fields["start"], fields["stop"], fields["n"]
+        if e.per_position:  # one position per file: the pos axis holds that row (rows as for a step of 1)
+            start, stop, n = fields["position"], fields["position"] + 1, 1
+        if spec.index == "step":  # logits/token at the step's last position
+            a = {"step": n - 1, "padded": n - 1, "absolute": stop - 1}[e.rows]
+            b = a + 1
+        else:
+            a, b = {"step": (0, n), "padded": (0, n), "absolute": (start, stop)}[e.rows]
+        pos_rows = size["pos"]
+        if (e.rows == "step" and pos_rows != n) or pos_rows < b:
+            need = {"step": f"{n} (the rows fed at this step)", "padded": f">= {b} (padded)",
+                    "absolute": f">= {b} (indexed by absolute position)"}[e.rows]
+            fail(f"{what}: {pos_rows} rows on axis 'pos', expected {need}")
+        rows = slice(a, b)
+    if src.expect is not None and tuple(row) != tuple(src.expect):
+        fail(f"{what}: rows of shape {row} after the map's layout, expected {list(src.expect)} for {e.kind}")
+    if math.prod(row) > src.limit:
+        fail(f"{what}: rows of shape {row} after the map's layout; the reference's model allows at most "
+             f"{src.limit} values in a {e.kind} row")
+    order = [names.index(x) for x in (["pos"] if rows is not None else []) + canon]
+    return Layout(tuple(i for i in range(len(shape)) if i not in keep), order, rows, pos_rows)
+
+
+def take(arr: np.ndarray, lay: Layout, dtype: str, e: Entry) -> np.ndarray:
+    """The step's canonical rows of a (possibly memory-mapped) array: only those rows are read."""
+    spec = S.KIND_BY_NAME[e.kind]
+    arr = arr.squeeze(axis=lay.dropped).transpose(lay.order) if lay.dropped else arr.transpose(lay.order)
+    if lay.rows is not None:
+        arr = arr[lay.rows]
+        if spec.index == "step":
+            arr = arr[0]
+    elif spec.index == "position":
+        arr = arr[None]
+    arr = F.bf16_to_f32(arr) if dtype == "bfloat16" else np.asarray(arr).astype(np.dtype(dtype))
+    if e.kind == "mask":
+        arr = arr > ADDITIVE_ALLOWED_ABOVE if e.values == "additive" else arr != 0
+    return np.ascontiguousarray(arr)
+
+
+# ---------------------------------------------------------------- the import
+@dataclass
+class Source:
+    entry: Entry
+    layer: int | None
+    expect: tuple | None  # canonical row shape (None: not checked, e.g. mask widths)
+    limit: int  # values one row may hold (limits.row_limits: what REF's model config justifies)
+    files: dict | None = None  # step -> [(relative name, fields)], once found present
+
+
+def _sources(entries: list[Entry], ref: TraceReader, where: str) -> list[Source]:
+    n_layers = len(ref.layers)
+    limits = LIM.row_limits(ref.model_config, ref.layers)
+    out, seen = [], {}
+    for e in entries:
+        spec = S.KIND_BY_NAME[e.kind]
+        if spec.per_layer:
+            owners = [i for i, li in enumerate(ref.layers) if e.kind not in ("k", "v") or li.kv_role != "reuses"]
+            layers = e.layers if e.layers is not None else owners
+            for i in layers:
+                if i >= n_layers:
+                    fail(f"{where}: kind {e.kind} names layer {i}; the model has {n_layers} layers")
+                if i not in owners:
+                    fail(f"{where}: kind {e.kind} names layer {i}, which reuses layer "
+                         f"{ref.layers[i].kv_source}'s K/V and writes none")
+        else:
+            layers = [None]
+        for i in layers:
+            if (e.kind, i) in seen:
+                fail(f"{where}: kind {e.kind}{'' if i is None else f' layer {i}'} is mapped twice")
+            seen[(e.kind, i)] = True
+            out.append(Source(e, i, _expected_row(e.kind, i, ref), limits[e.kind]))
+    return out
+
+
+def _expected_row(kind: str, layer: int | None, ref: TraceReader) -> tuple | None:
+    if kind == "mask":
+        return None  # any key width: columns past it read as "not allowed"
+    if kind in ("q", "k", "v"):
+        li = ref.layers[layer]
+        return (li.num_heads if kind == "q" else li.num_kv_heads, li.head_dim)
+    if ref.has(kind, layer):
+        return tuple(ref.dataset(kind, layer).shape[1:])
+    return None
+
+
+def _pattern_regex(e: Entry) -> re.Pattern:
+    """The file pattern as a regular expression over names in the folder: each number field a run of
+    digits (the map check puts a non-digit between them), {kind} the entry's kind."""
+    out, seen = [], set()
+    for lit, name, _spec, _conv in string.Formatter().parse(e.file):
+        out.append(re.escape(lit))
+        if name == "kind":
+            out.append(re.escape(e.kind))
+        elif name in seen:
+            out.append(r"\d+")
+        elif name is not None:
+            seen.add(name)
+            out.append(f"(?P<{name}>\\d+)")
+    return re.compile("".join(out))
+
+
+def _layers_found(folder: F.DumpFolder, entries: list[Entry]) -> list[dict]:
+    """For each entry, layer (None: its pattern has no {layer}) -> a name in the folder that matches:
+    one pass over the folder's listing, so the search costs what the folder holds, not what REF's
+    positions and layers could name."""
+    regexes = [_pattern_regex(e) for e in entries]
+    found: list[dict] = [{} for _ in entries]
+    for name in sorted(folder.names):
+        for i, rx in enumerate(regexes):
+            m = rx.fullmatch(name)
+            if m:
+                found[i].setdefault(int(m["layer"]) if "layer" in rx.groupindex else None, name)
+    return found
+
+
+def import_dump(dump_dir, reference, map_path, output, *, force: bool = False) -> str:
+    """Write OUTPUT from the dump; return a one-line summary."""
+    from importlib.metadata import version
+
+    folder = F.DumpFolder(dump_dir)
+    dump = folder.path
+    check_output_path(output, force, inputs=(reference, map_path))  # never over an input, even with --force
+    m = load_map(map_path)
+    with TraceReader(reference) as ref:
+        sources = _sources(m["entries"], ref, f"map {map_path}")
+        n_steps = m["steps"] or ref.n_steps
+        if n_steps > ref.max_new_tokens:
+            fail(f"map {map_path}: steps {n_steps} exceeds REF's max_new_tokens {ref.max_new_tokens}")
+        T = ref.prompt_len
+        positions = [(0, T)] + [(T + s - 1, T + s) for s in range(1, n_steps)]
+        whole_rows = LIM.ROW_SLACK * (T + ref.max_new_tokens)  # pos rows of a file read whole (npz)
+
+        def fields_of(step: int, layer, kind: str, pos: int | None = None) -> dict:
+            a, b = positions[step]
+            return dict(step=step, layer=layer if layer is not None else 0, kind=kind, start=a, stop=b, n=b - a,
+                        position=a if pos is None else pos)
+
+        def candidates(src: Source):
+            """(step, relative name, fields) of every file the source needs, in order."""
+            for step, (a, b) in enumerate(positions):
+                for p in (range(a, b) if src.entry.per_position else [None]):
+                    f = fields_of(step, src.layer, src.entry.kind, p)
+                    yield step, src.entry.file.format(**f), f
+
+        # a (kind, layer) is imported when its files exist for every step, absent when none exist
+        found = _layers_found(folder, m["entries"])
+        entry_index = {id(e): i for i, e in enumerate(m["entries"])}
+        present, absent = [], []
+        for src in sources:
+            has_layer = "layer" in {name for _l, name, _s, _c in string.Formatter().parse(src.entry.file)}
+            example = found[entry_index[id(src.entry)]].get((src.layer or 0) if has_layer else None)
+            if example is None:
+                absent.append(src)
+                continue
+            src.files = {}
+            for step, rel, f in candidates(src):
+                if rel not in folder.names:
+                    other = ("other steps of it exist" if src.files
+                             else f"files matching its pattern exist (e.g. {folder.shown(example)})")
+                    fail(f"{folder.shown(rel)}: missing (kind {src.entry.kind}"
+                         f"{'' if src.layer is None else f' layer {src.layer}'}, step {step}); {other}")
+                src.files.setdefault(step, []).append((rel, f))
+            present.append(src)
+        if not present:
+            _step, first, _f = next(candidates(sources[0]))
+            fail(f"dump folder {dump}: no file matches any pattern of map {map_path} (e.g. {folder.shown(first)})")
+        read = sorted({folder.shown(rel) for src in present for fs in src.files.values() for rel, _f in fs})
+        check_output_path(output, force, inputs=(reference, map_path, *read))  # no dump file either
+
+        def rows_of(src: Source, rel: str, f: dict) -> tuple[np.ndarray, str]:
+            e, shown = src.entry, folder.shown(rel)
+            key = e.key.format(**f) if e.key else None
+
+            def check(shape, dtype, what, whole):
+                lay = layout(shape, dtype, e, f, src, what)
+                if whole and lay.pos_rows > whole_rows:
+                    fail(f"{what}: {lay.pos_rows} rows on axis 'pos'; an .npz member is inflated whole, so it may "
+                         f"hold at most {whole_rows} (4x REF's positions); store a longer buffer as .npy or raw")
+                return lay
+
+            with folder.open(rel) as fh:
+                if e.format == "raw":
+                    shape = tuple(f[x] if isinstance(x, str) else x for x in e.shape)
+                    arr, dtype, lay = F.read_raw(fh, shown, e, shape, check)
+                elif e.format == "npy":
+                    arr, dtype, lay = F.read_npy(fh, shown, check)
+                elif e.format == "npz":
+                    arr, dtype, lay = F.read_npz(fh, shown, key, check)
+                else:
+                    arr, dtype, lay = F.read_safetensors(fh, shown, key, check)
+                return take(arr, lay, dtype, e), dtype
+
+        mapped = {s.entry.kind for s in present}
+        ref_tokens = [int(t) for t in ref.tokens()]
+        if m["mode"] == "free-running" and not mapped & {"token", "logits"}:
+            fail(f"map {map_path}: a free-running dump needs token or logits files (its tokens are its own)")
+        if "token" in mapped:
+            token_from = "dump"
+        elif "logits" in mapped:
+            token_from = "argmax of the dumped logits"
+        else:
+            token_from = "REF (no token or logits in the dump)"
+            if n_steps > len(ref_tokens):
+                fail(f"map {map_path}: steps {n_steps} but REF has {len(ref_tokens)} tokens to copy")
+        prov = dict(ref.provenance)
+        prov.update(runtime=m["runtime"], mode=m["mode"], creator_version=version("gemma4-trace"), device=m["device"],
+                    dtype=m["dtype"] or prov["dtype"], torch_version="n/a (import)",
+                    transformers_version="n/a (import)")
+        import h5py
+
+        prov["h5py_version"] = h5py.__version__
+        tokens: list[int] = []
+        with TraceWriter(output, force=force) as w:
+            w.write_header(ref.header().with_provenance(prov))
+            for step in range(n_steps):
+                a, b = positions[step]
+                w.begin_step(range(a, b))
+                got = {}
+                for src in present:
+                    blocks, src_dtype = [], None
+                    for rel, f in src.files[step]:
+                        block, src_dtype = rows_of(src, rel, f)
+                        blocks.append(block)
+                    rows = np.concatenate(blocks) if src.entry.per_position else blocks[0]
+                    if src.entry.kind in ("logits", "token"):
+                        got[src.entry.kind] = (rows, src_dtype)
+                        continue
+                    try:
+                        w.add(src.entry.kind, rows, layer=src.layer, source_dtype=src_dtype)
+                    except ValueError as ex:  # a row shape that changed between steps
+                        fail(f"{folder.shown(src.files[step][0][0])}: {ex}")
+                if "logits" in got:
+                    w.add("logits", got["logits"][0], source_dtype=got["logits"][1])
+                if "token" in got:
+                    token = int(np.asarray(got["token"][0]).reshape(-1)[0])
+                elif "logits" in got:
+                    token = int(np.argmax(got["logits"][0]))
+                else:
+                    token = ref_tokens[step]
+                w.add("token", token)
+                w.end_step()
+                tokens.append(token)
+    kinds = sorted({s.entry.kind for s in present}, key=S.KIND_NAMES.index)
+    miss = sorted({s.entry.kind for s in absent} - set(kinds), key=S.KIND_NAMES.index)
+    agree = sum(x == y for x, y in zip(tokens, ref_tokens))
+    return (f"wrote {output}: {n_steps} steps from {dump} ({len(present)} tensors: {', '.join(kinds)}"
+            + (f"; absent: {', '.join(miss)}" if miss else "")
+            + f"), tokens from {token_from}, {agree}/{len(tokens)} agree with the reference")
