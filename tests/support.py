@@ -22,7 +22,7 @@ def invoke(*args, env=None, **kw):
     return CliRunner().invoke(main, [str(a) for a in args], env=env, **kw)
 
 
-def _ours(text: str) -> str:
+def ours(text: str) -> str:
     return "".join(ln for ln in text.splitlines(keepends=True)
                    if not ln.startswith(THIRD_PARTY_NOISE) and "torch/utils/_pytree.py" not in ln)
 
@@ -34,7 +34,7 @@ def one_line_error(r, *needles, out=None) -> str:
     there (nor a partial file beside it). `r` is a click result or a subprocess.CompletedProcess
     (text mode). Returns the line."""
     code = r.exit_code if hasattr(r, "exit_code") else r.returncode
-    stdout, stderr = _ours(r.stdout), _ours(r.stderr)
+    stdout, stderr = ours(r.stdout), ours(r.stderr)
     text = stdout + stderr
     assert code == 2, (code, text)
     assert "Traceback" not in text and "internal error" not in text and "\x1b" not in text, text
