@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke
+from tests.support import invoke, one_line_error
 
 PROMPT = ["--input-ids", "2,100,101,102,103,104,105,106,107,108,109", "--max-new-tokens", 5]
 ROW_KINDS = ("mask", "q", "attn_out", "layer_out")
@@ -87,7 +87,7 @@ def test_a_bug_in_the_sharing_layers_is_still_found(traces):
 
 def test_bad_value_is_one_line_exit_2(tmp_path):
     res = invoke("record", *PROMPT, "-o", tmp_path / "x.h5", "--shared-kv-prefill", "first")
-    assert res.exit_code == 2 and "'first' is not one of" in res.output and not (tmp_path / "x.h5").exists()
+    one_line_error(res, "'first' is not one of", out=tmp_path / "x.h5")
 
 
 def test_image_prompt_and_a_model_without_sharing(tmp_path):

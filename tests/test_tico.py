@@ -11,7 +11,7 @@ from gemma4_trace.diff import diff_traces  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests.support import invoke  # noqa: E402
+from tests.support import invoke, one_line_error  # noqa: E402
 
 
 def test_text_prompt_matches_reference_over_every_kind(tmp_path):
@@ -63,9 +63,7 @@ def test_missing_or_unsupported_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tico", None)  # as if TICO were not installed
     res = invoke("replay", str(golden_path("short")), "--runtime", "tico",
                  "-o", str(tmp_path / "x.h5"))
-    assert res.exit_code == 2
-    assert res.output.strip().splitlines() == [res.output.strip()]
-    assert "pip install 'gemma4-trace[tico]'" in res.output
+    one_line_error(res, "pip install 'gemma4-trace[tico]'")
     assert not (tmp_path / "x.h5").exists()
 
 
