@@ -21,7 +21,7 @@ from tests.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, runtime_spec
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke, one_line_error
+from tests.support import invoke, one_line_error, site_of
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,7 @@ def check_details(bug: str, f: Facts, d: dict, result) -> None:
     elif bug == "no_softcap":
         assert all(t.status == "ok" for t in result.tensors if t.kind != "logits")
     elif bug == "no_ple":
-        assert ("per_layer_inputs", None, "only in REF") in [(s.kind, s.layer, s.reason) for s in result.skipped]
+        assert ("per_layer_inputs", None, "only in REF") in [site_of(s, "kind", "layer", "reason") for s in result.skipped]
 
 
 def check_tokens(ref, run, result, d) -> None:
@@ -163,7 +163,7 @@ def test_bug_is_localised(zoo, bug):
     assert not result.match
     d = result.to_json()["first_divergence"]
     step, layer, kind, position = expected(bug, f)
-    assert (d["step"], d["layer"], d["kind"], d["position"]) == (step, layer, kind, position), d["sentence"]
+    assert site_of(d) == (step, layer, kind, position), d["sentence"]
     assert d["phase"] == ("prefill" if step == 0 else "decode")
     assert format_text(result).splitlines()[0] == d["sentence"]
     check_details(bug, f, d, result)

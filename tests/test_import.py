@@ -15,7 +15,7 @@ from gemma4_trace.recorder.golden import golden_path
 from gemma4_trace.replayer.dump_import import import_dump
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke, one_line_error
+from tests.support import invoke, one_line_error, site_of
 
 GOLDEN = golden_path("short")  # 13 prompt tokens, 3 steps
 
@@ -83,7 +83,7 @@ def test_planted_bug_is_localised(tmp_path):
     out = tmp_path / "imp.h5"
     import_dump(dump, GOLDEN, dump / "map.toml", out)
     fd = diff_traces(GOLDEN, out).to_json()["first_divergence"]
-    assert (fd["step"], fd["phase"], fd["layer"], fd["kind"], fd["position"]) == (2, "decode", 1, "v", 14)
+    assert site_of(fd, "step", "phase", "layer", "kind", "position") == (2, "decode", 1, "v", 14)
     res = invoke("diff", str(GOLDEN), str(out))
     assert res.exit_code == 1
 

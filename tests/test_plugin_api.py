@@ -21,7 +21,7 @@ import pytest
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceCorruptError
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke, one_line_error
+from tests.support import invoke, one_line_error, site_of
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "traces" / "golden" / "short.h5"
@@ -149,7 +149,7 @@ def test_planted_bug_in_a_present_row_is_found(last_row_runs):
     js = json.loads(invoke("diff", GOLDEN, last_row_runs["make_last_row_only_planted"], "--json").output)
     d = js["first_divergence"]
     assert not js["match"]
-    assert (d["step"], d["kind"], d["position"], d["channel"]) == (0, "final_hidden", 12, 0)
+    assert site_of(d, "step", "kind", "position", "channel") == (0, "final_hidden", 12, 0)
     assert d["run_value"] == pytest.approx(d["ref_value"] + 1.0, abs=1e-5)
 
 
@@ -166,7 +166,7 @@ def test_calibrate_and_baseline_leave_absent_rows_out(last_row_runs, tmp_path):
     run = tmp_path / "planted3.h5"
     assert invoke("replay", GOLDEN, "--runtime", f"{PLUGIN}:make_planted_prompt_row", "-o", run).exit_code == 0
     d = json.loads(invoke("diff", GOLDEN, run, "--baseline", base, "--json").output)["first_divergence"]
-    assert (d["step"], d["kind"], d["position"], d["channel"]) == (0, "final_hidden", 3, 0)
+    assert site_of(d, "step", "kind", "position", "channel") == (0, "final_hidden", 3, 0)
 
 
 def _edit(src, dst, fn):

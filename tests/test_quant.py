@@ -19,7 +19,7 @@ from gemma4_trace.replayer.quant import SCHEMES, quantize_activation, quantize_w
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.reader import TraceReader
 from tests.bug_zoo import reference_path
-from tests.support import invoke, one_line_error
+from tests.support import invoke, one_line_error, site_of
 
 pytest.importorskip("torchao")
 
@@ -246,4 +246,4 @@ def test_one_bad_row_below_base_worst_fails_when_run_tracks_base(tmp_path):
     with h5py.File(run, "r+") as f:
         f[S.tensor_path(kind, layer)][row] = bad.reshape(shape).astype(np.float32)
     d = diff_traces(ref, run, baseline_path=base).to_json()["first_divergence"]
-    assert (d["step"], d["layer"], d["kind"], d["position"]) == (0, layer, kind, row), d
+    assert site_of(d) == (0, layer, kind, row), d

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke, one_line_error
+from tests.support import invoke, one_line_error, site_of
 
 PROMPT = ["--input-ids", "2,100,101,102,103,104,105,106,107,108,109", "--max-new-tokens", 5]
 ROW_KINDS = ("mask", "q", "attn_out", "layer_out")
@@ -59,7 +59,7 @@ def test_diff_and_replay_leave_absent_rows_out(traces):
     full, last = traces / "full.h5", traces / "last.h5"
     res = invoke("diff", full, last, "--json")
     assert res.exit_code == 0, res.output
-    tensors = {(t["kind"], t["layer"]): t for t in json.loads(res.output)["tensors"]}
+    tensors = {site_of(t, "kind", "layer"): t for t in json.loads(res.output)["tensors"]}
     assert tensors[("layer_out", 7)]["absent_rows"] == 10 and tensors[("layer_out", 0)].get("absent_rows") in (None, 0)
     run_path = traces / "run.h5"
     res = invoke("replay", last, "-o", run_path)  # the static runtime computes every row; the diff compares REF's
@@ -82,7 +82,7 @@ def test_a_bug_in_the_sharing_layers_is_still_found(traces):
     with TraceReader(last) as r:
         first_reusing = next(i for i, li in enumerate(r.layers) if li.kv_role == "reuses")
         T = len(r.prompt_ids)
-    assert (d["step"], d["layer"], d["position"]) == (0, first_reusing, T - 1)
+    assert site_of(d, "step", "layer", "position") == (0, first_reusing, T - 1)
 
 
 def test_bad_value_is_one_line_exit_2(tmp_path):

@@ -11,7 +11,7 @@ from gemma4_trace.diff import diff_traces  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests.support import invoke, one_line_error  # noqa: E402
+from tests.support import invoke, one_line_error, site_of  # noqa: E402
 
 
 def test_text_prompt_matches_reference_over_every_kind(tmp_path):
@@ -31,7 +31,7 @@ def test_image_prompt_mask_difference_is_located(tmp_path):
     ref, run = golden_path("image"), tmp_path / "tico.h5"
     replay_trace(ref, run, runtime="tico")
     fd = diff_traces(ref, run).to_json()["first_divergence"]
-    assert (fd["step"], fd["phase"], fd["layer"], fd["kind"], fd["position"]) == (0, "prefill", 0, "mask", 4)
+    assert site_of(fd, "step", "phase", "layer", "kind", "position") == (0, "prefill", 0, "mask", 4)
     with TraceReader(ref) as r:
         assert int(r.prompt_ids[4]) == r.model_config["image_token_id"] != int(r.prompt_ids[3])
 
