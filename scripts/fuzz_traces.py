@@ -76,7 +76,7 @@ class OutsideWatch:
     """inotify on the files a hostile trace points at: any open or read of them by the commands is
     a read outside the trace. A folder given stands for the files in it when the watch starts; the
     folder itself is not watched, so a listing of it (`ls`, `find`, an indexer) is no event: only
-    an open or read of the files' contents is, and nothing but a trace points at them. (Linux only;
+    an open or read of the files themselves is, and only the hostile traces name them. (Linux only;
     without inotify the check is reported as unavailable, never as passed.)"""
 
     IN_ACCESS, IN_OPEN, IN_NONBLOCK = 0x1, 0x20, 0x800
@@ -87,9 +87,9 @@ class OutsideWatch:
 
         self.libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         self.fd = self.libc.inotify_init1(self.IN_NONBLOCK)
-        self.ok = self.fd >= 0
-        self.names = {}
         files = [f for p in map(Path, paths) for f in (sorted(p.iterdir()) if p.is_dir() else [p])]
+        self.ok = self.fd >= 0 and bool(files)  # a watch over nothing checks nothing
+        self.names = {}
         for p in files:
             if self.ok:
                 wd = self.libc.inotify_add_watch(self.fd, str(p).encode(), self.IN_ACCESS | self.IN_OPEN)

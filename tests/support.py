@@ -23,16 +23,18 @@ def invoke(*args, env=None, **kw):
 
 
 def ours(text: str) -> str:
+    """`text` without the lines of THIRD_PARTY_NOISE."""
     return "".join(ln for ln in text.splitlines(keepends=True)
                    if not ln.startswith(THIRD_PARTY_NOISE) and "torch/utils/_pytree.py" not in ln)
 
 
 def one_line_error(r, *needles, out=None) -> str:
-    """Assert the answer to bad input: exit 2, nothing on stdout, exactly one line on stderr that
-    starts with 'error: ' and says something, ends in a newline and holds every needle (str()-ed); no
-    traceback, no 'internal error', no escape codes anywhere. With `out`, nothing was written
-    there (nor a partial file beside it). `r` is a click result or a subprocess.CompletedProcess
-    (text mode). Returns the line."""
+    """Assert the answer to bad input: exit 2, nothing on stdout, exactly one line on stderr
+    that starts with 'error: ' and says something, ends in a newline and holds every needle
+    (str()-ed); no traceback, no 'internal error', no escape codes anywhere (third-party
+    start-up noise set aside, see `ours`). With `out`, nothing was written there (nor a
+    partial file beside it). `r` is a click result or a subprocess.CompletedProcess (text
+    mode). Returns the line."""
     code = r.exit_code if hasattr(r, "exit_code") else r.returncode
     stdout, stderr = ours(r.stdout), ours(r.stderr)
     text = stdout + stderr
