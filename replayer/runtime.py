@@ -126,13 +126,15 @@ class _Layer(nn.Module):
             "layer_scalar": hf_layer.layer_scalar,
         }
         for name in ("q_proj", "o_proj"):
-            assert getattr(attn, name).bias is None, f"attention_bias=True is not supported ({name})"
+            if getattr(attn, name).bias is not None:
+                raise TraceToolError(f"attention_bias=True is not supported ({name})")
         self.owns_kv = info.kv_role != "reuses"
         self.k_eq_v = False
         if self.owns_kv:
-            assert attn.k_proj.weight.shape == (info.num_kv_heads * info.head_dim, hf_layer.hidden_size), (
-                f"layer k_proj {tuple(attn.k_proj.weight.shape)} != kv_heads {info.num_kv_heads} x head_dim {info.head_dim}"
-            )
+            if attn.k_proj.weight.shape != (info.num_kv_heads * info.head_dim, hf_layer.hidden_size):
+                raise TraceToolError(
+                    f"layer k_proj {tuple(attn.k_proj.weight.shape)} != kv_heads {info.num_kv_heads} x head_dim {info.head_dim}"
+                )
             buffers["k_proj"] = attn.k_proj.weight
             buffers["k_norm"] = attn.k_norm.weight
             self.k_eq_v = attn.v_proj is None
@@ -157,9 +159,8 @@ class _Layer(nn.Module):
             )
         for name, t in buffers.items():
             self.register_buffer(name, w(t), persistent=False)
-        assert self.q_proj.shape[0] == info.num_heads * info.head_dim, (
-            f"q_proj {tuple(self.q_proj.shape)} != heads {info.num_heads} x head_dim {info.head_dim}"
-        )
+        if self.q_proj.shape[0] != info.num_heads * info.head_dim:
+            raise TraceToolError(f"q_proj {tuple(self.q_proj.shape)} != heads {info.num_heads} x head_dim {info.head_dim}")
         if self.owns_kv:
             shape = (1, info.num_kv_heads, max_seq, info.head_dim)
             self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -280,7 +281,8 @@ class StaticGemma4Runtime(nn.Module):
         device = text.embed_tokens.weight.device
         self.dtype = dtype
         ls = [layer for layer in text.layers]
-        assert len(ls) == self.n_layers, f"HF model has {len(ls)} layers, config says {self.n_layers}"
+        if len(ls) != self.n_layers:
+            raise TraceToolError(f"HF model has {len(ls)} layers, config says {self.n_layers}")
         self.layers = nn.ModuleList(_Layer(ls[i], self.infos[i], self.max_seq, dtype, device) for i in range(self.n_layers))
         self.register_buffer("embed", text.embed_tokens.weight.detach(), persistent=False)
         # sqrt(hidden) cast to the weight dtype first, as HF does (bf16 rounds it)
@@ -587,7 +589,8 @@ class StaticGemma4Runtime(nn.Module):
         mm_embeds = torch.zeros(1, S, Hd, dtype=self.dtype, device=dev)
         image_slots = torch.zeros(S, dtype=torch.bool)
         if "pixel_values" in extra:
-            assert self.vision is not None, "pixel_values given to a text-only model"
+            if self.vision is None:
+                raise TraceToolError("pixel_values given to a text-only model")
             image_slots[:T] = ids == self.loaded.model.config.image_token_id
             with torch.no_grad():
                 feats = self.vision.get_image_features(

@@ -74,9 +74,11 @@ WEIRD_ATTRS = (
 
 
 class OutsideWatch:
-    """inotify on the files a hostile trace points at (and the folder they live in): any open or
-    read of them by the commands is a read outside the trace. (Linux only; without inotify the
-    check is reported as unavailable, never as passed.)"""
+    """inotify on the files a hostile trace points at: any open or read of them by the commands is
+    a read outside the trace. A folder given stands for the files in it when the watch starts; the
+    folder itself is not watched, so a listing of it (`ls`, `find`, an indexer) is no event: only
+    an open or read of the files themselves is, and only the hostile traces name them. (Linux only;
+    without inotify the check is reported as unavailable, never as passed.)"""
 
     IN_ACCESS, IN_OPEN, IN_NONBLOCK = 0x1, 0x20, 0x800
 
@@ -86,13 +88,14 @@ class OutsideWatch:
 
         self.libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         self.fd = self.libc.inotify_init1(self.IN_NONBLOCK)
-        self.ok = self.fd >= 0
+        files = [f for p in map(Path, paths) for f in (sorted(p.iterdir()) if p.is_dir() else [p])]
+        self.ok = self.fd >= 0 and bool(files)  # a watch over nothing checks nothing
         self.names = {}
-        for p in paths:
+        for p in files:
             if self.ok:
                 wd = self.libc.inotify_add_watch(self.fd, str(p).encode(), self.IN_ACCESS | self.IN_OPEN)
                 self.ok = wd >= 0
-                self.names[wd] = Path(p).name
+                self.names[wd] = p.name
 
     def events(self) -> list[str]:
         """Names opened or read since the last call."""
@@ -110,8 +113,8 @@ class OutsideWatch:
         i = 0
         while i + 16 <= len(buf):
             wd, mask, _cookie, length = np.frombuffer(buf[i : i + 16], dtype=np.dtype("<i4,<u4,<u4,<u4"))[0].tolist()
-            name = buf[i + 16 : i + 16 + length].rstrip(b"\0").decode(errors="replace")
-            out.append(name or self.names.get(wd, "?"))
+            if mask & (self.IN_ACCESS | self.IN_OPEN):  # not IN_IGNORED (a watched file removed)
+                out.append(self.names.get(wd, "?"))
             i += 16 + length
         return out
 

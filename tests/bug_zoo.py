@@ -10,7 +10,7 @@ shows what the tool reports for that bug. Each runtime subclasses
 `replayer.runtime.StaticGemma4Runtime` and overrides one piece (a table built in
 `__init__`, or one of the hooks `_prefill_masks`, `_decode_masks`, `_write_kv`,
 `_read_kv`, `prepare_prefill`). The bug classes are those of "Bug classes seen in a real
-static Gemma 4 runtime" (GEMMA4_NOTES.md); tests/test_bug_zoo.py checks that `trace diff`
+static Gemma 4 runtime" (docs/design.md); tests/test_bug_zoo.py checks that `trace diff`
 puts the first divergence exactly where each bug starts, docs/bug-zoo.md lists the reports.
 
 `BUGS` maps each bug name to (factory name, reference, one line of what is wrong); the

@@ -22,12 +22,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.recorder import golden
 from gemma4_trace.traces import TraceReader, TraceWriter
 from gemma4_trace.traces import schema as S
+from tests.support import invoke
 
 DATA = Path(__file__).parent / "data" / "diff"
 
@@ -148,14 +147,13 @@ def run_case(name: str, folder: Path) -> dict[str, str]:
         (folder / "tol.toml").write_text(tol)
         args += ["--tolerances", "tol.toml"]
     out = {}
-    runner = CliRunner()
     with _cwd(folder):
         for suffix, extra in (("json", ["--json"]), ("txt", [])):
-            r = runner.invoke(main, args + extra)
+            r = invoke(*args, *extra)
             assert r.exit_code in (0, 1), f"{name}: exit {r.exit_code}: {r.output}"
             out[suffix] = r.output
         if name in HTML_CASES:
-            r = runner.invoke(main, args + ["--report", "report.html"])
+            r = invoke(*args, "--report", "report.html")
             assert r.exit_code in (0, 1), f"{name}: exit {r.exit_code}: {r.output}"
             out["html"] = Path("report.html").read_text(encoding="utf-8")
     return out

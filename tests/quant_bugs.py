@@ -2,7 +2,7 @@
 
 Each bug is the quantized runtime plus ONE fault, so the tool has to find the fault under
 quantization noise. `runtime_spec(bug, scheme)` is its `--runtime` value, e.g.
-`tests.quant_bugs:make_decode_rope_offset__static_w8`. Bug classes (GEMMA4_NOTES.md):
+`tests.quant_bugs:make_decode_rope_offset__static_w8`. Bug classes (docs/design.md):
 
 - decode_rope_offset: decode steps take the RoPE row of position + 1 (prefill is right)
 - reuse_own_cache_in_decode: in decode, KV-reusing layers read their own never-written cache

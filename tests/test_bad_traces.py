@@ -13,28 +13,12 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.recorder.golden import golden_path
+from tests.support import invoke, one_line_error
 
 GOLDEN = golden_path("short")
 # short.h5: 13 prompt ids, 3 steps (15 positions), 8 layers of 4 heads / 1 KV head, max_new_tokens 3
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def assert_one_line_error(r, *needles):
-    text = r.output
-    assert r.exit_code == 2, text
-    assert "Traceback" not in text and "internal error" not in text, text
-    lines = text.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0] != "error: ", text
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def _replace(f: h5py.File, name: str, data, **kw) -> None:
@@ -318,28 +302,28 @@ def bad_traces(tmp_path_factory):
 def test_show_and_hash(bad_traces, name, damage, needles):
     bad = bad_traces[name]
     for args in (["show", bad], ["show", "--hash", bad]):
-        assert_one_line_error(invoke(*args), str(bad), *needles)
+        one_line_error(invoke(*args), str(bad), *needles)
 
 
 @pytest.mark.parametrize("name,damage,needles", CASES, ids=IDS)
 def test_diff_either_side(bad_traces, name, damage, needles):
     bad = bad_traces[name]
-    assert_one_line_error(invoke("diff", GOLDEN, bad), str(bad), *needles)
-    assert_one_line_error(invoke("diff", bad, GOLDEN, "--json"), str(bad), *needles)
+    one_line_error(invoke("diff", GOLDEN, bad), str(bad), *needles)
+    one_line_error(invoke("diff", bad, GOLDEN, "--json"), str(bad), *needles)
 
 
 @pytest.mark.parametrize("name,damage,needles", CASES, ids=IDS)
 def test_replay_refuses_bad_reference_and_writes_nothing(bad_traces, tmp_path, name, damage, needles):
     bad = bad_traces[name]
     out = tmp_path / "run.h5"
-    assert_one_line_error(invoke("replay", bad, "-o", out), str(bad), *needles)
+    one_line_error(invoke("replay", bad, "-o", out), str(bad), *needles)
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_missing_file_and_folder(tmp_path):
     for args in (["show", tmp_path / "nope.h5"], ["show", "--hash", tmp_path], ["diff", GOLDEN, tmp_path / "nope.h5"],
                  ["diff", tmp_path, GOLDEN], ["replay", tmp_path / "nope.h5", "-o", tmp_path / "o.h5"]):
-        assert_one_line_error(invoke(*args), str(tmp_path))
+        one_line_error(invoke(*args), str(tmp_path))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -353,7 +337,7 @@ def test_missing_file_and_folder(tmp_path):
 def test_invalid_tolerances_file(tmp_path, text, needle):
     p = tmp_path / "tol.toml"
     p.write_bytes(text.encode("latin-1"))
-    assert_one_line_error(invoke("diff", GOLDEN, GOLDEN, "--tolerances", p), str(p), needle)
+    one_line_error(invoke("diff", GOLDEN, GOLDEN, "--tolerances", p), str(p), needle)
 
 
 # ---------------------------------------------------------------- integrity: stored bytes damaged
@@ -371,7 +355,7 @@ def test_flipped_byte_is_corruption_not_divergence(tmp_path, dataset):
     shutil.copyfile(GOLDEN, bad)
     _flip_in_chunk(bad, dataset)
     for args in (["diff", GOLDEN, bad], ["diff", bad, GOLDEN], ["diff", GOLDEN, bad, "--json"], ["show", "--hash", bad]):
-        line = assert_one_line_error(invoke(*args), str(bad), f"'{dataset}'")
+        line = one_line_error(invoke(*args), str(bad), f"'{dataset}'")
         assert "is corrupt" in line and "damaged" in line and "checksum" in line
     # the summary reads no tensor data besides the tokens: it still works
     r = invoke("show", bad)
@@ -383,16 +367,16 @@ def test_flipped_byte_in_tokens_and_inputs(tmp_path):
     shutil.copyfile(GOLDEN, bad)
     _flip_in_chunk(bad, "tensors/token")
     for args in (["show", bad], ["show", "--hash", bad], ["diff", GOLDEN, bad], ["diff", bad, GOLDEN]):
-        assert_one_line_error(invoke(*args), str(bad), "is corrupt", "'tensors/token'")
+        one_line_error(invoke(*args), str(bad), "is corrupt", "'tensors/token'")
     out = tmp_path / "run.h5"
-    assert_one_line_error(invoke("replay", bad, "-o", out), str(bad), "'tensors/token'")
+    one_line_error(invoke("replay", bad, "-o", out), str(bad), "'tensors/token'")
     assert not out.exists()
     img = tmp_path / "image.h5"
     shutil.copyfile(GOLDEN.with_name("image.h5"), img)
     _flip_in_chunk(img, "inputs/extra/pixel_values", 1)
     r = invoke("show", img)  # the summary gives the extra inputs' shapes without reading them
     assert r.exit_code == 0 and "pixel_values (" in r.output, r.output
-    assert_one_line_error(invoke("show", "--hash", img), str(img), "'inputs/extra/pixel_values'")
+    one_line_error(invoke("show", "--hash", img), str(img), "'inputs/extra/pixel_values'")
 
 
 def test_golden_still_reads_and_matches_itself():

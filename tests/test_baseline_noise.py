@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from gemma4_trace.diff import diff_traces, format_text
+from tests.support import site_of
 from tests.synth import write_trace
 
 NOISE = 1e-5  # every float row of BASE and RUN, relative to the row's RMS (inside the float32 tolerance)
@@ -53,14 +54,14 @@ def test_flips_on_different_rows_are_the_same_noise(tmp_path):
     assert r.match, format_text(r)
     plain = diff_traces(ref, run)  # without a baseline the flip is a divergence, at its row
     d = plain.to_json()["first_divergence"]
-    assert (d["step"], d["layer"], d["kind"], d["position"]) == (0, 1, "attn_out", 5)
+    assert site_of(d) == (0, 1, "attn_out", 5)
 
 
 def test_an_error_beyond_base_worst_fails_on_its_row(tmp_path):
     ref, base, run = traces(tmp_path, noisy(1, flips=(2,)), noisy(2, flips=(5,), scale=4 * FLIP))
     r = diff_traces(ref, run, baseline_path=base)
     d = r.to_json()["first_divergence"]
-    assert not r.match and (d["step"], d["layer"], d["kind"], d["position"]) == (0, 1, "attn_out", 5), format_text(r)
+    assert not r.match and site_of(d) == (0, 1, "attn_out", 5), format_text(r)
     b = d["baseline"]
     assert d["value"] > b["base_step_worst"] > b["base_value"] and b["ratio"] > 4
     assert "largest in this step" in d["sentence"]
@@ -70,7 +71,7 @@ def test_base_noise_in_prefill_does_not_cover_a_decode_step(tmp_path):
     """Check 3 is per step: BASE's prefill flip says nothing about a decode step's row."""
     ref, base, run = traces(tmp_path, noisy(1, flips=(2,)), noisy(2, flips=(0,), step=2, scale=0.5 * FLIP))
     d = diff_traces(ref, run, baseline_path=base).to_json()["first_divergence"]
-    assert (d["step"], d["layer"], d["kind"]) == (2, 1, "attn_out")
+    assert site_of(d, "step", "layer", "kind") == (2, 1, "attn_out")
 
 
 def test_token_flip_within_base_logit_error(tmp_path):
@@ -105,7 +106,7 @@ def test_token_flip_within_base_logit_error(tmp_path):
             assert r.match and any("inside the baseline" in n for n in r.notes), format_text(r)
         else:
             d = r.to_json()["first_divergence"]
-            assert not r.match and (d["kind"], d["step"]) == ("token", 1), format_text(r)
+            assert not r.match and site_of(d, "kind", "step") == ("token", 1), format_text(r)
         assert not diff_traces(ref, run).match  # two-way, every such flip is a divergence
 
 
@@ -125,7 +126,7 @@ def test_a_recorded_base_that_leaves_ref_tokens_bounds_the_steps(tmp_path):
     assert any("leave REF's at step 1" in n and "tokens of steps 2..3 were not judged" in n for n in r.notes), r.notes
     write_trace(base, prompt_len=8, mode="reference", edit=noisy(1), force=True)  # on REF's tokens
     d = diff_traces(ref, run, baseline_path=base).to_json()["first_divergence"]
-    assert (d["step"], d["layer"], d["kind"]) == (3, 1, "attn_out")
+    assert site_of(d, "step", "layer", "kind") == (3, 1, "attn_out")
 
 
 def test_every_token_flip_is_judged_not_only_the_first_hundred(tmp_path):
@@ -146,7 +147,7 @@ def test_every_token_flip_is_judged_not_only_the_first_hundred(tmp_path):
     write_trace(base, prompt_len=4, new_tokens=120, mode="teacher-forced", edit=flips(range(1, 101)))
     write_trace(run, prompt_len=4, new_tokens=120, mode="teacher-forced", edit=flips({*range(1, 101), 110}))
     d = diff_traces(ref, run, baseline_path=base).to_json()["first_divergence"]
-    assert (d["kind"], d["step"]) == ("token", 110)
+    assert site_of(d, "kind", "step") == ("token", 110)
 
 
 def _rewrite(path, kind, layer, fn):
@@ -171,11 +172,11 @@ def test_rows_base_lacks_or_spoils_give_no_envelope(tmp_path):
     assert diff_traces(ref, run, baseline_path=base).match  # row 6 inside BASE's worst (row 1) in prefill
     _rewrite(base, "attn_out", 1, lambda d: np.where(np.arange(len(d))[:, None] == 6, np.nan, d).astype(d.dtype))
     d = diff_traces(ref, run, baseline_path=base).to_json()["first_divergence"]
-    assert (d["step"], d["layer"], d["kind"], d["position"]) == (0, 1, "attn_out", 6)
+    assert site_of(d) == (0, 1, "attn_out", 6)
 
     (tmp_path / "b").mkdir()  # BASE stopped reporting attn_out of layer 1 after decode step 1
     ref2, base2, run2 = traces(tmp_path / "b", noisy(1, flips=(0,), step=3), noisy(2, flips=(0,), step=3))
     assert diff_traces(ref2, run2, baseline_path=base2).match  # the same flip in both: inside
     _rewrite(base2, "attn_out", 1, lambda d: d[:9])
     d = diff_traces(ref2, run2, baseline_path=base2).to_json()["first_divergence"]
-    assert (d["step"], d["layer"], d["kind"]) == (3, 1, "attn_out")
+    assert site_of(d, "step", "layer", "kind") == (3, 1, "attn_out")

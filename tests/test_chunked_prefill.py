@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.hf.model import load_model
 from gemma4_trace.recorder import golden
@@ -15,6 +13,7 @@ from gemma4_trace.replayer.replay import replay_trace, resolve_prefill_chunk
 from gemma4_trace.replayer.runtime import StaticGemma4Runtime, chunk_plan
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
+from tests.support import invoke, one_line_error
 
 
 @pytest.mark.parametrize(
@@ -64,10 +63,9 @@ def test_default_rule():
 
 
 def test_chunk_shorter_than_image_is_one_line(tmp_path):
-    res = CliRunner().invoke(main, ["replay", str(golden.golden_path("image")), "--prefill-chunk", "16",
-                                    "-o", str(tmp_path / "run.h5")])
-    assert res.exit_code == 2, res.output
-    assert res.output.count("\n") == 1 and "shorter than an image of 64 soft tokens" in res.output
+    res = invoke("replay", str(golden.golden_path("image")), "--prefill-chunk", "16",
+                 "-o", str(tmp_path / "run.h5"))
+    one_line_error(res, "shorter than an image of 64 soft tokens")
 
 
 def test_exported_chunk_step_is_static_and_equal():

@@ -1,18 +1,16 @@
 """`trace record` and `trace show` from the command line: bad input gives exit 2 and one line."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.traces import TraceReader
 from tests import tiny_models
+from tests.support import invoke, one_line_error
 
 
 @pytest.fixture(scope="module")
@@ -26,29 +24,15 @@ def long_model(tmp_path_factory):
     return tiny_models.build(tmp_path_factory.mktemp("m") / "model", "base", max_position_embeddings=1 << 20)
 
 
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def assert_user_error(res, needle, out=None):
-    assert res.exit_code == 2, res.output
-    lines = [l for l in res.output.splitlines() if l.strip()]
-    assert len(lines) == 1 and "Traceback" not in res.output, res.output
-    assert needle in lines[0], lines[0]
-    if out is not None:
-        assert not os.path.exists(out)
-        assert not [p for p in os.listdir(os.path.dirname(out)) if p.startswith(".trace-partial")]
-
-
 def test_record_and_show(text_model, tmp_path):
     out = tmp_path / "t.h5"
-    res = run("record", "--model", text_model, "--input-ids", "2,17,33", "--max-new-tokens", 5, "-o", out)
+    res = invoke("record", "--model", text_model, "--input-ids", "2,17,33", "--max-new-tokens", 5, "-o", out)
     assert res.exit_code == 0, res.output
     assert "3 prompt tokens, 5 generated" in res.output
-    res = run("show", out)
+    res = invoke("show", out)
     assert res.exit_code == 0 and "steps      5 (prefill + 4 decode)" in res.output
     assert "reuses layer 2" in res.output
-    res = run("show", "--hash", out)
+    res = invoke("show", "--hash", out)
     with TraceReader(out) as r:
         assert res.output.strip() == r.content_hash()
         assert list(r.prompt_ids) == [2, 17, 33]
@@ -56,7 +40,7 @@ def test_record_and_show(text_model, tmp_path):
 
 def test_missing_model_folder(tmp_path):
     out = tmp_path / "t.h5"
-    assert_user_error(run("record", "--model", tmp_path / "nope", "--input-ids", "2,3", "-o", out), "does not exist", out)
+    one_line_error(invoke("record", "--model", tmp_path / "nope", "--input-ids", "2,3", "-o", out), "does not exist", out=out)
 
 
 def test_not_gemma4(tmp_path):
@@ -64,7 +48,7 @@ def test_not_gemma4(tmp_path):
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
     out = tmp_path / "t.h5"
-    assert_user_error(run("record", "--model", d, "--input-ids", "2,3", "-o", out), "not Gemma 4", out)
+    one_line_error(invoke("record", "--model", d, "--input-ids", "2,3", "-o", out), "not Gemma 4", out=out)
 
 
 def test_folder_without_weights(tmp_path, text_model):
@@ -72,12 +56,12 @@ def test_folder_without_weights(tmp_path, text_model):
     d.mkdir()
     (d / "config.json").write_text((text_model / "config.json").read_text())
     out = tmp_path / "t.h5"
-    assert_user_error(run("record", "--model", d, "--input-ids", "2,3", "-o", out), "safetensors", out)
+    one_line_error(invoke("record", "--model", d, "--input-ids", "2,3", "-o", out), "safetensors", out=out)
 
 
 def test_prompt_without_tokenizer(text_model, tmp_path):
     out = tmp_path / "t.h5"
-    assert_user_error(run("record", "--model", text_model, "--prompt", "hi", "-o", out), "no tokenizer", out)
+    one_line_error(invoke("record", "--model", text_model, "--prompt", "hi", "-o", out), "no tokenizer", out=out)
 
 
 def test_image_for_text_only_model(text_model, tmp_path):
@@ -85,47 +69,47 @@ def test_image_for_text_only_model(text_model, tmp_path):
 
     Image.new("RGB", (8, 8)).save(tmp_path / "i.png")
     out = tmp_path / "t.h5"
-    res = run("record", "--model", text_model, "--prompt", "hi", "--image", tmp_path / "i.png", "-o", out)
-    assert_user_error(res, "text-only model", out)
+    res = invoke("record", "--model", text_model, "--prompt", "hi", "--image", tmp_path / "i.png", "-o", out)
+    one_line_error(res, "text-only model", out=out)
 
 
 def test_unreadable_image(text_model, tmp_path):
     (tmp_path / "bad.png").write_bytes(b"not an image")
     out = tmp_path / "t.h5"
-    res = run("record", "--model", text_model, "--prompt", "hi", "--image", tmp_path / "bad.png", "-o", out)
-    assert_user_error(res, "not a readable image", out)
-    res = run("record", "--model", text_model, "--prompt", "hi", "--image", tmp_path / "missing.png", "-o", out)
-    assert_user_error(res, "does not exist", out)
+    res = invoke("record", "--model", text_model, "--prompt", "hi", "--image", tmp_path / "bad.png", "-o", out)
+    one_line_error(res, "not a readable image", out=out)
+    res = invoke("record", "--model", text_model, "--prompt", "hi", "--image", tmp_path / "missing.png", "-o", out)
+    one_line_error(res, "does not exist", out=out)
 
 
 def test_bad_ids_and_options(text_model, tmp_path):
     out = tmp_path / "t.h5"
-    assert_user_error(run("record", "--model", text_model, "--input-ids", "2,x", "-o", out), "comma-separated", out)
-    assert_user_error(run("record", "--model", text_model, "--input-ids", "2,99999", "-o", out), "outside the vocabulary", out)
-    assert_user_error(run("record", "--model", text_model, "-o", out), "give the prompt", out)
-    assert_user_error(run("record", "--model", text_model, "--prompt", "a", "--input-ids", "2", "-o", out), "exactly one of", out)
-    assert_user_error(run("record", "--model", text_model, "--input-ids", "2", "--max-new-tokens", 0, "-o", out), "max-new-tokens", out)
+    one_line_error(invoke("record", "--model", text_model, "--input-ids", "2,x", "-o", out), "comma-separated", out=out)
+    one_line_error(invoke("record", "--model", text_model, "--input-ids", "2,99999", "-o", out), "outside the vocabulary", out=out)
+    one_line_error(invoke("record", "--model", text_model, "-o", out), "give the prompt", out=out)
+    one_line_error(invoke("record", "--model", text_model, "--prompt", "a", "--input-ids", "2", "-o", out), "exactly one of", out=out)
+    one_line_error(invoke("record", "--model", text_model, "--input-ids", "2", "--max-new-tokens", 0, "-o", out), "max-new-tokens", out=out)
 
 
 def test_existing_output_and_failed_force_keep_old_file(text_model, tmp_path):
     out = tmp_path / "t.h5"
-    assert run("record", "--model", text_model, "--input-ids", "2,17", "--max-new-tokens", 2, "-o", out).exit_code == 0
+    assert invoke("record", "--model", text_model, "--input-ids", "2,17", "--max-new-tokens", 2, "-o", out).exit_code == 0
     before = out.read_bytes()
-    assert_user_error(run("record", "--model", text_model, "--input-ids", "2,17", "-o", out), "already exists")
-    res = run("record", "--model", text_model, "--input-ids", "2,99999", "--force", "-o", out)
-    assert_user_error(res, "outside the vocabulary")
+    one_line_error(invoke("record", "--model", text_model, "--input-ids", "2,17", "-o", out), "already exists")
+    res = invoke("record", "--model", text_model, "--input-ids", "2,99999", "--force", "-o", out)
+    one_line_error(res, "outside the vocabulary")
     assert out.read_bytes() == before
 
 
 def test_unwritable_output_folder(text_model, tmp_path):
-    assert_user_error(run("record", "--model", text_model, "--input-ids", "2", "-o", tmp_path / "no" / "t.h5"), "does not exist")
-    assert_user_error(run("record", "--model", text_model, "--input-ids", "2", "-o", "/proc/t.h5"), "output folder")
+    one_line_error(invoke("record", "--model", text_model, "--input-ids", "2", "-o", tmp_path / "no" / "t.h5"), "does not exist")
+    one_line_error(invoke("record", "--model", text_model, "--input-ids", "2", "-o", "/proc/t.h5"), "output folder")
 
 
 def test_show_bad_files(tmp_path):
     (tmp_path / "x.h5").write_bytes(b"garbage")
-    assert_user_error(run("show", tmp_path / "x.h5"), "not a readable HDF5")
-    assert_user_error(run("show", tmp_path / "none.h5"), "no such file")
+    one_line_error(invoke("show", tmp_path / "x.h5"), "not a readable HDF5")
+    one_line_error(invoke("show", tmp_path / "none.h5"), "no such file")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
@@ -145,7 +129,7 @@ def test_interrupted_record_leaves_nothing(long_model, tmp_path, sig):
     if sig == signal.SIGKILL:
         # a killed run cannot clean up; its clearly named partial file goes at the next run
         assert [p for p in tmp_path.iterdir() if p.name.startswith(".trace-partial")]
-        assert run("record", "--model", long_model, "--input-ids", "2", "--max-new-tokens", 1, "-o", out).exit_code == 0
+        assert invoke("record", "--model", long_model, "--input-ids", "2", "--max-new-tokens", 1, "-o", out).exit_code == 0
         assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]
     else:
         assert proc.returncode == 130, err
@@ -175,7 +159,7 @@ def test_two_runs_writing_one_path_leave_one_complete_trace(text_model, tmp_path
 def test_record_input_ids_on_any_checkpoint(tmp_path, variant, multimodal):
     model = tiny_models.build(tmp_path / "m", variant, multimodal=multimodal)
     out = tmp_path / "y.h5"
-    res = run("record", "--model", model, "--input-ids", "2,17,33", "--max-new-tokens", 12, "-o", out)
+    res = invoke("record", "--model", model, "--input-ids", "2,17,33", "--max-new-tokens", 12, "-o", out)
     assert res.exit_code == 0, res.output
     with TraceReader(out) as r:
         # 12 steps, or fewer when the model chose an EOS id

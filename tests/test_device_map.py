@@ -7,12 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.recorder import golden
 from gemma4_trace.traces.reader import TraceReader
+from tests.support import invoke, one_line_error
 
 pytest.importorskip("accelerate")
 
@@ -28,8 +27,8 @@ def test_offloaded_recording_equals_plain(tmp_path):
 
     plain, offloaded = tmp_path / "plain.h5", tmp_path / "offloaded.h5"
     record_trace(output=plain, max_new_tokens=4)
-    res = CliRunner().invoke(main, ["record", "--max-new-tokens", "4", "--device-map", "auto", "--max-memory", "cpu=1MB",
-                                    "--offload-folder", str(tmp_path / "offload2"), "-o", str(offloaded)])
+    res = invoke("record", "--max-new-tokens", "4", "--device-map", "auto", "--max-memory", "cpu=1MB",
+                 "--offload-folder", str(tmp_path / "offload2"), "-o", str(offloaded))
     assert res.exit_code == 0, res.output
     res = diff_traces(plain, offloaded)
     assert res.match, format_text(res)
@@ -40,15 +39,15 @@ def test_offloaded_recording_equals_plain(tmp_path):
 
 
 def test_bad_max_memory_is_one_line(tmp_path):
-    res = CliRunner().invoke(main, ["record", "--device-map", "auto", "--max-memory", "cpu", "-o", str(tmp_path / "r.h5")])
-    assert res.exit_code == 2 and res.output.count("\n") == 1 and "DEVICE=SIZE" in res.output, res.output
+    res = invoke("record", "--device-map", "auto", "--max-memory", "cpu", "-o", str(tmp_path / "r.h5"))
+    one_line_error(res, "DEVICE=SIZE")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_replay_on_cuda_matches(tmp_path):
     out = tmp_path / "run.h5"
     for name in ("window", "image"):
-        res = CliRunner().invoke(main, ["replay", str(golden.golden_path(name)), "--device", "cuda", "-o", str(out), "--force"])
+        res = invoke("replay", str(golden.golden_path(name)), "--device", "cuda", "-o", str(out), "--force")
         assert res.exit_code == 0, res.output
         with TraceReader(out) as r:
             assert r.provenance["device"] == "cuda"

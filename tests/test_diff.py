@@ -12,6 +12,7 @@ import gemma4_trace.diff.blocks as diff_blocks
 from gemma4_trace.diff import diff_traces, format_text, load_tolerances, render_html, write_html
 from gemma4_trace.diff.result import Skipped
 from tests.diff_fixtures import chain
+from tests.support import site_of
 from tests.synth import LAYERS, WINDOW, write_trace
 from gemma4_trace.traces import TraceToolError
 
@@ -107,7 +108,7 @@ def test_planted_value_reported_exactly(ref, tmp_path):
     r = diff_traces(ref, run)
     d = first(r)
     assert not r.match
-    assert (d["step"], d["phase"], d["layer"], d["kind"], d["position"]) == (2, "decode", 2, "k", 6)
+    assert site_of(d, "step", "phase", "layer", "kind", "position") == (2, "decode", 2, "k", 6)
     assert (d["head"], d["channel"]) == (0, 3)
     assert d["metric"] == "rel_l2" and d["value"] > d["threshold"] == 1e-4
     assert d["run_value"] == pytest.approx(d["ref_value"] + 1.0, abs=1e-5)
@@ -131,7 +132,7 @@ def test_earliest_in_dataflow_order_wins(ref, tmp_path):
         plant(kind="q", layer=1, step=0, row=3, index=(1, 5), delta=0.0),  # no change
     ))
     d = first(diff_traces(ref, run))
-    assert (d["step"], d["layer"], d["kind"], d["position"], d["channel"]) == (1, 0, "layer_out", 5, 4)
+    assert site_of(d, "step", "layer", "kind", "position", "channel") == (1, 0, "layer_out", 5, 4)
 
 
 def test_prefill_first_failing_position_and_head(ref, tmp_path):
@@ -140,7 +141,7 @@ def test_prefill_first_failing_position_and_head(ref, tmp_path):
         plant(kind="q", layer=1, step=0, row=2, index=(1, 6)),  # earlier position wins
     ))
     d = first(diff_traces(ref, run))
-    assert (d["step"], d["phase"], d["layer"], d["kind"], d["position"], d["head"], d["channel"]) == (
+    assert site_of(d, "step", "phase", "layer", "kind", "position", "head", "channel") == (
         0, "prefill", 1, "q", 2, 1, 6)
 
 
@@ -155,7 +156,7 @@ def test_sliding_window_off_by_one_in_mask(ref, tmp_path):
 
     r = diff_traces(ref, run_trace(tmp_path, edit=widen, mask_width=12))
     d = first(r)
-    assert (d["step"], d["layer"], d["kind"], d["position"], d["metric"]) == (3, 0, "mask", 7, "mask_keys")
+    assert site_of(d, "step", "layer", "kind", "position", "metric") == (3, 0, "mask", 7, "mask_keys")
     assert d["allowed_in_run_blocked_in_ref"] == [3] and d["blocked_in_run_allowed_in_ref"] == []
     assert d["value"] == 1.0
     assert "key 3 allowed in RUN, blocked in REF" in format_text(r)
@@ -167,7 +168,7 @@ def test_padding_slot_visible_in_mask(ref, tmp_path):
     run = run_trace(tmp_path, edit=plant(kind="mask", layer=1, step=0, row=4, index=(10,), value=True), mask_width=12)
     r = diff_traces(ref, run)
     d = first(r)
-    assert (d["step"], d["layer"], d["kind"], d["position"]) == (0, 1, "mask", 4)
+    assert site_of(d) == (0, 1, "mask", 4)
     assert d["allowed_in_run_blocked_in_ref"] == [10]
     assert "key 10 (never-written slot) allowed in RUN, blocked in REF" in d["sentence"]
 
@@ -185,7 +186,7 @@ def test_future_key_blocked_and_allowed(ref, tmp_path):
 def test_nan_never_passes(ref, tmp_path):
     run = run_trace(tmp_path, edit=plant(kind="attn_out", layer=3, step=1, index=(2,), value=np.nan))
     d = first(diff_traces(ref, run))
-    assert (d["step"], d["layer"], d["kind"], d["metric"], d["channel"]) == (1, 3, "attn_out", "nonfinite", 2)
+    assert site_of(d, "step", "layer", "kind", "metric", "channel") == (1, 3, "attn_out", "nonfinite", 2)
     # NaN at the same place in both traces is not a match either
     nan = plant(kind="final_hidden", step=0, row=1, index=(0,), value=np.inf)
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
@@ -202,7 +203,7 @@ def test_shape_mismatch_is_a_divergence_not_a_crash(ref, tmp_path):
 
     r = diff_traces(ref, run_trace(tmp_path, edit=cut))
     d = first(r)
-    assert (d["kind"], d["layer"], d["metric"], d["step"]) == ("q", 1, "shape", 0)
+    assert site_of(d, "kind", "layer", "metric", "step") == ("q", 1, "shape", 0)
     assert "(2, 8) in REF vs (2, 7) in RUN" in format_text(r)
 
 
@@ -211,7 +212,7 @@ def test_logits_divergence_global_kind(ref, tmp_path):
         return rows * 1.5 if k == "logits" and s == 1 else rows
 
     d = first(diff_traces(ref, run_trace(tmp_path, edit=capless)))
-    assert (d["step"], d["layer"], d["kind"], d["position"]) == (1, None, "logits", 5)
+    assert site_of(d) == (1, None, "logits", 5)
     assert d["origin"]["verdict"] == "introduced" and d["origin"]["input_kind"] == "final_hidden"
 
 
@@ -221,7 +222,7 @@ def test_row_blocks_give_the_same_answer(tmp_path, monkeypatch):
     write_trace(a, prompt_len=700, new_tokens=2)
     write_trace(b, prompt_len=700, new_tokens=2, edit=plant(kind="layer_out", layer=2, step=0, row=650, index=(3,)))
     d = first(diff_traces(a, b))
-    assert (d["kind"], d["layer"], d["position"], d["channel"]) == ("layer_out", 2, 650, 3)
+    assert site_of(d, "kind", "layer", "position", "channel") == ("layer_out", 2, 650, 3)
 
 
 # ---------------------------------------------------------------- tokens
@@ -247,7 +248,7 @@ def test_token_flip_labelled(tmp_path, second, label):
     run = run_trace(tmp_path, edit=chain(logits, plant(kind="token", step=2, index=(), value=alt)))
     r = diff_traces(tmp_path / "ref.h5", run)
     d, t = first(r), r.to_json()["tokens"]
-    assert (d["step"], d["kind"], d["layer"], d["position"], d["metric"]) == (2, "token", None, 6, "token")
+    assert site_of(d, "step", "kind", "layer", "position", "metric") == (2, "token", None, 6, "token")
     assert t["first_mismatch_step"] == 2 and t["accuracy"] == 0.75
     assert t["reference_token"] == tokens[2] and t["candidate_token"] == alt
     assert t["candidate_rank"] == 2 and t["reference_margin"] == pytest.approx(3.0 - second)
@@ -280,7 +281,7 @@ def test_free_running_stops_comparing_numbers_after_token_mismatch(ref, tmp_path
     edit = chain(plant(kind="token", step=1, index=(), value=alt), diverge_after)
     free = diff_traces(ref, run_trace(tmp_path, "free.h5", mode="free-running", edit=edit))
     d = first(free)
-    assert (d["step"], d["kind"]) == (1, "token")
+    assert site_of(d, "step", "kind") == (1, "token")
     assert free.steps.numbers_compared == 2 and free.steps.compared == 4
     assert any("not compared" in n for n in free.notes)
     assert "tensors of steps 2..3 were not compared" in format_text(free)
@@ -330,7 +331,7 @@ def test_tolerance_file_loosens_one_kind_and_next_divergence_shows(ref, tmp_path
     tol = tmp_path / "tol.toml"
     tol.write_text('[[rule]]\nkind = "k"\nlayer = "0-1"\nrel_l2 = 0.9\n')
     d = first(diff_traces(ref, run, tol))
-    assert (d["step"], d["layer"], d["kind"]) == (2, 3, "attn_out")
+    assert site_of(d, "step", "layer", "kind") == (2, 3, "attn_out")
     # a later rule overrides an earlier one
     tol.write_text('[[rule]]\nkind = "k"\nrel_l2 = 0.9\n[[rule]]\nkind = "*"\nstep = "decode"\nrel_l2 = 1e-4\n')
     assert first(diff_traces(ref, run, tol))["kind"] == "k"
@@ -390,7 +391,7 @@ def test_growth_table_and_inherited_drift(ref, tmp_path):
                                          noise(2e-4, kinds={"layer_out"}, layers={1}, seed=2)))
     r = diff_traces(ref, run)
     d = first(r)
-    assert (d["kind"], d["layer"], d["step"]) == ("layer_out", 1, 0)
+    assert site_of(d, "kind", "layer", "step") == ("layer_out", 1, 0)
     assert d["origin"]["verdict"] == "inherited"
     t = r.growth.table
     assert len(t) == 4 and len(t[0]) == 4
@@ -403,7 +404,7 @@ def test_growth_jump_and_introduced(ref, tmp_path):
                                          plant(kind="layer_out", layer=2, step=3, index=(0,))))
     r = diff_traces(ref, run)
     d = first(r)
-    assert (d["kind"], d["layer"], d["step"], d["position"]) == ("layer_out", 2, 3, 7)
+    assert site_of(d, "kind", "layer", "step", "position") == ("layer_out", 2, 3, 7)
     assert d["origin"]["verdict"] == "introduced" and d["origin"]["input_layer"] == 1
     assert r.growth.table[2][3] > 1e-2 > r.growth.table[2][2]
     assert r.growth.largest_jump.layer == 2

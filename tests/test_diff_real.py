@@ -5,6 +5,7 @@ import pytest
 from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.recorder import golden
 from gemma4_trace.recorder.record import record_trace
+from tests.support import site_of
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def test_fp32_vs_bf16_under_fp32_tolerances_diverges_at_the_embeddings(fp32_bf16
     first = res.to_json()["first_divergence"]
     assert not res.match
     # bf16 rounds the embedding rows first: 8-bit mantissa gives rel-L2 around 2^-9
-    assert (first["step"], first["phase"], first["layer"], first["kind"], first["position"]) == (0, "prefill", None, "embeddings", 0)
+    assert site_of(first, "step", "phase", "layer", "kind", "position") == (0, "prefill", None, "embeddings", 0)
     assert first["metric"] == "rel_l2" and 1e-4 < first["value"] < 1e-2 and first["threshold"] == 1e-4
     assert format_text(res).startswith("first divergence: prefill")
 

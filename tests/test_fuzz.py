@@ -92,3 +92,22 @@ def test_checker_rejects_what_it_must(fz):
     assert fz.check("show", 2, "", ok + "more\n")
     assert fz.check("show", 2, "", "Traceback (most recent call last):\n")
     assert fz.check("show", None, "", "")  # a hang
+
+
+def test_listing_the_watched_folder_is_no_read(fz, tmp_path, monkeypatch):
+    """Another process listing the temp folder meanwhile (`ls` in a loop) is not a read outside the
+    file: only opens or reads of the watched files count (the folder watch counted every `ls`)."""
+    import subprocess
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # fuzz's folders land here, the loop looks here
+    hits = tmp_path / "hits.txt"
+    loop = subprocess.Popen(["sh", "-c", f'while :; do ls -la "{tmp_path}"/trace-fuzz-outside-* >/dev/null 2>&1 '
+                                         f'&& echo hit >> "{hits}"; done'])
+    try:
+        rep = fz.fuzz(2, SEED + 7, timeout=30.0, only="external_link")
+    finally:
+        loop.kill()
+        loop.wait()
+    assert hits.exists() and hits.read_text().count("hit") > 0  # the loop did list the watched folder meanwhile
+    assert rep.watch_ok and not rep.outside, "\n".join(rep.outside[:3])

@@ -9,14 +9,13 @@ import shutil
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.diff import diff_traces
 from gemma4_trace.recorder.golden import golden_path
 from gemma4_trace.importer import import_dump
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.reader import TraceReader
+from tests.support import invoke, one_line_error, site_of
 
 GOLDEN = golden_path("short")  # 13 prompt tokens, 3 steps
 
@@ -57,17 +56,8 @@ def _import(dump, tmp_path, map_text=None, **kw):
     if map_text is not None:
         m = tmp_path / "map.toml"
         m.write_text(map_text)
-    return CliRunner().invoke(main, ["import", str(dump), "--reference", str(GOLDEN), "--map", str(m),
-                                     "-o", str(tmp_path / "imp.h5")], **kw)
-
-
-def _one_line_error(res, *needles):
-    assert res.exit_code == 2, res.output
-    lines = res.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
-    for n in needles:
-        assert str(n) in lines[0], (n, lines[0])
-    return lines[0]
+    return invoke("import", str(dump), "--reference", str(GOLDEN), "--map", str(m),
+                  "-o", str(tmp_path / "imp.h5"), **kw)
 
 
 def test_round_trip_equals_direct_replay(dumped, tmp_path):
@@ -93,8 +83,8 @@ def test_planted_bug_is_localised(tmp_path):
     out = tmp_path / "imp.h5"
     import_dump(dump, GOLDEN, dump / "map.toml", out)
     fd = diff_traces(GOLDEN, out).to_json()["first_divergence"]
-    assert (fd["step"], fd["phase"], fd["layer"], fd["kind"], fd["position"]) == (2, "decode", 1, "v", 14)
-    res = CliRunner().invoke(main, ["diff", str(GOLDEN), str(out)])
+    assert site_of(fd, "step", "phase", "layer", "kind", "position") == (2, "decode", 1, "v", 14)
+    res = invoke("diff", str(GOLDEN), str(out))
     assert res.exit_code == 1
 
 
@@ -174,7 +164,7 @@ def test_bad_files_name_the_file(dump, tmp_path, case):
         path = _replace(dump, "step000/layer02_mask.npy", np.ones((16, 16), bool))
         needles = [path, "additive mask needs floating-point"]
     res = _import(dump, tmp_path, text)
-    _one_line_error(res, *needles)
+    one_line_error(res, *needles)
     assert not (tmp_path / "imp.h5").exists()
 
 
@@ -196,19 +186,19 @@ def test_bad_files_name_the_file(dump, tmp_path, case):
      "axes=['_','head','pos','d']\n", ["free-running dump needs token or logits"]),
 ])
 def test_bad_maps_are_one_line(dump, tmp_path, text, needles):
-    _one_line_error(_import(dump, tmp_path, text), *needles)
+    one_line_error(_import(dump, tmp_path, text), *needles)
     assert not (tmp_path / "imp.h5").exists()
 
 
 def test_existing_output_needs_force(dump, tmp_path):
     (tmp_path / "imp.h5").write_bytes(b"keep")
-    _one_line_error(_import(dump, tmp_path), "already exists")
+    one_line_error(_import(dump, tmp_path), "already exists")
     assert (tmp_path / "imp.h5").read_bytes() == b"keep"
     ref = tmp_path / "ref.h5"
     ref.write_bytes(GOLDEN.read_bytes())
-    res = CliRunner().invoke(main, ["import", str(dump), "--reference", str(ref), "--map", str(dump / "map.toml"),
-                                    "-o", str(ref), "--force"])
-    _one_line_error(res, "is the input")
+    res = invoke("import", str(dump), "--reference", str(ref), "--map", str(dump / "map.toml"),
+                 "-o", str(ref), "--force")
+    one_line_error(res, "is the input")
     assert ref.read_bytes() == GOLDEN.read_bytes()
 
 
@@ -246,4 +236,4 @@ def test_import_does_not_need_torch(dumped, tmp_path):
 
 def test_npz_member_that_cannot_fit_is_refused_before_inflating(dump, tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMA4_TRACE_MEMORY_LIMIT", "1000")  # bytes; each ple.npz member inflates to 3.4 KiB
-    _one_line_error(_import(dump, tmp_path), dump / "step000" / "ple.npz", "[ple]", "more than the 1000 B")
+    one_line_error(_import(dump, tmp_path), dump / "step000" / "ple.npz", "[ple]", "more than the 1000 B")

@@ -1,4 +1,4 @@
-"""Dependencies run one way (DESIGN.md "Layout"), checked on the source, not by convention.
+"""Dependencies run one way (docs/design.md, "Layout"), checked on the source, not by convention.
 
     traces  <-  hf, diff, importer  <-  recorder (traces, hf), replayer (traces, hf)  <-  gemma4_trace (CLI, plug-in)
 

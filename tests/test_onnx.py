@@ -7,16 +7,15 @@ import os
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install 'gemma4-trace[onnx]')")
 pytest.importorskip("onnxscript", reason="onnxscript is not installed (pip install 'gemma4-trace[onnx]')")
 
-from gemma4_trace.cli import main  # noqa: E402
 from gemma4_trace.diff import diff_traces  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
+from tests.support import invoke, one_line_error  # noqa: E402
 
 
 def test_onnx_matches_reference_with_kernel_sized_differences(tmp_path):
@@ -52,7 +51,7 @@ def test_export_onnx_writes_checked_graphs(tmp_path):
     import onnx
 
     out = tmp_path / "graphs"
-    res = CliRunner().invoke(main, ["export-onnx", "--max-seq", "16", "-o", str(out)])
+    res = invoke("export-onnx", "--max-seq", "16", "-o", str(out))
     assert res.exit_code == 0, res.output
     assert "prefill.onnx" in res.output and "decode.onnx" in res.output
     for name, first in (("prefill", ["ids", "ple_ids", "mm_embeds", "mm_slots", "block_ids", "n_valid"]),
@@ -66,8 +65,8 @@ def test_export_onnx_writes_checked_graphs(tmp_path):
         assert {"embeddings", "L00.mask", "L03.q", "L04.v", "L07.attn_out", "final_hidden"} <= set(outputs)
         assert "L05.k" not in outputs  # layer 5 reuses layer 3's K/V and writes none
     before = (out / "decode.onnx").stat().st_mtime_ns
-    res = CliRunner().invoke(main, ["export-onnx", "--max-seq", "16", "-o", str(out)])
-    assert res.exit_code == 2 and "already exists; pass --force" in res.output
+    res = invoke("export-onnx", "--max-seq", "16", "-o", str(out))
+    one_line_error(res, "already exists; pass --force")
     assert (out / "decode.onnx").stat().st_mtime_ns == before
 
 

@@ -17,12 +17,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceCorruptError
 from gemma4_trace.traces.reader import TraceReader
+from tests.support import invoke, one_line_error, site_of
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "traces" / "golden" / "short.h5"
@@ -35,18 +34,6 @@ def site(marker: str) -> str:
     """'tests/crashy_runtime.py:N' of the line carrying `marker`."""
     n = next(i for i, line in enumerate(SOURCE, 1) if marker in line)
     return f"tests/crashy_runtime.py:{n}"
-
-
-def invoke(*args, env=None):
-    return CliRunner().invoke(main, [str(a) for a in args], env=env)
-
-
-def error_line(r) -> str:
-    lines = [ln for ln in r.output.splitlines() if ln.strip() and not ln.startswith(("Failed to load", "Warning: Detected"))]
-    assert r.exit_code == 2, r.output
-    assert "Traceback" not in r.output, r.output
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
-    return lines[0]
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +55,7 @@ def _in_repo(monkeypatch):
 ])
 def test_crash_names_the_plugin_line_and_what_it_had_reported(tmp_path, factory, expected):
     out = tmp_path / "run.h5"
-    line = error_line(invoke("replay", GOLDEN, "--runtime", f"{PLUGIN}:{factory}", "-o", out))
+    line = one_line_error(invoke("replay", GOLDEN, "--runtime", f"{PLUGIN}:{factory}", "-o", out))
     want = expected.format(AFTER=site("CRASH-SITE-AFTER"), HELPER=site("CRASH-SITE-HELPER"),
                            FACTORY=site("CRASH-SITE-FACTORY"))
     assert want in line, line
@@ -91,7 +78,7 @@ def test_debug_prints_the_chained_traceback(tmp_path, how):
     assert text.rstrip().splitlines()[-1].startswith("error: runtime crashy failed in prefill at ")
     assert not out.exists()
     # debug does not stick: the next invocation is one line again
-    error_line(invoke("replay", GOLDEN, "--runtime", f"{PLUGIN}:make_crash_after_layer4_q", "-o", out))
+    one_line_error(invoke("replay", GOLDEN, "--runtime", f"{PLUGIN}:make_crash_after_layer4_q", "-o", out))
 
 
 def test_factory_crash_with_debug_shows_its_origin(tmp_path):
@@ -111,7 +98,7 @@ def test_deferred_construction_replays_and_matches(tmp_path):
     ("make_positions_unsorted", "got [5, 3]"),
 ])
 def test_bad_positions_are_one_line(tmp_path, factory, needle):
-    line = error_line(invoke("replay", GOLDEN, "--runtime", f"{PLUGIN}:{factory}", "-o", tmp_path / "r.h5"))
+    line = one_line_error(invoke("replay", GOLDEN, "--runtime", f"{PLUGIN}:{factory}", "-o", tmp_path / "r.h5"))
     assert "runtime bad-positions" in line and needle in line, line
     assert line.endswith(f"(reported at {site('CRASH-SITE-POSITIONS')})"), line  # where the plug-in reported
 
@@ -162,7 +149,7 @@ def test_planted_bug_in_a_present_row_is_found(last_row_runs):
     js = json.loads(invoke("diff", GOLDEN, last_row_runs["make_last_row_only_planted"], "--json").output)
     d = js["first_divergence"]
     assert not js["match"]
-    assert (d["step"], d["kind"], d["position"], d["channel"]) == (0, "final_hidden", 12, 0)
+    assert site_of(d, "step", "kind", "position", "channel") == (0, "final_hidden", 12, 0)
     assert d["run_value"] == pytest.approx(d["ref_value"] + 1.0, abs=1e-5)
 
 
@@ -179,7 +166,7 @@ def test_calibrate_and_baseline_leave_absent_rows_out(last_row_runs, tmp_path):
     run = tmp_path / "planted3.h5"
     assert invoke("replay", GOLDEN, "--runtime", f"{PLUGIN}:make_planted_prompt_row", "-o", run).exit_code == 0
     d = json.loads(invoke("diff", GOLDEN, run, "--baseline", base, "--json").output)["first_divergence"]
-    assert (d["step"], d["kind"], d["position"], d["channel"]) == (0, "final_hidden", 3, 0)
+    assert site_of(d, "step", "kind", "position", "channel") == (0, "final_hidden", 3, 0)
 
 
 def _edit(src, dst, fn):

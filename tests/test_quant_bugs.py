@@ -21,6 +21,7 @@ from gemma4_trace.traces.reader import TraceReader
 from tests import tiny_models
 from tests.bug_zoo import reference_path
 from tests.quant_bugs import BUGS, LOW_LAYER, WEIGHT_SCHEMES, runtime_spec
+from tests.support import site_of
 from tests.test_bug_zoo import FIRST_ROPE_KIND, Facts
 
 pytest.importorskip("torchao")
@@ -135,7 +136,7 @@ def test_bug_localised_with_calibrated_tolerances(lab, model, scheme, bug):
     result = diff_traces(ref, run, tol)
     assert not result.match
     d = result.first_divergence
-    assert (d.step, d.layer, d.kind, d.position) == expected(bug, f, ref_tokens), d.sentence
+    assert site_of(d) == expected(bug, f, ref_tokens), d.sentence
     if bug == "window_off_by_one":
         assert d.detail.allowed_in_run_blocked_in_ref == [0]  # key p - W at query p = W
 
@@ -175,7 +176,7 @@ def test_bug_localised_with_baseline(lab, model, scheme, bug):
     result = diff_traces(ref, run, baseline_path=base, baseline_factor=BASELINE_FACTOR)
     assert not result.match
     d = result.first_divergence
-    assert (d.step, d.layer, d.kind, d.position) == expected(bug, Facts(ref), ref_tokens), d.sentence
+    assert site_of(d) == expected(bug, Facts(ref), ref_tokens), d.sentence
     if d.baseline is not None:  # float rows: the figures say how far outside the envelope
         assert d.baseline.ratio > BASELINE_FACTOR and d.baseline.run_vs_base > d.threshold
         assert "x the baseline" in d.sentence or "BASE is exact here" in d.sentence

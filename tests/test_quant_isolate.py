@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
 from tests.bug_zoo import reference_path
 from tests.quant_bugs import LOW_LAYER, WEIGHT_SCHEMES, runtime_spec
+from tests.support import invoke, one_line_error
 
 pytest.importorskip("torchao")
 
@@ -76,11 +75,11 @@ def test_isolate_is_refused_where_it_cannot_work(ref, tmp_path):
     out = tmp_path / "x.h5"
     with pytest.raises(TraceToolError, match="does not support --isolate"):
         replay_trace(ref, out, runtime="tests.plugin_runtime:make_exported", isolate=True)
-    r = CliRunner().invoke(main, ["replay", str(ref), "--isolate", "--runtime", "tests.plugin_runtime:make_exported",
-                                  "-o", str(out)])
-    assert r.exit_code == 2 and r.output.count("\n") == 1 and "does not support --isolate" in r.output, r.output
-    r = CliRunner().invoke(main, ["replay", str(ref), "--isolate", "--free-running", "-o", str(out)])
-    assert r.exit_code == 2 and r.output.count("\n") == 1 and "--free-running" in r.output, r.output
+    r = invoke("replay", str(ref), "--isolate", "--runtime", "tests.plugin_runtime:make_exported",
+               "-o", str(out))
+    one_line_error(r, "does not support --isolate")
+    r = invoke("replay", str(ref), "--isolate", "--free-running", "-o", str(out))
+    one_line_error(r, "--free-running")
     assert not out.exists()
 
 
@@ -94,7 +93,7 @@ def test_diff_of_an_isolated_trace_ranks_the_planted_layer_first(ref, scheme, tm
     assert len(ranking) == len(result.layers)
     assert f"local error, layer_out rel-L2 at the worst step: L{LOW_LAYER} " in format_text(result)
     assert result.to_json()["isolation"]["ranking"][0]["layer"] == LOW_LAYER
-    r = CliRunner().invoke(main, ["diff", str(ref), str(run), "--report", str(tmp_path / "r.html")])
+    r = invoke("diff", str(ref), str(run), "--report", str(tmp_path / "r.html"))
     assert r.exit_code == 1 and "Layers by local error" in (tmp_path / "r.html").read_text()
 
 

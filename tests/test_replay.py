@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.hf.model import DEMO_IMAGE, DEMO_IMAGE_PROMPT, DEMO_PROMPT, embedded_model_dir
 from gemma4_trace.recorder.record import record_trace
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
 from tests import tiny_models
+from tests.support import invoke, one_line_error
 
 REL = 5e-5
 PROMPT = [2, 5, 9, 17, 33, 4, 8, 60, 61, 62, 11]  # 11 tokens, window 4: crossed several times
@@ -86,10 +85,8 @@ def test_free_running_fills_max_seq(recorded, tmp_path):
 def test_cli_replay_and_plugin(recorded, tmp_path):
     model, ref = recorded("k_eq_v")
     run = tmp_path / "run.h5"
-    res = CliRunner().invoke(
-        main, ["replay", str(ref), "--model", str(model), "--runtime", "tests.plugin_runtime:make_exported",
-               "--free-running", "-o", str(run)],
-    )
+    res = invoke("replay", str(ref), "--model", str(model), "--runtime", "tests.plugin_runtime:make_exported",
+                 "--free-running", "-o", str(run))
     assert res.exit_code == 0, res.output
     assert "exported-static" in res.output
     compare(ref, run, same_kinds=False)
@@ -109,13 +106,7 @@ def test_buggy_plugin_is_visible_in_logits_only(recorded, tmp_path):
 
 
 def _fails(args, out):
-    res = CliRunner().invoke(main, ["replay", *map(str, args), "-o", str(out)])
-    assert res.exit_code == 2, res.output
-    lines = [ln for ln in res.output.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
-    assert not out.exists()
-    assert not list(out.parent.glob(".trace-partial-*"))
-    return lines[0]
+    return one_line_error(invoke("replay", *args, "-o", out), out=out)
 
 
 def test_bad_inputs_exit_2_one_line(recorded, tmp_path):

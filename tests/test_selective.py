@@ -6,18 +6,13 @@ import json
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.recorder import golden
 from gemma4_trace.traces.reader import TraceReader
 from gemma4_trace.traces.selection import Selection, parse_ranges, ranges_text
+from tests.support import invoke, one_line_error
 
 FILTERS = ["--layers", "0-1,3", "--kinds", "q,k,layer_out", "--steps", "0,2-3"]
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +20,7 @@ def traces(tmp_path_factory):
     d = tmp_path_factory.mktemp("sel")
     full, sel = d / "full.h5", d / "sel.h5"
     for out, extra in ((full, []), (sel, FILTERS)):
-        res = run("record", "--max-new-tokens", 5, "-o", out, *extra)
+        res = invoke("record", "--max-new-tokens", 5, "-o", out, *extra)
         assert res.exit_code == 0, res.output
     return d, full, sel
 
@@ -50,17 +45,17 @@ def test_selective_trace_keeps_what_was_asked(traces):
 def test_replay_defaults_to_the_reference_selection_and_diff_says_so(traces):
     d, full, sel = traces
     out = d / "run_sel.h5"
-    assert run("replay", sel, "-o", out).exit_code == 0
+    assert invoke("replay", sel, "-o", out).exit_code == 0
     with TraceReader(sel) as a, TraceReader(out) as b:
         assert b.selection == a.selection and set(b.kinds_present()) == set(a.kinds_present())
-    res = run("diff", sel, out, "--json")
+    res = invoke("diff", sel, out, "--json")
     assert res.exit_code == 0, res.output
     j = json.loads(res.output)
     assert j["match"]
     notes = [n for n in j["notes"] if "selective" in n]
     assert len(notes) == 2 and "layers 0-1,3; kinds q,k,layer_out (+ logits, token); steps 0,2-3" in notes[0]
     # a full REF against the selective RUN: matches on what RUN kept, and says what it did not compare
-    res = run("diff", full, out)
+    res = invoke("diff", full, out)
     assert res.exit_code == 0, res.output
     assert "RUN is a selective recording, keeping only layers 0-1,3" in res.output
 
@@ -68,11 +63,11 @@ def test_replay_defaults_to_the_reference_selection_and_diff_says_so(traces):
 def test_replay_filters_override(traces):
     d, full, _ = traces
     out = d / "run_l0.h5"
-    assert run("replay", full, "--layers", "0", "--kinds", "layer_out", "-o", out).exit_code == 0
+    assert invoke("replay", full, "--layers", "0", "--kinds", "layer_out", "-o", out).exit_code == 0
     with TraceReader(out) as r:
         assert set(r.kinds_present()) == {("layer_out", 0), ("logits", None), ("token", None)}
         assert r.rows_present("layer_out", 0) is None  # every step kept
-    assert run("diff", full, out).exit_code == 0
+    assert invoke("diff", full, out).exit_code == 0
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -86,11 +81,7 @@ def test_bad_filters_are_one_line(tmp_path, args, needle):
     for cmd in (["record", "--max-new-tokens", "5"], ["replay", str(golden.golden_path("short"))]):
         if cmd[0] == "replay" and args == ["--steps", "9"]:
             needle = "the run has 3 steps"  # the short golden: 3 new tokens
-        res = run(*cmd, *args, "-o", tmp_path / "x.h5")
-        assert res.exit_code == 2, res.output
-        assert res.output.startswith("error: ") and res.output.count("\n") == 1, res.output
-        assert needle in res.output, res.output
-        assert not (tmp_path / "x.h5").exists()
+        one_line_error(invoke(*cmd, *args, "-o", tmp_path / "x.h5"), needle, out=tmp_path / "x.h5")
 
 
 def test_ranges_round_trip():

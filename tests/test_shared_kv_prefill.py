@@ -12,24 +12,19 @@ import json
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.traces.reader import TraceReader
+from tests.support import invoke, one_line_error, site_of
 
 PROMPT = ["--input-ids", "2,100,101,102,103,104,105,106,107,108,109", "--max-new-tokens", 5]
 ROW_KINDS = ("mask", "q", "attn_out", "layer_out")
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     d = tmp_path_factory.mktemp("skv")
     for name, extra in (("full", []), ("last", ["--shared-kv-prefill", "last"])):
-        res = run("record", *PROMPT, "-o", d / f"{name}.h5", *extra)
+        res = invoke("record", *PROMPT, "-o", d / f"{name}.h5", *extra)
         assert res.exit_code == 0, res.output
     return d
 
@@ -62,37 +57,37 @@ def test_last_row_trace_holds_hf_rows_and_flags_the_rest(traces):
 
 def test_diff_and_replay_leave_absent_rows_out(traces):
     full, last = traces / "full.h5", traces / "last.h5"
-    res = run("diff", full, last, "--json")
+    res = invoke("diff", full, last, "--json")
     assert res.exit_code == 0, res.output
-    tensors = {(t["kind"], t["layer"]): t for t in json.loads(res.output)["tensors"]}
+    tensors = {site_of(t, "kind", "layer"): t for t in json.loads(res.output)["tensors"]}
     assert tensors[("layer_out", 7)]["absent_rows"] == 10 and tensors[("layer_out", 0)].get("absent_rows") in (None, 0)
     run_path = traces / "run.h5"
-    res = run("replay", last, "-o", run_path)  # the static runtime computes every row; the diff compares REF's
+    res = invoke("replay", last, "-o", run_path)  # the static runtime computes every row; the diff compares REF's
     assert res.exit_code == 0, res.output
-    res = run("diff", last, run_path)
+    res = invoke("diff", last, run_path)
     assert res.exit_code == 0 and "rows not reported (not compared)" in res.output, res.output
-    res = run("replay", last, "--isolate", "-o", traces / "iso.h5")
+    res = invoke("replay", last, "--isolate", "-o", traces / "iso.h5")
     assert res.exit_code == 0, res.output
-    assert run("diff", last, traces / "iso.h5").exit_code == 0
+    assert invoke("diff", last, traces / "iso.h5").exit_code == 0
 
 
 def test_a_bug_in_the_sharing_layers_is_still_found(traces):
     """Reusing layers reading their own empty cache: found at prefill, layer 5, the last prompt position."""
     last, out = traces / "last.h5", traces / "bug.h5"
-    res = run("replay", last, "--runtime", "tests.bug_zoo:make_reuse_own_empty_cache", "-o", out)
+    res = invoke("replay", last, "--runtime", "tests.bug_zoo:make_reuse_own_empty_cache", "-o", out)
     assert res.exit_code == 0, res.output
-    res = run("diff", last, out, "--json")
+    res = invoke("diff", last, out, "--json")
     assert res.exit_code == 1, res.output
     d = json.loads(res.output)["first_divergence"]
     with TraceReader(last) as r:
         first_reusing = next(i for i, li in enumerate(r.layers) if li.kv_role == "reuses")
         T = len(r.prompt_ids)
-    assert (d["step"], d["layer"], d["position"]) == (0, first_reusing, T - 1)
+    assert site_of(d, "step", "layer", "position") == (0, first_reusing, T - 1)
 
 
 def test_bad_value_is_one_line_exit_2(tmp_path):
-    res = run("record", *PROMPT, "-o", tmp_path / "x.h5", "--shared-kv-prefill", "first")
-    assert res.exit_code == 2 and "'first' is not one of" in res.output and not (tmp_path / "x.h5").exists()
+    res = invoke("record", *PROMPT, "-o", tmp_path / "x.h5", "--shared-kv-prefill", "first")
+    one_line_error(res, "'first' is not one of", out=tmp_path / "x.h5")
 
 
 def test_image_prompt_and_a_model_without_sharing(tmp_path):
@@ -105,16 +100,16 @@ def test_image_prompt_and_a_model_without_sharing(tmp_path):
     img = tmp_path / "i.png"
     Image.new("RGB", (40, 30), (200, 30, 90)).save(img)
     ref, out = tmp_path / "img.h5", tmp_path / "img_run.h5"
-    res = run("record", "--prompt", "What is this?", "--image", img, "--max-new-tokens", 3, "-o", ref,
+    res = invoke("record", "--prompt", "What is this?", "--image", img, "--max-new-tokens", 3, "-o", ref,
               "--shared-kv-prefill", "last")
     assert res.exit_code == 0, res.output
-    assert run("replay", ref, "-o", out).exit_code == 0
-    res = run("diff", ref, out)
+    assert invoke("replay", ref, "-o", out).exit_code == 0
+    res = invoke("diff", ref, out)
     assert res.exit_code == 0 and "not compared" in res.output, res.output
 
     model = tiny_models.build(tmp_path / "model", "no_sharing")
     plain = tmp_path / "plain.h5"
-    res = run("record", "--model", model, *PROMPT, "-o", plain, "--shared-kv-prefill", "last")
+    res = invoke("record", "--model", model, *PROMPT, "-o", plain, "--shared-kv-prefill", "last")
     assert res.exit_code == 0, res.output
     with TraceReader(plain) as r:
         assert "last row" not in r.provenance["runtime"]
@@ -123,7 +118,7 @@ def test_image_prompt_and_a_model_without_sharing(tmp_path):
 
 def test_one_token_prompt_has_nothing_to_leave_out(tmp_path):
     out = tmp_path / "one.h5"
-    res = run("record", "--input-ids", "2", "--max-new-tokens", 2, "-o", out, "--shared-kv-prefill", "last")
+    res = invoke("record", "--input-ids", "2", "--max-new-tokens", 2, "-o", out, "--shared-kv-prefill", "last")
     assert res.exit_code == 0, res.output
     with TraceReader(out) as r:
         assert "last row" not in r.provenance["runtime"]

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
 
 pytest.importorskip("tico.quantization.recipes.debug.static_gemma4_runtime",
                     reason="TICO is not installed (pip install 'gemma4-trace[tico]')")
 
-from gemma4_trace.cli import main  # noqa: E402
 from gemma4_trace.diff import diff_traces  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
+from tests.support import invoke, one_line_error, site_of  # noqa: E402
 
 
 def test_text_prompt_matches_reference_over_every_kind(tmp_path):
@@ -32,29 +31,29 @@ def test_image_prompt_mask_difference_is_located(tmp_path):
     ref, run = golden_path("image"), tmp_path / "tico.h5"
     replay_trace(ref, run, runtime="tico")
     fd = diff_traces(ref, run).to_json()["first_divergence"]
-    assert (fd["step"], fd["phase"], fd["layer"], fd["kind"], fd["position"]) == (0, "prefill", 0, "mask", 4)
+    assert site_of(fd, "step", "phase", "layer", "kind", "position") == (0, "prefill", 0, "mask", 4)
     with TraceReader(ref) as r:
         assert int(r.prompt_ids[4]) == r.model_config["image_token_id"] != int(r.prompt_ids[3])
 
 
 def test_quantized_runs_end_to_end_and_calibrates(tmp_path):
     ref, run = golden_path("short"), tmp_path / "q.h5"
-    res = CliRunner().invoke(main, ["replay", str(ref), "--runtime", "tico-quant", "-o", str(run)])
+    res = invoke("replay", str(ref), "--runtime", "tico-quant", "-o", str(run))
     assert res.exit_code == 0, res.output
     assert "tico-quant 0.3.0 runtime" in res.output and "3/3 tokens agree" in res.output
     fd = diff_traces(ref, run).to_json()["first_divergence"]
     assert fd is not None and fd["metric"] and 0 < fd["value"] < 1e-1  # int16 fake quant: small, real errors
     # the quantization workflow: tolerances calibrated from this known-good run accept it
     tol = tmp_path / "tol.toml"
-    res = CliRunner().invoke(main, ["calibrate", str(ref), str(run), "-o", str(tol)])
+    res = invoke("calibrate", str(ref), str(run), "-o", str(tol))
     assert res.exit_code == 0, res.output
-    res = CliRunner().invoke(main, ["diff", str(ref), str(run), "--tolerances", str(tol)])
+    res = invoke("diff", str(ref), str(run), "--tolerances", str(tol))
     assert res.exit_code == 0, res.output
     # and as the trusted BASE of a three-way diff: the float TICO run is inside its envelope
     flt = tmp_path / "float.h5"
     replay_trace(ref, flt, runtime="tico")
-    assert CliRunner().invoke(main, ["diff", str(ref), str(run)]).exit_code == 1
-    res = CliRunner().invoke(main, ["diff", str(ref), str(flt), "--baseline", str(run)])
+    assert invoke("diff", str(ref), str(run)).exit_code == 1
+    res = invoke("diff", str(ref), str(flt), "--baseline", str(run))
     assert res.exit_code == 0, res.output
 
 
@@ -62,11 +61,9 @@ def test_missing_or_unsupported_is_one_line(tmp_path, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "tico", None)  # as if TICO were not installed
-    res = CliRunner().invoke(main, ["replay", str(golden_path("short")), "--runtime", "tico",
-                                    "-o", str(tmp_path / "x.h5")])
-    assert res.exit_code == 2
-    assert res.output.strip().splitlines() == [res.output.strip()]
-    assert "pip install 'gemma4-trace[tico]'" in res.output
+    res = invoke("replay", str(golden_path("short")), "--runtime", "tico",
+                 "-o", str(tmp_path / "x.h5"))
+    one_line_error(res, "pip install 'gemma4-trace[tico]'")
     assert not (tmp_path / "x.h5").exists()
 
 

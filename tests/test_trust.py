@@ -16,40 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.hf.model import embedded_model_dir
 from gemma4_trace.traces.reader import TraceReader
+from tests.support import invoke, one_line_error, ours
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "traces" / "golden" / "short.h5"
 TRACE = Path(sys.executable).with_name("trace")
-
-
-def invoke(*args, env=None):
-    return CliRunner().invoke(main, [str(a) for a in args], env=env)
-
-
-# transformers imports torchao when it is installed (the `quant` extra), which logs these on first
-# import in a process: third-party start-up noise, not ours (issue filed with the report)
-THIRD_PARTY_NOISE = ("Failed to load ", "Warning: Detected no triton")
-
-
-def _ours(text: str) -> str:
-    return "".join(ln for ln in text.splitlines(keepends=True)
-                   if not ln.startswith(THIRD_PARTY_NOISE) and "torch/utils/_pytree.py" not in ln)
-
-
-def one_line_error(r, *needles) -> str:
-    text = _ours(r.output)
-    assert r.exit_code == 2, text
-    assert "Traceback" not in text and "internal error" not in text and "\x1b" not in text, text
-    lines = text.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), text
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 # ---------------------------------------------------------------- inputs are never destroyed
@@ -220,7 +194,7 @@ def test_plugin_name_with_newlines_and_escapes_is_printed_as_one_line(tmp_path):
     out = tmp_path / "run.h5"
     r = invoke("replay", GOLDEN, "--runtime", "tests.hostile_plugins:make_evil_name", "-o", out)
     assert r.exit_code == 0, r.output
-    assert "\x1b" not in r.output and len(_ours(r.output).splitlines()) == 1 and "evil\\nname" in r.output
+    assert "\x1b" not in r.output and len(ours(r.output).splitlines()) == 1 and "evil\\nname" in r.output
     for args in (["show", out], ["diff", GOLDEN, out]):
         r = invoke(*args)
         assert r.exit_code in (0, 1) and "\x1b" not in r.output and "\x07" not in r.output, r.output
@@ -244,9 +218,7 @@ def test_disk_full_is_one_line(tmp_path, size, args):
     cmd = " ".join(str(a).format(d=d) for a in args)
     script = f"mount -t tmpfs -o size={size} none {d} && exec {TRACE} {cmd}; "
     r = subprocess.run(["unshare", "-Urm", "sh", "-c", script], capture_output=True, text=True, timeout=300)
-    lines = _ours(r.stderr).splitlines()
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert len(lines) == 1 and "no space left on device writing" in lines[0], r.stderr
+    one_line_error(r, "no space left on device writing")
 
 
 # ---------------------------------------------------------------- odd tolerances files
@@ -283,10 +255,10 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path, command):
         assert "Traceback" not in err, (delay, err)
         # finished before the signal came (or it came while the interpreter was exiting, after the
         # output was complete: Python restores the default handler at exit)
-        if p.returncode == 0 or (p.returncode == -signal.SIGINT and out.strip() and not _ours(err).strip()):
+        if p.returncode == 0 or (p.returncode == -signal.SIGINT and out.strip() and not ours(err).strip()):
             continue
         assert p.returncode == 130, (delay, p.returncode, err)
-        lines = _ours(err).splitlines()
+        lines = ours(err).splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: interrupted"), (delay, err)
         left = [f.name for f in tmp_path.iterdir() if f.name.startswith((f"{i}-", "."))]
         assert not left, left  # an interrupted diff leaves no report, not even a partial one

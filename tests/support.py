@@ -1,0 +1,60 @@
+"""What the tests share: the one way to run the CLI in-process, the one check of the project's
+promise for bad input (exit 2 and exactly one line `error: ...`, docs/robustness.md), and the
+site of a divergence or row as a tuple."""
+
+from __future__ import annotations
+
+import os
+
+from click.testing import CliRunner
+
+from gemma4_trace.cli import main
+
+# transformers imports torchao when it is installed (the `quant` extra), which logs these on first
+# import in a process: third-party start-up noise, not ours
+THIRD_PARTY_NOISE = ("Failed to load ", "Warning: Detected no triton")
+
+SITE = ("step", "layer", "kind", "position")
+
+
+def invoke(*args, env=None, **kw):
+    """`trace ARGS...` run in-process (each argument str()-ed); stdout and stderr apart on the result."""
+    return CliRunner().invoke(main, [str(a) for a in args], env=env, **kw)
+
+
+def ours(text: str) -> str:
+    """`text` without the lines of THIRD_PARTY_NOISE."""
+    return "".join(ln for ln in text.splitlines(keepends=True)
+                   if not ln.startswith(THIRD_PARTY_NOISE) and "torch/utils/_pytree.py" not in ln)
+
+
+def one_line_error(r, *needles, out=None) -> str:
+    """Assert the answer to bad input: exit 2, nothing on stdout, exactly one line on stderr
+    that starts with 'error: ' and says something, ends in a newline and holds every needle
+    (str()-ed); no traceback, no 'internal error', no escape codes anywhere (third-party
+    start-up noise set aside, see `ours`). With `out`, nothing was written there (nor a
+    partial file beside it). `r` is a click result or a subprocess.CompletedProcess (text
+    mode). Returns the line."""
+    code = r.exit_code if hasattr(r, "exit_code") else r.returncode
+    stdout, stderr = ours(r.stdout), ours(r.stderr)
+    text = stdout + stderr
+    assert code == 2, (code, text)
+    assert "Traceback" not in text and "internal error" not in text and "\x1b" not in text, text
+    assert stdout == "", text
+    lines = stderr.splitlines(keepends=True)
+    assert len(lines) == 1 and lines[0].endswith("\n"), text
+    line = lines[0].rstrip("\n")
+    assert line.startswith("error: ") and line[len("error: "):].strip(), text
+    for n in needles:
+        assert str(n) in line, (n, line)
+    if out is not None:
+        assert not os.path.exists(out), out
+        folder = os.path.dirname(out) or "."
+        assert not [p for p in os.listdir(folder) if p.startswith(".trace-partial")], os.listdir(folder)
+    return line
+
+
+def site_of(d, *fields) -> tuple:
+    """The values of `fields` (default step, layer, kind, position) of a divergence, row or rule:
+    a dict (the JSON) or an object (the typed result)."""
+    return tuple(d[f] if isinstance(d, dict) else getattr(d, f) for f in fields or SITE)
