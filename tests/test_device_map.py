@@ -63,9 +63,9 @@ def test_text_only_checkpoint_records_with_device_map(tmp_path, max_memory):
     model = tiny_models.build(tmp_path / "m", "base")
     args = ["record", "--model", str(model), "--input-ids", "2,10,11,12", "--max-new-tokens", "3"]
     plain, mapped = tmp_path / "plain.h5", tmp_path / "mapped.h5"
-    assert CliRunner().invoke(main, [*args, "-o", str(plain)]).exit_code == 0
+    assert invoke(*args, "-o", plain).exit_code == 0
     extra = ["--max-memory", max_memory, "--offload-folder", str(tmp_path / "off")] if max_memory else []
-    res = CliRunner().invoke(main, [*args, "--device-map", "auto", *extra, "-o", str(mapped)])
+    res = invoke(*args, "--device-map", "auto", *extra, "-o", mapped)
     assert res.exit_code == 0, res.output
     res = diff_traces(plain, mapped)
     assert res.match, format_text(res)

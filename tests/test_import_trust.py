@@ -12,16 +12,14 @@ import resource
 import struct
 import subprocess
 import sys
-import time
 import zipfile
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.recorder.golden import golden_path
 from gemma4_trace.traces.reader import TraceReader
+from tests.support import invoke, one_line_error
 
 GOLDEN = golden_path("short")  # 13 prompt tokens, 3 steps, hidden 64
 STEPS = [(0, 13), (13, 14), (14, 15)]
@@ -48,16 +46,7 @@ def _import(dump, tmp_path, map_text, out=None, force=False):
     m.write_text(map_text)
     out = out or tmp_path / "imp.h5"
     args = ["import", str(dump), "--reference", str(GOLDEN), "--map", str(m), "-o", str(out)]
-    return CliRunner().invoke(main, args + (["--force"] if force else []))
-
-
-def _one_line_error(res, *needles):
-    assert res.exit_code == 2, res.output
-    lines = res.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "internal error" not in lines[0], res.output
-    for n in needles:
-        assert str(n) in lines[0], (n, lines[0])
-    return lines[0]
+    return invoke(*args, *(["--force"] if force else []))
 
 
 def _limited(memory=3 << 30):
@@ -94,7 +83,7 @@ def test_no_file_outside_the_dump_is_read(tmp_path, how):
     (dump / "link.bin").symlink_to(secret)
     (dump / "linked").symlink_to(outside, target_is_directory=True)
     res = _import(dump, tmp_path, f'steps = 1\n[[tensor]]\nkind = "embeddings"\nfile = "{file}"\n{raw}')
-    line = _one_line_error(res)
+    line = one_line_error(res)
     assert "bytes" not in line and "holds" not in line  # nothing about the refused file
     assert not (tmp_path / "imp.h5").exists()
 
@@ -121,7 +110,7 @@ def test_format_specs_are_what_a_file_name_needs(tmp_path, pattern, needle):
     dump = _dump(tmp_path)
     res = _cli_subprocess(["import", dump, "--reference", GOLDEN, "--map", _write(tmp_path, EMB_MAP.replace(
         "step{step}.npy", pattern)), "-o", tmp_path / "imp.h5"], tmp_path)
-    _one_line_error_p(res, "[[tensor]] #1", needle)
+    one_line_error(res, "[[tensor]] #1", needle)
 
 
 def test_format_spec_in_key_is_refused(tmp_path):
@@ -129,21 +118,12 @@ def test_format_spec_in_key_is_refused(tmp_path):
     m = '[[tensor]]\nkind = "embeddings"\nfile = "e.npz"\nkey = "x{step:>2000000000}"\n'
     res = _cli_subprocess(["import", dump, "--reference", GOLDEN, "--map", _write(tmp_path, m),
                            "-o", tmp_path / "imp.h5"], tmp_path)
-    _one_line_error_p(res, "key", "may have only a width")
+    one_line_error(res, "key", "may have only a width")
 
 
 def _write(tmp_path, text, name="map.toml"):
     (tmp_path / name).write_text(text)
     return tmp_path / name
-
-
-def _one_line_error_p(p, *needles):
-    assert p.returncode == 2, p.stdout + p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "internal error" not in lines[0], p.stderr[:2000]
-    for n in needles:
-        assert str(n) in lines[0], (n, lines[0])
-    return lines[0]
 
 
 # ---------------------------------------------------------------- 18.4: no hang, no memory blow-up
@@ -153,7 +133,7 @@ def test_fifo_as_dump_file_is_refused(tmp_path):
     os.mkfifo(dump / "step1.npy")
     res = _cli_subprocess(["import", dump, "--reference", GOLDEN, "--map", _write(tmp_path, EMB_MAP),
                            "-o", tmp_path / "imp.h5"], tmp_path, timeout=60)
-    _one_line_error_p(res, dump / "step1.npy", "not a regular file")
+    one_line_error(res, dump / "step1.npy", "not a regular file")
     assert not (tmp_path / "imp.h5").exists()
 
 
@@ -167,13 +147,13 @@ def test_map_must_be_a_regular_file(tmp_path, special):
         m = special
     res = _cli_subprocess(["import", dump, "--reference", GOLDEN, "--map", m, "-o", tmp_path / "imp.h5"], tmp_path,
                           timeout=60, memory=2 << 30)
-    _one_line_error_p(res, f"map {m}", "not a regular file")
+    one_line_error(res, f"map {m}", "not a regular file")
 
 
 def test_map_size_is_bounded(tmp_path):
     dump = _dump(tmp_path)
     res = _import(dump, tmp_path, EMB_MAP + "#" * (2 << 20) + "\n")
-    _one_line_error(res, "larger than the 1 MiB a map may be")
+    one_line_error(res, "larger than the 1 MiB a map may be")
 
 
 # ---------------------------------------------------------------- 18.5: bounds from what is taken
@@ -185,7 +165,7 @@ def test_mask_wider_than_any_trace_is_refused_before_reading(tmp_path):
         header_arr = np.lib.format.open_memmap(dump / f"m{s}.npy", mode="w+", dtype=bool, shape=(b - a, 1 << 21))
         del header_arr
     res = _import(dump, tmp_path, '[[tensor]]\nkind = "mask"\nfile = "m{step}.npy"\nlayers = [0]\n')
-    _one_line_error(res, dump / "m0.npy", "allows at most 1048576 values in a mask row")
+    one_line_error(res, dump / "m0.npy", "allows at most 1048576 values in a mask row")
 
 
 def test_npz_member_is_refused_from_its_header_before_inflating(tmp_path):
@@ -201,7 +181,7 @@ def test_npz_member_is_refused_from_its_header_before_inflating(tmp_path):
     p = subprocess.run([sys.executable, "-m", "gemma4_trace", "import", str(dump), "--reference", str(GOLDEN),
                         "--map", str(_write(tmp_path, m)), "-o", str(tmp_path / "imp.h5")],
                        capture_output=True, text=True, timeout=120, env=env)
-    _one_line_error_p(p, "e.npz [e]", "rows of shape [1048576]", "expected [64]")
+    one_line_error(p, "e.npz [e]", "rows of shape [1048576]", "expected [64]")
 
 
 def test_raw_file_is_read_only_at_the_rows_used(tmp_path):
@@ -248,9 +228,8 @@ def test_path_search_is_bounded_by_the_folder(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(os, "stat", lambda *a, **k: lookups.append(a) or real_stat(*a, **k))
         mp.setattr(os, "lstat", lambda *a, **k: lookups.append(a) or real_lstat(*a, **k))
-        res = CliRunner().invoke(main, ["import", str(dump), "--reference", str(long_ref), "--map", str(m),
-                                        "-o", str(tmp_path / "imp.h5")])
-    _one_line_error(res, "no file matches", "pos0/layer0.npy")
+        res = invoke("import", dump, "--reference", long_ref, "--map", m, "-o", tmp_path / "imp.h5")
+    one_line_error(res, "no file matches", "pos0/layer0.npy")
     assert len(lookups) < 1000, len(lookups)  # the old search stat'ed 8 x 2^18 names
 
 
@@ -259,7 +238,7 @@ def test_output_over_a_dump_file_is_refused_even_with_force(tmp_path):
     dump = _dump(tmp_path)
     before = (dump / "step1.npy").read_bytes()
     res = _import(dump, tmp_path, EMB_MAP, out=dump / "step1.npy", force=True)
-    _one_line_error(res, "is the input", dump / "step1.npy")
+    one_line_error(res, "is the input", dump / "step1.npy")
     assert (dump / "step1.npy").read_bytes() == before
 
 
@@ -329,7 +308,7 @@ def test_malformed_inputs_are_one_line(tmp_path, case):
         m = '[[tensor]]\nkind = ["q"]\nfile = "a.npy"\n'
         needles = ["is not a canonical kind"]
     res = _import(dump, tmp_path, m)
-    _one_line_error(res, *needles)
+    one_line_error(res, *needles)
     assert not (tmp_path / "imp.h5").exists()
 
 

@@ -77,11 +77,6 @@ def _no_model_load(monkeypatch):
     monkeypatch.setattr("gemma4_trace.hf.model.load_model", refuse)
 
 
-def _one_line_error(res, *words):
-    assert res.exit_code == 2 and res.output.count("\n") == 1 and res.output.startswith("error: "), res.output
-    assert "internal error" not in res.output and all(w in res.output for w in words), res.output
-
-
 @pytest.mark.parametrize("case", ["device", "under-a-file", "graph-is-a-folder", "graph-is-a-folder-force"])
 def test_export_onnx_checks_outputs_before_loading(tmp_path, monkeypatch, case):
     _no_model_load(monkeypatch)
@@ -94,8 +89,8 @@ def test_export_onnx_checks_outputs_before_loading(tmp_path, monkeypatch, case):
     else:
         (out / "prefill.onnx").mkdir(parents=True)
         extra, words = (["--force"] if case.endswith("force") else []), ["prefill.onnx exists and is not a regular file"]
-    res = CliRunner().invoke(main, ["export-onnx", "--max-seq", "16", "-o", str(out), *extra])
-    _one_line_error(res, *words)
+    res = invoke("export-onnx", "--max-seq", "16", "-o", out, *extra)
+    one_line_error(res, *words)
     if case.startswith("graph"):
         assert sorted(p.name for p in out.iterdir()) == ["prefill.onnx"]  # no decode.onnx without its prefill
 
@@ -107,10 +102,10 @@ def test_export_onnx_refuses_a_read_only_folder(tmp_path, monkeypatch):
     out.mkdir()
     out.chmod(0o555)
     try:
-        res = CliRunner().invoke(main, ["export-onnx", "--max-seq", "16", "-o", str(out)])
+        res = invoke("export-onnx", "--max-seq", "16", "-o", out)
     finally:
         out.chmod(0o755)
-    _one_line_error(res, "not writable")
+    one_line_error(res, "not writable")
 
 
 def test_export_onnx_places_both_graphs_or_neither(tmp_path, monkeypatch):
@@ -131,7 +126,7 @@ def test_export_onnx_places_both_graphs_or_neither(tmp_path, monkeypatch):
 
     monkeypatch.setattr("gemma4_trace.hf.model.load_model", lambda *a, **k: types.SimpleNamespace(name="tiny"))
     monkeypatch.setattr(onnx_runtime, "export_onnx", export)
-    res = CliRunner().invoke(main, ["export-onnx", "--max-seq", "16", "-o", str(out), "--force"])
-    _one_line_error(res, "prefill.onnx", "no .onnx file was changed")
+    res = invoke("export-onnx", "--max-seq", "16", "-o", out, "--force")
+    one_line_error(res, "prefill.onnx", "no .onnx file was changed")
     assert (out / "decode.onnx").read_bytes() == b"old decode"
     assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "prefill.onnx"]  # no partial folder left

@@ -13,20 +13,15 @@ import shutil
 
 import h5py
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.recorder.golden import golden_path
 from gemma4_trace.traces import TraceReader
 from gemma4_trace.traces import schema as S
+from tests.support import invoke
 
 # 2^32: past the tokenizer's u32 ids; 10^6: a u32 the tokenizer does not know; the largest int64
 BAD_IDS = [2**32, 10**6, 2**63 - 1]
 STEP = 1
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def with_token(tmp_path, token: int):

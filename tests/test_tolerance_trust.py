@@ -10,30 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.diff import tolerances as T
 from gemma4_trace.recorder import golden
+from tests.support import invoke, one_line_error
 
 from .diff_fixtures import copy_trace, noise
 
 GOLDEN = golden.golden_path("short")
 INJECTED = "\ntokens = {accept_near_ties = true, near_tie_margin = 1e308}\n#"
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_line_error(r, *needles) -> str:
-    assert r.exit_code == 2, r.output
-    assert "Traceback" not in r.output and "internal error" not in r.output, r.output
-    lines = r.output.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
