@@ -32,6 +32,10 @@ LAYER_NAMES = {"Qcur_pos": "q", "Kcur_pos": "k", "Vcur_normed": "v", "l_out": "l
 # whose weight is the layer's attention output tensor
 ATTN_OUT_WEIGHT = re.compile(r"blk\.(\d+)\.attn_output\.weight")
 GGML_TYPE_F32 = 0
+# llama.cpp's flash attention (auto: on for this CPU backend) computes attention with FP16 steps:
+# "off" takes the plain softmax path, to tell its share of the difference from the FP16 GELU table's
+FLASH_ATTN_ENV = "GEMMA4_TRACE_LLAMACPP_FLASH_ATTN"
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 TEST_ABORT_ENV = "GEMMA4_TRACE_TEST_LLAMACPP_ABORT"  # tests: "KIND" or "KIND@LAYER" -> os.abort() after reporting it
 
 
@@ -89,7 +93,7 @@ class Capture:
         self.ggml, self.out = ggml, out
         self.on = False
         self.abort_after = os.environ.get(TEST_ABORT_ENV)
-        self.mul_mat = None
+        self.mul_mat = next(i for i in range(1000) if ggml.ggml_op_name(i) == b"MUL_MAT")  # ggml_op's value
         self.c_callback = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(self._cb)
 
     def _target(self, t: _Tensor):
@@ -99,8 +103,6 @@ class Capture:
         base, _, layer = name.rpartition("-")
         if base in LAYER_NAMES and layer.isdigit():
             return LAYER_NAMES[base], int(layer)
-        if self.mul_mat is None:
-            self.mul_mat = self.ggml.ggml_op_name(t.op) == b"MUL_MAT" and t.op
         if t.op == self.mul_mat and t.src[0]:
             m = ATTN_OUT_WEIGHT.fullmatch(_Tensor.from_address(t.src[0]).name.decode(errors="replace"))
             if m:
@@ -133,6 +135,9 @@ class Capture:
 
 
 def main() -> int:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash is reported by the parent, not dumped
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write into the reply stream
     import llama_cpp as L
@@ -162,7 +167,6 @@ def main() -> int:
             mp = L.llama_model_default_params()
             mp.n_gpu_layers = 0
             mp.use_extra_bufts = False  # the AMX repacked buffers crash on quantized Gemma 4 (ggml_backend_amx_mul_mat)
-            mp.use_mmap = False
             model = L.llama_model_load_from_file(path.encode(), mp)
             if not model:
                 _send(out, ("error", "llama.cpp could not load the GGUF file (llama_model_load_from_file failed)"))
@@ -172,9 +176,9 @@ def main() -> int:
             cp.n_batch = n_ctx
             cp.n_ubatch = n_ctx  # the prompt is one ubatch: one graph per step
             cp.n_seq_max = 1
+            cp.flash_attn_type = FLASH_ATTN.get(os.environ.get(FLASH_ATTN_ENV, "auto"), -1)
             cp.n_threads = cp.n_threads_batch = threads
             cp.type_k = cp.type_v = GGML_TYPE_F32  # the cache keeps what the layers computed
-            cp.swa_full = True
             cp.cb_eval = ctypes.cast(cap.c_callback, type(cp.cb_eval))
             cp.cb_eval_user_data = None
             ctx = L.llama_init_from_model(model, cp)

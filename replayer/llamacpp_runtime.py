@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +43,8 @@ from gemma4_trace.traces.errors import TraceToolError
 from . import gguf_writer as GW
 
 RUNTIME = "llama.cpp"
-PINNED = "llama-cpp-python==0.3.36"
+# the llama.cpp float tolerance profile (docs/runtime-llamacpp.md): `trace diff --tolerances` it
+PROFILE_F32 = Path(str(files("gemma4_trace.diff") / "profiles" / "llamacpp-f32.toml"))
 
 
 def parse_spec(spec: str) -> str | None:

@@ -1,0 +1,143 @@
+"""`--runtime llama.cpp[:TYPE]` and `trace export-gguf` (extra gemma4-trace[llamacpp]): the
+project's GGUF writer, llama.cpp in a child process, its capture and its failures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+gguf = pytest.importorskip("gguf", reason="gguf is not installed (pip install 'gemma4-trace[llamacpp]')")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'gemma4-trace[llamacpp]')")
+
+from gemma4_trace.cli import main  # noqa: E402
+from gemma4_trace.diff import diff_traces  # noqa: E402
+from gemma4_trace.recorder.golden import golden_path  # noqa: E402
+from gemma4_trace.hf.model import EMBEDDED_MODEL_DIR  # noqa: E402
+from gemma4_trace.replayer import gguf_writer as GW  # noqa: E402
+from gemma4_trace.replayer import llamacpp_runtime as LR  # noqa: E402
+from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
+from gemma4_trace.traces.reader import TraceReader  # noqa: E402
+
+PROFILE = LR.PROFILE_F32
+TEXT_GOLDENS = ("short", "window", "eos")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    """One GGUF cache for the module's tests, never the user's."""
+    monkeypatch.setenv(GW.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "gguf-cache"))
+
+
+def _rel(x, y):
+    x, y = x.reshape(len(x), -1).astype(np.float64), y.reshape(len(y), -1).astype(np.float64)
+    return np.linalg.norm(x - y, axis=1) / np.maximum(np.linalg.norm(x, axis=1), 1e-30)
+
+
+@pytest.mark.parametrize("name", TEXT_GOLDENS)
+def test_f32_replay_matches_under_the_llamacpp_profile(tmp_path, name):
+    ref, run = golden_path(name), tmp_path / "llama.h5"
+    summary = replay_trace(ref, run, runtime="llama.cpp")
+    assert "llama.cpp:F32 (llama-cpp-python 0.3.36, CPU)" in summary
+    res = diff_traces(ref, run, str(PROFILE))
+    assert res.match, res.to_json()["first_divergence"]
+    with TraceReader(ref) as a, TraceReader(run) as b:
+        got = set(b.kinds_present())
+        kinds = {k for k, _ in got}
+        assert kinds == {"embeddings", "per_layer_inputs", "q", "k", "v", "attn_out", "layer_out",
+                         "final_hidden", "logits", "token"}
+        # masks and RoPE tables are not graph nodes: absent, never zeros
+        assert not any(k in ("mask",) or k.startswith("rope_") for k in kinds)
+        # k/v only where a layer writes its own K/V
+        owners = {i for i, info in enumerate(a.layers) if info.kv_role != "reuses"}
+        assert {layer for k, layer in got if k == "k"} == owners
+        # real, GELU-table-sized differences: not a copy of REF, not far from it
+        worst = max(_rel(a.read("layer_out", i), b.read("layer_out", i)).max() for i in range(len(a.layers)))
+        assert 1e-5 < worst < 2e-3, worst
+    # the default tolerances (float32: 1e-4) see llama.cpp's FP16 GELU table: a divergence
+    assert not diff_traces(ref, run).match
+
+
+def test_second_replay_reuses_the_cached_conversion(tmp_path):
+    ref = golden_path("short")
+    replay_trace(ref, tmp_path / "a.h5", runtime="llama.cpp")
+    cached = sorted(p.name for p in (GW.cache_dir() / "gguf").iterdir())
+    replay_trace(ref, tmp_path / "b.h5", runtime="llama.cpp")
+    assert sorted(p.name for p in (GW.cache_dir() / "gguf").iterdir()) == cached
+    assert any(n.endswith("-F32.gguf") for n in cached)
+
+
+def test_quantized_q8_0_replays_and_is_cached(tmp_path):
+    ref, run = golden_path("short"), tmp_path / "q8.h5"
+    assert "llama.cpp:Q8_0" in replay_trace(ref, run, runtime="llama.cpp:Q8_0")
+    path = GW.cache_path(EMBEDDED_MODEL_DIR, "Q8_0")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.0.attn_norm.weight"] == "F32"
+    with TraceReader(ref) as a, TraceReader(run) as b:
+        worst = max(_rel(a.read("layer_out", i), b.read("layer_out", i)).max() for i in range(len(a.layers)))
+    assert 1e-4 < worst < 0.2, worst  # 8-bit weights: larger than F32's, far from garbage
+
+
+def test_crash_in_llamacpp_is_one_line_and_leaves_no_trace(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMA4_TRACE_TEST_LLAMACPP_ABORT", "attn_out@3")
+    run = tmp_path / "crash.h5"
+    res = CliRunner().invoke(main, ["replay", str(golden_path("short")), "--runtime", "llama.cpp", "-o", str(run)])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert lines[-1] == "error: llama.cpp (F32) crashed in prefill after layer 3 attn_out: killed by SIGABRT", lines
+    assert "Traceback" not in res.output
+    assert not run.exists() and not list(tmp_path.iterdir())
+
+
+def test_malformed_gguf_is_refused_in_one_line(tmp_path):
+    ref = golden_path("short")
+    replay_trace(ref, tmp_path / "ok.h5", runtime="llama.cpp")  # fills the cache
+    path = GW.cache_path(EMBEDDED_MODEL_DIR, "F32")
+    data = bytearray(path.read_bytes())
+    data[8:16] = (1 << 62).to_bytes(8, "little")  # the tensor count: far beyond the file
+    path.write_bytes(bytes(data))
+    run = tmp_path / "bad.h5"
+    res = CliRunner().invoke(main, ["replay", str(ref), "--runtime", "llama.cpp", "-o", str(run)])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().splitlines() == [
+        "error: llama.cpp (F32) failed in loading the model: llama.cpp could not load the GGUF file "
+        "(llama_model_load_from_file failed)"]
+    assert not run.exists()
+
+
+def test_image_trace_is_refused_in_one_line(tmp_path):
+    run = tmp_path / "img.h5"
+    res = CliRunner().invoke(main, ["replay", str(golden_path("image")), "--runtime", "llama.cpp", "-o", str(run)])
+    assert res.exit_code == 2, res.output
+    assert "replays text-only traces; this one has an image" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and not run.exists()
+
+
+def test_unknown_type_is_refused_before_any_work(tmp_path):
+    res = CliRunner().invoke(main, ["replay", str(golden_path("short")), "--runtime", "llama.cpp:Q9_X",
+                                    "-o", str(tmp_path / "r.h5")])
+    assert res.exit_code == 2
+    assert "unknown GGUF type 'Q9_X'; expected one of F32, F16, BF16, Q8_0" in res.output
+
+
+def test_export_gguf_writes_the_metadata_llamacpp_reads(tmp_path):
+    out = tmp_path / "tiny.gguf"
+    res = CliRunner().invoke(main, ["export-gguf", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith(f"wrote {out} (1.8 MiB): tiny-gemma4 (embedded), F32")
+    r = gguf.GGUFReader(out)
+    meta = {k: f.contents() for k, f in r.fields.items() if k.startswith("gemma4.")}
+    assert meta["gemma4.attention.sliding_window"] == 8
+    assert meta["gemma4.attention.sliding_window_pattern"] == [True, True, False, True, False, True, True, False]
+    assert meta["gemma4.attention.shared_kv_layers"] == 3
+    assert meta["gemma4.feed_forward_length"] == [128] * 5 + [256] * 3  # double-wide MLPs of the KV-sharing layers
+    assert (meta["gemma4.attention.key_length"], meta["gemma4.attention.key_length_swa"]) == (32, 16)
+    assert (meta["gemma4.rope.freq_base"], meta["gemma4.rope.freq_base_swa"]) == (1e6, 1e4)
+    assert meta["gemma4.final_logit_softcapping"] == 30.0
+    tensors = {t.name: t for t in r.tensors}
+    # proportional RoPE x0.25 over head_dim 32: 4 rotated frequencies, 12 held still
+    assert tensors["rope_freqs.weight"].data.tolist() == [1.0] * 4 + [1e30] * 12
+    assert "blk.7.attn_k.weight" not in tensors and "blk.4.attn_k.weight" in tensors  # layer 7 reuses K/V
+    assert tensors["blk.5.ffn_gate.weight"].shape.tolist() == [64, 256]  # ggml order: {in, out}
+    again = CliRunner().invoke(main, ["export-gguf", "-o", str(out)])
+    assert again.exit_code == 2 and "already exists" in again.output
