@@ -157,7 +157,7 @@ class LlamaCppRuntime:
         try:
             self.path, self.note = gguf_file(loaded, gguf_type, cache, self.child)
             self.child.send("load", str(self.path), int(max_seq))
-            _, desc, n_vocab = self.child.receive("loading the model")
+            _, desc, n_vocab = self.child.receive(f"loading {self.path}")
         except BaseException:
             self.child.close()
             raise

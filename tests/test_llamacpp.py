@@ -97,10 +97,13 @@ def test_malformed_gguf_is_refused_in_one_line(tmp_path):
     data[8:16] = (1 << 62).to_bytes(8, "little")  # the tensor count: far beyond the file
     path.write_bytes(bytes(data))
     run = tmp_path / "bad.h5"
-    res = CliRunner().invoke(main, ["replay", str(ref), "--runtime", "llama.cpp", "-o", str(run)])
+    try:
+        res = CliRunner().invoke(main, ["replay", str(ref), "--runtime", "llama.cpp", "-o", str(run)])
+    finally:
+        path.unlink()
     assert res.exit_code == 2, res.output
     assert res.output.strip().splitlines() == [
-        "error: llama.cpp (F32) failed in loading the model: llama.cpp could not load the GGUF file "
+        f"error: llama.cpp (F32) failed in loading {path}: llama.cpp could not load the GGUF file "
         "(llama_model_load_from_file failed)"]
     assert not run.exists()
 
@@ -136,8 +139,26 @@ def test_export_gguf_writes_the_metadata_llamacpp_reads(tmp_path):
     assert meta["gemma4.final_logit_softcapping"] == 30.0
     tensors = {t.name: t for t in r.tensors}
     # proportional RoPE x0.25 over head_dim 32: 4 rotated frequencies, 12 held still
-    assert tensors["rope_freqs.weight"].data.tolist() == [1.0] * 4 + [1e30] * 12
+    assert tensors["rope_freqs.weight"].data.tolist() == np.array([1.0] * 4 + [1e30] * 12, np.float32).tolist()
     assert "blk.7.attn_k.weight" not in tensors and "blk.4.attn_k.weight" in tensors  # layer 7 reuses K/V
     assert tensors["blk.5.ffn_gate.weight"].shape.tolist() == [64, 256]  # ggml order: {in, out}
     again = CliRunner().invoke(main, ["export-gguf", "-o", str(out)])
     assert again.exit_code == 2 and "already exists" in again.output
+
+
+def test_profile_still_sees_a_conversion_fault(tmp_path):
+    """RMSNorm weights written with the +1 offset earlier Gemmas store: under the llama.cpp profile
+    the first divergence is the per-layer inputs, the first tensor a norm weight enters (the
+    per-layer projection norm, before layer 0)."""
+    from gemma4_trace.hf.model import load_model
+
+    path = GW.cache_path(EMBEDDED_MODEL_DIR, "F32")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    GW.write_f32(load_model(None), path, mutate=lambda name, a: a + 1 if name.endswith("norm.weight") else a)
+    try:
+        ref, run = golden_path("short"), tmp_path / "fault.h5"
+        replay_trace(ref, run, runtime="llama.cpp")
+        first = diff_traces(ref, run, str(PROFILE)).to_json()["first_divergence"]
+        assert (first["step"], first["layer"], first["kind"]) == (0, None, "per_layer_inputs"), first
+    finally:
+        path.unlink()
