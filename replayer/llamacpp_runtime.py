@@ -143,7 +143,7 @@ def gguf_file(loaded, gguf_type: str, cache=None, child: Child | None = None) ->
         tmp.unlink(missing_ok=True)
         if own:
             child.close()
-    return path, f"converted and quantized in {time.perf_counter() - t0:.1f} s"
+    return path, f"{'converted and ' if wrote else ''}quantized in {time.perf_counter() - t0:.1f} s"
 
 
 class LlamaCppRuntime:
