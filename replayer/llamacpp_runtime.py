@@ -103,7 +103,13 @@ class Child:
                     self.last = (msg[1], msg[2])
                 return msg
         rc = self.proc.wait()
-        raise TraceToolError(f"{self.label} crashed in {phase} {self.progress()}: {_signal_words(rc)}")
+        raise TraceToolError(f"{self.label} crashed in {phase} {self.progress()}: {_signal_words(rc)}{self._said()}")
+
+    def _said(self) -> str:
+        """The last line the child wrote to stderr (ggml's abort message, say), if any."""
+        self.log.seek(0)
+        lines = [ln.strip() for ln in self.log.read()[-4096:].decode(errors="replace").splitlines() if ln.strip()]
+        return f" ({lines[-1][:200]})" if lines else ""
 
     def progress(self) -> str:
         if self.last is None:
