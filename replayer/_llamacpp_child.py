@@ -36,6 +36,7 @@ GGML_TYPE_F32 = 0
 # "off" takes the plain softmax path, to tell its share of the difference from the FP16 GELU table's
 FLASH_ATTN_ENV = "GEMMA4_TRACE_LLAMACPP_FLASH_ATTN"
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+UBATCH_ENV = "GEMMA4_TRACE_LLAMACPP_UBATCH"  # llama.cpp's n_ubatch (default 512, its own default)
 TEST_ABORT_ENV = "GEMMA4_TRACE_TEST_LLAMACPP_ABORT"  # tests: "KIND" or "KIND@LAYER" -> os.abort() after reporting it
 
 
@@ -174,7 +175,8 @@ def main() -> int:
             cp = L.llama_context_default_params()
             cp.n_ctx = n_ctx
             cp.n_batch = n_ctx
-            cp.n_ubatch = n_ctx  # the prompt is one ubatch: one graph per step
+            # a prompt longer than a ubatch runs as several graphs; the parent stitches their rows in order
+            cp.n_ubatch = min(n_ctx, int(os.environ.get(UBATCH_ENV, "512")))
             cp.n_seq_max = 1
             cp.flash_attn_type = FLASH_ATTN.get(os.environ.get(FLASH_ATTN_ENV, "auto"), -1)
             cp.n_threads = cp.n_threads_batch = threads

@@ -12,8 +12,8 @@ per_layer_inputs, q and k (after their norm and RoPE), v (after its norm), attn_
 output), layer_out, final_hidden. The masks and RoPE tables are not graph nodes llama.cpp
 exposes per layer: they are absent from the trace (never zeros), and `trace diff` says so.
 
-Teacher-forced and free-running: the prompt is one prefill (one ubatch: n_ubatch is the
-context size), then one token per step. Image prompts are refused: llama.cpp's Gemma 4 vision
+Teacher-forced and free-running: the prompt is one prefill (one llama_decode call; a prompt
+longer than a ubatch runs as several graphs, their rows stitched in order), then one token per step. Image prompts are refused: llama.cpp's Gemma 4 vision
 path runs through its own mmproj tower, which this runtime does not drive.
 
 A crash inside llama.cpp ends the child only: the replay stops with one line naming the

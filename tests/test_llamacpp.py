@@ -194,3 +194,19 @@ def test_docs_commands_print_what_the_doc_shows(tmp_path, monkeypatch):
         res = CliRunner().invoke(main, words[words.index("trace") + 1:], env=env)
         got = [mask(line) for line in res.output.splitlines()]
         assert got[: len(shown)] == [mask(line) for line in shown], command
+
+
+def test_prompt_longer_than_a_ubatch_is_stitched_by_position(tmp_path, monkeypatch):
+    """13 prompt tokens in ubatches of 4 (4+4+4+1 graphs): every row lands at its position, the
+    same values as one ubatch gives (bit for bit where the ubatch shapes agree), and a match."""
+    ref = golden_path("window")
+    whole, split = tmp_path / "whole.h5", tmp_path / "split.h5"
+    replay_trace(ref, whole, runtime="llama.cpp")
+    monkeypatch.setenv("GEMMA4_TRACE_LLAMACPP_UBATCH", "4")
+    replay_trace(ref, split, runtime="llama.cpp")
+    assert diff_traces(ref, split, str(PROFILE)).match
+    with TraceReader(whole) as a, TraceReader(split) as b:
+        for kind, layer in (("q", 0), ("per_layer_inputs", None), ("layer_out", 7), ("final_hidden", None)):
+            x, y = a.read(kind, layer), b.read(kind, layer)
+            assert x.shape == y.shape and np.array_equal(x[:8], y[:8]), (kind, layer)
+            assert np.abs(x - y).max() < 1e-4, (kind, layer)
