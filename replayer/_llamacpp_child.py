@@ -139,8 +139,12 @@ def main() -> int:
     import resource
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash is reported by the parent, not dumped
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # nothing else may write into the reply stream
+    # the replies get stdout's pipe on a descriptor of their own; fd 1 becomes stderr, so that
+    # nothing llama.cpp's C code prints can land in the reply stream
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    inp = sys.stdin.buffer
     import llama_cpp as L
 
     quiet = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda level, text, user: None)

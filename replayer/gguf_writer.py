@@ -243,9 +243,10 @@ def _vocab(w, loaded) -> None:
     w.add_add_space_prefix(False)
 
 
-def write_f32(loaded, path, mutate=None) -> None:
+def write_f32(loaded, path, mutate=None, metadata=None) -> None:
     """Write `loaded`'s text decoder to `path` as an F32 GGUF (atomically: a temporary file
-    beside it, renamed when complete). `mutate(name, array) -> array` lets tests write a fault."""
+    beside it, renamed when complete). Faults for tests: `mutate(name, array) -> array` changes
+    tensors, `metadata` {key: value} replaces the values of keys the writer wrote (same GGUF type)."""
     gguf = _gguf()
     _check_supported(loaded)
     path = Path(path)
@@ -254,6 +255,9 @@ def write_f32(loaded, path, mutate=None) -> None:
     try:
         w = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GEMMA4])
         _metadata(w, loaded)
+        for key, value in (metadata or {}).items():
+            old = w.kv_data[0][key]  # only keys the writer wrote: a typo is a KeyError
+            w.kv_data[0][key] = gguf.GGUFValue(value, old.type, old.sub_type)
         for name, arr in tensors(loaded):
             w.add_tensor(name, mutate(name, arr) if mutate else arr)
         w.write_header_to_file()

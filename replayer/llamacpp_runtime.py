@@ -43,6 +43,7 @@ from gemma4_trace.traces.errors import TraceToolError
 from . import gguf_writer as GW
 
 RUNTIME = "llama.cpp"
+MAX_REPLY = 1 << 34  # bytes in one reply from the child (a tensor of one step); more is no reply of ours
 # the llama.cpp float tolerance profile (docs/runtime-llamacpp.md): `trace diff --tolerances` it
 PROFILE_F32 = Path(str(files("gemma4_trace.diff") / "profiles" / "llamacpp-f32.toml"))
 
@@ -78,8 +79,9 @@ class Child:
     def __init__(self, label: str):
         self.label = label  # "llama.cpp (Q4_K_M)": how errors name the runtime
         self.log = tempfile.TemporaryFile()
+        env = {**os.environ, "GGML_NO_BACKTRACE": "1"}  # ggml's abort message, not a debugger's backtrace
         self.proc = subprocess.Popen([sys.executable, "-m", "gemma4_trace.replayer._llamacpp_child"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env)
         self.last: tuple[str, int | None] | None = None
 
     def send(self, *msg) -> None:
@@ -94,6 +96,9 @@ class Child:
         head = self.proc.stdout.read(8)
         if len(head) == 8:
             (n,) = struct.unpack("<Q", head)
+            if n > MAX_REPLY:
+                self.proc.kill()
+                raise TraceToolError(f"{self.label} sent a malformed reply in {phase} {self.progress()}")
             body = self.proc.stdout.read(n)
             if len(body) == n:
                 msg = pickle.loads(body)

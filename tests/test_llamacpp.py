@@ -210,3 +210,76 @@ def test_prompt_longer_than_a_ubatch_is_stitched_by_position(tmp_path, monkeypat
             x, y = a.read(kind, layer), b.read(kind, layer)
             assert x.shape == y.shape and np.array_equal(x[:8], y[:8]), (kind, layer)
             assert np.abs(x - y).max() < 1e-4, (kind, layer)
+
+
+# ---------------------------------------------------------------- conversion faults, localised
+# Each fault is one mistake the project's writer makes on purpose; the expected first divergence
+# (step, layer, kind, position) follows from the model's structure: tiny model layers
+# [S,S,F,S,F,S,S,F], window 8, sliding head_dim 16 (all rotated), full head_dim 32 with 4 of 16
+# frequencies rotated, layers 5-7 reuse the K/V of layers 3 (sliding) and 4 (full).
+def _swap_qk_norm():
+    from gemma4_trace.hf.model import load_model
+
+    arrays = dict(GW.tensors(load_model(None)))
+    swap = {"attn_q_norm": "attn_k_norm", "attn_k_norm": "attn_q_norm"}
+
+    def mutate(name, a):
+        for this, other in swap.items():
+            if this in name and name.replace(this, other) in arrays:
+                return arrays[name.replace(this, other)]
+        return a
+
+    return dict(mutate=mutate)
+
+
+ZOO = {
+    # RoPE does nothing at position 0: the first row it changes is position 1 of the first sliding layer's q
+    "sliding RoPE base 1e6 instead of 1e4": (dict(metadata={"gemma4.rope.freq_base_swa": 1e6}), (0, 0, "q", 1)),
+    # a window of 9: the first query that sees one key too many is position 8, in layer 0's attention
+    "sliding window off by one (9)": (dict(metadata={"gemma4.attention.sliding_window": 9}), (0, 0, "attn_out", 8)),
+    # the first full layer (2) is the first with proportional RoPE; position 0 is not rotated
+    "proportional RoPE fraction 0.5": (dict(mutate=lambda n, a: np.where(np.arange(a.size) < 8, 1.0, a).astype(a.dtype)
+                                            if n == "rope_freqs.weight" else a), (0, 2, "q", 1)),
+    # the per-layer embedding table with its layer blocks in reverse order: per_layer_inputs, row 0
+    "per-layer embeddings permuted": (dict(mutate=lambda n, a: a.reshape(a.shape[0], 8, -1)[:, ::-1].reshape(a.shape).copy()
+                                           if n == "per_layer_token_embd.weight" else a), (0, None, "per_layer_inputs", 0)),
+    # q_norm and k_norm swapped (same width in every layer): layer 0's q, from position 0
+    "q_norm and k_norm swapped": (_swap_qk_norm, (0, 0, "q", 0)),
+    # a softcap of 15: only the logits change
+    "final logit softcap 15 instead of 30": (dict(metadata={"gemma4.final_logit_softcapping": 15.0}), (0, None, "logits", 12)),
+}
+
+
+@pytest.mark.parametrize("fault", ZOO)
+def test_conversion_fault_is_localised_under_the_profile(tmp_path, monkeypatch, fault):
+    from gemma4_trace.hf.model import load_model
+
+    how, expected = ZOO[fault]
+    monkeypatch.setenv(GW.CACHE_ENV, str(tmp_path / "cache"))  # the faulty file in a cache of its own
+    path = GW.cache_path(EMBEDDED_MODEL_DIR, "F32")
+    path.parent.mkdir(parents=True)
+    GW.write_f32(load_model(None), path, **(how() if callable(how) else how))
+    ref, run = golden_path("short"), tmp_path / "fault.h5"
+    replay_trace(ref, run, runtime="llama.cpp")
+    first = diff_traces(ref, run, str(PROFILE)).to_json()["first_divergence"]
+    assert (first["step"], first["layer"], first["kind"], first["position"]) == expected, first
+
+
+def test_a_real_llamacpp_abort_is_one_line_with_ggmls_message(tmp_path, monkeypatch):
+    """KV sharing written as 4 layers instead of 3: llama.cpp's KV cache finds no cache for a
+    sharing layer's source and aborts (GGML_ASSERT) while loading. One line names the runtime,
+    TYPE, phase and ggml's message; exit 2; no trace."""
+    from gemma4_trace.hf.model import load_model
+
+    monkeypatch.setenv(GW.CACHE_ENV, str(tmp_path / "cache"))
+    path = GW.cache_path(EMBEDDED_MODEL_DIR, "F32")
+    path.parent.mkdir(parents=True)
+    GW.write_f32(load_model(None), path, metadata={"gemma4.attention.shared_kv_layers": 4})
+    run = tmp_path / "run.h5"
+    res = CliRunner().invoke(main, ["replay", str(golden_path("short")), "--runtime", "llama.cpp", "-o", str(run)])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: llama.cpp (F32) crashed in loading {path} before reporting "
+                                                   "anything: killed by SIGABRT (")
+    assert "GGML_ASSERT(" in lines[0] and lines[0].endswith(" failed)"), lines
+    assert not run.exists()
