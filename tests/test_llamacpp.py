@@ -237,9 +237,11 @@ ZOO = {
     "sliding RoPE base 1e6 instead of 1e4": (dict(metadata={"gemma4.rope.freq_base_swa": 1e6}), (0, 0, "q", 1)),
     # a window of 9: the first query that sees one key too many is position 8, in layer 0's attention
     "sliding window off by one (9)": (dict(metadata={"gemma4.attention.sliding_window": 9}), (0, 0, "attn_out", 8)),
-    # the first full layer (2) is the first with proportional RoPE; position 0 is not rotated
+    # the first full layer (2) is the first with proportional RoPE; position 0 is not rotated. The
+    # extra frequencies are slow (1e6^-0.25 rad per position and less): position 1 is only just past
+    # the profile (7e-3 > 6e-3), so any early position is the right site
     "proportional RoPE fraction 0.5": (dict(mutate=lambda n, a: np.where(np.arange(a.size) < 8, 1.0, a).astype(a.dtype)
-                                            if n == "rope_freqs.weight" else a), (0, 2, "q", 1)),
+                                            if n == "rope_freqs.weight" else a), (0, 2, "q", range(1, 4))),
     # the per-layer embedding table with its layer blocks in reverse order: per_layer_inputs, row 0
     "per-layer embeddings permuted": (dict(mutate=lambda n, a: a.reshape(a.shape[0], 8, -1)[:, ::-1].reshape(a.shape).copy()
                                            if n == "per_layer_token_embd.weight" else a), (0, None, "per_layer_inputs", 0)),
@@ -262,7 +264,9 @@ def test_conversion_fault_is_localised_under_the_profile(tmp_path, monkeypatch, 
     ref, run = golden_path("short"), tmp_path / "fault.h5"
     replay_trace(ref, run, runtime="llama.cpp")
     first = diff_traces(ref, run, str(PROFILE)).to_json()["first_divergence"]
-    assert (first["step"], first["layer"], first["kind"], first["position"]) == expected, first
+    step, layer, kind, position = expected
+    assert (first["step"], first["layer"], first["kind"]) == (step, layer, kind), first
+    assert first["position"] in (position if isinstance(position, range) else [position]), first
 
 
 def test_a_real_llamacpp_abort_is_one_line_with_ggmls_message(tmp_path, monkeypatch):
