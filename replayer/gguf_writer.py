@@ -170,11 +170,28 @@ def _check_supported(loaded) -> None:
         raise TraceToolError("GGUF export of Gemma 4 MoE checkpoints is not supported (enable_moe_block)")
     if getattr(tc, "attention_bias", False):
         raise TraceToolError("GGUF export with attention_bias=True is not supported")
+    _check_kv_sharing(tc)
     for lt in set(tc.layer_types):
         rope = _rope(tc, lt)
         if rope.get("rope_type", "default") not in ("default", "proportional") or float(rope.get("factor", 1.0) or 1.0) != 1.0:
             raise TraceToolError(f"GGUF export: RoPE {rope.get('rope_type')} with factor {rope.get('factor')} "
                                  f"({lt}) is not supported")
+
+
+def _check_kv_sharing(tc) -> None:
+    """llama.cpp's Gemma 4 has a KV-sharing layer read the last layer before the sharing ones
+    if it is a full layer, the one before that if sliding: it must be the layer HF reads."""
+    from gemma4_trace.traces.layers import layer_infos_from_config
+
+    infos = layer_infos_from_config(tc)
+    first = len(infos) - int(getattr(tc, "num_kv_shared_layers", 0) or 0)
+    for i in range(first, len(infos)):
+        llama = first - (1 if infos[i].layer_type == "full_attention" else 2)
+        if infos[i].kv_source != llama:
+            raise TraceToolError(
+                f"llama.cpp cannot run this KV sharing: its layer {i} ({infos[i].layer_type}) would read layer "
+                f"{llama}'s K/V, HF reads layer {infos[i].kv_source}'s (llama.cpp expects the last layer before the "
+                "sharing ones to be a full layer and the one before it sliding)")
 
 
 def _metadata(w, loaded) -> None:
@@ -275,6 +292,7 @@ def write_f32(loaded, path, mutate=None, metadata=None) -> None:
 
 def converted_f32(loaded, cache=None) -> tuple[Path, bool]:
     """The cached F32 GGUF of `loaded` (written now if absent); (path, whether it was written now)."""
+    _check_supported(loaded)  # a file cached before a check existed is refused all the same
     path = cache_path(loaded.model_dir, "F32", cache)
     if path.is_file():
         return path, False

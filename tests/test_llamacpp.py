@@ -287,3 +287,63 @@ def test_a_real_llamacpp_abort_is_one_line_with_ggmls_message(tmp_path, monkeypa
                                                    "anything: killed by SIGABRT (")
     assert "GGML_ASSERT(" in lines[0] and lines[0].endswith(" failed)"), lines
     assert not run.exists()
+
+
+# ---------------------------------------------------------------- K-quant fixture (widths of 256)
+KQ_WIDTHS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64, global_head_dim=128,
+                 vocab_size=256, vocab_size_per_layer_input=256)
+
+
+@pytest.fixture(scope="module")
+def kquant_model(tmp_path_factory):
+    """A random Gemma 4 (tests/tiny_models.py, no tokenizer) whose matrix widths are multiples of
+    256, so llama.cpp's K-quants are really K-quants; two KV-sharing layers, the layout llama.cpp reads."""
+    from tests import tiny_models
+
+    d = tmp_path_factory.mktemp("kquant")
+    model = tiny_models.build(d / "model", num_kv_shared_layers=2, **KQ_WIDTHS)
+    ref = d / "ref.h5"
+    res = CliRunner().invoke(main, ["record", "--model", str(model), "--input-ids", "2,17,33,40,51,60,71,80,90,100",
+                                    "--max-new-tokens", "4", "-o", str(ref)])
+    assert res.exit_code == 0, res.output
+    return model, ref
+
+
+def test_q4_k_m_of_256_wide_model_is_really_q4_k(tmp_path, kquant_model):
+    model, ref = kquant_model
+    out = tmp_path / "q4km.gguf"
+    res = CliRunner().invoke(main, ["export-gguf", "--model", str(model), "--type", "Q4_K_M", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    # every matrix whose rows are 256-wide is a K-quant: Q4_K, and Q6_K where Q4_K_M keeps more bits
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_output.weight", "blk.0.ffn_gate.weight",
+                 "blk.0.ffn_up.weight", "blk.3.ffn_down.weight"):
+        assert types[name] == "Q4_K", (name, types[name])
+    assert types["token_embd.weight"] == "Q6_K" and types["blk.0.attn_norm.weight"] == "F32"
+    assert sum(t == "Q4_K" for t in types.values()) >= 40 and "Q5_0" not in types.values()
+    run = tmp_path / "q4km.h5"
+    assert "4/4 tokens agree" in replay_trace(ref, run, model_dir=model, runtime="llama.cpp:Q4_K_M")
+
+
+def test_f32_of_a_second_model_matches_under_the_profile(tmp_path, kquant_model):
+    """The writer on another checkpoint (global_head_dim in the config, no tokenizer: an id-only vocabulary)."""
+    model, ref = kquant_model
+    run = tmp_path / "f32.h5"
+    replay_trace(ref, run, model_dir=model, runtime="llama.cpp")
+    res = diff_traces(ref, run, str(PROFILE))
+    assert res.match, res.to_json()["first_divergence"]
+
+
+def test_kv_sharing_llamacpp_cannot_express_is_refused_in_one_line(tmp_path):
+    """tests/tiny_models.py's base layout [S,S,F,S | F,S,F]: HF's layer 4 reads layer 2's K/V,
+    llama.cpp would read layer 3 (the last before the sharing ones), a sliding layer."""
+    from tests import tiny_models
+
+    model = tiny_models.build(tmp_path / "model")
+    res = CliRunner().invoke(main, ["export-gguf", "--model", str(model), "-o", str(tmp_path / "x.gguf")])
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == [
+        "error: llama.cpp cannot run this KV sharing: its layer 4 (full_attention) would read layer 3's K/V, "
+        "HF reads layer 2's (llama.cpp expects the last layer before the sharing ones to be a full layer and the "
+        "one before it sliding)"]
+    assert not (tmp_path / "x.gguf").exists()
