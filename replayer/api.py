@@ -203,7 +203,7 @@ def load_factory(spec: str):
     """Import MODULE:FACTORY (only now, when named) and return the factory callable."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise TraceToolError(f"--runtime {spec!r}: expected 'static', {', '.join(QUANTIZED_RUNTIMES + tuple(EXTRA_RUNTIMES))} or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)")
+        raise TraceToolError(f"--runtime {spec!r}: expected 'static', {', '.join(QUANTIZED_RUNTIMES + tuple(EXTRA_RUNTIMES))}, {LLAMACPP_RUNTIME}[:TYPE] or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)")
     # like `python -m`: a module in the current folder is found without installing it
     cwd = os.getcwd()
     added = cwd not in sys.path
