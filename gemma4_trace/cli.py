@@ -328,3 +328,17 @@ def calibrate(reference, bases, output, margin, force):
     from gemma4_trace.diff.calibrate import write_calibration
 
     click.echo(write_calibration(reference, list(bases), output, margin=margin, force=force))
+
+
+@main.command("export-gguf")
+@click.option("--model", "model_dir", type=click.Path(), default=None, help="save_pretrained folder [default: embedded tiny model]")
+@click.option("--type", "gguf_type", default="F32", show_default=True,
+              help="F32, F16, BF16, Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0 or Q3_K_M (all but F32 need the llamacpp extra)")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="GGUF file to write")
+@click.option("--force", is_flag=True, help="replace an existing output")
+@user_errors
+def export_gguf_cmd(model_dir, gguf_type, output, force):
+    """Convert the checkpoint to GGUF (what --runtime llama.cpp:TYPE runs), cached by content."""
+    from gemma4_trace.replayer.llamacpp_runtime import export_command
+
+    click.echo(export_command(model_dir, gguf_type, output, force=force))

@@ -41,6 +41,8 @@ EXTRA_RUNTIMES = {
     "tico-quant": "gemma4_trace.replayer.tico_runtime:make_tico_quant",
     "onnx": "gemma4_trace.replayer.onnx_runtime:make_onnx",  # gemma4-trace[onnx]
 }
+# llama.cpp[:TYPE] (gemma4-trace[llamacpp]): matched before MODULE:FACTORY, whose colon it shares
+LLAMACPP_RUNTIME = "llama.cpp"
 
 
 class ReportError(TraceToolError):
@@ -201,7 +203,7 @@ def load_factory(spec: str):
     """Import MODULE:FACTORY (only now, when named) and return the factory callable."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise TraceToolError(f"--runtime {spec!r}: expected 'static', {', '.join(QUANTIZED_RUNTIMES + tuple(EXTRA_RUNTIMES))} or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)")
+        raise TraceToolError(f"--runtime {spec!r}: expected 'static', {', '.join(QUANTIZED_RUNTIMES + tuple(EXTRA_RUNTIMES))}, {LLAMACPP_RUNTIME}[:TYPE] or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)")
     # like `python -m`: a module in the current folder is found without installing it
     cwd = os.getcwd()
     added = cwd not in sys.path
@@ -249,6 +251,10 @@ def make_runtime(spec: str, loaded, max_seq: int):
         from .quant import make_quantized
 
         return make_quantized(loaded, max_seq, spec)
+    if spec == LLAMACPP_RUNTIME or spec.startswith(LLAMACPP_RUNTIME + ":"):
+        from .llamacpp_runtime import make_llamacpp, parse_spec
+
+        return check_runtime(make_llamacpp(parse_spec(spec))(loaded, max_seq), spec)
     spec = EXTRA_RUNTIMES.get(spec, spec)
     factory = load_factory(spec)
     try:

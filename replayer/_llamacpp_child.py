@@ -1,0 +1,223 @@
+"""The child process that runs llama.cpp for `--runtime llama.cpp` (replayer/llamacpp_runtime.py).
+
+llama.cpp is C code: a fault in it (segfault, abort) ends the process it runs in. It runs
+here, in its own process, so the parent can name the failure in one line and discard the
+trace. Protocol: length-prefixed pickles over stdin/stdout, the parent's commands in, replies
+out. Commands:
+
+    ("quantize", src, dst, ftype)      -> ("done",)
+    ("load", gguf_path, n_ctx)         -> ("ready", description, n_vocab)
+    ("decode", ids, first_position)    -> ("tensor", kind, layer, array)..., ("logits", array)
+
+A failure llama.cpp reports (a file it cannot load, a decode error) is ("error", line).
+Tensors are captured through the scheduler's eval callback (`cb_eval`), sent as soon as each
+is computed so the parent always knows the last one reported.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import re
+import struct
+import sys
+
+import numpy as np
+
+# ggml node names (set by the gemma4 graph's `cb(tensor, name, layer)`) -> canonical kinds
+GLOBAL_NAMES = {"inp_scaled": "embeddings", "inp_per_layer": "per_layer_inputs", "h_nextn": "final_hidden"}
+LAYER_NAMES = {"Qcur_pos": "q", "Kcur_pos": "k", "Vcur_normed": "v", "l_out": "layer_out"}
+# attn_out (o_proj's output) has no name of its own in the graph: it is the matrix product
+# whose weight is the layer's attention output tensor
+ATTN_OUT_WEIGHT = re.compile(r"blk\.(\d+)\.attn_output\.weight")
+GGML_TYPE_F32 = 0
+# llama.cpp's flash attention (auto: on for this CPU backend) computes attention with FP16 steps:
+# "off" takes the plain softmax path, to tell its share of the difference from the FP16 GELU table's
+FLASH_ATTN_ENV = "GEMMA4_TRACE_LLAMACPP_FLASH_ATTN"
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+UBATCH_ENV = "GEMMA4_TRACE_LLAMACPP_UBATCH"  # llama.cpp's n_ubatch (default 512, its own default)
+TEST_ABORT_ENV = "GEMMA4_TRACE_TEST_LLAMACPP_ABORT"  # tests: "KIND" or "KIND@LAYER" -> os.abort() after reporting it
+
+
+class _Tensor(ctypes.Structure):
+    """The head of ggml's `struct ggml_tensor` (ggml.h), up to its name."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+    ]
+
+
+def _send(out, msg) -> None:
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    out.write(struct.pack("<Q", len(data)) + data)
+    out.flush()
+
+
+def _recv(inp):
+    head = inp.read(8)
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack("<Q", head)
+    return pickle.loads(inp.read(n))
+
+
+def _ggml_lib(llama_cpp):
+    """libggml-base, where ggml_backend_tensor_get and ggml_op_name live (shipped beside libllama)."""
+    lib_dir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    for name in sorted(os.listdir(lib_dir)):
+        if name.startswith("libggml-base"):
+            lib = ctypes.CDLL(os.path.join(lib_dir, name))
+            lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+            lib.ggml_backend_tensor_get.restype = None
+            lib.ggml_op_name.argtypes = [ctypes.c_int]
+            lib.ggml_op_name.restype = ctypes.c_char_p
+            return lib
+    raise RuntimeError(f"libggml-base not found in {lib_dir}")
+
+
+class Capture:
+    """The eval callback: which nodes to read (ask) and reading them (not ask)."""
+
+    def __init__(self, ggml, out):
+        self.ggml, self.out = ggml, out
+        self.on = False
+        self.abort_after = os.environ.get(TEST_ABORT_ENV)
+        self.mul_mat = next(i for i in range(1000) if ggml.ggml_op_name(i) == b"MUL_MAT")  # ggml_op's value
+        self.c_callback = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(self._cb)
+
+    def _target(self, t: _Tensor):
+        name = t.name.decode(errors="replace")
+        if name in GLOBAL_NAMES:
+            return GLOBAL_NAMES[name], None
+        base, _, layer = name.rpartition("-")
+        if base in LAYER_NAMES and layer.isdigit():
+            return LAYER_NAMES[base], int(layer)
+        if t.op == self.mul_mat and t.src[0]:
+            m = ATTN_OUT_WEIGHT.fullmatch(_Tensor.from_address(t.src[0]).name.decode(errors="replace"))
+            if m:
+                return "attn_out", int(m.group(1))
+        return None
+
+    def _cb(self, ptr, ask, _user):
+        try:
+            if not self.on:
+                return not ask  # nothing asked; compute on
+            t = _Tensor.from_address(ptr)
+            target = self._target(t)
+            if ask:
+                return target is not None
+            if target is None or t.type != GGML_TYPE_F32:
+                return True
+            ne = [int(x) for x in t.ne]
+            contiguous = t.nb[0] == 4 and all(t.nb[i] == t.nb[i - 1] * ne[i - 1] for i in range(1, 4))
+            if not contiguous:
+                return True
+            arr = np.empty(ne[::-1], dtype=np.float32)
+            self.ggml.ggml_backend_tensor_get(ptr, arr.ctypes.data, 0, arr.nbytes)
+            kind, layer = target
+            _send(self.out, ("tensor", kind, layer, arr))  # numpy order (ne3, ne2, ne1, ne0): rows lead
+            if self.abort_after in (kind, f"{kind}@{layer}"):
+                os.abort()
+            return True
+        except Exception:  # noqa: BLE001 - never let a Python error unwind into C
+            return True
+
+
+def main() -> int:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash is reported by the parent, not dumped
+    # the replies get stdout's pipe on a descriptor of their own; fd 1 becomes stderr, so that
+    # nothing llama.cpp's C code prints can land in the reply stream
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    inp = sys.stdin.buffer
+    import llama_cpp as L
+
+    quiet = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda level, text, user: None)
+    L.llama_log_set(quiet, None)
+    L.llama_backend_init()
+    ggml = _ggml_lib(L)
+    cap = Capture(ggml, out)
+    model = ctx = None
+    n_vocab = 0
+    threads = max(1, min(4, os.cpu_count() or 1))
+    while True:
+        msg = _recv(inp)
+        if msg is None:
+            return 0
+        cmd = msg[0]
+        if cmd == "quantize":
+            _, src, dst, ftype = msg
+            qp = L.llama_model_quantize_default_params()
+            qp.ftype = ftype
+            qp.nthread = threads
+            rc = L.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(qp))
+            _send(out, ("done",) if rc == 0 else ("error", f"llama_model_quantize returned {rc}"))
+        elif cmd == "load":
+            _, path, n_ctx = msg
+            mp = L.llama_model_default_params()
+            mp.n_gpu_layers = 0
+            mp.use_extra_bufts = False  # the AMX repacked buffers crash on quantized Gemma 4 (ggml_backend_amx_mul_mat)
+            model = L.llama_model_load_from_file(path.encode(), mp)
+            if not model:
+                _send(out, ("error", "llama.cpp could not load the GGUF file (llama_model_load_from_file failed)"))
+                continue
+            cp = L.llama_context_default_params()
+            cp.n_ctx = n_ctx
+            cp.n_batch = n_ctx
+            # a prompt longer than a ubatch runs as several graphs; the parent stitches their rows in order
+            cp.n_ubatch = min(n_ctx, int(os.environ.get(UBATCH_ENV, "512")))
+            cp.n_seq_max = 1
+            cp.flash_attn_type = FLASH_ATTN.get(os.environ.get(FLASH_ATTN_ENV, "auto"), -1)
+            cp.n_threads = cp.n_threads_batch = threads
+            cp.type_k = cp.type_v = GGML_TYPE_F32  # the cache keeps what the layers computed
+            cp.cb_eval = ctypes.cast(cap.c_callback, type(cp.cb_eval))
+            cp.cb_eval_user_data = None
+            ctx = L.llama_init_from_model(model, cp)
+            if not ctx:
+                _send(out, ("error", "llama.cpp could not create a context (llama_init_from_model failed)"))
+                continue
+            n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+            desc = ctypes.create_string_buffer(256)
+            L.llama_model_desc(model, desc, 256)
+            _send(out, ("ready", desc.value.decode(errors="replace"), n_vocab))
+        elif cmd == "decode":
+            _, ids, first = msg
+            n = len(ids)
+            batch = L.llama_batch_init(n, 0, 1)
+            try:
+                for j, tok in enumerate(ids):
+                    batch.token[j] = tok
+                    batch.pos[j] = first + j
+                    batch.n_seq_id[j] = 1
+                    batch.seq_id[j][0] = 0
+                    batch.logits[j] = j == n - 1
+                batch.n_tokens = n
+                cap.on = True
+                rc = L.llama_decode(ctx, batch)
+                cap.on = False
+            finally:
+                L.llama_batch_free(batch)
+            if rc != 0:
+                _send(out, ("error", f"llama_decode returned {rc}"))
+                continue
+            logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
+            _send(out, ("logits", logits))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""`--runtime llama.cpp[:TYPE]` and `trace export-gguf` (extra gemma4-trace[llamacpp]): the
+project's GGUF writer, llama.cpp in a child process, its capture and its failures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+gguf = pytest.importorskip("gguf", reason="gguf is not installed (pip install 'gemma4-trace[llamacpp]')")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'gemma4-trace[llamacpp]')")
+
+from gemma4_trace.cli import main  # noqa: E402
+from gemma4_trace.diff import diff_traces  # noqa: E402
+from gemma4_trace.recorder.golden import golden_path  # noqa: E402
+from gemma4_trace.hf.model import EMBEDDED_MODEL_DIR  # noqa: E402
+from gemma4_trace.replayer import gguf_writer as GW  # noqa: E402
+from gemma4_trace.replayer import llamacpp_runtime as LR  # noqa: E402
+from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
+from gemma4_trace.traces.reader import TraceReader  # noqa: E402
+
+PROFILE = LR.PROFILE_F32
+TEXT_GOLDENS = ("short", "window", "eos")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    """One GGUF cache for the module's tests, never the user's."""
+    monkeypatch.setenv(GW.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "gguf-cache"))
+
+
+def _rel(x, y):
+    x, y = x.reshape(len(x), -1).astype(np.float64), y.reshape(len(y), -1).astype(np.float64)
+    return np.linalg.norm(x - y, axis=1) / np.maximum(np.linalg.norm(x, axis=1), 1e-30)
+
+
+@pytest.mark.parametrize("name", TEXT_GOLDENS)
+def test_f32_replay_matches_under_the_llamacpp_profile(tmp_path, name):
+    ref, run = golden_path(name), tmp_path / "llama.h5"
+    summary = replay_trace(ref, run, runtime="llama.cpp")
+    assert "llama.cpp:F32 (llama-cpp-python 0.3.36, CPU)" in summary
+    res = diff_traces(ref, run, str(PROFILE))
+    assert res.match, res.to_json()["first_divergence"]
+    with TraceReader(ref) as a, TraceReader(run) as b:
+        got = set(b.kinds_present())
+        kinds = {k for k, _ in got}
+        assert kinds == {"embeddings", "per_layer_inputs", "q", "k", "v", "attn_out", "layer_out",
+                         "final_hidden", "logits", "token"}
+        # masks and RoPE tables are not graph nodes: absent, never zeros
+        assert not any(k in ("mask",) or k.startswith("rope_") for k in kinds)
+        # k/v only where a layer writes its own K/V
+        owners = {i for i, info in enumerate(a.layers) if info.kv_role != "reuses"}
+        assert {layer for k, layer in got if k == "k"} == owners
+        # real, GELU-table-sized differences: not a copy of REF, not far from it
+        worst = max(_rel(a.read("layer_out", i), b.read("layer_out", i)).max() for i in range(len(a.layers)))
+        assert 1e-5 < worst < 2e-3, worst
+    # the default tolerances (float32: 1e-4) see llama.cpp's FP16 GELU table: a divergence
+    assert not diff_traces(ref, run).match
+
+
+def test_second_replay_reuses_the_cached_conversion(tmp_path):
+    ref = golden_path("short")
+    replay_trace(ref, tmp_path / "a.h5", runtime="llama.cpp")
+    cached = sorted(p.name for p in (GW.cache_dir() / "gguf").iterdir())
+    replay_trace(ref, tmp_path / "b.h5", runtime="llama.cpp")
+    assert sorted(p.name for p in (GW.cache_dir() / "gguf").iterdir()) == cached
+    assert any(n.endswith("-F32.gguf") for n in cached)
+
+
+def test_quantized_q8_0_replays_and_is_cached(tmp_path):
+    ref, run = golden_path("short"), tmp_path / "q8.h5"
+    assert "llama.cpp:Q8_0" in replay_trace(ref, run, runtime="llama.cpp:Q8_0")
+    path = GW.cache_path(EMBEDDED_MODEL_DIR, "Q8_0")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.0.attn_norm.weight"] == "F32"
+    with TraceReader(ref) as a, TraceReader(run) as b:
+        worst = max(_rel(a.read("layer_out", i), b.read("layer_out", i)).max() for i in range(len(a.layers)))
+    assert 1e-4 < worst < 0.2, worst  # 8-bit weights: larger than F32's, far from garbage
+
+
+def test_crash_in_llamacpp_is_one_line_and_leaves_no_trace(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMA4_TRACE_TEST_LLAMACPP_ABORT", "attn_out@3")
+    run = tmp_path / "crash.h5"
+    res = CliRunner().invoke(main, ["replay", str(golden_path("short")), "--runtime", "llama.cpp", "-o", str(run)])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert lines[-1] == "error: llama.cpp (F32) crashed in prefill after layer 3 attn_out: killed by SIGABRT", lines
+    assert "Traceback" not in res.output
+    assert not run.exists() and not list(tmp_path.iterdir())
+
+
+def test_malformed_gguf_is_refused_in_one_line(tmp_path):
+    ref = golden_path("short")
+    replay_trace(ref, tmp_path / "ok.h5", runtime="llama.cpp")  # fills the cache
+    path = GW.cache_path(EMBEDDED_MODEL_DIR, "F32")
+    data = bytearray(path.read_bytes())
+    data[8:16] = (1 << 62).to_bytes(8, "little")  # the tensor count: far beyond the file
+    path.write_bytes(bytes(data))
+    run = tmp_path / "bad.h5"
+    try:
+        res = CliRunner().invoke(main, ["replay", str(ref), "--runtime", "llama.cpp", "-o", str(run)])
+    finally:
+        path.unlink()
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().splitlines() == [
+        f"error: llama.cpp (F32) failed in loading {path}: llama.cpp could not load the GGUF file "
+        "(llama_model_load_from_file failed)"]
+    assert not run.exists()
+
+
+def test_image_trace_is_refused_in_one_line(tmp_path):
+    run = tmp_path / "img.h5"
+    res = CliRunner().invoke(main, ["replay", str(golden_path("image")), "--runtime", "llama.cpp", "-o", str(run)])
+    assert res.exit_code == 2, res.output
+    assert "replays text-only traces; this one has an image" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and not run.exists()
+
+
+def test_unknown_type_is_refused_before_any_work(tmp_path):
+    res = CliRunner().invoke(main, ["replay", str(golden_path("short")), "--runtime", "llama.cpp:Q9_X",
+                                    "-o", str(tmp_path / "r.h5")])
+    assert res.exit_code == 2
+    assert "unknown GGUF type 'Q9_X'; expected one of F32, F16, BF16, Q8_0" in res.output
+
+
+def test_export_gguf_writes_the_metadata_llamacpp_reads(tmp_path):
+    out = tmp_path / "tiny.gguf"
+    res = CliRunner().invoke(main, ["export-gguf", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith(f"wrote {out} (1.8 MiB): tiny-gemma4 (embedded), F32")
+    r = gguf.GGUFReader(out)
+    meta = {k: f.contents() for k, f in r.fields.items() if k.startswith("gemma4.")}
+    assert meta["gemma4.attention.sliding_window"] == 8
+    assert meta["gemma4.attention.sliding_window_pattern"] == [True, True, False, True, False, True, True, False]
+    assert meta["gemma4.attention.shared_kv_layers"] == 3
+    assert meta["gemma4.feed_forward_length"] == [128] * 5 + [256] * 3  # double-wide MLPs of the KV-sharing layers
+    assert (meta["gemma4.attention.key_length"], meta["gemma4.attention.key_length_swa"]) == (32, 16)
+    assert (meta["gemma4.rope.freq_base"], meta["gemma4.rope.freq_base_swa"]) == (1e6, 1e4)
+    assert meta["gemma4.final_logit_softcapping"] == 30.0
+    tensors = {t.name: t for t in r.tensors}
+    # proportional RoPE x0.25 over head_dim 32: 4 rotated frequencies, 12 held still
+    assert tensors["rope_freqs.weight"].data.tolist() == np.array([1.0] * 4 + [1e30] * 12, np.float32).tolist()
+    assert "blk.7.attn_k.weight" not in tensors and "blk.4.attn_k.weight" in tensors  # layer 7 reuses K/V
+    assert tensors["blk.5.ffn_gate.weight"].shape.tolist() == [64, 256]  # ggml order: {in, out}
+    again = CliRunner().invoke(main, ["export-gguf", "-o", str(out)])
+    assert again.exit_code == 2 and "already exists" in again.output
+
+
+def test_profile_still_sees_a_conversion_fault(tmp_path):
+    """RMSNorm weights written with the +1 offset earlier Gemmas store: under the llama.cpp profile
+    the first divergence is the per-layer inputs, the first tensor a norm weight enters (the
+    per-layer projection norm, before layer 0)."""
+    from gemma4_trace.hf.model import load_model
+
+    path = GW.cache_path(EMBEDDED_MODEL_DIR, "F32")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    GW.write_f32(load_model(None), path, mutate=lambda name, a: a + 1 if name.endswith("norm.weight") else a)
+    try:
+        ref, run = golden_path("short"), tmp_path / "fault.h5"
+        replay_trace(ref, run, runtime="llama.cpp")
+        first = diff_traces(ref, run, str(PROFILE)).to_json()["first_divergence"]
+        assert (first["step"], first["layer"], first["kind"]) == (0, None, "per_layer_inputs"), first
+    finally:
+        path.unlink()
+
+
+def test_docs_commands_print_what_the_doc_shows(tmp_path, monkeypatch):
+    """Every `$ trace ...` of docs/runtime-llamacpp.md's real reports, run again in order with an
+    empty cache: the lines the doc shows are the first lines printed (times masked)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "runtime-llamacpp.md").read_text().split("## Real reports", 1)[1]
+    blocks, current = [], None
+    for line in text.splitlines():
+        if line.startswith("    $ "):
+            current = (line[6:], [])
+            blocks.append(current)
+        elif line.startswith("    ") and current is not None:
+            current[1].append(line[4:])
+        else:
+            current = None
+    assert len(blocks) == 9
+    for name in ("traces", "diff"):
+        (tmp_path / name).symlink_to(root / name)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(GW.CACHE_ENV, str(tmp_path / "cache"))
+    mask = lambda s: re.sub(r"\d+\.\d+ s\b", "T s", s)  # noqa: E731
+    for command, shown in blocks:
+        words = shlex.split(command)
+        env = dict(w.split("=", 1) for w in words[: words.index("trace")])
+        res = CliRunner().invoke(main, words[words.index("trace") + 1:], env=env)
+        got = [mask(line) for line in res.output.splitlines()]
+        assert got[: len(shown)] == [mask(line) for line in shown], command
+
+
+def test_prompt_longer_than_a_ubatch_is_stitched_by_position(tmp_path, monkeypatch):
+    """13 prompt tokens in ubatches of 4 (4+4+4+1 graphs): every row lands at its position, the
+    same values as one ubatch gives (bit for bit where the ubatch shapes agree), and a match."""
+    ref = golden_path("window")
+    whole, split = tmp_path / "whole.h5", tmp_path / "split.h5"
+    replay_trace(ref, whole, runtime="llama.cpp")
+    monkeypatch.setenv("GEMMA4_TRACE_LLAMACPP_UBATCH", "4")
+    replay_trace(ref, split, runtime="llama.cpp")
+    assert diff_traces(ref, split, str(PROFILE)).match
+    with TraceReader(whole) as a, TraceReader(split) as b:
+        for kind, layer in (("q", 0), ("per_layer_inputs", None), ("layer_out", 7), ("final_hidden", None)):
+            x, y = a.read(kind, layer), b.read(kind, layer)
+            assert x.shape == y.shape and np.array_equal(x[:8], y[:8]), (kind, layer)
+            assert np.abs(x - y).max() < 1e-4, (kind, layer)
+
+
+# ---------------------------------------------------------------- conversion faults, localised
+# Each fault is one mistake the project's writer makes on purpose; the expected first divergence
+# (step, layer, kind, position) follows from the model's structure: tiny model layers
+# [S,S,F,S,F,S,S,F], window 8, sliding head_dim 16 (all rotated), full head_dim 32 with 4 of 16
+# frequencies rotated, layers 5-7 reuse the K/V of layers 3 (sliding) and 4 (full).
+def _swap_qk_norm():
+    from gemma4_trace.hf.model import load_model
+
+    arrays = dict(GW.tensors(load_model(None)))
+    swap = {"attn_q_norm": "attn_k_norm", "attn_k_norm": "attn_q_norm"}
+
+    def mutate(name, a):
+        for this, other in swap.items():
+            if this in name and name.replace(this, other) in arrays:
+                return arrays[name.replace(this, other)]
+        return a
+
+    return dict(mutate=mutate)
+
+
+ZOO = {
+    # RoPE does nothing at position 0: the first row it changes is position 1 of the first sliding layer's q
+    "sliding RoPE base 1e6 instead of 1e4": (dict(metadata={"gemma4.rope.freq_base_swa": 1e6}), (0, 0, "q", 1)),
+    # a window of 9: the first query that sees one key too many is position 8, in layer 0's attention
+    "sliding window off by one (9)": (dict(metadata={"gemma4.attention.sliding_window": 9}), (0, 0, "attn_out", 8)),
+    # the first full layer (2) is the first with proportional RoPE; position 0 is not rotated. The
+    # extra frequencies are slow (1e6^-0.25 rad per position and less): position 1 is only just past
+    # the profile (7e-3 > 6e-3), so any early position is the right site
+    "proportional RoPE fraction 0.5": (dict(mutate=lambda n, a: np.where(np.arange(a.size) < 8, 1.0, a).astype(a.dtype)
+                                            if n == "rope_freqs.weight" else a), (0, 2, "q", range(1, 4))),
+    # the per-layer embedding table with its layer blocks in reverse order: per_layer_inputs, row 0
+    "per-layer embeddings permuted": (dict(mutate=lambda n, a: a.reshape(a.shape[0], 8, -1)[:, ::-1].reshape(a.shape).copy()
+                                           if n == "per_layer_token_embd.weight" else a), (0, None, "per_layer_inputs", 0)),
+    # q_norm and k_norm swapped (same width in every layer): layer 0's q, from position 0
+    "q_norm and k_norm swapped": (_swap_qk_norm, (0, 0, "q", 0)),
+    # a softcap of 15: only the logits change
+    "final logit softcap 15 instead of 30": (dict(metadata={"gemma4.final_logit_softcapping": 15.0}), (0, None, "logits", 12)),
+}
+
+
+@pytest.mark.parametrize("fault", ZOO)
+def test_conversion_fault_is_localised_under_the_profile(tmp_path, monkeypatch, fault):
+    from gemma4_trace.hf.model import load_model
+
+    how, expected = ZOO[fault]
+    monkeypatch.setenv(GW.CACHE_ENV, str(tmp_path / "cache"))  # the faulty file in a cache of its own
+    path = GW.cache_path(EMBEDDED_MODEL_DIR, "F32")
+    path.parent.mkdir(parents=True)
+    GW.write_f32(load_model(None), path, **(how() if callable(how) else how))
+    ref, run = golden_path("short"), tmp_path / "fault.h5"
+    replay_trace(ref, run, runtime="llama.cpp")
+    first = diff_traces(ref, run, str(PROFILE)).to_json()["first_divergence"]
+    step, layer, kind, position = expected
+    assert (first["step"], first["layer"], first["kind"]) == (step, layer, kind), first
+    assert first["position"] in (position if isinstance(position, range) else [position]), first
+
+
+def test_a_real_llamacpp_abort_is_one_line_with_ggmls_message(tmp_path, monkeypatch):
+    """KV sharing written as 4 layers instead of 3: llama.cpp's KV cache finds no cache for a
+    sharing layer's source and aborts (GGML_ASSERT) while loading. One line names the runtime,
+    TYPE, phase and ggml's message; exit 2; no trace."""
+    from gemma4_trace.hf.model import load_model
+
+    monkeypatch.setenv(GW.CACHE_ENV, str(tmp_path / "cache"))
+    path = GW.cache_path(EMBEDDED_MODEL_DIR, "F32")
+    path.parent.mkdir(parents=True)
+    GW.write_f32(load_model(None), path, metadata={"gemma4.attention.shared_kv_layers": 4})
+    run = tmp_path / "run.h5"
+    res = CliRunner().invoke(main, ["replay", str(golden_path("short")), "--runtime", "llama.cpp", "-o", str(run)])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: llama.cpp (F32) crashed in loading {path} before reporting "
+                                                   "anything: killed by SIGABRT (")
+    assert "GGML_ASSERT(" in lines[0] and lines[0].endswith(" failed)"), lines
+    assert not run.exists()
+
+
+# ---------------------------------------------------------------- K-quant fixture (widths of 256)
+KQ_WIDTHS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64, global_head_dim=128,
+                 vocab_size=256, vocab_size_per_layer_input=256)
+
+
+@pytest.fixture(scope="module")
+def kquant_model(tmp_path_factory):
+    """A random Gemma 4 (tests/tiny_models.py, no tokenizer) whose matrix widths are multiples of
+    256, so llama.cpp's K-quants are really K-quants; two KV-sharing layers, the layout llama.cpp reads."""
+    from tests import tiny_models
+
+    d = tmp_path_factory.mktemp("kquant")
+    model = tiny_models.build(d / "model", num_kv_shared_layers=2, **KQ_WIDTHS)
+    ref = d / "ref.h5"
+    res = CliRunner().invoke(main, ["record", "--model", str(model), "--input-ids", "2,17,33,40,51,60,71,80,90,100",
+                                    "--max-new-tokens", "4", "-o", str(ref)])
+    assert res.exit_code == 0, res.output
+    return model, ref
+
+
+def test_q4_k_m_of_256_wide_model_is_really_q4_k(tmp_path, kquant_model):
+    model, ref = kquant_model
+    out = tmp_path / "q4km.gguf"
+    res = CliRunner().invoke(main, ["export-gguf", "--model", str(model), "--type", "Q4_K_M", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    # every matrix whose rows are 256-wide is a K-quant: Q4_K, and Q6_K where Q4_K_M keeps more bits
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_output.weight", "blk.0.ffn_gate.weight",
+                 "blk.0.ffn_up.weight", "blk.3.ffn_down.weight"):
+        assert types[name] == "Q4_K", (name, types[name])
+    assert types["token_embd.weight"] == "Q6_K" and types["blk.0.attn_norm.weight"] == "F32"
+    assert sum(t == "Q4_K" for t in types.values()) >= 40 and "Q5_0" not in types.values()
+    run = tmp_path / "q4km.h5"
+    assert "4/4 tokens agree" in replay_trace(ref, run, model_dir=model, runtime="llama.cpp:Q4_K_M")
+
+
+def test_f32_of_a_second_model_matches_under_the_profile(tmp_path, kquant_model):
+    """The writer on another checkpoint (global_head_dim in the config, no tokenizer: an id-only vocabulary)."""
+    model, ref = kquant_model
+    run = tmp_path / "f32.h5"
+    replay_trace(ref, run, model_dir=model, runtime="llama.cpp")
+    res = diff_traces(ref, run, str(PROFILE))
+    assert res.match, res.to_json()["first_divergence"]
+
+
+def test_kv_sharing_llamacpp_cannot_express_is_refused_in_one_line(tmp_path):
+    """tests/tiny_models.py's base layout [S,S,F,S | F,S,F]: HF's layer 4 reads layer 2's K/V,
+    llama.cpp would read layer 3 (the last before the sharing ones), a sliding layer."""
+    from tests import tiny_models
+
+    model = tiny_models.build(tmp_path / "model")
+    res = CliRunner().invoke(main, ["export-gguf", "--model", str(model), "-o", str(tmp_path / "x.gguf")])
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == [
+        "error: llama.cpp cannot run this KV sharing: its layer 4 (full_attention) would read layer 3's K/V, "
+        "HF reads layer 2's (llama.cpp expects the last layer before the sharing ones to be a full layer and the "
+        "one before it sliding)"]
+    assert not (tmp_path / "x.gguf").exists()
