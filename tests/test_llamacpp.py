@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 gguf = pytest.importorskip("gguf", reason="gguf is not installed (pip install 'gemma4-trace[llamacpp]')")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'gemma4-trace[llamacpp]')")
 
-from gemma4_trace.cli import main  # noqa: E402
 from gemma4_trace.diff import diff_traces  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402
-from gemma4_trace.hf.model import EMBEDDED_MODEL_DIR  # noqa: E402
+from gemma4_trace.hf.model import embedded_model_dir  # noqa: E402
+from tests.support import invoke, one_line_error  # noqa: E402
 from gemma4_trace.replayer import gguf_writer as GW  # noqa: E402
 from gemma4_trace.replayer import llamacpp_runtime as LR  # noqa: E402
 from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
@@ -70,7 +69,7 @@ def test_second_replay_reuses_the_cached_conversion(tmp_path):
 def test_quantized_q8_0_replays_and_is_cached(tmp_path):
     ref, run = golden_path("short"), tmp_path / "q8.h5"
     assert "llama.cpp:Q8_0" in replay_trace(ref, run, runtime="llama.cpp:Q8_0")
-    path = GW.cache_path(EMBEDDED_MODEL_DIR, "Q8_0")
+    path = GW.cache_path(embedded_model_dir(), "Q8_0")
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.0.attn_norm.weight"] == "F32"
     with TraceReader(ref) as a, TraceReader(run) as b:
@@ -81,51 +80,45 @@ def test_quantized_q8_0_replays_and_is_cached(tmp_path):
 def test_crash_in_llamacpp_is_one_line_and_leaves_no_trace(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMA4_TRACE_TEST_LLAMACPP_ABORT", "attn_out@3")
     run = tmp_path / "crash.h5"
-    res = CliRunner().invoke(main, ["replay", str(golden_path("short")), "--runtime", "llama.cpp", "-o", str(run)])
-    assert res.exit_code == 2, res.output
-    lines = res.output.strip().splitlines()
-    assert lines[-1] == "error: llama.cpp (F32) crashed in prefill after layer 3 attn_out: killed by SIGABRT", lines
-    assert "Traceback" not in res.output
+    res = invoke("replay", str(golden_path("short")), "--runtime", "llama.cpp", "-o", str(run))
+    line = one_line_error(res, out=run)
+    assert line == "error: llama.cpp (F32) crashed in prefill after layer 3 attn_out: killed by SIGABRT", line
     assert not run.exists() and not list(tmp_path.iterdir())
 
 
 def test_malformed_gguf_is_refused_in_one_line(tmp_path):
     ref = golden_path("short")
     replay_trace(ref, tmp_path / "ok.h5", runtime="llama.cpp")  # fills the cache
-    path = GW.cache_path(EMBEDDED_MODEL_DIR, "F32")
+    path = GW.cache_path(embedded_model_dir(), "F32")
     data = bytearray(path.read_bytes())
     data[8:16] = (1 << 62).to_bytes(8, "little")  # the tensor count: far beyond the file
     path.write_bytes(bytes(data))
     run = tmp_path / "bad.h5"
     try:
-        res = CliRunner().invoke(main, ["replay", str(ref), "--runtime", "llama.cpp", "-o", str(run)])
+        res = invoke("replay", str(ref), "--runtime", "llama.cpp", "-o", str(run))
     finally:
         path.unlink()
-    assert res.exit_code == 2, res.output
-    assert res.output.strip().splitlines() == [
+    assert one_line_error(res, out=run) == (
         f"error: llama.cpp (F32) failed in loading {path}: llama.cpp could not load the GGUF file "
-        "(llama_model_load_from_file failed)"]
+        "(llama_model_load_from_file failed)")
     assert not run.exists()
 
 
 def test_image_trace_is_refused_in_one_line(tmp_path):
     run = tmp_path / "img.h5"
-    res = CliRunner().invoke(main, ["replay", str(golden_path("image")), "--runtime", "llama.cpp", "-o", str(run)])
-    assert res.exit_code == 2, res.output
-    assert "replays text-only traces; this one has an image" in res.output
-    assert len(res.output.strip().splitlines()) == 1 and not run.exists()
+    res = invoke("replay", str(golden_path("image")), "--runtime", "llama.cpp", "-o", str(run))
+    one_line_error(res, "replays text-only traces; this one has an image", out=run)
 
 
 def test_unknown_type_is_refused_before_any_work(tmp_path):
-    res = CliRunner().invoke(main, ["replay", str(golden_path("short")), "--runtime", "llama.cpp:Q9_X",
-                                    "-o", str(tmp_path / "r.h5")])
-    assert res.exit_code == 2
-    assert "unknown GGUF type 'Q9_X'; expected one of F32, F16, BF16, Q8_0" in res.output
+    res = invoke("replay", str(golden_path("short")), "--runtime", "llama.cpp:Q9_X",
+                 "-o", str(tmp_path / "r.h5"))
+    one_line_error(res, "unknown GGUF type 'Q9_X'; expected one of F32, F16, BF16, Q8_0")
 
 
 def test_export_gguf_writes_the_metadata_llamacpp_reads(tmp_path):
     out = tmp_path / "tiny.gguf"
-    res = CliRunner().invoke(main, ["export-gguf", "-o", str(out)])
+    res = invoke("export-gguf", "-o", str(out))
     assert res.exit_code == 0, res.output
     assert res.output.startswith(f"wrote {out} (1.8 MiB): tiny-gemma4 (embedded), F32")
     r = gguf.GGUFReader(out)
@@ -142,9 +135,9 @@ def test_export_gguf_writes_the_metadata_llamacpp_reads(tmp_path):
     assert tensors["rope_freqs.weight"].data.tolist() == np.array([1.0] * 4 + [1e30] * 12, np.float32).tolist()
     assert "blk.7.attn_k.weight" not in tensors and "blk.4.attn_k.weight" in tensors  # layer 7 reuses K/V
     assert tensors["blk.5.ffn_gate.weight"].shape.tolist() == [64, 256]  # ggml order: {in, out}
-    again = CliRunner().invoke(main, ["export-gguf", "-o", str(out)])
+    again = invoke("export-gguf", "-o", str(out))
     assert again.exit_code == 2 and "already exists" in again.output
-
+    one_line_error(again, "already exists")
 
 def test_profile_still_sees_a_conversion_fault(tmp_path):
     """RMSNorm weights written with the +1 offset earlier Gemmas store: under the llama.cpp profile
@@ -152,7 +145,7 @@ def test_profile_still_sees_a_conversion_fault(tmp_path):
     per-layer projection norm, before layer 0)."""
     from gemma4_trace.hf.model import load_model
 
-    path = GW.cache_path(EMBEDDED_MODEL_DIR, "F32")
+    path = GW.cache_path(embedded_model_dir(), "F32")
     path.parent.mkdir(parents=True, exist_ok=True)
     GW.write_f32(load_model(None), path, mutate=lambda name, a: a + 1 if name.endswith("norm.weight") else a)
     try:
@@ -191,7 +184,7 @@ def test_docs_commands_print_what_the_doc_shows(tmp_path, monkeypatch):
     for command, shown in blocks:
         words = shlex.split(command)
         env = dict(w.split("=", 1) for w in words[: words.index("trace")])
-        res = CliRunner().invoke(main, words[words.index("trace") + 1:], env=env)
+        res = invoke(*words[words.index("trace") + 1:], env=env)
         got = [mask(line) for line in res.output.splitlines()]
         assert got[: len(shown)] == [mask(line) for line in shown], command
 
@@ -258,7 +251,7 @@ def test_conversion_fault_is_localised_under_the_profile(tmp_path, monkeypatch, 
 
     how, expected = ZOO[fault]
     monkeypatch.setenv(GW.CACHE_ENV, str(tmp_path / "cache"))  # the faulty file in a cache of its own
-    path = GW.cache_path(EMBEDDED_MODEL_DIR, "F32")
+    path = GW.cache_path(embedded_model_dir(), "F32")
     path.parent.mkdir(parents=True)
     GW.write_f32(load_model(None), path, **(how() if callable(how) else how))
     ref, run = golden_path("short"), tmp_path / "fault.h5"
@@ -276,17 +269,15 @@ def test_a_real_llamacpp_abort_is_one_line_with_ggmls_message(tmp_path, monkeypa
     from gemma4_trace.hf.model import load_model
 
     monkeypatch.setenv(GW.CACHE_ENV, str(tmp_path / "cache"))
-    path = GW.cache_path(EMBEDDED_MODEL_DIR, "F32")
+    path = GW.cache_path(embedded_model_dir(), "F32")
     path.parent.mkdir(parents=True)
     GW.write_f32(load_model(None), path, metadata={"gemma4.attention.shared_kv_layers": 4})
     run = tmp_path / "run.h5"
-    res = CliRunner().invoke(main, ["replay", str(golden_path("short")), "--runtime", "llama.cpp", "-o", str(run)])
-    assert res.exit_code == 2, res.output
-    lines = res.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: llama.cpp (F32) crashed in loading {path} before reporting "
-                                                   "anything: killed by SIGABRT (")
-    assert "GGML_ASSERT(" in lines[0] and lines[0].endswith(" failed)"), lines
-    assert not run.exists()
+    res = invoke("replay", str(golden_path("short")), "--runtime", "llama.cpp", "-o", str(run))
+    line = one_line_error(res, out=run)
+    assert line.startswith(f"error: llama.cpp (F32) crashed in loading {path} before reporting "
+                           "anything: killed by SIGABRT ("), line
+    assert "GGML_ASSERT(" in line and line.endswith(" failed)"), line
 
 
 # ---------------------------------------------------------------- K-quant fixture (widths of 256)
@@ -303,8 +294,8 @@ def kquant_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("kquant")
     model = tiny_models.build(d / "model", num_kv_shared_layers=2, **KQ_WIDTHS)
     ref = d / "ref.h5"
-    res = CliRunner().invoke(main, ["record", "--model", str(model), "--input-ids", "2,17,33,40,51,60,71,80,90,100",
-                                    "--max-new-tokens", "4", "-o", str(ref)])
+    res = invoke("record", "--model", str(model), "--input-ids", "2,17,33,40,51,60,71,80,90,100",
+                 "--max-new-tokens", "4", "-o", str(ref))
     assert res.exit_code == 0, res.output
     return model, ref
 
@@ -312,7 +303,7 @@ def kquant_model(tmp_path_factory):
 def test_q4_k_m_of_256_wide_model_is_really_q4_k(tmp_path, kquant_model):
     model, ref = kquant_model
     out = tmp_path / "q4km.gguf"
-    res = CliRunner().invoke(main, ["export-gguf", "--model", str(model), "--type", "Q4_K_M", "-o", str(out)])
+    res = invoke("export-gguf", "--model", str(model), "--type", "Q4_K_M", "-o", str(out))
     assert res.exit_code == 0, res.output
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
     # every matrix whose rows are 256-wide is a K-quant: Q4_K, and Q6_K where Q4_K_M keeps more bits
@@ -340,10 +331,8 @@ def test_kv_sharing_llamacpp_cannot_express_is_refused_in_one_line(tmp_path):
     from tests import tiny_models
 
     model = tiny_models.build(tmp_path / "model")
-    res = CliRunner().invoke(main, ["export-gguf", "--model", str(model), "-o", str(tmp_path / "x.gguf")])
-    assert res.exit_code == 2
-    assert res.output.strip().splitlines() == [
+    res = invoke("export-gguf", "--model", str(model), "-o", str(tmp_path / "x.gguf"))
+    assert one_line_error(res, out=tmp_path / "x.gguf") == (
         "error: llama.cpp cannot run this KV sharing: its layer 4 (full_attention) would read layer 3's K/V, "
         "HF reads layer 2's (llama.cpp expects the last layer before the sharing ones to be a full layer and the "
-        "one before it sliding)"]
-    assert not (tmp_path / "x.gguf").exists()
+        "one before it sliding)")
