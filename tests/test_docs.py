@@ -9,7 +9,10 @@ is an error: write it with prompts). Blocks of output only, TOML and Python are 
 Each document runs in its own temporary folder, in document order, on the embedded model;
 the folder links the repository's traces/, tests/, hf/, benchmarks/, scripts/ and docs/ so
 the docs' relative paths work, PYTHONPATH is the repository root (`tests.bug_zoo:...`
-plug-ins import) and the `trace` of this interpreter's environment is first on PATH.
+plug-ins import) and this interpreter's environment is first on PATH. `trace` there is the
+console script's `main()` run in a process forked from a warm one (tests/docs_trace_server.py:
+each command its own process, without the 2 s of imports); GEMMA4_DOCS_REAL_TRACE=1 runs the
+environment's own `trace` instead.
 A command must exit 0, or 1 for a `trace diff` that reports a divergence. Its shown output
 must be the first lines it prints (stdout; stderr when it prints nothing there), numbers
 compared to the precision shown (one unit in the last digit shown; integers exactly) and
@@ -206,18 +209,37 @@ def test_line_matches_within_the_precision_shown():
 
 # ---- running a document ------------------------------------------------------------------
 
-def _env() -> dict:
+@pytest.fixture(scope="module")
+def trace_bin(tmp_path_factory):
+    """A folder whose `trace` runs the CLI forked from a warm server (None: the real one)."""
+    if os.environ.get("GEMMA4_DOCS_REAL_TRACE"):
+        yield None
+        return
+    d = tmp_path_factory.mktemp("trace-bin")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    srv = subprocess.Popen([sys.executable, "-m", "tests.docs_trace_server", str(d / "s"), str(d)],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        assert srv.stdout.readline().strip() == b"ready", "the docs' trace server did not start"
+        yield d
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def _env(trace_bin) -> dict:
     env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    path = [str(trace_bin)] if trace_bin else []
+    env["PATH"] = os.pathsep.join([*path, str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = str(ROOT)
     env.pop("GEMMA4_TRACE_DEBUG", None)
     return env
 
 
-def _run_doc(path: Path, tmp: Path) -> int:
+def _run_doc(path: Path, tmp: Path, trace_bin) -> int:
     for name in LINKED:
         (tmp / name).symlink_to(ROOT / name)
-    env, ran = _env(), 0
+    env, ran = _env(trace_bin), 0
     where = path.relative_to(ROOT)
     for line_no, _lines, marker, commands in shell_blocks(path):
         if marker:
@@ -248,8 +270,8 @@ DOCS_WITH_COMMANDS = [p for p in doc_files()
 
 
 @pytest.mark.parametrize("doc", DOCS_WITH_COMMANDS, ids=lambda p: p.name)
-def test_doc_commands_run_with_their_shown_output(doc, tmp_path):
-    assert _run_doc(doc, tmp_path) > 0
+def test_doc_commands_run_with_their_shown_output(doc, tmp_path, trace_bin):
+    assert _run_doc(doc, tmp_path, trace_bin) > 0
 
 
 def test_every_exempt_block_says_why():
