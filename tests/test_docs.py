@@ -72,7 +72,8 @@ def _code_blocks(text: str):
             yield i + 1, block, None
             i, prev_blank = i + len(block), False
             continue
-        prev_blank = not line.strip()
+        # an indented block starts after a blank line or after an HTML comment (a marker)
+        prev_blank = not line.strip() or bool(re.match(r"^\s*<!--.*-->\s*$", line))
         i += 1
 
 
@@ -288,7 +289,8 @@ def test_every_exempt_block_says_why():
     assert not problems, "\n".join(problems)
 
 
-def test_the_docs_have_shell_blocks_and_every_block_is_run_or_marked():
-    blocks = [(d, b) for d in doc_files() for b in shell_blocks(d)]
-    run = [b for _, b in blocks if not b[2]]
-    assert len(run) >= 20, f"only {len(run)} runnable shell blocks found"
+def test_every_block_that_runs_parses_into_commands():
+    blocks = [(d, b) for d in doc_files() for b in shell_blocks(d) if not b[2]]
+    errors = [b[3] for _, b in blocks if isinstance(b[3], str)]
+    assert not errors, "\n".join(errors)
+    assert sum(len(b[3]) for _, b in blocks) >= 40  # README and the docs show this many commands
