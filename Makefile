@@ -5,10 +5,17 @@ OUT ?= out
 
 .PHONY: demo test bench clean
 
+# the demo needs torch and the project alone
 $(BIN)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,quant,tico,onnx,big]"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# the tests add every extra: test tools, torchao, TICO, ONNX Runtime, accelerate, llama.cpp
+# (llama-cpp-python builds from its sdist: about 4 minutes on 2 idle cores the first time; pip caches the wheel)
+$(BIN)/.installed-extras: $(BIN)/.installed
+	$(BIN)/pip install -q -e ".[test,quant,tico,onnx,big,llamacpp]"
 	touch $@
 
 # record HF on the embedded tiny model, replay the static runtime, diff the two
@@ -18,7 +25,7 @@ demo: $(BIN)/.installed
 	$(BIN)/trace replay --force $(OUT)/ref.h5 -o $(OUT)/run.h5
 	$(BIN)/trace diff $(OUT)/ref.h5 $(OUT)/run.h5 --force --report $(OUT)/report.html
 
-test: $(BIN)/.installed
+test: $(BIN)/.installed-extras
 	$(BIN)/python -m pytest -q
 
 clean:

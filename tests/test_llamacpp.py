@@ -136,8 +136,8 @@ def test_export_gguf_writes_the_metadata_llamacpp_reads(tmp_path):
     assert "blk.7.attn_k.weight" not in tensors and "blk.4.attn_k.weight" in tensors  # layer 7 reuses K/V
     assert tensors["blk.5.ffn_gate.weight"].shape.tolist() == [64, 256]  # ggml order: {in, out}
     again = invoke("export-gguf", "-o", str(out))
-    assert again.exit_code == 2 and "already exists" in again.output
     one_line_error(again, "already exists")
+
 
 def test_profile_still_sees_a_conversion_fault(tmp_path):
     """RMSNorm weights written with the +1 offset earlier Gemmas store: under the llama.cpp profile
