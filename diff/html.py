@@ -20,7 +20,7 @@ h1{font-size:20px;margin:0 0 12px}h2{font-size:16px;margin:24px 0 8px;border-bot
 .verdict{padding:10px 14px;border-radius:6px;font-family:ui-monospace,monospace;font-size:13px;white-space:pre-wrap}
 .bad{background:#fdecea;border:1px solid #f5a39b}.good{background:#e8f6ec;border:1px solid #8fd19e}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #dde;padding:2px 6px;text-align:right}
-th{background:#f3f4f8}td.l{text-align:left}tr.x td{background:#fdecea}
+th{background:#f3f4f8}td.l{text-align:left}tr.x td{background:#fdecea}tr.nc td,td.nc{color:#777;background:#f1f1f1}
 pre{background:#f6f7f9;padding:10px;font-size:12px;overflow-x:auto}
 .legend{font-size:12px;color:#555}svg text{font-family:system-ui,sans-serif}
 """
@@ -221,11 +221,14 @@ def _tensor_table(tensors: list[TensorSummary]) -> str:
     out = [f"<table><tr><th>kind</th><th>layer</th><th>rows</th>{heads}<th>status</th></tr>"]
     for t in tensors:
         worst = t.worst or {}
-        cells = "".join(f"<td>{fmt(m, worst.get(m.name))}</td>" + (f"<td>{sci(t.threshold)}</td>" if m.name == PRIMARY else "")
-                        for m in THRESHOLD_METRICS)
-        out.append(f'<tr class="{"x" if t.status in ("diverged", "shape", "rows") else ""}"><td class="l">{t.kind}</td>'
+        none = t.rows_compared == 0 and t.worst is not None  # no row read: no value to show
+        cells = "".join((f'<td class="nc">not compared</td>' if none else f"<td>{fmt(m, worst.get(m.name))}</td>")
+                        + (f"<td>{sci(t.threshold)}</td>" if m.name == PRIMARY else "") for m in THRESHOLD_METRICS)
+        status = t.status + (f": {html.escape(t.reason)}" if t.reason else "")
+        cls = "x" if t.status in ("diverged", "shape", "rows") else "nc" if t.reason else ""
+        out.append(f'<tr class="{cls}"><td class="l">{t.kind}</td>'
                    f'<td>{"" if t.layer is None else t.layer}</td><td>{t.rows_compared}/{t.rows}</td>{cells}'
-                   f'<td class="l">{t.status}</td></tr>')
+                   f'<td class="l">{status}</td></tr>')
     out.append("</table>")
     return "".join(out)
 

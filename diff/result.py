@@ -254,7 +254,8 @@ class TensorSummary:
     absent_rows: int | None = opt()  # rows a trace did not report (rows_present): not compared
     absent_positions: str | None = opt()  # their positions, "0-11"
     absent_in: str | None = opt()  # "RUN", "REF" or "REF and RUN"
-    worst: dict[str, float] | None = None  # metric name -> worst value over compared rows
+    reason: str | None = opt()  # why rows were not compared ("not compared" / "partly compared")
+    worst: dict[str, float | None] | None = None  # metric name -> worst value over compared rows (None: no row)
 
     def to_json(self) -> dict:
         out = json_fields(self)

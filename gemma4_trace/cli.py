@@ -292,8 +292,9 @@ def import_cmd(dump_dir, reference, map_path, output, force):
 @click.option("--model", "model_dir", type=click.Path(), default=None, help="folder with a tokenizer.json to show generated text")
 @click.option("--baseline", "baseline", type=click.Path(), default=None, help="BASE.h5: a trusted run; RUN fails only outside BASE's error envelope")
 @click.option("--baseline-factor", type=float, default=4.0, show_default=True, help="with --baseline: RUN's error must exceed this many times BASE's")
+@click.option("--full", is_flag=True, help="compare every row of every tensor, also after the first divergence (the whole error map)")
 @user_errors
-def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir, baseline, baseline_factor):
+def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir, baseline, baseline_factor, full):
     """Find the first divergence between two traces (exit 1 if they diverge)."""
     import json
     from pathlib import Path
@@ -303,7 +304,7 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
 
     if report:  # before the work: never onto an input, a device or a FIFO
         check_output_path(report, force, inputs=[reference, candidate, tolerances, model_dir and Path(model_dir) / "tokenizer.json"])
-    result = diff_traces(reference, candidate, tolerances, baseline, baseline_factor)
+    result = diff_traces(reference, candidate, tolerances, baseline, baseline_factor, full=full)
     folder = Path(model_dir) if model_dir else _embedded_model_dir(result.reference.model_name)
     decode = decoder_for(folder / "tokenizer.json" if folder else None)
     if decode is not None:
