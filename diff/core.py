@@ -219,7 +219,8 @@ class _Differ:
         keep = spec.residual
         if keep:
             rel_all = np.zeros(n_rows, dtype=np.float32)
-            sums = (np.zeros(n_rows), np.zeros(n_rows)) if spec.name in (GROWTH_KIND, "embeddings") else None
+            sums = (np.zeros(n_rows), np.zeros(n_rows))  # |RUN - REF|^2, |REF|^2 per row: the heatmap's
+            base_nd = np.zeros(n_rows) if self._three_way(spec.name, layer) else None  # |BASE - REF|^2
         worst = {m.name: m.best for m in THRESHOLD_METRICS}
         found = False
         step_worst = {}  # BASE's worst per step: read on first need (no row beyond the tolerance: never)
@@ -245,8 +246,9 @@ class _Differ:
             summary.failed_rows = (summary.failed_rows or 0) + int(fails.sum())
             if keep:
                 rel_all[r0:r1] = rs.rel_l2
-                if sums is not None:
-                    sums[0][r0:r1], sums[1][r0:r1] = rs.nd, rs.na
+                sums[0][r0:r1], sums[1][r0:r1] = rs.nd, rs.na
+                if base_nd is not None and c is not None:
+                    base_nd[r0:r1] = RowStats(a, c, tol.l2_floor[st]).nd
             if not found and fails.any():
                 i = int(np.argmax(fails))
                 self._offer_row(spec, layer, r0 + i, a[i], b[i], rs, i, METRIC_ORDER[which[i]], tol, bstats)
@@ -257,8 +259,10 @@ class _Differ:
         summary.worst = worst
         if keep:
             self.res.rel_rows[(spec.name, layer)] = rel_all
-            if sums is not None:  # layer None: the embeddings, layer 0's input (for jumps into layer 0)
-                self.res.growth_sums[layer] = (*sums, int(np.prod(self.ref.dataset(spec.name, layer).shape[1:])))
+            size = int(np.prod(self.ref.dataset(spec.name, layer).shape[1:]))
+            self.res.sums[(spec.name, layer)] = (*sums, size)
+            if base_nd is not None:
+                self.res.base_sums[(spec.name, layer)] = (base_nd, sums[1], size)
         return found
 
     def _offer_row(self, spec: S.Kind, layer, row: int, a_row, b_row, rs: RowStats, i: int, metric: str,

@@ -5,6 +5,8 @@ reads every row, the heatmap's scale and frames. Candidates are goldens with see
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 
 import pytest
@@ -12,6 +14,7 @@ from click.testing import CliRunner
 
 from gemma4_trace.cli import main
 from gemma4_trace.diff import diff_traces, format_text, render_html
+from gemma4_trace.diff.html import EXACT, NONFINITE, NOT_COMPARED, _Scale
 from gemma4_trace.recorder import golden
 from tests.diff_fixtures import chain, copy_trace, noise, set_at
 
@@ -73,3 +76,94 @@ def test_full_on_a_mask_divergence_counts_every_mismatched_row(tmp_path):
     short = diff_traces(tmp_path / "ref.h5", tmp_path / "run.h5")
     assert short.first_divergence.step == full.first_divergence.step == 3
     assert "partly compared" in format_text(short) and "compared (of" not in format_text(full)
+
+
+# ---------------------------------------------------------------- the heatmap
+def _cells(page: str, row_title: str) -> list[str]:
+    """The tooltips of one heatmap row's cells, in step order (first map only)."""
+    first_map = page.split("<h2>Error vs layer</h2>")[0].split("<h2>Against the baseline")[0]
+    return re.findall(r"<title>(" + re.escape(row_title) + r", step \d+: [^<]*)</title>", first_map)
+
+
+def test_heatmap_log_legend_global_frame_and_not_compared_cells(tmp_path):
+    shutil.copyfile(golden.golden_path("window"), tmp_path / "ref.h5")
+    copy_trace(tmp_path / "ref.h5", tmp_path / "run.h5", omit=("final_hidden",),
+               edit=chain(noise("per_layer_inputs", None, 0, 1e-2, seed=3), noise("layer_out", 2, 0, 1e-3, seed=4)))
+    result = diff_traces(tmp_path / "ref.h5", tmp_path / "run.h5")
+    assert result.first_divergence.kind == "per_layer_inputs"
+    page = render_html(result)
+    scale = re.search(r'<g class="log-scale" data-decades="(\d+)" data-lo="(-?\d+)" data-hi="(-?\d+)"', page)
+    lo, hi = int(scale[2]), int(scale[3])
+    assert int(scale[1]) == hi - lo >= 4 and lo < 0 < hi  # the tolerance (1e0) inside, the scale drawn:
+    assert all(f">1e{e}</text>" in page for e in range(lo, hi + 1) if e != 0) and ">1 = tolerance</text>" in page
+    # a divergence before the layers is framed in a row of its own
+    assert re.search(r'<g class="first-div" data-row="inputs" data-step="0">', page)
+    # final_hidden is only in REF: its row is drawn "not compared", in the neutral colour, and labelled
+    outputs = _cells(page, "final_hidden, logits, token (colour: final_hidden)")
+    assert len(outputs) == len(result.growth.steps) and all(c.endswith("not compared") for c in outputs)
+    assert page.count('<rect class="nc"') == len(outputs) and "not compared</text>" in page  # legend entry
+    # layer 2's error (10x its tolerance) and the exact layers are on the same scale, not one saturated colour
+    assert "rel-L2 0 (x0 of the tolerance)" in _cells(page, "layer_out of layer 0")[0]
+    assert all("of the tolerance" in c for c in _cells(page, "layer_out of layer 2"))
+
+
+def test_scale_separates_quantization_noise_from_a_bug():
+    # the issue's numbers: int8 noise at 76x the tolerance and a bug at 8,200x were the same red
+    scale = _Scale([0.0, 2e-3, 76.0, 8200.0, None])
+    assert (scale.lo, scale.hi) == (-3, 4)
+    colors = {v: scale.color(v) for v in (2e-3, 0.5, 2.0, 76.0, 8200.0)}
+    assert len(set(colors.values())) == 5
+    assert scale.color(None) == NOT_COMPARED and scale.color(0.0) == EXACT and scale.color(math.inf) == NONFINITE
+    assert NOT_COMPARED not in colors.values() and EXACT not in colors.values()
+    assert (_Scale([3.0]).hi - _Scale([3.0]).lo) >= 4  # at least four decades even when one value occurs
+
+
+def test_baseline_map_shows_where_run_leaves_base(tmp_path):
+    shutil.copyfile(golden.golden_path("window"), tmp_path / "ref.h5")
+    quant = noise("layer_out", 3, 0, 1e-2, seed=5)  # BASE's noise everywhere in layer 3 ...
+    copy_trace(tmp_path / "ref.h5", tmp_path / "base.h5", edit=quant)
+    bug = chain(noise("layer_out", 3, 0, 1.2e-2, seed=6), set_at("layer_out", 3, 6, (0, 7), 40.0))  # ... RUN's + a bug
+    copy_trace(tmp_path / "ref.h5", tmp_path / "run.h5", edit=bug)
+    result = diff_traces(tmp_path / "ref.h5", tmp_path / "run.h5", baseline_path=tmp_path / "base.h5")
+    d = result.first_divergence
+    assert (d.kind, d.layer, d.step) == ("layer_out", 3, 6)
+    page = render_html(result)
+    assert page.count('<g class="first-div" data-row="L3" data-step="6">') == 2  # framed in both maps
+    second = page.split("<h2>Against the baseline")[1].split("<h2>Error vs layer</h2>")[0]
+    assert ">1 = envelope</text>" in second
+    ratios = [float(x) for x in re.findall(r"layer_out of layer 3, step \d+: rel-L2 \S+ \(x(\S+) of the envelope\)", second)]
+    assert len(ratios) == len(result.growth.steps)
+    assert ratios[6] > 1 and max(ratios[:6] + ratios[7:]) < 1  # only the bug's step leaves BASE's envelope
+    # against the plain tolerance every step of layer 3 is far above it
+    first = [c for c in _cells(page, "layer_out of layer 3")]
+    assert all(float(re.search(r"\(x(\S+) of the tolerance\)", c)[1]) > 10 for c in first)
+
+
+# ---------------------------------------------------------------- numbers that explain themselves
+def test_largest_jump_shows_its_division_and_floor(tmp_path):
+    shutil.copyfile(golden.golden_path("window"), tmp_path / "ref.h5")
+    copy_trace(tmp_path / "ref.h5", tmp_path / "run.h5", edit=noise("layer_out", 3, 5, 1e-3, seed=1))
+    result = diff_traces(tmp_path / "ref.h5", tmp_path / "run.h5")
+    j = result.growth.largest_jump
+    line = next(x for x in format_text(result).splitlines() if "largest jump" in x)
+    after, counted, ratio = re.search(r"\((\S+) / (\S+) = x(\S+); the input's 0 counted at its tolerance (\S+)\)",
+                                      line).group(1, 2, 3)
+    assert counted == "1e-4" and line.endswith(f"tolerance {counted})")  # layer 2's error is 0: its tolerance counts
+    assert float(after) / float(counted) == pytest.approx(float(ratio), rel=0.1) and j.ratio == pytest.approx(float(ratio), rel=1e-2)
+
+
+def test_isolated_trace_says_tokens_and_logits_hold_by_construction(tmp_path):
+    shutil.copyfile(golden.golden_path("window"), tmp_path / "ref.h5")
+    copy_trace(tmp_path / "ref.h5", tmp_path / "iso.h5", mode="isolated", edit=noise("layer_out", 3, 0, 1e-2, seed=1))
+    result = diff_traces(tmp_path / "ref.h5", tmp_path / "iso.h5")
+    text = format_text(result)
+    tokens = next(x for x in text.splitlines() if x.startswith("tokens:"))
+    logits = next(x for x in text.splitlines() if x.startswith("logits"))
+    assert "by construction" in tokens and "by construction" in logits
+    assert "largest jump" not in text and result.growth.largest_jump is not None  # still in the JSON
+    assert "rows together" in next(x for x in text.splitlines() if x.startswith("isolated replay"))
+    page = render_html(result)
+    assert "by construction" in page and "largest jump" not in page and "max rel-L2 (worst row)" in page
+    # a teacher-forced candidate says nothing of the kind
+    copy_trace(tmp_path / "ref.h5", tmp_path / "tf.h5", mode="teacher-forced", edit=noise("layer_out", 3, 0, 1e-2, seed=1))
+    assert "by construction" not in format_text(diff_traces(tmp_path / "ref.h5", tmp_path / "tf.h5"))
