@@ -15,7 +15,7 @@ from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.reader import TraceReader
 
 from .align import Plan, check_compatible, dataflow_sequence, make_plan, plan_notes
-from .baseline import DEFAULT_FACTOR, Baseline, check_baseline
+from .baseline import DEFAULT_FACTOR, Baseline, check_baseline, quantization_note
 from .blocks import Block, absent_rows, compared_blocks
 from .isolation import rank_layers
 from .logits import logit_metrics
@@ -329,6 +329,9 @@ def compare(ref_path, run_path, tolerances_path=None, baseline_path=None,
             check_baseline(ref, run, base)
         d = _Differ(ref, run, tol, base, baseline, full)
         d.run_all()
+        other = quantization_note(run, base) if base is not None else None
+        if other:
+            d.notes.append(other)
         return _result(d, ref_path, run_path, baseline_path)
 
 

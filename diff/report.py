@@ -33,14 +33,22 @@ def _element(names: dict[str, int]) -> str:
 
 
 def _key_words(keys: list[int], n: int, position: int, n_positions: int) -> str:
+    """'keys 4-19 (future), 300-303 (never-written slot) and 12 more': runs of consecutive keys
+    of the same sort as ranges."""
     def tag(k):
         if k >= n_positions:
-            return f"{k} (never-written slot)"
+            return " (never-written slot)"
         if k > position:
-            return f"{k} (future)"
-        return str(k)
+            return " (future)"
+        return ""
 
-    shown = ", ".join(tag(k) for k in keys)
+    runs: list[list[int]] = []  # [first, last]
+    for k in sorted(keys):
+        if runs and k == runs[-1][1] + 1 and tag(k) == tag(runs[-1][0]):
+            runs[-1][1] = k
+        else:
+            runs.append([k, k])
+    shown = ", ".join((f"{a}-{b}" if b > a else f"{a}") + tag(a) for a, b in runs)
     return shown + (f" and {n - len(keys)} more" if n > len(keys) else "")
 
 

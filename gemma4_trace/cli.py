@@ -45,6 +45,11 @@ def _set_debug(ctx, param, value):
 DEBUG_HELP = "print the full traceback of a failure (a plug-in's, chained) besides the one-line error; also GEMMA4_TRACE_DEBUG=1"
 
 
+def debug_option(fn):
+    """--debug on a command (as on `trace` itself): listed in every command's help."""
+    return click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug, help=DEBUG_HELP)(fn)
+
+
 def user_errors(fn):
     """Map library exceptions to exit codes and one-line messages: never a traceback."""
 
@@ -160,6 +165,7 @@ def _selection(layers, kinds, steps):
               help="prefill rows of the KV-sharing layers (and final_hidden): all, or only the last as generate() "
                    "computes them (faster on long prompts; the others are stored absent and not compared)")
 @selection_options
+@debug_option
 @user_errors
 def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, no_chat, output, force, device_map,
            max_memory, offload_folder, shared_kv_prefill, layers, kinds, steps):
@@ -186,6 +192,7 @@ def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, 
 @click.argument("trace_path", metavar="TRACE.h5", type=click.Path())
 @click.option("--hash", "show_hash", is_flag=True, help="print the content hash only")
 @click.option("--model", "model_dir", type=click.Path(), default=None, help="folder with a tokenizer.json to decode tokens")
+@debug_option
 @user_errors
 def show(trace_path, show_hash, model_dir):
     """Print a readable summary of a trace."""
@@ -233,7 +240,7 @@ def _embedded_model_dir(model_name: str):
 @click.option("--prefill-chunk", type=click.IntRange(0, 1_000_000), default=None, help="static runtime: prefill in chunks of N rows, shapes (N, max_seq); 0 = one step over max_seq [default: 256 when max_seq >= 1024, else 0]")
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
-@click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug, help=DEBUG_HELP)
+@debug_option
 @selection_options
 @user_errors
 def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, device, prefill_chunk, output, force, layers, kinds,
@@ -260,6 +267,7 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, dev
 @click.option("--max-seq", type=click.IntRange(2, 1_000_000), required=True, help="static sequence length of the graphs")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False), help="folder for prefill.onnx and decode.onnx")
 @click.option("--force", is_flag=True, help="replace existing .onnx files")
+@debug_option
 @user_errors
 def export_onnx_cmd(model_dir, max_seq, out_dir, force):
     """Export the static runtime's prefill and decode steps to ONNX (what --runtime onnx runs)."""
@@ -274,6 +282,7 @@ def export_onnx_cmd(model_dir, max_seq, out_dir, force):
 @click.option("--map", "map_path", required=True, type=click.Path(), help="TOML map: which file holds which kind, and its layout (docs/import.md)")
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
+@debug_option
 @user_errors
 def import_cmd(dump_dir, reference, map_path, output, force):
     """Build a candidate trace from a folder of dumped tensors (.npy, .safetensors, raw)."""
@@ -293,6 +302,7 @@ def import_cmd(dump_dir, reference, map_path, output, force):
 @click.option("--baseline", "baseline", type=click.Path(), default=None, help="BASE.h5: a trusted run; RUN fails only outside BASE's error envelope")
 @click.option("--baseline-factor", type=float, default=4.0, show_default=True, help="with --baseline: RUN's error must exceed this many times BASE's")
 @click.option("--full", is_flag=True, help="compare every row of every tensor, also after the first divergence (the whole error map)")
+@debug_option
 @user_errors
 def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir, baseline, baseline_factor, full):
     """Find the first divergence between two traces (exit 1 if they diverge)."""
@@ -323,6 +333,7 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
 @click.option("-o", "--output", required=True, type=click.Path(), help="tolerances TOML file to write")
 @click.option("--margin", type=float, default=2.0, show_default=True, help="thresholds = worst known-good error x margin (>= 1)")
 @click.option("--force", is_flag=True, help="replace an existing output")
+@debug_option
 @user_errors
 def calibrate(reference, bases, output, margin, force):
     """Write tolerances from known-good runs: `trace diff REF BASE --tolerances` then matches."""

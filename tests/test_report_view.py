@@ -167,3 +167,62 @@ def test_isolated_trace_says_tokens_and_logits_hold_by_construction(tmp_path):
     # a teacher-forced candidate says nothing of the kind
     copy_trace(tmp_path / "ref.h5", tmp_path / "tf.h5", mode="teacher-forced", edit=noise("layer_out", 3, 0, 1e-2, seed=1))
     assert "by construction" not in format_text(diff_traces(tmp_path / "ref.h5", tmp_path / "tf.h5"))
+
+
+# ---------------------------------------------------------------- small items
+def _with_runtime(src, dst, runtime: str, edit=None):
+    """`src` copied as if another runtime (provenance `runtime`) had written it, teacher-forced."""
+    from gemma4_trace.traces import TraceReader, TraceWriter
+    from gemma4_trace.traces import schema as S
+
+    with TraceReader(src) as r, TraceWriter(dst) as w:
+        h = r.header()
+        w.write_header(h.with_provenance(h.provenance.replace(runtime=runtime, mode="teacher-forced")))
+        for step, (a, b) in enumerate(r.step_positions):
+            w.begin_step(range(a, b))
+            for kind, layer in r.kinds_present():
+                one = S.KIND_BY_NAME[kind].index == "step"
+                rows = r.read(kind, layer, slice(step, step + 1) if one else slice(a, b))
+                rows = edit(kind, layer, step, rows.copy()) if edit else rows
+                w.add(kind, rows[0] if one else rows, layer=layer, source_dtype=r.source_dtype(kind, layer))
+            w.end_step()
+
+
+def test_a_base_of_another_quantization_is_accepted_with_a_note(tmp_path):
+    shutil.copyfile(golden.golden_path("short"), tmp_path / "ref.h5")
+    quant = noise("layer_out", 1, 0, 1e-3, seed=1)
+    _with_runtime(tmp_path / "ref.h5", tmp_path / "w8.h5", "static-w8", quant)
+    _with_runtime(tmp_path / "ref.h5", tmp_path / "w4.h5", "static-w4g32", quant)
+    _with_runtime(tmp_path / "ref.h5", tmp_path / "bug.h5", "bug-stale-ple-in-decode+w8", quant)
+    other = diff_traces(tmp_path / "ref.h5", tmp_path / "w8.h5", baseline_path=tmp_path / "w4.h5")
+    notes = [n for n in other.notes if "another quantization" in n]
+    assert notes == ["BASE ran static-w4g32 (w4g32), RUN static-w8 (w8): RUN is judged by the envelope of another "
+                     "quantization than its own"]
+    same = diff_traces(tmp_path / "ref.h5", tmp_path / "bug.h5", baseline_path=tmp_path / "w8.h5")  # a bug on w8
+    assert not any("another quantization" in n for n in same.notes)
+
+
+def test_mask_keys_are_listed_as_ranges(tmp_path):
+    shutil.copyfile(golden.golden_path("window"), tmp_path / "ref.h5")
+    copy_trace(tmp_path / "ref.h5", tmp_path / "run.h5", edit=set_at("mask", 6, 0, (5, slice(6, 13)), True))
+    sentence = diff_traces(tmp_path / "ref.h5", tmp_path / "run.h5").first_divergence.sentence
+    assert "position 5: keys 6-12 (future) allowed in RUN, blocked in REF" in sentence, sentence
+
+
+def test_every_command_lists_debug_in_its_help():
+    for name in ("record", "replay", "show", "diff", "calibrate", "import", "export-onnx"):
+        r = CliRunner().invoke(main, [name, "--help"])
+        assert r.exit_code == 0 and "--debug" in r.output, name
+
+
+def test_show_prints_the_total_and_the_per_layer_size(tmp_path):
+    from gemma4_trace.show import summarize
+    from gemma4_trace.traces import TraceReader
+    from gemma4_trace.traces.limits import fmt_bytes
+
+    with TraceReader(golden.golden_path("window")) as r:
+        text = summarize(r)
+        total = sum(r.storage_size("q", l) for l in range(len(r.layers)))
+        n = len(r.layers)
+    line = next(x for x in text.splitlines() if x.strip().startswith("q "))
+    assert line.endswith(f"{fmt_bytes(total)} in {n} layers ({fmt_bytes(total / n)} each on average)"), line
