@@ -134,6 +134,12 @@ def _max_memory(value):
     return out
 
 
+def progress_option(fn):
+    """--progress/--no-progress: the live line on a terminal, plain lines otherwise, unless forced."""
+    return click.option("--progress/--no-progress", "progress", default=None,
+                        help="draw progress in place [default: only on a terminal; otherwise one line per phase]")(fn)
+
+
 def selection_options(fn):
     """--layers / --kinds / --steps: a selective trace (logits and tokens are always kept)."""
     fn = click.option("--steps", default=None, help="keep only these steps, e.g. 0-4 (0 = prefill) [default: all]")(fn)
@@ -166,16 +172,17 @@ def _selection(layers, kinds, steps):
                    "computes them (faster on long prompts; the others are stored absent and not compared)")
 @selection_options
 @debug_option
+@progress_option
 @user_errors
 def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, no_chat, output, force, device_map,
-           max_memory, offload_folder, shared_kv_prefill, layers, kinds, steps):
+           max_memory, offload_folder, shared_kv_prefill, layers, kinds, steps, progress):
     """Run HF Gemma 4 greedy generation with hooks and write a reference trace."""
-    from gemma4_trace.progress import ProgressBar
+    from gemma4_trace.progress import Progress
     from gemma4_trace.recorder.record import record_trace
 
     check_output_path(output, force, inputs=[*images, *_model_files(model_dir)])
     selection = _selection(layers, kinds, steps)
-    bar = ProgressBar("recording")
+    bar = Progress("recording", progress)
     try:
         summary = record_trace(
             model_dir=model_dir, output=output, prompt=prompt, input_ids=input_ids, images=list(images),
@@ -183,8 +190,9 @@ def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, 
             progress=bar, selection=selection, device_map=device_map, max_memory=max_memory,
             offload_folder=offload_folder, shared_kv_prefill=shared_kv_prefill,
         )
-    finally:
         bar.close()
+    finally:
+        bar.close(completed=False)
     click.echo(one_line(summary))
 
 
@@ -241,24 +249,26 @@ def _embedded_model_dir(model_name: str):
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
 @debug_option
+@progress_option
 @selection_options
 @user_errors
 def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, device, prefill_chunk, output, force, layers, kinds,
-           steps):
+           steps, progress):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""
-    from gemma4_trace.progress import ProgressBar
+    from gemma4_trace.progress import Progress
     from gemma4_trace.replayer.replay import replay_trace
 
     check_output_path(output, force, inputs=[reference, *_model_files(model_dir)])
-    bar = ProgressBar("replaying")
+    bar = Progress("replaying", progress)
     try:
         summary = replay_trace(
             reference, output, model_dir=model_dir, runtime=runtime, max_seq=max_seq,
             mode="teacher-forced" if teacher_forcing else "free-running", force=force, progress=bar,
             isolate=isolate, prefill_chunk=prefill_chunk, selection=_selection(layers, kinds, steps), device=device,
         )
-    finally:
         bar.close()
+    finally:
+        bar.close(completed=False)
     click.echo(one_line(summary))  # it names the runtime, which a plug-in chose
 
 
