@@ -178,10 +178,14 @@ def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, 
            max_memory, offload_folder, shared_kv_prefill, layers, kinds, steps, progress):
     """Run HF Gemma 4 greedy generation with hooks and write a reference trace."""
     from gemma4_trace.progress import Progress
-    from gemma4_trace.recorder.record import record_trace
 
     check_output_path(output, force, inputs=[*images, *_model_files(model_dir)])
     selection = _selection(layers, kinds, steps)
+    _check_model_dir(model_dir)  # cheap checks first: nothing below loads before they pass
+    if device_map is not None:
+        _check_installed("accelerate", "--device-map")
+    from gemma4_trace.recorder.record import record_trace  # torch: after the checks
+
     bar = Progress("recording", progress)
     try:
         summary = record_trace(
@@ -216,6 +220,23 @@ def show(trace_path, show_hash, model_dir):
             return
         folder = Path(model_dir) if model_dir else _embedded_model_dir(r.provenance["model_name"])
         click.echo(summarize(r, decoder_for(folder / "tokenizer.json" if folder else None)))
+
+
+def _check_model_dir(model_dir) -> None:
+    """A --model folder's config.json, read before anything loads (no torch import)."""
+    if model_dir is not None:
+        from pathlib import Path
+
+        from gemma4_trace.hf.model import read_config_json
+
+        read_config_json(Path(model_dir))
+
+
+def _check_installed(module: str, what: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise TraceToolError(f"{what} needs {module}, which is not installed")
 
 
 def _model_files(model_dir) -> list:
@@ -256,9 +277,13 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, dev
            steps, progress):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""
     from gemma4_trace.progress import Progress
-    from gemma4_trace.replayer.replay import replay_trace
+    from gemma4_trace.replayer.api import check_runtime_name
 
+    check_runtime_name(runtime, isolate)  # cheap checks first: a typo is refused before torch or the model loads
     check_output_path(output, force, inputs=[reference, *_model_files(model_dir)])
+    _check_model_dir(model_dir)
+    from gemma4_trace.replayer.replay import replay_trace  # torch: after the checks
+
     bar = Progress("replaying", progress)
     try:
         summary = replay_trace(
@@ -281,7 +306,10 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, dev
 @user_errors
 def export_onnx_cmd(model_dir, max_seq, out_dir, force):
     """Export the static runtime's prefill and decode steps to ONNX (what --runtime onnx runs)."""
-    from gemma4_trace.replayer.onnx_runtime import export_command
+    _check_model_dir(model_dir)
+    for module in ("onnx", "onnxscript"):
+        _check_installed(module, "trace export-onnx")
+    from gemma4_trace.replayer.onnx_runtime import export_command  # torch: after the checks
 
     click.echo(export_command(model_dir, max_seq, out_dir, force=force))
 
