@@ -43,6 +43,10 @@ def _mix(stops: tuple[str, ...], t: float) -> str:
     return "#" + "".join(f"{round(x + (y - x) * f):02x}" for x, y in zip(a, b))
 
 
+def _hatch(x, y, w, h) -> str:
+    return f'<path d="M{x},{y + h} L{x + w},{y}" stroke="#8a8a8a" stroke-width="1" pointer-events="none"/>'
+
+
 class _Scale:
     """A log colour scale over the decades the values span (at least MIN_DECADES, the limit 1
     inside): 0 is "exact", None "not compared", inf/NaN "non-finite", each its own colour."""
@@ -69,7 +73,7 @@ class _Scale:
         x = min(max(math.log10(v), self.lo), self.hi)
         return _mix(COOL, (x - self.lo) / -self.lo) if x < 0 else _mix(WARM, x / self.hi)
 
-    def legend(self, x0: int, y0: int, width: int, limit: str, pid: str) -> list[str]:
+    def legend(self, x0: int, y0: int, width: int, limit: str) -> list[str]:
         """The colour bar with a tick per decade, the limit marked, and the special colours."""
         n = 80
         out = [f'<g class="log-scale" data-decades="{self.hi - self.lo}" data-lo="{self.lo}" data-hi="{self.hi}">']
@@ -86,9 +90,9 @@ class _Scale:
                        f'{"1 = " + limit if mark else f"1e{e}"}</text>')
         x = x0 + width + 16
         for color, label in ((EXACT, "0 (exact)"), (NOT_COMPARED, "not compared"), (NONFINITE, "NaN/Inf")):
-            fill = f"url(#nc{pid})" if color == NOT_COMPARED else color
-            out.append(f'<rect x="{x}" y="{y0}" width="12" height="10" fill="{fill}" stroke="#888"/>'
-                       f'<text x="{x + 16}" y="{y0 + 9}" font-size="10">{label}</text>')
+            out.append(f'<rect x="{x}" y="{y0}" width="12" height="10" fill="{color}" stroke="#888"/>'
+                       + (_hatch(x, y0, 12, 10) if color == NOT_COMPARED else "")
+                       + f'<text x="{x + 16}" y="{y0 + 9}" font-size="10">{label}</text>')
             x += 22 + 6 * len(label)
         out.append("</g>")
         return out
@@ -174,7 +178,7 @@ def _own_ratio(div: Divergence, factor: float | None) -> float | None:
     return excess(div.value) / limit if limit > 0 else math.inf
 
 
-def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None, pid: str = "a") -> str:
+def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None) -> str:
     """Layer x step map of the residual stream's error on a log colour scale: against the
     tolerance, or (factor given: --baseline) against BASE's envelope max(factor x BASE's
     rel-L2, tolerance)."""
@@ -207,8 +211,7 @@ def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None
     left, top, right = 64, 22, 340
     w, h = max(left + cols * cw + right, 640), top + len(rows) * ch + 84
     limit = "tolerance" if factor is None else "envelope"
-    out = [f'<defs><pattern id="nc{pid}" width="6" height="6" patternUnits="userSpaceOnUse">'
-           f'<rect width="6" height="6" fill="{NOT_COMPARED}"/><path d="M0,6 L6,0" stroke="#999"/></pattern></defs>']
+    out = []
     for ri, (label, what, *_rest) in enumerate(rows):
         y = top + ri * ch + (4 if ri == len(rows) - 1 else 0) + (0 if ri == 0 else 4)  # gaps around the layers
         out.append(f'<text x="{left - 6}" y="{y + ch * 0.75:.1f}" font-size="11" text-anchor="end">{label}'
@@ -217,7 +220,7 @@ def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None
     for ri, c, worst, v, steps in cells:
         what = rows[ri][1]
         if worst is None:
-            fill, tip, cls = f"url(#nc{pid})", f"{what}, {steps}: not compared", ' class="nc"'
+            fill, tip, cls = NOT_COMPARED, f"{what}, {steps}: not compared", ' class="nc"'
         else:
             of = f"x{sci(worst)} of the {limit}" if math.isfinite(worst) else f"beyond the {limit} (non-finite)"
             tip, fill, cls = f"{what}, {steps}: rel-L2 {sci(v)} ({of})", scale.color(worst), ""
@@ -225,6 +228,8 @@ def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None
                 cls = ' stroke="#d0d0d0"'
         out.append(f'<rect{cls} x="{left + c * cw}" y="{ys[ri]}" width="{cw}" height="{ch}" fill="{fill}">'
                    f"<title>{html.escape(tip)}</title></rect>")
+        if worst is None:  # hatched: a diagonal across the neutral grey
+            out.append(_hatch(left + c * cw, ys[ri], cw, ch))
     if div is not None and div.step < n_steps:
         ri, c = _div_row(div, len(growth.layers)), div.step // bin_
         x, y = left + c * cw, ys[ri]
@@ -250,7 +255,7 @@ def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None
             else f"RUN's rel-L2 / max({factor:g} x BASE's rel-L2, tolerance)")
     out.append(f'<text x="{left}" y="{y0}" font-size="11">step (columns{binned}) / tensor (rows); colour = {what}, '
                f"log scale</text>")
-    out += scale.legend(left, y0 + 10, min(420, max(240, cols * cw)), limit, pid)
+    out += scale.legend(left, y0 + 10, min(420, max(240, cols * cw)), limit)
     return _svg(w, h, out)
 
 
@@ -385,7 +390,7 @@ def render_html(result: DiffResult) -> str:
         "black-and-white frame marks the first divergence (a divergence before or after the layers sits in the "
         "first or last row).</p>",
         *(["<h2>Against the baseline: RUN's error over BASE's envelope</h2>",
-           _heatmap(result.growth, d, result.baseline.factor, pid="b"),
+           _heatmap(result.growth, d, result.baseline.factor),
            f'<p class="legend">Each cell: RUN\'s rel-L2 over max({result.baseline.factor:g} x BASE\'s rel-L2 against '
            "REF, tolerance) at that step: warm where RUN leaves what BASE (the trusted run) does. The verdict is per "
            "row (docs/quantized.md); this map is per step.</p>"] if result.baseline is not None else []),
