@@ -18,9 +18,9 @@ __all__ = ["METRICS", "DiffResult", "Divergence", "Metric", "Tolerances", "compa
 
 
 def diff_traces(ref_path, run_path, tolerances_path=None, baseline_path=None,
-                baseline_factor: float = DEFAULT_FACTOR) -> DiffResult:
+                baseline_factor: float = DEFAULT_FACTOR, full: bool = False) -> DiffResult:
     """compare(), with the first divergence's sentence (the text report's first line, also in the JSON)."""
-    result = compare(ref_path, run_path, tolerances_path, baseline_path, baseline_factor)
+    result = compare(ref_path, run_path, tolerances_path, baseline_path, baseline_factor, full)
     if result.first_divergence is not None:
         result.first_divergence.sentence = divergence_sentence(result)
     return result

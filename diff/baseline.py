@@ -26,6 +26,7 @@ tolerance, in a first pass over all three traces; the rows are then checked in a
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -162,3 +163,20 @@ def check_baseline(ref, run, base) -> None:
             if a != b:
                 what = kind + (f" of layer {layer}" if layer is not None else "")
                 raise TraceToolError(f"{where}: {what} rows are {tuple(b)}, REF's are {tuple(a)}")
+
+
+_SCHEME = re.compile(r"(?:^|[-+])(w\d+(?:g\d+)?(?:a\d+)?)$")  # static-w8, static-w4g32, bug-...+w8a8
+
+
+def quantization_note(run, base) -> str | None:
+    """One line when BASE and RUN ran different quantizations (by their provenance runtime
+    names: static-w8 vs static-w4g32, or a float BASE): allowed, but the envelope is then
+    another scheme's."""
+    names = [t.provenance["runtime"] for t in (base, run)]
+    schemes = [m[1] if (m := _SCHEME.search(n)) else None for n in names]
+    if schemes[0] == schemes[1]:
+        return None
+    what = [f"{n} ({s or 'no quantization in its name'})" for n, s in zip(names, schemes)]
+    return (f"BASE ran {what[0]}, RUN {what[1]}: RUN is judged by the envelope of another quantization "
+            "than its own")
+

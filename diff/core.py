@@ -15,7 +15,7 @@ from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.reader import TraceReader
 
 from .align import Plan, check_compatible, dataflow_sequence, make_plan, plan_notes
-from .baseline import DEFAULT_FACTOR, Baseline, check_baseline
+from .baseline import DEFAULT_FACTOR, Baseline, check_baseline, quantization_note
 from .blocks import Block, absent_rows, compared_blocks
 from .isolation import rank_layers
 from .logits import logit_metrics
@@ -52,8 +52,9 @@ def _info(r: TraceReader, path) -> TraceInfo:
 
 class _Differ:
     def __init__(self, ref: TraceReader, run: TraceReader, tol: Tolerances, base: TraceReader | None = None,
-                 baseline: Baseline | None = None):
+                 baseline: Baseline | None = None, full: bool = False):
         self.ref, self.run, self.tol = ref, run, tol
+        self.full = full  # every row of every tensor (the whole error map), no early stop
         self.base, self.baseline = base, baseline  # three-way (diff/baseline.py) when given
         self.layers = ref.layers
         self.seq = dataflow_sequence(len(self.layers))
@@ -159,6 +160,9 @@ class _Differ:
             summary.status = "diverged"
         elif summary.rows_compared < n_rows:  # rows after the first divergence are not read
             summary.status = "not compared" if summary.rows_compared == 0 else "partly compared"
+            summary.reason = NOT_READ
+        if summary.rows_compared == 0 and summary.worst is not None:  # no row read: no value, never a perfect one
+            summary.worst = dict.fromkeys(summary.worst)
 
     def _absent_rows(self, kind: str, layer, n_rows: int, summary: TensorSummary) -> None:
         """Rows a runtime did not report: left out of the comparison and named in the report."""
@@ -174,7 +178,7 @@ class _Differ:
 
     def _blocks(self, spec: S.Kind, layer, n_rows: int, keep: bool) -> Iterator[Block]:
         """The blocks of rows that can still beat the best divergence so far (all rows when `keep`)."""
-        limit = None if keep else self._row_limit(spec.name, layer, spec.index)
+        limit = None if keep or self.full else self._row_limit(spec.name, layer, spec.index)
         row_steps = self.row_steps if spec.index == "position" else np.arange(self.plan.numeric_steps)
         return compared_blocks(self.ref, self.run, self.base if self._three_way(spec.name, layer) else None,
                                spec.name, layer, n_rows if limit is None else min(n_rows, limit), row_steps,
@@ -191,6 +195,7 @@ class _Differ:
 
     def _scan_mask(self, spec: S.Kind, layer, n_rows: int, tol: StepTolerance, summary: TensorSummary) -> bool:
         """Boolean rows compare exactly: the first row with a differing key diverges."""
+        found = False
         for r0, a, b, c, _, st in self._blocks(spec, layer, n_rows, keep=False):  # Block's fields in order
             count = compare_mask_block(a, b)
             fails = (count > 0) & ~tol.skip[st]
@@ -198,21 +203,24 @@ class _Differ:
                 fails &= compare_mask_block(c, b) > 0
             summary.mismatched_rows = (summary.mismatched_rows or 0) + int(fails.sum())
             summary.rows_compared = r0 + len(a)
-            if fails.any():
+            if fails.any() and not found:
                 i = int(np.argmax(fails))
                 step, pos = self._position_of(spec.index, r0 + i)
                 detail = MaskDetail(**mask_row_detail(a[i], b[i]))
                 detail.image_blocks = self._image_blocks_of(a[i], b[i], pos)
                 self._offer(Divergence(step, layer, spec.name, pos, "mask_keys", float(count[i]), 0.0, detail))
-                return True
-        return False
+                found = True
+            if found and not self.full:
+                break
+        return found
 
     def _scan_rows(self, spec: S.Kind, layer, n_rows: int, tol: StepTolerance, summary: TensorSummary) -> bool:
         """Float rows: every row metric against its tolerance; residual kinds are read whole."""
         keep = spec.residual
         if keep:
             rel_all = np.zeros(n_rows, dtype=np.float32)
-            sums = (np.zeros(n_rows), np.zeros(n_rows)) if spec.name in (GROWTH_KIND, "embeddings") else None
+            sums = (np.zeros(n_rows), np.zeros(n_rows))  # |RUN - REF|^2, |REF|^2 per row: the heatmap's
+            base_nd = np.zeros(n_rows) if self._three_way(spec.name, layer) else None  # |BASE - REF|^2
         worst = {m.name: m.best for m in THRESHOLD_METRICS}
         found = False
         step_worst = {}  # BASE's worst per step: read on first need (no row beyond the tolerance: never)
@@ -238,20 +246,23 @@ class _Differ:
             summary.failed_rows = (summary.failed_rows or 0) + int(fails.sum())
             if keep:
                 rel_all[r0:r1] = rs.rel_l2
-                if sums is not None:
-                    sums[0][r0:r1], sums[1][r0:r1] = rs.nd, rs.na
+                sums[0][r0:r1], sums[1][r0:r1] = rs.nd, rs.na
+                if base_nd is not None and c is not None:
+                    base_nd[r0:r1] = RowStats(a, c, tol.l2_floor[st]).nd
             if not found and fails.any():
                 i = int(np.argmax(fails))
                 self._offer_row(spec, layer, r0 + i, a[i], b[i], rs, i, METRIC_ORDER[which[i]], tol, bstats)
                 found = True
             summary.rows_compared = r1
-            if found and not keep:
+            if found and not keep and not self.full:
                 break
         summary.worst = worst
         if keep:
             self.res.rel_rows[(spec.name, layer)] = rel_all
-            if sums is not None:  # layer None: the embeddings, layer 0's input (for jumps into layer 0)
-                self.res.growth_sums[layer] = (*sums, int(np.prod(self.ref.dataset(spec.name, layer).shape[1:])))
+            size = int(np.prod(self.ref.dataset(spec.name, layer).shape[1:]))
+            self.res.sums[(spec.name, layer)] = (*sums, size)
+            if base_nd is not None:
+                self.res.base_sums[(spec.name, layer)] = (base_nd, sums[1], size)
         return found
 
     def _offer_row(self, spec: S.Kind, layer, row: int, a_row, b_row, rs: RowStats, i: int, metric: str,
@@ -273,6 +284,20 @@ class _Differ:
         self._offer(d)
 
 
+NOT_READ = "rows after the first divergence are not read (trace diff --full compares every row)"
+
+
+def _not_compared_note(tensors: list[TensorSummary]) -> str | None:
+    none = sum(t.status == "not compared" for t in tensors)
+    part = sum(t.status == "partly compared" for t in tensors)
+    if not none and not part:
+        return None
+    counts = " and ".join(x for x in (f"{none} not compared" if none else "", f"{part} partly compared" if part else "")
+                          if x)
+    counts = f"{counts} (of {len(tensors)} tensors)"
+    return f"{counts}: {NOT_READ}"
+
+
 def _skipped_note(skipped: list[Skipped]) -> str:
     shown = ", ".join(s.kind + (f" L{s.layer}" if s.layer is not None else "") + f" ({s.reason})" for s in skipped[:12])
     return ("tensors in only one trace (not compared): " + shown
@@ -287,11 +312,12 @@ def _absent_note(tensors: list[TensorSummary]) -> str:
 
 
 def compare(ref_path, run_path, tolerances_path=None, baseline_path=None,
-            baseline_factor: float = DEFAULT_FACTOR) -> DiffResult:
+            baseline_factor: float = DEFAULT_FACTOR, full: bool = False) -> DiffResult:
     """Compare a candidate trace against a reference; raise TraceToolError on bad input.
     The result holds numbers and facts only (diff_traces adds the divergence's sentence).
 
-    With `baseline_path`, RUN is judged by BASE's error envelope (diff/baseline.py)."""
+    With `baseline_path`, RUN is judged by BASE's error envelope (diff/baseline.py). With `full`,
+    every row of every tensor is compared (no early stop after the first divergence)."""
     tol = load_tolerances(tolerances_path)
     baseline = Baseline(baseline_path, baseline_factor) if baseline_path is not None else None
     with contextlib.ExitStack() as stack:
@@ -301,8 +327,11 @@ def compare(ref_path, run_path, tolerances_path=None, baseline_path=None,
         base = stack.enter_context(TraceReader(baseline_path)) if baseline is not None else None
         if base is not None:
             check_baseline(ref, run, base)
-        d = _Differ(ref, run, tol, base, baseline)
+        d = _Differ(ref, run, tol, base, baseline, full)
         d.run_all()
+        other = quantization_note(run, base) if base is not None else None
+        if other:
+            d.notes.append(other)
         return _result(d, ref_path, run_path, baseline_path)
 
 
@@ -320,6 +349,9 @@ def _result(d: _Differ, ref_path, run_path, baseline_path) -> DiffResult:
         d.notes.append(_skipped_note(d.skipped))
     if d.absent:
         d.notes.append(_absent_note(d.tensors))
+    not_read = _not_compared_note(d.tensors)
+    if not_read:
+        d.notes.append(not_read)
     return DiffResult(
         match=first is None,
         first_divergence=first,

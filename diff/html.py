@@ -8,8 +8,9 @@ from pathlib import Path
 
 from gemma4_trace.traces.atomic import atomic_output, check_output_path
 
+from .align import PRE_KINDS
 from .fmt import fmt, sci
-from .metrics import PRIMARY, THRESHOLD_METRICS
+from .metrics import METRIC, PRIMARY, THRESHOLD_METRICS
 from .report import format_text, growth_summary, logits_text, token_summary
 from .result import DiffResult, Divergence, Growth, IsolationRanking, LogitMetrics, TensorSummary, TokenInfo
 
@@ -20,26 +21,81 @@ h1{font-size:20px;margin:0 0 12px}h2{font-size:16px;margin:24px 0 8px;border-bot
 .verdict{padding:10px 14px;border-radius:6px;font-family:ui-monospace,monospace;font-size:13px;white-space:pre-wrap}
 .bad{background:#fdecea;border:1px solid #f5a39b}.good{background:#e8f6ec;border:1px solid #8fd19e}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #dde;padding:2px 6px;text-align:right}
-th{background:#f3f4f8}td.l{text-align:left}tr.x td{background:#fdecea}
+th{background:#f3f4f8}td.l{text-align:left}tr.x td{background:#fdecea}tr.nc td,td.nc{color:#777;background:#f1f1f1}
 pre{background:#f6f7f9;padding:10px;font-size:12px;overflow-x:auto}
 .legend{font-size:12px;color:#555}svg text{font-family:system-ui,sans-serif}
 """
 
 
-def _color(ratio) -> str:
-    """Green well under tolerance, yellow at it, red far above (log scale of value/threshold)."""
-    if ratio is None:
-        return "#eeeeee"
-    if not math.isfinite(ratio):
-        return "#5b0000"
-    x = math.log10(max(ratio, 1e-4))  # -4 .. 2
-    if x <= 0:
-        t = (x + 4) / 4  # 0 (far under) .. 1 (at tolerance)
-        r, g, b = int(40 + 215 * t), int(150 + 60 * t), int(80 - 40 * t)
-    else:
-        t = min(x / 2, 1.0)
-        r, g, b = int(255 - 90 * t), int(210 - 190 * t), int(40 - 20 * t)
-    return f"#{r:02x}{g:02x}{b:02x}"
+# the heatmap's colours: cool below the limit (1 = the tolerance, or BASE's envelope), warm above,
+# each side log-linear over its decades of the scale
+COOL = ("#2b4c9b", "#4f86c6", "#8fc1de", "#d7ecf0")  # far under .. just under the limit
+WARM = ("#ffe680", "#fdae4b", "#f0582d", "#b2182b", "#5e0a3e", "#1a0014")  # at the limit .. far above
+EXACT, NOT_COMPARED, NONFINITE = "#ffffff", "#c8c8c8", "#000000"
+MIN_DECADES = 4
+
+
+def _mix(stops: tuple[str, ...], t: float) -> str:
+    t = min(max(t, 0.0), 1.0) * (len(stops) - 1)
+    i = min(int(t), len(stops) - 2)
+    f = t - i
+    a, b = (tuple(int(c[k:k + 2], 16) for k in (1, 3, 5)) for c in (stops[i], stops[i + 1]))
+    return "#" + "".join(f"{round(x + (y - x) * f):02x}" for x, y in zip(a, b))
+
+
+def _hatch(x, y, w, h) -> str:
+    return f'<path d="M{x},{y + h} L{x + w},{y}" stroke="#8a8a8a" stroke-width="1" pointer-events="none"/>'
+
+
+class _Scale:
+    """A log colour scale over the decades the values span (at least MIN_DECADES, the limit 1
+    inside): 0 is "exact", None "not compared", inf/NaN "non-finite", each its own colour."""
+
+    def __init__(self, values):
+        logs = [math.log10(v) for v in values if v is not None and math.isfinite(v) and v > 0]
+        lo = math.floor(min(logs, default=0.0))
+        hi = math.ceil(max(logs, default=0.0))
+        lo, hi = min(lo, -1), max(hi, 1)  # the limit (1e0) strictly inside
+        while hi - lo < MIN_DECADES:  # widen towards the side with less room
+            if -lo <= hi:
+                lo -= 1
+            else:
+                hi += 1
+        self.lo, self.hi = lo, hi
+
+    def color(self, v) -> str:
+        if v is None:
+            return NOT_COMPARED
+        if not math.isfinite(v):
+            return NONFINITE
+        if v <= 0:
+            return EXACT
+        x = min(max(math.log10(v), self.lo), self.hi)
+        return _mix(COOL, (x - self.lo) / -self.lo) if x < 0 else _mix(WARM, x / self.hi)
+
+    def legend(self, x0: int, y0: int, width: int, limit: str) -> list[str]:
+        """The colour bar with a tick per decade, the limit marked, and the special colours."""
+        n = 80
+        out = [f'<g class="log-scale" data-decades="{self.hi - self.lo}" data-lo="{self.lo}" data-hi="{self.hi}">']
+        for i in range(n):
+            x = self.lo + (self.hi - self.lo) * (i + 0.5) / n
+            out.append(f'<rect x="{x0 + width * i / n:.1f}" y="{y0}" width="{width / n + 0.3:.1f}" height="10" '
+                       f'fill="{self.color(10.0 ** x)}"/>')
+        for e in range(self.lo, self.hi + 1):
+            x = x0 + width * (e - self.lo) / (self.hi - self.lo)
+            mark = e == 0
+            out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0 - (4 if mark else 0)}" y2="{y0 + 13}" '
+                       f'stroke="#000" stroke-width="{2 if mark else 1}"/>'
+                       f'<text x="{x:.1f}" y="{y0 + 24}" font-size="10" text-anchor="middle">'
+                       f'{"1 = " + limit if mark else f"1e{e}"}</text>')
+        x = x0 + width + 16
+        for color, label in ((EXACT, "0 (exact)"), (NOT_COMPARED, "not compared"), (NONFINITE, "NaN/Inf")):
+            out.append(f'<rect x="{x}" y="{y0}" width="12" height="10" fill="{color}" stroke="#888"/>'
+                       + (_hatch(x, y0, 12, 10) if color == NOT_COMPARED else "")
+                       + f'<text x="{x + 16}" y="{y0 + 9}" font-size="10">{label}</text>')
+            x += 22 + 6 * len(label)
+        out.append("</g>")
+        return out
 
 
 def _svg(width, height, body: list[str] | str = "", role: bool = True) -> str:
@@ -73,9 +129,11 @@ class _LogPlot:
     def grid(self, stroke: str, label_first: bool = False) -> list[str]:
         """A line and a label "1eN" at each decade."""
         out = []
+        every = max(1, math.ceil((self.hi - self.lo) / 10))  # at most ~10 labels: they must not overlap
         for e in range(self.lo, self.hi + 1):
             line = self.hline(10.0**e, stroke) + "/>"
-            label = f'<text x="{self.left - 6}" y="{self.y(10.0**e) + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>'
+            label = (f'<text x="{self.left - 6}" y="{self.y(10.0**e) + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>'
+                     if (e - self.lo) % every == 0 else "")
             out.append(label + line if label_first else line + label)
         return out
 
@@ -85,41 +143,119 @@ class _LogPlot:
                 + " ".join(f"{x:.1f},{y:.1f}" for x, y in points) + '"/>')
 
 
-def _heatmap(growth: Growth, div: Divergence | None) -> str:
-    table, thr, layers = growth.table, growth.thresholds, growth.layers
-    if not table or not table[0]:
+def _heatmap_rows(growth: Growth) -> list[tuple[str, str, tuple, list, list]]:
+    """(label, what it holds, key into growth.base, rel-L2 per step, tolerance per step) per row:
+    the tensors before the layers, each layer's output, the tensors after the layers."""
+    rows = []
+    none = [None] * len(growth.steps)
+    e = growth.globals.get("embeddings", (none, none))
+    rows.append(("inputs", "embeddings, per_layer_inputs, RoPE (colour: embeddings)", ("embeddings", None), *e))
+    rows += [(f"L{l}", f"layer_out of layer {l}", ("layer_out", l), v, t)
+             for l, v, t in zip(growth.layers, growth.table, growth.thresholds)]
+    f = growth.globals.get("final_hidden", (none, none))
+    rows.append(("outputs", "final_hidden, logits, token (colour: final_hidden)", ("final_hidden", None), *f))
+    return rows
+
+
+def _div_row(div: Divergence, n_layers: int) -> int:
+    """The heatmap row of the first divergence: its layer's, or the inputs' or outputs' row."""
+    if div.layer is not None:
+        return 1 + div.layer
+    return 0 if div.kind in PRE_KINDS else n_layers + 1
+
+
+def _own_ratio(div: Divergence, factor: float | None) -> float | None:
+    """The first divergence's own row error over its limit (the tolerance, or BASE's envelope),
+    for a float metric; None for masks, tokens and structural problems."""
+    m = METRIC.get(div.metric)
+    if m is None or not m.threshold:
+        return None
+    def excess(v):
+        return 1.0 - v if m.fails_below else v
+    limit = excess(div.threshold)
+    if factor is not None and div.baseline is not None and math.isfinite(div.baseline.base_value):
+        limit = max(limit, factor * excess(div.baseline.base_value))
+    return excess(div.value) / limit if limit > 0 else math.inf
+
+
+def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None) -> str:
+    """Layer x step map of the residual stream's error on a log colour scale: against the
+    tolerance, or (factor given: --baseline) against BASE's envelope max(factor x BASE's
+    rel-L2, tolerance)."""
+    if not growth.steps or not growth.table:
         return "<p>no layer outputs compared</p>"
-    n_steps = len(table[0])
+    rows = _heatmap_rows(growth)
+    n_steps = len(growth.steps)
+    base = growth.base or {}
+
+    def ratio(key, v, t, s):
+        if v is None or not t:
+            return None
+        limit = t if factor is None else max(t, factor * ((base.get(key) or [0.0] * n_steps)[s] or 0.0))
+        return v / limit if limit > 0 else math.inf
+
     bin_ = max(1, math.ceil(n_steps / MAX_COLS))
     cols = math.ceil(n_steps / bin_)
-    cw = max(3, min(28, 1000 // cols))
-    ch = max(8, min(22, 600 // max(1, len(layers))))
-    left, top = 48, 22
-    w, h = left + cols * cw + 10, top + len(layers) * ch + 30
-    out = []
-    for li, (l, row, trow) in enumerate(zip(layers, table, thr)):
-        y = top + li * ch
-        out.append(f'<text x="{left - 6}" y="{y + ch * 0.75:.1f}" font-size="11" text-anchor="end">L{l}</text>')
+    cells = []  # (row, col, worst ratio, value, steps text)
+    for ri, (_, _, key, vals, tols) in enumerate(rows):
         for c in range(cols):
             s0, s1 = c * bin_, min(n_steps, (c + 1) * bin_)
-            ratios = [(row[s] / trow[s]) if row[s] is not None and trow[s] else None for s in range(s0, s1)]
-            ratios = [r for r in ratios if r is not None]
-            worst = max(ratios) if ratios else None
-            vals = [row[s] for s in range(s0, s1) if row[s] is not None]
-            v = max(vals) if vals else None
-            steps = f"step {s0}" if s1 - s0 == 1 else f"steps {s0}-{s1 - 1}"
-            out.append(f'<rect x="{left + c * cw}" y="{y}" width="{cw}" height="{ch}" fill="{_color(worst)}">'
-                       f'<title>layer {l}, {steps}: rel-L2 {sci(v)} (x{sci(worst)} of tolerance)</title></rect>')
-    if div is not None and div.layer is not None and div.layer in layers:
-        c = div.step // bin_
-        y = top + layers.index(div.layer) * ch
-        out.append(f'<rect x="{left + c * cw}" y="{y}" width="{cw}" height="{ch}" fill="none" stroke="#000" '
-                   f'stroke-width="2"><title>first divergence</title></rect>')
+            rs = [r for r in (ratio(key, vals[s], tols[s], s) for s in range(s0, s1)) if r is not None]
+            vs = [vals[s] for s in range(s0, s1) if vals[s] is not None]
+            worst = None if not rs else (math.inf if any(not math.isfinite(r) for r in rs) else max(rs))
+            cells.append((ri, c, worst, max(vs) if vs else None,
+                          f"step {s0}" if s1 - s0 == 1 else f"steps {s0}-{s1 - 1}"))
+    scale = _Scale([cell[2] for cell in cells])
+    cw = max(3, min(28, 1000 // cols))
+    ch = max(8, min(22, 600 // len(rows)))
+    left, top, right = 64, 22, 340
+    w, h = max(left + cols * cw + right, 640), top + len(rows) * ch + 84
+    limit = "tolerance" if factor is None else "envelope"
+    out = []
+    for ri, (label, what, *_rest) in enumerate(rows):
+        y = top + ri * ch + (4 if ri == len(rows) - 1 else 0) + (0 if ri == 0 else 4)  # gaps around the layers
+        out.append(f'<text x="{left - 6}" y="{y + ch * 0.75:.1f}" font-size="11" text-anchor="end">{label}'
+                   f"<title>{html.escape(what)}</title></text>")
+    ys = [top + ri * ch + (0 if ri == 0 else 4) + (4 if ri == len(rows) - 1 else 0) for ri in range(len(rows))]
+    for ri, c, worst, v, steps in cells:
+        what = rows[ri][1]
+        if worst is None:
+            fill, tip, cls = NOT_COMPARED, f"{what}, {steps}: not compared", ' class="nc"'
+        else:
+            of = f"x{sci(worst)} of the {limit}" if math.isfinite(worst) else f"beyond the {limit} (non-finite)"
+            tip, fill, cls = f"{what}, {steps}: rel-L2 {sci(v)} ({of})", scale.color(worst), ""
+            if fill == EXACT:  # white on white: outlined
+                cls = ' stroke="#d0d0d0"'
+        out.append(f'<rect{cls} x="{left + c * cw}" y="{ys[ri]}" width="{cw}" height="{ch}" fill="{fill}">'
+                   f"<title>{html.escape(tip)}</title></rect>")
+        if worst is None:  # hatched: a diagonal across the neutral grey
+            out.append(_hatch(left + c * cw, ys[ri], cw, ch))
+    if div is not None and div.step < n_steps:
+        ri, c = _div_row(div, len(growth.layers)), div.step // bin_
+        x, y = left + c * cw, ys[ri]
+        own = _own_ratio(div, factor)
+        if own is not None and rows[ri][2][0] != div.kind:  # a row coloured by another tensor: the divergent row's
+            out.append(f'<rect x="{x}" y="{y}" width="{cw}" height="{ch}" fill="{scale.color(own)}"><title>'
+                       f"{html.escape(div.kind)}, step {div.step} (the first divergence's row): "
+                       f"x{sci(own)} of the {limit}</title></rect>")
+        where = div.kind + (f" of layer {div.layer}" if div.layer is not None else "")
+        out.append(f'<g class="first-div" data-row="{html.escape(rows[ri][0])}" data-step="{div.step}">'
+                   f'<rect x="{x - 1}" y="{y - 1}" width="{cw + 2}" height="{ch + 2}" fill="none" stroke="#000" '
+                   f'stroke-width="3"/><rect x="{x + 1}" y="{y + 1}" width="{cw - 2}" height="{ch - 2}" fill="none" '
+                   f'stroke="#fff" stroke-width="1"/>'
+                   f'<text x="{left + cols * cw + 8}" y="{y + ch * 0.75:.1f}" font-size="11" font-weight="bold">'
+                   f"&#9664; first divergence: {html.escape(where)}, step {div.step}</text>"
+                   f"<title>first divergence: {html.escape(where)}, step {div.step}</title></g>")
     for c in range(0, cols, max(1, cols // 10)):
         out.append(f'<text x="{left + c * cw + cw / 2:.1f}" y="{top - 6}" font-size="10" text-anchor="middle">'
-                   f'{c * bin_}</text>')
-    out.append(f'<text x="{left}" y="{h - 8}" font-size="11">step (columns{", max over " + str(bin_) + " steps" if bin_ > 1 else ""}) '
-               f'/ layer (rows); colour = rel-L2 of layer_out relative to its tolerance</text>')
+                   f"{c * bin_}</text>")
+    y0 = ys[-1] + ch + 14
+    binned = f", max over {bin_} steps" if bin_ > 1 else ""
+    what = ("rel-L2 / tolerance" if factor is None
+            else f"RUN's rel-L2 / max({factor:g} x BASE's rel-L2, tolerance)")
+    out.append(f'<text x="{left}" y="{y0}" font-size="11">step (columns{binned}) / tensor (rows); colour = {what}, '
+               f"log scale</text>")
+    out += scale.legend(left, y0 + 10, min(420, max(240, cols * cw)), limit)
     return _svg(w, h, out)
 
 
@@ -168,7 +304,7 @@ def _ranking(r: IsolationRanking) -> str:
         rows.append(f"<tr><td>{rank}</td><td>L{e.layer}</td><td>{html.escape(sci(e.rel_l2))}</td>"
                     f"<td>{e.step}</td><td>{html.escape(sci(e.threshold))}</td><td class=l>{bar}</td></tr>")
     return ("<p class=legend>Every layer was fed REF's input (trace replay --isolate): each error is the layer's own.</p>"
-            "<table><tr><th>rank</th><th>layer</th><th>layer_out rel-L2</th><th>worst step</th><th>tolerance</th>"
+            "<table><tr><th>rank</th><th>layer</th><th>layer_out rel-L2 of the step (its rows together)</th><th>worst step</th><th>tolerance</th>"
             "<th class=l></th></tr>" + "".join(rows) + "</table>")
 
 
@@ -216,16 +352,19 @@ def _token_table(tokens: TokenInfo, limit: int = 300) -> str:
 
 def _tensor_table(tensors: list[TensorSummary]) -> str:
     # the tolerance column is the primary metric's, next to it
-    heads = "".join(f"<th>{m.summary_label}</th>" + ("<th>tolerance</th>" if m.name == PRIMARY else "")
+    heads = "".join(f"<th>{m.summary_label} (worst row)</th>" + ("<th>tolerance</th>" if m.name == PRIMARY else "")
                     for m in THRESHOLD_METRICS)
     out = [f"<table><tr><th>kind</th><th>layer</th><th>rows</th>{heads}<th>status</th></tr>"]
     for t in tensors:
         worst = t.worst or {}
-        cells = "".join(f"<td>{fmt(m, worst.get(m.name))}</td>" + (f"<td>{sci(t.threshold)}</td>" if m.name == PRIMARY else "")
-                        for m in THRESHOLD_METRICS)
-        out.append(f'<tr class="{"x" if t.status in ("diverged", "shape", "rows") else ""}"><td class="l">{t.kind}</td>'
+        none = t.rows_compared == 0 and t.worst is not None  # no row read: no value to show
+        cells = "".join((f'<td class="nc">not compared</td>' if none else f"<td>{fmt(m, worst.get(m.name))}</td>")
+                        + (f"<td>{sci(t.threshold)}</td>" if m.name == PRIMARY else "") for m in THRESHOLD_METRICS)
+        status = t.status + (f": {html.escape(t.reason)}" if t.reason else "")
+        cls = "x" if t.status in ("diverged", "shape", "rows") else "nc" if t.reason else ""
+        out.append(f'<tr class="{cls}"><td class="l">{t.kind}</td>'
                    f'<td>{"" if t.layer is None else t.layer}</td><td>{t.rows_compared}/{t.rows}</td>{cells}'
-                   f'<td class="l">{t.status}</td></tr>')
+                   f'<td class="l">{status}</td></tr>')
     out.append("</table>")
     return "".join(out)
 
@@ -234,6 +373,7 @@ def render_html(result: DiffResult) -> str:
     d = result.first_divergence
     e = html.escape
     ref, run = result.reference, result.candidate
+    isolated = run.mode == "isolated"
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>trace diff: {'match' if result.match else 'divergence'}</title>",
@@ -244,16 +384,24 @@ def render_html(result: DiffResult) -> str:
           if result.isolation is not None else []),
         "<h2>Error growth: layer x step</h2>",
         _heatmap(result.growth, d),
-        '<p class="legend">green: under tolerance; yellow: at tolerance; red: far above. Hover a cell for its value.'
-        " The black frame marks the first divergence.</p>",
+        '<p class="legend">Each cell: the step\'s rel-L2 of the residual stream (a layer\'s output; the first row the '
+        "embeddings, the last final_hidden) over its tolerance, on a log scale: blue under the tolerance, yellow at "
+        "it, red to black far above; white exact, hatched grey not compared. Hover a cell for its value. The "
+        "black-and-white frame marks the first divergence (a divergence before or after the layers sits in the "
+        "first or last row).</p>",
+        *(["<h2>Against the baseline: RUN's error over BASE's envelope</h2>",
+           _heatmap(result.growth, d, result.baseline.factor),
+           f'<p class="legend">Each cell: RUN\'s rel-L2 over max({result.baseline.factor:g} x BASE\'s rel-L2 against '
+           "REF, tolerance) at that step: warm where RUN leaves what BASE (the trusted run) does. The verdict is per "
+           "row (docs/quantized.md); this map is per step.</p>"] if result.baseline is not None else []),
         "<h2>Error vs layer</h2>",
         _curves(result.growth, d),
-        f'<p class="legend">{e(growth_summary(result.growth))}</p>',
+        f'<p class="legend">{e(growth_summary(result.growth, isolated=isolated))}</p>',
         "<h2>Tokens</h2>",
-        f"<p>{e(token_summary(result.tokens)).replace(chr(10), '<br>')}</p>",
+        f"<p>{e(token_summary(result.tokens, isolated)).replace(chr(10), '<br>')}</p>",
         _token_table(result.tokens),
         *(["<h2>Logit distribution: KL(REF||RUN) per step</h2>", _logits_plot(result.logits),
-           f'<p class="legend">{e(logits_text(result.logits))}</p>'] if result.logits is not None else []),
+           f'<p class="legend">{e(logits_text(result.logits, isolated))}</p>'] if result.logits is not None else []),
         "<h2>Tensors compared</h2>",
         _tensor_table(result.tensors),
         "<h2>Provenance</h2>",

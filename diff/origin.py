@@ -28,26 +28,35 @@ class Residuals:
 
     rel_rows: dict[Key, np.ndarray] = field(default_factory=dict)  # residual kinds: rel-L2 per row
     outside_rows: dict[Key, np.ndarray] = field(default_factory=dict)  # residual kinds: row leaves BASE's envelope
-    growth_sums: dict[int | None, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)  # |d|^2, |a|^2, row size
+    sums: dict[Key, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)  # residual kinds: |d|^2, |a|^2, row size
+    base_sums: dict[Key, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)  # the same for BASE vs REF
     thresholds: dict[Key, StepTolerance] = field(default_factory=dict)  # every compared tensor's
 
 
 def growth(res: Residuals, plan: Plan) -> Growth:
-    """The growth table: layer_out rel-L2 per layer x step, and the largest jump."""
-    layers = sorted(l for l in res.growth_sums if l is not None)
-    rows = [_step_rel(res, plan, l) for l in layers]
+    """The growth table: layer_out rel-L2 per layer x step, and the largest jump; the heatmap's
+    rows for the tensors before and after the layers, and BASE's table under --baseline."""
+    layers = sorted(l for k, l in res.sums if k == GROWTH_KIND)
+    rows = [_step_rel(res.sums, res, plan, (GROWTH_KIND, l)) for l in layers]
     table, thresholds = [r[0] for r in rows], [r[1] for r in rows]
-    embed = _step_rel(res, plan, None) if None in res.growth_sums else None
+    embed = _step_rel(res.sums, res, plan, ("embeddings", None)) if ("embeddings", None) in res.sums else None
     per_layer = [max((v for v in row if v is not None), default=None) for row in table]
-    return Growth(layers, list(range(plan.numeric_steps)), table, thresholds, per_layer,
-                  _largest_jump(layers, table, thresholds, embed))
+    out = Growth(layers, list(range(plan.numeric_steps)), table, thresholds, per_layer,
+                 _largest_jump(layers, table, thresholds, embed))
+    for kind in ("embeddings", "final_hidden"):
+        if (kind, None) in res.sums:
+            out.globals[kind] = _step_rel(res.sums, res, plan, (kind, None))
+    if res.base_sums:
+        out.base = {key: _step_rel(res.base_sums, res, plan, key)[0] for key in res.base_sums}
+    return out
 
-def _step_rel(res: Residuals, plan: Plan, layer) -> tuple[list, list]:
-    """rel-L2 of each step's rows taken together, and its tolerance per step, for
-    layer_out of `layer` (None: the embeddings)."""
+
+def _step_rel(sums: dict, res: Residuals, plan: Plan, key: Key) -> tuple[list, list]:
+    """rel-L2 of each step's rows taken together, and its tolerance per step, for a residual
+    kind (kind, layer) from `sums` (RUN's or BASE's against REF)."""
     none = [None] * plan.numeric_steps
     starts = np.array([a for a, _ in plan.step_positions[: plan.numeric_steps]])
-    nd, na, m = res.growth_sums[layer]
+    nd, na, m = sums[key]
     n = min(nd.size, plan.n_rows)
     st = starts[starts < n] if n else starts[:0]
     if n == 0 or st.size == 0:
@@ -55,7 +64,7 @@ def _step_rel(res: Residuals, plan: Plan, layer) -> tuple[list, list]:
     snd = np.add.reduceat(nd[:n], st)
     sna = np.add.reduceat(na[:n], st)
     cnt = np.diff(np.append(st, n))
-    tol = res.thresholds[(GROWTH_KIND, layer) if layer is not None else ("embeddings", None)]
+    tol = res.thresholds[key]
     floor = tol.l2_floor[: st.size] * np.sqrt(m * cnt)
     with np.errstate(invalid="ignore", divide="ignore"):
         rel = np.sqrt(snd) / np.maximum(np.sqrt(sna), np.maximum(floor, 1e-300))

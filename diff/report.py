@@ -33,14 +33,22 @@ def _element(names: dict[str, int]) -> str:
 
 
 def _key_words(keys: list[int], n: int, position: int, n_positions: int) -> str:
+    """'keys 4-19 (future), 300-303 (never-written slot) and 12 more': runs of consecutive keys
+    of the same sort as ranges."""
     def tag(k):
         if k >= n_positions:
-            return f"{k} (never-written slot)"
+            return " (never-written slot)"
         if k > position:
-            return f"{k} (future)"
-        return str(k)
+            return " (future)"
+        return ""
 
-    shown = ", ".join(tag(k) for k in keys)
+    runs: list[list[int]] = []  # [first, last]
+    for k in sorted(keys):
+        if runs and k == runs[-1][1] + 1 and tag(k) == tag(runs[-1][0]):
+            runs[-1][1] = k
+        else:
+            runs.append([k, k])
+    shown = ", ".join((f"{a}-{b}" if b > a else f"{a}") + tag(a) for a, b in runs)
     return shown + (f" and {n - len(keys)} more" if n > len(keys) else "")
 
 
@@ -93,11 +101,17 @@ def _tie_words(t: TokenFlip) -> str:
             f"{t.reference_gap:.3g}; RUN's token ranks {t.candidate_rank} under REF logits")
 
 
-def token_summary(tokens: TokenInfo) -> str:
+BY_CONSTRUCTION = ("by construction: an isolated replay feeds the final norm REF's last layer output, so only the "
+                   "norm and the head are tested here")
+
+
+def token_summary(tokens: TokenInfo, isolated: bool = False) -> str:
     n = tokens.compared_steps
     if not n:
         return "tokens: none compared"
     s = f"tokens: {tokens.matches}/{n} generated tokens match ({100 * tokens.accuracy:.1f}%)"
+    if isolated:
+        s += f" ({BY_CONSTRUCTION})"
     m, flip = tokens.first_mismatch_step, tokens.flip
     if m is not None:
         phase = "prefill" if m == 0 else "decode"
@@ -109,7 +123,7 @@ def token_summary(tokens: TokenInfo) -> str:
     return s
 
 
-def growth_summary(growth: Growth, max_layers: int = 48) -> str:
+def growth_summary(growth: Growth, max_layers: int = 48, isolated: bool = False) -> str:
     vals = growth.max_over_steps
     if not vals:
         return "error growth: no layer outputs compared"
@@ -118,11 +132,20 @@ def growth_summary(growth: Growth, max_layers: int = 48) -> str:
         items = items[: max_layers // 2] + ["..."] + items[-max_layers // 2:]
     s = "error growth (layer_out rel-L2, worst step): " + "  ".join(items)
     j = growth.largest_jump
-    if j and j.ratio > 1:
+    if j and j.ratio > 1 and not isolated:  # isolated: every layer was fed REF's input, no error is carried
         src = "from the embeddings " if j.layer == 0 else ""
         at = "" if j.step is None else f" at {'prefill' if j.step == 0 else 'decode'} step {j.step}"
-        s += f"\n  largest jump: {src}into layer {j.layer}{at} (x{j.ratio:.3g}: {sci(j.before)} -> {sci(j.after)})"
+        s += f"\n  largest jump: {src}into layer {j.layer}{at} ({_jump_words(j)})"
     return s
+
+
+def _jump_words(j) -> str:
+    """'1.2e-3 / 1e-4 = x11.6 (the input's 0, counted at its tolerance 1e-4)': the floor shown."""
+    counted = j.after / j.ratio  # what the input's error counted as: itself, or its tolerance when larger
+    ratio = f"{sci(j.after)} / {sci(counted)} = x{j.ratio:.3g}" if j.ratio < 1e3 else f"{sci(j.after)} / {sci(counted)} = x{sci(j.ratio)}"
+    if counted > j.before * (1 + 1e-6):
+        return f"{ratio}; the input's {sci(j.before)} counted at its tolerance {sci(counted)}"
+    return f"{ratio}; the input's {sci(j.before)}"
 
 
 def origin_summary(d: Divergence) -> str | None:
@@ -160,15 +183,17 @@ def baseline_words(metric: Metric, value: float, fig: BaselineFigures) -> str:
 def ranking_text(r: IsolationRanking) -> str:
     items = [f"L{e.layer} {sci(e.rel_l2)} (step {e.step})" for e in r.ranking[:SHOWN]]
     more = f", {len(r.ranking) - SHOWN} more" if len(r.ranking) > SHOWN else ""
-    return ("isolated replay (every layer fed REF's input): layers by local error, layer_out rel-L2 at the worst step: "
+    return ("isolated replay (every layer fed REF's input; rel-L2 of each step's rows together, as in the error growth): "
+            "layers by local error, layer_out rel-L2 at the worst step: "
             + ", ".join(items) + more)
 
 
-def logits_text(m: LogitMetrics) -> str:
+def logits_text(m: LogitMetrics, isolated: bool = False) -> str:
     s = m.summary
     if not s.steps:
         return "logits: no step with finite logits in both traces"
-    return (f"logits over {s.steps} step(s): KL(REF||RUN) mean {sci(s.kl_mean)}, p99 {sci(s.kl_p99)}, max {sci(s.kl_max)} "
+    head = f"logits ({BY_CONSTRUCTION}) over" if isolated else "logits over"
+    return (f"{head} {s.steps} step(s): KL(REF||RUN) mean {sci(s.kl_mean)}, p99 {sci(s.kl_p99)}, max {sci(s.kl_max)} "
             f"(step {s.kl_max_step}); top-1 agreement {100 * s.top1_agreement:.1f}%, top-5 overlap "
             f"{100 * s.top5_overlap:.1f}%; REF token's probability drop mean {sci(s.drop_mean)}, max "
             f"{sci(s.drop_max)} (step {s.drop_max_step})")
@@ -190,10 +215,11 @@ def format_text(result: DiffResult) -> str:
         o = origin_summary(d)
         if o:
             lines.append(o)
-    lines.append(token_summary(result.tokens))
+    isolated = result.candidate.mode == "isolated"
+    lines.append(token_summary(result.tokens, isolated))
     if result.logits is not None:
-        lines.append(logits_text(result.logits))
-    lines.append(growth_summary(result.growth))
+        lines.append(logits_text(result.logits, isolated))
+    lines.append(growth_summary(result.growth, isolated=isolated))
     if result.isolation is not None:
         lines.append(ranking_text(result.isolation))
     ref, run = result.reference, result.candidate

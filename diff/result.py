@@ -254,7 +254,8 @@ class TensorSummary:
     absent_rows: int | None = opt()  # rows a trace did not report (rows_present): not compared
     absent_positions: str | None = opt()  # their positions, "0-11"
     absent_in: str | None = opt()  # "RUN", "REF" or "REF and RUN"
-    worst: dict[str, float] | None = None  # metric name -> worst value over compared rows
+    reason: str | None = opt()  # why rows were not compared ("not compared" / "partly compared")
+    worst: dict[str, float | None] | None = None  # metric name -> worst value over compared rows (None: no row)
 
     def to_json(self) -> dict:
         out = json_fields(self)
@@ -290,6 +291,11 @@ class Growth:
     largest_jump: Jump | None
     metric: str = PRIMARY
     kind: str = "layer_out"
+    # for the HTML heatmap only (not in the JSON): rel-L2 per step of the residual tensors outside
+    # the layers ({"embeddings": (values, tolerances), "final_hidden": ...}), and under --baseline
+    # BASE's rel-L2 against REF per step of every residual tensor ({(kind, layer): values})
+    globals: dict[str, tuple[list[float | None], list[float | None]]] = field(default_factory=dict)
+    base: dict[tuple[str, int | None], list[float | None]] | None = None
 
     def to_json(self) -> dict:
         return {"metric": self.metric, "kind": self.kind, "layers": self.layers, "steps": self.steps,

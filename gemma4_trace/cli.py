@@ -45,6 +45,11 @@ def _set_debug(ctx, param, value):
 DEBUG_HELP = "print the full traceback of a failure (a plug-in's, chained) besides the one-line error; also GEMMA4_TRACE_DEBUG=1"
 
 
+def debug_option(fn):
+    """--debug on a command (as on `trace` itself): listed in every command's help."""
+    return click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug, help=DEBUG_HELP)(fn)
+
+
 def user_errors(fn):
     """Map library exceptions to exit codes and one-line messages: never a traceback."""
 
@@ -129,6 +134,12 @@ def _max_memory(value):
     return out
 
 
+def progress_option(fn):
+    """--progress/--no-progress: the live line on a terminal, plain lines otherwise, unless forced."""
+    return click.option("--progress/--no-progress", "progress", default=None,
+                        help="draw progress in place [default: only on a terminal; otherwise one line per phase]")(fn)
+
+
 def selection_options(fn):
     """--layers / --kinds / --steps: a selective trace (logits and tokens are always kept)."""
     fn = click.option("--steps", default=None, help="keep only these steps, e.g. 0-4 (0 = prefill) [default: all]")(fn)
@@ -160,16 +171,22 @@ def _selection(layers, kinds, steps):
               help="prefill rows of the KV-sharing layers (and final_hidden): all, or only the last as generate() "
                    "computes them (faster on long prompts; the others are stored absent and not compared)")
 @selection_options
+@debug_option
+@progress_option
 @user_errors
 def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, no_chat, output, force, device_map,
-           max_memory, offload_folder, shared_kv_prefill, layers, kinds, steps):
+           max_memory, offload_folder, shared_kv_prefill, layers, kinds, steps, progress):
     """Run HF Gemma 4 greedy generation with hooks and write a reference trace."""
-    from gemma4_trace.progress import ProgressBar
-    from gemma4_trace.recorder.record import record_trace
+    from gemma4_trace.progress import Progress
 
     check_output_path(output, force, inputs=[*images, *_model_files(model_dir)])
     selection = _selection(layers, kinds, steps)
-    bar = ProgressBar("recording")
+    _check_model_dir(model_dir)  # cheap checks first: nothing below loads before they pass
+    if device_map is not None:
+        _check_installed("accelerate", "--device-map")
+    from gemma4_trace.recorder.record import record_trace  # torch: after the checks
+
+    bar = Progress("recording", progress)
     try:
         summary = record_trace(
             model_dir=model_dir, output=output, prompt=prompt, input_ids=input_ids, images=list(images),
@@ -177,8 +194,9 @@ def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, 
             progress=bar, selection=selection, device_map=device_map, max_memory=max_memory,
             offload_folder=offload_folder, shared_kv_prefill=shared_kv_prefill,
         )
-    finally:
         bar.close()
+    finally:
+        bar.close(completed=False)
     click.echo(one_line(summary))
 
 
@@ -186,6 +204,7 @@ def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, 
 @click.argument("trace_path", metavar="TRACE.h5", type=click.Path())
 @click.option("--hash", "show_hash", is_flag=True, help="print the content hash only")
 @click.option("--model", "model_dir", type=click.Path(), default=None, help="folder with a tokenizer.json to decode tokens")
+@debug_option
 @user_errors
 def show(trace_path, show_hash, model_dir):
     """Print a readable summary of a trace."""
@@ -201,6 +220,23 @@ def show(trace_path, show_hash, model_dir):
             return
         folder = Path(model_dir) if model_dir else _embedded_model_dir(r.provenance["model_name"])
         click.echo(summarize(r, decoder_for(folder / "tokenizer.json" if folder else None)))
+
+
+def _check_model_dir(model_dir) -> None:
+    """A --model folder's config.json, read before anything loads (no torch import)."""
+    if model_dir is not None:
+        from pathlib import Path
+
+        from gemma4_trace.hf.model import read_config_json
+
+        read_config_json(Path(model_dir))
+
+
+def _check_installed(module: str, what: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise TraceToolError(f"{what} needs {module}, which is not installed")
 
 
 def _model_files(model_dir) -> list:
@@ -233,25 +269,31 @@ def _embedded_model_dir(model_name: str):
 @click.option("--prefill-chunk", type=click.IntRange(0, 1_000_000), default=None, help="static runtime: prefill in chunks of N rows, shapes (N, max_seq); 0 = one step over max_seq [default: 256 when max_seq >= 1024, else 0]")
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
-@click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug, help=DEBUG_HELP)
+@debug_option
+@progress_option
 @selection_options
 @user_errors
 def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, device, prefill_chunk, output, force, layers, kinds,
-           steps):
+           steps, progress):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""
-    from gemma4_trace.progress import ProgressBar
-    from gemma4_trace.replayer.replay import replay_trace
+    from gemma4_trace.progress import Progress
+    from gemma4_trace.replayer.api import check_runtime_name
 
+    check_runtime_name(runtime, isolate)  # cheap checks first: a typo is refused before torch or the model loads
     check_output_path(output, force, inputs=[reference, *_model_files(model_dir)])
-    bar = ProgressBar("replaying")
+    _check_model_dir(model_dir)
+    from gemma4_trace.replayer.replay import replay_trace  # torch: after the checks
+
+    bar = Progress("replaying", progress)
     try:
         summary = replay_trace(
             reference, output, model_dir=model_dir, runtime=runtime, max_seq=max_seq,
             mode="teacher-forced" if teacher_forcing else "free-running", force=force, progress=bar,
             isolate=isolate, prefill_chunk=prefill_chunk, selection=_selection(layers, kinds, steps), device=device,
         )
-    finally:
         bar.close()
+    finally:
+        bar.close(completed=False)
     click.echo(one_line(summary))  # it names the runtime, which a plug-in chose
 
 
@@ -260,10 +302,14 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, dev
 @click.option("--max-seq", type=click.IntRange(2, 1_000_000), required=True, help="static sequence length of the graphs")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False), help="folder for prefill.onnx and decode.onnx")
 @click.option("--force", is_flag=True, help="replace existing .onnx files")
+@debug_option
 @user_errors
 def export_onnx_cmd(model_dir, max_seq, out_dir, force):
     """Export the static runtime's prefill and decode steps to ONNX (what --runtime onnx runs)."""
-    from gemma4_trace.replayer.onnx_runtime import export_command
+    _check_model_dir(model_dir)
+    for module in ("onnx", "onnxscript"):
+        _check_installed(module, "trace export-onnx")
+    from gemma4_trace.replayer.onnx_runtime import export_command  # torch: after the checks
 
     click.echo(export_command(model_dir, max_seq, out_dir, force=force))
 
@@ -274,6 +320,7 @@ def export_onnx_cmd(model_dir, max_seq, out_dir, force):
 @click.option("--map", "map_path", required=True, type=click.Path(), help="TOML map: which file holds which kind, and its layout (docs/import.md)")
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
+@debug_option
 @user_errors
 def import_cmd(dump_dir, reference, map_path, output, force):
     """Build a candidate trace from a folder of dumped tensors (.npy, .safetensors, raw)."""
@@ -292,8 +339,10 @@ def import_cmd(dump_dir, reference, map_path, output, force):
 @click.option("--model", "model_dir", type=click.Path(), default=None, help="folder with a tokenizer.json to show generated text")
 @click.option("--baseline", "baseline", type=click.Path(), default=None, help="BASE.h5: a trusted run; RUN fails only outside BASE's error envelope")
 @click.option("--baseline-factor", type=float, default=4.0, show_default=True, help="with --baseline: RUN's error must exceed this many times BASE's")
+@click.option("--full", is_flag=True, help="compare every row of every tensor, also after the first divergence (the whole error map)")
+@debug_option
 @user_errors
-def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir, baseline, baseline_factor):
+def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir, baseline, baseline_factor, full):
     """Find the first divergence between two traces (exit 1 if they diverge)."""
     import json
     from pathlib import Path
@@ -303,7 +352,7 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
 
     if report:  # before the work: never onto an input, a device or a FIFO
         check_output_path(report, force, inputs=[reference, candidate, tolerances, model_dir and Path(model_dir) / "tokenizer.json"])
-    result = diff_traces(reference, candidate, tolerances, baseline, baseline_factor)
+    result = diff_traces(reference, candidate, tolerances, baseline, baseline_factor, full=full)
     folder = Path(model_dir) if model_dir else _embedded_model_dir(result.reference.model_name)
     decode = decoder_for(folder / "tokenizer.json" if folder else None)
     if decode is not None:
@@ -322,6 +371,7 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
 @click.option("-o", "--output", required=True, type=click.Path(), help="tolerances TOML file to write")
 @click.option("--margin", type=float, default=2.0, show_default=True, help="thresholds = worst known-good error x margin (>= 1)")
 @click.option("--force", is_flag=True, help="replace an existing output")
+@debug_option
 @user_errors
 def calibrate(reference, bases, output, margin, force):
     """Write tolerances from known-good runs: `trace diff REF BASE --tolerances` then matches."""

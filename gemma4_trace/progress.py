@@ -1,29 +1,115 @@
-"""A plain progress bar on stderr, drawn only for long runs.
+"""Progress on stderr: what a long command is doing, with elapsed time.
 
-The CLI hands a ProgressBar to the library as its `progress(done, total)` callback; the
-library never imports this module.
+The CLI hands a Progress to the library as its `progress(done, total)` callback; the library
+calls `progress.phase(text)` (when the object has it) as it enters a phase: loading the model,
+preparing a runtime (an export or lowering), generating. It never imports this module.
+
+On a terminal one line is redrawn in place (a ticking clock during a phase, a bar over the
+steps); otherwise (a redirected log, or `--no-progress`) plain lines, one per phase with its
+time, no carriage returns, written when the command succeeds (a failure stays one line: the
+error). The step count is the steps really run: a run
+that stops at end of sequence ends at its own count, not at --max-new-tokens.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
+import time
 
-MIN_STEPS = 32  # shorter runs finish before a bar would help
+TICK = 0.5  # seconds between redraws of a phase's clock on a terminal
 
 
-class ProgressBar:
-    def __init__(self, label: str, width: int = 30):
-        self.label, self.width = label, width
+class Progress:
+    def __init__(self, label: str, enabled: bool | None = None, stream=None, width: int = 30):
+        """`enabled`: draw in place (True), plain lines (False), or decide by whether the
+        stream is a terminal (None)."""
+        self.stream = stream if stream is not None else sys.stderr
+        if enabled is None:
+            enabled = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.live, self.label, self.width = enabled, label, width
+        self.what: str | None = None  # the current phase
+        self.t0 = time.monotonic()
+        self.done = self.total = 0
+        self.steps_t0: float | None = None
+        self.drawn = False  # a live line is on screen (needs a newline before anything else)
+        self.held: list[str] = []  # plain lines, written on success
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.ticker: threading.Thread | None = None
+
+    # ------------------------------------------------------------ phases
+    def phase(self, what: str) -> None:
+        """Enter a phase: the previous one (if any) is reported with its time."""
+        self._end_phase()
+        with self.lock:
+            self.what, self.t0 = what, time.monotonic()
+            if self.live:
+                self._draw(f"{self.label}: {what} ...")
+                self.stop.clear()
+                self.ticker = threading.Thread(target=self._tick, daemon=True)
+                self.ticker.start()
+
+    def _tick(self) -> None:
+        while not self.stop.wait(TICK):
+            with self.lock:
+                if self.what is not None and not self.done:
+                    self._draw(f"{self.label}: {self.what} ... {time.monotonic() - self.t0:.0f} s")
+
+    def _end_phase(self) -> None:
+        self.stop.set()
+        if self.ticker is not None:
+            self.ticker.join()
+            self.ticker = None
+        with self.lock:
+            if self.what is not None:
+                self._line(f"{self.label}: {self.what}: {self._steps_words()}{time.monotonic() - self.t0:.1f} s")
+            self.what = None
+
+    # ------------------------------------------------------------ steps
+    def __call__(self, done: int, total: int) -> None:
+        with self.lock:
+            self.done, self.total = done, total
+            if self.live:
+                filled = int(self.width * done / max(total, 1))
+                self._draw(f"{self.label}{': ' + self.what if self.what else ''} "
+                           f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} "
+                           f"{time.monotonic() - self.t0:.0f} s")
+
+    def _steps_words(self) -> str:
+        if not self.done:
+            return ""
+        if self.done < self.total:  # stopped early: end of sequence
+            return f"{self.done} steps (ended at end of sequence, before {self.total}), "
+        return f"{self.done} steps, "
+
+    # ------------------------------------------------------------ output
+    def _draw(self, text: str) -> None:  # live only: redraw the one line
+        self.stream.write(f"\r{text}\x1b[K")
+        self.stream.flush()
+        self.drawn = True
+
+    def _line(self, text: str) -> None:
+        if not self.live:
+            self.held.append(text)
+            return
+        self._draw(text)
+        self.stream.write("\n")
+        self.stream.flush()
         self.drawn = False
 
-    def __call__(self, done: int, total: int) -> None:
-        if total >= MIN_STEPS and done > 0 and (done % 8 == 0 or done == total):
-            filled = int(self.width * done / total)
-            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {done}/{total}")
-            sys.stderr.flush()
-            self.drawn = True
-
-    def close(self) -> None:
+    def close(self, completed: bool = True) -> None:
+        """End the last phase (reported when `completed`; a failure only ends the line)."""
+        if not completed:
+            self.stop.set()
+            with self.lock:
+                self.what = None
+        self._end_phase()
         if self.drawn:
-            sys.stderr.write("\n")
+            self.stream.write("\n")
             self.drawn = False
+        if completed and self.held:
+            self.stream.write("".join(line + "\n" for line in self.held))
+        self.held = []
+        self.stream.flush()
+

@@ -52,7 +52,7 @@ def summarize(r: TraceReader, decode=None) -> str:
         lines.append(
             f"  L{i:02d}  {li.layer_type:<17} head_dim {li.head_dim:<4} heads {li.num_heads}/{li.num_kv_heads} kv  {role}"
         )
-    lines.append("kinds      (stored shape, source dtype, on-disk size)")
+    lines.append("kinds      (stored shape, one layer's for a layer kind; source dtype; on-disk size)")
     seen = set()
     for kind, layer in r.kinds_present():
         if kind in seen:
@@ -61,8 +61,8 @@ def summarize(r: TraceReader, decode=None) -> str:
         layers = [l for k, l in r.kinds_present() if k == kind]
         ds = r.dataset(kind, layer)
         size = sum(r.storage_size(kind, l) for l in layers)
-        where = f"x {len(layers)} layers" if layer is not None else ""
-        lines.append(f"  {kind:<17} {str(ds.shape):<16} {r.source_dtype(kind, layer):<9} {fmt_bytes(size):>10} {where}")
+        where = "" if layer is None else f" in {len(layers)} layers ({fmt_bytes(size / len(layers))} each on average)"
+        lines.append(f"  {kind:<17} {str(ds.shape):<16} {r.source_dtype(kind, layer):<9} {fmt_bytes(size):>10}{where}")
         partial = [(l, f) for l in layers if (f := r.rows_present(kind, l)) is not None]
         if partial:  # a runtime reported some rows only: say how many hold data
             l, f = partial[0]

@@ -79,8 +79,10 @@ def record_trace(
     if images and prompt is None:
         raise TraceToolError("--image needs --prompt (the processor places the image tokens)")
     pil_images = [_open_image(p) for p in images]
+    _phase(progress, "loading the model")
     lm = load_model(model_dir, dtype=dtype, device=device, device_map=device_map, max_memory=max_memory,
                     offload_folder=offload_folder)
+    _phase(progress, "generating")
     inputs = prepare_inputs(lm, prompt, input_ids, pil_images, chat)
     tokens = record_loaded(lm, inputs, output, max_new_tokens=max_new_tokens, force=force, progress=progress,
                            selection=selection, shared_kv_prefill=shared_kv_prefill)
@@ -388,6 +390,12 @@ def record_loaded(
         if rec.n_steps != len(generated):
             raise RuntimeError(f"recorded {rec.n_steps} steps for {len(generated)} generated tokens")
     return generated
+
+
+def _phase(progress, what: str) -> None:
+    """Tell a progress display (gemma4_trace/progress.py) which phase starts, if it listens."""
+    if hasattr(progress, "phase"):
+        progress.phase(what)
 
 
 class _ProgressStreamer:

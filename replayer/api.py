@@ -225,6 +225,57 @@ def load_factory(spec: str):
     return factory
 
 
+# what a built-in runtime needs installed (module names: importlib.util.find_spec) and how to get it
+_NEEDS = {"static-w8": ("torchao",), "static-w4g32": ("torchao",), "static-w8a8": ("torchao",), "tico": ("tico",),
+          "tico-quant": ("tico",), "onnx": ("onnxruntime", "onnx", "onnxscript")}
+_EXTRA_OF = {"torchao": "quant", "tico": "tico", "onnxruntime": "onnx", "onnx": "onnx", "onnxscript": "onnx"}
+_NO_ISOLATION = ("tico", "tico-quant", "onnx")  # built-ins that do not continue with the probe's tensors
+
+
+def check_runtime_name(spec: str, isolate: bool = False) -> None:
+    """Refuse, before any model loads, a --runtime that cannot work: an unknown name (a typo,
+    with the nearest built-in), a MODULE:FACTORY of bad syntax or whose top-level module is not
+    found, a built-in whose extra is not installed, --isolate with a built-in that does not
+    support it. Nothing is imported (a plug-in's own checks run when it is loaded)."""
+    import difflib
+    import importlib.util
+
+    names = ("static", *QUANTIZED_RUNTIMES, *EXTRA_RUNTIMES)
+    if spec in names:
+        missing = [m for m in _NEEDS.get(spec, ()) if importlib.util.find_spec(m) is None]
+        if missing:
+            extra = _EXTRA_OF.get(missing[0], "")
+            raise TraceToolError(f"--runtime {spec} needs {', '.join(missing)}, which is not installed"
+                                 + (f": pip install 'gemma4-trace[{extra}]'" if extra else ""))
+        if isolate and spec in _NO_ISOLATION:
+            raise TraceToolError(f"runtime {spec} does not support --isolate (it does not continue with the tensors "
+                                 "the probe returns); the static runtimes do")
+        return
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        near = difflib.get_close_matches(spec, names, n=1)
+        raise TraceToolError(f"--runtime {spec!r} is not a runtime" + (f" (did you mean {near[0]!r}?)" if near else "")
+                             + f": expected {', '.join(names)} or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)")
+    if not all(part.isidentifier() for part in module_name.split(".")) or not attr.isidentifier():
+        raise TraceToolError(f"--runtime {spec!r}: MODULE:FACTORY needs a dotted module name and a function name "
+                             "(e.g. my_pkg.rt:make_runtime)")
+    top = module_name.split(".")[0]
+    cwd = os.getcwd()  # found like load_factory finds it: the current folder first
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    finally:
+        if added:
+            sys.path.remove(cwd)
+    if not found:
+        raise TraceToolError(f"cannot import runtime plug-in module {module_name!r} (--runtime {spec!r}): no module "
+                             f"{top!r} is installed or in the current folder")
+
+
 def check_runtime(rt, where: str):
     """Raise TraceToolError naming what a runtime object lacks."""
     missing = [m for m in REQUIRED_METHODS if not callable(getattr(rt, m, None))]

@@ -106,11 +106,14 @@ def replay_trace(
     selection = ref.selection if selection is None else selection
     if selection is not None:
         selection.check(len(json_layers(ref.provenance)), n_new)
+    _phase(progress, "loading the model")
     loaded = load_for_reference(ref.provenance, model_dir, device=device)
     limit = getattr(loaded.text_config, "max_position_embeddings", None)
     if limit is not None and max_seq > limit:
         raise TraceToolError(f"--max-seq {max_seq} exceeds the model's {limit} positions (max_position_embeddings)")
+    _phase(progress, f"preparing the {runtime} runtime")  # an export or a lowering, where the runtime has one
     rt = make_runtime(runtime, loaded, max_seq)
+    _phase(progress, "running the steps")
     if isolate:
         check_supports_isolation(rt)
     if hasattr(rt, "prefill_chunk"):  # the static runtime and its quantized variants
@@ -170,6 +173,12 @@ class _CheckedRuntime:
             raise TraceToolError(f"runtime {self.rt.name} failed in {what}{failure_site(e, self.roots)} "
                                  f"{progress_words(args[-1])}: {type(e).__name__}: {one_line(e, 200)}") from e
         return as_logits(logits, self.vocab, self.rt.name, what)
+
+
+def _phase(progress, what: str) -> None:
+    """Tell a progress display (gemma4_trace/progress.py) which phase starts, if it listens."""
+    if hasattr(progress, "phase"):
+        progress.phase(what)
 
 
 def _run_steps(runner: _CheckedRuntime, ref: Reference, mode: str, w: TraceWriter, progress, probe=None) -> list[int]:

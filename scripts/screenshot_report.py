@@ -1,0 +1,75 @@
+"""Screenshots of `trace diff --report` in a real browser (headless Chromium), to look at.
+
+    python scripts/screenshot_report.py OUT_DIR [--chromium chromium]
+
+On the embedded tiny model (CPU, a few minutes): records ref.h5, replays an int8 BASE
+(`static-w8`), an int8 RUN with a planted bug (tests/quant_bugs.py: the per-layer inputs of the
+first decode step reused by every later step) and a float RUN with a planted bug
+(tests/bug_zoo.py: decode attends to one key too few), writes three reports and their PNGs:
+
+    quant.html / quant.png                  the int8 RUN against the float tolerances
+    quant-baseline.html / quant-baseline.png  the same with --baseline base.h5 (the second map)
+    float-bug.html / float-bug.png          the float bug
+
+Traces already in OUT_DIR are reused. Needs torchao (the quantized runtimes) and a Chromium
+(Debian: `apt-get install chromium`). Run from the repository root (the bug runtimes are
+imported from tests/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUANT_BUG = "tests.quant_bugs:make_stale_ple_in_decode__static_w8"
+FLOAT_BUG = "tests.bug_zoo:make_decode_slice_short"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars"]
+
+
+def trace(*args: str) -> int:
+    """Run `trace ARGS` in this checkout; the exit code (diff: 1 = divergence)."""
+    r = subprocess.run([sys.executable, "-m", "gemma4_trace", *args], cwd=ROOT)
+    if r.returncode not in (0, 1):
+        sys.exit(f"trace {' '.join(args)} failed with exit {r.returncode}")
+    return r.returncode
+
+
+def once(path: Path, *args: str) -> Path:
+    if not path.exists():
+        trace(*args, "-o", str(path))
+    return path
+
+
+def screenshot(chromium: str, page: Path, png: Path, size: str = "1400,1800") -> None:
+    with tempfile.TemporaryDirectory() as profile:
+        subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--screenshot={png}",
+                        f"--window-size={size}", page.resolve().as_uri()], check=True, capture_output=True, timeout=120)
+    print(f"wrote {png}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser") or "chromium")
+    args = ap.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    ref = once(out / "ref.h5", "record")
+    base = once(out / "base.h5", "replay", str(ref), "--runtime", "static-w8")
+    run_q = once(out / "run-quant-bug.h5", "replay", str(ref), "--runtime", QUANT_BUG)
+    run_f = once(out / "run-float-bug.h5", "replay", str(ref), "--runtime", FLOAT_BUG)
+    for name, run, extra in (("quant", run_q, []), ("quant-baseline", run_q, ["--baseline", str(base)]),
+                             ("float-bug", run_f, [])):
+        page = out / f"{name}.html"
+        trace("diff", str(ref), str(run), *extra, "--report", str(page), "--force")
+        screenshot(args.chromium, page, out / f"{name}.png")
+
+
+if __name__ == "__main__":
+    main()
