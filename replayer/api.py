@@ -227,9 +227,10 @@ def load_factory(spec: str):
 
 # what a built-in runtime needs installed (module names: importlib.util.find_spec) and how to get it
 _NEEDS = {"static-w8": ("torchao",), "static-w4g32": ("torchao",), "static-w8a8": ("torchao",), "tico": ("tico",),
-          "tico-quant": ("tico",), "onnx": ("onnxruntime", "onnx", "onnxscript")}
-_EXTRA_OF = {"torchao": "quant", "tico": "tico", "onnxruntime": "onnx", "onnx": "onnx", "onnxscript": "onnx"}
-_NO_ISOLATION = ("tico", "tico-quant", "onnx")  # built-ins that do not continue with the probe's tensors
+          "tico-quant": ("tico",), "onnx": ("onnxruntime", "onnx", "onnxscript"), LLAMACPP_RUNTIME: ("llama_cpp", "gguf")}
+_EXTRA_OF = {"torchao": "quant", "tico": "tico", "onnxruntime": "onnx", "onnx": "onnx", "onnxscript": "onnx",
+             "llama_cpp": "llamacpp", "gguf": "llamacpp"}
+_NO_ISOLATION = ("tico", "tico-quant", "onnx", LLAMACPP_RUNTIME)  # built-ins that do not continue with the probe's tensors
 
 
 def check_runtime_name(spec: str, isolate: bool = False) -> None:
@@ -240,7 +241,13 @@ def check_runtime_name(spec: str, isolate: bool = False) -> None:
     import difflib
     import importlib.util
 
-    names = ("static", *QUANTIZED_RUNTIMES, *EXTRA_RUNTIMES)
+    names = ("static", *QUANTIZED_RUNTIMES, *EXTRA_RUNTIMES, LLAMACPP_RUNTIME)
+    if spec == LLAMACPP_RUNTIME or spec.startswith(LLAMACPP_RUNTIME + ":"):
+        from .gguf_writer import check_type  # numpy only
+
+        if ":" in spec:
+            check_type(spec.partition(":")[2])
+        spec = LLAMACPP_RUNTIME
     if spec in names:
         missing = [m for m in _NEEDS.get(spec, ()) if importlib.util.find_spec(m) is None]
         if missing:
