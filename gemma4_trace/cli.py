@@ -327,3 +327,19 @@ def calibrate(reference, bases, output, margin, force):
     from gemma4_trace.diff.calibrate import write_calibration
 
     click.echo(write_calibration(reference, list(bases), output, margin=margin, force=force))
+
+
+@main.command()
+@click.argument("reference", metavar="REF.h5", type=click.Path())
+@click.argument("candidate", metavar="RUN.h5", type=click.Path())
+@click.option("--at", "at", default=None, help="STEP,LAYER to extract [default: the first divergence]")
+@click.option("--model", "model_dir", type=click.Path(), default=None, help="model folder [default: the one REF was recorded with]")
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(), help="folder for repro.py and its .npz files")
+@click.option("--force", is_flag=True, help="replace an existing repro in the folder")
+@user_errors
+def repro(reference, candidate, at, model_dir, out_dir, force):
+    """Write a standalone repro (numpy + torch only) of one layer at one step."""
+    from gemma4_trace.replayer.repro import parse_site, write_repro
+
+    site = parse_site(at) if at is not None else None
+    click.echo(one_line(write_repro(reference, candidate, out_dir, at=site, model_dir=model_dir, force=force)))
