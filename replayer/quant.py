@@ -151,12 +151,13 @@ def check_recipe(rt, recipe: dict) -> None:
             raise TraceToolError(f"recipe unit {unit}: unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
 
 
-def quantize_(rt, scheme_name: str, recipe: dict | None = None):
+def quantize_(rt, scheme_name: str, recipe: dict | None = None, cache: dict | None = None):
     """Turn a StaticGemma4Runtime (or a subclass) into its quantized variant, in place.
 
     The HF weights are not touched: the runtime's buffers are rebound to new tensors.
     `recipe` {unit: precision} (units: weight_units; precisions: PRECISIONS) overrides the
     scheme per unit, a module unit before its layer's: "float" keeps the unit unquantized.
+    `cache` (a dict the caller keeps): quantized weights reused across runtimes of one model.
     """
     scheme = SCHEMES.get(scheme_name)
     if scheme is None:
@@ -170,7 +171,14 @@ def quantize_(rt, scheme_name: str, recipe: dict | None = None):
             if precision == FLOAT:
                 continue
             s = SCHEMES[precision]
-            setattr(owner, name, quantize_weight(owner._buffers[name], s.weight_bits, s.group))
+            w = owner._buffers[name]
+            key = (w.data_ptr(), tuple(w.shape), s.weight_bits, s.group)
+            q = cache.get(key) if cache is not None else None
+            if q is None:
+                q = quantize_weight(w, s.weight_bits, s.group)
+                if cache is not None:
+                    cache[key] = q
+            setattr(owner, name, q)
             if s.act_int8:
                 act_weights.append(owner._buffers[name])
     base = getattr(type(rt), "name", "static")
