@@ -1,0 +1,167 @@
+"""`trace sensitivity` / `trace precision` / `trace replay --recipe` on the embedded model.
+
+The planted weak layer is the quant bug zoo's one-layer-at-lower-precision bug
+(tests.quant_bugs:make_low_precision_layer__static_w8: layer LOW_LAYER at int4, groups of
+32, among int8 layers), written as a recipe; the recipe runtime is checked to be that bug
+bit for bit. Metrics are recomputed here with numpy from written traces.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gemma4_trace.cli import main
+from gemma4_trace.recorder.golden import GOLDEN_DIR
+from gemma4_trace.replayer.recipe import Recipe, load_recipe
+from gemma4_trace.replayer.replay import replay_trace
+from gemma4_trace.replayer.sensitivity import Runner, Target, sensitivity
+from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.reader import TraceReader
+from tests.quant_bugs import LOW_LAYER, runtime_spec
+
+pytest.importorskip("torchao")
+
+REF = GOLDEN_DIR / "short.h5"  # 13 prompt tokens, 3 steps
+WEAK = f'runtime = "static-w8"\n\n[units]\n"layer.{LOW_LAYER}" = "static-w4g32"\n'
+
+
+def kl_top1(ref_path, run_path) -> tuple[float, float]:
+    with TraceReader(ref_path) as a, TraceReader(run_path) as b:
+        x, y = a.read("logits").astype(np.float64), b.read("logits").astype(np.float64)
+        tokens = np.asarray(a.tokens())
+
+    def lsm(z):
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    p, q = lsm(x), lsm(y)
+    return float(np.mean(np.sum(np.exp(p) * (p - q), -1))), float(np.mean(q.argmax(-1) == tokens))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sens")
+    (d / "weak.toml").write_text(WEAK)
+    return d
+
+
+@pytest.fixture(scope="module")
+def weak_trace(work):
+    rec = work / "weak.h5"
+    res = CliRunner().invoke(main, ["replay", str(REF), "--runtime", "static-w8", "--recipe", str(work / "weak.toml"),
+                                    "-o", str(rec)])
+    assert res.exit_code == 0, res.output
+    return rec
+
+
+def test_recipe_runtime_is_the_zoo_low_precision_layer(work, weak_trace):
+    """The weak recipe over static-w8 is the zoo bug exactly (same logits, bit for bit)."""
+    zoo, rec = work / "zoo.h5", weak_trace
+    replay_trace(REF, zoo, runtime=runtime_spec("low_precision_layer", "static-w8"))
+    with TraceReader(zoo) as a, TraceReader(rec) as b:
+        assert b.provenance["runtime"] == "static-w8+recipe"
+        np.testing.assert_array_equal(a.read("logits"), b.read("logits"))
+        np.testing.assert_array_equal(a.read("layer_out", LOW_LAYER), b.read("layer_out", LOW_LAYER))
+
+
+def test_sensitivity_ranks_the_planted_weak_layer_first(work, weak_trace):
+    runner = Runner(REF, "static-w8", base=load_recipe(work / "weak.toml"))
+    s = sensitivity(runner, "layer", replays=2)
+    assert s.replays == {"isolated": 1, "full": 1 + 2 * 2}  # all quantized, then 2 per measured unit
+    top = s.units[0]
+    assert top.unit == f"layer.{LOW_LAYER}" and top.precision == "static-w4g32"
+    assert top.isolated == max(u.isolated for u in s.units if u.isolated is not None)
+    second = s.units[1]
+    assert top.only_quantized["kl_mean"] > 5 * second.only_quantized["kl_mean"]
+    assert top.only_float["kl_mean"] < second.only_float["kl_mean"]  # keeping it float helps most
+    assert {u.unit for u in s.units} == {f"layer.{i}" for i in range(8)} | {"ple_model_proj"}
+    # the all-quantized figures are those of the written trace of the same configuration
+    kl, top1 = kl_top1(REF, weak_trace)
+    assert s.all_quantized["kl_mean"] == pytest.approx(kl, rel=1e-6)
+    assert s.all_quantized["top1"] == top1
+
+
+def test_cli_sensitivity_json_by_module(work):
+    import json
+
+    res = CliRunner().invoke(main, ["sensitivity", str(REF), "--runtime", "static-w8", "--recipe", str(work / "weak.toml"),
+                                    "--unit", "module", "--replays", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["replays"] == {"full": 3, "isolated": 1}
+    assert out["ranking"][0]["unit"].startswith(f"layer.{LOW_LAYER}.")
+    assert out["ranking"][0]["only_quantized"] is not None and out["ranking"][1]["only_quantized"] is None
+    assert len(out["ranking"]) == 8 * 4 + 1
+
+
+def test_cli_precision_reaches_the_target_and_replay_verifies_it(work):
+    out = work / "recipe.toml"
+    res = CliRunner().invoke(main, ["precision", str(REF), "--runtime", "static-w8", "--recipe", str(work / "weak.toml"),
+                                    "--target", "kl_mean<=1e-6 and top1>=0.98", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert f"reached with 1 unit(s) at float: layer.{LOW_LAYER}" in res.output
+    assert load_recipe(out) == Recipe("static-w8", {f"layer.{LOW_LAYER}": "float"})
+    run = work / "kept.h5"
+    res = CliRunner().invoke(main, ["replay", str(REF), "--runtime", "static-w8", "--recipe", str(out), "-o", str(run)])
+    assert res.exit_code == 0, res.output
+    kl, top1 = kl_top1(REF, run)
+    assert kl <= 1e-6 and top1 >= 0.98
+    again = CliRunner().invoke(main, ["precision", str(REF), "--runtime", "static-w8", "--target", "kl_mean<=1e-6",
+                                      "-o", str(out)])
+    assert again.exit_code == 2 and "--force" in again.output  # never over an existing recipe without --force
+
+
+def test_cli_precision_refuses_a_fallback_that_is_the_runtime(work):
+    out = work / "never.toml"
+    res = CliRunner().invoke(main, ["precision", str(REF), "--runtime", "static-w8", "--target", "kl_mean<0",
+                                    "--fallback", "static-w8", "-o", str(out)])
+    assert res.exit_code == 2 and "--fallback static-w8 is the runtime itself" in res.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text,clauses", [
+    ("kl_mean<=0.01 and top1>=0.98", (("kl_mean", "<=", 0.01), ("top1", ">=", 0.98))),
+    ("  kl_p99 < 1e-3 ", (("kl_p99", "<", 1e-3),)),
+    ("layer_out<.5", (("layer_out", "<", 0.5),)),
+])
+def test_target_parser(text, clauses):
+    t = Target.parse(text)
+    assert t.clauses == clauses
+    assert t.holds({"kl_mean": 0, "kl_p99": 0, "top1": 1, "layer_out": 0})
+    assert not t.holds({"kl_mean": 1, "kl_p99": 1, "top1": 0, "layer_out": 1})
+
+
+@pytest.mark.parametrize("text", ["__import__('os').system('true')", "kl_mean<=0.01 or top1>=0.9", "kl_mean", "top1>=",
+                                  "kl_mean<=nan", "bogus<=1", "kl_mean<=1 and", "kl_mean==1", "", "x" * 600])
+def test_target_parser_refuses(text):
+    with pytest.raises(TraceToolError, match="--target"):
+        Target.parse(text)
+
+
+@pytest.mark.parametrize("body,message", [
+    ('runtime = "static"\n', "not a quantized runtime"),
+    ('runtime = "static-w8"\n[units]\n"layer.x" = "float"\n', "expected layer.N"),
+    ('runtime = "static-w8"\n[units]\n"layer.1" = "int3"\n', "unknown precision"),
+    ('runtime = "static-w8"\nunits = 3\n', "[units] table"),
+    ('runtime = "static-w8"\nextra = 1\n', "unknown key"),
+    ('runtime = \n', "not valid TOML"),
+])
+def test_recipe_loader_refuses(tmp_path, body, message):
+    p = tmp_path / "r.toml"
+    p.write_text(body)
+    with pytest.raises(TraceToolError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_recipe(p)
+
+
+def test_replay_recipe_refusals(tmp_path):
+    p = tmp_path / "r.toml"
+    p.write_text('runtime = "static-w8"\n[units]\n"layer.99" = "float"\n')
+    res = CliRunner().invoke(main, ["replay", str(REF), "--runtime", "static-w8", "--recipe", str(p), "-o", str(tmp_path / "o.h5")])
+    assert res.exit_code == 2 and "not a quantizable unit of this model" in res.output
+    res = CliRunner().invoke(main, ["replay", str(REF), "--runtime", "static-w4g32", "--recipe", str(p), "-o", str(tmp_path / "o.h5")])
+    assert res.exit_code == 2 and "the recipe is for --runtime static-w8" in res.output
+    res = CliRunner().invoke(main, ["sensitivity", str(REF), "--runtime", "static"])
+    assert res.exit_code == 2 and "quantized static runtime" in res.output
+    assert not (tmp_path / "o.h5").exists()
