@@ -366,6 +366,7 @@ class PrecisionResult:
     verified: dict
     bytes_all: int
     bytes_recipe: int
+    started_from_recipe: bool = False
 
 
 def precision_search(runner: Runner, target: Target, fallback: str = "float", granularity: str = "layer",
@@ -398,7 +399,7 @@ def precision_search(runner: Runner, target: Target, fallback: str = "float", gr
     if not target.holds(verified):
         raise TraceToolError(f"the recipe's verification replay misses the target ({_metrics_text(verified)}); nothing was written")
     return PrecisionResult(recipe, kept, before, after, verified, runner.weight_bytes(runner.config()),
-                           runner.weight_bytes(_resolve(runner, recipe)))
+                           runner.weight_bytes(_resolve(runner, recipe)), base is not None)
 
 
 def _resolve(runner: Runner, recipe: Recipe) -> dict:
@@ -411,9 +412,9 @@ def format_precision(p: PrecisionResult, output, target: Target, fallback: str, 
     kept = ", ".join(p.kept) if p.kept else "none"
     return "\n".join([
         f"target {target}: reached with {len(p.kept)} unit(s) at {fallback}: {kept}",
-        f"before (all {p.recipe.runtime}): {_metrics_text(p.before)}",
+        f"before (every unit as started: {p.recipe.runtime}{', --recipe' if p.started_from_recipe else ''}): {_metrics_text(p.before)}",
         f"after (verified by a full replay of the recipe): {_metrics_text(p.verified)}",
-        f"weight bytes: {p.bytes_recipe} vs {p.bytes_all} all-quantized (x{p.bytes_recipe / p.bytes_all:.2f})",
+        f"quantizable weight bytes: {p.bytes_recipe} vs {p.bytes_all} before (x{p.bytes_recipe / p.bytes_all:.2f})",
         f"{sum(replays.values())} replays ({replays.get('isolated', 0)} isolated, {replays.get('full', 0)} full) in {seconds:.1f} s",
         f"wrote {output}: trace replay REF --runtime {p.recipe.runtime} --recipe {output}",
     ])
