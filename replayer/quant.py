@@ -14,6 +14,11 @@ experts' einsum path (decode) and per-expert slices take float activations.
 
     rt = quantize_(StaticGemma4Runtime(loaded, max_seq), "static-w8")
     rt = quantize_(SomeBuggyRuntime(loaded, max_seq), "static-w4g32")   # a bug on top
+    rt = quantize_(StaticGemma4Runtime(loaded, max_seq), "static-w8", {"layer.1": "float"})  # a recipe
+
+A recipe maps units (weight_units: `layer.N`, `layer.N.qkv|o|mlp|ple`, `ple_model_proj`) to a
+precision ("float" or a SCHEMES name); `trace precision` writes one, `trace replay --recipe`
+runs it (replayer/recipe.py).
 """
 
 from __future__ import annotations

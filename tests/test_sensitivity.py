@@ -227,3 +227,32 @@ def test_walkthrough_in_the_docs_runs_as_shown(tmp_path, monkeypatch):
     shown = {_untimed(x) for x in printed}
     missing = [x for x in expected if _untimed(x) not in shown]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("qrt", ["static-w4g32", "static-w8a8"])
+def test_sensitivity_other_schemes_match_the_written_replay(tmp_path, qrt):
+    """The in-process all-quantized replay is `trace replay --runtime QRT` (KL and top-1 from
+    its trace), int4 groups and dynamic int8 activations included; keeping the top unit in
+    float lowers the KL."""
+    runner = Runner(REF, qrt)
+    s = sensitivity(runner, "layer", replays=1)
+    assert s.replays == {"isolated": 1, "full": 3}
+    run = tmp_path / "run.h5"
+    replay_trace(REF, run, runtime=qrt)
+    kl, top1 = kl_top1(REF, run)
+    assert s.all_quantized["kl_mean"] == pytest.approx(kl, rel=1e-6) and s.all_quantized["top1"] == top1
+    assert s.units[0].only_float["kl_mean"] < s.all_quantized["kl_mean"]
+    assert s.units[0].only_quantized["kl_mean"] < s.all_quantized["kl_mean"]
+
+
+def test_w8a8_recipe_with_every_unit_float_is_the_float_runtime(tmp_path):
+    """A unit kept in float under -a8 takes float activations too: all float == the static runtime."""
+    units = {f"layer.{i}": "float" for i in range(8)} | {"ple_model_proj": "float"}
+    p = tmp_path / "float.toml"
+    p.write_text(Recipe("static-w8a8", units).to_toml())
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    replay_trace(REF, a, runtime="static-w8a8", recipe=load_recipe(p))
+    replay_trace(REF, b, runtime="static")
+    with TraceReader(a) as x, TraceReader(b) as y:
+        np.testing.assert_array_equal(x.read("logits"), y.read("logits"))
+        np.testing.assert_array_equal(x.read("layer_out", 7), y.read("layer_out", 7))
