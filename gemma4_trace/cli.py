@@ -347,7 +347,18 @@ def repro(reference, candidate, at, model_dir, out_dir, force):
     """Write a standalone repro (numpy + torch only) of one layer at one step."""
     from gemma4_trace.replayer.repro import parse_site, write_repro
 
-    site = parse_site(at) if at is not None else None
+    if at is not None:
+        site = parse_site(at)
+    else:  # the first divergence, as `trace diff` finds it
+        from gemma4_trace.diff import diff_traces
+
+        d = diff_traces(reference, candidate).first_divergence
+        if d is None:
+            raise TraceToolError("RUN matches REF (no divergence): pass --at STEP,LAYER to choose a layer")
+        if d.layer is None:
+            raise TraceToolError(f"the first divergence is in {d.kind} at step {d.step}, not in a decoder layer: "
+                                 "pass --at STEP,LAYER to choose one")
+        site = (int(d.step), int(d.layer))
     click.echo(one_line(write_repro(reference, candidate, out_dir, at=site, model_dir=model_dir, force=force)))
 
 

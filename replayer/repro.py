@@ -1,6 +1,7 @@
 """`trace repro REF RUN [--at STEP,LAYER] -o DIR`: one layer at one step, standalone.
 
-Writes, for the first divergence of RUN against REF (the diff library's) or the given site:
+Writes, for one site (step, layer) of RUN against REF (`trace repro` takes the diff's first
+divergence by default):
 
 - inputs.npz: REF's input to the layer (`hidden`: the previous layer's layer_out, or the
   embeddings for layer 0), its per-layer-input slice, the absolute `positions`, REF's mask
@@ -42,18 +43,6 @@ def parse_site(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def first_divergence_site(ref_path, run_path) -> tuple[int, int]:
-    from gemma4_trace.diff import diff_traces
-
-    d = diff_traces(ref_path, run_path).first_divergence
-    if d is None:
-        raise TraceToolError("RUN matches REF (no divergence): pass --at STEP,LAYER to choose a layer")
-    if d.layer is None:
-        raise TraceToolError(f"the first divergence is in {d.kind} at step {d.step}, not in a decoder layer: "
-                             "pass --at STEP,LAYER to choose one")
-    return int(d.step), int(d.layer)
-
-
 def _rows(r: TraceReader, kind: str, layer, rows: slice, what: str) -> np.ndarray:
     if not r.has(kind, layer):
         name = kind + (f" of layer {layer}" if layer is not None else "")
@@ -90,16 +79,19 @@ def _layer_weights(prov: dict, model_dir, layer: int) -> tuple[dict, dict]:
     return weights, facts
 
 
-def write_repro(ref_path, run_path, out_dir, *, at: tuple[int, int] | None = None, model_dir=None,
-                force: bool = False) -> str:
-    """Write the repro folder; return a summary line."""
+def write_repro(ref_path, run_path, out_dir, *, at: tuple[int, int], model_dir=None, force: bool = False) -> str:
+    """Write the repro folder for layer `at` = (step, layer); return a summary line.
+
+    (`trace repro` without --at takes the site of the diff's first divergence: the diff library
+    lives above this package, see gemma4_trace/cli.py.)
+    """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise TraceToolError(f"{out} exists and is not a folder")
     clash = [f for f in FILES if (out / f).exists()]
     if clash and not force:
         raise TraceToolError(f"{out / clash[0]} exists; pass --force to replace the repro in {out}")
-    step, layer = at if at is not None else first_divergence_site(ref_path, run_path)
+    step, layer = at
     with TraceReader(ref_path) as ref, TraceReader(run_path) as run:
         prov = dict(ref.provenance)
         if run.provenance.get("model_config_sha256") != prov.get("model_config_sha256"):
