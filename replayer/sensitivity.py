@@ -12,7 +12,8 @@ Cheap first: one isolated replay (every layer fed REF's input, replayer/isolate.
 each layer's own error and ranks the units; full replays ("only this unit quantized", "only
 this unit kept in float") are run only for the top `replays` units of that ranking.
 `precision` adds units to the fallback precision greedily in that order, one full replay
-each, until the target holds, then verifies the written recipe with one more full replay.
+each, until the target holds, then tries to drop each unit but the last (one replay each),
+and verifies the written recipe with one more full replay.
 """
 
 from __future__ import annotations
@@ -389,6 +390,12 @@ def precision_search(runner: Runner, target: Target, fallback: str = "float", gr
         else:
             raise TraceToolError(f"the target ({target}) is not reached even with every unit at {fallback} "
                                  f"(then: {_metrics_text(after)}); nothing was written")
+        # prune: a unit added early may be unneeded once later ones are back; try each but the last
+        for unit in list(kept[:-1]):
+            trial = [u for u in kept if u != unit]
+            metrics = runner.replay(runner.config({m: fallback for u in trial for m in runner.members(u)})).metrics
+            if target.holds(metrics):
+                kept, after = trial, metrics
     units = dict(base.units) if base else {}
     for u in kept:
         units = {k: v for k, v in units.items() if not (k == u or k.startswith(u + "."))}

@@ -256,3 +256,25 @@ def test_w8a8_recipe_with_every_unit_float_is_the_float_runtime(tmp_path):
     with TraceReader(a) as x, TraceReader(b) as y:
         np.testing.assert_array_equal(x.read("logits"), y.read("logits"))
         np.testing.assert_array_equal(x.read("layer_out", 7), y.read("layer_out", 7))
+
+
+def test_precision_by_module_prunes_what_the_target_does_not_need(tmp_path):
+    """By module: the weak layer's modules tie in the isolated ranking and go back in order;
+    pruning keeps only those the target needs, all of the weak layer; a replay verifies."""
+    from gemma4_trace.replayer.recipe import write_recipe
+    from gemma4_trace.replayer.sensitivity import precision_search
+
+    p = tmp_path / "weak.toml"
+    p.write_text(WEAK)
+    base = load_recipe(p)
+    runner = Runner(REF, "static-w8", base=base)
+    target = Target.parse("kl_mean<=2e-6")
+    res = precision_search(runner, target, "float", "module", base)
+    assert res.kept and len(res.kept) < 4 and all(u.startswith(f"layer.{LOW_LAYER}.") for u in res.kept)
+    assert not target.holds(res.before) and target.holds(res.verified)
+    assert res.bytes_all < res.bytes_recipe
+    write_recipe(res.recipe, tmp_path / "r.toml")
+    run = tmp_path / "run.h5"
+    replay_trace(REF, run, runtime="static-w8", recipe=load_recipe(tmp_path / "r.toml"))
+    kl, _ = kl_top1(REF, run)
+    assert kl == pytest.approx(res.verified["kl_mean"], rel=1e-6) and kl <= 2e-6
