@@ -23,7 +23,6 @@ from gemma4_trace.cli import main
 from gemma4_trace.recorder.golden import GOLDEN_DIR
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.replayer.repro import write_repro
-from gemma4_trace.replayer.runtime import StaticGemma4Runtime
 
 REF = GOLDEN_DIR / "window.h5"  # prompt 13 > sliding window 8; decode to position 35
 SITE_PACKAGES = str(Path(torch.__file__).resolve().parents[1])
@@ -79,10 +78,6 @@ def test_repro_fails_when_ref_output_is_not_reproduced(tmp_path):
     np.savez(out / "outputs.npz", **outs)
     p = run_repro(out)
     assert p.returncode == 1 and "does NOT match REF" in p.stdout
-
-
-class _HostileName(StaticGemma4Runtime):
-    name = HOSTILE
 
 
 def make_hostile_name_window_bug(loaded, max_seq):
