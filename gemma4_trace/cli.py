@@ -270,18 +270,23 @@ def _embedded_model_dir(model_name: str):
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
 @debug_option
+@click.option("--recipe", type=click.Path(), default=None, help="precision recipe TOML (trace precision) for a quantized static runtime")
 @progress_option
 @selection_options
 @user_errors
 def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, device, prefill_chunk, output, force, layers, kinds,
-           steps, progress):
+           steps, progress, recipe=None):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""
     from gemma4_trace.progress import Progress
     from gemma4_trace.replayer.api import check_runtime_name
 
     check_runtime_name(runtime, isolate)  # cheap checks first: a typo is refused before torch or the model loads
-    check_output_path(output, force, inputs=[reference, *_model_files(model_dir)])
+    check_output_path(output, force, inputs=[reference, *_model_files(model_dir), *([recipe] if recipe else [])])
     _check_model_dir(model_dir)
+    if recipe is not None:
+        from gemma4_trace.replayer.recipe import load_recipe
+
+        recipe = load_recipe(recipe)
     from gemma4_trace.replayer.replay import replay_trace  # torch: after the checks
 
     bar = Progress("replaying", progress)
@@ -290,6 +295,7 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, dev
             reference, output, model_dir=model_dir, runtime=runtime, max_seq=max_seq,
             mode="teacher-forced" if teacher_forcing else "free-running", force=force, progress=bar,
             isolate=isolate, prefill_chunk=prefill_chunk, selection=_selection(layers, kinds, steps), device=device,
+            recipe=recipe,
         )
         bar.close()
     finally:
@@ -392,3 +398,93 @@ def export_gguf_cmd(model_dir, gguf_type, output, force):
     from gemma4_trace.replayer.llamacpp_runtime import export_command
 
     click.echo(export_command(model_dir, gguf_type, output, force=force))
+
+
+@main.command()
+@click.argument("reference", metavar="REF.h5", type=click.Path())
+@click.argument("candidate", metavar="RUN.h5", type=click.Path())
+@click.option("--at", "at", default=None, help="STEP,LAYER to extract [default: the first divergence]")
+@click.option("--model", "model_dir", type=click.Path(), default=None, help="model folder [default: the one REF was recorded with]")
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(), help="folder for repro.py and its .npz files")
+@click.option("--force", is_flag=True, help="replace an existing repro in the folder")
+@debug_option
+@user_errors
+def repro(reference, candidate, at, model_dir, out_dir, force):
+    """Write a standalone repro (numpy + torch only) of one layer at one step."""
+    from gemma4_trace.replayer.repro import parse_site, write_repro
+
+    if at is not None:
+        site = parse_site(at)
+    else:  # the first divergence, as `trace diff` finds it
+        from gemma4_trace.diff import diff_traces
+
+        d = diff_traces(reference, candidate).first_divergence
+        if d is None:
+            raise TraceToolError("RUN matches REF (no divergence): pass --at STEP,LAYER to choose a layer")
+        if d.layer is None:
+            raise TraceToolError(f"the first divergence is in {d.kind} at step {d.step}, not in a decoder layer: "
+                                 "pass --at STEP,LAYER to choose one")
+        site = (int(d.step), int(d.layer))
+    click.echo(one_line(write_repro(reference, candidate, out_dir, at=site, model_dir=model_dir, force=force)))
+
+
+def _load_start_recipe(path):
+    if path is None:
+        return None
+    from gemma4_trace.replayer.recipe import load_recipe
+
+    return load_recipe(path)
+
+
+@main.command()
+@click.argument("reference", metavar="REF.h5", type=click.Path())
+@click.option("--runtime", required=True, help="quantized static runtime: static-w8, static-w4g32 or static-w8a8")
+@click.option("--unit", "granularity", type=click.Choice(["layer", "module"]), default="layer", show_default=True,
+              help="a unit is a decoder layer, or a module group (qkv, o, mlp, ple of a layer); plus ple_model_proj")
+@click.option("--recipe", type=click.Path(), default=None, help="a recipe TOML: the quantized configuration to start from [default: every unit at --runtime]")
+@click.option("--replays", type=click.IntRange(0, 10_000), default=4, show_default=True,
+              help="full replays (only quantized, only float) for this many units, the isolated ranking's first")
+@click.option("--model", "model_dir", type=click.Path(), default=None, help="model folder [default: the one REF was recorded with]")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of text")
+@debug_option
+@user_errors
+def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_json):
+    """Rank quantized units by their effect: only one unit quantized, or only one kept in float."""
+    import json
+    from pathlib import Path
+
+    from gemma4_trace.replayer.sensitivity import Runner, format_sensitivity
+    from gemma4_trace.replayer.sensitivity import sensitivity as run_sensitivity
+
+    runner = Runner(reference, runtime, model_dir, _load_start_recipe(recipe))
+    result = run_sensitivity(runner, granularity, replays)
+    text = json.dumps(result.to_json(), indent=2) if as_json else format_sensitivity(result, Path(reference).name)
+    click.echo("\n".join(one_line(line) for line in text.splitlines()))
+
+
+@main.command()
+@click.argument("reference", metavar="REF.h5", type=click.Path())
+@click.option("--runtime", required=True, help="quantized static runtime: static-w8, static-w4g32 or static-w8a8")
+@click.option("--target", required=True, help="e.g. 'kl_mean<=0.01 and top1>=0.98' (metrics: kl_mean, kl_p99, top1, layer_out)")
+@click.option("--fallback", type=click.Choice(["float", "static-w8"]), default="float", show_default=True, help="the precision units kept back get")
+@click.option("--unit", "granularity", type=click.Choice(["layer", "module"]), default="layer", show_default=True)
+@click.option("--recipe", type=click.Path(), default=None, help="a recipe TOML to start from [default: every unit at --runtime]")
+@click.option("--model", "model_dir", type=click.Path(), default=None, help="model folder [default: the one REF was recorded with]")
+@click.option("-o", "--output", required=True, type=click.Path(), help="recipe TOML to write")
+@click.option("--force", is_flag=True, help="replace an existing output")
+@debug_option
+@user_errors
+def precision(reference, runtime, target, fallback, granularity, recipe, model_dir, output, force):
+    """Keep the most sensitive units at a fallback precision until a target holds; write the recipe."""
+    from gemma4_trace.replayer.recipe import write_recipe
+    from gemma4_trace.replayer.sensitivity import Runner, Target, format_precision, precision_search
+
+    check_output_path(output, force, inputs=[reference, *_model_files(model_dir), *([recipe] if recipe else [])])
+    goal = Target.parse(target)
+    if fallback == runtime:
+        raise TraceToolError(f"--fallback {fallback} is the runtime itself")
+    start = _load_start_recipe(recipe)
+    runner = Runner(reference, runtime, model_dir, start)
+    result = precision_search(runner, goal, fallback, granularity, start)
+    write_recipe(result.recipe, output, force, comments=[f"trace precision --runtime {runtime} --target '{goal}' --fallback {fallback}"])
+    click.echo(format_precision(result, output, goal, fallback, runner.replays, runner.seconds))

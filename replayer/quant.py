@@ -14,6 +14,11 @@ experts' einsum path (decode) and per-expert slices take float activations.
 
     rt = quantize_(StaticGemma4Runtime(loaded, max_seq), "static-w8")
     rt = quantize_(SomeBuggyRuntime(loaded, max_seq), "static-w4g32")   # a bug on top
+    rt = quantize_(StaticGemma4Runtime(loaded, max_seq), "static-w8", {"layer.1": "float"})  # a recipe
+
+A recipe maps units (weight_units: `layer.N`, `layer.N.qkv|o|mlp|ple`, `ple_model_proj`) to a
+precision ("float" or a SCHEMES name); `trace precision` writes one, `trace replay --recipe`
+runs it (replayer/recipe.py).
 """
 
 from __future__ import annotations
@@ -113,33 +118,85 @@ class _Int8LinearInputs(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def quantize_(rt, scheme_name: str):
+# quantizable units: a layer ("layer.3"), a module group of a layer ("layer.3.qkv"), or the
+# model's per-layer-input projection ("ple_model_proj"); a recipe maps units to precisions
+MODULE_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "mlp", "up_proj": "mlp",
+             "down_proj": "mlp", "experts_gate_up": "mlp", "experts_down": "mlp", "ple_gate": "ple", "ple_proj": "ple"}
+MODULES = ("qkv", "o", "mlp", "ple")
+FLOAT = "float"
+PRECISIONS = (FLOAT, *SCHEMES)
+
+
+def weight_units(rt) -> list[tuple[str, str, object, str]]:
+    """(layer unit, module unit, owner module, buffer name) of every quantizable weight of rt."""
+    out = []
+    for i, L in enumerate(rt.layers):
+        for name in LAYER_WEIGHTS:
+            if name in L._buffers:
+                out.append((f"layer.{i}", f"layer.{i}.{MODULE_OF[name]}", L, name))
+    for name in MODEL_WEIGHTS:
+        if name in rt._buffers:
+            out.append((name, name, rt, name))
+    return out
+
+
+def resolve_precision(recipe: dict | None, default: str, layer_unit: str, module_unit: str) -> str:
+    """A weight's precision: its module unit's entry, else its layer unit's, else the runtime's."""
+    recipe = recipe or {}
+    return recipe.get(module_unit, recipe.get(layer_unit, default))
+
+
+def check_recipe(rt, recipe: dict) -> None:
+    known = {u for lu, mu, _, _ in weight_units(rt) for u in (lu, mu)}
+    for unit, precision in recipe.items():
+        if unit not in known:
+            raise TraceToolError(f"recipe unit {unit!r} is not a quantizable unit of this model "
+                                 f"(e.g. layer.0, layer.0.qkv, layer.0.o, layer.0.mlp, layer.0.ple, ple_model_proj)")
+        if precision not in PRECISIONS:
+            raise TraceToolError(f"recipe unit {unit}: unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
+
+
+def quantize_(rt, scheme_name: str, recipe: dict | None = None, cache: dict | None = None):
     """Turn a StaticGemma4Runtime (or a subclass) into its quantized variant, in place.
 
     The HF weights are not touched: the runtime's buffers are rebound to new tensors.
+    `recipe` {unit: precision} (units: weight_units; precisions: PRECISIONS) overrides the
+    scheme per unit, a module unit before its layer's: "float" keeps the unit unquantized.
+    `cache` (a dict the caller keeps): quantized weights reused across runtimes of one model.
     """
     scheme = SCHEMES.get(scheme_name)
     if scheme is None:
         raise TraceToolError(f"unknown quantized runtime {scheme_name!r}; known: {', '.join(SCHEMES)}")
-    quantized = []
+    if recipe:
+        check_recipe(rt, recipe)
+    act_weights = []
     with torch.no_grad():
-        for L in rt.layers:
-            for name in LAYER_WEIGHTS:
-                if name in L._buffers:
-                    setattr(L, name, quantize_weight(L._buffers[name], scheme.weight_bits, scheme.group))
-                    quantized.append(L._buffers[name])
-        for name in MODEL_WEIGHTS:
-            if name in rt._buffers:
-                setattr(rt, name, quantize_weight(rt._buffers[name], scheme.weight_bits, scheme.group))
-                quantized.append(rt._buffers[name])
+        for layer_unit, module_unit, owner, name in weight_units(rt):
+            precision = resolve_precision(recipe, scheme_name, layer_unit, module_unit)
+            if precision == FLOAT:
+                continue
+            s = SCHEMES[precision]
+            w = owner._buffers[name]
+            key = (w.data_ptr(), tuple(w.shape), s.weight_bits, s.group)
+            q = cache.get(key) if cache is not None else None
+            if q is None:
+                q = quantize_weight(w, s.weight_bits, s.group)
+                if cache is not None:
+                    cache[key] = q
+            setattr(owner, name, q)
+            if s.act_int8:
+                act_weights.append(owner._buffers[name])
     base = getattr(type(rt), "name", "static")
     rt.name = scheme_name if base == "static" else f"{base}+{scheme_name.removeprefix('static-')}"
+    if recipe:
+        rt.name += "+recipe"
     rt.quant_scheme = scheme
-    if scheme.act_int8:
+    rt.quant_recipe = dict(recipe or {})
+    if act_weights:
         # instance attributes shadow the class's prefill/decode: the whole call, including
         # any subclass's overrides below it, runs with int8 Linear inputs
         for method in ("prefill", "decode"):
-            setattr(rt, method, _with_mode(getattr(rt, method), quantized))
+            setattr(rt, method, _with_mode(getattr(rt, method), act_weights))
     return rt
 
 
@@ -152,8 +209,8 @@ def _with_mode(fn, weights):
     return wrapped
 
 
-def make_quantized(loaded, max_seq: int, scheme_name: str):
-    """The built-in quantized runtime `scheme_name` (a key of SCHEMES)."""
+def make_quantized(loaded, max_seq: int, scheme_name: str, recipe: dict | None = None):
+    """The built-in quantized runtime `scheme_name` (a key of SCHEMES), optionally per a recipe."""
     from .runtime import StaticGemma4Runtime
 
-    return quantize_(StaticGemma4Runtime(loaded, max_seq), scheme_name)
+    return quantize_(StaticGemma4Runtime(loaded, max_seq), scheme_name, recipe)

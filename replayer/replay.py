@@ -84,6 +84,7 @@ def replay_trace(
     prefill_chunk: int | None = None,
     selection=None,
     device: str = "cpu",
+    recipe=None,
 ) -> str:
     """Replay REF's inputs through a runtime and write the candidate trace; return a summary line.
 
@@ -92,6 +93,7 @@ def replay_trace(
     `prefill_chunk`: rows per static prefill step (resolve_prefill_chunk); isolation prefills whole.
     `selection` (traces.selection.Selection): what to keep; default what REF kept.
     `device`: where the model (and the static runtime's caches and tables) live, cpu or cuda.
+    `recipe` (replayer.recipe.Recipe): per-unit precisions for a quantized static runtime.
     """
     if mode not in MODES:
         raise TraceToolError(f"mode must be one of {MODES}, got {mode!r}")
@@ -112,7 +114,12 @@ def replay_trace(
     if limit is not None and max_seq > limit:
         raise TraceToolError(f"--max-seq {max_seq} exceeds the model's {limit} positions (max_position_embeddings)")
     _phase(progress, f"preparing the {runtime} runtime")  # an export or a lowering, where the runtime has one
-    rt = make_runtime(runtime, loaded, max_seq)
+    if recipe is None:
+        rt = make_runtime(runtime, loaded, max_seq)
+    else:  # a precision recipe (replayer/recipe.py) over a quantized static runtime
+        from .recipe import make_recipe_runtime
+
+        rt = make_recipe_runtime(runtime, loaded, max_seq, recipe)
     _phase(progress, "running the steps")
     if isolate:
         check_supports_isolation(rt)

@@ -1,0 +1,112 @@
+"""Precision recipes: which quantizable units of a quantized static runtime run at which precision.
+
+A recipe is a TOML file (written by `trace precision`, read by `trace replay --recipe`):
+
+    runtime = "static-w4g32"          # the scheme every other unit gets
+
+    [units]
+    "layer.1" = "float"               # a whole decoder layer
+    "layer.3.mlp" = "static-w8"       # a module group: qkv, o, mlp, ple
+    "ple_model_proj" = "float"        # the model's per-layer-input projection
+
+A module unit's entry wins over its layer's. Precisions: "float" or a quantized runtime's
+name (replayer/quant.py SCHEMES). Unit names and precisions are validated on read and on write.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gemma4_trace.traces.atomic import atomic_output
+from gemma4_trace.traces.errors import TraceToolError
+
+UNIT_RE = re.compile(r"^(layer\.(0|[1-9][0-9]{0,5})(\.(qkv|o|mlp|ple))?|ple_model_proj)$")
+SCHEME_NAMES = ("static-w8", "static-w4g32", "static-w8a8")  # replayer/quant.py SCHEMES (torch-free here)
+PRECISIONS = ("float", *SCHEME_NAMES)
+MAX_RECIPE_BYTES = 1 << 20
+
+
+@dataclass
+class Recipe:
+    runtime: str
+    units: dict = field(default_factory=dict)  # unit -> precision
+
+    def check(self) -> "Recipe":
+        if self.runtime not in SCHEME_NAMES:
+            raise TraceToolError(f"recipe runtime {self.runtime!r} is not a quantized runtime ({', '.join(SCHEME_NAMES)})")
+        for unit, precision in self.units.items():
+            if not isinstance(unit, str) or not UNIT_RE.match(unit):
+                raise TraceToolError(f"recipe unit {unit!r}: expected layer.N, layer.N.qkv|o|mlp|ple or ple_model_proj")
+            if precision not in PRECISIONS:
+                raise TraceToolError(f"recipe unit {unit}: unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
+        return self
+
+    def to_toml(self, comments: list[str] = ()) -> str:
+        self.check()
+        lines = [f"# {c}" for c in comments if c] + [f"runtime = {json.dumps(self.runtime)}", "", "[units]"]
+        lines += [f"{json.dumps(u)} = {json.dumps(p)}" for u, p in sorted(self.units.items(), key=lambda kv: _unit_key(kv[0]))]
+        return "\n".join(lines) + "\n"
+
+
+def _unit_key(unit: str):
+    parts = unit.split(".")
+    return (int(parts[1]), parts[2] if len(parts) > 2 else "") if parts[0] == "layer" else (1 << 30, unit)
+
+
+def load_recipe(path) -> Recipe:
+    p = Path(path)
+    try:
+        if p.stat().st_size > MAX_RECIPE_BYTES:
+            raise TraceToolError(f"recipe {p} is larger than {MAX_RECIPE_BYTES} bytes")
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TraceToolError(f"recipe {p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceToolError(f"recipe {p}: cannot read ({type(e).__name__})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise TraceToolError(f"recipe {p} is not valid TOML: {e}") from None
+    unknown = set(data) - {"runtime", "units"}
+    if unknown:
+        raise TraceToolError(f"recipe {p}: unknown key {sorted(unknown)[0]!r} (expected runtime and [units])")
+    units = data.get("units", {})
+    if not isinstance(data.get("runtime"), str) or not isinstance(units, dict):
+        raise TraceToolError(f"recipe {p}: expected runtime = \"static-...\" and a [units] table")
+    return Recipe(data["runtime"], dict(units)).check()
+
+
+def write_recipe(recipe: Recipe, path, force: bool = False, comments: list[str] = ()) -> None:
+    text = recipe.to_toml(comments)
+    with atomic_output(path, force) as tmp:
+        Path(tmp).write_text(text, encoding="utf-8")
+
+
+def make_recipe_runtime(runtime: str, loaded, max_seq: int, recipe: Recipe):
+    """The quantized static runtime `runtime` with the recipe's units at their precisions."""
+    from .quant import make_quantized
+
+    if runtime != recipe.runtime:
+        raise TraceToolError(f"the recipe is for --runtime {recipe.runtime}, not {runtime}")
+    return make_quantized(loaded, max_seq, runtime, recipe.units)
+
+
+def weight_bytes(rt, scheme_name: str, recipe: dict | None) -> int:
+    """Bytes of the quantizable weights under a recipe: b-bit integers plus one float32 scale
+    per output row and group for a quantized unit; the model dtype's size for a float one."""
+    from .quant import SCHEMES, resolve_precision, weight_units
+
+    total = 0
+    for layer_unit, module_unit, owner, name in weight_units(rt):
+        w = owner._buffers[name]
+        precision = resolve_precision(recipe, scheme_name, layer_unit, module_unit)
+        if precision == "float":
+            total += w.numel() * w.element_size()
+            continue
+        s = SCHEMES[precision]
+        k = w.shape[-1]
+        groups = 1 if s.group is None else -(-k // s.group)
+        total += w.numel() * s.weight_bits // 8 + (w.numel() // k) * groups * 4
+    return total

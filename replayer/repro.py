@@ -1,0 +1,156 @@
+"""`trace repro REF RUN [--at STEP,LAYER] -o DIR`: one layer at one step, standalone.
+
+Writes, for one site (step, layer) of RUN against REF (`trace repro` takes the diff's first
+divergence by default):
+
+- inputs.npz: REF's input to the layer (`hidden`: the previous layer's layer_out, or the
+  embeddings for layer 0), its per-layer-input slice, the absolute `positions`, REF's mask
+  rows over keys 0..last position, REF's RoPE cos/sin rows, and the K/V rows it attends over
+  (REF's k/v of the layer that stores them: for a KV-sharing layer its source layer);
+- weights.npz: that layer's weights only, float32, from the model folder REF names (or --model);
+- outputs.npz: REF's and RUN's layer_out (and REF's attn_out) at that step;
+- repro.py: needs only numpy and torch; recomputes the layer in plain float32 and prints its
+  error against REF's and RUN's outputs (exit 0 when it matches REF within its tolerance).
+
+Everything that goes from a trace into repro.py is serialised as JSON inside a Python string
+literal (repr), never pasted as code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.reader import TraceReader
+from gemma4_trace.traces.schema import rope_kinds
+
+FILES = ("repro.py", "inputs.npz", "weights.npz", "outputs.npz")
+TOL_FLOAT32 = 1e-5  # the recompute's tolerance against a float32 REF (rel-L2)
+TOL_LOW = 2e-2  # against a REF recorded in a 16-bit dtype (the recompute runs in float32)
+TEMPLATE = Path(__file__).with_name("repro_template.py")
+
+
+def parse_site(text: str) -> tuple[int, int]:
+    parts = text.replace(" ", "").split(",")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise TraceToolError(f"--at expects STEP,LAYER (two integers >= 0), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def _rows(r: TraceReader, kind: str, layer, rows: slice, what: str) -> np.ndarray:
+    if not r.has(kind, layer):
+        name = kind + (f" of layer {layer}" if layer is not None else "")
+        raise TraceToolError(f"{what} stores no {name}; the repro needs it")
+    a = np.asarray(r.read(kind, layer, rows))
+    present = r.rows_present(kind, layer)
+    if present is not None and not np.all(present[rows]):
+        raise TraceToolError(f"{what}'s {kind} of layer {layer} lacks rows {rows.start}..{rows.stop - 1} (recorded absent)")
+    if a.dtype != np.bool_ and not np.all(np.isfinite(a)):
+        raise TraceToolError(f"{what}'s {kind} of layer {layer} holds NaN/Inf in rows {rows.start}..{rows.stop - 1}")
+    return a
+
+
+def _layer_weights(prov: dict, model_dir, layer: int) -> tuple[dict, dict]:
+    """The layer's weights (float32 numpy) and the facts the recompute needs, from the model."""
+    import torch
+
+    from gemma4_trace.hf.model import load_for_reference
+
+    from .runtime import ACTIVATIONS, StaticGemma4Runtime
+
+    loaded = load_for_reference(prov, model_dir, device="cpu")
+    rt = StaticGemma4Runtime(loaded, max_seq=1)
+    L = rt.layers[layer]
+    if L.moe:
+        raise TraceToolError(f"layer {layer} is a MoE layer: trace repro does not cover MoE layers yet")
+    act = rt.cfg.hidden_activation
+    if act not in ACTIVATIONS:
+        raise TraceToolError(f"hidden_activation {act!r} is not supported")
+    weights = {n: t.detach().to(torch.float32).cpu().numpy() for n, t in L._buffers.items()
+               if n not in ("k_cache", "v_cache")}
+    facts = {"eps": float(rt.eps), "activation": str(act), "owns_kv": bool(L.owns_kv), "k_eq_v": bool(L.k_eq_v),
+             "ple": bool(L.ple)}
+    return weights, facts
+
+
+def write_repro(ref_path, run_path, out_dir, *, at: tuple[int, int], model_dir=None, force: bool = False) -> str:
+    """Write the repro folder for layer `at` = (step, layer); return a summary line.
+
+    (`trace repro` without --at takes the site of the diff's first divergence: the diff library
+    lives above this package, see gemma4_trace/cli.py.)
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise TraceToolError(f"{out} exists and is not a folder")
+    clash = [f for f in FILES if (out / f).exists()]
+    if clash and not force:
+        raise TraceToolError(f"{out / clash[0]} exists; pass --force to replace the repro in {out}")
+    step, layer = at
+    with TraceReader(ref_path) as ref, TraceReader(run_path) as run:
+        prov = dict(ref.provenance)
+        if run.provenance.get("model_config_sha256") != prov.get("model_config_sha256"):
+            raise TraceToolError("REF and RUN come from different models")
+        if not 0 <= step < min(ref.n_steps, run.n_steps):
+            raise TraceToolError(f"step {step} is outside the traces' steps 0..{min(ref.n_steps, run.n_steps) - 1}")
+        if ref.step_positions[step] != run.step_positions[step]:
+            raise TraceToolError(f"REF and RUN cover different positions at step {step}")
+        infos = list(ref.layers)
+        if not 0 <= layer < len(infos):
+            raise TraceToolError(f"layer {layer} is outside the model's layers 0..{len(infos) - 1}")
+        info = infos[layer]
+        start, stop = (int(v) for v in ref.step_positions[step])
+        rows, keys = slice(start, stop), slice(0, stop)
+        src = int(info.kv_source)
+        what = "REF"
+        inputs = {
+            "hidden": _rows(ref, "layer_out", layer - 1, rows, what) if layer else _rows(ref, "embeddings", None, rows, what),
+            "positions": np.arange(start, stop, dtype=np.int64),
+            "mask": _rows(ref, "mask", layer, rows, what)[:, :stop].astype(np.bool_),
+            "k_rows": _rows(ref, "k", src, keys, what),
+            "v_rows": _rows(ref, "v", src, keys, what),
+        }
+        full_mask = _rows(ref, "mask", layer, rows, what)
+        if full_mask[:, stop:].any():
+            raise TraceToolError(f"REF's mask of layer {layer} at step {step} allows keys after position {stop - 1}")
+        cos_kind, sin_kind = rope_kinds(info.layer_type)
+        inputs["cos"] = _rows(ref, cos_kind, None, rows, what)
+        inputs["sin"] = _rows(ref, sin_kind, None, rows, what)
+        outputs = {"ref_layer_out": _rows(ref, "layer_out", layer, rows, what)}
+        if ref.has("attn_out", layer):
+            outputs["ref_attn_out"] = _rows(ref, "attn_out", layer, rows, what)
+        if run.has("layer_out", layer):
+            outputs["run_layer_out"] = _rows(run, "layer_out", layer, rows, "RUN")
+        weights, facts = _layer_weights(prov, model_dir, layer)
+        if facts["ple"]:
+            inputs["per_layer_input"] = _rows(ref, "per_layer_inputs", None, rows, what)[:, layer, :]
+        low = ref.source_dtype("layer_out", layer) not in ("float32", "float64")
+        config = {
+            "step": step, "layer": layer, "layer_type": str(info.layer_type), "kv_role": str(info.kv_role),
+            "kv_source": src, "num_heads": int(info.num_heads), "num_kv_heads": int(info.num_kv_heads),
+            "head_dim": int(info.head_dim), "positions": [start, stop - 1],
+            "tolerance": TOL_LOW if low else TOL_FLOAT32,
+            "ref_runtime": str(prov.get("runtime", "")), "run_runtime": str(run.provenance.get("runtime", "")),
+            **facts,
+        }
+    source = TEMPLATE.read_text(encoding="utf-8").replace("json.loads(__CONFIG__)", f"json.loads({json.dumps(config)!r})", 1)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".repro-", dir=out))
+    try:  # every file complete before any lands in DIR
+        (tmp / "repro.py").write_text(source, encoding="utf-8")
+        np.savez(tmp / "inputs.npz", **inputs)
+        np.savez(tmp / "weights.npz", **weights)
+        np.savez(tmp / "outputs.npz", **outputs)
+        for f in FILES:
+            os.replace(tmp / f, out / f)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    size = sum((out / f).stat().st_size for f in FILES)
+    kind = f"{info.layer_type}, {info.kv_role}" + (f" (K/V of layer {src})" if src != layer else "") + (", PLE" if facts["ple"] else "")
+    return (f"wrote {out}: layer {layer} ({kind}) at step {step}, positions {start}..{stop - 1}; "
+            f"{size} bytes in {len(FILES)} files; run: cd {out} && python repro.py")

@@ -1,0 +1,107 @@
+"""Standalone repro of one Gemma 4 decoder layer at one step (written by `trace repro`).
+
+Needs only numpy and torch. Recomputes the layer in plain float32 from REF's inputs
+(inputs.npz) and that layer's weights (weights.npz), then prints its error against REF's
+and RUN's recorded outputs (outputs.npz). Exit 0 when the recompute matches REF's output
+within TOLERANCE (rel-L2), 1 otherwise.
+
+    python repro.py            # run from this folder
+"""
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+CONFIG = json.loads(__CONFIG__)
+TOLERANCE = float(CONFIG["tolerance"])
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+ACTIVATIONS = {
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
+
+
+def load(name):
+    with np.load(os.path.join(HERE, name), allow_pickle=False) as z:
+        return {k: torch.from_numpy(np.array(z[k], dtype=np.float32)) if z[k].dtype != np.bool_ else torch.from_numpy(np.array(z[k]))
+                for k in z.files}
+
+
+def rms(x, weight, eps):
+    h = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return h if weight is None else h * weight
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope(x, cos, sin):  # x (n, heads, D); cos/sin (n, D)
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def layer(inp, w, c):
+    eps, H, KV, D = float(c["eps"]), int(c["num_heads"]), int(c["num_kv_heads"]), int(c["head_dim"])
+    act = ACTIVATIONS[c["activation"]]
+    x = inp["hidden"]  # (n, hidden): REF's input to this layer
+    n = x.shape[0]
+    pos = inp["positions"].long()  # (n,) absolute positions
+    h = rms(x, w["input_norm"], eps)
+    q = rope(rms((h @ w["q_proj"].T).view(n, H, D), w["q_norm"], eps), inp["cos"], inp["sin"])
+    k_all, v_all = inp["k_rows"].clone(), inp["v_rows"].clone()  # (keys, KV, D): REF's K/V rows
+    if c["owns_kv"]:  # this layer writes its own rows at `pos` (past rows are REF's)
+        k_raw = (h @ w["k_proj"].T).view(n, KV, D)
+        v = k_raw if c["k_eq_v"] else (h @ w["v_proj"].T).view(n, KV, D)
+        k_all[pos] = rope(rms(k_raw, w["k_norm"], eps), inp["cos"], inp["sin"])
+        v_all[pos] = rms(v, None, eps)
+    G = H // KV  # query head j reads KV head j // G
+    kh = k_all[:, torch.arange(H) // G]  # (keys, H, D)
+    vh = v_all[:, torch.arange(H) // G]
+    scores = torch.einsum("nhd,khd->hnk", q, kh)  # scaling 1.0 (q and k are normed)
+    scores = scores.masked_fill(~inp["mask"][None], torch.finfo(torch.float32).min)
+    attn = torch.einsum("hnk,khd->nhd", torch.softmax(scores, dim=-1), vh).reshape(n, H * D)
+    attn = attn @ w["o_proj"].T
+    x = x + rms(attn, w["post_attn_norm"], eps)
+    h = rms(x, w["pre_ffn_norm"], eps)
+    mlp = (act(h @ w["gate_proj"].T) * (h @ w["up_proj"].T)) @ w["down_proj"].T
+    x = x + rms(mlp, w["post_ffn_norm"], eps)
+    if c["ple"]:
+        g = act(x @ w["ple_gate"].T) * inp["per_layer_input"]
+        x = x + rms(g @ w["ple_proj"].T, w["ple_norm"], eps)
+    return x * w["layer_scalar"], attn
+
+
+def rel_l2(a, b):
+    num = float(torch.linalg.vector_norm((a - b).double()))
+    den = float(torch.linalg.vector_norm(b.double()))
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def main():
+    torch.set_grad_enabled(False)
+    inp, w, out = load("inputs.npz"), load("weights.npz"), load("outputs.npz")
+    got, attn = layer(inp, w, CONFIG)
+    print(f"layer {CONFIG['layer']} ({CONFIG['layer_type']}, {CONFIG['kv_role']}), step {CONFIG['step']}, "
+          f"positions {CONFIG['positions'][0]}..{CONFIG['positions'][-1]}")
+    e_ref = rel_l2(got, out["ref_layer_out"])
+    print(f"float recompute vs REF ({CONFIG['ref_runtime']}) layer_out: rel-L2 {e_ref:.3e} (tolerance {TOLERANCE:.0e})")
+    if "ref_attn_out" in out:
+        print(f"float recompute vs REF attn_out: rel-L2 {rel_l2(attn, out['ref_attn_out']):.3e}")
+    if "run_layer_out" in out:
+        print(f"float recompute vs RUN ({CONFIG['run_runtime']}) layer_out: rel-L2 {rel_l2(got, out['run_layer_out']):.3e}")
+        print(f"RUN vs REF layer_out: rel-L2 {rel_l2(out['run_layer_out'], out['ref_layer_out']):.3e}")
+    ok = e_ref <= TOLERANCE
+    print("recompute matches REF" if ok else "recompute does NOT match REF")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

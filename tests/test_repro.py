@@ -1,0 +1,127 @@
+"""`trace repro`: one layer at one step, recomputed by a repro.py that needs only numpy and torch.
+
+repro.py runs in a subprocess with `python -S` (no site: the project's editable install is
+not on the path), PYTHONPATH = the folder torch and numpy live in, cwd = the repro folder,
+so it cannot import this project. Its own check (exit 0: recompute vs REF within 1e-5) is
+re-checked here from the .npz files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from gemma4_trace.cli import main
+from gemma4_trace.recorder.golden import GOLDEN_DIR
+from gemma4_trace.replayer.replay import replay_trace
+from gemma4_trace.replayer.repro import write_repro
+
+REF = GOLDEN_DIR / "window.h5"  # prompt 13 > sliding window 8; decode to position 35
+SITE_PACKAGES = str(Path(torch.__file__).resolve().parents[1])
+HOSTILE = "x'''\"\"\"\nimport os; os._exit(7) # \\"
+
+
+def run_repro(folder: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": SITE_PACKAGES}
+    probe = subprocess.run([sys.executable, "-S", "-c", "import importlib.util as u; print(u.find_spec('gemma4_trace'))"],
+                           cwd=folder, env=env, capture_output=True, text=True)
+    assert probe.stdout.strip() == "None", "the project must not be importable where repro.py runs"
+    return subprocess.run([sys.executable, "-S", "repro.py"], cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+
+
+def rel_l2(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# every layer type of the embedded model (all layers have a per-layer input): sliding and full
+# layers that store K/V, sliding and full KV-sharing readers; prefill and decode steps
+SITES = [(0, 0, "sliding_attention", "owns"), (20, 1, "sliding_attention", "owns"), (0, 2, "full_attention", "owns"),
+         (9, 4, "full_attention", "stores"), (17, 6, "sliding_attention", "reuses"), (0, 7, "full_attention", "reuses")]
+
+
+@pytest.mark.parametrize("step,layer,layer_type,role", SITES)
+def test_repro_recomputes_refs_layer_without_the_project(tmp_path, step, layer, layer_type, role):
+    out = tmp_path / "repro"
+    line = write_repro(REF, REF, out, at=(step, layer))
+    size = int(re.search(r"(\d+) bytes", line)[1])
+    assert size == sum(f.stat().st_size for f in out.iterdir())
+    assert size < 400_000  # one layer's worth (the whole embedded model's weights are several MB)
+    with np.load(out / "weights.npz") as w:
+        assert "q_proj" in w.files and "ple_gate" in w.files
+        assert ("k_proj" in w.files) == (role != "reuses")  # a reader has no K/V weights of its own
+    with np.load(out / "inputs.npz") as z:
+        assert z["hidden"].shape[0] == (13 if step == 0 else 1)
+        assert z["k_rows"].shape[0] == (13 if step == 0 else 13 + step)
+    p = run_repro(out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"layer {layer} ({layer_type}, {role})" in p.stdout
+    got = float(re.search(r"vs REF \(.*?\) layer_out: rel-L2 (\S+)", p.stdout)[1])
+    assert got < 1e-5
+
+
+def test_repro_fails_when_ref_output_is_not_reproduced(tmp_path):
+    """The exit code is a real check: REF's recorded output nudged by 1e-3 -> exit 1."""
+    out = tmp_path / "r"
+    write_repro(REF, REF, out, at=(3, 5))
+    with np.load(out / "outputs.npz") as z:
+        outs = {k: z[k] for k in z.files}
+    outs["ref_layer_out"] = outs["ref_layer_out"] * (1 + 1e-3)
+    np.savez(out / "outputs.npz", **outs)
+    p = run_repro(out)
+    assert p.returncode == 1 and "does NOT match REF" in p.stdout
+
+
+def make_hostile_name_window_bug(loaded, max_seq):
+    from tests.bug_zoo import WindowOffByOne
+
+    rt = WindowOffByOne(loaded, max_seq)
+    rt.name = HOSTILE
+    return rt
+
+
+def test_cli_repro_at_first_divergence_of_a_zoo_bug(tmp_path):
+    """A sliding window off by one (float, bug zoo): the first divergence is layer 0's mask in
+    prefill; the repro reproduces REF there and shows RUN's error. RUN's runtime name (a
+    plug-in's choice, here with quotes, a newline and code) reaches repro.py only as data."""
+    run = tmp_path / "run.h5"
+    replay_trace(REF, run, runtime="tests.test_repro:make_hostile_name_window_bug")
+    out = tmp_path / "repro"
+    res = CliRunner().invoke(main, ["repro", str(REF), str(run), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "layer 0 (sliding_attention, owns, PLE) at step 0" in res.output
+    p = run_repro(out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    with np.load(out / "outputs.npz") as z:
+        run_err = rel_l2(z["run_layer_out"], z["ref_layer_out"])
+    assert run_err > 1e-2  # the bug is visible in the one layer
+    printed = float(re.search(r"RUN vs REF layer_out: rel-L2 (\S+)", p.stdout)[1])
+    assert printed == pytest.approx(run_err, rel=1e-3)
+    assert "os._exit(7)" in p.stdout  # the name was printed as text, never executed
+    # an existing repro is not replaced without --force
+    again = CliRunner().invoke(main, ["repro", str(REF), str(run), "-o", str(out)])
+    assert again.exit_code == 2 and "--force" in again.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--at", "1;2"], "--at expects STEP,LAYER"),
+    (["--at", "99,0"], "step 99 is outside"),
+    (["--at", "0,8"], "layer 8 is outside"),
+])
+def test_cli_repro_refuses_bad_sites(tmp_path, args, message):
+    res = CliRunner().invoke(main, ["repro", str(REF), str(REF), "-o", str(tmp_path / "r"), *args])
+    assert res.exit_code == 2 and message in res.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_repro_of_a_match_asks_for_a_site(tmp_path):
+    res = CliRunner().invoke(main, ["repro", str(REF), str(REF), "-o", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "no divergence" in res.output

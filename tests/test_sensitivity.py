@@ -1,0 +1,280 @@
+"""`trace sensitivity` / `trace precision` / `trace replay --recipe` on the embedded model.
+
+The planted weak layer is the quant bug zoo's one-layer-at-lower-precision bug
+(tests.quant_bugs:make_low_precision_layer__static_w8: layer LOW_LAYER at int4, groups of
+32, among int8 layers), written as a recipe; the recipe runtime is checked to be that bug
+bit for bit. Metrics are recomputed here with numpy from written traces.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gemma4_trace.cli import main
+from gemma4_trace.recorder.golden import GOLDEN_DIR
+from gemma4_trace.replayer.recipe import Recipe, load_recipe
+from gemma4_trace.replayer.replay import replay_trace
+from gemma4_trace.replayer.sensitivity import Runner, Target, sensitivity
+from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.reader import TraceReader
+from tests.quant_bugs import LOW_LAYER, runtime_spec
+
+pytest.importorskip("torchao")
+
+REF = GOLDEN_DIR / "short.h5"  # 13 prompt tokens, 3 steps
+WEAK = f'runtime = "static-w8"\n\n[units]\n"layer.{LOW_LAYER}" = "static-w4g32"\n'
+
+
+def kl_top1(ref_path, run_path) -> tuple[float, float]:
+    with TraceReader(ref_path) as a, TraceReader(run_path) as b:
+        x, y = a.read("logits").astype(np.float64), b.read("logits").astype(np.float64)
+        tokens = np.asarray(a.tokens())
+
+    def lsm(z):
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    p, q = lsm(x), lsm(y)
+    return float(np.mean(np.sum(np.exp(p) * (p - q), -1))), float(np.mean(q.argmax(-1) == tokens))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sens")
+    (d / "weak.toml").write_text(WEAK)
+    return d
+
+
+@pytest.fixture(scope="module")
+def weak_trace(work):
+    rec = work / "weak.h5"
+    res = CliRunner().invoke(main, ["replay", str(REF), "--runtime", "static-w8", "--recipe", str(work / "weak.toml"),
+                                    "-o", str(rec)])
+    assert res.exit_code == 0, res.output
+    return rec
+
+
+def test_recipe_runtime_is_the_zoo_low_precision_layer(work, weak_trace):
+    """The weak recipe over static-w8 is the zoo bug exactly (same logits, bit for bit)."""
+    zoo, rec = work / "zoo.h5", weak_trace
+    replay_trace(REF, zoo, runtime=runtime_spec("low_precision_layer", "static-w8"))
+    with TraceReader(zoo) as a, TraceReader(rec) as b:
+        assert b.provenance["runtime"] == "static-w8+recipe"
+        np.testing.assert_array_equal(a.read("logits"), b.read("logits"))
+        np.testing.assert_array_equal(a.read("layer_out", LOW_LAYER), b.read("layer_out", LOW_LAYER))
+
+
+def test_sensitivity_ranks_the_planted_weak_layer_first(work, weak_trace):
+    runner = Runner(REF, "static-w8", base=load_recipe(work / "weak.toml"))
+    s = sensitivity(runner, "layer", replays=2)
+    assert s.replays == {"isolated": 1, "full": 1 + 2 * 2}  # all quantized, then 2 per measured unit
+    top = s.units[0]
+    assert top.unit == f"layer.{LOW_LAYER}" and top.precision == "static-w4g32"
+    assert top.isolated == max(u.isolated for u in s.units if u.isolated is not None)
+    second = s.units[1]
+    assert top.only_quantized["kl_mean"] > 5 * second.only_quantized["kl_mean"]
+    assert top.only_float["kl_mean"] < second.only_float["kl_mean"]  # keeping it float helps most
+    assert {u.unit for u in s.units} == {f"layer.{i}" for i in range(8)} | {"ple_model_proj"}
+    # the all-quantized figures are those of the written trace of the same configuration
+    kl, top1 = kl_top1(REF, weak_trace)
+    assert s.all_quantized["kl_mean"] == pytest.approx(kl, rel=1e-6)
+    assert s.all_quantized["top1"] == top1
+
+
+def test_cli_sensitivity_json_by_module(work):
+    import json
+
+    res = CliRunner().invoke(main, ["sensitivity", str(REF), "--runtime", "static-w8", "--recipe", str(work / "weak.toml"),
+                                    "--unit", "module", "--replays", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["replays"] == {"full": 3, "isolated": 1}
+    assert out["ranking"][0]["unit"].startswith(f"layer.{LOW_LAYER}.")
+    assert out["ranking"][0]["only_quantized"] is not None and out["ranking"][1]["only_quantized"] is None
+    assert len(out["ranking"]) == 8 * 4 + 1
+
+
+def test_cli_precision_reaches_the_target_and_replay_verifies_it(work):
+    out = work / "recipe.toml"
+    res = CliRunner().invoke(main, ["precision", str(REF), "--runtime", "static-w8", "--recipe", str(work / "weak.toml"),
+                                    "--target", "kl_mean<=1e-6 and top1>=0.98", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert f"reached with 1 unit(s) at float: layer.{LOW_LAYER}" in res.output
+    assert load_recipe(out) == Recipe("static-w8", {f"layer.{LOW_LAYER}": "float"})
+    run = work / "kept.h5"
+    res = CliRunner().invoke(main, ["replay", str(REF), "--runtime", "static-w8", "--recipe", str(out), "-o", str(run)])
+    assert res.exit_code == 0, res.output
+    kl, top1 = kl_top1(REF, run)
+    assert kl <= 1e-6 and top1 >= 0.98
+    again = CliRunner().invoke(main, ["precision", str(REF), "--runtime", "static-w8", "--target", "kl_mean<=1e-6",
+                                      "-o", str(out)])
+    assert again.exit_code == 2 and "--force" in again.output  # never over an existing recipe without --force
+
+
+def test_cli_precision_refuses_a_fallback_that_is_the_runtime(work):
+    out = work / "never.toml"
+    res = CliRunner().invoke(main, ["precision", str(REF), "--runtime", "static-w8", "--target", "kl_mean<0",
+                                    "--fallback", "static-w8", "-o", str(out)])
+    assert res.exit_code == 2 and "--fallback static-w8 is the runtime itself" in res.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text,clauses", [
+    ("kl_mean<=0.01 and top1>=0.98", (("kl_mean", "<=", 0.01), ("top1", ">=", 0.98))),
+    ("  kl_p99 < 1e-3 ", (("kl_p99", "<", 1e-3),)),
+    ("layer_out<.5", (("layer_out", "<", 0.5),)),
+])
+def test_target_parser(text, clauses):
+    t = Target.parse(text)
+    assert t.clauses == clauses
+    assert t.holds({"kl_mean": 0, "kl_p99": 0, "top1": 1, "layer_out": 0})
+    assert not t.holds({"kl_mean": 1, "kl_p99": 1, "top1": 0, "layer_out": 1})
+
+
+@pytest.mark.parametrize("text", ["__import__('os').system('true')", "kl_mean<=0.01 or top1>=0.9", "kl_mean", "top1>=",
+                                  "kl_mean<=nan", "bogus<=1", "kl_mean<=1 and", "kl_mean==1", "", "x" * 600])
+def test_target_parser_refuses(text):
+    with pytest.raises(TraceToolError, match="--target"):
+        Target.parse(text)
+
+
+@pytest.mark.parametrize("body,message", [
+    ('runtime = "static"\n', "not a quantized runtime"),
+    ('runtime = "static-w8"\n[units]\n"layer.x" = "float"\n', "expected layer.N"),
+    ('runtime = "static-w8"\n[units]\n"layer.1" = "int3"\n', "unknown precision"),
+    ('runtime = "static-w8"\nunits = 3\n', "[units] table"),
+    ('runtime = "static-w8"\nextra = 1\n', "unknown key"),
+    ('runtime = \n', "not valid TOML"),
+])
+def test_recipe_loader_refuses(tmp_path, body, message):
+    p = tmp_path / "r.toml"
+    p.write_text(body)
+    with pytest.raises(TraceToolError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_recipe(p)
+
+
+def test_replay_recipe_refusals(tmp_path):
+    p = tmp_path / "r.toml"
+    p.write_text('runtime = "static-w8"\n[units]\n"layer.99" = "float"\n')
+    res = CliRunner().invoke(main, ["replay", str(REF), "--runtime", "static-w8", "--recipe", str(p), "-o", str(tmp_path / "o.h5")])
+    assert res.exit_code == 2 and "not a quantizable unit of this model" in res.output
+    res = CliRunner().invoke(main, ["replay", str(REF), "--runtime", "static-w4g32", "--recipe", str(p), "-o", str(tmp_path / "o.h5")])
+    assert res.exit_code == 2 and "the recipe is for --runtime static-w8" in res.output
+    res = CliRunner().invoke(main, ["sensitivity", str(REF), "--runtime", "static"])
+    assert res.exit_code == 2 and "quantized static runtime" in res.output
+    assert not (tmp_path / "o.h5").exists()
+
+
+DOC_SECTION = "## From a failing port to a fix"
+
+
+def _doc_blocks():
+    """(commands, expected output lines) of the walkthrough section of docs/quantized.md."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "quantized.md").read_text()
+    section = text[text.index(DOC_SECTION):]
+    nxt = section.find("\n## ", 3)
+    section = section if nxt < 0 else section[:nxt]
+    commands, expected = [], []
+    for line in section.splitlines():
+        if not line.startswith("    ") or not line.strip():
+            continue
+        line = line[4:]
+        if line.startswith(("trace ", "printf ", "cd repro && ")):
+            commands.append(line)
+        elif line.strip() != "...":
+            expected.append(line)
+    return commands, expected
+
+
+def _untimed(line: str) -> str:
+    import re
+
+    return re.sub(r"\d+\.\d s\b", "N s", line)
+
+
+def test_walkthrough_in_the_docs_runs_as_shown(tmp_path, monkeypatch):
+    """Every command of the docs' walkthrough, run in order on the embedded model; every output
+    line the docs show (timings aside) is printed."""
+    import shlex
+    import subprocess
+    import sys
+
+    commands, expected = _doc_blocks()
+    assert len(commands) == 8 and len(expected) >= 19
+    monkeypatch.chdir(tmp_path)
+    printed = []
+    for cmd in commands:
+        if cmd.startswith("printf "):
+            fmt, target = re.fullmatch(r"printf '(.*)' > (\S+)", cmd).groups()
+            assert fmt.encode().decode("unicode_escape") == WEAK
+            (tmp_path / target).write_text(WEAK)
+            continue
+        if cmd.startswith("cd repro && "):
+            p = subprocess.run([sys.executable, *shlex.split(cmd.removeprefix("cd repro && python "))], cwd=tmp_path / "repro",
+                               capture_output=True, text=True)
+            assert p.returncode == 0, p.stdout + p.stderr
+            printed += p.stdout.splitlines()
+            continue
+        res = CliRunner().invoke(main, shlex.split(cmd)[1:])
+        assert res.exit_code == 0, (cmd, res.output)
+        printed += res.output.splitlines()
+    shown = {_untimed(x) for x in printed}
+    missing = [x for x in expected if _untimed(x) not in shown]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("qrt", ["static-w4g32", "static-w8a8"])
+def test_sensitivity_other_schemes_match_the_written_replay(tmp_path, qrt):
+    """The in-process all-quantized replay is `trace replay --runtime QRT` (KL and top-1 from
+    its trace), int4 groups and dynamic int8 activations included; keeping the top unit in
+    float lowers the KL."""
+    runner = Runner(REF, qrt)
+    s = sensitivity(runner, "layer", replays=1)
+    assert s.replays == {"isolated": 1, "full": 3}
+    run = tmp_path / "run.h5"
+    replay_trace(REF, run, runtime=qrt)
+    kl, top1 = kl_top1(REF, run)
+    assert s.all_quantized["kl_mean"] == pytest.approx(kl, rel=1e-6) and s.all_quantized["top1"] == top1
+    assert s.units[0].only_float["kl_mean"] < s.all_quantized["kl_mean"]
+    assert s.units[0].only_quantized["kl_mean"] < s.all_quantized["kl_mean"]
+
+
+def test_w8a8_recipe_with_every_unit_float_is_the_float_runtime(tmp_path):
+    """A unit kept in float under -a8 takes float activations too: all float == the static runtime."""
+    units = {f"layer.{i}": "float" for i in range(8)} | {"ple_model_proj": "float"}
+    p = tmp_path / "float.toml"
+    p.write_text(Recipe("static-w8a8", units).to_toml())
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    replay_trace(REF, a, runtime="static-w8a8", recipe=load_recipe(p))
+    replay_trace(REF, b, runtime="static")
+    with TraceReader(a) as x, TraceReader(b) as y:
+        np.testing.assert_array_equal(x.read("logits"), y.read("logits"))
+        np.testing.assert_array_equal(x.read("layer_out", 7), y.read("layer_out", 7))
+
+
+def test_precision_by_module_prunes_what_the_target_does_not_need(tmp_path):
+    """By module: the weak layer's modules tie in the isolated ranking and go back in order;
+    pruning keeps only those the target needs, all of the weak layer; a replay verifies."""
+    from gemma4_trace.replayer.recipe import write_recipe
+    from gemma4_trace.replayer.sensitivity import precision_search
+
+    p = tmp_path / "weak.toml"
+    p.write_text(WEAK)
+    base = load_recipe(p)
+    runner = Runner(REF, "static-w8", base=base)
+    target = Target.parse("kl_mean<=2e-6")
+    res = precision_search(runner, target, "float", "module", base)
+    assert res.kept and len(res.kept) < 4 and all(u.startswith(f"layer.{LOW_LAYER}.") for u in res.kept)
+    assert not target.holds(res.before) and target.holds(res.verified)
+    assert res.bytes_all < res.bytes_recipe
+    write_recipe(res.recipe, tmp_path / "r.toml")
+    run = tmp_path / "run.h5"
+    replay_trace(REF, run, runtime="static-w8", recipe=load_recipe(tmp_path / "r.toml"))
+    kl, _ = kl_top1(REF, run)
+    assert kl == pytest.approx(res.verified["kl_mean"], rel=1e-6) and kl <= 2e-6
