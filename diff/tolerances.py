@@ -281,11 +281,29 @@ def _read_bounded(p: Path) -> str:
         raise TraceToolError(f"tolerances file {p}: not valid TOML ({e})") from None
 
 
+PROFILES = Path(__file__).resolve().parent / "profiles"  # tolerance profiles shipped with the tool
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in PROFILES.glob("*.toml"))
+
+
+def resolve_tolerances(path: str | Path | None) -> Path | None:
+    """A tolerances file, or the name of a shipped profile (`llamacpp-f32`) where no such file exists."""
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.exists() and str(path) in profile_names():
+        return PROFILES / f"{path}.toml"
+    return p
+
+
 def load_tolerances(path: str | Path | None) -> Tolerances:
-    """Parse a TOML tolerances file; TraceToolError names the file and what is wrong."""
+    """Parse a TOML tolerances file (or a shipped profile by name); TraceToolError names the file and
+    what is wrong."""
     if path is None:
         return Tolerances()
-    p = Path(path)
+    p = resolve_tolerances(path)
     try:
         data = tomllib.loads(_read_bounded(p))
     except (tomllib.TOMLDecodeError, ValueError) as e:  # ValueError: an integer of over 4300 digits

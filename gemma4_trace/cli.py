@@ -338,7 +338,7 @@ def import_cmd(dump_dir, reference, map_path, output, force):
 @main.command("diff")
 @click.argument("reference", metavar="REF.h5", type=click.Path())
 @click.argument("candidate", metavar="RUN.h5", type=click.Path())
-@click.option("--tolerances", type=click.Path(), default=None, help="TOML file of tolerance rules")
+@click.option("--tolerances", type=click.Path(), default=None, help="TOML file of tolerance rules, or a shipped profile by name (llamacpp-f32)")
 @click.option("--json", "as_json", is_flag=True, help="print the JSON report instead of text")
 @click.option("--report", type=click.Path(), default=None, help="also write a self-contained HTML report")
 @click.option("--force", is_flag=True, help="replace an existing --report file")

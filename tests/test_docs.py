@@ -13,7 +13,7 @@ plug-ins import) and this interpreter's environment is first on PATH. `trace` th
 console script's `main()` run in a process forked from a warm one (tests/docs_trace_server.py:
 each command its own process, without the 2 s of imports); GEMMA4_DOCS_REAL_TRACE=1 runs the
 environment's own `trace` instead.
-A command must exit 0, or 1 for a `trace diff` that reports a divergence. Its shown output
+A command must exit 0, 1 for a `trace diff` that reports a divergence, or 2 where the doc shows its `error: ...` line. Its shown output
 must be the first lines it prints (stdout; stderr when it prints nothing there), numbers
 compared to the precision shown (one unit in the last digit shown; integers exactly) and
 wall-clock figures such as `(0.7 s)` ignored.
@@ -157,11 +157,11 @@ def _commands(path: Path, first: int, lines: list[str]) -> list[Command]:
 # ---- comparing shown output --------------------------------------------------------------
 
 NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:e[-+]?\d+)?", re.IGNORECASE)
-WALL_CLOCK = re.compile(r"\(\d+(?:\.\d+)? s\)")
+WALL_CLOCK = re.compile(r"\b\d+(?:\.\d+)? s\b")  # "(0.7 s)", "quantized in 0.7 s": seconds, not "3 steps"
 
 
 def _tokens(line: str):
-    line = WALL_CLOCK.sub("(<time> s)", line.rstrip())
+    line = WALL_CLOCK.sub("<time> s", line.rstrip())
     parts, pos = [], 0
     for m in NUMBER.finditer(line):
         parts.append(line[pos:m.start()])
@@ -205,6 +205,8 @@ def test_line_matches_within_the_precision_shown():
     assert not line_matches("16/16 tokens agree", "15/16 tokens agree")
     assert not line_matches("kind q, position 0", "kind k, position 0")
     assert line_matches("wrote a.h5: 3 steps (0.2 s)", "wrote a.h5: 3 steps (41.7 s)")
+    assert line_matches("quantized in 0.7 s", "quantized in 12 s")
+    assert not line_matches("wrote a.h5: 3 steps (0.2 s)", "wrote a.h5: 4 steps (0.2 s)")
     assert not line_matches("L0 3.7e-7  L1 3.5e-7", "L0 3.7e-7  L1 3.5e-7  L2 3e-7")
 
 
@@ -256,8 +258,9 @@ def _run_doc(path: Path, tmp: Path, trace_bin) -> int:
             ran += 1
             said = f"\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}"
             diverged = re.match(r"\s*trace\s+diff\b", c.cmd) and "first divergence" in p.stdout
-            assert p.returncode == 0 or (p.returncode == 1 and diverged), \
-                f"{where}:{c.line_no}: `{c.cmd}` exited {p.returncode}{said}"
+            refused = bool(c.shown) and c.shown[0].startswith("error: ")  # the doc shows a refusal: exit 2
+            assert (p.returncode == 0 and not refused) or (p.returncode == 1 and diverged) \
+                or (p.returncode == 2 and refused), f"{where}:{c.line_no}: `{c.cmd}` exited {p.returncode}{said}"
             real = (p.stdout or p.stderr).split("\n")
             for k, shown in enumerate(c.shown):
                 got = real[k] if k < len(real) else "<no more output>"

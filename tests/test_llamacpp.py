@@ -157,38 +157,6 @@ def test_profile_still_sees_a_conversion_fault(tmp_path):
         path.unlink()
 
 
-def test_docs_commands_print_what_the_doc_shows(tmp_path, monkeypatch):
-    """Every `$ trace ...` of docs/runtime-llamacpp.md's real reports, run again in order with an
-    empty cache: the lines the doc shows are the first lines printed (times masked)."""
-    import re
-    import shlex
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    text = (root / "docs" / "runtime-llamacpp.md").read_text().split("## Real reports", 1)[1]
-    blocks, current = [], None
-    for line in text.splitlines():
-        if line.startswith("    $ "):
-            current = (line[6:], [])
-            blocks.append(current)
-        elif line.startswith("    ") and current is not None:
-            current[1].append(line[4:])
-        else:
-            current = None
-    assert len(blocks) == 9
-    for name in ("traces", "diff"):
-        (tmp_path / name).symlink_to(root / name)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv(GW.CACHE_ENV, str(tmp_path / "cache"))
-    mask = lambda s: re.sub(r"\d+\.\d+ s\b", "T s", s)  # noqa: E731
-    for command, shown in blocks:
-        words = shlex.split(command)
-        env = dict(w.split("=", 1) for w in words[: words.index("trace")])
-        res = invoke(*words[words.index("trace") + 1:], env=env)
-        got = [mask(line) for line in res.output.splitlines()]
-        assert got[: len(shown)] == [mask(line) for line in shown], command
-
-
 def test_prompt_longer_than_a_ubatch_is_stitched_by_position(tmp_path, monkeypatch):
     """13 prompt tokens in ubatches of 4 (4+4+4+1 graphs): every row lands at its position, the
     same values as one ubatch gives (bit for bit where the ubatch shapes agree), and a match."""
