@@ -25,7 +25,10 @@ demo: $(BIN)/.installed
 	$(BIN)/trace replay --force $(OUT)/ref.h5 -o $(OUT)/run.h5
 	$(BIN)/trace diff $(OUT)/ref.h5 $(OUT)/run.h5 --force --report $(OUT)/report.html
 
+# lint and format checks (ruff, configured in pyproject.toml) on the whole tree, then the suite
 test: $(BIN)/.installed-extras
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
 clean:

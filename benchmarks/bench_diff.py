@@ -30,18 +30,30 @@ from gemma4_trace.traces import LayerInfo, Provenance, TraceHeader, TraceWriter 
 
 HIDDEN, PLE, VOCAB, HEADS = 1536, 256, 32768, 8
 TYPES = ["sliding_attention"] * 3 + ["full_attention"]
-LAYERS = [LayerInfo(TYPES[i % 4], 256 if TYPES[i % 4] == "sliding_attention" else 512, HEADS, 1, "owns", i)
-          for i in range(8)]
+LAYERS = [
+    LayerInfo(TYPES[i % 4], 256 if TYPES[i % 4] == "sliding_attention" else 512, HEADS, 1, "owns", i) for i in range(8)
+]
 
 
 def provenance(mode: str) -> Provenance:
-    return Provenance(creator_version="bench", torch_version="-", transformers_version="-", h5py_version=h5py.__version__,
-                dtype="float32", device="cpu", runtime="bench", mode=mode, model_name="bench",
-                model_config={"hidden_size": HIDDEN, "num_hidden_layers": len(LAYERS), "vocab_size": VOCAB},
-                model_config_sha256="0" * 64)
+    return Provenance(
+        creator_version="bench",
+        torch_version="-",
+        transformers_version="-",
+        h5py_version=h5py.__version__,
+        dtype="float32",
+        device="cpu",
+        runtime="bench",
+        mode=mode,
+        model_name="bench",
+        model_config={"hidden_size": HIDDEN, "num_hidden_layers": len(LAYERS), "vocab_size": VOCAB},
+        model_config_sha256="0" * 64,
+    )
 
 
-def write_pair(ref_path: Path, run_path: Path, prefill: int, decode: int, seed: int = 0, base_path: Path | None = None) -> None:
+def write_pair(
+    ref_path: Path, run_path: Path, prefill: int, decode: int, seed: int = 0, base_path: Path | None = None
+) -> None:
     rng = np.random.default_rng(seed)
     noise = np.random.default_rng(seed + 1)
     noise_c = np.random.default_rng(seed + 2)
@@ -64,7 +76,7 @@ def write_pair(ref_path: Path, run_path: Path, prefill: int, decode: int, seed: 
                 w.begin_step(range(start, stop))
 
             def put(kind, shape, layer=None):
-                x = rng.standard_normal((n, *shape), dtype=np.float32)
+                x = rng.standard_normal((n, *shape), dtype=np.float32)  # noqa: B023 - called in this iteration
                 wa.add(kind, x, layer)
                 wb.add(kind, x + np.float32(1e-6) * noise.standard_normal(x.shape, dtype=np.float32), layer)
                 if wc is not None:
@@ -72,7 +84,12 @@ def write_pair(ref_path: Path, run_path: Path, prefill: int, decode: int, seed: 
 
             put("embeddings", (HIDDEN,))
             put("per_layer_inputs", (len(LAYERS), PLE))
-            for kind, d in (("rope_cos_sliding", 256), ("rope_sin_sliding", 256), ("rope_cos_full", 512), ("rope_sin_full", 512)):
+            for kind, d in (
+                ("rope_cos_sliding", 256),
+                ("rope_sin_sliding", 256),
+                ("rope_cos_full", 512),
+                ("rope_sin_full", 512),
+            ):
                 put(kind, (d,))
             q = np.arange(start, stop)[:, None]
             for i, li in enumerate(LAYERS):
@@ -101,10 +118,12 @@ def plain_read(paths) -> tuple[float, int]:
     total = 0
     for p in paths:
         with h5py.File(p, "r", locking=False) as f:
+
             def visit(name, obj):
                 nonlocal total
                 if isinstance(obj, h5py.Dataset):
                     total += obj[()].nbytes
+
             f.visititems(visit)
     return time.perf_counter() - t0, total
 
@@ -125,8 +144,10 @@ def main() -> None:
         write_pair(ref, run, args.prefill, args.decode, base_path=base)
         print(f"wrote {len(files)} traces in {time.perf_counter() - t0:.1f} s")
     sizes = [p.stat().st_size / 1e9 for p in (ref, run)]
-    print(f"REF {sizes[0]:.2f} GB, RUN {sizes[1]:.2f} GB on disk; {args.prefill} prefill positions + "
-          f"{args.decode} decode steps, {len(LAYERS)} layers, hidden {HIDDEN}, q {HEADS}x256/512, vocab {VOCAB}")
+    print(
+        f"REF {sizes[0]:.2f} GB, RUN {sizes[1]:.2f} GB on disk; {args.prefill} prefill positions + "
+        f"{args.decode} decode steps, {len(LAYERS)} layers, hidden {HIDDEN}, q {HEADS}x256/512, vocab {VOCAB}"
+    )
     plain_read(files)  # warm the page cache
     ta, nbytes = plain_read(files)
     trace = shutil.which("trace") or str(Path(sys.executable).with_name("trace"))
@@ -142,7 +163,10 @@ def main() -> None:
     ta = min(ta, ta2)
     print(p.stdout.strip().splitlines()[0] if p.stdout else p.stderr.strip().splitlines()[0])
     print(f"exit code {p.returncode}")
-    print(f"(a) plain h5py read of all {len(files)} files: {ta:.1f} s ({nbytes / 1e9:.2f} GB decompressed, {nbytes / 1e6 / ta:.0f} MB/s)")
+    print(
+        f"(a) plain h5py read of all {len(files)} files: {ta:.1f} s ({nbytes / 1e9:.2f} GB decompressed, "
+        f"{nbytes / 1e6 / ta:.0f} MB/s)"
+    )
     print(f"(b) {' '.join(cmd)}: {tb:.1f} s")
     print(f"b/a = {tb / ta:.2f} (target <= 1.5); peak RSS of trace diff = {peak_mb:.0f} MB (target <= 300)")
     if not args.keep:

@@ -45,19 +45,32 @@ def main():
         d = Path(d)
         model = d / "model"
         # built in a child: this process stays small, and a child's peak RSS starts from its parent's
-        subprocess.run([sys.executable, "-c", "import sys; from tests import tiny_models; "
-                        "tiny_models.build(sys.argv[1], 'base', max_position_embeddings=16384)", str(model)],
-                       cwd=ROOT, check=True, capture_output=True)
-        print(f"{'decode steps':>12} {'record s':>9} {'record MiB':>10} {'replay s':>9} {'replay MiB':>10} "
-              f"{'diff s':>7} {'diff MiB':>8} {'trace MiB':>9}")
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from tests import tiny_models; "
+                "tiny_models.build(sys.argv[1], 'base', max_position_embeddings=16384)",
+                str(model),
+            ],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        print(
+            f"{'decode steps':>12} {'record s':>9} {'record MiB':>10} {'replay s':>9} {'replay MiB':>10} "
+            f"{'diff s':>7} {'diff MiB':>8} {'trace MiB':>9}"
+        )
         for n in [int(x) for x in args.steps.split(",")]:
             ref, run = d / f"ref{n}.h5", d / f"run{n}.h5"
             tr, mr, _ = cli("record", "--model", model, "--input-ids", "2,5,9,13", "--max-new-tokens", n, "-o", ref)
             tp, mp, _ = cli("replay", ref, "--model", model, "-o", run)
             td, md, code = cli("diff", ref, run)
             size = ref.stat().st_size / 2**20
-            print(f"{n:>12} {tr:>9.1f} {mr:>10.0f} {tp:>9.1f} {mp:>10.0f} {td:>7.1f} {md:>8.0f} {size:>9.1f}"
-                  + ("" if code == 0 else f"  (diff exit {code})"))
+            print(
+                f"{n:>12} {tr:>9.1f} {mr:>10.0f} {tp:>9.1f} {mp:>10.0f} {td:>7.1f} {md:>8.0f} {size:>9.1f}"
+                + ("" if code == 0 else f"  (diff exit {code})")
+            )
 
 
 if __name__ == "__main__":

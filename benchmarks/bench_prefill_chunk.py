@@ -35,8 +35,19 @@ print('RESULT ' + json.dumps(dict(seconds=time.perf_counter() - t0, peak_mib=int
 
 
 def replay(ref, model, out, max_seq, chunk) -> dict:
-    args = ["replay", str(ref), "--model", str(model), "--max-seq", str(max_seq), "--prefill-chunk", str(chunk),
-            "-o", str(out), "--force"]
+    args = [
+        "replay",
+        str(ref),
+        "--model",
+        str(model),
+        "--max-seq",
+        str(max_seq),
+        "--prefill-chunk",
+        str(chunk),
+        "-o",
+        str(out),
+        "--force",
+    ]
     p = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True, cwd=ROOT)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if not line or json.loads(line[-1][7:])["exit"] != 0:
@@ -61,8 +72,10 @@ def main() -> None:
         model = tiny_models.build(d / "model", "base", max_position_embeddings=8192)
         ref = d / "ref.h5"
         record_trace(model, ref, input_ids=[2] + list(range(3, 3 + a.prompt - 1)), max_new_tokens=a.new_tokens)
-        print(f"tiny random Gemma 4 (variant base, 7 layers), prompt {a.prompt} tokens, {a.new_tokens} new tokens; "
-              f"trace replay in its own process per row")
+        print(
+            f"tiny random Gemma 4 (variant base, 7 layers), prompt {a.prompt} tokens, {a.new_tokens} new tokens; "
+            f"trace replay in its own process per row"
+        )
         print("| max_seq | prefill | replay s | peak RSS MiB | diff vs REF |")
         print("|---|---|---|---|---|")
         for S in [int(x) for x in a.max_seqs.split(",")]:
@@ -73,9 +86,16 @@ def main() -> None:
                 res[chunk] = r
                 match = diff_traces(ref, out).match
                 what = f"whole ({S} rows)" if chunk == 0 else f"chunks of {chunk}"
-                print(f"| {S} | {what} | {r['seconds']:.2f} | {r['peak_mib']:.0f} | {'match' if match else 'DIVERGES'} |", flush=True)
+                print(
+                    f"| {S} | {what} | {r['seconds']:.2f} | {r['peak_mib']:.0f} | {'match' if match else 'DIVERGES'} |",
+                    flush=True,
+                )
             w, c = res[0], res[a.chunk]
-            print(f"| {S} | chunked / whole | {c['seconds'] / w['seconds']:.2f}x | {c['peak_mib'] / w['peak_mib']:.2f}x | |", flush=True)
+            print(
+                f"| {S} | chunked / whole | {c['seconds'] / w['seconds']:.2f}x | {c['peak_mib'] / w['peak_mib']:.2f}x "
+                "| |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,14 @@ from gemma4_trace.recorder.record import PromptInputs, eos_ids, prepare_inputs, 
 def plain_generate(lm, ids, steps):
     with torch.no_grad():
         return lm.model.generate(
-            torch.tensor([ids]), max_new_tokens=steps, do_sample=False, eos_token_id=eos_ids(lm),
-            pad_token_id=lm.text_config.pad_token_id, top_k=None, top_p=None, temperature=None,
+            torch.tensor([ids]),
+            max_new_tokens=steps,
+            do_sample=False,
+            eos_token_id=eos_ids(lm),
+            pad_token_id=lm.text_config.pad_token_id,
+            top_k=None,
+            top_p=None,
+            temperature=None,
         )
 
 
@@ -50,8 +56,10 @@ def bench(label, lm, ids, steps, repeats, tmp: Path):
     g, r = statistics.median(t_gen), statistics.median(t_rec)
     print(f"{label}: prompt {len(ids)} tokens, {n_new} new tokens")
     print(f"  generate() {g:.3f} s   trace record {r:.3f} s   ratio {r / g:.2f}x")
-    print(f"  trace size {full / 2**20:.2f} MiB: {pre / len(ids) / 1024:.1f} KiB per prompt token, "
-          f"{(full - pre) / max(1, n_new - 1) / 1024:.1f} KiB per decode step")
+    print(
+        f"  trace size {full / 2**20:.2f} MiB: {pre / len(ids) / 1024:.1f} KiB per prompt token, "
+        f"{(full - pre) / max(1, n_new - 1) / 1024:.1f} KiB per decode step"
+    )
 
 
 def main():

@@ -43,8 +43,16 @@ def hf_decode_rate(lm, ids, n):
     def run(k):
         t = time.perf_counter()
         with torch.no_grad():
-            lm.model.generate(torch.tensor([ids]), max_new_tokens=k, min_new_tokens=k, do_sample=False,
-                              top_k=None, top_p=None, temperature=None, pad_token_id=0)
+            lm.model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=k,
+                min_new_tokens=k,
+                do_sample=False,
+                top_k=None,
+                top_p=None,
+                temperature=None,
+                pad_token_id=0,
+            )
         return time.perf_counter() - t
 
     run(2)  # warm-up
@@ -99,8 +107,16 @@ def child(which: str, what: str, n: int) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: measure the run, not the load
     if what == "hf":
         with torch.no_grad():
-            lm.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              top_k=None, top_p=None, temperature=None, pad_token_id=0)
+            lm.model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                top_k=None,
+                top_p=None,
+                temperature=None,
+                pad_token_id=0,
+            )
     else:
         rt = StaticGemma4Runtime(lm, max_seq=len(ids) + n)
         tok = int(rt.prefill(ids).argmax())
@@ -125,7 +141,9 @@ def _status(key: str) -> float:
 
 
 def peak_rss(which: str, what: str, n: int) -> float:
-    out = subprocess.run([sys.executable, __file__, "--child", which, what, str(n)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", which, what, str(n)], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mib"]
 
 
@@ -143,8 +161,10 @@ def main() -> None:
 
     from gemma4_trace.replayer.runtime import StaticGemma4Runtime
 
-    print(f"command: python benchmarks/bench_replay.py --new-tokens {a.new_tokens} --models {a.models}"
-          f"{' --compile' if a.compile else ''}")
+    print(
+        f"command: python benchmarks/bench_replay.py --new-tokens {a.new_tokens} --models {a.models}"
+        f"{' --compile' if a.compile else ''}"
+    )
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, CPU")
     n = a.new_tokens
     ids = list(range(3, 35))  # 32-token prompt
@@ -168,10 +188,14 @@ def main() -> None:
             co = static_decode_rate(rt, ids, n, step=step)
             row.append(f"compiled {co:8.1f} tok/s ({co / hf:.2f}x, compile {compile_s:.0f} s)")
         print(" | ".join(row))
-        print(f"   probe disabled: {check:.3f}% of a decode step (branch checks); "
-              f"enabled with a no-op probe: {st / null:.3f}x step time")
-        print(f"   peak RSS above the loaded model, {n} new tokens: HF generate {peak_rss(which, 'hf', n):.1f} MiB, "
-              f"static replay {peak_rss(which, 'static', n):.1f} MiB")
+        print(
+            f"   probe disabled: {check:.3f}% of a decode step (branch checks); "
+            f"enabled with a no-op probe: {st / null:.3f}x step time"
+        )
+        print(
+            f"   peak RSS above the loaded model, {n} new tokens: HF generate {peak_rss(which, 'hf', n):.1f} MiB, "
+            f"static replay {peak_rss(which, 'static', n):.1f} MiB"
+        )
 
 
 if __name__ == "__main__":

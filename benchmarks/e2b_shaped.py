@@ -14,7 +14,9 @@ S, F = "sliding_attention", "full_attention"
 
 # E2B's widths (benchmarks/make_e2b_random.py holds every E2B dimension); 10 layers, 5 of
 # them reusing K/V, a 16k vocabulary and the default init so that a build stays small
-E2B_TEXT = {k: v for k, v in E2B_FULL.items() if k not in ("max_position_embeddings", "rope_parameters", "tie_word_embeddings")}
+E2B_TEXT = {
+    k: v for k, v in E2B_FULL.items() if k not in ("max_position_embeddings", "rope_parameters", "tie_word_embeddings")
+}
 E2B_TEXT.update(
     vocab_size=16384,
     vocab_size_per_layer_input=16384,
@@ -23,6 +25,7 @@ E2B_TEXT.update(
     num_kv_shared_layers=5,
     initializer_range=0.02,
 )
+
 
 def build(out_dir: str | Path, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
     """Write the random E2B-shaped checkpoint (text-only) to out_dir, once."""

@@ -105,7 +105,9 @@ def build(out_dir: str | Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
     flush()
     print()
     # shard names were provisional ("model-00001"): HF also accepts them without "-of-N"
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     config.dtype = dtype
     config.save_pretrained(out)
     model.generation_config.eos_token_id = [1]

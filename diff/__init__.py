@@ -13,12 +13,29 @@ from .report import divergence_sentence, format_text
 from .result import DiffResult, Divergence
 from .tolerances import Tolerances, load_tolerances
 
-__all__ = ["METRICS", "DiffResult", "Divergence", "Metric", "Tolerances", "compare", "diff_traces", "format_text",
-           "load_tolerances", "render_html", "write_html"]
+__all__ = [
+    "METRICS",
+    "DiffResult",
+    "Divergence",
+    "Metric",
+    "Tolerances",
+    "compare",
+    "diff_traces",
+    "format_text",
+    "load_tolerances",
+    "render_html",
+    "write_html",
+]
 
 
-def diff_traces(ref_path, run_path, tolerances_path=None, baseline_path=None,
-                baseline_factor: float = DEFAULT_FACTOR, full: bool = False) -> DiffResult:
+def diff_traces(
+    ref_path,
+    run_path,
+    tolerances_path=None,
+    baseline_path=None,
+    baseline_factor: float = DEFAULT_FACTOR,
+    full: bool = False,
+) -> DiffResult:
     """compare(), with the first divergence's sentence (the text report's first line, also in the JSON)."""
     result = compare(ref_path, run_path, tolerances_path, baseline_path, baseline_factor, full)
     if result.first_divergence is not None:

@@ -12,11 +12,25 @@ from gemma4_trace.traces.reader import TraceReader
 
 # model_config keys that change tensor shapes or the computation's structure
 ARCH_KEYS = (
-    "num_hidden_layers", "layer_types", "hidden_size", "intermediate_size", "vocab_size",
-    "num_attention_heads", "num_key_value_heads", "num_global_key_value_heads", "head_dim",
-    "global_head_dim", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
-    "num_kv_shared_layers", "sliding_window", "attention_k_eq_v", "use_double_wide_mlp",
-    "enable_moe_block", "num_experts", "kv_sharing_modes",
+    "num_hidden_layers",
+    "layer_types",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_global_key_value_heads",
+    "head_dim",
+    "global_head_dim",
+    "hidden_size_per_layer_input",
+    "vocab_size_per_layer_input",
+    "num_kv_shared_layers",
+    "sliding_window",
+    "attention_k_eq_v",
+    "use_double_wide_mlp",
+    "enable_moe_block",
+    "num_experts",
+    "kv_sharing_modes",
 )
 PRE_KINDS = tuple(k.name for k in S.KINDS[: next(i for i, k in enumerate(S.KINDS) if k.per_layer)])
 POST_KINDS = tuple(k.name for k in S.KINDS if not k.per_layer and k.name not in PRE_KINDS)
@@ -24,9 +38,11 @@ POST_KINDS = tuple(k.name for k in S.KINDS if not k.per_layer and k.name not in 
 
 def dataflow_sequence(n_layers: int) -> list[tuple[str, int | None]]:
     """Every (kind, layer) in the order the diff searches them within a step."""
-    return ([(k, None) for k in PRE_KINDS]
-            + [(k, l) for l in range(n_layers) for k in S.LAYER_KIND_NAMES]
-            + [(k, None) for k in POST_KINDS])
+    return (
+        [(k, None) for k in PRE_KINDS]
+        + [(k, l) for l in range(n_layers) for k in S.LAYER_KIND_NAMES]
+        + [(k, None) for k in POST_KINDS]
+    )
 
 
 def _arch(cfg: dict) -> dict:
@@ -62,8 +78,11 @@ def check_compatible(ref: TraceReader, run: TraceReader) -> None:
     if a.shape != b.shape or not np.array_equal(a, b):
         n = min(a.size, b.size)
         first = next((i for i in range(n) if a[i] != b[i]), n)
-        where = (f"first difference at index {first}: {a[first]} vs {b[first]}" if first < n
-                 else "one is a prefix of the other")
+        where = (
+            f"first difference at index {first}: {a[first]} vs {b[first]}"
+            if first < n
+            else "one is a prefix of the other"
+        )
         raise TraceToolError(f"traces have different prompts: REF has {a.size} ids, RUN has {b.size} ({where})")
     n = min(ref.n_steps, run.n_steps)
     if ref.step_positions[:n] != run.step_positions[:n]:
@@ -118,19 +137,24 @@ def plan_notes(ref: TraceReader, run: TraceReader, base: TraceReader | None, pla
     notes = []
     if ref.n_steps != run.n_steps:
         fewer, more = ("RUN", "REF") if run.n_steps < ref.n_steps else ("REF", "RUN")
-        notes.append(f"{fewer} has {min(ref.n_steps, run.n_steps)} steps, {more} has {max(ref.n_steps, run.n_steps)}: "
-                     f"compared the first {plan.token_steps}")
+        notes.append(
+            f"{fewer} has {min(ref.n_steps, run.n_steps)} steps, {more} has {max(ref.n_steps, run.n_steps)}: "
+            f"compared the first {plan.token_steps}"
+        )
     m = plan.first_token_mismatch
     if run.mode == "reference":
         notes.append("RUN is a reference recording: it fed its own tokens, so it is compared as free-running")
     if plan.free_running and m is not None and plan.numeric_steps < plan.token_steps:
-        notes.append(f"free-running trace: tokens differ from step {m}, so tensors of steps {m + 1}.."
-                     f"{plan.token_steps - 1} were not compared (their inputs differ)")
+        notes.append(
+            f"free-running trace: tokens differ from step {m}, so tensors of steps {m + 1}.."
+            f"{plan.token_steps - 1} were not compared (their inputs differ)"
+        )
     notes += _base_steps(base, plan, ref_tokens)
     for who, r in (("REF", ref), ("RUN", run)):
         if r.selection is not None:
-            notes.append(f"{who} is a selective recording, keeping only {r.selection.describe()}: "
-                         "the rest was not compared")
+            notes.append(
+                f"{who} is a selective recording, keeping only {r.selection.describe()}: the rest was not compared"
+            )
     return notes
 
 
@@ -147,7 +171,9 @@ def _base_steps(base: TraceReader | None, plan: Plan, ref_tokens) -> list[str]:
     if not (leave.size and leave[0] + 1 < plan.numeric_steps):
         return []
     m = int(leave[0])
-    note = (f"BASE is a reference recording whose tokens leave REF's at step {m}: its later steps had "
-            f"other inputs, so tensors and tokens of steps {m + 1}..{plan.numeric_steps - 1} were not judged")
+    note = (
+        f"BASE is a reference recording whose tokens leave REF's at step {m}: its later steps had "
+        f"other inputs, so tensors and tokens of steps {m + 1}..{plan.numeric_steps - 1} were not judged"
+    )
     plan.numeric_steps = m + 1
     return [note]

@@ -79,15 +79,19 @@ class Baseline:
         st = np.concatenate(steps)
         cuts = np.flatnonzero(np.diff(st)) + 1  # rows come in step order
         for n in names:
-            for s, e, r in zip(np.split(st, cuts), np.split(np.concatenate(base_err[n]), cuts),
-                               np.split(np.concatenate(run_base[n]), cuts)):
+            for s, e, r in zip(
+                np.split(st, cuts),
+                np.split(np.concatenate(base_err[n]), cuts),
+                np.split(np.concatenate(run_base[n]), cuts),
+            ):
                 e, r = e[np.isfinite(e)], r[np.isfinite(r)]
                 if s.size and e.size and r.size and self.factor * np.median(r) >= np.median(e):
                     bound[n][s[0]] = e.max()
         return bound
 
-    def failing(self, a, b, c, rs: RowStats, floor, limits: dict, skip, ceiling,
-                lacks=None) -> tuple[np.ndarray, np.ndarray, tuple]:
+    def failing(
+        self, a, b, c, rs: RowStats, floor, limits: dict, skip, ceiling, lacks=None
+    ) -> tuple[np.ndarray, np.ndarray, tuple]:
         """Like RowStats.failing for REF a, RUN b, BASE c: (fails, first failing metric index,
         stats for figures) per row. BASE's numbers are computed only for the rows that fail
         the plain tolerance (few in a float RUN, all in a quantized one). `ceiling()`: per metric,
@@ -121,15 +125,22 @@ class Baseline:
         m = next(x for x in ROW_METRICS if x.name == metric)
         j = int(np.searchsorted(rows, i))
         if not m.threshold or j >= rows.size or rows[j] != i:  # non-finite: no envelope
-            return BaselineFigures(self.path, self.factor, float("nan"), float("nan"), float("nan"),
-                                   float("nan"), threshold)
+            return BaselineFigures(
+                self.path, self.factor, float("nan"), float("nan"), float("nan"), float("nan"), threshold
+            )
         b_exc = float(_excess(m, base)[j])
         r_exc = 1.0 - value if m.fails_below else value
         ratio = r_exc / b_exc if b_exc > 0 else math.inf
         worst = float(ceil[m.name][i])
-        return BaselineFigures(self.path, self.factor, float(getattr(base, m.name)[j]), ratio,
-                               1.0 - worst if m.fails_below else worst, float(getattr(rvb, m.name)[j]), threshold)
-
+        return BaselineFigures(
+            self.path,
+            self.factor,
+            float(getattr(base, m.name)[j]),
+            ratio,
+            1.0 - worst if m.fails_below else worst,
+            float(getattr(rvb, m.name)[j]),
+            threshold,
+        )
 
 
 def check_baseline(ref, run, base) -> None:
@@ -148,8 +159,11 @@ def check_baseline(ref, run, base) -> None:
         leave = np.flatnonzero(rt[: min(need, rt.size, bt.size)] != bt[: min(need, rt.size, bt.size)])
         need = min(need, int(leave[0]) + 1) if leave.size else need
     if base.n_steps < need:
-        how = (f"record BASE with --max-new-tokens {need} or more" if recorded
-               else "replay BASE on REF's inputs (teacher-forced)")
+        how = (
+            f"record BASE with --max-new-tokens {need} or more"
+            if recorded
+            else "replay BASE on REF's inputs (teacher-forced)"
+        )
         raise TraceToolError(f"{where} has {base.n_steps} steps, REF and RUN compare {need}: {how}")
     if (base.mode == "isolated") != (run.mode == "isolated"):
         raise TraceToolError(f"{where} is {base.mode} and RUN is {run.mode}: a baseline must be replayed the same way")
@@ -177,6 +191,4 @@ def quantization_note(run, base) -> str | None:
     if schemes[0] == schemes[1]:
         return None
     what = [f"{n} ({s or 'no quantization in its name'})" for n, s in zip(names, schemes)]
-    return (f"BASE ran {what[0]}, RUN {what[1]}: RUN is judged by the envelope of another quantization "
-            "than its own")
-
+    return f"BASE ran {what[0]}, RUN {what[1]}: RUN is judged by the envelope of another quantization than its own"

@@ -32,8 +32,9 @@ def block_rows(ds, value_bytes: int | None = None) -> int:
     return max(chunk, (BLOCK_BYTES // row_bytes) // chunk * chunk)
 
 
-def paired_blocks(ref, run, kind: str, layer, end: int,
-                  value_bytes: int | None = None) -> Iterator[tuple[slice, np.ndarray, np.ndarray]]:
+def paired_blocks(
+    ref, run, kind: str, layer, end: int, value_bytes: int | None = None
+) -> Iterator[tuple[slice, np.ndarray, np.ndarray]]:
     """(rows, REF's rows, RUN's rows) over rows 0..end-1 of (kind, layer), block by block."""
     block = block_rows(ref.dataset(kind, layer), value_bytes)
     for r0 in range(0, end, block):
@@ -41,8 +42,9 @@ def paired_blocks(ref, run, kind: str, layer, end: int,
         yield rows, ref.read(kind, layer, rows), run.read(kind, layer, rows)
 
 
-def compared_blocks(ref, run, base, kind: str, layer, end: int, row_steps: np.ndarray,
-                    absent: np.ndarray | None) -> Iterator[Block]:
+def compared_blocks(
+    ref, run, base, kind: str, layer, end: int, row_steps: np.ndarray, absent: np.ndarray | None
+) -> Iterator[Block]:
     """The diff's blocks of rows 0..end-1, BASE's rows with them when `base` is given. A row BASE
     lacks or holds NaN/Inf in has REF's standing in (and is flagged in base_lacks: no envelope
     there); a row REF or RUN did not report (`absent`) has REF's standing in for RUN's and BASE's,

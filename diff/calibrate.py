@@ -57,7 +57,7 @@ def round_up(x: float, digits: int = 3) -> float:
     v = math.ceil(x / 10.0**exp) * 10.0**exp
     v = float(f"{v:.{digits - 1}e}")
     while v < x:  # the decimal's nearest float fell below x
-        v = float(f"{v * (1 + 10.0 ** -digits):.{digits - 1}e}")
+        v = float(f"{v * (1 + 10.0**-digits):.{digits - 1}e}")
     return v
 
 
@@ -70,8 +70,9 @@ def toml_comment_name(path) -> str:
 
 
 def _precision(ref: TraceReader, base: TraceReader, kind, layer) -> str:
-    return precision_class(ref.source_dtype(kind, layer), base.source_dtype(kind, layer),
-                           ref.provenance["dtype"], base.provenance["dtype"])
+    return precision_class(
+        ref.source_dtype(kind, layer), base.source_dtype(kind, layer), ref.provenance["dtype"], base.provenance["dtype"]
+    )
 
 
 def calibrate(reference, bases, margin: float = DEFAULT_MARGIN) -> tuple[str, dict]:
@@ -103,10 +104,17 @@ def calibrate(reference, bases, margin: float = DEFAULT_MARGIN) -> tuple[str, di
     ]
     text = "\n".join(head) + rules
     if near is not None:
-        text += ("\n[tokens]\n# the known-good runs flip a token where REF's top-2 gap is small\n"
-                 f"near_tie_margin = {near!r}\naccept_near_ties = true\n")
-    summary = {"rules": n_rules, "bases": len(bases), "margin": margin, "token_flips": tokens["flips"],
-               "near_tie_margin": near}
+        text += (
+            "\n[tokens]\n# the known-good runs flip a token where REF's top-2 gap is small\n"
+            f"near_tie_margin = {near!r}\naccept_near_ties = true\n"
+        )
+    summary = {
+        "rules": n_rules,
+        "bases": len(bases),
+        "margin": margin,
+        "token_flips": tokens["flips"],
+        "near_tie_margin": near,
+    }
     return text, summary
 
 
@@ -122,7 +130,8 @@ def _one_base(ref, base, path, seq, ref_tokens, worst, tokens) -> None:
         if plan.free_running:
             raise TraceToolError(
                 f"BASE {path} is free-running and its tokens leave REF's at step {m}; "
-                "replay it teacher-forced (the default) to calibrate")
+                "replay it teacher-forced (the default) to calibrate"
+            )
         lg = ref.read("logits", None, slice(m, m + 1))[0].astype(np.float64) if ref.has("logits") else None
         if lg is None or not np.all(np.isfinite(lg)):
             raise TraceToolError(f"BASE {path} flips the token at step {m} and REF has no usable logits to judge it")
@@ -184,8 +193,9 @@ def _check_masks(ref, base, path, plan) -> None:
         count[~_rows_present(ref, base, "mask", layer, n)] = 0
         if count.any():
             pos = int(np.argmax(count > 0))
-            raise TraceToolError(f"BASE {path}: mask of layer {layer} differs from REF's at position {pos}; "
-                                 "not a known-good run")
+            raise TraceToolError(
+                f"BASE {path}: mask of layer {layer} differs from REF's at position {pos}; not a known-good run"
+            )
 
 
 def _rules(worst: dict, margin: float) -> tuple[str, int]:
@@ -198,8 +208,13 @@ def _rules(worst: dict, margin: float) -> tuple[str, int]:
             lines = ["[[rule]]", f'kind = "{kind}"']
             if layer is not None:
                 lines.append(f"layer = {layer}")
-            lines += [f'step = "{phase}"', f"rel_l2 = {t!r}", f"l2_floor = {w.floor!r}",
-                      f'note = "worst {w.rel[phase]:.3e}"', ""]
+            lines += [
+                f'step = "{phase}"',
+                f"rel_l2 = {t!r}",
+                f"l2_floor = {w.floor!r}",
+                f'note = "worst {w.rel[phase]:.3e}"',
+                "",
+            ]
             out.append("\n".join(lines))
             n += 1
     return "\n".join(out), n

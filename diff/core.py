@@ -19,12 +19,33 @@ from .baseline import DEFAULT_FACTOR, Baseline, check_baseline, quantization_not
 from .blocks import Block, absent_rows, compared_blocks
 from .isolation import rank_layers
 from .logits import logit_metrics
-from .metrics import (METRIC, METRIC_ORDER, PRIMARY, THRESHOLD_METRICS, RowStats, compare_mask_block, element_detail,
-                      image_blocks, mask_row_detail, ranges_text)
-from .origin import GROWTH_KIND, Residuals, origin
+from .metrics import (
+    METRIC,
+    METRIC_ORDER,
+    PRIMARY,
+    THRESHOLD_METRICS,
+    RowStats,
+    compare_mask_block,
+    element_detail,
+    image_blocks,
+    mask_row_detail,
+    ranges_text,
+)
+from .origin import Residuals, origin
 from .origin import growth as growth_table
-from .result import (BaselineInfo, DiffResult, Divergence, Element, MaskDetail, Problem, RowDetail, Skipped, Steps,
-                     TensorSummary, TraceInfo)
+from .result import (
+    BaselineInfo,
+    DiffResult,
+    Divergence,
+    Element,
+    MaskDetail,
+    Problem,
+    RowDetail,
+    Skipped,
+    Steps,
+    TensorSummary,
+    TraceInfo,
+)
 from .tokens import judge_tokens
 from .tolerances import StepTolerance, Tolerances, load_tolerances, precision_class
 
@@ -46,13 +67,29 @@ def _same_row_shape(spec: S.Kind, da, db) -> bool:
 
 def _info(r: TraceReader, path) -> TraceInfo:
     p = r.provenance
-    return TraceInfo(str(path), p["mode"], p["dtype"], p["runtime"], p["device"], r.n_steps, r.n_positions,
-                     p["model_name"], p["model_config_sha256"])
+    return TraceInfo(
+        str(path),
+        p["mode"],
+        p["dtype"],
+        p["runtime"],
+        p["device"],
+        r.n_steps,
+        r.n_positions,
+        p["model_name"],
+        p["model_config_sha256"],
+    )
 
 
 class _Differ:
-    def __init__(self, ref: TraceReader, run: TraceReader, tol: Tolerances, base: TraceReader | None = None,
-                 baseline: Baseline | None = None, full: bool = False):
+    def __init__(
+        self,
+        ref: TraceReader,
+        run: TraceReader,
+        tol: Tolerances,
+        base: TraceReader | None = None,
+        baseline: Baseline | None = None,
+        full: bool = False,
+    ):
         self.ref, self.run, self.tol = ref, run, tol
         self.full = full  # every row of every tensor (the whole error map), no early stop
         self.base, self.baseline = base, baseline  # three-way (diff/baseline.py) when given
@@ -117,8 +154,18 @@ class _Differ:
                 where = "REF" if a else "RUN"
                 self.skipped.append(Skipped(kind, layer, f"only in {where}"))
                 if kind == "logits":
-                    self._offer(Divergence(0, None, kind, self._last_prefill_position(), "missing", 1.0, 0.0,
-                                           Problem(f"logits stored only in {where}")))
+                    self._offer(
+                        Divergence(
+                            0,
+                            None,
+                            kind,
+                            self._last_prefill_position(),
+                            "missing",
+                            1.0,
+                            0.0,
+                            Problem(f"logits stored only in {where}"),
+                        )
+                    )
                 continue
             self._compare(kind, layer)
 
@@ -141,15 +188,27 @@ class _Differ:
             summary.status = "shape"
             pos = 0 if spec.index == "position" else self._last_prefill_position()
             msg = f"row shape {tuple(da.shape[1:])} in REF vs {tuple(db.shape[1:])} in RUN"
-            self._offer(Divergence(0, layer, kind, pos, "shape", 1.0, 0.0, Problem(msg, list(da.shape), list(db.shape))))
+            self._offer(
+                Divergence(0, layer, kind, pos, "shape", 1.0, 0.0, Problem(msg, list(da.shape), list(db.shape)))
+            )
             return
         short = min(da.shape[0], db.shape[0])
         if short < n_rows:
             summary.status = "rows"
             who = "REF" if da.shape[0] < db.shape[0] else "RUN"
             step, pos = self._position_of(spec.index, short)
-            self._offer(Divergence(step, layer, kind, pos, "rows", float(short), float(n_rows),
-                                   Problem(f"{who} has {short} rows, the compared steps need {n_rows}")))
+            self._offer(
+                Divergence(
+                    step,
+                    layer,
+                    kind,
+                    pos,
+                    "rows",
+                    float(short),
+                    float(n_rows),
+                    Problem(f"{who} has {short} rows, the compared steps need {n_rows}"),
+                )
+            )
             n_rows = short
         self._absent_rows(kind, layer, n_rows, summary)
         tol = self._tolerance(kind, layer)
@@ -180,14 +239,23 @@ class _Differ:
         """The blocks of rows that can still beat the best divergence so far (all rows when `keep`)."""
         limit = None if keep or self.full else self._row_limit(spec.name, layer, spec.index)
         row_steps = self.row_steps if spec.index == "position" else np.arange(self.plan.numeric_steps)
-        return compared_blocks(self.ref, self.run, self.base if self._three_way(spec.name, layer) else None,
-                               spec.name, layer, n_rows if limit is None else min(n_rows, limit), row_steps,
-                               self.absent.get((spec.name, layer)))
+        return compared_blocks(
+            self.ref,
+            self.run,
+            self.base if self._three_way(spec.name, layer) else None,
+            spec.name,
+            layer,
+            n_rows if limit is None else min(n_rows, limit),
+            row_steps,
+            self.absent.get((spec.name, layer)),
+        )
 
     def _base_step_worst(self, spec: S.Kind, layer, n_rows: int, tol: StepTolerance) -> dict[str, np.ndarray]:
         """Check 3's bound per step of this tensor (diff/baseline.py), from one pass over all three."""
-        blocks = ((k.ref, k.run, k.base, tol.l2_floor[k.steps], tol.skip[k.steps] | k.base_lacks, k.steps)  # BASE's own rows
-                  for k in self._blocks(spec, layer, n_rows, keep=True))
+        blocks = (
+            (k.ref, k.run, k.base, tol.l2_floor[k.steps], tol.skip[k.steps] | k.base_lacks, k.steps)  # BASE's own rows
+            for k in self._blocks(spec, layer, n_rows, keep=True)
+        )
         return self.baseline.step_worst(blocks, len(tol.skip))
 
     def _three_way(self, kind: str, layer) -> bool:
@@ -229,6 +297,7 @@ class _Differ:
             if not step_worst:
                 step_worst.update(self._base_step_worst(spec, layer, n_rows, tol))
             return {m: v[st] for m, v in step_worst.items()}
+
         for r0, a, b, c, lacks, st in self._blocks(spec, layer, n_rows, keep):  # Block's fields in order
             r1 = r0 + len(a)
             rs = RowStats(a, b, tol.l2_floor[st])
@@ -237,8 +306,9 @@ class _Differ:
             if c is None:
                 fails, which = rs.failing(limits, tol.skip[st])
             else:
-                fails, which, bstats = self.baseline.failing(a, b, c, rs, tol.l2_floor[st], limits, tol.skip[st],
-                                                             lambda: ceiling(st), lacks)
+                fails, which, bstats = self.baseline.failing(
+                    a, b, c, rs, tol.l2_floor[st], limits, tol.skip[st], lambda st=st: ceiling(st), lacks
+                )
                 if keep:
                     self.res.outside_rows.setdefault((spec.name, layer), np.zeros(n_rows, dtype=bool))[r0:r1] = fails
             for m in THRESHOLD_METRICS:
@@ -265,8 +335,19 @@ class _Differ:
                 self.res.base_sums[(spec.name, layer)] = (base_nd, sums[1], size)
         return found
 
-    def _offer_row(self, spec: S.Kind, layer, row: int, a_row, b_row, rs: RowStats, i: int, metric: str,
-                   tol: StepTolerance, bstats=None) -> None:
+    def _offer_row(
+        self,
+        spec: S.Kind,
+        layer,
+        row: int,
+        a_row,
+        b_row,
+        rs: RowStats,
+        i: int,
+        metric: str,
+        tol: StepTolerance,
+        bstats=None,
+    ) -> None:
         step, pos = self._position_of(spec.index, row)
         t = tol.at(step)
         if METRIC[metric].threshold:
@@ -275,10 +356,14 @@ class _Differ:
             value = float(np.count_nonzero(~np.isfinite(a_row)) + np.count_nonzero(~np.isfinite(b_row)))
             threshold = 0.0
         det = element_detail(a_row, b_row, metric, t)
-        first, worst = (Element(det[w], det[f"{w}_ref"], det[f"{w}_run"], element_names(spec.name, det[w]))
-                        for w in ("first", "worst"))
+        first, worst = (
+            Element(det[w], det[f"{w}_ref"], det[f"{w}_run"], element_names(spec.name, det[w]))
+            for w in ("first", "worst")
+        )
         metrics = {m.name: float(getattr(rs, m.name)[i]) for m in THRESHOLD_METRICS}
-        d = Divergence(step, layer, spec.name, pos, metric, value, threshold, RowDetail(first, worst, metrics, tol.precision))
+        d = Divergence(
+            step, layer, spec.name, pos, metric, value, threshold, RowDetail(first, worst, metrics, tol.precision)
+        )
         if bstats is not None:
             d.baseline = self.baseline.figures(metric, i, value, bstats, threshold)
         self._offer(d)
@@ -292,27 +377,44 @@ def _not_compared_note(tensors: list[TensorSummary]) -> str | None:
     part = sum(t.status == "partly compared" for t in tensors)
     if not none and not part:
         return None
-    counts = " and ".join(x for x in (f"{none} not compared" if none else "", f"{part} partly compared" if part else "")
-                          if x)
+    counts = " and ".join(
+        x for x in (f"{none} not compared" if none else "", f"{part} partly compared" if part else "") if x
+    )
     counts = f"{counts} (of {len(tensors)} tensors)"
     return f"{counts}: {NOT_READ}"
 
 
 def _skipped_note(skipped: list[Skipped]) -> str:
     shown = ", ".join(s.kind + (f" L{s.layer}" if s.layer is not None else "") + f" ({s.reason})" for s in skipped[:12])
-    return ("tensors in only one trace (not compared): " + shown
-            + (f" and {len(skipped) - 12} more" if len(skipped) > 12 else ""))
+    return (
+        "tensors in only one trace (not compared): "
+        + shown
+        + (f" and {len(skipped) - 12} more" if len(skipped) > 12 else "")
+    )
 
 
 def _absent_note(tensors: list[TensorSummary]) -> str:
-    parts = [f"{t.kind}{f' L{t.layer}' if t.layer is not None else ''} positions {t.absent_positions} (absent in {t.absent_in})"
-             for t in tensors if t.absent_rows]
-    return ("rows not reported (not compared): " + "; ".join(parts[:12])
-            + (f"; and {len(parts) - 12} more tensors" if len(parts) > 12 else ""))
+    parts = [
+        f"{t.kind}{f' L{t.layer}' if t.layer is not None else ''} positions {t.absent_positions} (absent in "
+        f"{t.absent_in})"
+        for t in tensors
+        if t.absent_rows
+    ]
+    return (
+        "rows not reported (not compared): "
+        + "; ".join(parts[:12])
+        + (f"; and {len(parts) - 12} more tensors" if len(parts) > 12 else "")
+    )
 
 
-def compare(ref_path, run_path, tolerances_path=None, baseline_path=None,
-            baseline_factor: float = DEFAULT_FACTOR, full: bool = False) -> DiffResult:
+def compare(
+    ref_path,
+    run_path,
+    tolerances_path=None,
+    baseline_path=None,
+    baseline_factor: float = DEFAULT_FACTOR,
+    full: bool = False,
+) -> DiffResult:
     """Compare a candidate trace against a reference; raise TraceToolError on bad input.
     The result holds numbers and facts only (diff_traces adds the divergence's sentence).
 
@@ -360,8 +462,15 @@ def _result(d: _Differ, ref_path, run_path, baseline_path) -> DiffResult:
         tensors=d.tensors,
         skipped=d.skipped,
         notes=d.notes,
-        steps=Steps(ref.n_steps, run.n_steps, plan.token_steps, plan.numeric_steps, ref.prompt_len, plan.n_rows,
-                    plan.free_running),
+        steps=Steps(
+            ref.n_steps,
+            run.n_steps,
+            plan.token_steps,
+            plan.numeric_steps,
+            ref.prompt_len,
+            plan.n_rows,
+            plan.free_running,
+        ),
         reference=_info(ref, ref_path),
         candidate=_info(run, run_path),
         tolerances=d.tol,

@@ -39,7 +39,7 @@ def _mix(stops: tuple[str, ...], t: float) -> str:
     t = min(max(t, 0.0), 1.0) * (len(stops) - 1)
     i = min(int(t), len(stops) - 2)
     f = t - i
-    a, b = (tuple(int(c[k:k + 2], 16) for k in (1, 3, 5)) for c in (stops[i], stops[i + 1]))
+    a, b = (tuple(int(c[k : k + 2], 16) for k in (1, 3, 5)) for c in (stops[i], stops[i + 1]))
     return "#" + "".join(f"{round(x + (y - x) * f):02x}" for x, y in zip(a, b))
 
 
@@ -79,20 +79,26 @@ class _Scale:
         out = [f'<g class="log-scale" data-decades="{self.hi - self.lo}" data-lo="{self.lo}" data-hi="{self.hi}">']
         for i in range(n):
             x = self.lo + (self.hi - self.lo) * (i + 0.5) / n
-            out.append(f'<rect x="{x0 + width * i / n:.1f}" y="{y0}" width="{width / n + 0.3:.1f}" height="10" '
-                       f'fill="{self.color(10.0 ** x)}"/>')
+            out.append(
+                f'<rect x="{x0 + width * i / n:.1f}" y="{y0}" width="{width / n + 0.3:.1f}" height="10" '
+                f'fill="{self.color(10.0**x)}"/>'
+            )
         for e in range(self.lo, self.hi + 1):
             x = x0 + width * (e - self.lo) / (self.hi - self.lo)
             mark = e == 0
-            out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0 - (4 if mark else 0)}" y2="{y0 + 13}" '
-                       f'stroke="#000" stroke-width="{2 if mark else 1}"/>'
-                       f'<text x="{x:.1f}" y="{y0 + 24}" font-size="10" text-anchor="middle">'
-                       f'{"1 = " + limit if mark else f"1e{e}"}</text>')
+            out.append(
+                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0 - (4 if mark else 0)}" y2="{y0 + 13}" '
+                f'stroke="#000" stroke-width="{2 if mark else 1}"/>'
+                f'<text x="{x:.1f}" y="{y0 + 24}" font-size="10" text-anchor="middle">'
+                f"{'1 = ' + limit if mark else f'1e{e}'}</text>"
+            )
         x = x0 + width + 16
         for color, label in ((EXACT, "0 (exact)"), (NOT_COMPARED, "not compared"), (NONFINITE, "NaN/Inf")):
-            out.append(f'<rect x="{x}" y="{y0}" width="12" height="10" fill="{color}" stroke="#888"/>'
-                       + (_hatch(x, y0, 12, 10) if color == NOT_COMPARED else "")
-                       + f'<text x="{x + 16}" y="{y0 + 9}" font-size="10">{label}</text>')
+            out.append(
+                f'<rect x="{x}" y="{y0}" width="12" height="10" fill="{color}" stroke="#888"/>'
+                + (_hatch(x, y0, 12, 10) if color == NOT_COMPARED else "")
+                + f'<text x="{x + 16}" y="{y0 + 9}" font-size="10">{label}</text>'
+            )
             x += 22 + 6 * len(label)
         out.append("</g>")
         return out
@@ -100,16 +106,21 @@ class _Scale:
 
 def _svg(width, height, body: list[str] | str = "", role: bool = True) -> str:
     """An inline SVG element (every plot of the report is one)."""
-    return (f'<svg width="{width}" height="{height}"' + (' role="img">' if role else ">")
-            + (body if isinstance(body, str) else "".join(body)) + "</svg>")
+    return (
+        f'<svg width="{width}" height="{height}"'
+        + (' role="img">' if role else ">")
+        + (body if isinstance(body, str) else "".join(body))
+        + "</svg>"
+    )
 
 
 class _LogPlot:
     """The frame of a plot with a log-scale y axis over points 0..n-1 (error vs layer, KL vs
     step): decades spanning the values, coordinates, grid lines, polylines."""
 
-    def __init__(self, values: list[float], n: int, width: int, height: int, left: int, top: int, bottom: int,
-                 right: int):
+    def __init__(
+        self, values: list[float], n: int, width: int, height: int, left: int, top: int, bottom: int, right: int
+    ):
         lo, hi = math.floor(math.log10(min(values))), math.ceil(math.log10(max(values)))
         self.lo, self.hi = lo, max(hi, lo + 1)
         self.n, self.width, self.height = n, width, height
@@ -132,15 +143,21 @@ class _LogPlot:
         every = max(1, math.ceil((self.hi - self.lo) / 10))  # at most ~10 labels: they must not overlap
         for e in range(self.lo, self.hi + 1):
             line = self.hline(10.0**e, stroke) + "/>"
-            label = (f'<text x="{self.left - 6}" y="{self.y(10.0**e) + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>'
-                     if (e - self.lo) % every == 0 else "")
+            label = (
+                f'<text x="{self.left - 6}" y="{self.y(10.0**e) + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>'
+                if (e - self.lo) % every == 0
+                else ""
+            )
             out.append(label + line if label_first else line + label)
         return out
 
     @staticmethod
     def polyline(points: list[tuple[float, float]], color: str, width: str) -> str:
-        return (f'<polyline fill="none" stroke="{color}" stroke-width="{width}" points="'
-                + " ".join(f"{x:.1f},{y:.1f}" for x, y in points) + '"/>')
+        return (
+            f'<polyline fill="none" stroke="{color}" stroke-width="{width}" points="'
+            + " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+            + '"/>'
+        )
 
 
 def _heatmap_rows(growth: Growth) -> list[tuple[str, str, tuple, list, list]]:
@@ -150,8 +167,10 @@ def _heatmap_rows(growth: Growth) -> list[tuple[str, str, tuple, list, list]]:
     none = [None] * len(growth.steps)
     e = growth.globals.get("embeddings", (none, none))
     rows.append(("inputs", "embeddings, per_layer_inputs, RoPE (colour: embeddings)", ("embeddings", None), *e))
-    rows += [(f"L{l}", f"layer_out of layer {l}", ("layer_out", l), v, t)
-             for l, v, t in zip(growth.layers, growth.table, growth.thresholds)]
+    rows += [
+        (f"L{l}", f"layer_out of layer {l}", ("layer_out", l), v, t)
+        for l, v, t in zip(growth.layers, growth.table, growth.thresholds)
+    ]
     f = growth.globals.get("final_hidden", (none, none))
     rows.append(("outputs", "final_hidden, logits, token (colour: final_hidden)", ("final_hidden", None), *f))
     return rows
@@ -170,8 +189,10 @@ def _own_ratio(div: Divergence, factor: float | None) -> float | None:
     m = METRIC.get(div.metric)
     if m is None or not m.threshold:
         return None
+
     def excess(v):
         return 1.0 - v if m.fails_below else v
+
     limit = excess(div.threshold)
     if factor is not None and div.baseline is not None and math.isfinite(div.baseline.base_value):
         limit = max(limit, factor * excess(div.baseline.base_value))
@@ -203,8 +224,9 @@ def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None
             rs = [r for r in (ratio(key, vals[s], tols[s], s) for s in range(s0, s1)) if r is not None]
             vs = [vals[s] for s in range(s0, s1) if vals[s] is not None]
             worst = None if not rs else (math.inf if any(not math.isfinite(r) for r in rs) else max(rs))
-            cells.append((ri, c, worst, max(vs) if vs else None,
-                          f"step {s0}" if s1 - s0 == 1 else f"steps {s0}-{s1 - 1}"))
+            cells.append(
+                (ri, c, worst, max(vs) if vs else None, f"step {s0}" if s1 - s0 == 1 else f"steps {s0}-{s1 - 1}")
+            )
     scale = _Scale([cell[2] for cell in cells])
     cw = max(3, min(28, 1000 // cols))
     ch = max(8, min(22, 600 // len(rows)))
@@ -214,8 +236,10 @@ def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None
     out = []
     for ri, (label, what, *_rest) in enumerate(rows):
         y = top + ri * ch + (4 if ri == len(rows) - 1 else 0) + (0 if ri == 0 else 4)  # gaps around the layers
-        out.append(f'<text x="{left - 6}" y="{y + ch * 0.75:.1f}" font-size="11" text-anchor="end">{label}'
-                   f"<title>{html.escape(what)}</title></text>")
+        out.append(
+            f'<text x="{left - 6}" y="{y + ch * 0.75:.1f}" font-size="11" text-anchor="end">{label}'
+            f"<title>{html.escape(what)}</title></text>"
+        )
     ys = [top + ri * ch + (0 if ri == 0 else 4) + (4 if ri == len(rows) - 1 else 0) for ri in range(len(rows))]
     for ri, c, worst, v, steps in cells:
         what = rows[ri][1]
@@ -226,8 +250,10 @@ def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None
             tip, fill, cls = f"{what}, {steps}: rel-L2 {sci(v)} ({of})", scale.color(worst), ""
             if fill == EXACT:  # white on white: outlined
                 cls = ' stroke="#d0d0d0"'
-        out.append(f'<rect{cls} x="{left + c * cw}" y="{ys[ri]}" width="{cw}" height="{ch}" fill="{fill}">'
-                   f"<title>{html.escape(tip)}</title></rect>")
+        out.append(
+            f'<rect{cls} x="{left + c * cw}" y="{ys[ri]}" width="{cw}" height="{ch}" fill="{fill}">'
+            f"<title>{html.escape(tip)}</title></rect>"
+        )
         if worst is None:  # hatched: a diagonal across the neutral grey
             out.append(_hatch(left + c * cw, ys[ri], cw, ch))
     if div is not None and div.step < n_steps:
@@ -235,26 +261,33 @@ def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None
         x, y = left + c * cw, ys[ri]
         own = _own_ratio(div, factor)
         if own is not None and rows[ri][2][0] != div.kind:  # a row coloured by another tensor: the divergent row's
-            out.append(f'<rect x="{x}" y="{y}" width="{cw}" height="{ch}" fill="{scale.color(own)}"><title>'
-                       f"{html.escape(div.kind)}, step {div.step} (the first divergence's row): "
-                       f"x{sci(own)} of the {limit}</title></rect>")
+            out.append(
+                f'<rect x="{x}" y="{y}" width="{cw}" height="{ch}" fill="{scale.color(own)}"><title>'
+                f"{html.escape(div.kind)}, step {div.step} (the first divergence's row): "
+                f"x{sci(own)} of the {limit}</title></rect>"
+            )
         where = div.kind + (f" of layer {div.layer}" if div.layer is not None else "")
-        out.append(f'<g class="first-div" data-row="{html.escape(rows[ri][0])}" data-step="{div.step}">'
-                   f'<rect x="{x - 1}" y="{y - 1}" width="{cw + 2}" height="{ch + 2}" fill="none" stroke="#000" '
-                   f'stroke-width="3"/><rect x="{x + 1}" y="{y + 1}" width="{cw - 2}" height="{ch - 2}" fill="none" '
-                   f'stroke="#fff" stroke-width="1"/>'
-                   f'<text x="{left + cols * cw + 8}" y="{y + ch * 0.75:.1f}" font-size="11" font-weight="bold">'
-                   f"&#9664; first divergence: {html.escape(where)}, step {div.step}</text>"
-                   f"<title>first divergence: {html.escape(where)}, step {div.step}</title></g>")
+        out.append(
+            f'<g class="first-div" data-row="{html.escape(rows[ri][0])}" data-step="{div.step}">'
+            f'<rect x="{x - 1}" y="{y - 1}" width="{cw + 2}" height="{ch + 2}" fill="none" stroke="#000" '
+            f'stroke-width="3"/><rect x="{x + 1}" y="{y + 1}" width="{cw - 2}" height="{ch - 2}" fill="none" '
+            f'stroke="#fff" stroke-width="1"/>'
+            f'<text x="{left + cols * cw + 8}" y="{y + ch * 0.75:.1f}" font-size="11" font-weight="bold">'
+            f"&#9664; first divergence: {html.escape(where)}, step {div.step}</text>"
+            f"<title>first divergence: {html.escape(where)}, step {div.step}</title></g>"
+        )
     for c in range(0, cols, max(1, cols // 10)):
-        out.append(f'<text x="{left + c * cw + cw / 2:.1f}" y="{top - 6}" font-size="10" text-anchor="middle">'
-                   f"{c * bin_}</text>")
+        out.append(
+            f'<text x="{left + c * cw + cw / 2:.1f}" y="{top - 6}" font-size="10" text-anchor="middle">'
+            f"{c * bin_}</text>"
+        )
     y0 = ys[-1] + ch + 14
     binned = f", max over {bin_} steps" if bin_ > 1 else ""
-    what = ("rel-L2 / tolerance" if factor is None
-            else f"RUN's rel-L2 / max({factor:g} x BASE's rel-L2, tolerance)")
-    out.append(f'<text x="{left}" y="{y0}" font-size="11">step (columns{binned}) / tensor (rows); colour = {what}, '
-               f"log scale</text>")
+    what = "rel-L2 / tolerance" if factor is None else f"RUN's rel-L2 / max({factor:g} x BASE's rel-L2, tolerance)"
+    out.append(
+        f'<text x="{left}" y="{y0}" font-size="11">step (columns{binned}) / tensor (rows); colour = {what}, '
+        f"log scale</text>"
+    )
     out += scale.legend(left, y0 + 10, min(420, max(240, cols * cw)), limit)
     return _svg(w, h, out)
 
@@ -290,8 +323,10 @@ def _curves(growth: Growth, div: Divergence | None) -> str:
         if pts:
             out.append(p.polyline(pts, color, "2"))
             out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"/>' for x, y in pts]
-        out.append(f'<rect x="{W - 140}" y="{T + k * 18}" width="12" height="4" fill="{color}"/>'
-                   f'<text x="{W - 122}" y="{T + k * 18 + 6}" font-size="11">{html.escape(name)}</text>')
+        out.append(
+            f'<rect x="{W - 140}" y="{T + k * 18}" width="12" height="4" fill="{color}"/>'
+            f'<text x="{W - 122}" y="{T + k * 18 + 6}" font-size="11">{html.escape(name)}</text>'
+        )
     return _svg(W, H, out)
 
 
@@ -301,11 +336,16 @@ def _ranking(r: IsolationRanking) -> str:
     for rank, e in enumerate(r.ranking, 1):
         width = int(300 * e.rel_l2 / top) if top > 0 else 0
         bar = _svg(width + 2, 10, f'<rect width="{width}" height="10" fill="#c0392b"/>', role=False)
-        rows.append(f"<tr><td>{rank}</td><td>L{e.layer}</td><td>{html.escape(sci(e.rel_l2))}</td>"
-                    f"<td>{e.step}</td><td>{html.escape(sci(e.threshold))}</td><td class=l>{bar}</td></tr>")
-    return ("<p class=legend>Every layer was fed REF's input (trace replay --isolate): each error is the layer's own.</p>"
-            "<table><tr><th>rank</th><th>layer</th><th>layer_out rel-L2 of the step (its rows together)</th><th>worst step</th><th>tolerance</th>"
-            "<th class=l></th></tr>" + "".join(rows) + "</table>")
+        rows.append(
+            f"<tr><td>{rank}</td><td>L{e.layer}</td><td>{html.escape(sci(e.rel_l2))}</td>"
+            f"<td>{e.step}</td><td>{html.escape(sci(e.threshold))}</td><td class=l>{bar}</td></tr>"
+        )
+    return (
+        "<p class=legend>Every layer was fed REF's input (trace replay --isolate): each error is the layer's own.</p>"
+        "<table><tr><th>rank</th><th>layer</th><th>layer_out rel-L2 of the step (its rows together)</th><th>worst "
+        "step</th><th>tolerance</th>"
+        "<th class=l></th></tr>" + "".join(rows) + "</table>"
+    )
 
 
 def _logits_plot(m: LogitMetrics) -> str:
@@ -321,8 +361,10 @@ def _logits_plot(m: LogitMetrics) -> str:
     for i, (v, t1) in enumerate(zip(kl, m.top1)):
         if v is not None:
             color = "#c0392b" if t1 == 0 else "#2c6fbb"
-            out.append(f'<circle cx="{p.x(i):.1f}" cy="{p.y(v):.1f}" r="2.5" fill="{color}">'
-                       f"<title>step {i}: KL {sci(v)}, top-5 overlap {m.top5[i]:.2f}, drop {sci(m.drop[i])}</title></circle>")
+            out.append(
+                f'<circle cx="{p.x(i):.1f}" cy="{p.y(v):.1f}" r="2.5" fill="{color}">'
+                f"<title>step {i}: KL {sci(v)}, top-5 overlap {m.top5[i]:.2f}, drop {sci(m.drop[i])}</title></circle>"
+            )
     out.append(f'<text x="{p.left}" y="{p.height - 8}" font-size="11">step 0 .. {n - 1} (red: top-1 differs)</text>')
     return _svg(p.width, p.height, out)
 
@@ -342,8 +384,10 @@ def _token_table(tokens: TokenInfo, limit: int = 300) -> str:
         note = "" if ok else ("-" if a is None or b is None else "no")
         if s == tokens.first_mismatch_step:
             note = f"no - {tokens.flip.label}"
-        out.append(f'<tr class="{"" if ok else "x"}"><td>{s}</td><td>{"" if a is None else a}</td>'
-                   f'<td>{"" if b is None else b}</td><td class="l">{"yes" if ok else html.escape(note)}</td></tr>')
+        out.append(
+            f'<tr class="{"" if ok else "x"}"><td>{s}</td><td>{"" if a is None else a}</td>'
+            f'<td>{"" if b is None else b}</td><td class="l">{"yes" if ok else html.escape(note)}</td></tr>'
+        )
     if len(rows) < n:
         out.append(f'<tr><td colspan="4" class="l">... {n - len(rows)} matching steps not shown</td></tr>')
     out.append("</table>")
@@ -352,19 +396,26 @@ def _token_table(tokens: TokenInfo, limit: int = 300) -> str:
 
 def _tensor_table(tensors: list[TensorSummary]) -> str:
     # the tolerance column is the primary metric's, next to it
-    heads = "".join(f"<th>{m.summary_label} (worst row)</th>" + ("<th>tolerance</th>" if m.name == PRIMARY else "")
-                    for m in THRESHOLD_METRICS)
+    heads = "".join(
+        f"<th>{m.summary_label} (worst row)</th>" + ("<th>tolerance</th>" if m.name == PRIMARY else "")
+        for m in THRESHOLD_METRICS
+    )
     out = [f"<table><tr><th>kind</th><th>layer</th><th>rows</th>{heads}<th>status</th></tr>"]
     for t in tensors:
         worst = t.worst or {}
         none = t.rows_compared == 0 and t.worst is not None  # no row read: no value to show
-        cells = "".join((f'<td class="nc">not compared</td>' if none else f"<td>{fmt(m, worst.get(m.name))}</td>")
-                        + (f"<td>{sci(t.threshold)}</td>" if m.name == PRIMARY else "") for m in THRESHOLD_METRICS)
+        cells = "".join(
+            ('<td class="nc">not compared</td>' if none else f"<td>{fmt(m, worst.get(m.name))}</td>")
+            + (f"<td>{sci(t.threshold)}</td>" if m.name == PRIMARY else "")
+            for m in THRESHOLD_METRICS
+        )
         status = t.status + (f": {html.escape(t.reason)}" if t.reason else "")
         cls = "x" if t.status in ("diverged", "shape", "rows") else "nc" if t.reason else ""
-        out.append(f'<tr class="{cls}"><td class="l">{t.kind}</td>'
-                   f'<td>{"" if t.layer is None else t.layer}</td><td>{t.rows_compared}/{t.rows}</td>{cells}'
-                   f'<td class="l">{status}</td></tr>')
+        out.append(
+            f'<tr class="{cls}"><td class="l">{t.kind}</td>'
+            f"<td>{'' if t.layer is None else t.layer}</td><td>{t.rows_compared}/{t.rows}</td>{cells}"
+            f'<td class="l">{status}</td></tr>'
+        )
     out.append("</table>")
     return "".join(out)
 
@@ -375,39 +426,62 @@ def render_html(result: DiffResult) -> str:
     ref, run = result.reference, result.candidate
     isolated = run.mode == "isolated"
     parts = [
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
         f"<title>trace diff: {'match' if result.match else 'divergence'}</title>",
         f"<style>{CSS}</style></head><body>",
         f"<h1>trace diff: {e(Path(ref.path).name)} (REF) vs {e(Path(run.path).name)} (RUN)</h1>",
         f'<div class="verdict {"good" if result.match else "bad"}">{e(format_text(result))}</div>',
-        *(["<h2>Layers by local error (isolated replay)</h2>", _ranking(result.isolation)]
-          if result.isolation is not None else []),
+        *(
+            ["<h2>Layers by local error (isolated replay)</h2>", _ranking(result.isolation)]
+            if result.isolation is not None
+            else []
+        ),
         "<h2>Error growth: layer x step</h2>",
         _heatmap(result.growth, d),
-        '<p class="legend">Each cell: the step\'s rel-L2 of the residual stream (a layer\'s output; the first row the '
+        "<p class=\"legend\">Each cell: the step's rel-L2 of the residual stream (a layer's output; the first row the "
         "embeddings, the last final_hidden) over its tolerance, on a log scale: blue under the tolerance, yellow at "
         "it, red to black far above; white exact, hatched grey not compared. Hover a cell for its value. The "
         "black-and-white frame marks the first divergence (a divergence before or after the layers sits in the "
         "first or last row).</p>",
-        *(["<h2>Against the baseline: RUN's error over BASE's envelope</h2>",
-           _heatmap(result.growth, d, result.baseline.factor),
-           f'<p class="legend">Each cell: RUN\'s rel-L2 over max({result.baseline.factor:g} x BASE\'s rel-L2 against '
-           "REF, tolerance) at that step: warm where RUN leaves what BASE (the trusted run) does. The verdict is per "
-           "row (docs/quantized.md); this map is per step.</p>"] if result.baseline is not None else []),
+        *(
+            [
+                "<h2>Against the baseline: RUN's error over BASE's envelope</h2>",
+                _heatmap(result.growth, d, result.baseline.factor),
+                f"<p class=\"legend\">Each cell: RUN's rel-L2 over max({result.baseline.factor:g} x BASE's rel-L2 "
+                "against "
+                "REF, tolerance) at that step: warm where RUN leaves what BASE (the trusted run) does. The verdict is "
+                "per "
+                "row (docs/quantized.md); this map is per step.</p>",
+            ]
+            if result.baseline is not None
+            else []
+        ),
         "<h2>Error vs layer</h2>",
         _curves(result.growth, d),
         f'<p class="legend">{e(growth_summary(result.growth, isolated=isolated))}</p>',
         "<h2>Tokens</h2>",
         f"<p>{e(token_summary(result.tokens, isolated)).replace(chr(10), '<br>')}</p>",
         _token_table(result.tokens),
-        *(["<h2>Logit distribution: KL(REF||RUN) per step</h2>", _logits_plot(result.logits),
-           f'<p class="legend">{e(logits_text(result.logits, isolated))}</p>'] if result.logits is not None else []),
+        *(
+            [
+                "<h2>Logit distribution: KL(REF||RUN) per step</h2>",
+                _logits_plot(result.logits),
+                f'<p class="legend">{e(logits_text(result.logits, isolated))}</p>',
+            ]
+            if result.logits is not None
+            else []
+        ),
         "<h2>Tensors compared</h2>",
         _tensor_table(result.tensors),
         "<h2>Provenance</h2>",
-        "<table>" + "".join(
-            f'<tr><th class="l">{e(k)}</th><td class="l">{e(str(getattr(ref, k)))}</td><td class="l">{e(str(getattr(run, k)))}</td></tr>'
-            for k in ("path", "mode", "dtype", "runtime", "device", "steps", "positions")) + "</table>",
+        "<table>"
+        + "".join(
+            f'<tr><th class="l">{e(k)}</th><td class="l">{e(str(getattr(ref, k)))}</td><td '
+            f'class="l">{e(str(getattr(run, k)))}</td></tr>'
+            for k in ("path", "mode", "dtype", "runtime", "device", "steps", "positions")
+        )
+        + "</table>",
         "</body></html>",
     ]
     return "\n".join(parts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .result import IsolationRanking, LayerError
 
+
 def rank_layers(growth) -> IsolationRanking:
     """The growth table's layers ordered by their worst step's error, largest first."""
     out = []

@@ -69,7 +69,14 @@ def _summary(kl, top1, top5, drop) -> LogitSummary:
     idx = np.flatnonzero(ok)
     k, d = kl[ok], drop[ok]
     return LogitSummary(
-        steps=int(ok.sum()), kl_mean=float(k.mean()), kl_p99=float(np.percentile(k, 99)), kl_max=float(k.max()),
-        kl_max_step=int(idx[np.argmax(k)]), top1_agreement=float(top1[ok].mean()), top5_overlap=float(top5[ok].mean()),
-        drop_mean=float(d.mean()), drop_max=float(d.max()), drop_max_step=int(idx[np.argmax(d)]),
+        steps=int(ok.sum()),
+        kl_mean=float(k.mean()),
+        kl_p99=float(np.percentile(k, 99)),
+        kl_max=float(k.max()),
+        kl_max_step=int(idx[np.argmax(k)]),
+        top1_agreement=float(top1[ok].mean()),
+        top5_overlap=float(top5[ok].mean()),
+        drop_mean=float(d.mean()),
+        drop_max=float(d.max()),
+        drop_max_step=int(idx[np.argmax(d)]),
     )

@@ -42,8 +42,21 @@ METRICS: tuple[Metric, ...] = (
     Metric("nonfinite", "non-finite values", "row"),  # NaN/Inf in either row: never passes
     Metric("rel_l2", "rel-L2", "row", threshold=True, summary="max_rel_l2", summary_label="max rel-L2"),
     Metric("max_abs", "max-abs", "row", threshold=True, summary="max_abs", summary_label="max abs"),
-    Metric("cosine", "cosine", "row", threshold=True, fails_below=True, off=-math.inf, lo=-1.0, hi=1.0,
-           what="a minimum similarity", best=1.0, summary="min_cosine", summary_label="min cosine", plain=True),
+    Metric(
+        "cosine",
+        "cosine",
+        "row",
+        threshold=True,
+        fails_below=True,
+        off=-math.inf,
+        lo=-1.0,
+        hi=1.0,
+        what="a minimum similarity",
+        best=1.0,
+        summary="min_cosine",
+        summary_label="min cosine",
+        plain=True,
+    ),
     Metric("mask_keys", "mask keys", "mask"),  # key positions allowed in one trace, blocked in the other
     Metric("shape", "shape", "structure"),
     Metric("rows", "rows", "structure"),
@@ -83,22 +96,28 @@ class RowStats:
             # recompute overflowed rows in float64 (rare)
             for r in rows[~really]:
                 a64, b64 = a[r].astype(np.float64), b[r].astype(np.float64)
-                nd[r], na[r], nb[r], ab[r] = ((b64 - a64) ** 2).sum(), (a64 ** 2).sum(), (b64 ** 2).sum(), (a64 * b64).sum()
+                nd[r], na[r], nb[r], ab[r] = ((b64 - a64) ** 2).sum(), (a64**2).sum(), (b64**2).sum(), (a64 * b64).sum()
         self.nonfinite = bad
         self.nd, self.na = nd, na
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             denom = np.maximum(np.sqrt(na), floor * math.sqrt(max(m, 1)))
             self.rel_l2 = np.where(nd == 0, 0.0, np.sqrt(nd) / np.where(denom > 0, denom, 1e-300))
             norm = np.sqrt(na * nb)
-            self.cosine = np.where(norm > 0, ab / np.where(norm > 0, norm, 1.0), np.where((na == 0) & (nb == 0), 1.0, 0.0))
+            self.cosine = np.where(
+                norm > 0, ab / np.where(norm > 0, norm, 1.0), np.where((na == 0) & (nb == 0), 1.0, 0.0)
+            )
         self.rel_l2[bad] = np.inf
         self.max_abs[bad] = np.inf
         self.cosine[bad] = -np.inf
 
     def failing(self, limits: dict[str, np.ndarray], skip: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(fails per row, index into METRIC_ORDER of the first failing metric per row)."""
-        checks = np.stack([m.fails(getattr(self, m.name), limits[m.name]) if m.threshold else getattr(self, m.name)
-                           for m in ROW_METRICS])
+        checks = np.stack(
+            [
+                m.fails(getattr(self, m.name), limits[m.name]) if m.threshold else getattr(self, m.name)
+                for m in ROW_METRICS
+            ]
+        )
         fails = checks.any(axis=0) & ~skip
         return fails, np.argmax(checks, axis=0)
 
@@ -127,9 +146,11 @@ def element_detail(a_row: np.ndarray, b_row: np.ndarray, metric: str, tol: dict)
     worst = int(np.argmax(d_rank))
     return {
         "first": tuple(int(x) for x in np.unravel_index(first, shape)) if shape else (),
-        "first_ref": float(a[first]), "first_run": float(b[first]),
+        "first_ref": float(a[first]),
+        "first_run": float(b[first]),
         "worst": tuple(int(x) for x in np.unravel_index(worst, shape)) if shape else (),
-        "worst_ref": float(a[worst]), "worst_run": float(b[worst]),
+        "worst_ref": float(a[worst]),
+        "worst_run": float(b[worst]),
     }
 
 

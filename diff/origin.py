@@ -28,7 +28,9 @@ class Residuals:
 
     rel_rows: dict[Key, np.ndarray] = field(default_factory=dict)  # residual kinds: rel-L2 per row
     outside_rows: dict[Key, np.ndarray] = field(default_factory=dict)  # residual kinds: row leaves BASE's envelope
-    sums: dict[Key, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)  # residual kinds: |d|^2, |a|^2, row size
+    sums: dict[Key, tuple[np.ndarray, np.ndarray, int]] = field(
+        default_factory=dict
+    )  # residual kinds: |d|^2, |a|^2, row size
     base_sums: dict[Key, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)  # the same for BASE vs REF
     thresholds: dict[Key, StepTolerance] = field(default_factory=dict)  # every compared tensor's
 
@@ -41,8 +43,14 @@ def growth(res: Residuals, plan: Plan) -> Growth:
     table, thresholds = [r[0] for r in rows], [r[1] for r in rows]
     embed = _step_rel(res.sums, res, plan, ("embeddings", None)) if ("embeddings", None) in res.sums else None
     per_layer = [max((v for v in row if v is not None), default=None) for row in table]
-    out = Growth(layers, list(range(plan.numeric_steps)), table, thresholds, per_layer,
-                 _largest_jump(layers, table, thresholds, embed))
+    out = Growth(
+        layers,
+        list(range(plan.numeric_steps)),
+        table,
+        thresholds,
+        per_layer,
+        _largest_jump(layers, table, thresholds, embed),
+    )
     for kind in ("embeddings", "final_hidden"):
         if (kind, None) in res.sums:
             out.globals[kind] = _step_rel(res.sums, res, plan, (kind, None))
@@ -69,7 +77,8 @@ def _step_rel(sums: dict, res: Residuals, plan: Plan, key: Key) -> tuple[list, l
     with np.errstate(invalid="ignore", divide="ignore"):
         rel = np.sqrt(snd) / np.maximum(np.sqrt(sna), np.maximum(floor, 1e-300))
     rel[snd == 0] = 0.0
-    return ([float(x) for x in rel] + none[st.size:], [float(x) for x in tol.limits[PRIMARY][: plan.numeric_steps]])
+    return ([float(x) for x in rel] + none[st.size :], [float(x) for x in tol.limits[PRIMARY][: plan.numeric_steps]])
+
 
 def _input_of(d: Divergence, n_layers: int) -> tuple[str, int | None] | None:
     """The residual-stream tensor a divergent tensor is computed from."""
@@ -79,21 +88,27 @@ def _input_of(d: Divergence, n_layers: int) -> tuple[str, int | None] | None:
         return ("embeddings", None)
     return {"final_hidden": ("layer_out", n_layers - 1), "logits": ("final_hidden", None)}.get(d.kind)
 
+
 def origin(d: Divergence, res: Residuals, n_layers: int) -> Origin | None:
     """Was the divergence introduced in its tensor or carried in by its input?"""
     spec = S.KIND_BY_NAME[d.kind]
     if spec.dtype == "bool":
         return Origin("introduced", "the mask is computed from positions, not from data")
     if d.kind in PRE_KINDS and d.kind != "per_layer_inputs":
-        return Origin("introduced", "it is looked up from token ids (and vision features), not computed from an "
-                      "earlier tensor" if d.kind == "embeddings" else "it is computed from positions only")
+        return Origin(
+            "introduced",
+            "it is looked up from token ids (and vision features), not computed from an earlier tensor"
+            if d.kind == "embeddings"
+            else "it is computed from positions only",
+        )
     inp = _input_of(d, n_layers)
     if spec.dtype == "int" or inp is None or METRIC[d.metric].group == "structure":
         return None
     rows = res.rel_rows.get(inp)
     if rows is None or d.position >= rows.size:
-        return Origin("unknown", f"{inp[0]} of layer {inp[1]} not compared" if inp[1] is not None
-                      else f"{inp[0]} not compared")
+        return Origin(
+            "unknown", f"{inp[0]} of layer {inp[1]} not compared" if inp[1] is not None else f"{inp[0]} not compared"
+        )
     in_rel = float(rows[d.position])
     in_tol = float(res.thresholds[inp].limits[PRIMARY][d.step])
     out = res.rel_rows.get(("layer_out", d.layer)) if d.layer is not None else None
@@ -105,8 +120,13 @@ def origin(d: Divergence, res: Residuals, n_layers: int) -> Origin | None:
         return Origin("introduced", "the input is inside the baseline's envelope", err)
     if not math.isfinite(here) or (in_rel <= in_tol and here >= INTRODUCED_RATIO * max(in_rel, 1e-30)):
         return Origin("introduced", None, err)
-    return Origin("inherited", "the input already carries a comparable error: accumulated drift or an upstream cause"
-                  if in_rel <= in_tol else "the input already exceeds its tolerance", err)
+    return Origin(
+        "inherited",
+        "the input already carries a comparable error: accumulated drift or an upstream cause"
+        if in_rel <= in_tol
+        else "the input already exceeds its tolerance",
+        err,
+    )
 
 
 def _largest_jump(layers: list[int], table, thresholds, embed) -> Jump | None:

@@ -7,8 +7,19 @@ import math
 
 from .fmt import fmt, sci, sci_pair, val
 from .metrics import METRIC, ROW_METRICS, Metric
-from .result import (BaselineFigures, DiffResult, Divergence, Growth, IsolationRanking, LogitMetrics, MaskDetail, Problem,
-                     RowDetail, TokenFlip, TokenInfo)
+from .result import (
+    BaselineFigures,
+    DiffResult,
+    Divergence,
+    Growth,
+    IsolationRanking,
+    LogitMetrics,
+    MaskDetail,
+    Problem,
+    RowDetail,
+    TokenFlip,
+    TokenInfo,
+)
 
 __all__ = ["divergence_sentence", "fmt", "format_text", "growth_summary", "sci", "sci_pair", "token_summary", "val"]
 SHOWN = 5  # layers of an isolation ranking in the text (all in the JSON and HTML)
@@ -35,6 +46,7 @@ def _element(names: dict[str, int]) -> str:
 def _key_words(keys: list[int], n: int, position: int, n_positions: int) -> str:
     """'keys 4-19 (future), 300-303 (never-written slot) and 12 more': runs of consecutive keys
     of the same sort as ranges."""
+
     def tag(k):
         if k >= n_positions:
             return " (never-written slot)"
@@ -54,12 +66,17 @@ def _key_words(keys: list[int], n: int, position: int, n_positions: int) -> str:
 
 def _mask_words(m: MaskDetail, position: int, n_positions: int) -> str:
     parts = []
-    for keys, n, what in ((m.allowed_in_run_blocked_in_ref, m.n_allowed_in_run_blocked_in_ref, "allowed in RUN, blocked in REF"),
-                          (m.blocked_in_run_allowed_in_ref, m.n_blocked_in_run_allowed_in_ref, "blocked in RUN, allowed in REF")):
+    for keys, n, what in (
+        (m.allowed_in_run_blocked_in_ref, m.n_allowed_in_run_blocked_in_ref, "allowed in RUN, blocked in REF"),
+        (m.blocked_in_run_allowed_in_ref, m.n_blocked_in_run_allowed_in_ref, "blocked in RUN, allowed in REF"),
+    ):
         if n:
             parts.append(f"key{'s' if len(keys) > 1 else ''} {_key_words(keys, n, position, n_positions)} {what}")
-    images = "".join(f"; keys {b['first']}-{b['last']} = image {b['image']}"
-                      + (" (the query's own)" if b["first"] <= position <= b["last"] else "") for b in m.image_blocks or ())
+    images = "".join(
+        f"; keys {b['first']}-{b['last']} = image {b['image']}"
+        + (" (the query's own)" if b["first"] <= position <= b["last"] else "")
+        for b in m.image_blocks or ()
+    )
     return "; ".join(parts) + f" (REF allows {m.ref_allowed}; RUN allows {m.run_allowed}){images}"
 
 
@@ -97,12 +114,16 @@ def divergence_sentence(result: DiffResult) -> str:
 def _tie_words(t: TokenFlip) -> str:
     if t.reference_margin is None:
         return t.label
-    return (f"{t.label}: REF top-1/top-2 margin {t.reference_margin:.3g}, REF logit gap to RUN's token "
-            f"{t.reference_gap:.3g}; RUN's token ranks {t.candidate_rank} under REF logits")
+    return (
+        f"{t.label}: REF top-1/top-2 margin {t.reference_margin:.3g}, REF logit gap to RUN's token "
+        f"{t.reference_gap:.3g}; RUN's token ranks {t.candidate_rank} under REF logits"
+    )
 
 
-BY_CONSTRUCTION = ("by construction: an isolated replay feeds the final norm REF's last layer output, so only the "
-                   "norm and the head are tested here")
+BY_CONSTRUCTION = (
+    "by construction: an isolated replay feeds the final norm REF's last layer output, so only the "
+    "norm and the head are tested here"
+)
 
 
 def token_summary(tokens: TokenInfo, isolated: bool = False) -> str:
@@ -115,8 +136,10 @@ def token_summary(tokens: TokenInfo, isolated: bool = False) -> str:
     m, flip = tokens.first_mismatch_step, tokens.flip
     if m is not None:
         phase = "prefill" if m == 0 else "decode"
-        s += (f"; first mismatch at {phase} step {m}: REF {flip.reference_token} vs RUN "
-              f"{flip.candidate_token} ({_tie_words(flip)})")
+        s += (
+            f"; first mismatch at {phase} step {m}: REF {flip.reference_token} vs RUN "
+            f"{flip.candidate_token} ({_tie_words(flip)})"
+        )
     for side, text in (("REF", tokens.reference_text), ("RUN", tokens.candidate_text)):
         if text is not None:
             s += f"\n  {side} text: {json.dumps(text)}"
@@ -129,7 +152,7 @@ def growth_summary(growth: Growth, max_layers: int = 48, isolated: bool = False)
         return "error growth: no layer outputs compared"
     items = [f"L{l} {sci(v)}" for l, v in zip(growth.layers, vals)]
     if len(items) > max_layers:
-        items = items[: max_layers // 2] + ["..."] + items[-max_layers // 2:]
+        items = items[: max_layers // 2] + ["..."] + items[-max_layers // 2 :]
     s = "error growth (layer_out rel-L2, worst step): " + "  ".join(items)
     j = growth.largest_jump
     if j and j.ratio > 1 and not isolated:  # isolated: every layer was fed REF's input, no error is carried
@@ -142,7 +165,11 @@ def growth_summary(growth: Growth, max_layers: int = 48, isolated: bool = False)
 def _jump_words(j) -> str:
     """'1.2e-3 / 1e-4 = x11.6 (the input's 0, counted at its tolerance 1e-4)': the floor shown."""
     counted = j.after / j.ratio  # what the input's error counted as: itself, or its tolerance when larger
-    ratio = f"{sci(j.after)} / {sci(counted)} = x{j.ratio:.3g}" if j.ratio < 1e3 else f"{sci(j.after)} / {sci(counted)} = x{sci(j.ratio)}"
+    ratio = (
+        f"{sci(j.after)} / {sci(counted)} = x{j.ratio:.3g}"
+        if j.ratio < 1e3
+        else f"{sci(j.after)} / {sci(counted)} = x{sci(j.ratio)}"
+    )
     if counted > j.before * (1 + 1e-6):
         return f"{ratio}; the input's {sci(j.before)} counted at its tolerance {sci(counted)}"
     return f"{ratio}; the input's {sci(j.before)}"
@@ -157,8 +184,10 @@ def origin_summary(d: Divergence) -> str | None:
     if i is None:
         return f"  origin: {o.verdict} ({o.reason or ''})"
     inp = i.kind + (f" of layer {i.layer}" if i.layer is not None else "")
-    s = (f"  origin: {o.verdict} in {where}: its input ({inp}) has rel-L2 {sci(i.rel_l2)} "
-         f"(tolerance {sci(i.threshold)}), {d.kind} here {sci(i.here)}")
+    s = (
+        f"  origin: {o.verdict} in {where}: its input ({inp}) has rel-L2 {sci(i.rel_l2)} "
+        f"(tolerance {sci(i.threshold)}), {d.kind} here {sci(i.here)}"
+    )
     if i.output_rel_l2 is not None and d.kind != "layer_out":
         s += f", layer output {sci(i.output_rel_l2)}"
     if o.reason:
@@ -169,23 +198,30 @@ def origin_summary(d: Divergence) -> str | None:
 def baseline_words(metric: Metric, value: float, fig: BaselineFigures) -> str:
     """'rel-L2: RUN 6.1e-2 vs BASE 4.0e-3 against REF: 15x the baseline (limit 4x; ...)'."""
     num = fmt
-    rvb, thr = (sci_pair if not metric.plain else lambda a, b: (val(a), val(b)))(fig.run_vs_base, fig.run_vs_base_threshold)
+    rvb, thr = (sci_pair if not metric.plain else lambda a, b: (val(a), val(b)))(
+        fig.run_vs_base, fig.run_vs_base_threshold
+    )
     ratio = "BASE is exact here" if math.isinf(fig.ratio) else f"{fig.ratio:.3g}x the baseline"
     op = "<" if metric.fails_below else ">"
     bound = 1.0 - fig.base_step_worst if metric.fails_below else fig.base_step_worst
     worst = ""  # check 3 applied: RUN and BASE are independent noisy runs here
     if bound > 0:
-        worst = f"BASE's {'least' if metric.fails_below else 'largest'} in this step {num(metric, fig.base_step_worst)}; "
-    return (f"{metric.label}: RUN {num(metric, value)} vs BASE {num(metric, fig.base_value)} against REF: {ratio} "
-            f"(limit {fig.factor:g}x; {worst}RUN vs BASE {rvb} {op} {thr})")
+        worst = (
+            f"BASE's {'least' if metric.fails_below else 'largest'} in this step {num(metric, fig.base_step_worst)}; "
+        )
+    return (
+        f"{metric.label}: RUN {num(metric, value)} vs BASE {num(metric, fig.base_value)} against REF: {ratio} "
+        f"(limit {fig.factor:g}x; {worst}RUN vs BASE {rvb} {op} {thr})"
+    )
 
 
 def ranking_text(r: IsolationRanking) -> str:
     items = [f"L{e.layer} {sci(e.rel_l2)} (step {e.step})" for e in r.ranking[:SHOWN]]
     more = f", {len(r.ranking) - SHOWN} more" if len(r.ranking) > SHOWN else ""
-    return ("isolated replay (every layer fed REF's input; rel-L2 of each step's rows together, as in the error growth): "
-            "layers by local error, layer_out rel-L2 at the worst step: "
-            + ", ".join(items) + more)
+    return (
+        "isolated replay (every layer fed REF's input; rel-L2 of each step's rows together, as in the error growth): "
+        "layers by local error, layer_out rel-L2 at the worst step: " + ", ".join(items) + more
+    )
 
 
 def logits_text(m: LogitMetrics, isolated: bool = False) -> str:
@@ -193,10 +229,12 @@ def logits_text(m: LogitMetrics, isolated: bool = False) -> str:
     if not s.steps:
         return "logits: no step with finite logits in both traces"
     head = f"logits ({BY_CONSTRUCTION}) over" if isolated else "logits over"
-    return (f"{head} {s.steps} step(s): KL(REF||RUN) mean {sci(s.kl_mean)}, p99 {sci(s.kl_p99)}, max {sci(s.kl_max)} "
-            f"(step {s.kl_max_step}); top-1 agreement {100 * s.top1_agreement:.1f}%, top-5 overlap "
-            f"{100 * s.top5_overlap:.1f}%; REF token's probability drop mean {sci(s.drop_mean)}, max "
-            f"{sci(s.drop_max)} (step {s.drop_max_step})")
+    return (
+        f"{head} {s.steps} step(s): KL(REF||RUN) mean {sci(s.kl_mean)}, p99 {sci(s.kl_p99)}, max {sci(s.kl_max)} "
+        f"(step {s.kl_max_step}); top-1 agreement {100 * s.top1_agreement:.1f}%, top-5 overlap "
+        f"{100 * s.top5_overlap:.1f}%; REF token's probability drop mean {sci(s.drop_mean)}, max "
+        f"{sci(s.drop_max)} (step {s.drop_max_step})"
+    )
 
 
 def format_text(result: DiffResult) -> str:
@@ -210,8 +248,10 @@ def format_text(result: DiffResult) -> str:
         if isinstance(d.detail, RowDetail):
             w = d.detail.worst
             row = ", ".join(f"{m.label} {fmt(m, d.detail.metrics[m.name])}" for m in ROW_METRICS if m.threshold)
-            lines.append(f"  worst element: {_element(w.names) or 'index ' + str(list(w.index))} (REF {val(w.ref)} vs RUN "
-                         f"{val(w.run)}); row: {row}")
+            lines.append(
+                f"  worst element: {_element(w.names) or 'index ' + str(list(w.index))} (REF {val(w.ref)} vs RUN "
+                f"{val(w.run)}); row: {row}"
+            )
         o = origin_summary(d)
         if o:
             lines.append(o)
@@ -231,9 +271,11 @@ def format_text(result: DiffResult) -> str:
     )
     if result.baseline is not None:
         b = result.baseline
-        lines.append(f"baseline: {b.trace.path} ({b.trace.mode} {b.trace.dtype}, {b.trace.runtime}): a row fails only "
-                     f"beyond the tolerance, beyond {b.factor:g}x BASE's error there, beyond BASE's largest in that step "
-                     f"(where RUN does not track BASE) and beyond the tolerance from BASE")
+        lines.append(
+            f"baseline: {b.trace.path} ({b.trace.mode} {b.trace.dtype}, {b.trace.runtime}): a row fails only "
+            f"beyond the tolerance, beyond {b.factor:g}x BASE's error there, beyond BASE's largest in that step "
+            f"(where RUN does not track BASE) and beyond the tolerance from BASE"
+        )
     for n in result.notes:
         lines.append(f"note: {n}")
     return "\n".join(lines)

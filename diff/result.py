@@ -96,9 +96,15 @@ class RowDetail:
     precision: str
 
     def to_json(self) -> dict:
-        return {**self.first.names, "index": list(self.first.index), "ref_value": self.first.ref,
-                "run_value": self.first.run, "worst": self.worst, "metrics": self.metrics,
-                "precision": self.precision}
+        return {
+            **self.first.names,
+            "index": list(self.first.index),
+            "ref_value": self.first.ref,
+            "run_value": self.first.run,
+            "worst": self.worst,
+            "metrics": self.metrics,
+            "precision": self.precision,
+        }
 
 
 @dataclass
@@ -111,7 +117,9 @@ class MaskDetail:
     n_blocked_in_run_allowed_in_ref: int
     ref_allowed: str  # "0-3, 7"
     run_allowed: str
-    image_blocks: list[dict[str, int]] | None = opt()  # image blocks of the differing keys or the query: {image, first, last}
+    image_blocks: list[dict[str, int]] | None = (
+        opt()
+    )  # image blocks of the differing keys or the query: {image, first, last}
 
     def to_json(self) -> dict:
         return json_fields(self)
@@ -168,7 +176,12 @@ class Origin:
         i = self.input
         out = {}
         if i is not None:
-            out = {"input_kind": i.kind, "input_layer": i.layer, "input_rel_l2": i.rel_l2, "input_threshold": i.threshold}
+            out = {
+                "input_kind": i.kind,
+                "input_layer": i.layer,
+                "input_rel_l2": i.rel_l2,
+                "input_threshold": i.threshold,
+            }
             if i.output_rel_l2 is not None:
                 out["output_rel_l2"] = i.output_rel_l2
             out["rel_l2_here"] = i.here
@@ -200,9 +213,17 @@ class Divergence:
         return "prefill" if self.step == 0 else "decode"
 
     def to_json(self) -> dict:
-        out = {"step": self.step, "phase": self.phase, "layer": self.layer, "kind": self.kind,
-               "position": self.position, "metric": self.metric, "value": self.value,
-               "threshold": self.threshold, **self.detail.to_json()}
+        out = {
+            "step": self.step,
+            "phase": self.phase,
+            "layer": self.layer,
+            "kind": self.kind,
+            "position": self.position,
+            "metric": self.metric,
+            "value": self.value,
+            "threshold": self.threshold,
+            **self.detail.to_json(),
+        }
         if self.layer_info is not None:
             out.update(jsonable(self.layer_info))
         if self.origin is not None:
@@ -298,9 +319,16 @@ class Growth:
     base: dict[tuple[str, int | None], list[float | None]] | None = None
 
     def to_json(self) -> dict:
-        return {"metric": self.metric, "kind": self.kind, "layers": self.layers, "steps": self.steps,
-                "table": self.table, "thresholds": self.thresholds, "max_over_steps": self.max_over_steps,
-                "largest_jump": self.largest_jump}
+        return {
+            "metric": self.metric,
+            "kind": self.kind,
+            "layers": self.layers,
+            "steps": self.steps,
+            "table": self.table,
+            "thresholds": self.thresholds,
+            "max_over_steps": self.max_over_steps,
+            "largest_jump": self.largest_jump,
+        }
 
 
 @dataclass
@@ -362,15 +390,25 @@ class DiffResult:
     logits: LogitMetrics | None = None  # when both traces store logits
 
     def to_json(self) -> dict:
-        return jsonable({
-            "match": self.match, "first_divergence": self.first_divergence, "tokens": self.tokens,
-            "steps": self.steps, "growth": self.growth, "tensors": self.tensors, "skipped": self.skipped,
-            "notes": self.notes, "reference": self.reference, "candidate": self.candidate,
-            **({"baseline": self.baseline} if self.baseline is not None else {}),
-            **({"isolation": self.isolation} if self.isolation is not None else {}),
-            **({"logit_metrics": self.logits} if self.logits is not None else {}),
-            "tolerances": self.tolerances, "layers": self.layers,
-        })
+        return jsonable(
+            {
+                "match": self.match,
+                "first_divergence": self.first_divergence,
+                "tokens": self.tokens,
+                "steps": self.steps,
+                "growth": self.growth,
+                "tensors": self.tensors,
+                "skipped": self.skipped,
+                "notes": self.notes,
+                "reference": self.reference,
+                "candidate": self.candidate,
+                **({"baseline": self.baseline} if self.baseline is not None else {}),
+                **({"isolation": self.isolation} if self.isolation is not None else {}),
+                **({"logit_metrics": self.logits} if self.logits is not None else {}),
+                "tolerances": self.tolerances,
+                "layers": self.layers,
+            }
+        )
 
 
 # ---------------------------------------------------------------- feature results
@@ -448,5 +486,10 @@ class LogitMetrics:
     summary: LogitSummary
 
     def to_json(self) -> dict:
-        return {"kl": self.kl, "top1": self.top1, "top5": self.top5, "ref_token_prob_drop": self.drop,
-                "summary": self.summary}
+        return {
+            "kl": self.kl,
+            "top1": self.top1,
+            "top5": self.top5,
+            "ref_token_prob_drop": self.drop,
+            "summary": self.summary,
+        }

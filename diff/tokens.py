@@ -30,8 +30,16 @@ def judge_tokens(ref, base, plan: Plan, rt: np.ndarray | None, ct: np.ndarray | 
         if where:
             other = "RUN" if where == "REF" else "REF"
             v.skipped.append(Skipped("token", None, f"only in {other}"))
-            v.divergence = Divergence(0, None, "token", plan.step_positions[0][1] - 1, "missing", 1.0, 0.0,
-                                      Problem(f"chosen tokens stored only in {other}"))
+            v.divergence = Divergence(
+                0,
+                None,
+                "token",
+                plan.step_positions[0][1] - 1,
+                "missing",
+                1.0,
+                0.0,
+                Problem(f"chosen tokens stored only in {other}"),
+            )
         else:
             v.notes.append("neither trace stores chosen tokens")
         return v
@@ -54,8 +62,10 @@ def judge_tokens(ref, base, plan: Plan, rt: np.ndarray | None, ct: np.ndarray | 
         outside = [s for s in judged if (s >= bt.size or bt[s] != ct[s]) and not base_could_flip(ref, base, rt, ct, s)]
         if not outside:
             bounded = f" up to step {plan.numeric_steps - 1}" if len(judged) < flips.size else ""
-            v.notes.append(f"every token RUN chooses differently from REF{bounded} is inside the baseline: BASE "
-                           "chooses it too, or REF prefers its own by at most twice BASE's 99th-percentile logit error")
+            v.notes.append(
+                f"every token RUN chooses differently from REF{bounded} is inside the baseline: BASE "
+                "chooses it too, or REF prefers its own by at most twice BASE's 99th-percentile logit error"
+            )
             return v
         if outside[0] != m:
             m, flip = outside[0], flip_at(ref, rt, ct, outside[0], tol.near_tie_margin)

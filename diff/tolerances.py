@@ -95,8 +95,10 @@ class _Pattern:
             alts = str(item).split(",")
             budget[0] -= len(alts)
             if budget[0] < 0:
-                raise TraceToolError(f"{where}: more than {MAX_ALTERNATIVES} pattern alternatives in the file; "
-                                     "merge them into ranges or globs")
+                raise TraceToolError(
+                    f"{where}: more than {MAX_ALTERNATIVES} pattern alternatives in the file; "
+                    "merge them into ranges or globs"
+                )
             for alt in alts:
                 alt = alt.strip()
                 if not alt:
@@ -143,7 +145,7 @@ class _Pattern:
             return np.ones(n, dtype=bool)
         m = np.zeros(n, dtype=bool)
         for lo, hi in self.ranges:
-            m[lo: n if hi is None else hi + 1] = True
+            m[lo : n if hi is None else hi + 1] = True
         if self.glob is not None:
             m |= np.fromiter((self.glob.match(str(i)) is not None for i in range(n)), dtype=bool, count=n)
         return m
@@ -183,13 +185,20 @@ class StepTolerance:
     precision: str
 
     def at(self, step: int) -> dict:
-        return ({f: float(v[step]) for f, v in self.limits.items()}
-                | {"l2_floor": float(self.l2_floor[step]), "skip": bool(self.skip[step])})
+        return {f: float(v[step]) for f, v in self.limits.items()} | {
+            "l2_floor": float(self.l2_floor[step]),
+            "skip": bool(self.skip[step]),
+        }
 
 
 class Tolerances:
-    def __init__(self, rules: list[Rule] | None = None, source: str = "built-in defaults",
-                 near_tie_margin: float = NEAR_TIE_MARGIN, accept_near_ties: bool = False):
+    def __init__(
+        self,
+        rules: list[Rule] | None = None,
+        source: str = "built-in defaults",
+        near_tie_margin: float = NEAR_TIE_MARGIN,
+        accept_near_ties: bool = False,
+    ):
         self.rules = rules or []
         self.source = source
         self.near_tie_margin = near_tie_margin
@@ -212,9 +221,13 @@ class Tolerances:
         return StepTolerance(arrays, floor, skip, precision)
 
     def describe(self) -> dict:
-        return {"source": self.source, "rules": len(self.rules), "near_tie_margin": self.near_tie_margin,
-                "accept_near_ties": self.accept_near_ties,
-                "defaults": {k: v["rel_l2"] for k, v in DEFAULTS.items()}}
+        return {
+            "source": self.source,
+            "rules": len(self.rules),
+            "near_tie_margin": self.near_tie_margin,
+            "accept_near_ties": self.accept_near_ties,
+            "defaults": {k: v["rel_l2"] for k, v in DEFAULTS.items()},
+        }
 
     to_json = describe  # as DiffResult.to_json reports it
 
@@ -312,7 +325,9 @@ def load_tolerances(path: str | Path | None) -> Tolerances:
         raise TraceToolError(f"tolerances file {p}: not valid TOML (nested too deeply)") from None
     unknown = sorted(set(data) - set(TOP_FIELDS))
     if unknown:
-        raise TraceToolError(f"tolerances file {p}: unknown top-level key(s) {_show(unknown)}; expected [[rule]] and [tokens]")
+        raise TraceToolError(
+            f"tolerances file {p}: unknown top-level key(s) {_show(unknown)}; expected [[rule]] and [tokens]"
+        )
     if "version" in data and data["version"] != 1:
         raise TraceToolError(f"tolerances file {p}: version {_show(data['version'])} not supported (use 1)")
     raw_rules = data.get("rule", [])
@@ -327,10 +342,14 @@ def load_tolerances(path: str | Path | None) -> Tolerances:
         raise TraceToolError(f"tolerances file {p}: [tokens] must be a table")
     bad = sorted(set(tok) - set(TOKEN_FIELDS))
     if bad:
-        raise TraceToolError(f"tolerances file {p}, [tokens]: unknown key(s) {_show(bad)}; allowed: {', '.join(TOKEN_FIELDS)}")
+        raise TraceToolError(
+            f"tolerances file {p}, [tokens]: unknown key(s) {_show(bad)}; allowed: {', '.join(TOKEN_FIELDS)}"
+        )
     margin = tok.get("near_tie_margin", NEAR_TIE_MARGIN)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:  # nan too
-        raise TraceToolError(f"tolerances file {p}, [tokens]: near_tie_margin must be a number >= 0, got {_show(margin)}")
+        raise TraceToolError(
+            f"tolerances file {p}, [tokens]: near_tie_margin must be a number >= 0, got {_show(margin)}"
+        )
     if not math.isfinite(margin):  # would accept every token flip as a near tie
         raise TraceToolError(f"tolerances file {p}, [tokens]: near_tie_margin is {margin}, not a finite number")
     accept = tok.get("accept_near_ties", False)

@@ -42,12 +42,16 @@ def _set_debug(ctx, param, value):
         _debug[0] = True
 
 
-DEBUG_HELP = "print the full traceback of a failure (a plug-in's, chained) besides the one-line error; also GEMMA4_TRACE_DEBUG=1"
+DEBUG_HELP = (
+    "print the full traceback of a failure (a plug-in's, chained) besides the one-line error; also GEMMA4_TRACE_DEBUG=1"
+)
 
 
 def debug_option(fn):
     """--debug on a command (as on `trace` itself): listed in every command's help."""
-    return click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug, help=DEBUG_HELP)(fn)
+    return click.option(
+        "--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug, help=DEBUG_HELP
+    )(fn)
 
 
 def user_errors(fn):
@@ -76,8 +80,10 @@ def user_errors(fn):
                 _fail("interrupted; nothing was written", EXIT_INTERRUPTED)
             if debug_enabled():
                 raise
-            _fail(f"internal error ({type(e).__name__}: {one_line(e, 200)}); "
-                  "set GEMMA4_TRACE_DEBUG=1 to see the traceback")
+            _fail(
+                f"internal error ({type(e).__name__}: {one_line(e, 200)}); "
+                "set GEMMA4_TRACE_DEBUG=1 to see the traceback"
+            )
         finally:
             signal.signal(signal.SIGTERM, previous)
 
@@ -136,8 +142,12 @@ def _max_memory(value):
 
 def progress_option(fn):
     """--progress/--no-progress: the live line on a terminal, plain lines otherwise, unless forced."""
-    return click.option("--progress/--no-progress", "progress", default=None,
-                        help="draw progress in place [default: only on a terminal; otherwise one line per phase]")(fn)
+    return click.option(
+        "--progress/--no-progress",
+        "progress",
+        default=None,
+        help="draw progress in place [default: only on a terminal; otherwise one line per phase]",
+    )(fn)
 
 
 def selection_options(fn):
@@ -154,7 +164,13 @@ def _selection(layers, kinds, steps):
 
 
 @main.command()
-@click.option("--model", "model_dir", type=click.Path(), default=None, help="save_pretrained folder [default: embedded tiny model]")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(),
+    default=None,
+    help="save_pretrained folder [default: embedded tiny model]",
+)
 @click.option("--prompt", default=None, help="prompt text (needs a tokenizer in the model folder)")
 @click.option("--input-ids", callback=_int_list, default=None, help="comma-separated prompt token ids")
 @click.option("--image", "images", multiple=True, type=click.Path(), help="image file (repeatable)")
@@ -164,18 +180,56 @@ def _selection(layers, kinds, steps):
 @click.option("--no-chat", is_flag=True, help="feed the prompt as raw text, without the chat template")
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
-@click.option("--device-map", type=click.Choice(["auto"]), default=None, help="place the model over GPUs, CPU and disk with accelerate (extra [big]); --device is ignored")
-@click.option("--max-memory", callback=lambda c, p, v: _max_memory(v), default=None, help="with --device-map: memory per device, e.g. 0=20GiB,cpu=60GiB")
-@click.option("--offload-folder", type=click.Path(file_okay=False), default=None, help="with --device-map: folder for the layers offloaded to disk")
-@click.option("--shared-kv-prefill", type=click.Choice(["all", "last"]), default="all", show_default=True,
-              help="prefill rows of the KV-sharing layers (and final_hidden): all, or only the last as generate() "
-                   "computes them (faster on long prompts; the others are stored absent and not compared)")
+@click.option(
+    "--device-map",
+    type=click.Choice(["auto"]),
+    default=None,
+    help="place the model over GPUs, CPU and disk with accelerate (extra [big]); --device is ignored",
+)
+@click.option(
+    "--max-memory",
+    callback=lambda c, p, v: _max_memory(v),
+    default=None,
+    help="with --device-map: memory per device, e.g. 0=20GiB,cpu=60GiB",
+)
+@click.option(
+    "--offload-folder",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="with --device-map: folder for the layers offloaded to disk",
+)
+@click.option(
+    "--shared-kv-prefill",
+    type=click.Choice(["all", "last"]),
+    default="all",
+    show_default=True,
+    help="prefill rows of the KV-sharing layers (and final_hidden): all, or only the last as generate() "
+    "computes them (faster on long prompts; the others are stored absent and not compared)",
+)
 @selection_options
 @debug_option
 @progress_option
 @user_errors
-def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, no_chat, output, force, device_map,
-           max_memory, offload_folder, shared_kv_prefill, layers, kinds, steps, progress):
+def record(
+    model_dir,
+    prompt,
+    input_ids,
+    images,
+    max_new_tokens,
+    dtype,
+    device,
+    no_chat,
+    output,
+    force,
+    device_map,
+    max_memory,
+    offload_folder,
+    shared_kv_prefill,
+    layers,
+    kinds,
+    steps,
+    progress,
+):
     """Run HF Gemma 4 greedy generation with hooks and write a reference trace."""
     from gemma4_trace.progress import Progress
 
@@ -189,10 +243,22 @@ def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, 
     bar = Progress("recording", progress)
     try:
         summary = record_trace(
-            model_dir=model_dir, output=output, prompt=prompt, input_ids=input_ids, images=list(images),
-            max_new_tokens=max_new_tokens, dtype=dtype, device=device, chat=not no_chat, force=force,
-            progress=bar, selection=selection, device_map=device_map, max_memory=max_memory,
-            offload_folder=offload_folder, shared_kv_prefill=shared_kv_prefill,
+            model_dir=model_dir,
+            output=output,
+            prompt=prompt,
+            input_ids=input_ids,
+            images=list(images),
+            max_new_tokens=max_new_tokens,
+            dtype=dtype,
+            device=device,
+            chat=not no_chat,
+            force=force,
+            progress=bar,
+            selection=selection,
+            device_map=device_map,
+            max_memory=max_memory,
+            offload_folder=offload_folder,
+            shared_kv_prefill=shared_kv_prefill,
         )
         bar.close()
     finally:
@@ -203,7 +269,9 @@ def record(model_dir, prompt, input_ids, images, max_new_tokens, dtype, device, 
 @main.command()
 @click.argument("trace_path", metavar="TRACE.h5", type=click.Path())
 @click.option("--hash", "show_hash", is_flag=True, help="print the content hash only")
-@click.option("--model", "model_dir", type=click.Path(), default=None, help="folder with a tokenizer.json to decode tokens")
+@click.option(
+    "--model", "model_dir", type=click.Path(), default=None, help="folder with a tokenizer.json to decode tokens"
+)
 @debug_option
 @user_errors
 def show(trace_path, show_hash, model_dir):
@@ -260,22 +328,76 @@ def _embedded_model_dir(model_name: str):
 
 @main.command()
 @click.argument("reference", metavar="REF.h5", type=click.Path())
-@click.option("--model", "model_dir", type=click.Path(), default=None, help="model folder [default: the one REF was recorded with]")
-@click.option("--runtime", default="static", show_default=True, help="'static', a quantized 'static-w8' / 'static-w4g32' / 'static-w8a8' (needs torchao), 'tico' / 'tico-quant' (extra [tico]), 'onnx' (extra [onnx]), or MODULE:FACTORY of a plug-in runtime")
-@click.option("--max-seq", type=click.IntRange(1, 1_000_000), default=None, help="static sequence length [default: prompt + new tokens, rounded up to 8]")
-@click.option("--teacher-forcing/--free-running", default=True, show_default=True, help="feed REF's tokens, or the runtime's own")
-@click.option("--isolate", is_flag=True, help="feed every layer REF's input: each layer's error is its own (teacher-forced)")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True, help="where the model and the static runtime run")
-@click.option("--prefill-chunk", type=click.IntRange(0, 1_000_000), default=None, help="static runtime: prefill in chunks of N rows, shapes (N, max_seq); 0 = one step over max_seq [default: 256 when max_seq >= 1024, else 0]")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(),
+    default=None,
+    help="model folder [default: the one REF was recorded with]",
+)
+@click.option(
+    "--runtime",
+    default="static",
+    show_default=True,
+    help="'static', a quantized 'static-w8' / 'static-w4g32' / 'static-w8a8' (needs torchao), 'tico' / 'tico-quant' "
+    "(extra [tico]), 'onnx' (extra [onnx]), 'llama.cpp[:TYPE]' (extra [llamacpp]), "
+    "or MODULE:FACTORY of a plug-in runtime",
+)
+@click.option(
+    "--max-seq",
+    type=click.IntRange(1, 1_000_000),
+    default=None,
+    help="static sequence length [default: prompt + new tokens, rounded up to 8]",
+)
+@click.option(
+    "--teacher-forcing/--free-running", default=True, show_default=True, help="feed REF's tokens, or the runtime's own"
+)
+@click.option(
+    "--isolate", is_flag=True, help="feed every layer REF's input: each layer's error is its own (teacher-forced)"
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="where the model and the static runtime run",
+)
+@click.option(
+    "--prefill-chunk",
+    type=click.IntRange(0, 1_000_000),
+    default=None,
+    help="static runtime: prefill in chunks of N rows, shapes (N, max_seq); 0 = one step over max_seq "
+    "[default: 256 when max_seq >= 1024, else 0]",
+)
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
 @debug_option
-@click.option("--recipe", type=click.Path(), default=None, help="precision recipe TOML (trace precision) for a quantized static runtime")
+@click.option(
+    "--recipe",
+    type=click.Path(),
+    default=None,
+    help="precision recipe TOML (trace precision) for a quantized static runtime",
+)
 @progress_option
 @selection_options
 @user_errors
-def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, device, prefill_chunk, output, force, layers, kinds,
-           steps, progress, recipe=None):
+def replay(
+    reference,
+    model_dir,
+    runtime,
+    max_seq,
+    teacher_forcing,
+    isolate,
+    device,
+    prefill_chunk,
+    output,
+    force,
+    layers,
+    kinds,
+    steps,
+    progress,
+    recipe=None,
+):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""
     from gemma4_trace.progress import Progress
     from gemma4_trace.replayer.api import check_runtime_name
@@ -292,9 +414,18 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, dev
     bar = Progress("replaying", progress)
     try:
         summary = replay_trace(
-            reference, output, model_dir=model_dir, runtime=runtime, max_seq=max_seq,
-            mode="teacher-forced" if teacher_forcing else "free-running", force=force, progress=bar,
-            isolate=isolate, prefill_chunk=prefill_chunk, selection=_selection(layers, kinds, steps), device=device,
+            reference,
+            output,
+            model_dir=model_dir,
+            runtime=runtime,
+            max_seq=max_seq,
+            mode="teacher-forced" if teacher_forcing else "free-running",
+            force=force,
+            progress=bar,
+            isolate=isolate,
+            prefill_chunk=prefill_chunk,
+            selection=_selection(layers, kinds, steps),
+            device=device,
             recipe=recipe,
         )
         bar.close()
@@ -304,9 +435,24 @@ def replay(reference, model_dir, runtime, max_seq, teacher_forcing, isolate, dev
 
 
 @main.command("export-onnx")
-@click.option("--model", "model_dir", type=click.Path(), default=None, help="save_pretrained folder [default: embedded tiny model]")
-@click.option("--max-seq", type=click.IntRange(2, 1_000_000), required=True, help="static sequence length of the graphs")
-@click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False), help="folder for prefill.onnx and decode.onnx")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(),
+    default=None,
+    help="save_pretrained folder [default: embedded tiny model]",
+)
+@click.option(
+    "--max-seq", type=click.IntRange(2, 1_000_000), required=True, help="static sequence length of the graphs"
+)
+@click.option(
+    "-o",
+    "--output",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="folder for prefill.onnx and decode.onnx",
+)
 @click.option("--force", is_flag=True, help="replace existing .onnx files")
 @debug_option
 @user_errors
@@ -322,8 +468,19 @@ def export_onnx_cmd(model_dir, max_seq, out_dir, force):
 
 @main.command("import")
 @click.argument("dump_dir", metavar="DUMP_DIR", type=click.Path())
-@click.option("--reference", required=True, type=click.Path(), help="REF.h5: inputs, model metadata (and tokens when the dump has none)")
-@click.option("--map", "map_path", required=True, type=click.Path(), help="TOML map: which file holds which kind, and its layout (docs/import.md)")
+@click.option(
+    "--reference",
+    required=True,
+    type=click.Path(),
+    help="REF.h5: inputs, model metadata (and tokens when the dump has none)",
+)
+@click.option(
+    "--map",
+    "map_path",
+    required=True,
+    type=click.Path(),
+    help="TOML map: which file holds which kind, and its layout (docs/import.md)",
+)
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
 @debug_option
@@ -338,14 +495,37 @@ def import_cmd(dump_dir, reference, map_path, output, force):
 @main.command("diff")
 @click.argument("reference", metavar="REF.h5", type=click.Path())
 @click.argument("candidate", metavar="RUN.h5", type=click.Path())
-@click.option("--tolerances", type=click.Path(), default=None, help="TOML file of tolerance rules, or a shipped profile by name (llamacpp-f32)")
+@click.option(
+    "--tolerances",
+    type=click.Path(),
+    default=None,
+    help="TOML file of tolerance rules, or a shipped profile by name (llamacpp-f32)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the JSON report instead of text")
 @click.option("--report", type=click.Path(), default=None, help="also write a self-contained HTML report")
 @click.option("--force", is_flag=True, help="replace an existing --report file")
-@click.option("--model", "model_dir", type=click.Path(), default=None, help="folder with a tokenizer.json to show generated text")
-@click.option("--baseline", "baseline", type=click.Path(), default=None, help="BASE.h5: a trusted run; RUN fails only outside BASE's error envelope")
-@click.option("--baseline-factor", type=float, default=4.0, show_default=True, help="with --baseline: RUN's error must exceed this many times BASE's")
-@click.option("--full", is_flag=True, help="compare every row of every tensor, also after the first divergence (the whole error map)")
+@click.option(
+    "--model", "model_dir", type=click.Path(), default=None, help="folder with a tokenizer.json to show generated text"
+)
+@click.option(
+    "--baseline",
+    "baseline",
+    type=click.Path(),
+    default=None,
+    help="BASE.h5: a trusted run; RUN fails only outside BASE's error envelope",
+)
+@click.option(
+    "--baseline-factor",
+    type=float,
+    default=4.0,
+    show_default=True,
+    help="with --baseline: RUN's error must exceed this many times BASE's",
+)
+@click.option(
+    "--full",
+    is_flag=True,
+    help="compare every row of every tensor, also after the first divergence (the whole error map)",
+)
 @debug_option
 @user_errors
 def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir, baseline, baseline_factor, full):
@@ -357,7 +537,9 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
     from gemma4_trace.hf.model import decoder_for
 
     if report:  # before the work: never onto an input, a device or a FIFO
-        check_output_path(report, force, inputs=[reference, candidate, tolerances, model_dir and Path(model_dir) / "tokenizer.json"])
+        check_output_path(
+            report, force, inputs=[reference, candidate, tolerances, model_dir and Path(model_dir) / "tokenizer.json"]
+        )
     result = diff_traces(reference, candidate, tolerances, baseline, baseline_factor, full=full)
     folder = Path(model_dir) if model_dir else _embedded_model_dir(result.reference.model_name)
     decode = decoder_for(folder / "tokenizer.json" if folder else None)
@@ -375,7 +557,9 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
 @click.argument("reference", metavar="REF.h5", type=click.Path())
 @click.argument("bases", metavar="BASE.h5...", nargs=-1, required=True, type=click.Path())
 @click.option("-o", "--output", required=True, type=click.Path(), help="tolerances TOML file to write")
-@click.option("--margin", type=float, default=2.0, show_default=True, help="thresholds = worst known-good error x margin (>= 1)")
+@click.option(
+    "--margin", type=float, default=2.0, show_default=True, help="thresholds = worst known-good error x margin (>= 1)"
+)
 @click.option("--force", is_flag=True, help="replace an existing output")
 @debug_option
 @user_errors
@@ -387,9 +571,20 @@ def calibrate(reference, bases, output, margin, force):
 
 
 @main.command("export-gguf")
-@click.option("--model", "model_dir", type=click.Path(), default=None, help="save_pretrained folder [default: embedded tiny model]")
-@click.option("--type", "gguf_type", default="F32", show_default=True,
-              help="F32, F16, BF16, Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0 or Q3_K_M (all but F32 need the llamacpp extra)")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(),
+    default=None,
+    help="save_pretrained folder [default: embedded tiny model]",
+)
+@click.option(
+    "--type",
+    "gguf_type",
+    default="F32",
+    show_default=True,
+    help="F32, F16, BF16, Q8_0, Q6_K, Q5_K_M, Q4_K_M, Q4_0 or Q3_K_M (all but F32 need the llamacpp extra)",
+)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="GGUF file to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
 @user_errors
@@ -404,8 +599,16 @@ def export_gguf_cmd(model_dir, gguf_type, output, force):
 @click.argument("reference", metavar="REF.h5", type=click.Path())
 @click.argument("candidate", metavar="RUN.h5", type=click.Path())
 @click.option("--at", "at", default=None, help="STEP,LAYER to extract [default: the first divergence]")
-@click.option("--model", "model_dir", type=click.Path(), default=None, help="model folder [default: the one REF was recorded with]")
-@click.option("-o", "--output", "out_dir", required=True, type=click.Path(), help="folder for repro.py and its .npz files")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(),
+    default=None,
+    help="model folder [default: the one REF was recorded with]",
+)
+@click.option(
+    "-o", "--output", "out_dir", required=True, type=click.Path(), help="folder for repro.py and its .npz files"
+)
 @click.option("--force", is_flag=True, help="replace an existing repro in the folder")
 @debug_option
 @user_errors
@@ -422,8 +625,10 @@ def repro(reference, candidate, at, model_dir, out_dir, force):
         if d is None:
             raise TraceToolError("RUN matches REF (no divergence): pass --at STEP,LAYER to choose a layer")
         if d.layer is None:
-            raise TraceToolError(f"the first divergence is in {d.kind} at step {d.step}, not in a decoder layer: "
-                                 "pass --at STEP,LAYER to choose one")
+            raise TraceToolError(
+                f"the first divergence is in {d.kind} at step {d.step}, not in a decoder layer: "
+                "pass --at STEP,LAYER to choose one"
+            )
         site = (int(d.step), int(d.layer))
     click.echo(one_line(write_repro(reference, candidate, out_dir, at=site, model_dir=model_dir, force=force)))
 
@@ -439,12 +644,34 @@ def _load_start_recipe(path):
 @main.command()
 @click.argument("reference", metavar="REF.h5", type=click.Path())
 @click.option("--runtime", required=True, help="quantized static runtime: static-w8, static-w4g32 or static-w8a8")
-@click.option("--unit", "granularity", type=click.Choice(["layer", "module"]), default="layer", show_default=True,
-              help="a unit is a decoder layer, or a module group (qkv, o, mlp, ple of a layer); plus ple_model_proj")
-@click.option("--recipe", type=click.Path(), default=None, help="a recipe TOML: the quantized configuration to start from [default: every unit at --runtime]")
-@click.option("--replays", type=click.IntRange(0, 10_000), default=4, show_default=True,
-              help="full replays (only quantized, only float) for this many units, the isolated ranking's first")
-@click.option("--model", "model_dir", type=click.Path(), default=None, help="model folder [default: the one REF was recorded with]")
+@click.option(
+    "--unit",
+    "granularity",
+    type=click.Choice(["layer", "module"]),
+    default="layer",
+    show_default=True,
+    help="a unit is a decoder layer, or a module group (qkv, o, mlp, ple of a layer); plus ple_model_proj",
+)
+@click.option(
+    "--recipe",
+    type=click.Path(),
+    default=None,
+    help="a recipe TOML: the quantized configuration to start from [default: every unit at --runtime]",
+)
+@click.option(
+    "--replays",
+    type=click.IntRange(0, 10_000),
+    default=4,
+    show_default=True,
+    help="full replays (only quantized, only float) for this many units, the isolated ranking's first",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(),
+    default=None,
+    help="model folder [default: the one REF was recorded with]",
+)
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of text")
 @debug_option
 @user_errors
@@ -465,11 +692,27 @@ def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_
 @main.command()
 @click.argument("reference", metavar="REF.h5", type=click.Path())
 @click.option("--runtime", required=True, help="quantized static runtime: static-w8, static-w4g32 or static-w8a8")
-@click.option("--target", required=True, help="e.g. 'kl_mean<=0.01 and top1>=0.98' (metrics: kl_mean, kl_p99, top1, layer_out)")
-@click.option("--fallback", type=click.Choice(["float", "static-w8"]), default="float", show_default=True, help="the precision units kept back get")
+@click.option(
+    "--target", required=True, help="e.g. 'kl_mean<=0.01 and top1>=0.98' (metrics: kl_mean, kl_p99, top1, layer_out)"
+)
+@click.option(
+    "--fallback",
+    type=click.Choice(["float", "static-w8"]),
+    default="float",
+    show_default=True,
+    help="the precision units kept back get",
+)
 @click.option("--unit", "granularity", type=click.Choice(["layer", "module"]), default="layer", show_default=True)
-@click.option("--recipe", type=click.Path(), default=None, help="a recipe TOML to start from [default: every unit at --runtime]")
-@click.option("--model", "model_dir", type=click.Path(), default=None, help="model folder [default: the one REF was recorded with]")
+@click.option(
+    "--recipe", type=click.Path(), default=None, help="a recipe TOML to start from [default: every unit at --runtime]"
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(),
+    default=None,
+    help="model folder [default: the one REF was recorded with]",
+)
 @click.option("-o", "--output", required=True, type=click.Path(), help="recipe TOML to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
 @debug_option
@@ -486,5 +729,10 @@ def precision(reference, runtime, target, fallback, granularity, recipe, model_d
     start = _load_start_recipe(recipe)
     runner = Runner(reference, runtime, model_dir, start)
     result = precision_search(runner, goal, fallback, granularity, start)
-    write_recipe(result.recipe, output, force, comments=[f"trace precision --runtime {runtime} --target '{goal}' --fallback {fallback}"])
+    write_recipe(
+        result.recipe,
+        output,
+        force,
+        comments=[f"trace precision --runtime {runtime} --target '{goal}' --fallback {fallback}"],
+    )
     click.echo(format_precision(result, output, goal, fallback, runner.replays, runner.seconds))

@@ -72,9 +72,11 @@ class Progress:
             self.done, self.total = done, total
             if self.live:
                 filled = int(self.width * done / max(total, 1))
-                self._draw(f"{self.label}{': ' + self.what if self.what else ''} "
-                           f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} "
-                           f"{time.monotonic() - self.t0:.0f} s")
+                self._draw(
+                    f"{self.label}{': ' + self.what if self.what else ''} "
+                    f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} "
+                    f"{time.monotonic() - self.t0:.0f} s"
+                )
 
     def _steps_words(self) -> str:
         if not self.done:
@@ -112,4 +114,3 @@ class Progress:
             self.stream.write("".join(line + "\n" for line in self.held))
         self.held = []
         self.stream.flush()
-

@@ -34,7 +34,11 @@ import pytest
 
 def pytest_addoption(parser):
     group = parser.getgroup("gemma4-trace")
-    group.addoption("--update-golden", action="store_true", help="re-record the golden traces in --golden-dir with HF before checking")
+    group.addoption(
+        "--update-golden",
+        action="store_true",
+        help="re-record the golden traces in --golden-dir with HF before checking",
+    )
     group.addoption("--golden-dir", default=None, help="folder of golden *.h5 traces [default: the packaged goldens]")
     group.addoption("--golden-model", default=None, help="model folder the goldens were recorded with")
 
@@ -109,7 +113,11 @@ def gemma4_golden_cases(folder=None, modes=None, config=None) -> list:
     replay mode.
     """
     folder = _default_golden_dir(config) if folder is None else Path(folder)
-    return [pytest.param((p, m), id=_safe(f"{p.stem}-{m}")) for p in golden_paths(folder) for m in (modes or _replay_modes())]
+    return [
+        pytest.param((p, m), id=_safe(f"{p.stem}-{m}"))
+        for p in golden_paths(folder)
+        for m in (modes or _replay_modes())
+    ]
 
 
 def pytest_generate_tests(metafunc):
@@ -118,7 +126,11 @@ def pytest_generate_tests(metafunc):
     marker = metafunc.definition.get_closest_marker("gemma4_modes")
     cases = gemma4_golden_cases(modes=marker.args if marker else None, config=metafunc.config)
     if not cases:
-        cases = [pytest.param(None, id="no-goldens", marks=pytest.mark.skip(reason="no golden traces (*.h5) in --golden-dir"))]
+        cases = [
+            pytest.param(
+                None, id="no-goldens", marks=pytest.mark.skip(reason="no golden traces (*.h5) in --golden-dir")
+            )
+        ]
     metafunc.parametrize("gemma4_golden_case", cases, indirect=True)
 
 
@@ -201,4 +213,6 @@ def gemma4_golden_case(request, tmp_path) -> GoldenCase:
 def gemma4_golden(request, tmp_path) -> GoldenChecker:
     """Checks a runtime (`'static'` or `'MODULE:FACTORY'`) against golden traces."""
     cfg = request.config
-    return GoldenChecker(_default_golden_dir(cfg), cfg.getoption("--golden-model"), cfg.getoption("--update-golden"), tmp_path)
+    return GoldenChecker(
+        _default_golden_dir(cfg), cfg.getoption("--golden-model"), cfg.getoption("--update-golden"), tmp_path
+    )

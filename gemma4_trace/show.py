@@ -28,7 +28,9 @@ def summarize(r: TraceReader, decode=None) -> str:
     prompt = f"prompt     {r.prompt_len} tokens"
     if r.prompt_text:
         text = r.prompt_text
-        quoted = json.dumps(text[:PROMPT_CHARS]) + (f" ... ({len(text)} characters)" if len(text) > PROMPT_CHARS else "")
+        quoted = json.dumps(text[:PROMPT_CHARS]) + (
+            f" ... ({len(text)} characters)" if len(text) > PROMPT_CHARS else ""
+        )
         prompt += f" from {quoted}" + (" (chat template)" if r.chat_template_applied else "")
     lines.append(prompt)
     extra = r.extra_shapes()  # shapes only: nothing is read
@@ -42,15 +44,19 @@ def summarize(r: TraceReader, decode=None) -> str:
     lines.append(f"generated  {len(tokens)} tokens ({ended}): {tokens.tolist()}")
     if decode is not None:
         bad = decode.unknown(tokens)
-        lines.append(f"text       {json.dumps(decode(tokens))}" if bad is None else
-                     f"text       not decoded: token {bad[1]} of step {bad[0]} is not in the tokenizer's vocabulary "
-                     f"(ids 0..{decode.vocab_size - 1})")
+        lines.append(
+            f"text       {json.dumps(decode(tokens))}"
+            if bad is None
+            else f"text       not decoded: token {bad[1]} of step {bad[0]} is not in the tokenizer's vocabulary "
+            f"(ids 0..{decode.vocab_size - 1})"
+        )
     window = text_cfg.get("sliding_window")
     lines.append(f"layers     {len(r.layers)} (hidden {text_cfg.get('hidden_size')}, sliding window {window})")
     for i, li in enumerate(r.layers):
         role = li.kv_role + (f" layer {li.kv_source}" if li.kv_role == "reuses" else "")
         lines.append(
-            f"  L{i:02d}  {li.layer_type:<17} head_dim {li.head_dim:<4} heads {li.num_heads}/{li.num_kv_heads} kv  {role}"
+            f"  L{i:02d}  {li.layer_type:<17} head_dim {li.head_dim:<4} heads {li.num_heads}/{li.num_kv_heads} kv  "
+            f"{role}"
         )
     lines.append("kinds      (stored shape, one layer's for a layer kind; source dtype; on-disk size)")
     seen = set()
@@ -66,7 +72,9 @@ def summarize(r: TraceReader, decode=None) -> str:
         partial = [(l, f) for l in layers if (f := r.rows_present(kind, l)) is not None]
         if partial:  # a runtime reported some rows only: say how many hold data
             l, f = partial[0]
-            lines.append(f"    rows reported: {int(f.sum())} of {f.size}"
-                         + (f" (layer {l}; {len(partial)} layers partial)" if l is not None else ""))
+            lines.append(
+                f"    rows reported: {int(f.sum())} of {f.size}"
+                + (f" (layer {l}; {len(partial)} layers partial)" if l is not None else "")
+            )
     # every value here comes from the file: one line each, no control characters for the terminal
     return "\n".join(one_line(line) for line in lines)

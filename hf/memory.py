@@ -31,12 +31,17 @@ def config_dims(cfg) -> dict:
     except Exception:  # noqa: BLE001 - an odd per_layer_config just gives no per-layer sizes
         layer_hd = 0
     return dict(
-        V=_get(t, "vocab_size", 0), H=hidden, L=_get(t, "num_hidden_layers", 0), heads=heads,
+        V=_get(t, "vocab_size", 0),
+        H=hidden,
+        L=_get(t, "num_hidden_layers", 0),
+        heads=heads,
         kv=_get(t, "num_key_value_heads", heads) or heads,
         hd=max(_get(t, "head_dim", 0), _get(t, "global_head_dim", 0), layer_hd) or (hidden // heads if heads else 0),
-        I=_get(t, "intermediate_size", 0), ple=_get(t, "hidden_size_per_layer_input", 0),
+        I=_get(t, "intermediate_size", 0),
+        ple=_get(t, "hidden_size_per_layer_input", 0),
         Vple=_get(t, "vocab_size_per_layer_input", 0) or _get(t, "vocab_size", 0),
-        E=_get(t, "num_experts", 0), Imoe=_get(t, "moe_intermediate_size", 0),
+        E=_get(t, "num_experts", 0),
+        Imoe=_get(t, "moe_intermediate_size", 0),
     )
 
 
@@ -63,8 +68,12 @@ def generation_bytes(cfg, prompt_len: int, positions: int, dtype_bytes: int) -> 
 def check_config(cfg, where: str) -> None:
     """Refuse a config whose sizes no Gemma 4 has (before anything is built from it)."""
     d = config_dims(cfg)
-    for key, value, cap in (("num_hidden_layers", d["L"], MAX_LAYERS), ("hidden_size", d["H"], MAX_HIDDEN),
-                            ("vocab_size", d["V"], MAX_VOCAB), ("num_attention_heads", d["heads"], MAX_HEADS),
-                            ("head_dim", d["hd"], MAX_HEAD_DIM)):
+    for key, value, cap in (
+        ("num_hidden_layers", d["L"], MAX_LAYERS),
+        ("hidden_size", d["H"], MAX_HIDDEN),
+        ("vocab_size", d["V"], MAX_VOCAB),
+        ("num_attention_heads", d["heads"], MAX_HEADS),
+        ("head_dim", d["hd"], MAX_HEAD_DIM),
+    ):
         if value > cap:
             raise TraceToolError(f"{where}: {key} is {value}, more than this tool accepts ({cap})")

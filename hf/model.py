@@ -33,7 +33,14 @@ DEMO_IMAGE_PROMPT = "Describe the image."
 DEMO_IMAGE = embedded_model_dir() / "example.png"
 GEMMA4_TYPES = ("gemma4", "gemma4_text")
 # config keys that say nothing about the network: left out of the config hash
-VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "architectures", "_commit_hash")
+VOLATILE_CONFIG_KEYS = (
+    "transformers_version",
+    "_name_or_path",
+    "dtype",
+    "torch_dtype",
+    "architectures",
+    "_commit_hash",
+)
 DTYPES = ("float32", "bfloat16")
 
 
@@ -103,8 +110,14 @@ def config_sha256(cfg: dict) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
 
 
-def load_model(model_dir: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
-               device_map: str | dict | None = None, max_memory: dict | None = None, offload_folder=None) -> LoadedModel:
+def load_model(
+    model_dir: str | Path | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    device_map: str | dict | None = None,
+    max_memory: dict | None = None,
+    offload_folder=None,
+) -> LoadedModel:
     """Load a Gemma 4 checkpoint folder; raise TraceToolError (one line) on anything wrong.
 
     device_map ("auto" or an explicit map) places the model with accelerate (extra [big]) over
@@ -137,10 +150,16 @@ def load_model(model_dir: str | Path | None = None, dtype: str = "float32", devi
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     cls = Gemma4ForConditionalGeneration if data["model_type"] == "gemma4" else Gemma4ForCausalLM
-    placement = {} if device_map is None else dict(device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
+    placement = (
+        {} if device_map is None else dict(device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
+    )
     try:
         model = cls.from_pretrained(
-            path, dtype=getattr(torch, dtype), use_safetensors=True, local_files_only=True, trust_remote_code=False,
+            path,
+            dtype=getattr(torch, dtype),
+            use_safetensors=True,
+            local_files_only=True,
+            trust_remote_code=False,
             **placement,
         )
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
@@ -296,7 +315,9 @@ def load_for_reference(prov: dict, model_dir=None, device: str = "cpu") -> Loade
     a trace stores the model's folder name, never its path.
     """
     if model_dir is None and prov["model_name"] != EMBEDDED_NAME:
-        raise TraceToolError(f"the reference was recorded with model {prov['model_name']!r}; pass its folder with --model")
+        raise TraceToolError(
+            f"the reference was recorded with model {prov['model_name']!r}; pass its folder with --model"
+        )
     lm = load_model(model_dir, dtype=prov["dtype"], device=device)
     cfg = config_dict(lm.config)
     if config_sha256(cfg) != prov["model_config_sha256"]:

@@ -79,15 +79,20 @@ def layout(shape: tuple, dtype: str, e: Entry, fields: dict, src: Source, what: 
             a, b = {"step": (0, n), "padded": (0, n), "absolute": (start, stop)}[e.rows]
         pos_rows = size["pos"]
         if (e.rows == "step" and pos_rows != n) or pos_rows < b:
-            need = {"step": f"{n} (the rows fed at this step)", "padded": f">= {b} (padded)",
-                    "absolute": f">= {b} (indexed by absolute position)"}[e.rows]
+            need = {
+                "step": f"{n} (the rows fed at this step)",
+                "padded": f">= {b} (padded)",
+                "absolute": f">= {b} (indexed by absolute position)",
+            }[e.rows]
             fail(f"{what}: {pos_rows} rows on axis 'pos', expected {need}")
         rows = slice(a, b)
     if src.expect is not None and tuple(row) != tuple(src.expect):
         fail(f"{what}: rows of shape {row} after the map's layout, expected {list(src.expect)} for {e.kind}")
     if math.prod(row) > src.limit:
-        fail(f"{what}: rows of shape {row} after the map's layout; the reference's model allows at most "
-             f"{src.limit} values in a {e.kind} row")
+        fail(
+            f"{what}: rows of shape {row} after the map's layout; the reference's model allows at most "
+            f"{src.limit} values in a {e.kind} row"
+        )
     order = [names.index(x) for x in (["pos"] if rows is not None else []) + canon]
     return Layout(tuple(i for i in range(len(shape)) if i not in keep), order, rows, pos_rows)
 
@@ -131,8 +136,10 @@ def _sources(entries: list[Entry], ref: TraceReader, where: str) -> list[Source]
                 if i >= n_layers:
                     fail(f"{where}: kind {e.kind} names layer {i}; the model has {n_layers} layers")
                 if i not in owners:
-                    fail(f"{where}: kind {e.kind} names layer {i}, which reuses layer "
-                         f"{ref.layers[i].kv_source}'s K/V and writes none")
+                    fail(
+                        f"{where}: kind {e.kind} names layer {i}, which reuses layer "
+                        f"{ref.layers[i].kv_source}'s K/V and writes none"
+                    )
         else:
             layers = [None]
         for i in layers:
@@ -203,13 +210,20 @@ def import_dump(dump_dir, reference, map_path, output, *, force: bool = False) -
 
         def fields_of(step: int, layer, kind: str, pos: int | None = None) -> dict:
             a, b = positions[step]
-            return dict(step=step, layer=layer if layer is not None else 0, kind=kind, start=a, stop=b, n=b - a,
-                        position=a if pos is None else pos)
+            return dict(
+                step=step,
+                layer=layer if layer is not None else 0,
+                kind=kind,
+                start=a,
+                stop=b,
+                n=b - a,
+                position=a if pos is None else pos,
+            )
 
         def candidates(src: Source):
             """(step, relative name, fields) of every file the source needs, in order."""
             for step, (a, b) in enumerate(positions):
-                for p in (range(a, b) if src.entry.per_position else [None]):
+                for p in range(a, b) if src.entry.per_position else [None]:
                     f = fields_of(step, src.layer, src.entry.kind, p)
                     yield step, src.entry.file.format(**f), f
 
@@ -226,10 +240,15 @@ def import_dump(dump_dir, reference, map_path, output, *, force: bool = False) -
             src.files = {}
             for step, rel, f in candidates(src):
                 if rel not in folder.names:
-                    other = ("other steps of it exist" if src.files
-                             else f"files matching its pattern exist (e.g. {folder.shown(example)})")
-                    fail(f"{folder.shown(rel)}: missing (kind {src.entry.kind}"
-                         f"{'' if src.layer is None else f' layer {src.layer}'}, step {step}); {other}")
+                    other = (
+                        "other steps of it exist"
+                        if src.files
+                        else f"files matching its pattern exist (e.g. {folder.shown(example)})"
+                    )
+                    fail(
+                        f"{folder.shown(rel)}: missing (kind {src.entry.kind}"
+                        f"{'' if src.layer is None else f' layer {src.layer}'}, step {step}); {other}"
+                    )
                 src.files.setdefault(step, []).append((rel, f))
             present.append(src)
         if not present:
@@ -245,8 +264,10 @@ def import_dump(dump_dir, reference, map_path, output, *, force: bool = False) -
             def check(shape, dtype, what, whole):
                 lay = layout(shape, dtype, e, f, src, what)
                 if whole and lay.pos_rows > whole_rows:
-                    fail(f"{what}: {lay.pos_rows} rows on axis 'pos'; an .npz member is inflated whole, so it may "
-                         f"hold at most {whole_rows} (4x REF's positions); store a longer buffer as .npy or raw")
+                    fail(
+                        f"{what}: {lay.pos_rows} rows on axis 'pos'; an .npz member is inflated whole, so it may "
+                        f"hold at most {whole_rows} (4x REF's positions); store a longer buffer as .npy or raw"
+                    )
                 return lay
 
             with folder.open(rel) as fh:
@@ -274,9 +295,15 @@ def import_dump(dump_dir, reference, map_path, output, *, force: bool = False) -
             if n_steps > len(ref_tokens):
                 fail(f"map {map_path}: steps {n_steps} but REF has {len(ref_tokens)} tokens to copy")
         prov = dict(ref.provenance)
-        prov.update(runtime=m["runtime"], mode=m["mode"], creator_version=version("gemma4-trace"), device=m["device"],
-                    dtype=m["dtype"] or prov["dtype"], torch_version="n/a (import)",
-                    transformers_version="n/a (import)")
+        prov.update(
+            runtime=m["runtime"],
+            mode=m["mode"],
+            creator_version=version("gemma4-trace"),
+            device=m["device"],
+            dtype=m["dtype"] or prov["dtype"],
+            torch_version="n/a (import)",
+            transformers_version="n/a (import)",
+        )
         import h5py
 
         prov["h5py_version"] = h5py.__version__
@@ -314,6 +341,8 @@ def import_dump(dump_dir, reference, map_path, output, *, force: bool = False) -
     kinds = sorted({s.entry.kind for s in present}, key=S.KIND_NAMES.index)
     miss = sorted({s.entry.kind for s in absent} - set(kinds), key=S.KIND_NAMES.index)
     agree = sum(x == y for x, y in zip(tokens, ref_tokens))
-    return (f"wrote {output}: {n_steps} steps from {dump} ({len(present)} tensors: {', '.join(kinds)}"
-            + (f"; absent: {', '.join(miss)}" if miss else "")
-            + f"), tokens from {token_from}, {agree}/{len(tokens)} agree with the reference")
+    return (
+        f"wrote {output}: {n_steps} steps from {dump} ({len(present)} tensors: {', '.join(kinds)}"
+        + (f"; absent: {', '.join(miss)}" if miss else "")
+        + f"), tokens from {token_from}, {agree}/{len(tokens)} agree with the reference"
+    )

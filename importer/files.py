@@ -21,8 +21,8 @@ import os
 import stat
 import zipfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -33,12 +33,38 @@ from .mapfile import NUMPY_DTYPES, Entry, fail
 
 MAX_ENTRIES = 1 << 20  # files and folders in a dump folder
 MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit
-SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I8": "int8",
-                      "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8", "U16": "uint16",
-                      "U32": "uint32", "U64": "uint64", "BOOL": "bool"}
+SAFETENSORS_DTYPES = {
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "U8": "uint8",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "BOOL": "bool",
+}
 # what a malformed npy header or zip stream raises inside numpy, zipfile, zlib and lzma
-MALFORMED = (ValueError, TypeError, SyntaxError, KeyError, EOFError, OSError, OverflowError, RecursionError,
-             MemoryError, NotImplementedError, RuntimeError, zipfile.BadZipFile, zlib.error, lzma.LZMAError)
+MALFORMED = (
+    ValueError,
+    TypeError,
+    SyntaxError,
+    KeyError,
+    EOFError,
+    OSError,
+    OverflowError,
+    RecursionError,
+    MemoryError,
+    NotImplementedError,
+    RuntimeError,
+    zipfile.BadZipFile,
+    zlib.error,
+    lzma.LZMAError,
+)
 
 # check(shape, dtype name, what, whole) -> a layout; raises TraceToolError when the reference does not
 # justify it. `whole`: the data will be read whole (an npz member), not mapped.
@@ -187,8 +213,11 @@ def read_safetensors(fh, shown: str, key: str, check: Check):
         fail(f"{what}: dtype {one_line(repr(name), 40)}, which this importer does not read")
 
     def sizes(x, n=None):
-        return (isinstance(x, list) and (n is None or len(x) == n)
-                and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in x))
+        return (
+            isinstance(x, list)
+            and (n is None or len(x) == n)
+            and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in x)
+        )
 
     if not sizes(shape) or not sizes(offs, 2):
         fail(f"{what}: a malformed shape or offsets in the header")

@@ -35,8 +35,20 @@ INT_SPEC = re.compile(r"(0?[1-9][0-9]?)?d?")  # what a file name needs: {step}, 
 KIND_SPEC = re.compile(r"s?")
 SHAPE_WORDS = ("n", "start", "stop")
 DUMP_MODES = ("teacher-forced", "free-running")
-NUMPY_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
-                "uint32", "uint64", "bool")
+NUMPY_DTYPES = (
+    "float16",
+    "float32",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+)
 FILE_DTYPES = NUMPY_DTYPES + ("bfloat16",)
 
 
@@ -85,11 +97,16 @@ def check_pattern(text, what: str, where: str) -> str:
         if name is None:
             continue
         if name not in FIELDS:
-            fail(f"{where}: {what} {shown} uses {one_line('{' + name + '}', 40)}; patterns may use "
-                 + ", ".join(f"{{{f}}}" for f in sorted(FIELDS)) + " (by name only)")
+            fail(
+                f"{where}: {what} {shown} uses {one_line('{' + name + '}', 40)}; patterns may use "
+                + ", ".join(f"{{{f}}}" for f in sorted(FIELDS))
+                + " (by name only)"
+            )
         if conversion is not None or not (KIND_SPEC if name == "kind" else INT_SPEC).fullmatch(spec or ""):
-            fail(f"{where}: {what} {shown}: {{{name}}} may have only a width such as {{step:03d}}, "
-                 f"got {one_line(spec or '!' + str(conversion), 40)!r}")
+            fail(
+                f"{where}: {what} {shown}: {{{name}}} may have only a width such as {{step:03d}}, "
+                f"got {one_line(spec or '!' + str(conversion), 40)!r}"
+            )
     return text
 
 
@@ -98,8 +115,10 @@ def check_file_pattern(text: str, where: str) -> None:
     field bounded by something other than a digit (so a file name tells its fields apart)."""
     sample = "".join(lit + ("0" if name else "") for lit, name, _spec, _conv in _fields(text))
     if any(part in ("", ".", "..") for part in sample.split("/")):  # absolute, '..', or not written plainly
-        fail(f"{where}: file {one_line(repr(text), 120)} must be a plain relative path inside DUMP_DIR "
-             "(no leading '/', no '.', '..' or empty parts)")
+        fail(
+            f"{where}: file {one_line(repr(text), 120)} must be a plain relative path inside DUMP_DIR "
+            "(no leading '/', no '.', '..' or empty parts)"
+        )
     prev = ""  # "number": the text so far ends in a number field; "digit": in a digit
     for lit, name, _spec, _conv in _fields(text):
         if lit:
@@ -115,8 +134,10 @@ def check_file_pattern(text: str, where: str) -> None:
         elif name is not None:
             prev = ""
     if prev == "clash":
-        fail(f"{where}: file {one_line(repr(text), 120)}: a number field touches a digit or another number "
-             "field; put a separator between them")
+        fail(
+            f"{where}: file {one_line(repr(text), 120)}: a number field touches a digit or another number "
+            "field; put a separator between them"
+        )
 
 
 def read_map_text(path) -> str:
@@ -183,8 +204,14 @@ def load_map(path) -> dict:
     if not isinstance(tensors, list) or not tensors or not all(isinstance(t, dict) for t in tensors):
         fail(f"map {path}: no [[tensor]] entries (each names a kind and a file pattern)")
     entries = [_entry(t, f"map {path}, [[tensor]] #{i + 1}") for i, t in enumerate(tensors)]
-    return dict(runtime=raw.get("runtime", "import"), mode=mode, steps=steps, dtype=raw.get("dtype"),
-                device=raw.get("device", "unknown"), entries=entries)
+    return dict(
+        runtime=raw.get("runtime", "import"),
+        mode=mode,
+        steps=steps,
+        dtype=raw.get("dtype"),
+        device=raw.get("device", "unknown"),
+        entries=entries,
+    )
 
 
 def _entry(t: dict, where: str) -> Entry:
@@ -203,26 +230,34 @@ def _entry(t: dict, where: str) -> Entry:
     if layers is not None:
         if not spec.per_layer:
             fail(f"{where}: layers given for a kind that is not per layer")
-        if not isinstance(layers, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                   for x in layers):
+        if not isinstance(layers, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers
+        ):
             fail(f"{where}: layers must be a list of layer indices, got {one_line(repr(layers), 80)}")
     fmt = t.get("format")
     if fmt is not None and (not isinstance(fmt, str) or fmt not in set(FORMATS.values())):
-        fail(f"{where}: format must be one of {', '.join(sorted(set(FORMATS.values())))}, "
-             f"got {one_line(repr(fmt), 80)}")
+        fail(
+            f"{where}: format must be one of {', '.join(sorted(set(FORMATS.values())))}, got {one_line(repr(fmt), 80)}"
+        )
     if fmt is None:
         fmt = FORMATS.get(PurePosixPath(file).suffix.lower())
         if fmt is None:
-            fail(f"{where}: cannot tell the format of {one_line(repr(file), 120)} from its extension; give "
-                 "format = npy, npz, safetensors or raw")
+            fail(
+                f"{where}: cannot tell the format of {one_line(repr(file), 120)} from its extension; give "
+                "format = npy, npz, safetensors or raw"
+            )
     dtype = t.get("dtype")
     if dtype is not None and dtype not in FILE_DTYPES:
         fail(f"{where}: dtype {one_line(repr(dtype), 80)} is not one of {', '.join(FILE_DTYPES)}")
     shape = t.get("shape")
-    if shape is not None and (not isinstance(shape, list) or not all(
-            (isinstance(x, int) and not isinstance(x, bool) and x >= 0) or x in SHAPE_WORDS for x in shape)):
-        fail(f"{where}: shape must be a list of sizes (integers, or \"n\", \"start\", \"stop\"), "
-             f"got {one_line(repr(shape), 80)}")
+    if shape is not None and (
+        not isinstance(shape, list)
+        or not all((isinstance(x, int) and not isinstance(x, bool) and x >= 0) or x in SHAPE_WORDS for x in shape)
+    ):
+        fail(
+            f'{where}: shape must be a list of sizes (integers, or "n", "start", "stop"), '
+            f"got {one_line(repr(shape), 80)}"
+        )
     if fmt == "raw" and (dtype is None or shape is None):
         fail(f"{where}: a raw file needs dtype and shape in the map")
     if fmt in ("npz", "safetensors") and key is None:
@@ -239,8 +274,10 @@ def _entry(t: dict, where: str) -> Entry:
     allowed = set(canon) | {"pos"}
     bad = [a for a in named if a not in allowed]
     if bad:
-        fail(f"{where}: axis {one_line(repr(bad[0]), 40)} is not one of {', '.join(sorted(allowed))} "
-             "or '_' (a size-1 axis)")
+        fail(
+            f"{where}: axis {one_line(repr(bad[0]), 40)} is not one of {', '.join(sorted(allowed))} "
+            "or '_' (a size-1 axis)"
+        )
     if len(set(named)) != len(named):
         fail(f"{where}: axes {axes} name an axis twice")
     missing = [a for a in canon if a not in named]

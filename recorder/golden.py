@@ -36,8 +36,11 @@ def regenerate() -> list[str]:
     GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
     lines = []
     for name, (prompt, images, n) in GOLDENS.items():
-        lines.append(record_trace(output=golden_path(name), prompt=prompt, images=[str(i) for i in images],
-                                  max_new_tokens=n, force=True))
+        lines.append(
+            record_trace(
+                output=golden_path(name), prompt=prompt, images=[str(i) for i in images], max_new_tokens=n, force=True
+            )
+        )
     HASHES.write_text("".join(f"{h}  {name}\n" for name, h in content_hashes().items()))
     return lines
 

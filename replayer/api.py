@@ -82,9 +82,15 @@ class WriterProbe:
             value = value.detach()
             value = (value.float() if value.is_floating_point() else value).cpu().numpy()
         complex_tensor = hasattr(value, "is_complex") and value.is_complex()
-        if complex_tensor or isinstance(value, (str, bytes)) or getattr(getattr(value, "dtype", None), "kind", "f") in "cOSUV":
-            raise ReportError(f"runtime {self.runtime_name} reported {kind!r} layer {layer} as "
-                                 f"{getattr(value, 'dtype', type(value).__name__)}; expected real numbers")
+        if (
+            complex_tensor
+            or isinstance(value, (str, bytes))
+            or getattr(getattr(value, "dtype", None), "kind", "f") in "cOSUV"
+        ):
+            raise ReportError(
+                f"runtime {self.runtime_name} reported {kind!r} layer {layer} as "
+                f"{getattr(value, 'dtype', type(value).__name__)}; expected real numbers"
+            )
         try:
             self.w.add(kind, value, layer=layer, source_dtype=source, positions=positions)
         except (ValueError, TypeError) as e:
@@ -98,16 +104,19 @@ class WriterProbe:
 
             shape = tuple(int(d) for d in (value.shape if hasattr(value, "shape") else np.shape(value)))
         except (TypeError, ValueError):
-            raise ReportError(f"runtime {self.runtime_name} reported {kind!r} as {type(value).__name__}, "
-                                 "not a tensor") from None
+            raise ReportError(
+                f"runtime {self.runtime_name} reported {kind!r} as {type(value).__name__}, not a tensor"
+            ) from None
         rows = 1 if spec.index == "step" else self.w.step_rows
         limit = LIM.row_limits(self.w.model_config, self.w.layers)[kind] * rows
         n = 1
         for d in shape:
             n *= d
         if n > limit:
-            raise ReportError(f"runtime {self.runtime_name} reported {kind!r} layer {layer} of shape {shape}: "
-                                 f"{n} values, more than {rows} row(s) of {kind} may hold ({limit})")
+            raise ReportError(
+                f"runtime {self.runtime_name} reported {kind!r} layer {layer} of shape {shape}: "
+                f"{n} values, more than {rows} row(s) of {kind} may hold ({limit})"
+            )
 
     def next_step(self) -> None:
         self.seen.clear()
@@ -125,7 +134,9 @@ def report(probe, kind: str, value, layer: int | None = None, positions=None):
     """
     if probe is None:
         return value
-    got = probe.tensor(kind, value, layer) if positions is None else probe.tensor(kind, value, layer, positions=positions)
+    got = (
+        probe.tensor(kind, value, layer) if positions is None else probe.tensor(kind, value, layer, positions=positions)
+    )
     return value if got is None else got
 
 
@@ -188,14 +199,22 @@ def as_logits(value, vocab: int, name: str, what: str):
 
     n = getattr(value, "numel", lambda: None)() if hasattr(value, "numel") else None
     if n is not None and n != vocab:  # checked before any copy (an expanded view can be huge)
-        raise TraceToolError(f"runtime {name} returned logits of shape {tuple(value.shape)} from {what}; expected ({vocab},)")
+        raise TraceToolError(
+            f"runtime {name} returned logits of shape {tuple(value.shape)} from {what}; expected ({vocab},)"
+        )
     try:
         t = torch.as_tensor(value).detach().reshape(-1) if value is not None else None
     except (TypeError, ValueError, RuntimeError, OverflowError):
         t = None
     if t is None or t.is_complex() or t.dtype == torch.bool or t.shape[0] != vocab:
-        got = "None" if value is None else (f"a {type(value).__name__}" if t is None else f"{t.dtype} of shape {tuple(t.shape)}")
-        raise TraceToolError(f"runtime {name} returned logits as {got} from {what}; expected real numbers of shape ({vocab},)")
+        got = (
+            "None"
+            if value is None
+            else (f"a {type(value).__name__}" if t is None else f"{t.dtype} of shape {tuple(t.shape)}")
+        )
+        raise TraceToolError(
+            f"runtime {name} returned logits as {got} from {what}; expected real numbers of shape ({vocab},)"
+        )
     return t
 
 
@@ -203,7 +222,10 @@ def load_factory(spec: str):
     """Import MODULE:FACTORY (only now, when named) and return the factory callable."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise TraceToolError(f"--runtime {spec!r}: expected 'static', {', '.join(QUANTIZED_RUNTIMES + tuple(EXTRA_RUNTIMES))}, {LLAMACPP_RUNTIME}[:TYPE] or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)")
+        raise TraceToolError(
+            f"--runtime {spec!r}: expected 'static', {', '.join(QUANTIZED_RUNTIMES + tuple(EXTRA_RUNTIMES))}, "
+            f"{LLAMACPP_RUNTIME}[:TYPE] or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)"
+        )
     # like `python -m`: a module in the current folder is found without installing it
     cwd = os.getcwd()
     added = cwd not in sys.path
@@ -212,8 +234,10 @@ def load_factory(spec: str):
     try:
         module = importlib.import_module(module_name)
     except (Exception, SystemExit) as e:  # an import error of any kind inside the plug-in is the user's input
-        raise TraceToolError(f"cannot import runtime plug-in module {module_name!r}"
-                             f"{failure_site(e, plugin_roots(spec))}: {type(e).__name__}: {one_line(e, 200)}") from e
+        raise TraceToolError(
+            f"cannot import runtime plug-in module {module_name!r}"
+            f"{failure_site(e, plugin_roots(spec))}: {type(e).__name__}: {one_line(e, 200)}"
+        ) from e
     finally:
         if added:
             sys.path.remove(cwd)
@@ -221,16 +245,37 @@ def load_factory(spec: str):
     if factory is None:
         raise TraceToolError(f"runtime plug-in module {module_name!r} has no {attr!r} (the factory named in --runtime)")
     if not callable(factory):
-        raise TraceToolError(f"runtime plug-in {module_name}:{attr} is not callable; it must be factory(loaded, max_seq)")
+        raise TraceToolError(
+            f"runtime plug-in {module_name}:{attr} is not callable; it must be factory(loaded, max_seq)"
+        )
     return factory
 
 
 # what a built-in runtime needs installed (module names: importlib.util.find_spec) and how to get it
-_NEEDS = {"static-w8": ("torchao",), "static-w4g32": ("torchao",), "static-w8a8": ("torchao",), "tico": ("tico",),
-          "tico-quant": ("tico",), "onnx": ("onnxruntime", "onnx", "onnxscript"), LLAMACPP_RUNTIME: ("llama_cpp", "gguf")}
-_EXTRA_OF = {"torchao": "quant", "tico": "tico", "onnxruntime": "onnx", "onnx": "onnx", "onnxscript": "onnx",
-             "llama_cpp": "llamacpp", "gguf": "llamacpp"}
-_NO_ISOLATION = ("tico", "tico-quant", "onnx", LLAMACPP_RUNTIME)  # built-ins that do not continue with the probe's tensors
+_NEEDS = {
+    "static-w8": ("torchao",),
+    "static-w4g32": ("torchao",),
+    "static-w8a8": ("torchao",),
+    "tico": ("tico",),
+    "tico-quant": ("tico",),
+    "onnx": ("onnxruntime", "onnx", "onnxscript"),
+    LLAMACPP_RUNTIME: ("llama_cpp", "gguf"),
+}
+_EXTRA_OF = {
+    "torchao": "quant",
+    "tico": "tico",
+    "onnxruntime": "onnx",
+    "onnx": "onnx",
+    "onnxscript": "onnx",
+    "llama_cpp": "llamacpp",
+    "gguf": "llamacpp",
+}
+_NO_ISOLATION = (
+    "tico",
+    "tico-quant",
+    "onnx",
+    LLAMACPP_RUNTIME,
+)  # built-ins that do not continue with the probe's tensors
 
 
 def check_runtime_name(spec: str, isolate: bool = False) -> None:
@@ -252,20 +297,29 @@ def check_runtime_name(spec: str, isolate: bool = False) -> None:
         missing = [m for m in _NEEDS.get(spec, ()) if importlib.util.find_spec(m) is None]
         if missing:
             extra = _EXTRA_OF.get(missing[0], "")
-            raise TraceToolError(f"--runtime {spec} needs {', '.join(missing)}, which is not installed"
-                                 + (f": pip install 'gemma4-trace[{extra}]'" if extra else ""))
+            raise TraceToolError(
+                f"--runtime {spec} needs {', '.join(missing)}, which is not installed"
+                + (f": pip install 'gemma4-trace[{extra}]'" if extra else "")
+            )
         if isolate and spec in _NO_ISOLATION:
-            raise TraceToolError(f"runtime {spec} does not support --isolate (it does not continue with the tensors "
-                                 "the probe returns); the static runtimes do")
+            raise TraceToolError(
+                f"runtime {spec} does not support --isolate (it does not continue with the tensors "
+                "the probe returns); the static runtimes do"
+            )
         return
     module_name, sep, attr = spec.partition(":")
     if not sep:
         near = difflib.get_close_matches(spec, names, n=1)
-        raise TraceToolError(f"--runtime {spec!r} is not a runtime" + (f" (did you mean {near[0]!r}?)" if near else "")
-                             + f": expected {', '.join(names)} or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)")
+        raise TraceToolError(
+            f"--runtime {spec!r} is not a runtime"
+            + (f" (did you mean {near[0]!r}?)" if near else "")
+            + f": expected {', '.join(names)} or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)"
+        )
     if not all(part.isidentifier() for part in module_name.split(".")) or not attr.isidentifier():
-        raise TraceToolError(f"--runtime {spec!r}: MODULE:FACTORY needs a dotted module name and a function name "
-                             "(e.g. my_pkg.rt:make_runtime)")
+        raise TraceToolError(
+            f"--runtime {spec!r}: MODULE:FACTORY needs a dotted module name and a function name "
+            "(e.g. my_pkg.rt:make_runtime)"
+        )
     top = module_name.split(".")[0]
     cwd = os.getcwd()  # found like load_factory finds it: the current folder first
     added = cwd not in sys.path
@@ -279,8 +333,10 @@ def check_runtime_name(spec: str, isolate: bool = False) -> None:
         if added:
             sys.path.remove(cwd)
     if not found:
-        raise TraceToolError(f"cannot import runtime plug-in module {module_name!r} (--runtime {spec!r}): no module "
-                             f"{top!r} is installed or in the current folder")
+        raise TraceToolError(
+            f"cannot import runtime plug-in module {module_name!r} (--runtime {spec!r}): no module "
+            f"{top!r} is installed or in the current folder"
+        )
 
 
 def check_runtime(rt, where: str):
@@ -300,7 +356,9 @@ def make_runtime(spec: str, loaded, max_seq: int):
         dtype_bytes = 2 if "16" in str(getattr(loaded, "dtype", "float32")) else 4
         from .runtime import memory_estimate
 
-        LIM.check_fits(memory_estimate(loaded.text_config, max_seq, dtype_bytes), f"the static runtime for max_seq {max_seq}")
+        LIM.check_fits(
+            memory_estimate(loaded.text_config, max_seq, dtype_bytes), f"the static runtime for max_seq {max_seq}"
+        )
     if spec == "static":
         from .runtime import StaticGemma4Runtime
 
@@ -320,6 +378,8 @@ def make_runtime(spec: str, loaded, max_seq: int):
     except TraceToolError:
         raise
     except (Exception, SystemExit) as e:  # sys.exit() in a plug-in must not end the replay as a success
-        raise TraceToolError(f"runtime plug-in {spec} failed to start{failure_site(e, plugin_roots(spec))}: "
-                             f"{type(e).__name__}: {one_line(e, 200)}") from e  # --debug prints the chain
+        raise TraceToolError(
+            f"runtime plug-in {spec} failed to start{failure_site(e, plugin_roots(spec))}: "
+            f"{type(e).__name__}: {one_line(e, 200)}"
+        ) from e  # --debug prints the chain
     return check_runtime(rt, spec)

@@ -42,7 +42,9 @@ def export_decode(rt: StaticGemma4Runtime) -> torch.export.ExportedProgram:
         return torch.export.export(DecodeStep(rt), decode_example(rt), strict=False)
 
 
-def export_prefill(rt: StaticGemma4Runtime, input_ids=(0,), extra_inputs: dict | None = None) -> torch.export.ExportedProgram:
+def export_prefill(
+    rt: StaticGemma4Runtime, input_ids=(0,), extra_inputs: dict | None = None
+) -> torch.export.ExportedProgram:
     """Export prefill; the example prompt only fixes dtypes, every shape is (1, max_seq, ...)."""
     args = rt.prepare_prefill(list(input_ids), extra_inputs or {})
     with torch.no_grad():

@@ -55,7 +55,9 @@ def _gguf():
     try:
         import gguf
     except ImportError as e:
-        raise TraceToolError(f"GGUF conversion needs the gguf package: pip install 'gemma4-trace[llamacpp]' ({e})") from None
+        raise TraceToolError(
+            f"GGUF conversion needs the gguf package: pip install 'gemma4-trace[llamacpp]' ({e})"
+        ) from None
     return gguf
 
 
@@ -77,8 +79,12 @@ def cache_dir(override=None) -> Path:
 def model_hash(model_dir) -> str:
     """sha256 over the checkpoint's config, tokenizer and weight files (names and bytes)."""
     d = Path(model_dir)
-    names = sorted(p.name for p in d.iterdir() if p.is_file() and
-                   (p.suffix in (".json", ".safetensors", ".jinja") or p.name.endswith(".safetensors.index.json")))
+    names = sorted(
+        p.name
+        for p in d.iterdir()
+        if p.is_file()
+        and (p.suffix in (".json", ".safetensors", ".jinja") or p.name.endswith(".safetensors.index.json"))
+    )
     h = hashlib.sha256()
     for n in names:
         h.update(n.encode() + b"\0")
@@ -120,8 +126,11 @@ def tensors(loaded):
     if full:
         rope = _rope(tc, "full_attention")
         head_dim = infos[full[0]].head_dim
-        rotated = int(float(rope.get("partial_rotary_factor", 1.0)) * head_dim // 2) \
-            if rope.get("rope_type", "default") == "proportional" else head_dim // 2
+        rotated = (
+            int(float(rope.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+            if rope.get("rope_type", "default") == "proportional"
+            else head_dim // 2
+        )
         freqs = np.array([1.0] * rotated + [1e30] * (head_dim // 2 - rotated), dtype=np.float32)
         yield names[T.ROPE_FREQS] + ".weight", freqs
     yield names[T.TOKEN_EMBD] + ".weight", _np(tm.embed_tokens.weight)
@@ -173,9 +182,13 @@ def _check_supported(loaded) -> None:
     _check_kv_sharing(tc)
     for lt in set(tc.layer_types):
         rope = _rope(tc, lt)
-        if rope.get("rope_type", "default") not in ("default", "proportional") or float(rope.get("factor", 1.0) or 1.0) != 1.0:
-            raise TraceToolError(f"GGUF export: RoPE {rope.get('rope_type')} with factor {rope.get('factor')} "
-                                 f"({lt}) is not supported")
+        if (
+            rope.get("rope_type", "default") not in ("default", "proportional")
+            or float(rope.get("factor", 1.0) or 1.0) != 1.0
+        ):
+            raise TraceToolError(
+                f"GGUF export: RoPE {rope.get('rope_type')} with factor {rope.get('factor')} ({lt}) is not supported"
+            )
 
 
 def _check_kv_sharing(tc) -> None:
@@ -191,7 +204,8 @@ def _check_kv_sharing(tc) -> None:
             raise TraceToolError(
                 f"llama.cpp cannot run this KV sharing: its layer {i} ({infos[i].layer_type}) would read layer "
                 f"{llama}'s K/V, HF reads layer {infos[i].kv_source}'s (llama.cpp expects the last layer before the "
-                "sharing ones to be a full layer and the one before it sliding)")
+                "sharing ones to be a full layer and the one before it sliding)"
+            )
 
 
 def _metadata(w, loaded) -> None:
@@ -220,7 +234,9 @@ def _metadata(w, loaded) -> None:
     w.add_rope_freq_base(float(_rope(tc, "full_attention").get("rope_theta", 1e6)))
     w.add_rope_freq_base_swa(float(_rope(tc, "sliding_attention").get("rope_theta", 1e4)))
     w.add_rope_dimension_count(full.head_dim)  # proportional: the whole head, rope_freqs stops the rest
-    w.add_rope_dimension_count_swa(int(swa.head_dim * float(_rope(tc, "sliding_attention").get("partial_rotary_factor", 1.0))))
+    w.add_rope_dimension_count_swa(
+        int(swa.head_dim * float(_rope(tc, "sliding_attention").get("partial_rotary_factor", 1.0)))
+    )
     w.add_sliding_window(int(tc.sliding_window))
     w.add_sliding_window_pattern([t == "sliding_attention" for t in tc.layer_types])
     w.add_shared_kv_layers(int(getattr(tc, "num_kv_shared_layers", 0) or 0))

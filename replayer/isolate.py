@@ -21,7 +21,6 @@ from gemma4_trace.traces.errors import TraceToolError
 from .api import WriterProbe
 
 
-
 def check_supports_isolation(rt) -> None:
     if getattr(rt, "supports_isolation", False) is not True:
         raise TraceToolError(
@@ -55,5 +54,7 @@ class IsolatingProbe(WriterProbe):
         if positions is not None:  # the runtime reported (and continues with) only these rows
             ref = ref[torch.as_tensor(positions).reshape(-1).cpu() - self.rows.start]
         if tuple(ref.shape) != tuple(value.shape):
-            raise TraceToolError(f"--isolate: REF's {kind} rows {tuple(ref.shape)} do not fit the runtime's {tuple(value.shape)}")
+            raise TraceToolError(
+                f"--isolate: REF's {kind} rows {tuple(ref.shape)} do not fit the runtime's {tuple(value.shape)}"
+            )
         return ref.to(dtype=value.dtype, device=value.device)

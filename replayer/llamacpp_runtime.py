@@ -13,8 +13,9 @@ output), layer_out, final_hidden. The masks and RoPE tables are not graph nodes 
 exposes per layer: they are absent from the trace (never zeros), and `trace diff` says so.
 
 Teacher-forced and free-running: the prompt is one prefill (one llama_decode call; a prompt
-longer than a ubatch runs as several graphs, their rows stitched in order), then one token per step. Image prompts are refused: llama.cpp's Gemma 4 vision
-path runs through its own mmproj tower, which this runtime does not drive.
+longer than a ubatch runs as several graphs, their rows stitched in order), then one token per
+step. Image prompts are refused: llama.cpp's Gemma 4 vision path runs through its own mmproj
+tower, which this runtime does not drive.
 
 A crash inside llama.cpp ends the child only: the replay stops with one line naming the
 runtime, TYPE, the phase and the last kind reported, and no trace is left behind.
@@ -80,8 +81,13 @@ class Child:
         self.label = label  # "llama.cpp (Q4_K_M)": how errors name the runtime
         self.log = tempfile.TemporaryFile()
         env = {**os.environ, "GGML_NO_BACKTRACE": "1"}  # ggml's abort message, not a debugger's backtrace
-        self.proc = subprocess.Popen([sys.executable, "-m", "gemma4_trace.replayer._llamacpp_child"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gemma4_trace.replayer._llamacpp_child"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+        )
         self.last: tuple[str, int | None] | None = None
 
     def send(self, *msg) -> None:
@@ -176,8 +182,11 @@ class LlamaCppRuntime:
 
         self.name = f"llama.cpp:{gguf_type} (llama-cpp-python {version('llama-cpp-python')}, CPU)"
         self.vocab = n_vocab
-        self.mm_token_ids = {int(getattr(loaded.config, k)) for k in ("image_token_id", "video_token_id", "audio_token_id")
-                             if getattr(loaded.config, k, None) is not None}
+        self.mm_token_ids = {
+            int(getattr(loaded.config, k))
+            for k in ("image_token_id", "video_token_id", "audio_token_id")
+            if getattr(loaded.config, k, None) is not None
+        }
 
     def _step(self, ids: list[int], first: int, phase: str, probe):
         self.child.last = None
@@ -188,7 +197,7 @@ class LlamaCppRuntime:
             if msg[0] == "logits":
                 break
             _, kind, layer, arr = msg
-            got.setdefault((kind, layer), []).append(arr.reshape(-1, *arr.shape[-S.KIND_BY_NAME[kind].row_ndim:]))
+            got.setdefault((kind, layer), []).append(arr.reshape(-1, *arr.shape[-S.KIND_BY_NAME[kind].row_ndim :]))
         if probe is not None:
             order = {k: n for n, k in enumerate(S.KIND_NAMES)}
             for kind, layer in sorted(got, key=lambda kl: (-1 if kl[1] is None else kl[1], order[kl[0]])):
@@ -199,8 +208,10 @@ class LlamaCppRuntime:
     def prefill(self, input_ids, extra_inputs, probe):
         ids = [int(t) for t in input_ids]
         if extra_inputs or self.mm_token_ids.intersection(ids):
-            raise TraceToolError(f"{RUNTIME} replays text-only traces; this one has an image "
-                                 "(llama.cpp runs Gemma 4's vision through its own mmproj tower, not driven here)")
+            raise TraceToolError(
+                f"{RUNTIME} replays text-only traces; this one has an image "
+                "(llama.cpp runs Gemma 4's vision through its own mmproj tower, not driven here)"
+            )
         return self._step(ids, 0, "prefill", probe)
 
     def decode(self, token_id, position, probe):
@@ -215,7 +226,9 @@ class LlamaCppRuntime:
 def make_llamacpp(gguf_type: str):
     def factory(loaded, max_seq: int):
         if loaded.dtype != "float32":
-            raise TraceToolError(f"--runtime llama.cpp converts float32 checkpoints; REF was recorded in {loaded.dtype}")
+            raise TraceToolError(
+                f"--runtime llama.cpp converts float32 checkpoints; REF was recorded in {loaded.dtype}"
+            )
         return LlamaCppRuntime(loaded, max_seq, gguf_type)
 
     return factory

@@ -106,18 +106,26 @@ def export_onnx(loaded, max_seq: int, out_dir) -> tuple[Path, Path]:
         import onnx  # noqa: F401
         import onnxscript  # noqa: F401  (torch's ONNX exporter needs it)
     except ImportError as e:
-        raise TraceToolError(f"exporting ONNX needs onnx and onnxscript: pip install 'gemma4-trace[onnx]' ({e})") from None
+        raise TraceToolError(
+            f"exporting ONNX needs onnx and onnxscript: pip install 'gemma4-trace[onnx]' ({e})"
+        ) from None
     out = Path(out_dir)
     if not out.is_dir():
         raise TraceToolError(f"output folder {out} does not exist")
     rt = _FunctionalKV(loaded, max_seq)
-    caches = [torch.zeros(1, rt.infos[i].num_kv_heads, max_seq, rt.infos[i].head_dim, dtype=rt.dtype)
-              for i in rt.owners() for _ in ("k", "v")]
+    caches = [
+        torch.zeros(1, rt.infos[i].num_kv_heads, max_seq, rt.infos[i].head_dim, dtype=rt.dtype)
+        for i in rt.owners()
+        for _ in ("k", "v")
+    ]
     dev = rt.embed.device
     steps = {
         "prefill": (True, rt.prepare_prefill([0], {}), PREFILL_INPUTS),
-        "decode": (False, (torch.zeros(1, 1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev)),
-                   DECODE_INPUTS),
+        "decode": (
+            False,
+            (torch.zeros(1, 1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev)),
+            DECODE_INPUTS,
+        ),
     }
     # protobuf caps a file at 2 GiB: a real checkpoint's weights go to <graph>.onnx.data beside it
     weights = sum(b.numel() * b.element_size() for b in rt.buffers())
@@ -130,12 +138,23 @@ def export_onnx(loaded, max_seq: int, out_dir) -> tuple[Path, Path]:
             outputs = ["logits", *(f"{c}_out" for c in _cache_names(rt)), *g.names]
             path = out / f"{name}.onnx"
             try:
-                torch.onnx.export(g, (*example, *caches), str(path), input_names=[*inputs, *_cache_names(rt)],
-                                  output_names=outputs, opset_version=OPSET, dynamo=True, external_data=external,
-                                  verbose=False, optimize=False)  # onnxruntime optimizes at load; 2x faster export
+                torch.onnx.export(
+                    g,
+                    (*example, *caches),
+                    str(path),
+                    input_names=[*inputs, *_cache_names(rt)],
+                    output_names=outputs,
+                    opset_version=OPSET,
+                    dynamo=True,
+                    external_data=external,
+                    verbose=False,
+                    optimize=False,
+                )  # onnxruntime optimizes at load; 2x faster export
             except Exception as e:  # noqa: BLE001 - the exporter fails in many ways; one line for the user
-                raise TraceToolError(f"ONNX export of the {name} step failed: {type(e).__name__}: "
-                                     f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+                raise TraceToolError(
+                    f"ONNX export of the {name} step failed: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:200] if str(e) else ''}"
+                ) from None
         paths.append(path)
     return paths[0], paths[1]
 
@@ -145,8 +164,11 @@ def _quiet():
     """The exporter prints pages of warnings and progress for a successful export: keep them off the console."""
     logging.disable(logging.WARNING)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()):
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
             warnings.simplefilter("ignore")
             yield
     finally:
@@ -166,9 +188,13 @@ class OnnxRuntime:
             opts = ort.SessionOptions()
             opts.log_severity_level = 3
             self.sessions = [ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"]) for p in paths]
-        self.caches = {n: np.zeros((1, self.host.infos[int(n[1:3])].num_kv_heads, max_seq,
-                                    self.host.infos[int(n[1:3])].head_dim), dtype=np.float32)
-                       for n in _cache_names(self.host)}
+        self.caches = {
+            n: np.zeros(
+                (1, self.host.infos[int(n[1:3])].num_kv_heads, max_seq, self.host.infos[int(n[1:3])].head_dim),
+                dtype=np.float32,
+            )
+            for n in _cache_names(self.host)
+        }
         self.T = 0
 
     def _run(self, sess, feeds: dict, probe, rows: slice):
@@ -251,8 +277,9 @@ def _place_all(files: list[Path], out: Path, backups: Path) -> None:
                 else:
                     target.unlink()
         what = "no space left on device" if no_space(e) else (e.strerror or type(e).__name__)
-        raise TraceToolError(f"cannot write {one_line(e.filename2 or e.filename or out)} ({what}); "
-                             "no .onnx file was changed") from None
+        raise TraceToolError(
+            f"cannot write {one_line(e.filename2 or e.filename or out)} ({what}); no .onnx file was changed"
+        ) from None
 
 
 def export_command(model_dir, max_seq: int, out_dir, force: bool = False) -> str:

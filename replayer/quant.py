@@ -51,8 +51,19 @@ SCHEMES = {
     "static-w4g32": Scheme(4, 32, False),
     "static-w8a8": Scheme(8, None, True),
 }
-LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                 "ple_gate", "ple_proj", "experts_gate_up", "experts_down")
+LAYER_WEIGHTS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "ple_gate",
+    "ple_proj",
+    "experts_gate_up",
+    "experts_down",
+)
 MODEL_WEIGHTS = ("ple_model_proj",)
 
 
@@ -120,8 +131,19 @@ class _Int8LinearInputs(TorchFunctionMode):
 
 # quantizable units: a layer ("layer.3"), a module group of a layer ("layer.3.qkv"), or the
 # model's per-layer-input projection ("ple_model_proj"); a recipe maps units to precisions
-MODULE_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "mlp", "up_proj": "mlp",
-             "down_proj": "mlp", "experts_gate_up": "mlp", "experts_down": "mlp", "ple_gate": "ple", "ple_proj": "ple"}
+MODULE_OF = {
+    "q_proj": "qkv",
+    "k_proj": "qkv",
+    "v_proj": "qkv",
+    "o_proj": "o",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+    "experts_gate_up": "mlp",
+    "experts_down": "mlp",
+    "ple_gate": "ple",
+    "ple_proj": "ple",
+}
 MODULES = ("qkv", "o", "mlp", "ple")
 FLOAT = "float"
 PRECISIONS = (FLOAT, *SCHEMES)
@@ -150,8 +172,10 @@ def check_recipe(rt, recipe: dict) -> None:
     known = {u for lu, mu, _, _ in weight_units(rt) for u in (lu, mu)}
     for unit, precision in recipe.items():
         if unit not in known:
-            raise TraceToolError(f"recipe unit {unit!r} is not a quantizable unit of this model "
-                                 f"(e.g. layer.0, layer.0.qkv, layer.0.o, layer.0.mlp, layer.0.ple, ple_model_proj)")
+            raise TraceToolError(
+                f"recipe unit {unit!r} is not a quantizable unit of this model "
+                f"(e.g. layer.0, layer.0.qkv, layer.0.o, layer.0.mlp, layer.0.ple, ple_model_proj)"
+            )
         if precision not in PRECISIONS:
             raise TraceToolError(f"recipe unit {unit}: unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 from gemma4_trace.traces.atomic import atomic_output
 from gemma4_trace.traces.errors import TraceToolError
@@ -35,20 +36,26 @@ class Recipe:
     runtime: str
     units: dict = field(default_factory=dict)  # unit -> precision
 
-    def check(self) -> "Recipe":
+    def check(self) -> Recipe:
         if self.runtime not in SCHEME_NAMES:
-            raise TraceToolError(f"recipe runtime {self.runtime!r} is not a quantized runtime ({', '.join(SCHEME_NAMES)})")
+            raise TraceToolError(
+                f"recipe runtime {self.runtime!r} is not a quantized runtime ({', '.join(SCHEME_NAMES)})"
+            )
         for unit, precision in self.units.items():
             if not isinstance(unit, str) or not UNIT_RE.match(unit):
                 raise TraceToolError(f"recipe unit {unit!r}: expected layer.N, layer.N.qkv|o|mlp|ple or ple_model_proj")
             if precision not in PRECISIONS:
-                raise TraceToolError(f"recipe unit {unit}: unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
+                raise TraceToolError(
+                    f"recipe unit {unit}: unknown precision {precision!r}; known: {', '.join(PRECISIONS)}"
+                )
         return self
 
     def to_toml(self, comments: list[str] = ()) -> str:
         self.check()
         lines = [f"# {c}" for c in comments if c] + [f"runtime = {json.dumps(self.runtime)}", "", "[units]"]
-        lines += [f"{json.dumps(u)} = {json.dumps(p)}" for u, p in sorted(self.units.items(), key=lambda kv: _unit_key(kv[0]))]
+        lines += [
+            f"{json.dumps(u)} = {json.dumps(p)}" for u, p in sorted(self.units.items(), key=lambda kv: _unit_key(kv[0]))
+        ]
         return "\n".join(lines) + "\n"
 
 
@@ -74,7 +81,7 @@ def load_recipe(path) -> Recipe:
         raise TraceToolError(f"recipe {p}: unknown key {sorted(unknown)[0]!r} (expected runtime and [units])")
     units = data.get("units", {})
     if not isinstance(data.get("runtime"), str) or not isinstance(units, dict):
-        raise TraceToolError(f"recipe {p}: expected runtime = \"static-...\" and a [units] table")
+        raise TraceToolError(f'recipe {p}: expected runtime = "static-..." and a [units] table')
     return Recipe(data["runtime"], dict(units)).check()
 
 

@@ -104,7 +104,9 @@ def replay_trace(
     T, n_new = len(ref.prompt_ids), ref.max_new_tokens
     max_seq = default_max_seq(T, n_new) if max_seq is None else max_seq
     if T + n_new > max_seq:
-        raise TraceToolError(f"prompt ({T} tokens) + max_new_tokens ({n_new}) = {T + n_new} exceeds --max-seq {max_seq}")
+        raise TraceToolError(
+            f"prompt ({T} tokens) + max_new_tokens ({n_new}) = {T + n_new} exceeds --max-seq {max_seq}"
+        )
     selection = ref.selection if selection is None else selection
     if selection is not None:
         selection.check(len(json_layers(ref.provenance)), n_new)
@@ -125,17 +127,25 @@ def replay_trace(
         check_supports_isolation(rt)
     if hasattr(rt, "prefill_chunk"):  # the static runtime and its quantized variants
         rt.prefill_chunk = None if isolate else resolve_prefill_chunk(prefill_chunk, max_seq)
-    runner = _CheckedRuntime(rt, plugin=runtime != "static", vocab=loaded.text_config.vocab_size,
-                             roots=plugin_roots(runtime, rt))
+    runner = _CheckedRuntime(
+        rt, plugin=runtime != "static", vocab=loaded.text_config.vocab_size, roots=plugin_roots(runtime, rt)
+    )
     t0 = time.perf_counter()
     recorded_mode = "isolated" if isolate else mode
     with contextlib.ExitStack() as stack:
         w = stack.enter_context(TraceWriter(output, force=force, source_dtype=loaded.dtype, selection=selection))
-        w.write_header(TraceHeader(
-            Provenance.from_dict(provenance(loaded, runtime=rt.name, mode=recorded_mode)), ref.prompt_ids,
-            layer_infos_from_config(loaded.text_config), max_new_tokens=n_new, eos_token_ids=ref.eos,
-            prompt_text=ref.prompt_text, chat_template_applied=ref.chat, extra_inputs=ref.extra,
-        ))
+        w.write_header(
+            TraceHeader(
+                Provenance.from_dict(provenance(loaded, runtime=rt.name, mode=recorded_mode)),
+                ref.prompt_ids,
+                layer_infos_from_config(loaded.text_config),
+                max_new_tokens=n_new,
+                eos_token_ids=ref.eos,
+                prompt_text=ref.prompt_text,
+                chat_template_applied=ref.chat,
+                extra_inputs=ref.extra,
+            )
+        )
         probe = IsolatingProbe(w, rt.name, stack.enter_context(TraceReader(reference))) if isolate else None
         tokens = _run_steps(runner, ref, mode, w, progress, probe)
     seconds = time.perf_counter() - t0
@@ -163,7 +173,6 @@ class _CheckedRuntime:
         return self._logits(f"decode step {step}", self.rt.decode, token, position, probe)
 
     def _logits(self, what: str, fn, *args):
-        import torch
 
         try:
             logits = fn(*args)
@@ -177,8 +186,10 @@ class _CheckedRuntime:
         except (Exception, SystemExit) as e:  # sys.exit() in a plug-in is a failure, never a silent exit 0
             if not self.plugin:
                 raise
-            raise TraceToolError(f"runtime {self.rt.name} failed in {what}{failure_site(e, self.roots)} "
-                                 f"{progress_words(args[-1])}: {type(e).__name__}: {one_line(e, 200)}") from e
+            raise TraceToolError(
+                f"runtime {self.rt.name} failed in {what}{failure_site(e, self.roots)} "
+                f"{progress_words(args[-1])}: {type(e).__name__}: {one_line(e, 200)}"
+            ) from e
         return as_logits(logits, self.vocab, self.rt.name, what)
 
 

@@ -50,7 +50,9 @@ def _rows(r: TraceReader, kind: str, layer, rows: slice, what: str) -> np.ndarra
     a = np.asarray(r.read(kind, layer, rows))
     present = r.rows_present(kind, layer)
     if present is not None and not np.all(present[rows]):
-        raise TraceToolError(f"{what}'s {kind} of layer {layer} lacks rows {rows.start}..{rows.stop - 1} (recorded absent)")
+        raise TraceToolError(
+            f"{what}'s {kind} of layer {layer} lacks rows {rows.start}..{rows.stop - 1} (recorded absent)"
+        )
     if a.dtype != np.bool_ and not np.all(np.isfinite(a)):
         raise TraceToolError(f"{what}'s {kind} of layer {layer} holds NaN/Inf in rows {rows.start}..{rows.stop - 1}")
     return a
@@ -72,10 +74,16 @@ def _layer_weights(prov: dict, model_dir, layer: int) -> tuple[dict, dict]:
     act = rt.cfg.hidden_activation
     if act not in ACTIVATIONS:
         raise TraceToolError(f"hidden_activation {act!r} is not supported")
-    weights = {n: t.detach().to(torch.float32).cpu().numpy() for n, t in L._buffers.items()
-               if n not in ("k_cache", "v_cache")}
-    facts = {"eps": float(rt.eps), "activation": str(act), "owns_kv": bool(L.owns_kv), "k_eq_v": bool(L.k_eq_v),
-             "ple": bool(L.ple)}
+    weights = {
+        n: t.detach().to(torch.float32).cpu().numpy() for n, t in L._buffers.items() if n not in ("k_cache", "v_cache")
+    }
+    facts = {
+        "eps": float(rt.eps),
+        "activation": str(act),
+        "owns_kv": bool(L.owns_kv),
+        "k_eq_v": bool(L.k_eq_v),
+        "ple": bool(L.ple),
+    }
     return weights, facts
 
 
@@ -109,7 +117,9 @@ def write_repro(ref_path, run_path, out_dir, *, at: tuple[int, int], model_dir=N
         src = int(info.kv_source)
         what = "REF"
         inputs = {
-            "hidden": _rows(ref, "layer_out", layer - 1, rows, what) if layer else _rows(ref, "embeddings", None, rows, what),
+            "hidden": _rows(ref, "layer_out", layer - 1, rows, what)
+            if layer
+            else _rows(ref, "embeddings", None, rows, what),
             "positions": np.arange(start, stop, dtype=np.int64),
             "mask": _rows(ref, "mask", layer, rows, what)[:, :stop].astype(np.bool_),
             "k_rows": _rows(ref, "k", src, keys, what),
@@ -131,14 +141,23 @@ def write_repro(ref_path, run_path, out_dir, *, at: tuple[int, int], model_dir=N
             inputs["per_layer_input"] = _rows(ref, "per_layer_inputs", None, rows, what)[:, layer, :]
         low = ref.source_dtype("layer_out", layer) not in ("float32", "float64")
         config = {
-            "step": step, "layer": layer, "layer_type": str(info.layer_type), "kv_role": str(info.kv_role),
-            "kv_source": src, "num_heads": int(info.num_heads), "num_kv_heads": int(info.num_kv_heads),
-            "head_dim": int(info.head_dim), "positions": [start, stop - 1],
+            "step": step,
+            "layer": layer,
+            "layer_type": str(info.layer_type),
+            "kv_role": str(info.kv_role),
+            "kv_source": src,
+            "num_heads": int(info.num_heads),
+            "num_kv_heads": int(info.num_kv_heads),
+            "head_dim": int(info.head_dim),
+            "positions": [start, stop - 1],
             "tolerance": TOL_LOW if low else TOL_FLOAT32,
-            "ref_runtime": str(prov.get("runtime", "")), "run_runtime": str(run.provenance.get("runtime", "")),
+            "ref_runtime": str(prov.get("runtime", "")),
+            "run_runtime": str(run.provenance.get("runtime", "")),
             **facts,
         }
-    source = TEMPLATE.read_text(encoding="utf-8").replace("json.loads(__CONFIG__)", f"json.loads({json.dumps(config)!r})", 1)
+    source = TEMPLATE.read_text(encoding="utf-8").replace(
+        "json.loads(__CONFIG__)", f"json.loads({json.dumps(config)!r})", 1
+    )
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".repro-", dir=out))
     try:  # every file complete before any lands in DIR
@@ -151,6 +170,12 @@ def write_repro(ref_path, run_path, out_dir, *, at: tuple[int, int], model_dir=N
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     size = sum((out / f).stat().st_size for f in FILES)
-    kind = f"{info.layer_type}, {info.kv_role}" + (f" (K/V of layer {src})" if src != layer else "") + (", PLE" if facts["ple"] else "")
-    return (f"wrote {out}: layer {layer} ({kind}) at step {step}, positions {start}..{stop - 1}; "
-            f"{size} bytes in {len(FILES)} files; run: cd {out} && python repro.py")
+    kind = (
+        f"{info.layer_type}, {info.kv_role}"
+        + (f" (K/V of layer {src})" if src != layer else "")
+        + (", PLE" if facts["ple"] else "")
+    )
+    return (
+        f"wrote {out}: layer {layer} ({kind}) at step {step}, positions {start}..{stop - 1}; "
+        f"{size} bytes in {len(FILES)} files; run: cd {out} && python repro.py"
+    )

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-CONFIG = json.loads(__CONFIG__)
+CONFIG = json.loads(__CONFIG__)  # noqa: F821 - the writer replaces __CONFIG__ with a JSON string literal
 TOLERANCE = float(CONFIG["tolerance"])
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -30,8 +30,12 @@ ACTIVATIONS = {
 
 def load(name):
     with np.load(os.path.join(HERE, name), allow_pickle=False) as z:
-        return {k: torch.from_numpy(np.array(z[k], dtype=np.float32)) if z[k].dtype != np.bool_ else torch.from_numpy(np.array(z[k]))
-                for k in z.files}
+        return {
+            k: torch.from_numpy(np.array(z[k], dtype=np.float32))
+            if z[k].dtype != np.bool_
+            else torch.from_numpy(np.array(z[k]))
+            for k in z.files
+        }
 
 
 def rms(x, weight, eps):
@@ -89,14 +93,19 @@ def main():
     torch.set_grad_enabled(False)
     inp, w, out = load("inputs.npz"), load("weights.npz"), load("outputs.npz")
     got, attn = layer(inp, w, CONFIG)
-    print(f"layer {CONFIG['layer']} ({CONFIG['layer_type']}, {CONFIG['kv_role']}), step {CONFIG['step']}, "
-          f"positions {CONFIG['positions'][0]}..{CONFIG['positions'][-1]}")
+    print(
+        f"layer {CONFIG['layer']} ({CONFIG['layer_type']}, {CONFIG['kv_role']}), step {CONFIG['step']}, "
+        f"positions {CONFIG['positions'][0]}..{CONFIG['positions'][-1]}"
+    )
     e_ref = rel_l2(got, out["ref_layer_out"])
     print(f"float recompute vs REF ({CONFIG['ref_runtime']}) layer_out: rel-L2 {e_ref:.3e} (tolerance {TOLERANCE:.0e})")
     if "ref_attn_out" in out:
         print(f"float recompute vs REF attn_out: rel-L2 {rel_l2(attn, out['ref_attn_out']):.3e}")
     if "run_layer_out" in out:
-        print(f"float recompute vs RUN ({CONFIG['run_runtime']}) layer_out: rel-L2 {rel_l2(got, out['run_layer_out']):.3e}")
+        print(
+            f"float recompute vs RUN ({CONFIG['run_runtime']}) layer_out: rel-L2 "
+            f"{rel_l2(got, out['run_layer_out']):.3e}"
+        )
         print(f"RUN vs REF layer_out: rel-L2 {rel_l2(out['run_layer_out'], out['ref_layer_out']):.3e}")
     ok = e_ref <= TOLERANCE
     print("recompute matches REF" if ok else "recompute does NOT match REF")

@@ -133,7 +133,8 @@ class _Layer(nn.Module):
         if self.owns_kv:
             if attn.k_proj.weight.shape != (info.num_kv_heads * info.head_dim, hf_layer.hidden_size):
                 raise TraceToolError(
-                    f"layer k_proj {tuple(attn.k_proj.weight.shape)} != kv_heads {info.num_kv_heads} x head_dim {info.head_dim}"
+                    f"layer k_proj {tuple(attn.k_proj.weight.shape)} != kv_heads {info.num_kv_heads} x head_dim "
+                    f"{info.head_dim}"
                 )
             buffers["k_proj"] = attn.k_proj.weight
             buffers["k_norm"] = attn.k_norm.weight
@@ -160,7 +161,9 @@ class _Layer(nn.Module):
         for name, t in buffers.items():
             self.register_buffer(name, w(t), persistent=False)
         if self.q_proj.shape[0] != info.num_heads * info.head_dim:
-            raise TraceToolError(f"q_proj {tuple(self.q_proj.shape)} != heads {info.num_heads} x head_dim {info.head_dim}")
+            raise TraceToolError(
+                f"q_proj {tuple(self.q_proj.shape)} != heads {info.num_heads} x head_dim {info.head_dim}"
+            )
         if self.owns_kv:
             shape = (1, info.num_kv_heads, max_seq, info.head_dim)
             self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -197,7 +200,9 @@ def chunk_plan(T: int, N: int, S: int, block_ids: torch.Tensor | None = None) ->
             first = int((block_ids == block_ids[stop]).nonzero()[0])
             if first <= s:
                 n_img = int((block_ids == block_ids[stop]).sum())
-                raise TraceToolError(f"--prefill-chunk {N} is shorter than an image of {n_img} soft tokens; use a chunk >= {n_img}")
+                raise TraceToolError(
+                    f"--prefill-chunk {N} is shorter than an image of {n_img} soft tokens; use a chunk >= {n_img}"
+                )
             stop = first
         plan.append((c0, slice(s - c0, stop - c0)))
         s = stop
@@ -237,9 +242,9 @@ class _Step:
 class StaticGemma4Runtime(nn.Module):
     """Static-shape Gemma 4 over a LoadedModel's weights (batch 1, fixed max_seq).
 
-        rt = StaticGemma4Runtime(loaded, max_seq=64)
-        logits = rt.prefill(prompt_ids, extra_inputs, probe)    # (vocab,) at position T-1
-        logits = rt.decode(token_id, position, probe)           # (vocab,) at `position`
+    rt = StaticGemma4Runtime(loaded, max_seq=64)
+    logits = rt.prefill(prompt_ids, extra_inputs, probe)    # (vocab,) at position T-1
+    logits = rt.decode(token_id, position, probe)           # (vocab,) at `position`
     """
 
     name = "static"
@@ -265,15 +270,22 @@ class StaticGemma4Runtime(nn.Module):
         self.pad_id = int(cfg.pad_token_id if cfg.pad_token_id is not None else 0)
         self.types = sorted(set(cfg.layer_types))
         if getattr(cfg, "use_bidirectional_attention", None) == "all":
-            raise TraceToolError("use_bidirectional_attention='all' (encoder-style Gemma 4) is not supported by the static runtime")
+            raise TraceToolError(
+                "use_bidirectional_attention='all' (encoder-style Gemma 4) is not supported by the static runtime"
+            )
         if cfg.hidden_activation not in ACTIVATIONS:
             raise TraceToolError(f"hidden_activation {cfg.hidden_activation!r} is not supported by the static runtime")
         self.act = ACTIVATIONS[cfg.hidden_activation]
         self.bidir_vision = getattr(cfg, "use_bidirectional_attention", None) == "vision"
         top = model.config
         self.mm_token_ids = [
-            int(t) for t in (getattr(top, "image_token_id", None), getattr(top, "video_token_id", None),
-                             getattr(top, "audio_token_id", None)) if t is not None and self.multimodal
+            int(t)
+            for t in (
+                getattr(top, "image_token_id", None),
+                getattr(top, "video_token_id", None),
+                getattr(top, "audio_token_id", None),
+            )
+            if t is not None and self.multimodal
         ]
         self.top_k = int(cfg.top_k_experts or 0)
 
@@ -283,7 +295,9 @@ class StaticGemma4Runtime(nn.Module):
         ls = [layer for layer in text.layers]
         if len(ls) != self.n_layers:
             raise TraceToolError(f"HF model has {len(ls)} layers, config says {self.n_layers}")
-        self.layers = nn.ModuleList(_Layer(ls[i], self.infos[i], self.max_seq, dtype, device) for i in range(self.n_layers))
+        self.layers = nn.ModuleList(
+            _Layer(ls[i], self.infos[i], self.max_seq, dtype, device) for i in range(self.n_layers)
+        )
         self.register_buffer("embed", text.embed_tokens.weight.detach(), persistent=False)
         # sqrt(hidden) cast to the weight dtype first, as HF does (bf16 rounds it)
         self.register_buffer("embed_scale", torch.tensor(self.hidden**0.5).to(dtype), persistent=False)
@@ -407,7 +421,10 @@ class StaticGemma4Runtime(nn.Module):
 
         report_rows: the rows the probe gets, a slice, or an int for the leading rows.
         """
-        rope = {t: (getattr(self, f"cos_{t}")[input_pos][None], getattr(self, f"sin_{t}")[input_pos][None]) for t in self.types}
+        rope = {
+            t: (getattr(self, f"cos_{t}")[input_pos][None], getattr(self, f"sin_{t}")[input_pos][None])
+            for t in self.types
+        }
         report = report_rows if isinstance(report_rows, slice) else slice(0, report_rows)
         return _Step(input_pos, masks, rope, valid, probe, report)
 
@@ -526,7 +543,9 @@ class StaticGemma4Runtime(nn.Module):
         return allowed
 
     # ------------------------------------------------------------------ static steps (exportable)
-    def prefill_step(self, ids, ple_ids, mm_embeds, mm_slots, block_ids, n_valid, probe=None, report_rows: int | None = None):
+    def prefill_step(
+        self, ids, ple_ids, mm_embeds, mm_slots, block_ids, n_valid, probe=None, report_rows: int | None = None
+    ):
         """Prefill over the padded prompt; all shapes fixed by max_seq.
 
         ids, ple_ids (1, S) long: prompt ids, multimodal tokens replaced by pad, right-padded
@@ -538,10 +557,21 @@ class StaticGemma4Runtime(nn.Module):
         """
         S = self.max_seq
         input_pos = torch.arange(S, device=ids.device)
-        return self.prefill_chunk_step(ids, ple_ids, mm_embeds, mm_slots, block_ids, n_valid, input_pos, probe,
-                                       S if report_rows is None else report_rows)
+        return self.prefill_chunk_step(
+            ids,
+            ple_ids,
+            mm_embeds,
+            mm_slots,
+            block_ids,
+            n_valid,
+            input_pos,
+            probe,
+            S if report_rows is None else report_rows,
+        )
 
-    def prefill_chunk_step(self, ids, ple_ids, mm_embeds, mm_slots, block_ids, n_valid, input_pos, probe=None, report_rows=None):
+    def prefill_chunk_step(
+        self, ids, ple_ids, mm_embeds, mm_slots, block_ids, n_valid, input_pos, probe=None, report_rows=None
+    ):
         """Prefill of the n prompt rows at input_pos (n,) (consecutive positions); shapes (n, max_seq).
 
         ids, ple_ids (1, n), mm_embeds (1, n, H), mm_slots (1, n): the rows of prepare_prefill's
@@ -599,7 +629,9 @@ class StaticGemma4Runtime(nn.Module):
             feats = torch.cat(list(feats), dim=0).to(self.dtype)  # (n_soft, H)
             n_slots = int(image_slots.sum())
             if feats.shape[0] != n_slots:
-                raise TraceToolError(f"the images give {feats.shape[0]} soft tokens for {n_slots} image-token slots in the prompt")
+                raise TraceToolError(
+                    f"the images give {feats.shape[0]} soft tokens for {n_slots} image-token slots in the prompt"
+                )
             mm_embeds[0, image_slots.to(dev)] = feats
         block_ids = torch.full((S,), -1, dtype=torch.long)
         if self.bidir_vision and "mm_token_type_ids" in extra:
@@ -608,8 +640,12 @@ class StaticGemma4Runtime(nn.Module):
             starts = is_vis & ~torch.cat([torch.zeros(1, dtype=torch.bool), is_vis[:-1]])
             block_ids[:T] = torch.where(is_vis, torch.cumsum(starts.long(), 0) - 1, -1)
         return (
-            ple_ids[None].to(dev), ple_ids[None].to(dev), mm_embeds, image_slots[None].to(dev),
-            block_ids.to(dev), torch.tensor(T, device=dev),
+            ple_ids[None].to(dev),
+            ple_ids[None].to(dev),
+            mm_embeds,
+            image_slots[None].to(dev),
+            block_ids.to(dev),
+            torch.tensor(T, device=dev),
         )
 
     @torch.no_grad()
@@ -633,8 +669,9 @@ class StaticGemma4Runtime(nn.Module):
         for c0, rows in chunk_plan(len(ids), N, self.max_seq, block_ids.cpu() if self.bidir_vision else None):
             pos = torch.arange(c0, c0 + N, device=ids_p.device)
             sl = slice(c0, c0 + N)
-            logits = self.prefill_chunk_step(ids_p[:, sl], ple_ids[:, sl], mm_embeds[:, sl], mm_slots[:, sl],
-                                             block_ids, n_valid, pos, chunks, rows)
+            logits = self.prefill_chunk_step(
+                ids_p[:, sl], ple_ids[:, sl], mm_embeds[:, sl], mm_slots[:, sl], block_ids, n_valid, pos, chunks, rows
+            )
         if chunks is not None:
             chunks.flush()
         return logits  # the last chunk holds position T - 1
@@ -647,6 +684,7 @@ class StaticGemma4Runtime(nn.Module):
         tok = self.pad_id if int(token_id) in self.mm_token_ids else int(token_id)
         dev = self.embed.device
         return self.decode_step(
-            torch.tensor([[tok]], dtype=torch.long, device=dev), torch.tensor([position], dtype=torch.long, device=dev), probe
+            torch.tensor([[tok]], dtype=torch.long, device=dev),
+            torch.tensor([position], dtype=torch.long, device=dev),
+            probe,
         )
-

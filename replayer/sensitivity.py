@@ -37,8 +37,10 @@ HIGHER_IS_BETTER = {"top1"}
 
 
 # ----------------------------------------------------------------------------- target expressions
-_TOKEN = re.compile(r"\s*(?:(?P<num>[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?)"
-                    r"|(?P<op><=|>=|<|>)|(?P<word>[A-Za-z_][A-Za-z_0-9]*))")
+_TOKEN = re.compile(
+    r"\s*(?:(?P<num>[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?)"
+    r"|(?P<op><=|>=|<|>)|(?P<word>[A-Za-z_][A-Za-z_0-9]*))"
+)
 _OPS = {"<=": lambda a, b: a <= b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b, ">": lambda a, b: a > b}
 MAX_EXPR = 500
 
@@ -48,16 +50,18 @@ class Target:
     clauses: tuple  # ((metric, op, number), ...), all must hold
 
     @staticmethod
-    def parse(text: str) -> "Target":
+    def parse(text: str) -> Target:
         """`METRIC OP NUMBER [and METRIC OP NUMBER ...]`, METRIC in METRICS, OP one of <= < >= >."""
         if not isinstance(text, str) or not text.strip() or len(text) > MAX_EXPR:
-            raise TraceToolError(f"--target: expected e.g. 'kl_mean<=0.01 and top1>=0.98' (at most {MAX_EXPR} characters)")
+            raise TraceToolError(
+                f"--target: expected e.g. 'kl_mean<=0.01 and top1>=0.98' (at most {MAX_EXPR} characters)"
+            )
         tokens, pos = [], 0
         text = text.strip()
         while pos < len(text):
             m = _TOKEN.match(text, pos)
             if not m or m.end() == pos:
-                raise TraceToolError(f"--target: unexpected {text[pos:pos + 10]!r} at character {pos}")
+                raise TraceToolError(f"--target: unexpected {text[pos : pos + 10]!r} at character {pos}")
             tokens.append((m.lastgroup, m.group(m.lastgroup)))
             pos = m.end()
             while pos < len(text) and text[pos].isspace():
@@ -66,7 +70,7 @@ class Target:
         while True:
             if i + 3 > len(tokens):
                 raise TraceToolError("--target: a clause is METRIC OP NUMBER, e.g. kl_mean<=0.01")
-            (tm, metric), (to, op), (tn, num) = tokens[i:i + 3]
+            (tm, metric), (to, op), (tn, num) = tokens[i : i + 3]
             if tm != "word" or metric not in METRICS:
                 raise TraceToolError(f"--target: unknown metric {metric!r}; known: {', '.join(METRICS)}")
             if to != "op" or tn != "num":
@@ -93,7 +97,7 @@ class Target:
 class _Probe:
     """Keeps layer_out (and per_layer_inputs) rows; isolating: hands back REF's layer inputs."""
 
-    def __init__(self, ref: "_Ref", rows: slice, isolate: bool):
+    def __init__(self, ref: _Ref, rows: slice, isolate: bool):
         self.ref, self.rows, self.isolate, self.out = ref, rows, isolate, {}
 
     def tensor(self, kind, value, layer=None, positions=None):
@@ -120,10 +124,13 @@ def read_ref(path) -> _Ref:
         if r.mode != "reference":
             raise TraceToolError(f"{path} is a {r.mode} trace; sensitivity needs a reference recording")
         n_layers = len(r.layers)
-        missing = [k for k in ("embeddings", "logits") if not r.has(k)] + \
-                  [f"layer_out of layer {i}" for i in range(n_layers) if not r.has("layer_out", i)]
+        missing = [k for k in ("embeddings", "logits") if not r.has(k)] + [
+            f"layer_out of layer {i}" for i in range(n_layers) if not r.has("layer_out", i)
+        ]
         if missing:
-            raise TraceToolError(f"{path} stores no {missing[0]}; sensitivity needs every layer_out, the embeddings and the logits")
+            raise TraceToolError(
+                f"{path} stores no {missing[0]}; sensitivity needs every layer_out, the embeddings and the logits"
+            )
         inputs = {("embeddings", None): r.read("embeddings")}
         if r.has("per_layer_inputs"):
             inputs[("per_layer_inputs", None)] = r.read("per_layer_inputs")
@@ -133,9 +140,15 @@ def read_ref(path) -> _Ref:
         for a in [logits, *inputs.values()]:
             if not np.all(np.isfinite(a)):
                 raise TraceToolError(f"{path} holds NaN/Inf in its logits or layer inputs")
-        return _Ref([int(x) for x in r.prompt_ids], r.extra_inputs(), np.asarray(r.tokens(), dtype=np.int64),
-                    [tuple(int(v) for v in s) for s in r.step_positions], _log_softmax(logits), inputs,
-                    dict(r.provenance))
+        return _Ref(
+            [int(x) for x in r.prompt_ids],
+            r.extra_inputs(),
+            np.asarray(r.tokens(), dtype=np.int64),
+            [tuple(int(v) for v in s) for s in r.step_positions],
+            _log_softmax(logits),
+            inputs,
+            dict(r.provenance),
+        )
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -167,7 +180,9 @@ class Runner:
         from .runtime import StaticGemma4Runtime
 
         if runtime not in SCHEMES:
-            raise TraceToolError(f"--runtime must be a quantized static runtime ({', '.join(SCHEMES)}), got {runtime!r}")
+            raise TraceToolError(
+                f"--runtime must be a quantized static runtime ({', '.join(SCHEMES)}), got {runtime!r}"
+            )
         if base is not None and base.runtime != runtime:
             raise TraceToolError(f"the recipe is for --runtime {base.runtime}, not {runtime}")
         self.ref = read_ref(ref_path)
@@ -184,7 +199,9 @@ class Runner:
         self.modules = {}
         self.layer_of = {}
         for layer_unit, module_unit, _, _ in weight_units(probe_rt):
-            self.modules[module_unit] = resolve_precision(base.units if base else None, runtime, layer_unit, module_unit)
+            self.modules[module_unit] = resolve_precision(
+                base.units if base else None, runtime, layer_unit, module_unit
+            )
             self.layer_of[module_unit] = layer_unit
         self.n_layers = probe_rt.n_layers
         self.replays = {"full": 0, "isolated": 0}
@@ -202,7 +219,9 @@ class Runner:
     def config(self, overrides: dict | None = None, only: list[str] | None = None) -> dict:
         """A module-level recipe: the quantized configuration, with `only` (module units) kept
         at their precision and all others float, then `overrides` {module unit: precision}."""
-        cfg = dict(self.modules) if only is None else {m: (p if m in only else "float") for m, p in self.modules.items()}
+        cfg = (
+            dict(self.modules) if only is None else {m: (p if m in only else "float") for m, p in self.modules.items()}
+        )
         cfg.update(overrides or {})
         return cfg
 
@@ -239,10 +258,16 @@ class Runner:
         ]
         ple = None
         if ("per_layer_inputs", None) in ref.inputs:
-            ple = _rel_l2_rows(np.concatenate([o[("per_layer_inputs", None)] for o in outs]), ref.inputs[("per_layer_inputs", None)])
+            ple = _rel_l2_rows(
+                np.concatenate([o[("per_layer_inputs", None)] for o in outs]), ref.inputs[("per_layer_inputs", None)]
+            )
         top1 = float(np.mean(np.argmax(run_lp, axis=-1) == ref.tokens))
-        metrics = {"kl_mean": float(np.mean(kl)), "kl_p99": float(np.percentile(kl, 99)), "top1": top1,
-                   "layer_out": float(max(layer_errors))}
+        metrics = {
+            "kl_mean": float(np.mean(kl)),
+            "kl_p99": float(np.percentile(kl, 99)),
+            "top1": top1,
+            "layer_out": float(max(layer_errors)),
+        }
         return ReplayResult(metrics, layer_errors, ple)
 
 
@@ -261,9 +286,14 @@ class UnitSensitivity:
     unit_layer_out: float | None = None  # only this unit quantized: its layer's layer_out error
 
     def to_json(self) -> dict:
-        return {"unit": self.unit, "precision": self.precision, "isolated_layer_out": self.isolated,
-                "only_quantized": self.only_quantized, "only_float": self.only_float,
-                "only_quantized_unit_layer_out": self.unit_layer_out}
+        return {
+            "unit": self.unit,
+            "precision": self.precision,
+            "isolated_layer_out": self.isolated,
+            "only_quantized": self.only_quantized,
+            "only_float": self.only_float,
+            "only_quantized_unit_layer_out": self.unit_layer_out,
+        }
 
 
 @dataclass
@@ -276,12 +306,20 @@ class Sensitivity:
     seconds: float = 0.0
 
     def to_json(self) -> dict:
-        return {"runtime": self.runtime, "unit": self.granularity, "all_quantized": self.all_quantized,
-                "ranking": [u.to_json() for u in self.units], "replays": dict(self.replays),
-                "seconds": round(self.seconds, 2),
-                "metrics": {"kl_mean": "mean over steps of KL(REF||RUN), nats", "kl_p99": "99th percentile of the same",
-                            "top1": "fraction of steps where RUN's argmax is REF's token",
-                            "layer_out": "worst per-row rel-L2 of layer_out over all layers"}}
+        return {
+            "runtime": self.runtime,
+            "unit": self.granularity,
+            "all_quantized": self.all_quantized,
+            "ranking": [u.to_json() for u in self.units],
+            "replays": dict(self.replays),
+            "seconds": round(self.seconds, 2),
+            "metrics": {
+                "kl_mean": "mean over steps of KL(REF||RUN), nats",
+                "kl_p99": "99th percentile of the same",
+                "top1": "fraction of steps where RUN's argmax is REF's token",
+                "layer_out": "worst per-row rel-L2 of layer_out over all layers",
+            },
+        }
 
 
 def isolated_ranking(runner: Runner, granularity: str) -> list[tuple[str, float | None]]:
@@ -320,7 +358,9 @@ def sensitivity(runner: Runner, granularity: str = "layer", replays: int = 4) ->
         out.append(u)
     measured = sorted((u for u in out if u.only_quantized), key=lambda u: u.only_quantized["kl_mean"], reverse=True)
     rest = [u for u in out if not u.only_quantized]
-    return Sensitivity(runner.runtime, granularity, all_q.metrics, measured + rest, dict(runner.replays), runner.seconds)
+    return Sensitivity(
+        runner.runtime, granularity, all_q.metrics, measured + rest, dict(runner.replays), runner.seconds
+    )
 
 
 def _g(x) -> str:
@@ -330,10 +370,12 @@ def _g(x) -> str:
 def format_sensitivity(s: Sensitivity, ref_name: str) -> str:
     n = sum(s.replays.values())
     lines = [
-        f"sensitivity of {s.runtime} by {s.granularity} on {ref_name}: {n} replays ({s.replays.get('isolated', 0)} isolated, "
+        f"sensitivity of {s.runtime} by {s.granularity} on {ref_name}: {n} replays ({s.replays.get('isolated', 0)} "
+        "isolated, "
         f"{s.replays.get('full', 0)} full) in {s.seconds:.1f} s",
         f"all quantized: {_metrics_text(s.all_quantized)}",
-        "rank  unit              precision     isolated  | only this unit quantized: KL mean  KL p99    top-1  layer_out "
+        "rank  unit              precision     isolated  | only this unit quantized: KL mean  KL p99    top-1  "
+        "layer_out "
         "| only this unit float: KL mean  KL p99    top-1",
     ]
     for k, u in enumerate(s.units, 1):
@@ -343,8 +385,10 @@ def format_sensitivity(s: Sensitivity, ref_name: str) -> str:
             f"{_g(q.get('kl_p99')):<9} {_top1(q.get('top1')):<6} {_g(u.unit_layer_out):<9} | {'':<21}"
             f"{_g(f.get('kl_mean')):<8} {_g(f.get('kl_p99')):<9} {_top1(f.get('top1'))}".rstrip()
         )
-    lines.append("ranked by KL mean with only the unit quantized (full replays), then by the isolated replay's "
-                 "layer_out rel-L2 (units without full replays: '-')")
+    lines.append(
+        "ranked by KL mean with only the unit quantized (full replays), then by the isolated replay's "
+        "layer_out rel-L2 (units without full replays: '-')"
+    )
     return "\n".join(lines)
 
 
@@ -353,8 +397,9 @@ def _top1(x) -> str:
 
 
 def _metrics_text(m: dict) -> str:
-    return (f"KL mean {m['kl_mean']:.2e}, KL p99 {m['kl_p99']:.2e}, top-1 {m['top1']:.3f}, "
-            f"layer_out {m['layer_out']:.2e}")
+    return (
+        f"KL mean {m['kl_mean']:.2e}, KL p99 {m['kl_p99']:.2e}, top-1 {m['top1']:.3f}, layer_out {m['layer_out']:.2e}"
+    )
 
 
 # ----------------------------------------------------------------------------- precision search
@@ -370,8 +415,9 @@ class PrecisionResult:
     started_from_recipe: bool = False
 
 
-def precision_search(runner: Runner, target: Target, fallback: str = "float", granularity: str = "layer",
-                     base: Recipe | None = None) -> PrecisionResult:
+def precision_search(
+    runner: Runner, target: Target, fallback: str = "float", granularity: str = "layer", base: Recipe | None = None
+) -> PrecisionResult:
     if fallback not in ("float", *SCHEME_NAMES):
         raise TraceToolError(f"--fallback must be float or a quantized runtime, got {fallback!r}")
     before = runner.replay(runner.config()).metrics
@@ -388,8 +434,10 @@ def precision_search(runner: Runner, target: Target, fallback: str = "float", gr
             if target.holds(after):
                 break
         else:
-            raise TraceToolError(f"the target ({target}) is not reached even with every unit at {fallback} "
-                                 f"(then: {_metrics_text(after)}); nothing was written")
+            raise TraceToolError(
+                f"the target ({target}) is not reached even with every unit at {fallback} "
+                f"(then: {_metrics_text(after)}); nothing was written"
+            )
         # prune: a unit added early may be unneeded once later ones are back; try each but the last
         for unit in list(kept[:-1]):
             trial = [u for u in kept if u != unit]
@@ -404,9 +452,19 @@ def precision_search(runner: Runner, target: Target, fallback: str = "float", gr
     # verification: the recipe as written, resolved like `trace replay --recipe` does
     verified = runner.replay(_resolve(runner, recipe)).metrics
     if not target.holds(verified):
-        raise TraceToolError(f"the recipe's verification replay misses the target ({_metrics_text(verified)}); nothing was written")
-    return PrecisionResult(recipe, kept, before, after, verified, runner.weight_bytes(runner.config()),
-                           runner.weight_bytes(_resolve(runner, recipe)), base is not None)
+        raise TraceToolError(
+            f"the recipe's verification replay misses the target ({_metrics_text(verified)}); nothing was written"
+        )
+    return PrecisionResult(
+        recipe,
+        kept,
+        before,
+        after,
+        verified,
+        runner.weight_bytes(runner.config()),
+        runner.weight_bytes(_resolve(runner, recipe)),
+        base is not None,
+    )
 
 
 def _resolve(runner: Runner, recipe: Recipe) -> dict:
@@ -417,11 +475,15 @@ def _resolve(runner: Runner, recipe: Recipe) -> dict:
 
 def format_precision(p: PrecisionResult, output, target: Target, fallback: str, replays: dict, seconds: float) -> str:
     kept = ", ".join(p.kept) if p.kept else "none"
-    return "\n".join([
-        f"target {target}: reached with {len(p.kept)} unit(s) at {fallback}: {kept}",
-        f"before (every unit as started: {p.recipe.runtime}{', --recipe' if p.started_from_recipe else ''}): {_metrics_text(p.before)}",
-        f"after (verified by a full replay of the recipe): {_metrics_text(p.verified)}",
-        f"quantizable weight bytes: {p.bytes_recipe} vs {p.bytes_all} before (x{p.bytes_recipe / p.bytes_all:.2f})",
-        f"{sum(replays.values())} replays ({replays.get('isolated', 0)} isolated, {replays.get('full', 0)} full) in {seconds:.1f} s",
-        f"wrote {output}: trace replay REF --runtime {p.recipe.runtime} --recipe {output}",
-    ])
+    return "\n".join(
+        [
+            f"target {target}: reached with {len(p.kept)} unit(s) at {fallback}: {kept}",
+            f"before (every unit as started: {p.recipe.runtime}{', --recipe' if p.started_from_recipe else ''}): "
+            f"{_metrics_text(p.before)}",
+            f"after (verified by a full replay of the recipe): {_metrics_text(p.verified)}",
+            f"quantizable weight bytes: {p.bytes_recipe} vs {p.bytes_all} before (x{p.bytes_recipe / p.bytes_all:.2f})",
+            f"{sum(replays.values())} replays ({replays.get('isolated', 0)} isolated, {replays.get('full', 0)} full) "
+            f"in {seconds:.1f} s",
+            f"wrote {output}: trace replay REF --runtime {p.recipe.runtime} --recipe {output}",
+        ]
+    )

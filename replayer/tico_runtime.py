@@ -65,8 +65,10 @@ class TicoRuntime:
     def __init__(self, loaded, max_seq: int, quantized: bool = False):
         self.rtmod, self.vp, self.Layout, version = _import_tico()
         if not loaded.multimodal:
-            raise TraceToolError("TICO's static Gemma 4 runtime needs a multimodal (image-text) checkpoint; "
-                                 "this one has no vision_config")
+            raise TraceToolError(
+                "TICO's static Gemma 4 runtime needs a multimodal (image-text) checkpoint; "
+                "this one has no vision_config"
+            )
         if getattr(loaded.text_config, "enable_moe_block", False):
             raise TraceToolError("TICO's static Gemma 4 runtime does not support MoE configs (enable_moe_block)")
         self.loaded, self.max_seq, self.quantized = loaded, max_seq, quantized
@@ -86,48 +88,66 @@ class TicoRuntime:
         tok = getattr(self.loaded.tokenizer, "add_bos_token", False)
         if len(slots) == 0:  # text only: a minimal valid profile; the vision step is bypassed
             soft = int(extra["pixel_values"].shape[1]) // (k * k) if "pixel_values" in extra else None
-            soft = soft or int(getattr(self.loaded.processor, "image_seq_length", 0) or
-                               getattr(vcfg, "default_output_length", 0) or 1)
-            fields = dict(visual_start_idx=0, num_visual_tokens=1, max_soft_tokens=soft,
-                          patch_grid_height=k, patch_grid_width=k)
+            soft = soft or int(
+                getattr(self.loaded.processor, "image_seq_length", 0) or getattr(vcfg, "default_output_length", 0) or 1
+            )
+            fields = dict(
+                visual_start_idx=0, num_visual_tokens=1, max_soft_tokens=soft, patch_grid_height=k, patch_grid_width=k
+            )
         else:
             start, n = int(slots[0]), len(slots)
             if not torch.equal(slots, torch.arange(start, start + n)):
-                raise TraceToolError("TICO's runtime supports exactly one contiguous image span; "
-                                     f"this prompt's image tokens are at {slots.tolist()[:8]}...")
+                raise TraceToolError(
+                    "TICO's runtime supports exactly one contiguous image span; "
+                    f"this prompt's image tokens are at {slots.tolist()[:8]}..."
+                )
             if "image_position_ids" not in extra or "pixel_values" not in extra:
                 raise TraceToolError("REF has image tokens but no pixel_values / image_position_ids inputs")
             pos = extra["image_position_ids"].reshape(-1, 2)
             valid = pos[pos[:, 0] >= 0]
-            fields = dict(visual_start_idx=start, num_visual_tokens=n,
-                          max_soft_tokens=int(extra["pixel_values"].shape[1]) // (k * k),
-                          patch_grid_height=int(valid[:, 1].max()) + 1, patch_grid_width=int(valid[:, 0].max()) + 1)
-        name = "gemma4-trace-{visual_start_idx}-{num_visual_tokens}-{max_soft_tokens}-" \
-               "{patch_grid_height}x{patch_grid_width}".format(**fields)
+            fields = dict(
+                visual_start_idx=start,
+                num_visual_tokens=n,
+                max_soft_tokens=int(extra["pixel_values"].shape[1]) // (k * k),
+                patch_grid_height=int(valid[:, 1].max()) + 1,
+                patch_grid_width=int(valid[:, 0].max()) + 1,
+            )
+        name = (
+            "gemma4-trace-{visual_start_idx}-{num_visual_tokens}-{max_soft_tokens}-"
+            "{patch_grid_height}x{patch_grid_width}".format(**fields)
+        )
         profile = self.vp.Gemma4StaticVisionProfile(
-            name=name, patch_size=int(vcfg.patch_size), pooling_kernel_size=k,
-            tokenizer_add_bos_token=bool(tok), **fields)
+            name=name,
+            patch_size=int(vcfg.patch_size),
+            pooling_kernel_size=k,
+            tokenizer_add_bos_token=bool(tok),
+            **fields,
+        )
         # TICO looks profiles up by name when it builds its PTQ config: register ours
         self.vp._PROFILE_REGISTRY.setdefault(name, profile)
         return profile, bool(len(slots))
 
     def _build(self, input_ids, extra):
         profile, has_image = self._profile(input_ids, extra)
-        layout = self.Layout(max_seq=self.max_seq, visual_start_idx=profile.visual_start_idx,
-                             num_visual_tokens=profile.num_visual_tokens)
+        layout = self.Layout(
+            max_seq=self.max_seq, visual_start_idx=profile.visual_start_idx, num_visual_tokens=profile.num_visual_tokens
+        )
         tc = self.loaded.text_config
         if hasattr(type(tc), "allow_global_per_layer_attribute_access"):
             # TICO reads config-wide num_key_value_heads / head_dim and derives the per-type values
             # itself; transformers 5.24 refuses such reads on per-layer (heterogeneous) configs
             tc.allow_global_per_layer_attribute_access = True
         try:
-            rt = self.rtmod.StaticGemma4Runtime(self.loaded.model, self.loaded.processor, layout=layout,
-                                               vision_profile=profile, device="cpu")
+            rt = self.rtmod.StaticGemma4Runtime(
+                self.loaded.model, self.loaded.processor, layout=layout, vision_profile=profile, device="cpu"
+            )
         except (ValueError, RuntimeError, AssertionError) as e:
-            raise TraceToolError(f"TICO's runtime refused this model or prompt: {str(e).splitlines()[0][:200]}") from None
+            raise TraceToolError(
+                f"TICO's runtime refused this model or prompt: {str(e).splitlines()[0][:200]}"
+            ) from None
         rt._allocate_empty_cache = self._allocate_cache
         if not has_image:  # TICO's prefill always runs its vision step: bypass it and the fusion
-            rt._get_or_create_vision_prefill = lambda image_position_ids: (lambda pixel_values: None)
+            rt._get_or_create_vision_prefill = lambda image_position_ids: lambda pixel_values: None
             rt.mm_fusion = _TextOnlyFusion()
         self.rt = rt
         self._hook(rt)
@@ -141,17 +161,20 @@ class TicoRuntime:
         and its prefill write then broadcasts one KV head into two (decode fails)."""
         from gemma4_trace.traces.layers import layer_infos_from_config
 
-        return [self.rtmod.LayerCache(past_k=torch.zeros(batch_size, li.num_kv_heads, self.max_seq - 1, li.head_dim,
-                                                         dtype=dtype),
-                                      past_v=torch.zeros(batch_size, li.num_kv_heads, self.max_seq - 1, li.head_dim,
-                                                         dtype=dtype))
-                for li in layer_infos_from_config(self.loaded.text_config)]
+        return [
+            self.rtmod.LayerCache(
+                past_k=torch.zeros(batch_size, li.num_kv_heads, self.max_seq - 1, li.head_dim, dtype=dtype),
+                past_v=torch.zeros(batch_size, li.num_kv_heads, self.max_seq - 1, li.head_dim, dtype=dtype),
+            )
+            for li in layer_infos_from_config(self.loaded.text_config)
+        ]
 
     def _hook(self, rt) -> None:
         def put(kind, layer=None):
             def hook(module, args, out):
                 if self._rec is not None:
                     self._rec[(kind, layer)] = out[0] if isinstance(out, tuple) else out
+
             return hook
 
         rt.mm_fusion.register_forward_hook(put("embeddings"))
@@ -175,6 +198,7 @@ class TicoRuntime:
                 self._rec[("layer_out", i)], self._rec[("k", i)], self._rec[("v", i)] = out
             else:
                 self._rec[("layer_out", i)] = out
+
         return hook
 
     def _observer_tap(self, attn, i):
@@ -188,6 +212,7 @@ class TicoRuntime:
                 elif obs is attn.obs_attn_mask:
                     self._rec[("mask", i)] = y  # (B, 1, Q, K) additive, as applied
             return y
+
         return tapped
 
     def _rope_tap(self, build):
@@ -200,6 +225,7 @@ class TicoRuntime:
                         sin = torch.cat((-a, b), dim=-1)
                     self._rec[("rope", layer_type)] = (cos, sin)
             return masks, rope
+
         return tapped
 
     # ------------------------------------------------------------ reporting
@@ -252,7 +278,9 @@ class TicoRuntime:
         has_image = self._build(input_ids, extra)
         T = self.T = len(input_ids)
         if T > self.max_seq - 1:
-            raise TraceToolError(f"TICO's runtime keeps one slot for the decode row: prompt {T} needs max_seq >= {T + 1}")
+            raise TraceToolError(
+                f"TICO's runtime keeps one slot for the decode row: prompt {T} needs max_seq >= {T + 1}"
+            )
         batch = self._batch(input_ids, extra, has_image)
         if self.quantized:  # calibrate the fake-quant observers on this prompt, then freeze them
             self.rt.qmodel.enable_calibration()

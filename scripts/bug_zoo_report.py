@@ -20,8 +20,8 @@ sys.path.insert(0, str(ROOT))
 
 from gemma4_trace.diff import diff_traces, format_text  # noqa: E402
 from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
-from tests.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, runtime_spec  # noqa: E402
 from gemma4_trace.traces.errors import TraceToolError  # noqa: E402
+from tests.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, runtime_spec  # noqa: E402
 
 DOC = ROOT / "docs" / "bug-zoo.md"
 
@@ -61,15 +61,20 @@ def build() -> str:
             first = format_text(result).splitlines()[0]
             tok = result.tokens
             m = tok.first_mismatch_step
-            tokens = ("tokens unchanged" if m is None else
-                      f"tokens {tok.matches}/{tok.compared_steps} match, first mismatch at step {m}")
+            tokens = (
+                "tokens unchanged"
+                if m is None
+                else f"tokens {tok.matches}/{tok.compared_steps} match, first mismatch at step {m}"
+            )
             out.append(f"### `{bug}` (`{factory}`, reference `{ref_name}`)\n")
             out.append(f"What is wrong: {what}.\n")
             out.append(f"    {first}\n")
             out.append(f"({tokens}; `trace diff` exits {0 if result.match else 1}.)\n")
         out.append("## Bugs that cannot run\n")
-        out.append("The static runtime checks each K/V buffer's shape when a layer writes or reads it and names\n"
-                   "the layer; `trace replay` prints that one line and exits 2, writing nothing.\n")
+        out.append(
+            "The static runtime checks each K/V buffer's shape when a layer writes or reads it and names\n"
+            "the layer; `trace replay` prints that one line and exits 2, writing nothing.\n"
+        )
         for bug, (factory, ref_name, what) in CRASHING.items():
             ref = reference_path(ref_name, work)
             try:

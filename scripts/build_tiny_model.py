@@ -67,13 +67,29 @@ ESCAPE = '<|"|>'
 
 # Fixed ids 0..N-1 in this order (pad/eos/bos/unk = 0/1/2/3 as in Gemma).
 SPECIAL_TOKENS = [
-    PAD, EOS, BOS, UNK, MASK,
-    SOT, EOT,
-    BOI, EOI, IMAGE,
-    BOA, EOA, AUDIO,
+    PAD,
+    EOS,
+    BOS,
+    UNK,
+    MASK,
+    SOT,
+    EOT,
+    BOI,
+    EOI,
+    IMAGE,
+    BOA,
+    EOA,
+    AUDIO,
     VIDEO,
-    SOC, EOC, THINK,
-    STD, ETD, STC, ETC, STR, ETR,
+    SOC,
+    EOC,
+    THINK,
+    STD,
+    ETD,
+    STC,
+    ETC,
+    STR,
+    ETR,
     ESCAPE,
 ]
 # Named special tokens stored in tokenizer_config.json (as in google/gemma-4-*).
@@ -584,8 +600,10 @@ def build(out_dir: Path, steps: int, lr: float, use_bidirectional: str | None = 
         make_batch(train_examples_img, tokenizer, image_processor, ids[PAD], ids[EOT]),
         make_batch(train_examples_txt, tokenizer, image_processor, ids[PAD], ids[EOT]),
     ]
-    print(f"training {steps} steps (image batch {tuple(batches[0]['input_ids'].shape)}, "
-          f"text batch {tuple(batches[1]['input_ids'].shape)})")
+    print(
+        f"training {steps} steps (image batch {tuple(batches[0]['input_ids'].shape)}, "
+        f"text batch {tuple(batches[1]['input_ids'].shape)})"
+    )
     train(model, batches, steps=steps, lr=lr)
 
     # ---- save -----------------------------------------------------------------------------
@@ -654,11 +672,9 @@ def verify(out_dir: Path):
     print(f"head_dim={[tc.per_layer_config[i].head_dim for i in range(tc.num_hidden_layers)]}")
     print(f"sliding_window={tc.sliding_window} bidirectional={tc.use_bidirectional_attention}")
     print(
-        "ids: pad={} bos={} eos={} eot={} image={} boi={} eoi={} video={} audio={}".format(
-            tc.pad_token_id, tc.bos_token_id, model.generation_config.eos_token_id, tok.convert_tokens_to_ids(EOT),
-            config.image_token_id, config.boi_token_id, config.eoi_token_id, config.video_token_id,
-            config.audio_token_id,
-        )
+        f"ids: pad={tc.pad_token_id} bos={tc.bos_token_id} eos={model.generation_config.eos_token_id} "
+        f"eot={tok.convert_tokens_to_ids(EOT)} image={config.image_token_id} boi={config.boi_token_id} "
+        f"eoi={config.eoi_token_id} video={config.video_token_id} audio={config.audio_token_id}"
     )
 
     example = Image.open(out_dir / "example.png").convert("RGB")
@@ -693,9 +709,12 @@ def verify(out_dir: Path):
     print(f"\ntraining images captioned exactly: {ok}/{len(IMAGE_SPECS)}")
     results["captions_ok"] = ok
     # Double <bos> guard: the chat template writes <bos>, tokenization must not add another one.
-    assert tok.apply_chat_template(demo_messages(example)["text"], add_generation_prompt=True, tokenize=True)[
-        "input_ids"
-    ].count(tok.bos_token_id) == 1
+    assert (
+        tok.apply_chat_template(demo_messages(example)["text"], add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ].count(tok.bos_token_id)
+        == 1
+    )
     for f in sorted(out_dir.iterdir()):
         print(f"  {f.name:28s} {f.stat().st_size:>9d}  {sha256(f)[:16]}")
     total = sum(f.stat().st_size for f in out_dir.iterdir())
@@ -715,34 +734,44 @@ def write_readme(out_dir: Path, results: dict):
     )
     tid = tok.convert_tokens_to_ids
     t, i = results["text"], results["image"]
-    n_params = sum(
-        int(np.prod(v)) for v in _safetensors_shapes(out_dir / "model.safetensors").values()
-    )
+    n_params = sum(int(np.prod(v)) for v in _safetensors_shapes(out_dir / "model.safetensors").values())
     lines = [
         "# Tiny Gemma 4 checkpoint (test fixture)",
         "",
-        f"`Gemma4ForConditionalGeneration` (text + vision, no audio), {n_params / 1e6:.2f}M parameters, float32, random init",
+        f"`Gemma4ForConditionalGeneration` (text + vision, no audio), {n_params / 1e6:.2f}M parameters, float32, "
+        "random init",
         "briefly trained on a toy chat corpus. Rebuild (deterministic, ~2 min on 2 CPU cores, bit-identical files):",
         "`python scripts/build_tiny_model.py [--out hf/tiny_model]`.",
         "",
-        f"- Text: {tc.num_hidden_layers} layers [{lt}] (S = sliding, window {tc.sliding_window}, head_dim {tc.per_layer_config['sliding_attention'].head_dim};"
+        f"- Text: {tc.num_hidden_layers} layers [{lt}] (S = sliding, window {tc.sliding_window}, head_dim "
+        f"{tc.per_layer_config['sliding_attention'].head_dim};"
         f" F = full, head_dim {tc.per_layer_config['full_attention'].head_dim}, proportional RoPE x0.25),"
-        f" hidden {tc.hidden_size}, {tc.num_attention_heads} q heads / {tc.num_key_value_heads} kv head, vocab {tc.vocab_size}.",
+        f" hidden {tc.hidden_size}, {tc.num_attention_heads} q heads / {tc.num_key_value_heads} kv head, vocab "
+        f"{tc.vocab_size}.",
         f"- KV sharing: num_kv_shared_layers={tc.num_kv_shared_layers}, modes [{modes}];"
         f" reuse layers have double-wide MLPs ({2 * tc.intermediate_size}, others {tc.intermediate_size}).",
-        f"- Per-layer embeddings ({tc.hidden_size_per_layer_input}/layer), final_logit_softcapping {tc.final_logit_softcapping},"
-        f" tied embeddings, attention_k_eq_v {tc.attention_k_eq_v}, use_bidirectional_attention {tc.use_bidirectional_attention!r}.",
-        f"- Vision: {vc.num_hidden_layers} layers, hidden {vc.hidden_size}, patch {vc.patch_size}, pooling {vc.pooling_kernel_size};"
-        f" a {IMAGE_SIZE}x{IMAGE_SIZE} image -> {i['n_soft']} soft tokens (processor max_soft_tokens={MAX_SOFT_TOKENS}, its minimum).",
-        f"- Tokens: pad {tc.pad_token_id}, eos {tid(EOS)}, bos {tc.bos_token_id}, <|turn> {tid(SOT)}, <turn|> {tid(EOT)} (end of turn),"
-        f" <|image> {cfg.boi_token_id}, <image|> {cfg.eoi_token_id}, <|image|> {cfg.image_token_id}, <|video|> {cfg.video_token_id},"
+        f"- Per-layer embeddings ({tc.hidden_size_per_layer_input}/layer), final_logit_softcapping "
+        f"{tc.final_logit_softcapping},"
+        f" tied embeddings, attention_k_eq_v {tc.attention_k_eq_v}, use_bidirectional_attention "
+        f"{tc.use_bidirectional_attention!r}.",
+        f"- Vision: {vc.num_hidden_layers} layers, hidden {vc.hidden_size}, patch {vc.patch_size}, pooling "
+        f"{vc.pooling_kernel_size};"
+        f" a {IMAGE_SIZE}x{IMAGE_SIZE} image -> {i['n_soft']} soft tokens (processor "
+        f"max_soft_tokens={MAX_SOFT_TOKENS}, its minimum).",
+        f"- Tokens: pad {tc.pad_token_id}, eos {tid(EOS)}, bos {tc.bos_token_id}, <|turn> {tid(SOT)}, <turn|> "
+        f"{tid(EOT)} (end of turn),"
+        f" <|image> {cfg.boi_token_id}, <image|> {cfg.eoi_token_id}, <|image|> {cfg.image_token_id}, <|video|> "
+        f"{cfg.video_token_id},"
         f" <|audio|> {cfg.audio_token_id}; generation stops on {list(tc.eos_token_id)}.",
-        f"- Demo (greedy) `{DEMO_TEXT_PROMPT}`: prompt {t['prompt_len']} tokens -> {t['n_new']} tokens, min top1-top2 margin"
+        f"- Demo (greedy) `{DEMO_TEXT_PROMPT}`: prompt {t['prompt_len']} tokens -> {t['n_new']} tokens, min top1-top2 "
+        "margin"
         f" {t['min_margin']:.2f}: {t['text']!r}",
         f"- Demo (greedy) example.png + `{DEMO_IMAGE_PROMPT}`: prompt {i['prompt_len']} tokens -> {i['n_new']} tokens,"
         f" min margin {i['min_margin']:.2f}: {i['text']!r}",
-        "- Without torchvision, transformers 5.x cannot instantiate `Gemma4Processor` (its video processor is mandatory);",
-        "  AutoTokenizer / AutoImageProcessor / the model load fine. `prepare_inputs()` and `real_processor()` in the build",
+        "- Without torchvision, transformers 5.x cannot instantiate `Gemma4Processor` (its video processor is "
+        "mandatory);",
+        "  AutoTokenizer / AutoImageProcessor / the model load fine. `prepare_inputs()` and `real_processor()` in the "
+        "build",
         "  script give exactly the processor's `apply_chat_template(..., tokenize=True, return_dict=True)` output.",
     ]
     (out_dir / "README.md").write_text("\n".join(lines) + "\n")

@@ -67,9 +67,26 @@ MESSAGE_KINDS = (  # (substring of the error line, label) in the order tried
     ("has no ", "missing tensor"),
 )
 WEIRD_ATTRS = (
-    np.int64(-1), 0, 2**62, 3.5, "", "garbage", b"\xff\xfe\xfd", np.array([1, 2, 3]), np.array([], dtype=np.int64),
-    True, np.array(["a", "b"], dtype=h5py.string_dtype()), np.float64("nan"), np.zeros((2, 2)), '{"a": 1}', "[1, 2]",
-    "null", "reference", "999", np.uint64(2**63 + 5), np.array([-7]),
+    np.int64(-1),
+    0,
+    2**62,
+    3.5,
+    "",
+    "garbage",
+    b"\xff\xfe\xfd",
+    np.array([1, 2, 3]),
+    np.array([], dtype=np.int64),
+    True,
+    np.array(["a", "b"], dtype=h5py.string_dtype()),
+    np.float64("nan"),
+    np.zeros((2, 2)),
+    '{"a": 1}',
+    "[1, 2]",
+    "null",
+    "reference",
+    "999",
+    np.uint64(2**63 + 5),
+    np.array([-7]),
 )
 
 
@@ -193,7 +210,11 @@ def m_rename(f, rng):
     if how == 0:  # a near-miss name
         dst = src + rng.choice(["_x", "0", "s"])
     elif how == 1:  # swap with another object
-        other = str(rng.choice([n for n in names if n != src and not n.startswith(src + "/") and not src.startswith(n + "/")] or [src]))
+        other = str(
+            rng.choice(
+                [n for n in names if n != src and not n.startswith(src + "/") and not src.startswith(n + "/")] or [src]
+            )
+        )
         if other == src:
             return "rename (nothing to swap)"
         f.move(src, "__swap__")
@@ -299,8 +320,9 @@ def m_values(f, rng):
         new.reshape(-1)[idx] = rng.choice([-5, -1, 0, 1, 2, 7, 10**6, int(new.reshape(-1)[idx]) + 1])
     elif a.dtype.kind == "O" and a.size:
         new = a.copy()
-        new.reshape(-1)[rng.integers(a.size)] = rng.choice([b"", b"owns", b"stores", b"reuses", b"sliding_attention",
-                                                           b"full_attention", b"bogus", b"\xff\xfe"])
+        new.reshape(-1)[rng.integers(a.size)] = rng.choice(
+            [b"", b"owns", b"stores", b"reuses", b"sliding_attention", b"full_attention", b"bogus", b"\xff\xfe"]
+        )
         new = np.asarray(new, dtype=h5py.string_dtype())
     else:
         return f"values {name} (skipped)"
@@ -318,8 +340,16 @@ def m_link(f, rng):
     return f"external link {name}"
 
 
-STRUCTURAL = {"delete": m_delete, "rename": m_rename, "del_attr": m_del_attr, "attr_type": m_attr_type,
-              "reshape": m_reshape, "retype": m_retype, "values": m_values, "link": m_link}
+STRUCTURAL = {
+    "delete": m_delete,
+    "rename": m_rename,
+    "del_attr": m_del_attr,
+    "attr_type": m_attr_type,
+    "reshape": m_reshape,
+    "retype": m_retype,
+    "values": m_values,
+    "link": m_link,
+}
 
 
 # ---------------------------------------------------------------- hostile files (a sender who means harm)
@@ -347,9 +377,16 @@ def _replace_dataset(f, name, make):
 
 def h_external_storage(f, rng):
     name = str(rng.choice(_names(f, datasets_only=True)))
-    shape = _replace_dataset(f, name, lambda shape, dtype: f.create_dataset(
-        name, shape=shape, dtype=dtype if dtype.kind != "O" else "int64",
-        external=[(str(ENV["canary"]), int(rng.integers(0, 64)), h5py.h5f.UNLIMITED)]))
+    shape = _replace_dataset(
+        f,
+        name,
+        lambda shape, dtype: f.create_dataset(
+            name,
+            shape=shape,
+            dtype=dtype if dtype.kind != "O" else "int64",
+            external=[(str(ENV["canary"]), int(rng.integers(0, 64)), h5py.h5f.UNLIMITED)],
+        ),
+    )
     return f"external storage {name} {shape} -> canary"
 
 
@@ -368,8 +405,14 @@ def _link_pair(f, rng) -> tuple[str, list[str]]:
     names = _names(f)
     name = str(rng.choice(names))
     is_group = isinstance(f[name], h5py.Group)
-    same = [n for n in names if n != name and isinstance(f[n], h5py.Group) == is_group
-            and not n.startswith(name + "/") and not name.startswith(n + "/")]
+    same = [
+        n
+        for n in names
+        if n != name
+        and isinstance(f[n], h5py.Group) == is_group
+        and not n.startswith(name + "/")
+        and not name.startswith(n + "/")
+    ]
     return name, same
 
 
@@ -420,8 +463,9 @@ def h_sparse(f, rng):
         axis = int(rng.integers(len(new)))
         new[axis] = big
         chunks = tuple(min(d, 1024) for d in new)
-        return f.create_dataset(name, shape=tuple(new), dtype=dtype, chunks=chunks, compression="gzip",
-                                maxshape=tuple(None for _ in new))
+        return f.create_dataset(
+            name, shape=tuple(new), dtype=dtype, chunks=chunks, compression="gzip", maxshape=tuple(None for _ in new)
+        )
 
     _replace_dataset(f, name, make)
     return f"sparse {name} axis -> {big}"
@@ -508,9 +552,17 @@ def h_huge_attr(f, rng):
     return f"many attributes on {holder}"
 
 
-HOSTILE = {"external_storage": h_external_storage, "external_link": h_external_link, "soft_link": h_soft_link,
-           "hard_link": h_hard_link, "virtual": h_virtual, "sparse": h_sparse, "bomb": h_bomb, "deep": h_deep,
-           "huge_attr": h_huge_attr}
+HOSTILE = {
+    "external_storage": h_external_storage,
+    "external_link": h_external_link,
+    "soft_link": h_soft_link,
+    "hard_link": h_hard_link,
+    "virtual": h_virtual,
+    "sparse": h_sparse,
+    "bomb": h_bomb,
+    "deep": h_deep,
+    "huge_attr": h_huge_attr,
+}
 
 
 # ---------------------------------------------------------------- byte-level corruptions
@@ -536,8 +588,11 @@ def b_smash(path, rng, info):
     data = bytearray(path.read_bytes())
     off = int(rng.integers(len(data)))
     n = int(rng.integers(1, 65))
-    data[off : off + n] = bytes(rng.integers(0, 256, size=len(data[off : off + n]), dtype=np.uint8)) if rng.random() < 0.5 \
+    data[off : off + n] = (
+        bytes(rng.integers(0, 256, size=len(data[off : off + n]), dtype=np.uint8))
+        if rng.random() < 0.5
         else bytes(len(data[off : off + n]))
+    )
     path.write_bytes(bytes(data))
     return f"smash {n} bytes at {off}"
 
@@ -550,8 +605,12 @@ def b_truncate(path, rng, info):
     return f"truncate at {max(0, cut)} of {size}"
 
 
-BYTES = {"flip": b_flip, "meta_flip": lambda p, r, i: b_flip(p, r, i, meta_only=True), "smash": b_smash,
-         "truncate": b_truncate}
+BYTES = {
+    "flip": b_flip,
+    "meta_flip": lambda p, r, i: b_flip(p, r, i, meta_only=True),
+    "smash": b_smash,
+    "truncate": b_truncate,
+}
 DAMAGE = list(STRUCTURAL) + list(BYTES)
 ALL = DAMAGE + list(HOSTILE)
 
@@ -629,8 +688,19 @@ def message_kind(err: str) -> str:
     return "other: " + err.strip()[:80]
 
 
-def run_case(case: int, seed: int, ref: Path, bad: Path, info: Info, timeout: float, talk: bool = False,
-             keep: Path | None = None, on_event=None, only: str | None = None, watch: OutsideWatch | None = None) -> dict:
+def run_case(
+    case: int,
+    seed: int,
+    ref: Path,
+    bad: Path,
+    info: Info,
+    timeout: float,
+    talk: bool = False,
+    keep: Path | None = None,
+    on_event=None,
+    only: str | None = None,
+    watch: OutsideWatch | None = None,
+) -> dict:
     """Corrupt a copy of `ref` as case `case` of `seed` says, run every command on it, check each."""
     rng = np.random.default_rng([seed, case])  # each case reproducible alone: --seed S --case K
     picks, done = corrupt(ref, bad, rng, info, only)
@@ -640,8 +710,12 @@ def run_case(case: int, seed: int, ref: Path, bad: Path, info: Info, timeout: fl
         shutil.copyfile(bad, keep)
     if talk:
         print(f"case {case}: {'; '.join(done)}", flush=True)
-    argv = {"show": ["show", str(bad)], "show --hash": ["show", "--hash", str(bad)],
-            "diff GOLDEN CORRUPT": ["diff", str(ref), str(bad)], "diff CORRUPT GOLDEN": ["diff", str(bad), str(ref)]}
+    argv = {
+        "show": ["show", str(bad)],
+        "show --hash": ["show", "--hash", str(bad)],
+        "diff GOLDEN CORRUPT": ["diff", str(ref), str(bad)],
+        "diff CORRUPT GOLDEN": ["diff", str(bad), str(ref)],
+    }
     results = []
     for command in COMMANDS:
         if on_event is not None:
@@ -654,11 +728,24 @@ def run_case(case: int, seed: int, ref: Path, bad: Path, info: Info, timeout: fl
             problem = (problem or "") + " canary bytes in the output (read outside the file)"
         outside = sorted(set(watch.events())) if watch is not None else []
         kind = message_kind(err) if code == 2 and problem is None else None
-        results.append({"command": command, "code": code, "problem": problem, "message": kind,
-                        "seconds": seconds, "rss": peak_rss(), "rss_grew": peak_rss() > rss0, "outside": outside})
+        results.append(
+            {
+                "command": command,
+                "code": code,
+                "problem": problem,
+                "message": kind,
+                "seconds": seconds,
+                "rss": peak_rss(),
+                "rss_grew": peak_rss() > rss0,
+                "outside": outside,
+            }
+        )
         if talk:
-            print(f"    {command:<20} exit {code}  {(err.strip() or out.strip()).splitlines()[:1]}"
-                  + (f"  FAIL: {problem}" if problem else ""), flush=True)
+            print(
+                f"    {command:<20} exit {code}  {(err.strip() or out.strip()).splitlines()[:1]}"
+                + (f"  FAIL: {problem}" if problem else ""),
+                flush=True,
+            )
     return {"case": case, "picks": picks, "done": done, "results": results}
 
 
@@ -683,14 +770,25 @@ def add_case(rep: Report, seed: int, res: dict) -> None:
     rep.watch_ok = rep.watch_ok and res.get("watch_ok", True)
 
 
-def fuzz(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.0, first: int = 0,
-         talk: bool = False, keep: Path | None = None, on_event=None, only: str | None = None,
-         deep_max: int = 20_000) -> Report:
+def fuzz(
+    cases: int,
+    seed: int,
+    golden: Path = GOLDEN,
+    timeout: float = 20.0,
+    first: int = 0,
+    talk: bool = False,
+    keep: Path | None = None,
+    on_event=None,
+    only: str | None = None,
+    deep_max: int = 20_000,
+) -> Report:
     """Run cases first..first+cases-1 in this process (what the test suite does)."""
     rep = Report()
     info = golden_info(golden)
-    with tempfile.TemporaryDirectory(prefix="trace-fuzz-") as tmp, \
-            tempfile.TemporaryDirectory(prefix="trace-fuzz-outside-") as outside_dir:
+    with (
+        tempfile.TemporaryDirectory(prefix="trace-fuzz-") as tmp,
+        tempfile.TemporaryDirectory(prefix="trace-fuzz-outside-") as outside_dir,
+    ):
         ref, bad = Path(tmp) / "golden.h5", Path(tmp) / "corrupt.h5"
         shutil.copyfile(golden, ref)
         # what hostile traces point at, in a folder of its own: nothing a clean run ever opens
@@ -711,8 +809,16 @@ def fuzz(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.0, fi
 
 
 # ---------------------------------------------------------------- isolation: crashes inside HDF5
-def worker(seed: int, golden: Path, timeout: float, hang_after: float, start: int, stop: int,
-           only: str | None = None, deep_max: int = 20_000) -> int:
+def worker(
+    seed: int,
+    golden: Path,
+    timeout: float,
+    hang_after: float,
+    start: int,
+    stop: int,
+    only: str | None = None,
+    deep_max: int = 20_000,
+) -> int:
     """Run cases start..stop-1 here; report each command begun and each case finished as JSON lines."""
     out = sys.stdout
     sys.stdout = sys.stderr  # only the protocol on the real stdout
@@ -740,9 +846,17 @@ def _inside_hdf5(stderr: str) -> bool:
     return False
 
 
-def supervise(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.0, jobs: int = 2,
-              hang_after: float = 60.0, only: str | None = None, deep_max: int = 20_000,
-              budget: float | None = None) -> Report:
+def supervise(
+    cases: int,
+    seed: int,
+    golden: Path = GOLDEN,
+    timeout: float = 20.0,
+    jobs: int = 2,
+    hang_after: float = 60.0,
+    only: str | None = None,
+    deep_max: int = 20_000,
+    budget: float | None = None,
+) -> Report:
     """Run the cases in `jobs` worker processes. A worker that dies (a crash, or a hang that outlived
     `hang_after` seconds) ends its case: counted as a library defect when it died inside an h5py
     call, as a failure otherwise; a new worker resumes after that case."""
@@ -753,9 +867,25 @@ def supervise(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.
 
     def run_range(start: int, stop: int) -> None:
         while start < stop:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--seed", str(seed), "--golden",
-                   str(golden), "--timeout", str(timeout), "--hang-after", str(hang_after), "--start", str(start),
-                   "--stop", str(stop), "--deep-max", str(deep_max)] + (["--only", only] if only else [])
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--worker",
+                "--seed",
+                str(seed),
+                "--golden",
+                str(golden),
+                "--timeout",
+                str(timeout),
+                "--hang-after",
+                str(hang_after),
+                "--start",
+                str(start),
+                "--stop",
+                str(stop),
+                "--deep-max",
+                str(deep_max),
+            ] + (["--only", only] if only else [])
             with tempfile.TemporaryFile("w+") as err:
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
                 begun = None
@@ -786,8 +916,10 @@ def supervise(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.
             hang = "Timeout (" in dump
             what = "hang" if hang else f"crash ({'signal ' + str(-code) if code < 0 else 'exit ' + str(code)})"
             top = [ln.strip() for ln in dump.splitlines() if ln.strip().startswith("File ")][:2]
-            text = (f"case {case} (--seed {seed} --case {case}) [{'; '.join(begun['done'])}] {command}: "
-                    f"{what}; innermost frames: {' <- '.join(top)}")
+            text = (
+                f"case {case} (--seed {seed} --case {case}) [{'; '.join(begun['done'])}] {command}: "
+                f"{what}; innermost frames: {' <- '.join(top)}"
+            )
             with lock:
                 rep.cases += 1
                 rep.outcomes[(command, "hdf5 " + what.split()[0] if _inside_hdf5(dump) else what.split()[0])] += 1
@@ -805,22 +937,31 @@ def supervise(cases: int, seed: int, golden: Path = GOLDEN, timeout: float = 20.
 
 
 def format_report(rep: Report, command_line: str) -> str:
-    lines = [f"$ {command_line}",
-             f"{rep.cases} cases in {rep.seconds:.1f} s ({rep.cases / max(rep.seconds, 1e-9):.1f} cases/s, "
-             f"{len(COMMANDS)} commands each); failures: {len(rep.failures)}"
-             + (" (stopped by --budget before the rest)" if rep.stopped else ""),
-             "exit codes by command:"]
+    lines = [
+        f"$ {command_line}",
+        f"{rep.cases} cases in {rep.seconds:.1f} s ({rep.cases / max(rep.seconds, 1e-9):.1f} cases/s, "
+        f"{len(COMMANDS)} commands each); failures: {len(rep.failures)}"
+        + (" (stopped by --budget before the rest)" if rep.stopped else ""),
+        "exit codes by command:",
+    ]
     for command in COMMANDS:
         counts = {c: rep.outcomes[(command, c)] for c in (0, 1, 2)}
         other = Counter({str(c): n for (cmd, c), n in rep.outcomes.items() if cmd == command and c not in (0, 1, 2)})
-        lines.append(f"  {command:<20} exit 0: {counts[0]:>5}  exit 1: {counts[1]:>5}  exit 2: {counts[2]:>5}"
-                     + "".join(f"  {'exit ' + c if c.lstrip('-').isdigit() else c}: {n}" for c, n in other.items()))
-    lines.append(f"reads outside the file (inotify on the files hostile traces point at): "
-                 f"{len(rep.outside) if rep.watch_ok else 'NOT CHECKED (no inotify)'}")
-    lines.append(f"commands over {SLOW_SECONDS:.0f} s: {len(rep.slow)} (slowest {rep.max_seconds:.1f} s); "
-                 f"over {BIG_RSS >> 30} GiB RSS: {len(rep.big)} (peak {rep.max_rss / 2**20:.0f} MiB)")
-    lines.append(f"library defects (the process hung or crashed inside an HDF5 call; see docs/robustness.md): "
-                 f"{len(rep.library)}")
+        lines.append(
+            f"  {command:<20} exit 0: {counts[0]:>5}  exit 1: {counts[1]:>5}  exit 2: {counts[2]:>5}"
+            + "".join(f"  {'exit ' + c if c.lstrip('-').isdigit() else c}: {n}" for c, n in other.items())
+        )
+    lines.append(
+        f"reads outside the file (inotify on the files hostile traces point at): "
+        f"{len(rep.outside) if rep.watch_ok else 'NOT CHECKED (no inotify)'}"
+    )
+    lines.append(
+        f"commands over {SLOW_SECONDS:.0f} s: {len(rep.slow)} (slowest {rep.max_seconds:.1f} s); "
+        f"over {BIG_RSS >> 30} GiB RSS: {len(rep.big)} (peak {rep.max_rss / 2**20:.0f} MiB)"
+    )
+    lines.append(
+        f"library defects (the process hung or crashed inside an HDF5 call; see docs/robustness.md): {len(rep.library)}"
+    )
     lines.append("exit-2 messages by kind:")
     lines += [f"  {label:<26} {n:>5}" for label, n in rep.messages.most_common()]
     lines.append("corruptions applied: " + ", ".join(f"{k} {v}" for k, v in sorted(rep.mutations.items())))
@@ -914,9 +1055,22 @@ def _set_file(text: str, kind: str, pattern: str) -> str:
 
 
 def i_outside_pattern(dump, m, rng):
-    target = str(rng.choice([str(ENV["canary"]), str(ENV["rows"]), "../outside/rows.bin", "/etc/passwd",
-                             "/proc/self/environ", "step000/../../outside/rows.bin", "./step000/rope.bin",
-                             "step000//rope.bin", "/dev/zero", "{step}/../../outside/rows.bin"]))
+    target = str(
+        rng.choice(
+            [
+                str(ENV["canary"]),
+                str(ENV["rows"]),
+                "../outside/rows.bin",
+                "/etc/passwd",
+                "/proc/self/environ",
+                "step000/../../outside/rows.bin",
+                "./step000/rope.bin",
+                "step000//rope.bin",
+                "/dev/zero",
+                "{step}/../../outside/rows.bin",
+            ]
+        )
+    )
     if target.startswith("../outside"):
         target = os.path.relpath(ENV["rows"], dump)
     return _set_file(m.read_text(), "rope_cos_sliding", target), f"file pattern {target}"
@@ -958,8 +1112,26 @@ def i_special(dump, m, rng):
 
 def i_pattern(dump, m, rng):
     """Hostile format fields in a file or key pattern."""
-    bad = str(rng.choice(["{step:>2000000000}", "{step:{n}}", "{kind[99]}", "{step.real}", "{step!r}", "{0}", "{}",
-                          "{", "}", "{layer:0999999d}", "{position:,}", "{kind:>99999999}", "{step:.5f}", "\0"]))
+    bad = str(
+        rng.choice(
+            [
+                "{step:>2000000000}",
+                "{step:{n}}",
+                "{kind[99]}",
+                "{step.real}",
+                "{step!r}",
+                "{0}",
+                "{}",
+                "{",
+                "}",
+                "{layer:0999999d}",
+                "{position:,}",
+                "{kind:>99999999}",
+                "{step:.5f}",
+                "\0",
+            ]
+        )
+    )
     text = m.read_text()
     if rng.random() < 0.5:
         return text.replace('key = "ple"', f'key = "ple{bad}"'), f"key pattern ple{bad!r}"
@@ -974,16 +1146,34 @@ def _npy_header(path: Path, header: str, data: bytes = b"") -> None:
 
 def i_npy(dump, m, rng):
     victim = dump / f"step{int(rng.integers(3)):03d}" / str(rng.choice(["embeddings.npy", "mask0.npy"]))
-    shape = str(rng.choice(["(-13, 64)", "(1e400, 64)", "(13, 1099511627776)", f"({2**62}, {2**62})", "(13, 67108864)",
-                            "(" * 2000 + ")" * 2000, "'x'", "(13, 64, 1, 1, 1)", "(13,)", "()", "(13, -1)"]))
+    shape = str(
+        rng.choice(
+            [
+                "(-13, 64)",
+                "(1e400, 64)",
+                "(13, 1099511627776)",
+                f"({2**62}, {2**62})",
+                "(13, 67108864)",
+                "(" * 2000 + ")" * 2000,
+                "'x'",
+                "(13, 64, 1, 1, 1)",
+                "(13,)",
+                "()",
+                "(13, -1)",
+            ]
+        )
+    )
     descr = str(rng.choice(["'<f4'", "'|b1'", "'>f4'", "'|O'", "[('a', '<f4')]", "'<c8'", "'<U3'", "'<f2'"]))
     if shape == "(13, 67108864)" and rng.random() < 0.5:  # a sparse file that really has the bytes
         _npy_header(victim, f"{{'descr': '|b1', 'fortran_order': False, 'shape': {shape}, }}")
         with open(victim, "r+b") as fh:
             fh.truncate(victim.stat().st_size + 13 * 67108864)
         return None, f"npy {victim.name} sparse {shape}"
-    _npy_header(victim, f"{{'descr': {descr}, 'fortran_order': {bool(rng.integers(2))}, 'shape': {shape}, }}",
-                bytes(int(rng.choice([0, 64, 3328]))))
+    _npy_header(
+        victim,
+        f"{{'descr': {descr}, 'fortran_order': {bool(rng.integers(2))}, 'shape': {shape}, }}",
+        bytes(int(rng.choice([0, 64, 3328]))),
+    )
     return None, f"npy header {victim.name} {descr} {shape[:20]}"
 
 
@@ -1032,9 +1222,16 @@ def i_safetensors(dump, m, rng):
         victim.write_bytes(int(rng.choice([2**63, 2**40, 1 << 30])).to_bytes(8, "little") + b"{}")
     else:
         entry = {"dtype": "F32", "shape": [13, 64], "data_offsets": [0, 3328]}
-        field_, value = [("shape", [1e400, 64]), ("shape", [-13, 64]), ("shape", [2**62, 2**62]),
-                         ("data_offsets", [0, 2**62]), ("dtype", ["F32"]), ("shape", "13"),
-                         ("data_offsets", [5, 1]), ("shape", [13, 1 << 26])][int(rng.integers(8))]
+        field_, value = [
+            ("shape", [1e400, 64]),
+            ("shape", [-13, 64]),
+            ("shape", [2**62, 2**62]),
+            ("data_offsets", [0, 2**62]),
+            ("dtype", ["F32"]),
+            ("shape", "13"),
+            ("data_offsets", [5, 1]),
+            ("shape", [13, 1 << 26]),
+        ][int(rng.integers(8))]
         entry[field_] = value
         h = json.dumps({"final_hidden": entry}).encode()
         victim.write_bytes(len(h).to_bytes(8, "little") + h + bytes(3328))
@@ -1062,8 +1259,9 @@ def i_map(dump, m, rng):
     if how == 1:
         return text + "#" * (2 << 20) + "\n", "map of 2 MiB"
     if how == 2:
-        key = str(rng.choice(["kind", "format", "dtype", "rows", "values", "byteorder", "layers", "axes", "shape",
-                              "key"]))
+        key = str(
+            rng.choice(["kind", "format", "dtype", "rows", "values", "byteorder", "layers", "axes", "shape", "key"])
+        )
         value = str(rng.choice(['["q"]', "{a = 1}", "1e400", "-1", "9223372036854775807", '"\\u0000"', "[[]]", "nan"]))
         lines = text.splitlines()
         i = [j for j, ln in enumerate(lines) if ln.startswith("file = ")][int(rng.integers(6))]
@@ -1080,10 +1278,18 @@ def i_force_over_input(dump, m, rng):
     return f"OUT:{victim}", f"-o {victim.relative_to(dump)} --force"
 
 
-IMPORT = {"import_outside_pattern": i_outside_pattern, "import_link": i_link, "import_special": i_special,
-          "import_pattern": i_pattern, "import_npy": i_npy, "import_npz": i_npz,
-          "import_safetensors": i_safetensors, "import_raw": i_raw, "import_map": i_map,
-          "import_force_over_input": i_force_over_input}
+IMPORT = {
+    "import_outside_pattern": i_outside_pattern,
+    "import_link": i_link,
+    "import_special": i_special,
+    "import_pattern": i_pattern,
+    "import_npy": i_npy,
+    "import_npz": i_npz,
+    "import_safetensors": i_safetensors,
+    "import_raw": i_raw,
+    "import_map": i_map,
+    "import_force_over_input": i_force_over_input,
+}
 
 
 def _tree_digest(folder: Path) -> dict:
@@ -1094,8 +1300,15 @@ def _tree_digest(folder: Path) -> dict:
     return out
 
 
-def run_import_case(case: int, seed: int, work: Path, timeout: float, watch: OutsideWatch | None = None,
-                    only: str | None = None, talk: bool = False) -> dict:
+def run_import_case(
+    case: int,
+    seed: int,
+    work: Path,
+    timeout: float,
+    watch: OutsideWatch | None = None,
+    only: str | None = None,
+    talk: bool = False,
+) -> dict:
     rng = np.random.default_rng([seed, case, 18])
     pick = only or str(rng.choice(list(IMPORT)))
     folder = work / f"case{case}"
@@ -1125,23 +1338,51 @@ def run_import_case(case: int, seed: int, work: Path, timeout: float, watch: Out
         problem = (problem or "") + " a dump file was changed"
     outside = sorted(set(watch.events())) if watch is not None else []
     if talk:
-        print(f"case {case}: {pick}: {done}\n    exit {code} {(se.strip() or so.strip())[:200]}"
-              + (f"  FAIL: {problem}" if problem else ""), flush=True)
+        print(
+            f"case {case}: {pick}: {done}\n    exit {code} {(se.strip() or so.strip())[:200]}"
+            + (f"  FAIL: {problem}" if problem else ""),
+            flush=True,
+        )
     shutil.rmtree(folder, ignore_errors=True)
-    return {"case": case, "picks": [pick], "done": [done], "watch_ok": watch is None or watch.ok,
-            "results": [{"command": "import", "code": code, "problem": problem,
-                         "message": (se.strip()[7:60] if code == 2 and problem is None else None),
-                         "seconds": seconds, "rss": peak_rss(), "rss_grew": peak_rss() > rss0, "outside": outside}]}
+    return {
+        "case": case,
+        "picks": [pick],
+        "done": [done],
+        "watch_ok": watch is None or watch.ok,
+        "results": [
+            {
+                "command": "import",
+                "code": code,
+                "problem": problem,
+                "message": (se.strip()[7:60] if code == 2 and problem is None else None),
+                "seconds": seconds,
+                "rss": peak_rss(),
+                "rss_grew": peak_rss() > rss0,
+                "outside": outside,
+            }
+        ],
+    }
 
 
-def fuzz_import(cases: int, seed: int, timeout: float = 60.0, only: str | None = None, talk: bool = False,
-                budget: float | None = None) -> Report:
+def fuzz_import(
+    cases: int,
+    seed: int,
+    timeout: float = 60.0,
+    only: str | None = None,
+    talk: bool = False,
+    budget: float | None = None,
+) -> Report:
     """Run import cases 0..cases-1 in this process (a FIFO open is ended by the case's alarm)."""
     rep = Report()
-    with tempfile.TemporaryDirectory(prefix="trace-fuzz-import-") as tmp, \
-            tempfile.TemporaryDirectory(prefix="trace-fuzz-outside-") as outside_dir:
-        ENV.update(canary=Path(outside_dir) / "canary.bin", rows=Path(outside_dir) / "rows.bin",
-                   outside=Path(outside_dir) / "outside.h5")
+    with (
+        tempfile.TemporaryDirectory(prefix="trace-fuzz-import-") as tmp,
+        tempfile.TemporaryDirectory(prefix="trace-fuzz-outside-") as outside_dir,
+    ):
+        ENV.update(
+            canary=Path(outside_dir) / "canary.bin",
+            rows=Path(outside_dir) / "rows.bin",
+            outside=Path(outside_dir) / "outside.h5",
+        )
         ENV["canary"].write_bytes(CANARY)
         ENV["rows"].write_bytes((CANARY * 4)[: 13 * 16 * 4])  # the size of rope.bin's step-0 rows
         watch = OutsideWatch([outside_dir])
@@ -1158,17 +1399,19 @@ def fuzz_import(cases: int, seed: int, timeout: float = 60.0, only: str | None =
 
 def format_import_report(rep: Report, command_line: str) -> str:
     codes = Counter({c: n for (_cmd, c), n in rep.outcomes.items()})
-    return "\n".join([
-        f"$ {command_line}",
-        f"{rep.cases} import cases in {rep.seconds:.1f} s; failures: {len(rep.failures)}"
-        + (" (stopped by --budget before the rest)" if rep.stopped else ""),
-        "exit codes: " + ", ".join(f"{c}: {n}" for c, n in sorted(codes.items(), key=str)),
-        f"reads outside the dump (inotify on the files hostile maps point at): "
-        f"{len(rep.outside) if rep.watch_ok else 'NOT CHECKED (no inotify)'}",
-        f"runs over {SLOW_SECONDS:.0f} s: {len(rep.slow)} (slowest {rep.max_seconds:.1f} s); "
-        f"over {BIG_RSS >> 30} GiB RSS: {len(rep.big)} (peak {rep.max_rss / 2**20:.0f} MiB)",
-        "classes: " + ", ".join(f"{k} {v}" for k, v in sorted(rep.mutations.items())),
-    ])
+    return "\n".join(
+        [
+            f"$ {command_line}",
+            f"{rep.cases} import cases in {rep.seconds:.1f} s; failures: {len(rep.failures)}"
+            + (" (stopped by --budget before the rest)" if rep.stopped else ""),
+            "exit codes: " + ", ".join(f"{c}: {n}" for c, n in sorted(codes.items(), key=str)),
+            f"reads outside the dump (inotify on the files hostile maps point at): "
+            f"{len(rep.outside) if rep.watch_ok else 'NOT CHECKED (no inotify)'}",
+            f"runs over {SLOW_SECONDS:.0f} s: {len(rep.slow)} (slowest {rep.max_seconds:.1f} s); "
+            f"over {BIG_RSS >> 30} GiB RSS: {len(rep.big)} (peak {rep.max_rss / 2**20:.0f} MiB)",
+            "classes: " + ", ".join(f"{k} {v}" for k, v in sorted(rep.mutations.items())),
+        ]
+    )
 
 
 def main(argv=None) -> int:
@@ -1177,41 +1420,78 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--golden", type=Path, default=GOLDEN)
     ap.add_argument("--timeout", type=float, default=20.0, help="seconds a command may run (Python-level alarm)")
-    ap.add_argument("--hang-after", type=float, default=60.0,
-                    help="seconds after which a command stuck in C code ends its worker process")
+    ap.add_argument(
+        "--hang-after",
+        type=float,
+        default=60.0,
+        help="seconds after which a command stuck in C code ends its worker process",
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     ap.add_argument("--case", type=int, default=None, help="run only this case, in this process, and describe it")
     ap.add_argument("--keep", type=Path, default=None, help="with --case: copy the corrupted file here")
     ap.add_argument("--show-failures", type=int, default=10, help="print at most this many failures")
     ap.add_argument("--only", choices=ALL, default=None, help="apply only this corruption class (one per case)")
     ap.add_argument("--deep-max", type=int, default=20_000, help="deepest group nesting the 'deep' class makes")
-    ap.add_argument("--budget", type=float, default=None,
-                    help="seconds: stop starting cases after this and report the cases run (a shared machine)")
-    ap.add_argument("--import-cases", type=int, default=None,
-                    help="fuzz `trace import` with this many hostile maps and dumps instead (in this process)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds: stop starting cases after this and report the cases run (a shared machine)",
+    )
+    ap.add_argument(
+        "--import-cases",
+        type=int,
+        default=None,
+        help="fuzz `trace import` with this many hostile maps and dumps instead (in this process)",
+    )
     ap.add_argument("--import-only", choices=list(IMPORT), default=None, help="with --import-cases: only this class")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--stop", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.import_cases is not None:
-        rep = fuzz_import(args.import_cases, args.seed, max(args.timeout, SLOW_SECONDS), args.import_only,
-                          talk=args.case is not None, budget=args.budget)
+        rep = fuzz_import(
+            args.import_cases,
+            args.seed,
+            max(args.timeout, SLOW_SECONDS),
+            args.import_only,
+            talk=args.case is not None,
+            budget=args.budget,
+        )
         print(format_import_report(rep, " ".join(["python scripts/fuzz_traces.py", *(argv or sys.argv[1:])])))
         for line in (rep.failures + rep.outside + rep.slow + rep.big)[: args.show_failures]:
             print("FAIL " + line)
         return 1 if rep.failures or rep.outside or rep.slow or rep.big or not rep.watch_ok else 0
     if args.worker:
-        return worker(args.seed, args.golden, args.timeout, args.hang_after, args.start, args.stop, args.only,
-                      args.deep_max)
+        return worker(
+            args.seed, args.golden, args.timeout, args.hang_after, args.start, args.stop, args.only, args.deep_max
+        )
     if args.case is not None:
         faulthandler.enable()
         faulthandler.dump_traceback_later(args.hang_after, exit=True)
-        rep = fuzz(1, args.seed, args.golden, args.timeout, first=args.case, talk=True, keep=args.keep, only=args.only,
-                   deep_max=args.deep_max)
+        rep = fuzz(
+            1,
+            args.seed,
+            args.golden,
+            args.timeout,
+            first=args.case,
+            talk=True,
+            keep=args.keep,
+            only=args.only,
+            deep_max=args.deep_max,
+        )
     else:
-        rep = supervise(args.cases, args.seed, args.golden, args.timeout, args.jobs, args.hang_after, args.only,
-                        args.deep_max, args.budget)
+        rep = supervise(
+            args.cases,
+            args.seed,
+            args.golden,
+            args.timeout,
+            args.jobs,
+            args.hang_after,
+            args.only,
+            args.deep_max,
+            args.budget,
+        )
     shown = " ".join(["python scripts/fuzz_traces.py", *(argv if argv is not None else sys.argv[1:])])
     print(format_report(rep, shown))
     for line in rep.library[: args.show_failures]:

@@ -1,7 +1,7 @@
 """Regenerate the golden traces in traces/golden/ (deterministic) and their content hashes.
 
-    python scripts/make_golden.py            # re-record all goldens with the installed transformers
-    python scripts/make_golden.py --check    # only verify HASHES against the checked-in files
+python scripts/make_golden.py            # re-record all goldens with the installed transformers
+python scripts/make_golden.py --check    # only verify HASHES against the checked-in files
 """
 
 from __future__ import annotations

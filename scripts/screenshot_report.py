@@ -28,8 +28,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 QUANT_BUG = "tests.quant_bugs:make_stale_ple_in_decode__static_w8"
 FLOAT_BUG = "tests.bug_zoo:make_decode_slice_short"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--hide-scrollbars",
+]
 
 
 def trace(*args: str) -> int:
@@ -48,8 +56,19 @@ def once(path: Path, *args: str) -> Path:
 
 def screenshot(chromium: str, page: Path, png: Path, size: str = "1400,1800") -> None:
     with tempfile.TemporaryDirectory() as profile:
-        subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--screenshot={png}",
-                        f"--window-size={size}", page.resolve().as_uri()], check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                chromium,
+                *CHROMIUM_FLAGS,
+                f"--user-data-dir={profile}",
+                f"--screenshot={png}",
+                f"--window-size={size}",
+                page.resolve().as_uri(),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
     print(f"wrote {png}")
 
 
@@ -64,8 +83,11 @@ def main() -> None:
     base = once(out / "base.h5", "replay", str(ref), "--runtime", "static-w8")
     run_q = once(out / "run-quant-bug.h5", "replay", str(ref), "--runtime", QUANT_BUG)
     run_f = once(out / "run-float-bug.h5", "replay", str(ref), "--runtime", FLOAT_BUG)
-    for name, run, extra in (("quant", run_q, []), ("quant-baseline", run_q, ["--baseline", str(base)]),
-                             ("float-bug", run_f, [])):
+    for name, run, extra in (
+        ("quant", run_q, []),
+        ("quant-baseline", run_q, ["--baseline", str(base)]),
+        ("float-bug", run_f, []),
+    ):
         page = out / f"{name}.html"
         trace("diff", str(ref), str(run), *extra, "--report", str(page), "--force")
         screenshot(args.chromium, page, out / f"{name}.png")

@@ -322,37 +322,73 @@ def make_window_off_by_one(loaded, max_seq):
 
 # bug: (factory in this module, reference, what is wrong). Bugs that give wrong numbers:
 BUGS = {
-    "zero_prefill_mask": ("make_zero_prefill_mask", "short",
-                          "the prefill mask is all zeros (additive): future and padding keys leak"),
+    "zero_prefill_mask": (
+        "make_zero_prefill_mask",
+        "short",
+        "the prefill mask is all zeros (additive): future and padding keys leak",
+    ),
     "identity_rope": ("make_identity_rope", "short", "RoPE tables are cos = 1, sin = 0: nothing is rotated"),
-    "shared_decode_mask": ("make_shared_decode_mask", "prompt5",
-                           "decode uses the full-attention (causal) mask on sliding layers too"),
-    "window_off_by_one": ("make_window_off_by_one", "window",
-                          "sliding layers see window + 1 keys (prompt longer than the window)"),
-    "window_off_by_one_decode": ("make_window_off_by_one", "prompt5",
-                                 "sliding layers see window + 1 keys (prompt shorter than the window)"),
-    "reuse_own_empty_cache": ("make_reuse_own_empty_cache", "short",
-                              "KV-reusing layers read their own never-written (zero) cache instead of the stored K/V"),
-    "reuse_own_cache_in_decode": ("make_reuse_own_cache_in_decode", "short",
-                                  "KV-reusing layers get the stored K/V in prefill, their own empty cache in decode"),
-    "reuse_stale_current_row": ("make_reuse_stale_current_row", "short",
-                                "KV-reusing layers read the stored K/V without the current token's row (decode)"),
-    "decode_slice_short": ("make_decode_slice_short", "short",
-                           "decode attends over past_len keys instead of past_len + 1 (the current key is left out)"),
-    "padding_kv_read_by_slot": ("make_padding_kv_read_by_slot", "short",
-                                "prefill writes padding K/V into the cache; decode masks by filled slot, not position"),
+    "shared_decode_mask": (
+        "make_shared_decode_mask",
+        "prompt5",
+        "decode uses the full-attention (causal) mask on sliding layers too",
+    ),
+    "window_off_by_one": (
+        "make_window_off_by_one",
+        "window",
+        "sliding layers see window + 1 keys (prompt longer than the window)",
+    ),
+    "window_off_by_one_decode": (
+        "make_window_off_by_one",
+        "prompt5",
+        "sliding layers see window + 1 keys (prompt shorter than the window)",
+    ),
+    "reuse_own_empty_cache": (
+        "make_reuse_own_empty_cache",
+        "short",
+        "KV-reusing layers read their own never-written (zero) cache instead of the stored K/V",
+    ),
+    "reuse_own_cache_in_decode": (
+        "make_reuse_own_cache_in_decode",
+        "short",
+        "KV-reusing layers get the stored K/V in prefill, their own empty cache in decode",
+    ),
+    "reuse_stale_current_row": (
+        "make_reuse_stale_current_row",
+        "short",
+        "KV-reusing layers read the stored K/V without the current token's row (decode)",
+    ),
+    "decode_slice_short": (
+        "make_decode_slice_short",
+        "short",
+        "decode attends over past_len keys instead of past_len + 1 (the current key is left out)",
+    ),
+    "padding_kv_read_by_slot": (
+        "make_padding_kv_read_by_slot",
+        "short",
+        "prefill writes padding K/V into the cache; decode masks by filled slot, not position",
+    ),
     "no_softcap": ("make_no_softcap", "short", "the final logit soft-cap is missing"),
     "no_ple": ("make_no_ple", "short", "per-layer embeddings (PLE) are missing"),
-    "ple_raw_image_ids": ("make_ple_raw_image_ids", "image",
-                          "the PLE token lookup uses ids whose image tokens are not replaced by pad"),
-    "vision_scaled": ("make_vision_scaled", "image",
-                      "vision soft tokens are multiplied by sqrt(hidden) like text embeddings"),
+    "ple_raw_image_ids": (
+        "make_ple_raw_image_ids",
+        "image",
+        "the PLE token lookup uses ids whose image tokens are not replaced by pad",
+    ),
+    "vision_scaled": (
+        "make_vision_scaled",
+        "image",
+        "vision soft tokens are multiplied by sqrt(hidden) like text embeddings",
+    ),
     "vision_wrong_slots": ("make_vision_wrong_slots", "image", "vision soft tokens are merged one slot late"),
 }
 # bugs that cannot run: replay must stop with one line naming the layer
 CRASHING = {
-    "sliding_head_dim_cache": ("make_sliding_head_dim_cache", "short",
-                               "K/V caches allocated with the sliding head_dim for every layer"),
+    "sliding_head_dim_cache": (
+        "make_sliding_head_dim_cache",
+        "short",
+        "K/V caches allocated with the sliding head_dim for every layer",
+    ),
 }
 
 

@@ -19,8 +19,11 @@ class _Probe:
         self.probe, self.hook = probe, hook
 
     def tensor(self, kind, value, layer=None, positions=None):
-        got = self.probe.tensor(kind, value, layer) if positions is None else \
-            self.probe.tensor(kind, value, layer, positions=positions)
+        got = (
+            self.probe.tensor(kind, value, layer)
+            if positions is None
+            else self.probe.tensor(kind, value, layer, positions=positions)
+        )
         self.hook(kind, layer)
         return got
 
@@ -120,7 +123,7 @@ def make_crash_after_embeddings_in_decode(loaded, max_seq):
 
 
 def make_crash_in_factory(loaded, max_seq):
-    return CrashAfter(loaded, max_seq, "never", None)._crash_now()  # noqa: the factory itself crashes
+    return CrashAfter(loaded, max_seq, "never", None)._crash_now()  # the factory itself crashes
 
 
 def _crash_now(self):
@@ -158,7 +161,9 @@ class _BadPositions(StaticGemma4Runtime):
         self.positions = positions
 
     def prefill(self, input_ids, extra_inputs=None, probe=None):
-        probe.tensor("embeddings", torch.zeros(len(self.positions), self.hidden), positions=self.positions)  # CRASH-SITE-POSITIONS
+        probe.tensor(
+            "embeddings", torch.zeros(len(self.positions), self.hidden), positions=self.positions
+        )  # CRASH-SITE-POSITIONS
         return super().prefill(input_ids, extra_inputs, None)
 
 

@@ -40,12 +40,17 @@ def copy_trace(src, dst, edit=None, mode=None, stop_after=None, omit=()):
         for step, (a, b) in enumerate(r.step_positions[:stop_after]):
             w.begin_step(range(a, b))
             for kind, layer in present:
-                rows = r.read(kind, layer, slice(step, step + 1) if S.KIND_BY_NAME[kind].index == "step"
-                              else slice(a, b))
+                rows = r.read(
+                    kind, layer, slice(step, step + 1) if S.KIND_BY_NAME[kind].index == "step" else slice(a, b)
+                )
                 if edit is not None:
                     rows = edit(kind, layer, step, rows.copy())
-                w.add(kind, rows[0] if S.KIND_BY_NAME[kind].index == "step" else rows, layer=layer,
-                      source_dtype=r.source_dtype(kind, layer))
+                w.add(
+                    kind,
+                    rows[0] if S.KIND_BY_NAME[kind].index == "step" else rows,
+                    layer=layer,
+                    source_dtype=r.source_dtype(kind, layer),
+                )
             w.end_step()
 
 
@@ -94,32 +99,65 @@ def second_choice(name: str, step: int) -> int:
     return int(np.argsort(lg)[-2])
 
 
-LOOSE_LAYER_OUT = '[[rule]]\nkind = "layer_out"\nrel_l2 = 1e-2\n\n[[rule]]\nkind = "q"\nlayer = "4-"\nmax_abs = 0.05\nrel_l2 = false\n'
+LOOSE_LAYER_OUT = (
+    '[[rule]]\nkind = "layer_out"\nrel_l2 = 1e-2\n\n'
+    '[[rule]]\nkind = "q"\nlayer = "4-"\nmax_abs = 0.05\nrel_l2 = false\n'
+)
 
 # name -> (golden, candidate builder kwargs (or a callable giving them), tolerances text or None)
 CASES = {
     "match": ("window", lambda: {}, None),
-    "numeric": ("window", lambda: {"edit": chain(noise("layer_out", 3, 5, 1e-3, seed=1),
-                                                   noise("q", 5, 7, 0.2, seed=2, head=1))}, None),
-    "numeric_tolerances": ("window", lambda: {"edit": chain(noise("layer_out", 3, 5, 1e-3, seed=1),
-                                                              noise("q", 5, 7, 0.2, seed=2, head=1))},
-                           LOOSE_LAYER_OUT),
-    "drift_inherited": ("window", lambda: {"edit": chain(noise("layer_out", 1, 0, 5e-5, seed=3),
-                                                         noise("attn_out", 2, 0, 3e-4, seed=4),
-                                                         noise("layer_out", 2, 0, 2e-4, seed=5))}, None),
+    "numeric": (
+        "window",
+        lambda: {"edit": chain(noise("layer_out", 3, 5, 1e-3, seed=1), noise("q", 5, 7, 0.2, seed=2, head=1))},
+        None,
+    ),
+    "numeric_tolerances": (
+        "window",
+        lambda: {"edit": chain(noise("layer_out", 3, 5, 1e-3, seed=1), noise("q", 5, 7, 0.2, seed=2, head=1))},
+        LOOSE_LAYER_OUT,
+    ),
+    "drift_inherited": (
+        "window",
+        lambda: {
+            "edit": chain(
+                noise("layer_out", 1, 0, 5e-5, seed=3),
+                noise("attn_out", 2, 0, 3e-4, seed=4),
+                noise("layer_out", 2, 0, 2e-4, seed=5),
+            )
+        },
+        None,
+    ),
     "mask": ("short", lambda: {"edit": set_at("mask", 1, 1, (0, 8), False)}, None),
     "mask_future": ("window", lambda: {"edit": set_at("mask", 6, 3, (0, 20), True)}, None),
     "nonfinite": ("short", lambda: {"edit": set_at("final_hidden", None, 2, (0, 5), np.nan)}, None),
-    "token": ("window", lambda: {"edit": set_at("token", None, 10, 0, second_choice("window", 10)),
-                                 "mode": "teacher-forced"}, None),
-    "token_free_running": ("window", lambda: {"edit": chain(
-        set_at("token", None, 6, 0, second_choice("window", 6)), noise("embeddings", None, 7, 0.5, seed=6)),
-        "mode": "free-running", "stop_after": 12}, None),
+    "token": (
+        "window",
+        lambda: {"edit": set_at("token", None, 10, 0, second_choice("window", 10)), "mode": "teacher-forced"},
+        None,
+    ),
+    "token_free_running": (
+        "window",
+        lambda: {
+            "edit": chain(
+                set_at("token", None, 6, 0, second_choice("window", 6)), noise("embeddings", None, 7, 0.5, seed=6)
+            ),
+            "mode": "free-running",
+            "stop_after": 12,
+        },
+        None,
+    ),
     "missing": ("short", lambda: {"omit": ("logits", ("attn_out", 2))}, None),
-    "cosine": ("window", lambda: {"edit": noise("attn_out", 4, 2, 0.05, seed=9)},
-               '[[rule]]\nrel_l2 = false\ncosine = 0.9999\n'),
-    "token_near_tie": ("short", lambda: {"edit": set_at("token", None, 1, 0, second_choice("short", 1))},
-                       '[tokens]\nnear_tie_margin = 20.0\n'),
+    "cosine": (
+        "window",
+        lambda: {"edit": noise("attn_out", 4, 2, 0.05, seed=9)},
+        "[[rule]]\nrel_l2 = false\ncosine = 0.9999\n",
+    ),
+    "token_near_tie": (
+        "short",
+        lambda: {"edit": set_at("token", None, 1, 0, second_choice("short", 1))},
+        "[tokens]\nnear_tie_margin = 20.0\n",
+    ),
     "shape": ("short", lambda: {"edit": lambda k, l, s, rows: rows[..., :8] if (k, l) == ("k", 3) else rows}, None),
     "image_numeric": ("image", lambda: {"edit": noise("v", 0, 0, 3e-3, seed=8)}, None),
 }

@@ -11,7 +11,6 @@ saves about 2 s of CPU per command. Nothing has run a tensor op in the server be
 so no OpenMP pool is inherited.
 """
 
-import array
 import json
 import os
 import signal
@@ -19,7 +18,7 @@ import socket
 import struct
 import sys
 
-CLIENT = '''#!{python} -S
+CLIENT = """#!{python} -S
 import array, json, os, socket, struct, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect({sock!r})
@@ -32,7 +31,7 @@ while len(buf) < 4:
         sys.exit(70)
     buf += more
 sys.exit(struct.unpack("!i", buf)[0])
-'''
+"""
 
 
 def _recv_request(conn):

@@ -59,7 +59,9 @@ def make_wide_probe(loaded, max_seq):
 
 
 def make_complex_probe(loaded, max_seq):
-    return Hostile(prefill=lambda ids, probe: probe.tensor("embeddings", torch.zeros(len(ids), 64, dtype=torch.complex64)))
+    return Hostile(
+        prefill=lambda ids, probe: probe.tensor("embeddings", torch.zeros(len(ids), 64, dtype=torch.complex64))
+    )
 
 
 def make_evil_error(loaded, max_seq):

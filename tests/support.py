@@ -24,8 +24,11 @@ def invoke(*args, env=None, **kw):
 
 def ours(text: str) -> str:
     """`text` without the lines of THIRD_PARTY_NOISE."""
-    return "".join(ln for ln in text.splitlines(keepends=True)
-                   if not ln.startswith(THIRD_PARTY_NOISE) and "torch/utils/_pytree.py" not in ln)
+    return "".join(
+        ln
+        for ln in text.splitlines(keepends=True)
+        if not ln.startswith(THIRD_PARTY_NOISE) and "torch/utils/_pytree.py" not in ln
+    )
 
 
 def one_line_error(r, *needles, out=None) -> str:
@@ -44,7 +47,7 @@ def one_line_error(r, *needles, out=None) -> str:
     lines = stderr.splitlines(keepends=True)
     assert len(lines) == 1 and lines[0].endswith("\n"), text
     line = lines[0].rstrip("\n")
-    assert line.startswith("error: ") and line[len("error: "):].strip(), text
+    assert line.startswith("error: ") and line[len("error: ") :].strip(), text
     for n in needles:
         assert str(n) in line, (n, line)
     if out is not None:

@@ -18,9 +18,17 @@ HIDDEN, VOCAB, PLE, WINDOW = 6, 11, 3, 4
 def provenance(layers=None, config=None, **over) -> dict:
     layers = LAYERS if layers is None else layers
     p = dict(
-        creator_version="test", torch_version="-", transformers_version="-", h5py_version="-",
-        dtype="float32", device="cpu", runtime="synthetic", mode="reference", model_name="synthetic",
-        model_config=config or {"model_type": "gemma4_text", "num_hidden_layers": len(layers)}, model_config_sha256="0" * 64,
+        creator_version="test",
+        torch_version="-",
+        transformers_version="-",
+        h5py_version="-",
+        dtype="float32",
+        device="cpu",
+        runtime="synthetic",
+        mode="reference",
+        model_name="synthetic",
+        model_config=config or {"model_type": "gemma4_text", "num_hidden_layers": len(layers)},
+        model_config_sha256="0" * 64,
     )
     p.update(over)
     return p
@@ -35,9 +43,23 @@ def allowed(layer: LayerInfo, queries: range, width: int) -> np.ndarray:
     return ok
 
 
-def write_trace(path, prompt_len=5, new_tokens=4, seed=0, edit=None, mode="reference", force=False,
-                layers=None, config=None, prompt_ids=None, mask_width=None, dtype="float32", source_dtype=None,
-                stop_after=None, omit=()):
+def write_trace(
+    path,
+    prompt_len=5,
+    new_tokens=4,
+    seed=0,
+    edit=None,
+    mode="reference",
+    force=False,
+    layers=None,
+    config=None,
+    prompt_ids=None,
+    mask_width=None,
+    dtype="float32",
+    source_dtype=None,
+    stop_after=None,
+    omit=(),
+):
     """A trace of deterministic random tensors; `edit(kind, layer, step, rows)` may change rows.
 
     The same seed gives the same values whatever the other options: `layers`/`config`/`prompt_ids`
@@ -50,9 +72,15 @@ def write_trace(path, prompt_len=5, new_tokens=4, seed=0, edit=None, mode="refer
     tokens = rng.integers(0, VOCAB, size=new_tokens)
     with TraceWriter(path, force=force, source_dtype=source_dtype) as w:
         ids = rng.integers(0, VOCAB, size=prompt_len)
-        w.write_header(TraceHeader(Provenance.from_dict(provenance(layers, config, mode=mode, dtype=dtype)),
-                                   ids if prompt_ids is None else prompt_ids, layers, max_new_tokens=new_tokens,
-                                   eos_token_ids=[1]))
+        w.write_header(
+            TraceHeader(
+                Provenance.from_dict(provenance(layers, config, mode=mode, dtype=dtype)),
+                ids if prompt_ids is None else prompt_ids,
+                layers,
+                max_new_tokens=new_tokens,
+                eos_token_ids=[1],
+            )
+        )
         start = 0
         for step in range(new_tokens if stop_after is None else min(stop_after, new_tokens)):
             stop = prompt_len if step == 0 else start + 1
@@ -64,7 +92,7 @@ def write_trace(path, prompt_len=5, new_tokens=4, seed=0, edit=None, mode="refer
                 if kind in omit:
                     return
                 if edit is not None:
-                    rows = edit(kind, layer, step, rows.copy())
+                    rows = edit(kind, layer, step, rows.copy())  # noqa: B023 - called in this iteration
                 w.add(kind, rows, layer=layer)
 
             put("embeddings", rng.standard_normal((n, HIDDEN)))

@@ -25,16 +25,20 @@ def test_prompt_longer_than_max_positions(short_model, tmp_path):
 
 def test_prompt_plus_new_tokens_past_max_positions(short_model, tmp_path):
     ids = ",".join(str(3 + i) for i in range(10))
-    res = invoke("record", "--model", str(short_model), "--input-ids", ids, "--max-new-tokens", "7",
-                 "-o", str(tmp_path / "r.h5"))
+    res = invoke(
+        "record", "--model", str(short_model), "--input-ids", ids, "--max-new-tokens", "7", "-o", str(tmp_path / "r.h5")
+    )
     one_line_error(res, "= 17", "16 positions")
-    res = invoke("record", "--model", str(short_model), "--input-ids", ids, "--max-new-tokens", "6",
-                 "-o", str(tmp_path / "r.h5"))
+    res = invoke(
+        "record", "--model", str(short_model), "--input-ids", ids, "--max-new-tokens", "6", "-o", str(tmp_path / "r.h5")
+    )
     assert res.exit_code == 0, res.output  # exactly 16 fits
 
 
-@pytest.mark.parametrize("max_seq, needle", [("8", "exceeds --max-seq 8"), ("15", "exceeds --max-seq 15"),
-                                              ("4096", "4096 exceeds the model's 2048 positions")])
+@pytest.mark.parametrize(
+    "max_seq, needle",
+    [("8", "exceeds --max-seq 8"), ("15", "exceeds --max-seq 15"), ("4096", "4096 exceeds the model's 2048 positions")],
+)
 def test_replay_max_seq(tmp_path, max_seq, needle):
     # the short golden: 13 prompt tokens + 3 new tokens = 16; the embedded model has 2048 positions
     res = invoke("replay", str(golden.golden_path("short")), "--max-seq", max_seq, "-o", str(tmp_path / "run.h5"))

@@ -91,6 +91,7 @@ def _canary(path: Path) -> Path:
 
 def _external_storage(name):
     """`name` rewritten as a dataset whose bytes live in another file (HDF5 external raw storage)."""
+
     def apply(path: Path):
         canary = _canary(path)
         with h5py.File(path, "r+") as f:
@@ -146,6 +147,7 @@ def _soft_link_to(name, to):
 
 def _sparse(name, shape, chunks, maxshape=None):
     """A dataset declaring a huge shape with nothing stored (every chunk missing)."""
+
     def fn(f):
         attrs = dict(f[name].attrs)
         del f[name]
@@ -197,16 +199,27 @@ HOSTILE = [
     ("external-link-dataset", _external_link("tensors/L03/q"), ["'tensors/L03/q' is an external link"]),
     ("external-link-tensors", _external_link("tensors"), ["'tensors' is an external link"]),
     ("external-link-model", _external_link("model"), ["'model' is an external link"]),
-    ("external-link-relative", _external_link("tensors/L05", "../bad0/other.h5"), ["'tensors/L05' is an external link"]),
+    (
+        "external-link-relative",
+        _external_link("tensors/L05", "../bad0/other.h5"),
+        ["'tensors/L05' is an external link"],
+    ),
     ("soft-link-layer-group", _soft_link_to("tensors/L02", "/tensors/L01"), ["'tensors/L02' is a soft link"]),
     ("hard-link-layer-group", _hard_link("tensors/L02", "tensors/L01"), ["two names"]),
     ("hard-link-dataset", _hard_link("tensors/L04/q", "tensors/L05/q"), ["two names"]),
     ("virtual-dataset", _virtual("tensors/L03/q"), ["'tensors/L03/q' is a virtual dataset"]),
     ("virtual-dataset-tokens", _virtual("tensors/token"), ["'tensors/token' is a virtual dataset"]),
-    ("sparse-huge-row", _sparse("tensors/L00/attn_out", (15, 10**9), (1, 1 << 20)),
-     ["'tensors/L00/attn_out'", "more than the model config justifies"]),
+    (
+        "sparse-huge-row",
+        _sparse("tensors/L00/attn_out", (15, 10**9), (1, 1 << 20)),
+        ["'tensors/L00/attn_out'", "more than the model config justifies"],
+    ),
     ("sparse-huge-logits", _sparse("tensors/logits", (3, 10**10), (1, 1 << 20)), ["'tensors/logits'", "justifies"]),
-    ("huge-chunk", _sparse("tensors/L00/layer_out", (15, 64), (1 << 20, 64), (None, 64)), ["'tensors/L00/layer_out'", "chunks of"]),
+    (
+        "huge-chunk",
+        _sparse("tensors/L00/layer_out", (15, 64), (1 << 20, 64), (None, 64)),
+        ["'tensors/L00/layer_out'", "chunks of"],
+    ),
     ("compression-bomb", _bomb_header, ["declare", "compression bomb"]),
     ("deep-tree-at-root", _deep_tree("junk"), ["'/' holds 'junk', which is not part of a trace"]),
     ("deep-tree-in-layer", _deep_tree("tensors/L01/junk"), ["'junk' is not a per-layer kind"]),
@@ -234,7 +247,11 @@ CASES = [
     ("model-config-not-json", _setattr("/", "model_config", "{hidden: 64"), ["'model_config' is not a JSON object"]),
     ("model-config-not-object", _setattr("/", "model_config", "[1, 2]"), ["'model_config' is not a JSON object"]),
     ("prompt-ids-missing", _delete("inputs/prompt_ids"), ["'inputs/prompt_ids' is missing"]),
-    ("prompt-ids-float", _rows("inputs/prompt_ids", lambda a: a.astype(np.float32)), ["inputs/prompt_ids", "dtype float32"]),
+    (
+        "prompt-ids-float",
+        _rows("inputs/prompt_ids", lambda a: a.astype(np.float32)),
+        ["inputs/prompt_ids", "dtype float32"],
+    ),
     ("prompt-ids-2d", _rows("inputs/prompt_ids", lambda a: a[None]), ["inputs/prompt_ids", "shape (1, 13)"]),
     ("prompt-ids-negative", _rows("inputs/prompt_ids", lambda a: a - 100), ["inputs/prompt_ids", "out of range"]),
     ("inputs-attr-missing", _delattr("inputs", "max_new_tokens"), ["'max_new_tokens' of 'inputs' is missing"]),
@@ -244,43 +261,104 @@ CASES = [
     ("more-steps-than-max-new-tokens", _setattr("inputs", "max_new_tokens", 2), ["3 steps but max_new_tokens is 2"]),
     ("steps-missing", _delete("steps/positions"), ["'steps/positions' is missing"]),
     ("steps-group-missing", _delete("steps"), ["the group 'steps' is missing"]),
-    ("steps-wrong-shape", _rows("steps/positions", lambda a: np.concatenate([a, a[:, :1]], axis=1)), ["steps/positions"]),
-    ("steps-gap", _rows("steps/positions", lambda a: a + np.array([[0, 0], [1, 1], [1, 1]])), ["step 1 feeds positions [14, 15)"]),
+    (
+        "steps-wrong-shape",
+        _rows("steps/positions", lambda a: np.concatenate([a, a[:, :1]], axis=1)),
+        ["steps/positions"],
+    ),
+    (
+        "steps-gap",
+        _rows("steps/positions", lambda a: a + np.array([[0, 0], [1, 1], [1, 1]])),
+        ["step 1 feeds positions [14, 15)"],
+    ),
     ("steps-empty", _rows("steps/positions", lambda a: a[:0]), ["steps/positions"]),
     ("steps-float", _rows("steps/positions", lambda a: a.astype(np.float64)), ["steps/positions", "dtype float64"]),
     ("model-field-missing", _delete("model/head_dim"), ["'model/head_dim' is missing"]),
     ("model-field-short", _rows("model/kv_role", lambda a: a[:-1]), ["inconsistent lengths"]),
-    ("model-field-dtype", _rows("model/num_heads", lambda a: a.astype(np.float32)), ["model/num_heads", "expected integer"]),
-    ("model-field-text-dtype", _rows("model/layer_type", lambda a: np.arange(len(a))), ["model/layer_type", "expected strings"]),
-    ("layer-type-unknown", _rows("model/layer_type", lambda a: np.array([b"dense"] * len(a), dtype=h5py.string_dtype())),
-     ["layer_type of layer 0 is 'dense'"]),
+    (
+        "model-field-dtype",
+        _rows("model/num_heads", lambda a: a.astype(np.float32)),
+        ["model/num_heads", "expected integer"],
+    ),
+    (
+        "model-field-text-dtype",
+        _rows("model/layer_type", lambda a: np.arange(len(a))),
+        ["model/layer_type", "expected strings"],
+    ),
+    (
+        "layer-type-unknown",
+        _rows("model/layer_type", lambda a: np.array([b"dense"] * len(a), dtype=h5py.string_dtype())),
+        ["layer_type of layer 0 is 'dense'"],
+    ),
     ("kv-source-out-of-range", _rows("model/kv_source", lambda a: a + 20), ["kv_source of layer 0 is 20"]),
     ("tensors-group-missing", _delete("tensors"), ["'tensors' is missing"]),
     ("token-missing", _delete("tensors/token"), ["'tensors/token'", "missing"]),
-    ("tensor-extra-rows", _rows("tensors/L03/q", lambda a: np.concatenate([a, a[-1:]])), ["tensors/L03/q", "16 rows, expected 15"]),
+    (
+        "tensor-extra-rows",
+        _rows("tensors/L03/q", lambda a: np.concatenate([a, a[-1:]])),
+        ["tensors/L03/q", "16 rows, expected 15"],
+    ),
     ("tensor-too-few-rows", _rows("tensors/embeddings", lambda a: a[:12]), ["tensors/embeddings", "12 rows"]),
     ("logits-rows", _rows("tensors/logits", lambda a: a[:2]), ["tensors/logits", "2 rows, expected 3 (one per step)"]),
     ("token-rows", _rows("tensors/token", lambda a: np.concatenate([a, a])), ["tensors/token", "6 rows, expected 3"]),
     ("q-heads-vs-metadata", _rows("tensors/L02/q", lambda a: a[:, :3]), ["tensors/L02/q", "4 heads"]),
-    ("k-heads-vs-metadata", _rows("tensors/L00/k", lambda a: np.concatenate([a, a], axis=1)), ["tensors/L00/k", "1 KV heads"]),
+    (
+        "k-heads-vs-metadata",
+        _rows("tensors/L00/k", lambda a: np.concatenate([a, a], axis=1)),
+        ["tensors/L00/k", "1 KV heads"],
+    ),
     ("ple-layers-vs-metadata", _rows("tensors/per_layer_inputs", lambda a: a[:, :7]), ["per_layer_inputs", "8 layers"]),
-    ("tensor-rank", _rows("tensors/L01/layer_out", lambda a: a[..., None]),
-     ["tensors/L01/layer_out", "expected 2 dimension(s)"]),
+    (
+        "tensor-rank",
+        _rows("tensors/L01/layer_out", lambda a: a[..., None]),
+        ["tensors/L01/layer_out", "expected 2 dimension(s)"],
+    ),
     ("tensor-scalar", _rows("tensors/final_hidden", lambda a: a[0, 0]), ["tensors/final_hidden", "shape ()"]),
     ("tensor-empty-row", _rows("tensors/L00/attn_out", lambda a: a[:, :0]), ["tensors/L00/attn_out", "empty row"]),
-    ("tensor-dtype-int", _rows("tensors/L04/layer_out", lambda a: a.astype(np.int32)), ["tensors/L04/layer_out", "expected float16, float32"]),
-    ("tensor-dtype-float128", _rows("tensors/L04/q", lambda a: a.astype(np.longdouble)), ["tensors/L04/q", "has dtype float128"]),
-    ("mask-dtype-float", _rows("tensors/L00/mask", lambda a: a.astype(np.float32)), ["tensors/L00/mask", "expected bool"]),
-    ("token-dtype-float", _rows("tensors/token", lambda a: a.astype(np.float64)), ["tensors/token", "expected integer"]),
+    (
+        "tensor-dtype-int",
+        _rows("tensors/L04/layer_out", lambda a: a.astype(np.int32)),
+        ["tensors/L04/layer_out", "expected float16, float32"],
+    ),
+    (
+        "tensor-dtype-float128",
+        _rows("tensors/L04/q", lambda a: a.astype(np.longdouble)),
+        ["tensors/L04/q", "has dtype float128"],
+    ),
+    (
+        "mask-dtype-float",
+        _rows("tensors/L00/mask", lambda a: a.astype(np.float32)),
+        ["tensors/L00/mask", "expected bool"],
+    ),
+    (
+        "token-dtype-float",
+        _rows("tensors/token", lambda a: a.astype(np.float64)),
+        ["tensors/token", "expected integer"],
+    ),
     ("token-negative", _rows("tensors/token", lambda a: a - 1000), ["tensors/token", "out of range"]),
-    ("source-dtype-missing", _delattr("tensors/L05/q", "source_dtype"), ["'source_dtype' of 'tensors/L05/q' is missing"]),
-    ("source-dtype-wrong-type", _setattr("tensors/L05/q", "source_dtype", np.zeros(3)), ["'source_dtype'", "should be text"]),
+    (
+        "source-dtype-missing",
+        _delattr("tensors/L05/q", "source_dtype"),
+        ["'source_dtype' of 'tensors/L05/q' is missing"],
+    ),
+    (
+        "source-dtype-wrong-type",
+        _setattr("tensors/L05/q", "source_dtype", np.zeros(3)),
+        ["'source_dtype'", "should be text"],
+    ),
     ("unknown-layer-group", _rename("tensors/L03", "tensors/L3"), ["'tensors/L3' is neither"]),
     ("layer-beyond-model", _rename("tensors/L07", "tensors/L09"), ["'tensors/L09'", "8 layers"]),
-    ("global-kind-in-layer", _rename("tensors/embeddings", "tensors/L00/embeddings"), ["'embeddings' is not a per-layer kind"]),
+    (
+        "global-kind-in-layer",
+        _rename("tensors/embeddings", "tensors/L00/embeddings"),
+        ["'embeddings' is not a per-layer kind"],
+    ),
     ("dangling-link", _soft_link("tensors/L01/v"), ["'tensors/L01/v' is a soft link"]),
-    ("dataset-where-group", _edit(lambda f: (f.__delitem__("model"), f.__setitem__("model", np.arange(3)))),
-     ["'model' is a Dataset, not a group"]),
+    (
+        "dataset-where-group",
+        _edit(lambda f: (f.__delitem__("model"), f.__setitem__("model", np.arange(3)))),
+        ["'model' is a Dataset, not a group"],
+    ),
 ]
 CASES += HOSTILE
 IDS = [c[0] for c in CASES]
@@ -321,19 +399,27 @@ def test_replay_refuses_bad_reference_and_writes_nothing(bad_traces, tmp_path, n
 
 
 def test_missing_file_and_folder(tmp_path):
-    for args in (["show", tmp_path / "nope.h5"], ["show", "--hash", tmp_path], ["diff", GOLDEN, tmp_path / "nope.h5"],
-                 ["diff", tmp_path, GOLDEN], ["replay", tmp_path / "nope.h5", "-o", tmp_path / "o.h5"]):
+    for args in (
+        ["show", tmp_path / "nope.h5"],
+        ["show", "--hash", tmp_path],
+        ["diff", GOLDEN, tmp_path / "nope.h5"],
+        ["diff", tmp_path, GOLDEN],
+        ["replay", tmp_path / "nope.h5", "-o", tmp_path / "o.h5"],
+    ):
         one_line_error(invoke(*args), str(tmp_path))
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("[[rule]\n", "not valid TOML"),
-    ('[[rule]]\nkind = "q"\nrel_l2 = -1\n', "rel_l2 must be >= 0"),
-    ('[[rule]]\nkind = "nope"\nrel_l2 = 1\n', "matches no kind"),
-    ("\xff\xfe", "not valid TOML"),
-    ("rule = 3\n", "array of tables"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("[[rule]\n", "not valid TOML"),
+        ('[[rule]]\nkind = "q"\nrel_l2 = -1\n', "rel_l2 must be >= 0"),
+        ('[[rule]]\nkind = "nope"\nrel_l2 = 1\n', "matches no kind"),
+        ("\xff\xfe", "not valid TOML"),
+        ("rule = 3\n", "array of tables"),
+    ],
+)
 def test_invalid_tolerances_file(tmp_path, text, needle):
     p = tmp_path / "tol.toml"
     p.write_bytes(text.encode("latin-1"))
@@ -354,7 +440,12 @@ def test_flipped_byte_is_corruption_not_divergence(tmp_path, dataset):
     bad = tmp_path / "copy.h5"
     shutil.copyfile(GOLDEN, bad)
     _flip_in_chunk(bad, dataset)
-    for args in (["diff", GOLDEN, bad], ["diff", bad, GOLDEN], ["diff", GOLDEN, bad, "--json"], ["show", "--hash", bad]):
+    for args in (
+        ["diff", GOLDEN, bad],
+        ["diff", bad, GOLDEN],
+        ["diff", GOLDEN, bad, "--json"],
+        ["show", "--hash", bad],
+    ):
         line = one_line_error(invoke(*args), str(bad), f"'{dataset}'")
         assert "is corrupt" in line and "damaged" in line and "checksum" in line
     # the summary reads no tensor data besides the tokens: it still works

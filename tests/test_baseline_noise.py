@@ -26,7 +26,7 @@ def noisy(seed, flips=(), scale=FLIP, step=0, token=None):
             return np.int64(token[1]) if token and s == token[0] else rows
         if rows.dtype.kind != "f":
             return rows
-        rows = rows + NOISE * rng.standard_normal(rows.shape) * np.sqrt(np.mean(rows ** 2))
+        rows = rows + NOISE * rng.standard_normal(rows.shape) * np.sqrt(np.mean(rows**2))
         if (k, l, s) == ("attn_out", 1, step):
             for r in flips:
                 rows[r] += scale * np.linalg.norm(rows[r]) * _unit(rng, rows[r].shape)
@@ -141,6 +141,7 @@ def test_every_token_flip_is_judged_not_only_the_first_hundred(tmp_path):
     def flips(steps):
         def edit(k, l, s, rows):
             return np.int64(other[s]) if k == "token" and s in steps else rows
+
         return edit
 
     base, run = tmp_path / "base.h5", tmp_path / "run.h5"

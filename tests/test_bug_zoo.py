@@ -17,10 +17,10 @@ import pytest
 
 from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.replayer.replay import default_max_seq, replay_trace
-from tests.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, runtime_spec
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
+from tests.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, runtime_spec
 from tests.support import invoke, one_line_error, site_of
 
 
@@ -138,7 +138,9 @@ def check_details(bug: str, f: Facts, d: dict, result) -> None:
     elif bug == "no_softcap":
         assert all(t.status == "ok" for t in result.tensors if t.kind != "logits")
     elif bug == "no_ple":
-        assert ("per_layer_inputs", None, "only in REF") in [site_of(s, "kind", "layer", "reason") for s in result.skipped]
+        assert ("per_layer_inputs", None, "only in REF") in [
+            site_of(s, "kind", "layer", "reason") for s in result.skipped
+        ]
 
 
 def check_tokens(ref, run, result, d) -> None:

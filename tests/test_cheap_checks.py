@@ -50,16 +50,20 @@ def test_a_typo_in_runtime_is_refused_before_the_model_loads(no_model, tmp_path)
 
 
 def test_a_typo_is_refused_without_importing_torch(tmp_path):
-    code = ("import sys\nfrom click.testing import CliRunner\nfrom gemma4_trace.cli import main\n"
-            f"r = CliRunner().invoke(main, ['replay', {REF!r}, '--runtime', 'statc', '-o', {str(tmp_path / 'o.h5')!r}])\n"
-            "print(r.exit_code, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    code = (
+        "import sys\nfrom click.testing import CliRunner\nfrom gemma4_trace.cli import main\n"
+        f"r = CliRunner().invoke(main, ['replay', {REF!r}, '--runtime', 'statc', '-o', {str(tmp_path / 'o.h5')!r}])\n"
+        "print(r.exit_code, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.split()
     assert out == ["2", "False", "False"]
 
 
 def test_isolate_on_a_runtime_without_it_is_refused_first(no_model, tmp_path):
     for name in ("onnx", "tico", "tico-quant"):
-        _refused(["replay", REF, "--runtime", name, "--isolate"], f"runtime {name} does not support --isolate", tmp_path)
+        _refused(
+            ["replay", REF, "--runtime", name, "--isolate"], f"runtime {name} does not support --isolate", tmp_path
+        )
     assert no_model == []
 
 
@@ -67,9 +71,16 @@ def test_a_missing_extra_is_named_before_the_model_loads(no_model, monkeypatch, 
     real = importlib.util.find_spec
     gone = {"torchao", "onnxruntime", "tico", "accelerate", "onnxscript"}
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in gone else real(name, *a))
-    _refused(["replay", REF, "--runtime", "static-w8"], "--runtime static-w8 needs torchao, which is not installed: pip install 'gemma4-trace[quant]'",
-             tmp_path)
-    _refused(["replay", REF, "--runtime", "onnx"], "needs onnxruntime, onnxscript, which is not installed: pip install 'gemma4-trace[onnx]'", tmp_path)
+    _refused(
+        ["replay", REF, "--runtime", "static-w8"],
+        "--runtime static-w8 needs torchao, which is not installed: pip install 'gemma4-trace[quant]'",
+        tmp_path,
+    )
+    _refused(
+        ["replay", REF, "--runtime", "onnx"],
+        "needs onnxruntime, onnxscript, which is not installed: pip install 'gemma4-trace[onnx]'",
+        tmp_path,
+    )
     _refused(["replay", REF, "--runtime", "tico-quant"], "needs tico", tmp_path)
     _refused(["record", "--device-map", "auto"], "--device-map needs accelerate, which is not installed", tmp_path)
     r = CliRunner().invoke(main, ["export-onnx", "--max-seq", "16", "-o", str(tmp_path / "g")])
@@ -80,7 +91,11 @@ def test_a_missing_extra_is_named_before_the_model_loads(no_model, monkeypatch, 
 def test_module_factory_syntax_and_module_are_checked_first(no_model, tmp_path, monkeypatch):
     _refused(["replay", REF, "--runtime", "my-pkg.rt:make"], "MODULE:FACTORY needs a dotted module name", tmp_path)
     _refused(["replay", REF, "--runtime", "pkg.rt:"], "MODULE:FACTORY needs", tmp_path)
-    _refused(["replay", REF, "--runtime", "no_such_pkg_21.rt:make"], "cannot import runtime plug-in module 'no_such_pkg_21.rt'", tmp_path)
+    _refused(
+        ["replay", REF, "--runtime", "no_such_pkg_21.rt:make"],
+        "cannot import runtime plug-in module 'no_such_pkg_21.rt'",
+        tmp_path,
+    )
     assert no_model == []
     # a module in the current folder is found, as the replay imports it (then the model loads)
     (tmp_path / "my_rt_21.py").write_text("def make(loaded, max_seq):\n    raise RuntimeError('started')\n")

@@ -9,8 +9,9 @@ import sys
 
 EDITS = {  # what the checkpoint gets wrong -> the line that refuses it
     "del text.layers[-1]": "HF model has 7 layers, config says 8",
-    "text.layers[0].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(1))":
-        "attention_bias=True is not supported (q_proj)",
+    "text.layers[0].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(1))": (
+        "attention_bias=True is not supported (q_proj)"
+    ),
     "a = text.layers[0].self_attn; a.k_proj.weight = torch.nn.Parameter(a.k_proj.weight[:-1])": "layer k_proj (",
     "a = text.layers[0].self_attn; a.q_proj.weight = torch.nn.Parameter(a.q_proj.weight[:-1])": "q_proj (",
 }
@@ -34,8 +35,9 @@ print(json.dumps(out))
 
 
 def test_model_checks_hold_under_python_O():
-    r = subprocess.run([sys.executable, "-O", "-c", PROGRAM, json.dumps(list(EDITS))], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-O", "-c", PROGRAM, json.dumps(list(EDITS))], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.splitlines()[-1])
     for edit, needle in EDITS.items():

@@ -63,8 +63,7 @@ def test_default_rule():
 
 
 def test_chunk_shorter_than_image_is_one_line(tmp_path):
-    res = invoke("replay", str(golden.golden_path("image")), "--prefill-chunk", "16",
-                 "-o", str(tmp_path / "run.h5"))
+    res = invoke("replay", str(golden.golden_path("image")), "--prefill-chunk", "16", "-o", str(tmp_path / "run.h5"))
     one_line_error(res, "shorter than an image of 64 soft tokens")
 
 
@@ -96,7 +95,9 @@ def test_exported_chunk_step_is_static_and_equal():
     k_want = rt.layers[0].k_cache.clone()
     rt.layers[0].k_cache.zero_()
     with torch.no_grad():  # the first chunk eagerly, the second through the exported graph
-        rt.prefill_chunk_step(ids_p[:, :8], ple_ids[:, :8], mm_embeds[:, :8], mm_slots[:, :8], block_ids, n_valid, torch.arange(8))
+        rt.prefill_chunk_step(
+            ids_p[:, :8], ple_ids[:, :8], mm_embeds[:, :8], mm_slots[:, :8], block_ids, n_valid, torch.arange(8)
+        )
         got = ep.module()(*second)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rt.layers[0].k_cache, k_want, rtol=1e-5, atol=1e-6)

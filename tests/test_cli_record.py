@@ -40,7 +40,9 @@ def test_record_and_show(text_model, tmp_path):
 
 def test_missing_model_folder(tmp_path):
     out = tmp_path / "t.h5"
-    one_line_error(invoke("record", "--model", tmp_path / "nope", "--input-ids", "2,3", "-o", out), "does not exist", out=out)
+    one_line_error(
+        invoke("record", "--model", tmp_path / "nope", "--input-ids", "2,3", "-o", out), "does not exist", out=out
+    )
 
 
 def test_not_gemma4(tmp_path):
@@ -85,15 +87,27 @@ def test_unreadable_image(text_model, tmp_path):
 def test_bad_ids_and_options(text_model, tmp_path):
     out = tmp_path / "t.h5"
     one_line_error(invoke("record", "--model", text_model, "--input-ids", "2,x", "-o", out), "comma-separated", out=out)
-    one_line_error(invoke("record", "--model", text_model, "--input-ids", "2,99999", "-o", out), "outside the vocabulary", out=out)
+    one_line_error(
+        invoke("record", "--model", text_model, "--input-ids", "2,99999", "-o", out), "outside the vocabulary", out=out
+    )
     one_line_error(invoke("record", "--model", text_model, "-o", out), "give the prompt", out=out)
-    one_line_error(invoke("record", "--model", text_model, "--prompt", "a", "--input-ids", "2", "-o", out), "exactly one of", out=out)
-    one_line_error(invoke("record", "--model", text_model, "--input-ids", "2", "--max-new-tokens", 0, "-o", out), "max-new-tokens", out=out)
+    one_line_error(
+        invoke("record", "--model", text_model, "--prompt", "a", "--input-ids", "2", "-o", out),
+        "exactly one of",
+        out=out,
+    )
+    one_line_error(
+        invoke("record", "--model", text_model, "--input-ids", "2", "--max-new-tokens", 0, "-o", out),
+        "max-new-tokens",
+        out=out,
+    )
 
 
 def test_existing_output_and_failed_force_keep_old_file(text_model, tmp_path):
     out = tmp_path / "t.h5"
-    assert invoke("record", "--model", text_model, "--input-ids", "2,17", "--max-new-tokens", 2, "-o", out).exit_code == 0
+    assert (
+        invoke("record", "--model", text_model, "--input-ids", "2,17", "--max-new-tokens", 2, "-o", out).exit_code == 0
+    )
     before = out.read_bytes()
     one_line_error(invoke("record", "--model", text_model, "--input-ids", "2,17", "-o", out), "already exists")
     res = invoke("record", "--model", text_model, "--input-ids", "2,99999", "--force", "-o", out)
@@ -102,7 +116,9 @@ def test_existing_output_and_failed_force_keep_old_file(text_model, tmp_path):
 
 
 def test_unwritable_output_folder(text_model, tmp_path):
-    one_line_error(invoke("record", "--model", text_model, "--input-ids", "2", "-o", tmp_path / "no" / "t.h5"), "does not exist")
+    one_line_error(
+        invoke("record", "--model", text_model, "--input-ids", "2", "-o", tmp_path / "no" / "t.h5"), "does not exist"
+    )
     one_line_error(invoke("record", "--model", text_model, "--input-ids", "2", "-o", "/proc/t.h5"), "output folder")
 
 
@@ -115,8 +131,20 @@ def test_show_bad_files(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_interrupted_record_leaves_nothing(long_model, tmp_path, sig):
     out = tmp_path / "t.h5"
-    cmd = [sys.executable, "-m", "gemma4_trace", "record", "--model", str(long_model), "--input-ids", "2,17",
-           "--max-new-tokens", "100000", "-o", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gemma4_trace",
+        "record",
+        "--model",
+        str(long_model),
+        "--input-ids",
+        "2,17",
+        "--max-new-tokens",
+        "100000",
+        "-o",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not any(p.name.startswith(".trace-partial") for p in tmp_path.iterdir()):
@@ -129,7 +157,9 @@ def test_interrupted_record_leaves_nothing(long_model, tmp_path, sig):
     if sig == signal.SIGKILL:
         # a killed run cannot clean up; its clearly named partial file goes at the next run
         assert [p for p in tmp_path.iterdir() if p.name.startswith(".trace-partial")]
-        assert invoke("record", "--model", long_model, "--input-ids", "2", "--max-new-tokens", 1, "-o", out).exit_code == 0
+        assert (
+            invoke("record", "--model", long_model, "--input-ids", "2", "--max-new-tokens", 1, "-o", out).exit_code == 0
+        )
         assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]
     else:
         assert proc.returncode == 130, err
@@ -141,9 +171,21 @@ def test_interrupted_record_leaves_nothing(long_model, tmp_path, sig):
 @pytest.mark.parametrize("force", [False, True])
 def test_two_runs_writing_one_path_leave_one_complete_trace(text_model, tmp_path, force):
     out = tmp_path / "t.h5"
-    cmd = [sys.executable, "-m", "gemma4_trace", "record", "--model", str(text_model), "--max-new-tokens", "40",
-           "-o", str(out)] + (["--force"] if force else [])
-    procs = [subprocess.Popen(cmd + ["--input-ids", ids], stderr=subprocess.PIPE, text=True) for ids in ("2,17", "2,18")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gemma4_trace",
+        "record",
+        "--model",
+        str(text_model),
+        "--max-new-tokens",
+        "40",
+        "-o",
+        str(out),
+    ] + (["--force"] if force else [])
+    procs = [
+        subprocess.Popen(cmd + ["--input-ids", ids], stderr=subprocess.PIPE, text=True) for ids in ("2,17", "2,18")
+    ]
     results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
     codes = sorted(code for code, _ in results)
     assert codes == ([0, 0] if force else [0, 2]), results
@@ -155,7 +197,9 @@ def test_two_runs_writing_one_path_leave_one_complete_trace(text_model, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]
 
 
-@pytest.mark.parametrize("variant,multimodal", [("no_sharing", False), ("full_first", False), ("k_eq_v", True), ("moe", True)])
+@pytest.mark.parametrize(
+    "variant,multimodal", [("no_sharing", False), ("full_first", False), ("k_eq_v", True), ("moe", True)]
+)
 def test_record_input_ids_on_any_checkpoint(tmp_path, variant, multimodal):
     model = tiny_models.build(tmp_path / "m", variant, multimodal=multimodal)
     out = tmp_path / "y.h5"

@@ -27,8 +27,19 @@ def test_offloaded_recording_equals_plain(tmp_path):
 
     plain, offloaded = tmp_path / "plain.h5", tmp_path / "offloaded.h5"
     record_trace(output=plain, max_new_tokens=4)
-    res = invoke("record", "--max-new-tokens", "4", "--device-map", "auto", "--max-memory", "cpu=1MB",
-                 "--offload-folder", str(tmp_path / "offload2"), "-o", str(offloaded))
+    res = invoke(
+        "record",
+        "--max-new-tokens",
+        "4",
+        "--device-map",
+        "auto",
+        "--max-memory",
+        "cpu=1MB",
+        "--offload-folder",
+        str(tmp_path / "offload2"),
+        "-o",
+        str(offloaded),
+    )
     assert res.exit_code == 0, res.output
     res = diff_traces(plain, offloaded)
     assert res.match, format_text(res)

@@ -11,10 +11,10 @@ import pytest
 import gemma4_trace.diff.blocks as diff_blocks
 from gemma4_trace.diff import diff_traces, format_text, load_tolerances, render_html, write_html
 from gemma4_trace.diff.result import Skipped
+from gemma4_trace.traces import TraceToolError
 from tests.diff_fixtures import chain
 from tests.support import site_of
 from tests.synth import LAYERS, WINDOW, write_trace
-from gemma4_trace.traces import TraceToolError
 
 
 def plant(**where):
@@ -41,7 +41,12 @@ def noise(rel, kinds=None, layers=None, seed=7):
     rng = np.random.default_rng(seed)
 
     def edit(k, l, s, rows):
-        if rows.dtype.kind != "f" or k == "token" or (kinds and k not in kinds) or (layers is not None and l not in layers):
+        if (
+            rows.dtype.kind != "f"
+            or k == "token"
+            or (kinds and k not in kinds)
+            or (layers is not None and l not in layers)
+        ):
             return rows
         return rows + rel * rng.standard_normal(rows.shape) * np.sqrt(np.mean(rows**2))
 
@@ -121,28 +126,45 @@ def test_planted_value_reported_exactly(ref, tmp_path):
     # the typed result behind the JSON
     t = r.first_divergence
     assert (t.phase, t.layer_info.kv_role, t.detail.first.names, t.origin.input.kind) == (
-        "decode", "stores", {"head": 0, "channel": 3}, "layer_out")
+        "decode",
+        "stores",
+        {"head": 0, "channel": 3},
+        "layer_out",
+    )
 
 
 def test_earliest_in_dataflow_order_wins(ref, tmp_path):
-    run = run_trace(tmp_path, edit=chain(
-        plant(kind="embeddings", step=2, index=(1,)),  # later step
-        plant(kind="attn_out", layer=3, step=1, index=(2,)),  # same step, later layer
-        plant(kind="layer_out", layer=0, step=1, index=(4,)),  # <- first
-        plant(kind="q", layer=1, step=0, row=3, index=(1, 5), delta=0.0),  # no change
-    ))
+    run = run_trace(
+        tmp_path,
+        edit=chain(
+            plant(kind="embeddings", step=2, index=(1,)),  # later step
+            plant(kind="attn_out", layer=3, step=1, index=(2,)),  # same step, later layer
+            plant(kind="layer_out", layer=0, step=1, index=(4,)),  # <- first
+            plant(kind="q", layer=1, step=0, row=3, index=(1, 5), delta=0.0),  # no change
+        ),
+    )
     d = first(diff_traces(ref, run))
     assert site_of(d, "step", "layer", "kind", "position", "channel") == (1, 0, "layer_out", 5, 4)
 
 
 def test_prefill_first_failing_position_and_head(ref, tmp_path):
-    run = run_trace(tmp_path, edit=chain(
-        plant(kind="q", layer=1, step=0, row=4, index=(0, 0)),
-        plant(kind="q", layer=1, step=0, row=2, index=(1, 6)),  # earlier position wins
-    ))
+    run = run_trace(
+        tmp_path,
+        edit=chain(
+            plant(kind="q", layer=1, step=0, row=4, index=(0, 0)),
+            plant(kind="q", layer=1, step=0, row=2, index=(1, 6)),  # earlier position wins
+        ),
+    )
     d = first(diff_traces(ref, run))
     assert site_of(d, "step", "phase", "layer", "kind", "position", "head", "channel") == (
-        0, "prefill", 1, "q", 2, 1, 6)
+        0,
+        "prefill",
+        1,
+        "q",
+        2,
+        1,
+        6,
+    )
 
 
 def test_sliding_window_off_by_one_in_mask(ref, tmp_path):
@@ -174,12 +196,17 @@ def test_padding_slot_visible_in_mask(ref, tmp_path):
 
 
 def test_future_key_blocked_and_allowed(ref, tmp_path):
-    run = run_trace(tmp_path, edit=chain(
-        plant(kind="mask", layer=0, step=0, row=1, index=(2,), value=True),  # future token leaks
-        plant(kind="mask", layer=0, step=0, row=1, index=(0,), value=False),
-    ))
+    run = run_trace(
+        tmp_path,
+        edit=chain(
+            plant(kind="mask", layer=0, step=0, row=1, index=(2,), value=True),  # future token leaks
+            plant(kind="mask", layer=0, step=0, row=1, index=(0,), value=False),
+        ),
+    )
     d = first(diff_traces(ref, run))
-    assert d["position"] == 1 and d["allowed_in_run_blocked_in_ref"] == [2] and d["blocked_in_run_allowed_in_ref"] == [0]
+    assert (
+        d["position"] == 1 and d["allowed_in_run_blocked_in_ref"] == [2] and d["blocked_in_run_allowed_in_ref"] == [0]
+    )
     assert "key 2 (future) allowed in RUN" in d["sentence"] and "key 0 blocked in RUN, allowed in REF" in d["sentence"]
 
 
@@ -323,10 +350,13 @@ def test_bfloat16_run_gets_looser_defaults(ref, tmp_path):
 
 
 def test_tolerance_file_loosens_one_kind_and_next_divergence_shows(ref, tmp_path):
-    run = run_trace(tmp_path, edit=chain(
-        plant(kind="k", layer=0, step=1, index=(0, 2), delta=0.5),
-        plant(kind="attn_out", layer=3, step=2, index=(1,)),
-    ))
+    run = run_trace(
+        tmp_path,
+        edit=chain(
+            plant(kind="k", layer=0, step=1, index=(0, 2), delta=0.5),
+            plant(kind="attn_out", layer=3, step=2, index=(1,)),
+        ),
+    )
     assert first(diff_traces(ref, run))["kind"] == "k"
     tol = tmp_path / "tol.toml"
     tol.write_text('[[rule]]\nkind = "k"\nlayer = "0-1"\nrel_l2 = 0.9\n')
@@ -338,8 +368,10 @@ def test_tolerance_file_loosens_one_kind_and_next_divergence_shows(ref, tmp_path
     # skip a kind in one layer on prefill only: not enough, the plant is on decode step 1
     tol.write_text('[[rule]]\nkind = "k"\nstep = "prefill"\nskip = true\n')
     assert first(diff_traces(ref, run, tol))["kind"] == "k"
-    tol.write_text('[[rule]]\nkind = "attn_*"\nlayer = "3"\nstep = "1-"\nmax_abs = 0.5\nrel_l2 = false\n'
-                   '[[rule]]\nkind = "k"\nskip = true\n')
+    tol.write_text(
+        '[[rule]]\nkind = "attn_*"\nlayer = "3"\nstep = "1-"\nmax_abs = 0.5\nrel_l2 = false\n'
+        '[[rule]]\nkind = "k"\nskip = true\n'
+    )
     d = first(diff_traces(ref, run, tol))
     assert (d["kind"], d["metric"], d["threshold"]) == ("attn_out", "max_abs", 0.5)
 
@@ -350,8 +382,10 @@ def test_tolerance_rule_matching():
 
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "t.toml"
-        p.write_text('[[rule]]\nrel_l2 = 1e-3\n[[rule]]\nkind = ["q", "k"]\nlayer = "1,3"\nstep = "2-3"\nrel_l2 = 0.5\n'
-                     '[[rule]]\nlayer = "*"\ncosine = 0.99\n[[rule]]\nlayer = "0-"\nmax_abs = 2\n')
+        p.write_text(
+            '[[rule]]\nrel_l2 = 1e-3\n[[rule]]\nkind = ["q", "k"]\nlayer = "1,3"\nstep = "2-3"\nrel_l2 = 0.5\n'
+            '[[rule]]\nlayer = "*"\ncosine = 0.99\n[[rule]]\nlayer = "0-"\nmax_abs = 2\n'
+        )
         t = load_tolerances(p)
         q1 = t.resolve("q", 1, "float32", 5)
         assert list(q1.limits["rel_l2"]) == [1e-3, 1e-3, 0.5, 0.5, 1e-3]
@@ -363,18 +397,21 @@ def test_tolerance_rule_matching():
         assert load_tolerances(None).resolve("q", 0, "bfloat16", 1).limits["rel_l2"][0] == 5e-2
 
 
-@pytest.mark.parametrize("text,msg", [
-    ("[[rule]\n", "not valid TOML"),
-    ('[[rule]]\nkind = "q"\nrel = 1\n', "unknown key(s) ['rel']"),
-    ('[[rule]]\nkind = "atn_out"\nrel_l2 = 1\n', "kind 'atn_out' matches no kind"),
-    ('[[rule]]\nlayer = "5-2"\nrel_l2 = 1\n', "range '5-2' is empty"),
-    ('[[rule]]\nlayer = "ten"\nrel_l2 = 1\n', "layer pattern 'ten'"),
-    ('[[rule]]\nkind = "q"\nrel_l2 = "big"\n', "rel_l2 must be a number"),
-    ('[[rule]]\nkind = "q"\ncosine = 2\n', "cosine is a minimum similarity"),
-    ('[[rule]]\nkind = "q"\n', "sets nothing"),
-    ('[tolerance]\nx = 1\n', "unknown top-level key"),
-    ('[tokens]\nnear_tie_margin = -1\n', "near_tie_margin must be a number >= 0"),
-])
+@pytest.mark.parametrize(
+    "text,msg",
+    [
+        ("[[rule]\n", "not valid TOML"),
+        ('[[rule]]\nkind = "q"\nrel = 1\n', "unknown key(s) ['rel']"),
+        ('[[rule]]\nkind = "atn_out"\nrel_l2 = 1\n', "kind 'atn_out' matches no kind"),
+        ('[[rule]]\nlayer = "5-2"\nrel_l2 = 1\n', "range '5-2' is empty"),
+        ('[[rule]]\nlayer = "ten"\nrel_l2 = 1\n', "layer pattern 'ten'"),
+        ('[[rule]]\nkind = "q"\nrel_l2 = "big"\n', "rel_l2 must be a number"),
+        ('[[rule]]\nkind = "q"\ncosine = 2\n', "cosine is a minimum similarity"),
+        ('[[rule]]\nkind = "q"\n', "sets nothing"),
+        ("[tolerance]\nx = 1\n", "unknown top-level key"),
+        ("[tokens]\nnear_tie_margin = -1\n", "near_tie_margin must be a number >= 0"),
+    ],
+)
 def test_invalid_tolerance_file(tmp_path, ref, text, msg):
     p = tmp_path / "bad.toml"
     p.write_text(text)
@@ -387,8 +424,12 @@ def test_invalid_tolerance_file(tmp_path, ref, text, msg):
 # ---------------------------------------------------------------- growth and origin
 def test_growth_table_and_inherited_drift(ref, tmp_path):
     # drift that grows through the stack: layer 0 under tolerance, layer 1 just over
-    run = run_trace(tmp_path, edit=chain(noise(5e-5, kinds={"layer_out"}, layers={0}, seed=1),
-                                         noise(2e-4, kinds={"layer_out"}, layers={1}, seed=2)))
+    run = run_trace(
+        tmp_path,
+        edit=chain(
+            noise(5e-5, kinds={"layer_out"}, layers={0}, seed=1), noise(2e-4, kinds={"layer_out"}, layers={1}, seed=2)
+        ),
+    )
     r = diff_traces(ref, run)
     d = first(r)
     assert site_of(d, "kind", "layer", "step") == ("layer_out", 1, 0)
@@ -400,8 +441,10 @@ def test_growth_table_and_inherited_drift(ref, tmp_path):
 
 
 def test_growth_jump_and_introduced(ref, tmp_path):
-    run = run_trace(tmp_path, edit=chain(noise(1e-6, kinds={"layer_out"}, seed=1),
-                                         plant(kind="layer_out", layer=2, step=3, index=(0,))))
+    run = run_trace(
+        tmp_path,
+        edit=chain(noise(1e-6, kinds={"layer_out"}, seed=1), plant(kind="layer_out", layer=2, step=3, index=(0,))),
+    )
     r = diff_traces(ref, run)
     d = first(r)
     assert site_of(d, "kind", "layer", "step", "position") == ("layer_out", 2, 3, 7)
@@ -442,8 +485,24 @@ def _prompt(tmp_path, ref):
 
 # ---------------------------------------------------------------- html
 class _Checker(HTMLParser):
-    VOID = {"meta", "br", "img", "input", "hr", "link", "area", "base", "col", "source", "wbr", "rect", "circle",
-            "line", "polyline", "path"}
+    VOID = {
+        "meta",
+        "br",
+        "img",
+        "input",
+        "hr",
+        "link",
+        "area",
+        "base",
+        "col",
+        "source",
+        "wbr",
+        "rect",
+        "circle",
+        "line",
+        "polyline",
+        "path",
+    }
 
     def __init__(self):
         super().__init__()

@@ -36,7 +36,8 @@ def test_exit_codes_and_text(traces):
     assert r.exit_code == 1
     assert r.output.splitlines()[0].startswith(
         "first divergence: decode step 2, layer 1 (full_attention, stores K/V for later layers), kind attn_out, "
-        "position 6, channel 3: rel-L2")
+        "position 6, channel 3: rel-L2"
+    )
 
 
 def test_json_contract(traces):
@@ -50,7 +51,13 @@ def test_json_contract(traces):
         assert set(j["tokens"]) >= {"reference", "candidate", "accuracy", "first_mismatch_step"}
     d = j["first_divergence"]
     assert {k: d[k] for k in ("step", "phase", "layer", "kind", "position", "metric")} == {
-        "step": 2, "phase": "decode", "layer": 1, "kind": "attn_out", "position": 6, "metric": "rel_l2"}
+        "step": 2,
+        "phase": "decode",
+        "layer": 1,
+        "kind": "attn_out",
+        "position": 6,
+        "metric": "rel_l2",
+    }
     assert isinstance(d["value"], float) and d["threshold"] == 1e-4
 
 

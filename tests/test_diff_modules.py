@@ -9,8 +9,20 @@ from pathlib import Path
 
 DIFF = Path(__file__).resolve().parents[1] / "diff"
 RENDERERS = {"report", "html", "fmt"}
-COMPUTE = ("align", "baseline", "blocks", "calibrate", "core", "isolation", "logits", "metrics", "origin", "result",
-           "tokens", "tolerances")
+COMPUTE = (
+    "align",
+    "baseline",
+    "blocks",
+    "calibrate",
+    "core",
+    "isolation",
+    "logits",
+    "metrics",
+    "origin",
+    "result",
+    "tokens",
+    "tolerances",
+)
 
 
 def diff_imports(module: str) -> set[str]:

@@ -2,15 +2,36 @@ import h5py
 import numpy as np
 import pytest
 
+from gemma4_trace.traces import (
+    KIND_NAMES,
+    Provenance,
+    TraceFileError,
+    TraceHeader,
+    TraceReader,
+    TraceToolError,
+    TraceWriter,
+    schema,
+)
 from tests.synth import LAYERS, write_trace
-from gemma4_trace.traces import KIND_NAMES, TraceFileError, TraceReader, TraceToolError, TraceWriter, schema
-from gemma4_trace.traces import Provenance, TraceHeader
 
 
 def test_golden_kind_names_in_dataflow_order():
     assert KIND_NAMES == (
-        "embeddings", "per_layer_inputs", "rope_cos_sliding", "rope_sin_sliding", "rope_cos_full",
-        "rope_sin_full", "mask", "q", "k", "v", "attn_out", "layer_out", "final_hidden", "logits", "token",
+        "embeddings",
+        "per_layer_inputs",
+        "rope_cos_sliding",
+        "rope_sin_sliding",
+        "rope_cos_full",
+        "rope_sin_full",
+        "mask",
+        "q",
+        "k",
+        "v",
+        "attn_out",
+        "layer_out",
+        "final_hidden",
+        "logits",
+        "token",
     )
     assert schema.LAYER_KIND_NAMES == ("mask", "q", "k", "v", "attn_out", "layer_out")
     assert schema.tensor_path("q", 7) == "tensors/L07/q"
@@ -40,9 +61,16 @@ def test_round_trip(tmp_path):
                 for step, part in enumerate(parts):
                     a, b = r.step_positions[step]
                     np.testing.assert_array_equal(got[a:b, : part.shape[1]], part)
-                    assert not got[a:b, part.shape[1]:].any()
+                    assert not got[a:b, part.shape[1] :].any()
                 continue
-            want = np.concatenate([np.asarray(p).reshape(-1, *np.asarray(p).shape[1:]) if schema.KIND_BY_NAME[kind].index == "position" else np.asarray(p)[None] for p in parts])
+            want = np.concatenate(
+                [
+                    np.asarray(p).reshape(-1, *np.asarray(p).shape[1:])
+                    if schema.KIND_BY_NAME[kind].index == "position"
+                    else np.asarray(p)[None]
+                    for p in parts
+                ]
+            )
             np.testing.assert_array_equal(got, want.astype(got.dtype))
         assert not r.has("k", 3)  # a reusing layer writes no K/V of its own
         ds = r.dataset("q", 0)
@@ -100,8 +128,10 @@ def test_rows_must_match_positions(tmp_path):
     with pytest.raises(ValueError, match="rows for"):
         with TraceWriter(tmp_path / "t.h5") as w:
             from tests.synth import provenance
-            w.write_header(TraceHeader(Provenance.from_dict(provenance()), [1, 2, 3], LAYERS, max_new_tokens=1,
-                                       eos_token_ids=[1]))
+
+            w.write_header(
+                TraceHeader(Provenance.from_dict(provenance()), [1, 2, 3], LAYERS, max_new_tokens=1, eos_token_ids=[1])
+            )
             w.begin_step(range(0, 3))
             w.add("embeddings", np.zeros((2, 6)))
     assert not (tmp_path / "t.h5").exists()

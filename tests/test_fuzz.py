@@ -52,8 +52,10 @@ def test_fuzzed_traces_end_cleanly(fz):
     assert {"corrupt data (checksum)", "invalid structure", "unreadable HDF5"} <= set(rep.messages), summary
 
 
-@pytest.mark.parametrize("hostile", ["external_storage", "external_link", "soft_link", "hard_link", "virtual",
-                                     "sparse", "bomb", "deep", "huge_attr"])
+@pytest.mark.parametrize(
+    "hostile",
+    ["external_storage", "external_link", "soft_link", "hard_link", "virtual", "sparse", "bomb", "deep", "huge_attr"],
+)
 def test_hostile_class_sample(fz, hostile):
     """A few cases of each hostile class alone: refused or harmless, never a read outside the file
     (inotify on the files they point at), never slow or big, always one line."""
@@ -102,8 +104,13 @@ def test_listing_the_watched_folder_is_no_read(fz, tmp_path, monkeypatch):
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # fuzz's folders land here, the loop looks here
     hits = tmp_path / "hits.txt"
-    loop = subprocess.Popen(["sh", "-c", f'while :; do ls -la "{tmp_path}"/trace-fuzz-outside-* >/dev/null 2>&1 '
-                                         f'&& echo hit >> "{hits}"; done'])
+    loop = subprocess.Popen(
+        [
+            "sh",
+            "-c",
+            f'while :; do ls -la "{tmp_path}"/trace-fuzz-outside-* >/dev/null 2>&1 && echo hit >> "{hits}"; done',
+        ]
+    )
     try:
         rep = fz.fuzz(2, SEED + 7, timeout=30.0, only="external_link")
     finally:

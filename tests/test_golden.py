@@ -40,7 +40,9 @@ def test_cases_are_every_golden_and_mode():
 
     ids = [c.id for c in gemma4_golden_cases()]
     assert ids == [f"{n}-{m}" for n in sorted(golden.GOLDENS) for m in ("teacher-forced", "free-running")]
-    assert [c.id for c in gemma4_golden_cases(modes=("teacher-forced",))] == [f"{n}-teacher-forced" for n in sorted(golden.GOLDENS)]
+    assert [c.id for c in gemma4_golden_cases(modes=("teacher-forced",))] == [
+        f"{n}-teacher-forced" for n in sorted(golden.GOLDENS)
+    ]
 
 
 @pytest.mark.parametrize("name", list(golden.GOLDENS))
@@ -87,8 +89,12 @@ def test_plugin_cases_one_item_per_golden(pytester):
     pytester.makepyfile(test_bad=CASE_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"))
     res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-v")
     res.assert_outcomes(failed=len(golden.GOLDENS))  # the soft-cap bug shows in every golden
-    res.stdout.fnmatch_lines(["*test_my_runtime?short-teacher-forced? FAILED*",
-                              "*runtime diverges from golden short.h5 (teacher-forced): first divergence: *logits*"])
+    res.stdout.fnmatch_lines(
+        [
+            "*test_my_runtime?short-teacher-forced? FAILED*",
+            "*runtime diverges from golden short.h5 (teacher-forced): first divergence: *logits*",
+        ]
+    )
 
 
 def test_plugin_passes_a_correct_runtime_and_fails_a_buggy_one(pytester):
@@ -97,7 +103,9 @@ def test_plugin_passes_a_correct_runtime_and_fails_a_buggy_one(pytester):
     pytester.makepyfile(test_bad=USER_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"))
     res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "test_bad.py")
     res.assert_outcomes(failed=1)
-    res.stdout.fnmatch_lines(["*runtime diverges from golden traces*", "*short.h5 (teacher-forced): first divergence: *logits*"])
+    res.stdout.fnmatch_lines(
+        ["*runtime diverges from golden traces*", "*short.h5 (teacher-forced): first divergence: *logits*"]
+    )
 
 
 def test_update_golden_rerecords_with_hf(pytester, tmp_path):
@@ -162,7 +170,10 @@ def test_extra_input_shapes_are_checked(tmp_path):
     with TraceReader(golden.golden_path("image")) as r:
         check_extra_inputs(r)  # the shipped image golden: pixel_values, image_position_ids, mm_token_type_ids
     _with_extra(golden.golden_path("short"), tmp_path / "s.h5", "mm_token_type_ids", np.zeros((1, 5), np.int64))
-    with TraceReader(tmp_path / "s.h5") as r, pytest.raises(TraceToolError, match=r"mm_token_type_ids has shape \(1, 5\), expected \(1, 13\)"):
+    with (
+        TraceReader(tmp_path / "s.h5") as r,
+        pytest.raises(TraceToolError, match=r"mm_token_type_ids has shape \(1, 5\), expected \(1, 13\)"),
+    ):
         check_extra_inputs(r)
 
 
@@ -172,8 +183,10 @@ def test_plugin_escapes_golden_names(pytester, tmp_path):
     folder.mkdir()
     evil = "short\x1b]0;owned\x07\x1b[2J"
     shutil.copy(golden.golden_path("short"), folder / f"{evil}.h5")
-    pytester.makepyfile(test_bad=USER_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"),
-                        test_case=CASE_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"))
+    pytester.makepyfile(
+        test_bad=USER_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"),
+        test_case=CASE_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"),
+    )
     res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-v", "--golden-dir", str(folder))
     res.assert_outcomes(failed=2)
     out = res.stdout.str()

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from gemma4_trace.diff import diff_traces
-from gemma4_trace.recorder.golden import golden_path
 from gemma4_trace.importer import import_dump
+from gemma4_trace.recorder.golden import golden_path
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.reader import TraceReader
 from tests.support import invoke, one_line_error, site_of
@@ -56,8 +56,9 @@ def _import(dump, tmp_path, map_text=None, **kw):
     if map_text is not None:
         m = tmp_path / "map.toml"
         m.write_text(map_text)
-    return invoke("import", str(dump), "--reference", str(GOLDEN), "--map", str(m),
-                  "-o", str(tmp_path / "imp.h5"), **kw)
+    return invoke(
+        "import", str(dump), "--reference", str(GOLDEN), "--map", str(m), "-o", str(tmp_path / "imp.h5"), **kw
+    )
 
 
 def test_round_trip_equals_direct_replay(dumped, tmp_path):
@@ -107,9 +108,11 @@ def test_bfloat16_and_float16_files(dump, tmp_path):
     for s, (a, b) in enumerate([(0, T), (T, T + 1), (T + 1, T + 2)]):
         bits[a:b].tofile(dump / f"step{s:03d}" / "emb.bf16")
         np.save(dump / f"step{s:03d}" / "rope.npy", np.ones((b - a, 16), np.float16))
-    m = ('[[tensor]]\nkind = "embeddings"\nfile = "step{step:03d}/emb.bf16"\nformat = "raw"\n'
-         'dtype = "bfloat16"\nshape = ["n", 64]\n'
-         '[[tensor]]\nkind = "rope_cos_sliding"\nfile = "step{step:03d}/rope.npy"\ndtype = "float16"\n')
+    m = (
+        '[[tensor]]\nkind = "embeddings"\nfile = "step{step:03d}/emb.bf16"\nformat = "raw"\n'
+        'dtype = "bfloat16"\nshape = ["n", 64]\n'
+        '[[tensor]]\nkind = "rope_cos_sliding"\nfile = "step{step:03d}/rope.npy"\ndtype = "float16"\n'
+    )
     res = _import(dump, tmp_path, m)
     assert res.exit_code == 0, res.output
     with TraceReader(tmp_path / "imp.h5") as r:
@@ -123,8 +126,21 @@ def _replace(dump, name, arr):
     return dump / name
 
 
-@pytest.mark.parametrize("case", ["shape", "dtype", "declared_dtype", "raw_size", "missing_step", "axes",
-                                  "safetensors_key", "safetensors_damaged", "not_npy", "mask_additive_bool"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "shape",
+        "dtype",
+        "declared_dtype",
+        "raw_size",
+        "missing_step",
+        "axes",
+        "safetensors_key",
+        "safetensors_damaged",
+        "not_npy",
+        "mask_additive_bool",
+    ],
+)
 def test_bad_files_name_the_file(dump, tmp_path, case):
     text = (dump / "map.toml").read_text()
     if case == "shape":  # v rows of the wrong width at decode step 1
@@ -134,7 +150,9 @@ def test_bad_files_name_the_file(dump, tmp_path, case):
         path = _replace(dump, "step002/embeddings.npy", np.zeros((1, 1, 64), np.int32))
         needles = [path, "int32", "floating-point"]
     elif case == "declared_dtype":
-        text = text.replace('file = "step{step:03d}/rope_sin_full.npy"', 'file = "step{step:03d}/rope_sin_full.npy"\ndtype = "float16"')
+        text = text.replace(
+            'file = "step{step:03d}/rope_sin_full.npy"', 'file = "step{step:03d}/rope_sin_full.npy"\ndtype = "float16"'
+        )
         path, needles = dump / "step000/rope_sin_full.npy", ["float32", "the map says float16"]
         needles.append(path)
     elif case == "raw_size":
@@ -168,23 +186,31 @@ def test_bad_files_name_the_file(dump, tmp_path, case):
     assert not (tmp_path / "imp.h5").exists()
 
 
-@pytest.mark.parametrize("text,needles", [
-    ("runtime = \n", ["not valid TOML"]),
-    ("colour = 1\n[[tensor]]\nkind='q'\nfile='a.npy'\n", ["unknown key 'colour'"]),
-    ("runtime = 'x'\n", ["no [[tensor]] entries"]),
-    ("[[tensor]]\nkind='qq'\nfile='a.npy'\n", ["#1", "'qq' is not a canonical kind"]),
-    ("[[tensor]]\nkind='q'\nfile='a.dat'\n", ["cannot tell the format"]),
-    ("[[tensor]]\nkind='q'\nfile='a.bin'\n", ["raw file needs dtype and shape"]),
-    ("[[tensor]]\nkind='q'\nfile='{lyr}.npy'\n", ["uses {lyr}"]),
-    ("[[tensor]]\nkind='q'\nfile='a.npy'\naxes=['pos','head','dim']\n", ["axis 'dim'"]),
-    ("[[tensor]]\nkind='k'\nfile='{layer}.npy'\nlayers=[5]\n", ["layer 5", "reuses layer 3"]),
-    ("[[tensor]]\nkind='q'\nfile='a{layer}.npy'\n[[tensor]]\nkind='q'\nfile='b{layer}.npy'\nlayers=[2]\n",
-     ["q layer 2 is mapped twice"]),
-    ("[[tensor]]\nkind='q'\nfile='nothing{layer}.npy'\n", ["no file matches", "nothing0.npy"]),
-    ("steps = 9\n[[tensor]]\nkind='q'\nfile='a.npy'\n", ["steps 9 exceeds"]),
-    ("mode = 'free-running'\n[[tensor]]\nkind='q'\nfile='step{step:03d}/q.safetensors'\nkey='layers.{layer}.q'\n"
-     "axes=['_','head','pos','d']\n", ["free-running dump needs token or logits"]),
-])
+@pytest.mark.parametrize(
+    "text,needles",
+    [
+        ("runtime = \n", ["not valid TOML"]),
+        ("colour = 1\n[[tensor]]\nkind='q'\nfile='a.npy'\n", ["unknown key 'colour'"]),
+        ("runtime = 'x'\n", ["no [[tensor]] entries"]),
+        ("[[tensor]]\nkind='qq'\nfile='a.npy'\n", ["#1", "'qq' is not a canonical kind"]),
+        ("[[tensor]]\nkind='q'\nfile='a.dat'\n", ["cannot tell the format"]),
+        ("[[tensor]]\nkind='q'\nfile='a.bin'\n", ["raw file needs dtype and shape"]),
+        ("[[tensor]]\nkind='q'\nfile='{lyr}.npy'\n", ["uses {lyr}"]),
+        ("[[tensor]]\nkind='q'\nfile='a.npy'\naxes=['pos','head','dim']\n", ["axis 'dim'"]),
+        ("[[tensor]]\nkind='k'\nfile='{layer}.npy'\nlayers=[5]\n", ["layer 5", "reuses layer 3"]),
+        (
+            "[[tensor]]\nkind='q'\nfile='a{layer}.npy'\n[[tensor]]\nkind='q'\nfile='b{layer}.npy'\nlayers=[2]\n",
+            ["q layer 2 is mapped twice"],
+        ),
+        ("[[tensor]]\nkind='q'\nfile='nothing{layer}.npy'\n", ["no file matches", "nothing0.npy"]),
+        ("steps = 9\n[[tensor]]\nkind='q'\nfile='a.npy'\n", ["steps 9 exceeds"]),
+        (
+            "mode = 'free-running'\n[[tensor]]\nkind='q'\nfile='step{step:03d}/q.safetensors'\nkey='layers.{layer}.q'\n"
+            "axes=['_','head','pos','d']\n",
+            ["free-running dump needs token or logits"],
+        ),
+    ],
+)
 def test_bad_maps_are_one_line(dump, tmp_path, text, needles):
     one_line_error(_import(dump, tmp_path, text), *needles)
     assert not (tmp_path / "imp.h5").exists()
@@ -196,8 +222,9 @@ def test_existing_output_needs_force(dump, tmp_path):
     assert (tmp_path / "imp.h5").read_bytes() == b"keep"
     ref = tmp_path / "ref.h5"
     ref.write_bytes(GOLDEN.read_bytes())
-    res = invoke("import", str(dump), "--reference", str(ref), "--map", str(dump / "map.toml"),
-                 "-o", str(ref), "--force")
+    res = invoke(
+        "import", str(dump), "--reference", str(ref), "--map", str(dump / "map.toml"), "-o", str(ref), "--force"
+    )
     one_line_error(res, "is the input")
     assert ref.read_bytes() == GOLDEN.read_bytes()
 
@@ -227,10 +254,12 @@ def test_import_does_not_need_torch(dumped, tmp_path):
     import sys
 
     dump = dumped[0]
-    code = ("import sys; from gemma4_trace.cli import main; from click.testing import CliRunner; "
-            f"r = CliRunner().invoke(main, ['import', {str(dump)!r}, '--reference', {str(GOLDEN)!r}, "
-            f"'--map', {str(dump / 'map.toml')!r}, '-o', {str(tmp_path / 'x.h5')!r}]); "
-            "assert r.exit_code == 0, r.output; assert 'torch' not in sys.modules")
+    code = (
+        "import sys; from gemma4_trace.cli import main; from click.testing import CliRunner; "
+        f"r = CliRunner().invoke(main, ['import', {str(dump)!r}, '--reference', {str(GOLDEN)!r}, "
+        f"'--map', {str(dump / 'map.toml')!r}, '-o', {str(tmp_path / 'x.h5')!r}]); "
+        "assert r.exit_code == 0, r.output; assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -5,8 +5,8 @@ line naming the file, exit 2. Dumps here are built from the golden's own rows (n
 
 from __future__ import annotations
 
-import json
 import dataclasses
+import json
 import os
 import resource
 import struct
@@ -52,13 +52,20 @@ def _import(dump, tmp_path, map_text, out=None, force=False):
 def _limited(memory=3 << 30):
     def limit():  # a defect must fail the test, not the machine
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
     return limit
 
 
 def _cli_subprocess(args, tmp_path, timeout=60, memory=3 << 30):
     """The CLI in a child process (so a hang is a timeout and a blow-up hits its memory limit)."""
-    return subprocess.run([sys.executable, "-m", "gemma4_trace", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=tmp_path, preexec_fn=_limited(memory))
+    return subprocess.run(
+        [sys.executable, "-m", "gemma4_trace", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+        preexec_fn=_limited(memory),
+    )
 
 
 def test_the_minimal_dump_imports(tmp_path):
@@ -78,8 +85,13 @@ def test_no_file_outside_the_dump_is_read(tmp_path, how):
     secret = outside / "secret.bin"
     secret.write_bytes(np.full((13, 64), 7.0, np.float32).tobytes())  # the right size for step 0's rows
     raw = 'format = "raw"\ndtype = "float32"\nshape = ["n", 64]\n'
-    file = {"absolute": str(secret), "dotdot": "../outside/secret.bin", "file_link": "link.bin",
-            "folder_link": "linked/secret.bin", "etc_passwd": "/etc/passwd"}[how]
+    file = {
+        "absolute": str(secret),
+        "dotdot": "../outside/secret.bin",
+        "file_link": "link.bin",
+        "folder_link": "linked/secret.bin",
+        "etc_passwd": "/etc/passwd",
+    }[how]
     (dump / "link.bin").symlink_to(secret)
     (dump / "linked").symlink_to(outside, target_is_directory=True)
     res = _import(dump, tmp_path, f'steps = 1\n[[tensor]]\nkind = "embeddings"\nfile = "{file}"\n{raw}')
@@ -97,27 +109,42 @@ def test_a_link_inside_the_dump_is_followed(tmp_path):
     assert res.exit_code == 0, res.output
 
 
-@pytest.mark.parametrize("pattern,needle", [
-    ("step{step:>2000000000}.npy", "may have only a width"),
-    ("step{step:{n}}.npy", "may have only a width"),
-    ("step{step!r}.npy", "may have only a width"),
-    ("step{kind[99]}.npy", "uses {kind[99]}"),
-    ("step{step.real}.npy", "uses {step.real}"),
-    ("step{0}.npy", "uses {0}"),
-    ("step{step}{layer}.npy", "put a separator"),
-])
+@pytest.mark.parametrize(
+    "pattern,needle",
+    [
+        ("step{step:>2000000000}.npy", "may have only a width"),
+        ("step{step:{n}}.npy", "may have only a width"),
+        ("step{step!r}.npy", "may have only a width"),
+        ("step{kind[99]}.npy", "uses {kind[99]}"),
+        ("step{step.real}.npy", "uses {step.real}"),
+        ("step{0}.npy", "uses {0}"),
+        ("step{step}{layer}.npy", "put a separator"),
+    ],
+)
 def test_format_specs_are_what_a_file_name_needs(tmp_path, pattern, needle):
     dump = _dump(tmp_path)
-    res = _cli_subprocess(["import", dump, "--reference", GOLDEN, "--map", _write(tmp_path, EMB_MAP.replace(
-        "step{step}.npy", pattern)), "-o", tmp_path / "imp.h5"], tmp_path)
+    res = _cli_subprocess(
+        [
+            "import",
+            dump,
+            "--reference",
+            GOLDEN,
+            "--map",
+            _write(tmp_path, EMB_MAP.replace("step{step}.npy", pattern)),
+            "-o",
+            tmp_path / "imp.h5",
+        ],
+        tmp_path,
+    )
     one_line_error(res, "[[tensor]] #1", needle)
 
 
 def test_format_spec_in_key_is_refused(tmp_path):
     dump = _dump(tmp_path)
     m = '[[tensor]]\nkind = "embeddings"\nfile = "e.npz"\nkey = "x{step:>2000000000}"\n'
-    res = _cli_subprocess(["import", dump, "--reference", GOLDEN, "--map", _write(tmp_path, m),
-                           "-o", tmp_path / "imp.h5"], tmp_path)
+    res = _cli_subprocess(
+        ["import", dump, "--reference", GOLDEN, "--map", _write(tmp_path, m), "-o", tmp_path / "imp.h5"], tmp_path
+    )
     one_line_error(res, "key", "may have only a width")
 
 
@@ -131,8 +158,11 @@ def test_fifo_as_dump_file_is_refused(tmp_path):
     dump = _dump(tmp_path)
     (dump / "step1.npy").unlink()
     os.mkfifo(dump / "step1.npy")
-    res = _cli_subprocess(["import", dump, "--reference", GOLDEN, "--map", _write(tmp_path, EMB_MAP),
-                           "-o", tmp_path / "imp.h5"], tmp_path, timeout=60)
+    res = _cli_subprocess(
+        ["import", dump, "--reference", GOLDEN, "--map", _write(tmp_path, EMB_MAP), "-o", tmp_path / "imp.h5"],
+        tmp_path,
+        timeout=60,
+    )
     one_line_error(res, dump / "step1.npy", "not a regular file")
     assert not (tmp_path / "imp.h5").exists()
 
@@ -145,8 +175,12 @@ def test_map_must_be_a_regular_file(tmp_path, special):
         os.mkfifo(m)
     else:
         m = special
-    res = _cli_subprocess(["import", dump, "--reference", GOLDEN, "--map", m, "-o", tmp_path / "imp.h5"], tmp_path,
-                          timeout=60, memory=2 << 30)
+    res = _cli_subprocess(
+        ["import", dump, "--reference", GOLDEN, "--map", m, "-o", tmp_path / "imp.h5"],
+        tmp_path,
+        timeout=60,
+        memory=2 << 30,
+    )
     one_line_error(res, f"map {m}", "not a regular file")
 
 
@@ -178,9 +212,25 @@ def test_npz_member_is_refused_from_its_header_before_inflating(tmp_path):
     del arr
     m = 'steps = 1\n[[tensor]]\nkind = "embeddings"\nfile = "e.npz"\nkey = "e"\n'
     env = dict(os.environ, GEMMA4_TRACE_MEMORY_LIMIT="16M")
-    p = subprocess.run([sys.executable, "-m", "gemma4_trace", "import", str(dump), "--reference", str(GOLDEN),
-                        "--map", str(_write(tmp_path, m)), "-o", str(tmp_path / "imp.h5")],
-                       capture_output=True, text=True, timeout=120, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gemma4_trace",
+            "import",
+            str(dump),
+            "--reference",
+            str(GOLDEN),
+            "--map",
+            str(_write(tmp_path, m)),
+            "-o",
+            str(tmp_path / "imp.h5"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     one_line_error(p, "e.npz [e]", "rows of shape [1048576]", "expected [64]")
 
 
@@ -192,14 +242,33 @@ def test_raw_file_is_read_only_at_the_rows_used(tmp_path):
     with open(dump / "buf.bin", "wb") as fh:
         fh.write(_emb()[:13].tobytes())
         fh.truncate(rows * 64 * 4)
-    m = ('steps = 1\n[[tensor]]\nkind = "embeddings"\nfile = "buf.bin"\ndtype = "float32"\n'
-         f'shape = [{rows}, 64]\nrows = "padded"\n')
-    code = ("import resource, sys; from gemma4_trace.cli import main\nc = 0\n"
-            "try:\n    main(sys.argv[1:], prog_name='trace')\nexcept SystemExit as e:\n    c = e.code\n"
-            "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, 'EXIT', c, file=sys.stderr)")
-    p = subprocess.run([sys.executable, "-c", code, "import", str(dump), "--reference", str(GOLDEN), "--map",
-                        str(_write(tmp_path, m)), "-o", str(tmp_path / "imp.h5")], capture_output=True, text=True,
-                       timeout=120)
+    m = (
+        'steps = 1\n[[tensor]]\nkind = "embeddings"\nfile = "buf.bin"\ndtype = "float32"\n'
+        f'shape = [{rows}, 64]\nrows = "padded"\n'
+    )
+    code = (
+        "import resource, sys; from gemma4_trace.cli import main\nc = 0\n"
+        "try:\n    main(sys.argv[1:], prog_name='trace')\nexcept SystemExit as e:\n    c = e.code\n"
+        "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, 'EXIT', c, file=sys.stderr)"
+    )
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "import",
+            str(dump),
+            "--reference",
+            str(GOLDEN),
+            "--map",
+            str(_write(tmp_path, m)),
+            "-o",
+            str(tmp_path / "imp.h5"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     last = p.stderr.strip().splitlines()[-1].split()
     assert last[3] == "0", p.stdout + p.stderr
     assert int(last[1]) < 512 * 1024, p.stderr  # KiB: far below the buffer's 1 GiB (70-280 MiB seen)
@@ -215,8 +284,16 @@ def test_path_search_is_bounded_by_the_folder(tmp_path):
     long_ref = tmp_path / "long.h5"
     T = 1 << 18
     with TraceReader(GOLDEN) as g, TraceWriter(long_ref) as w:
-        w.write_header(dataclasses.replace(g.header(), prompt_ids=np.full(T, 5, np.int64), max_new_tokens=1,
-                                           prompt_text="", chat_template_applied=False, extra_inputs={}))
+        w.write_header(
+            dataclasses.replace(
+                g.header(),
+                prompt_ids=np.full(T, 5, np.int64),
+                max_new_tokens=1,
+                prompt_text="",
+                chat_template_applied=False,
+                extra_inputs={},
+            )
+        )
         w.begin_step(range(0, T))
         w.add("token", 5)
         w.end_step()
@@ -254,10 +331,22 @@ def _safetensors(path, header):
     path.write_bytes(struct.pack("<Q", len(h)) + h + bytes(64))
 
 
-@pytest.mark.parametrize("case", ["npy_negative_shape", "npy_huge_float_shape", "npy_deep_header",
-                                  "npz_member_without_npy", "npz_lying_sizes", "safetensors_deep_json",
-                                  "safetensors_huge_shape", "safetensors_dtype_list", "map_deep_toml",
-                                  "map_format_list", "map_kind_list"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "npy_negative_shape",
+        "npy_huge_float_shape",
+        "npy_deep_header",
+        "npz_member_without_npy",
+        "npz_lying_sizes",
+        "safetensors_deep_json",
+        "safetensors_huge_shape",
+        "safetensors_dtype_list",
+        "map_deep_toml",
+        "map_format_list",
+        "map_kind_list",
+    ],
+)
 def test_malformed_inputs_are_one_line(tmp_path, case):
     dump = _dump(tmp_path)
     m = "steps = 1\n" + EMB_MAP
@@ -285,17 +374,19 @@ def test_malformed_inputs_are_one_line(tmp_path, case):
             for sig in (b"PK\x03\x04", b"PK\x01\x02"):
                 i = data.index(sig)
                 off = i + (22 if sig == b"PK\x03\x04" else 24)
-                data[off:off + 4] = struct.pack("<I", 100)
+                data[off : off + 4] = struct.pack("<I", 100)
             target.write_bytes(bytes(data))
             needles = [target]
     elif case in ("safetensors_deep_json", "safetensors_huge_shape", "safetensors_dtype_list"):
         target = dump / "e.safetensors"
         m = 'steps = 1\n[[tensor]]\nkind = "embeddings"\nfile = "e.safetensors"\nkey = "e"\n'
-        header = {"safetensors_deep_json": "[" * 100000 + "]" * 100000,
-                  "safetensors_huge_shape": json.dumps({"e": {"dtype": "F32", "shape": [13, 64],
-                                                              "data_offsets": [0, 64]}}).replace("13", "1e400"),
-                  "safetensors_dtype_list": json.dumps({"e": {"dtype": ["F32"], "shape": [13, 64],
-                                                              "data_offsets": [0, 64]}})}[case]
+        header = {
+            "safetensors_deep_json": "[" * 100000 + "]" * 100000,
+            "safetensors_huge_shape": json.dumps(
+                {"e": {"dtype": "F32", "shape": [13, 64], "data_offsets": [0, 64]}}
+            ).replace("13", "1e400"),
+            "safetensors_dtype_list": json.dumps({"e": {"dtype": ["F32"], "shape": [13, 64], "data_offsets": [0, 64]}}),
+        }[case]
         _safetensors(target, header)
         needles = [target]
     elif case == "map_deep_toml":
@@ -320,7 +411,8 @@ def test_fuzzer_import_classes_end_cleanly():
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "fuzz_traces", Path(__file__).resolve().parents[1] / "scripts" / "fuzz_traces.py")
+        "fuzz_traces", Path(__file__).resolve().parents[1] / "scripts" / "fuzz_traces.py"
+    )
     fz = importlib.util.module_from_spec(spec)
     sys.modules["fuzz_traces"] = fz
     spec.loader.exec_module(fz)

@@ -28,8 +28,18 @@ MAY_IMPORT = {
     "replayer": {"replayer", "hf", "traces"},
     "importer": {"importer", "traces"},
 }
-NO_TORCH = ("traces", "diff", "importer")  # `trace diff` / `trace show` / `trace import` run where no model is installed
-CLI_MODULES = ("gemma4_trace.cli", "gemma4_trace.progress", "gemma4_trace.show", "gemma4_trace.pytest_plugin", "gemma4_trace.__main__")
+NO_TORCH = (
+    "traces",
+    "diff",
+    "importer",
+)  # `trace diff` / `trace show` / `trace import` run where no model is installed
+CLI_MODULES = (
+    "gemma4_trace.cli",
+    "gemma4_trace.progress",
+    "gemma4_trace.show",
+    "gemma4_trace.pytest_plugin",
+    "gemma4_trace.__main__",
+)
 
 
 def package_of(path: Path, root: Path) -> str:
@@ -120,7 +130,13 @@ def test_the_checker_catches_each_rule(tmp_path):
     (tmp_path / "t.py").write_text("x = __import__('recorder.model')\nimport traces\n")
     bad = layering_violations(tmp_path)
     assert len(bad) == 5, bad
-    for needle in ("import torch", "gemma4_trace.recorder: diff/", "__version__", "CLI layer", "gemma4_trace.recorder.record: replayer/"):
+    for needle in (
+        "import torch",
+        "gemma4_trace.recorder: diff/",
+        "__version__",
+        "CLI layer",
+        "gemma4_trace.recorder.record: replayer/",
+    ):
         assert any(needle in b for b in bad), (needle, bad)
     found = sorted(b.split(" imports bare ")[1].split(";")[0] for b in bare_imports(tmp_path))
     assert found == ["'recorder.model'", "'traces'"]
@@ -140,11 +156,15 @@ print("EXIT", code, "HEAVY", ",".join(heavy) or "-", file=sys.stderr)
 """
 
 
-@pytest.mark.parametrize("args", [["diff", "--help"], ["show", "GOLDEN"], ["show", "--hash", "GOLDEN"], ["diff", "GOLDEN", "GOLDEN"]])
+@pytest.mark.parametrize(
+    "args", [["diff", "--help"], ["show", "GOLDEN"], ["show", "--hash", "GOLDEN"], ["diff", "GOLDEN", "GOLDEN"]]
+)
 def test_fast_commands_import_no_torch(args, tmp_path):
     from gemma4_trace.recorder.golden import golden_path
 
     args = [str(golden_path("short")) if a == "GOLDEN" else a for a in args]
-    p = subprocess.run([sys.executable, "-c", HEAVY_CHECK, *args], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", HEAVY_CHECK, *args], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
     last = p.stderr.strip().splitlines()[-1]
     assert last == "EXIT 0 HEAVY -", p.stdout + p.stderr

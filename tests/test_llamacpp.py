@@ -10,13 +10,13 @@ gguf = pytest.importorskip("gguf", reason="gguf is not installed (pip install 'g
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'gemma4-trace[llamacpp]')")
 
 from gemma4_trace.diff import diff_traces  # noqa: E402
-from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.hf.model import embedded_model_dir  # noqa: E402
-from tests.support import invoke, one_line_error  # noqa: E402
+from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer import gguf_writer as GW  # noqa: E402
 from gemma4_trace.replayer import llamacpp_runtime as LR  # noqa: E402
 from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
+from tests.support import invoke, one_line_error  # noqa: E402
 
 PROFILE = LR.PROFILE_F32
 TEXT_GOLDENS = ("short", "window", "eos")
@@ -43,8 +43,18 @@ def test_f32_replay_matches_under_the_llamacpp_profile(tmp_path, name):
     with TraceReader(ref) as a, TraceReader(run) as b:
         got = set(b.kinds_present())
         kinds = {k for k, _ in got}
-        assert kinds == {"embeddings", "per_layer_inputs", "q", "k", "v", "attn_out", "layer_out",
-                         "final_hidden", "logits", "token"}
+        assert kinds == {
+            "embeddings",
+            "per_layer_inputs",
+            "q",
+            "k",
+            "v",
+            "attn_out",
+            "layer_out",
+            "final_hidden",
+            "logits",
+            "token",
+        }
         # masks and RoPE tables are not graph nodes: absent, never zeros
         assert not any(k in ("mask",) or k.startswith("rope_") for k in kinds)
         # k/v only where a layer writes its own K/V
@@ -100,7 +110,8 @@ def test_malformed_gguf_is_refused_in_one_line(tmp_path):
         path.unlink()
     assert one_line_error(res, out=run) == (
         f"error: llama.cpp (F32) failed in loading {path}: llama.cpp could not load the GGUF file "
-        "(llama_model_load_from_file failed)")
+        "(llama_model_load_from_file failed)"
+    )
     assert not run.exists()
 
 
@@ -111,8 +122,7 @@ def test_image_trace_is_refused_in_one_line(tmp_path):
 
 
 def test_unknown_type_is_refused_before_any_work(tmp_path):
-    res = invoke("replay", str(golden_path("short")), "--runtime", "llama.cpp:Q9_X",
-                 "-o", str(tmp_path / "r.h5"))
+    res = invoke("replay", str(golden_path("short")), "--runtime", "llama.cpp:Q9_X", "-o", str(tmp_path / "r.h5"))
     one_line_error(res, "unknown GGUF type 'Q9_X'; expected one of F32, F16, BF16, Q8_0")
 
 
@@ -201,15 +211,32 @@ ZOO = {
     # the first full layer (2) is the first with proportional RoPE; position 0 is not rotated. The
     # extra frequencies are slow (1e6^-0.25 rad per position and less): position 1 is only just past
     # the profile (7e-3 > 6e-3), so any early position is the right site
-    "proportional RoPE fraction 0.5": (dict(mutate=lambda n, a: np.where(np.arange(a.size) < 8, 1.0, a).astype(a.dtype)
-                                            if n == "rope_freqs.weight" else a), (0, 2, "q", range(1, 4))),
+    "proportional RoPE fraction 0.5": (
+        dict(
+            mutate=lambda n, a: (
+                np.where(np.arange(a.size) < 8, 1.0, a).astype(a.dtype) if n == "rope_freqs.weight" else a
+            )
+        ),
+        (0, 2, "q", range(1, 4)),
+    ),
     # the per-layer embedding table with its layer blocks in reverse order: per_layer_inputs, row 0
-    "per-layer embeddings permuted": (dict(mutate=lambda n, a: a.reshape(a.shape[0], 8, -1)[:, ::-1].reshape(a.shape).copy()
-                                           if n == "per_layer_token_embd.weight" else a), (0, None, "per_layer_inputs", 0)),
+    "per-layer embeddings permuted": (
+        dict(
+            mutate=lambda n, a: (
+                a.reshape(a.shape[0], 8, -1)[:, ::-1].reshape(a.shape).copy()
+                if n == "per_layer_token_embd.weight"
+                else a
+            )
+        ),
+        (0, None, "per_layer_inputs", 0),
+    ),
     # q_norm and k_norm swapped (same width in every layer): layer 0's q, from position 0
     "q_norm and k_norm swapped": (_swap_qk_norm, (0, 0, "q", 0)),
     # a softcap of 15: only the logits change
-    "final logit softcap 15 instead of 30": (dict(metadata={"gemma4.final_logit_softcapping": 15.0}), (0, None, "logits", 12)),
+    "final logit softcap 15 instead of 30": (
+        dict(metadata={"gemma4.final_logit_softcapping": 15.0}),
+        (0, None, "logits", 12),
+    ),
 }
 
 
@@ -243,14 +270,22 @@ def test_a_real_llamacpp_abort_is_one_line_with_ggmls_message(tmp_path, monkeypa
     run = tmp_path / "run.h5"
     res = invoke("replay", str(golden_path("short")), "--runtime", "llama.cpp", "-o", str(run))
     line = one_line_error(res, out=run)
-    assert line.startswith(f"error: llama.cpp (F32) crashed in loading {path} before reporting "
-                           "anything: killed by SIGABRT ("), line
+    assert line.startswith(
+        f"error: llama.cpp (F32) crashed in loading {path} before reporting anything: killed by SIGABRT ("
+    ), line
     assert "GGML_ASSERT(" in line and line.endswith(" failed)"), line
 
 
 # ---------------------------------------------------------------- K-quant fixture (widths of 256)
-KQ_WIDTHS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64, global_head_dim=128,
-                 vocab_size=256, vocab_size_per_layer_input=256)
+KQ_WIDTHS = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    head_dim=64,
+    global_head_dim=128,
+    vocab_size=256,
+    vocab_size_per_layer_input=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -262,8 +297,17 @@ def kquant_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("kquant")
     model = tiny_models.build(d / "model", num_kv_shared_layers=2, **KQ_WIDTHS)
     ref = d / "ref.h5"
-    res = invoke("record", "--model", str(model), "--input-ids", "2,17,33,40,51,60,71,80,90,100",
-                 "--max-new-tokens", "4", "-o", str(ref))
+    res = invoke(
+        "record",
+        "--model",
+        str(model),
+        "--input-ids",
+        "2,17,33,40,51,60,71,80,90,100",
+        "--max-new-tokens",
+        "4",
+        "-o",
+        str(ref),
+    )
     assert res.exit_code == 0, res.output
     return model, ref
 
@@ -275,8 +319,14 @@ def test_q4_k_m_of_256_wide_model_is_really_q4_k(tmp_path, kquant_model):
     assert res.exit_code == 0, res.output
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
     # every matrix whose rows are 256-wide is a K-quant: Q4_K, and Q6_K where Q4_K_M keeps more bits
-    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_output.weight", "blk.0.ffn_gate.weight",
-                 "blk.0.ffn_up.weight", "blk.3.ffn_down.weight"):
+    for name in (
+        "blk.0.attn_q.weight",
+        "blk.0.attn_k.weight",
+        "blk.0.attn_output.weight",
+        "blk.0.ffn_gate.weight",
+        "blk.0.ffn_up.weight",
+        "blk.3.ffn_down.weight",
+    ):
         assert types[name] == "Q4_K", (name, types[name])
     assert types["token_embd.weight"] == "Q6_K" and types["blk.0.attn_norm.weight"] == "F32"
     assert sum(t == "Q4_K" for t in types.values()) >= 40 and "Q5_0" not in types.values()
@@ -303,4 +353,5 @@ def test_kv_sharing_llamacpp_cannot_express_is_refused_in_one_line(tmp_path):
     assert one_line_error(res, out=tmp_path / "x.gguf") == (
         "error: llama.cpp cannot run this KV sharing: its layer 4 (full_attention) would read layer 3's K/V, "
         "HF reads layer 2's (llama.cpp expects the last layer before the sharing ones to be a full layer and the "
-        "one before it sliding)")
+        "one before it sliding)"
+    )

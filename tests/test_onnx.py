@@ -54,8 +54,10 @@ def test_export_onnx_writes_checked_graphs(tmp_path):
     res = invoke("export-onnx", "--max-seq", "16", "-o", str(out))
     assert res.exit_code == 0, res.output
     assert "prefill.onnx" in res.output and "decode.onnx" in res.output
-    for name, first in (("prefill", ["ids", "ple_ids", "mm_embeds", "mm_slots", "block_ids", "n_valid"]),
-                        ("decode", ["token", "input_pos"])):
+    for name, first in (
+        ("prefill", ["ids", "ple_ids", "mm_embeds", "mm_slots", "block_ids", "n_valid"]),
+        ("decode", ["token", "input_pos"]),
+    ):
         m = onnx.load(str(out / f"{name}.onnx"))
         onnx.checker.check_model(m)
         inputs = [i.name for i in m.graph.input]
@@ -88,7 +90,10 @@ def test_export_onnx_checks_outputs_before_loading(tmp_path, monkeypatch, case):
         out, words = tmp_path / "file" / "graphs", ["cannot make output folder"]
     else:
         (out / "prefill.onnx").mkdir(parents=True)
-        extra, words = (["--force"] if case.endswith("force") else []), ["prefill.onnx exists and is not a regular file"]
+        extra, words = (
+            (["--force"] if case.endswith("force") else []),
+            ["prefill.onnx exists and is not a regular file"],
+        )
     res = invoke("export-onnx", "--max-seq", "16", "-o", out, *extra)
     one_line_error(res, *words)
     if case.startswith("graph"):

@@ -41,9 +41,23 @@ def test_pip_install_puts_only_gemma4_trace_into_site_packages(tmp_path):
             shutil.copy(ROOT / name, src / name)
     target = tmp_path / "site-packages"
     p = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(target), str(src)],
-        capture_output=True, text=True, env=_env(), timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
     )
     assert p.returncode == 0, p.stdout + p.stderr
     # --target also receives the `trace` console script in bin/ (a venv's bin/, not site-packages)
@@ -54,9 +68,15 @@ def test_pip_install_puts_only_gemma4_trace_into_site_packages(tmp_path):
     for sub in ("traces", "diff", "recorder", "replayer", "hf", "importer"):
         assert (pkg / sub / "__init__.py").is_file(), sub
     assert sorted(p.name for p in (pkg / "hf" / "tiny_model").iterdir()) == sorted(  # package data travels
-        p.name for p in (ROOT / "hf" / "tiny_model").iterdir())
+        p.name for p in (ROOT / "hf" / "tiny_model").iterdir()
+    )
     assert not (pkg / "recorder" / "tiny_model").exists()
-    assert sorted(p.name for p in (pkg / "traces" / "golden").glob("*.h5")) == ["eos.h5", "image.h5", "short.h5", "window.h5"]
+    assert sorted(p.name for p in (pkg / "traces" / "golden").glob("*.h5")) == [
+        "eos.h5",
+        "image.h5",
+        "short.h5",
+        "window.h5",
+    ]
 
 
 # a user's project whose module names are the generic ones we used to install
@@ -89,14 +109,24 @@ def user_project(tmp_path):
 
     for name, text in USER_MODULES.items():
         (tmp_path / name).write_text(text)
-    (tmp_path / "test_user.py").write_text(f"from pathlib import Path\n\nGOLDEN_DIR = Path({str(GOLDEN_DIR)!r})\n" + USER_TEST)
+    (tmp_path / "test_user.py").write_text(
+        f"from pathlib import Path\n\nGOLDEN_DIR = Path({str(GOLDEN_DIR)!r})\n" + USER_TEST
+    )
     return tmp_path
 
 
-@pytest.mark.parametrize("command", [[str(BIN / "pytest")], [sys.executable, "-m", "pytest"]], ids=["pytest", "python -m pytest"])
+@pytest.mark.parametrize(
+    "command", [[str(BIN / "pytest")], [sys.executable, "-m", "pytest"]], ids=["pytest", "python -m pytest"]
+)
 def test_a_project_with_its_own_traces_diff_recorder_modules_passes(user_project, command):
-    p = subprocess.run([*command, "-q", "-p", "no:cacheprovider"], cwd=user_project, capture_output=True, text=True,
-                       env=_env(), timeout=300)
+    p = subprocess.run(
+        [*command, "-q", "-p", "no:cacheprovider"],
+        cwd=user_project,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
     assert p.returncode == 0 and "2 passed" in p.stdout, p.stdout + p.stderr
 
 
@@ -104,8 +134,14 @@ def test_update_golden_without_golden_dir_refuses(user_project):
     from gemma4_trace.recorder.golden import GOLDEN_DIR
 
     before = {p.name: p.stat().st_mtime_ns for p in GOLDEN_DIR.iterdir()}
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--update-golden"],
-                       cwd=user_project, capture_output=True, text=True, env=_env(), timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--update-golden"],
+        cwd=user_project,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
     assert p.returncode == pytest.ExitCode.USAGE_ERROR, p.stdout + p.stderr
     errors = [line for line in (p.stdout + p.stderr).splitlines() if "--update-golden" in line]
     assert len(errors) == 1 and "--golden-dir" in errors[0], p.stdout + p.stderr
@@ -119,7 +155,9 @@ def test_plugin_imports_nothing_of_ours_or_heavy_at_load(tmp_path):
         "print(sorted(new & {'gemma4_trace', 'gemma4_trace.pytest_plugin', 'gemma4_trace.traces', 'gemma4_trace.hf',\n"
         "    'gemma4_trace.recorder', 'gemma4_trace.diff', 'h5py', 'numpy', 'torch', 'transformers'}))\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=_env(), timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=_env(), timeout=120
+    )
     assert p.stdout.strip() == "['gemma4_trace', 'gemma4_trace.pytest_plugin']", p.stdout + p.stderr
 
 
@@ -129,16 +167,24 @@ def test_xdist_workers_share_the_cores(tmp_path):
     for name, arg in (("golden", "gemma4_golden"), ("plain", "")):
         (tmp_path / f"test_{name}.py").write_text(
             "import os, torch\n"
-            f"def test_a({arg}): open(f'threads-{{os.environ[\"PYTEST_XDIST_WORKER\"]}}-a', 'w').write(str(torch.get_num_threads()))\n"
-            f"def test_b({arg}): open(f'threads-{{os.environ[\"PYTEST_XDIST_WORKER\"]}}-b', 'w').write(str(torch.get_num_threads()))\n"
+            f"def test_a({arg}): open(f'threads-{{os.environ[\"PYTEST_XDIST_WORKER\"]}}-a', "
+            "'w').write(str(torch.get_num_threads()))\n"
+            f"def test_b({arg}): open(f'threads-{{os.environ[\"PYTEST_XDIST_WORKER\"]}}-b', "
+            "'w').write(str(torch.get_num_threads()))\n"
         )
     env = {k: v for k, v in _env().items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
 
     def threads_seen(test_file, *extra):
         for f in tmp_path.glob("threads-*"):
             f.unlink()
-        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, "-n", "2",
-                            test_file], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+        p = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, "-n", "2", test_file],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert p.returncode == 0, p.stdout + p.stderr
         files = list(tmp_path.glob("threads-*"))
         assert len(files) == 2, files

@@ -42,22 +42,37 @@ def _in_repo(monkeypatch):
     monkeypatch.delenv("GEMMA4_TRACE_DEBUG", raising=False)
 
 
-@pytest.mark.parametrize("factory,expected", [
-    ("make_crash_after_layer4_q", "runtime crashy failed in prefill at {AFTER} after layer 4 q: "
-                                  "ValueError: NPU kernel rejected the q tile"),
-    ("make_crash_after_embeddings_in_decode", "runtime crashy failed in decode step 1 at {AFTER} after embeddings: "
-                                              "ValueError: NPU kernel rejected the embeddings tile"),
-    # raised inside our rms_norm (and torch): the site is the plug-in's call, its innermost frame
-    ("make_crash_in_our_helper", "runtime crashy-helper failed in prefill at {HELPER} before reporting anything: "
-                                 "RuntimeError: The size of tensor a (3) must match"),
-    ("make_crash_in_factory", f"runtime plug-in {PLUGIN}:make_crash_in_factory failed to start at {{FACTORY}}: "
-                              "RuntimeError: no NPU device found"),
-])
+@pytest.mark.parametrize(
+    "factory,expected",
+    [
+        (
+            "make_crash_after_layer4_q",
+            "runtime crashy failed in prefill at {AFTER} after layer 4 q: ValueError: NPU kernel rejected the q tile",
+        ),
+        (
+            "make_crash_after_embeddings_in_decode",
+            "runtime crashy failed in decode step 1 at {AFTER} after embeddings: "
+            "ValueError: NPU kernel rejected the embeddings tile",
+        ),
+        # raised inside our rms_norm (and torch): the site is the plug-in's call, its innermost frame
+        (
+            "make_crash_in_our_helper",
+            "runtime crashy-helper failed in prefill at {HELPER} before reporting anything: "
+            "RuntimeError: The size of tensor a (3) must match",
+        ),
+        (
+            "make_crash_in_factory",
+            f"runtime plug-in {PLUGIN}:make_crash_in_factory failed to start at {{FACTORY}}: "
+            "RuntimeError: no NPU device found",
+        ),
+    ],
+)
 def test_crash_names_the_plugin_line_and_what_it_had_reported(tmp_path, factory, expected):
     out = tmp_path / "run.h5"
     line = one_line_error(invoke("replay", GOLDEN, "--runtime", f"{PLUGIN}:{factory}", "-o", out))
-    want = expected.format(AFTER=site("CRASH-SITE-AFTER"), HELPER=site("CRASH-SITE-HELPER"),
-                           FACTORY=site("CRASH-SITE-FACTORY"))
+    want = expected.format(
+        AFTER=site("CRASH-SITE-AFTER"), HELPER=site("CRASH-SITE-HELPER"), FACTORY=site("CRASH-SITE-FACTORY")
+    )
     assert want in line, line
     assert not out.exists()
 
@@ -93,10 +108,16 @@ def test_deferred_construction_replays_and_matches(tmp_path):
     assert invoke("diff", GOLDEN, out).exit_code == 0
 
 
-@pytest.mark.parametrize("factory,needle", [
-    ("make_positions_past_step", "positions must be increasing absolute positions within this step's 0..12, got [11, 12, 13]"),
-    ("make_positions_unsorted", "got [5, 3]"),
-])
+@pytest.mark.parametrize(
+    "factory,needle",
+    [
+        (
+            "make_positions_past_step",
+            "positions must be increasing absolute positions within this step's 0..12, got [11, 12, 13]",
+        ),
+        ("make_positions_unsorted", "got [5, 3]"),
+    ],
+)
 def test_bad_positions_are_one_line(tmp_path, factory, needle):
     line = one_line_error(invoke("replay", GOLDEN, "--runtime", f"{PLUGIN}:{factory}", "-o", tmp_path / "r.h5"))
     assert "runtime bad-positions" in line and needle in line, line
@@ -176,16 +197,33 @@ def _edit(src, dst, fn):
     return dst
 
 
-@pytest.mark.parametrize("edit,needle", [
-    (lambda f: (f.__delitem__(S.rows_present_path("final_hidden", None)),
-                f.create_dataset(S.rows_present_path("final_hidden", None), data=np.ones(3, bool))), "expected (15,)"),
-    (lambda f: (f.__delitem__(S.rows_present_path("final_hidden", None)),
-                f.create_dataset(S.rows_present_path("final_hidden", None), data=np.ones(15, np.int8))), "dtype int8"),
-    (lambda f: f.create_dataset(S.rows_present_path("logits", None), data=np.ones(3, bool)),
-     "does not store by position"),
-    (lambda f: f.create_dataset(S.tensor_path("k", 6) + S.ROWS_PRESENT_SUFFIX, data=np.ones(15, bool)),
-     "does not store by position"),
-])
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (
+            lambda f: (
+                f.__delitem__(S.rows_present_path("final_hidden", None)),
+                f.create_dataset(S.rows_present_path("final_hidden", None), data=np.ones(3, bool)),
+            ),
+            "expected (15,)",
+        ),
+        (
+            lambda f: (
+                f.__delitem__(S.rows_present_path("final_hidden", None)),
+                f.create_dataset(S.rows_present_path("final_hidden", None), data=np.ones(15, np.int8)),
+            ),
+            "dtype int8",
+        ),
+        (
+            lambda f: f.create_dataset(S.rows_present_path("logits", None), data=np.ones(3, bool)),
+            "does not store by position",
+        ),
+        (
+            lambda f: f.create_dataset(S.tensor_path("k", 6) + S.ROWS_PRESENT_SUFFIX, data=np.ones(15, bool)),
+            "does not store by position",
+        ),
+    ],
+)
 def test_reader_refuses_bad_row_flags(last_row_runs, tmp_path, edit, needle):
     bad = _edit(last_row_runs["make_last_row_only"], tmp_path / "bad.h5", edit)
     with pytest.raises(TraceCorruptError, match="not a valid trace") as e:
@@ -208,7 +246,9 @@ def test_mask_divergence_names_the_image_block(tmp_path):
     r = invoke("diff", IMAGE, out)
     assert r.exit_code == 1
     head = r.output.splitlines()[0]
-    assert head.startswith(f"first divergence: prefill step 0, layer 0 (sliding_attention), kind mask, position {first}:")
+    assert head.startswith(
+        f"first divergence: prefill step 0, layer 0 (sliding_attention), kind mask, position {first}:"
+    )
     assert f"blocked in RUN, allowed in REF (REF allows 0-{last}; RUN allows 0-{first})" in head
     assert head.endswith(f"; keys {first}-{last} = image 1 (the query's own)"), head
     d = json.loads(invoke("diff", IMAGE, out, "--json").output)["first_divergence"]

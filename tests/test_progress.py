@@ -70,8 +70,12 @@ def test_a_redirected_record_log_has_no_carriage_returns_and_says_what_it_did(tm
     # the embedded model ends its story at end of sequence after 45 tokens: the count is the real one
     log = tmp_path / "log"
     with open(log, "w") as f:
-        r = subprocess.run([sys.executable, "-m", "gemma4_trace", "record", "-o", str(tmp_path / "ref.h5"),
-                            "--max-new-tokens", "300"], stdout=f, stderr=subprocess.STDOUT, timeout=600)
+        r = subprocess.run(
+            [sys.executable, "-m", "gemma4_trace", "record", "-o", str(tmp_path / "ref.h5"), "--max-new-tokens", "300"],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+        )
     text = log.read_text()
     assert r.returncode == 0, text
     assert "\r" not in text and "\x1b" not in text

@@ -7,10 +7,9 @@ errors read straight from the traces.
 
 from __future__ import annotations
 
-import tomllib
-
 import numpy as np
 import pytest
+import tomllib
 import torch
 
 from gemma4_trace.diff import diff_traces, format_text
@@ -31,9 +30,9 @@ def np_fake_quant(w: np.ndarray, bits: int, group: int | None) -> np.ndarray:
     out = np.empty_like(w)
     g = w.shape[1] if group is None else group
     for c0 in range(0, w.shape[1], g):
-        blk = w[:, c0:c0 + g]
+        blk = w[:, c0 : c0 + g]
         scale = np.maximum(np.abs(blk).max(axis=1, keepdims=True) / ((qmax - qmin) / 2), np.finfo(np.float32).eps)
-        out[:, c0:c0 + g] = np.clip(np.round(blk * (np.float32(1) / scale)), qmin, qmax) * scale
+        out[:, c0 : c0 + g] = np.clip(np.round(blk * (np.float32(1) / scale)), qmin, qmax) * scale
     return out
 
 
@@ -45,7 +44,7 @@ def test_weight_quantization_is_the_textbook_formula(bits, group):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     g = 80 if group is None else group
     for c0 in range(0, 80, g):  # at most 2^bits levels per row and group
-        levels = max(len(np.unique(r)) for r in got[:, c0:c0 + g])
+        levels = max(len(np.unique(r)) for r in got[:, c0 : c0 + g])
         assert levels <= 2**bits
     assert not np.array_equal(got, w.numpy())
 
@@ -55,7 +54,9 @@ def test_activation_quantization_is_per_token_int8():
     got = quantize_activation(x).numpy()
     xs = x.numpy()
     scale = np.abs(xs).max(-1, keepdims=True) / np.float32(127)
-    np.testing.assert_allclose(got, np.clip(np.round(xs * (np.float32(1) / scale)), -127, 127) * scale, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        got, np.clip(np.round(xs * (np.float32(1) / scale)), -127, 127) * scale, rtol=1e-6, atol=1e-7
+    )
 
 
 @pytest.fixture(scope="module")
@@ -193,12 +194,14 @@ def test_incompatible_baseline_is_one_line_exit_2(runs, workdir, tmp_path):
     iso = workdir / "w8-iso.h5"
     if not iso.exists():
         replay_trace(ref, iso, runtime="static-w8", isolate=True)
-    for base, words in ((other, "cannot be a baseline"), (iso, "replayed the same way"),
-                        (tmp_path / "missing.h5", "no such file")):
+    for base, words in (
+        (other, "cannot be a baseline"),
+        (iso, "replayed the same way"),
+        (tmp_path / "missing.h5", "no such file"),
+    ):
         r = invoke("diff", str(ref), str(out["static-w4g32"]), "--baseline", str(base))
         one_line_error(r, words)
-    r = invoke("diff", str(ref), str(out["static-w8"]), "--baseline", str(out["static-w8"]),
-               "--baseline-factor", "0.5")
+    r = invoke("diff", str(ref), str(out["static-w8"]), "--baseline", str(out["static-w8"]), "--baseline-factor", "0.5")
     one_line_error(r, "--baseline-factor")
 
 

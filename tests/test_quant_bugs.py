@@ -40,8 +40,9 @@ INIT = 0.02
 # rounding is independent of RUN's). Measured: at 4 the int4 runs of the random variants put
 # the one-layer-at-int2 bug in a later kind or position of that layer, at 1.5 exactly.
 BASELINE_FACTOR = 1.5
-HIDDEN_BY_INT4_NOISE = {(m, "static-w4g32", b) for m in ("k_eq_v", "moe")
-                        for b in ("reuse_own_cache_in_decode", "low_precision_layer")}
+HIDDEN_BY_INT4_NOISE = {
+    (m, "static-w4g32", b) for m in ("k_eq_v", "moe") for b in ("reuse_own_cache_in_decode", "low_precision_layer")
+}
 
 
 def _cases():

@@ -75,8 +75,7 @@ def test_isolate_is_refused_where_it_cannot_work(ref, tmp_path):
     out = tmp_path / "x.h5"
     with pytest.raises(TraceToolError, match="does not support --isolate"):
         replay_trace(ref, out, runtime="tests.plugin_runtime:make_exported", isolate=True)
-    r = invoke("replay", str(ref), "--isolate", "--runtime", "tests.plugin_runtime:make_exported",
-               "-o", str(out))
+    r = invoke("replay", str(ref), "--isolate", "--runtime", "tests.plugin_runtime:make_exported", "-o", str(out))
     one_line_error(r, "does not support --isolate")
     r = invoke("replay", str(ref), "--isolate", "--free-running", "-o", str(out))
     one_line_error(r, "--free-running")

@@ -7,8 +7,8 @@ import torch
 
 from gemma4_trace.hf.model import load_model
 from gemma4_trace.recorder.record import PromptInputs, record_loaded
-from tests import tiny_models
 from gemma4_trace.traces import TraceReader
+from tests import tiny_models
 
 PROMPT = [2, 5, 9, 13, 7, 3]
 NEW = 12  # prompt 6 + 12 decode steps: crosses the window of 4 several times
@@ -32,7 +32,7 @@ def _sequence(r):
 def test_tokens_equal_generate(recorded):
     lm, r = recorded
     out = lm.model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, output_hidden_states=True)
-    assert list(r.tokens()) == out[0, len(PROMPT):].tolist()
+    assert list(r.tokens()) == out[0, len(PROMPT) :].tolist()
     assert r.n_steps == len(r.tokens()) and r.step_positions[0] == (0, len(PROMPT))
 
 
@@ -46,7 +46,9 @@ def test_layer_outputs_equal_hf_hidden_states(recorded):
     np.testing.assert_allclose(r.read("final_hidden"), hs[-1][0].numpy(), rtol=1e-4, atol=1e-4)
     for i in range(len(r.layers) - 1):
         # incremental decode vs one full forward: equal up to float32 rounding
-        np.testing.assert_allclose(r.read("layer_out", i), hs[i + 1][0].numpy(), rtol=1e-4, atol=1e-4, err_msg=f"layer {i}")
+        np.testing.assert_allclose(
+            r.read("layer_out", i), hs[i + 1][0].numpy(), rtol=1e-4, atol=1e-4, err_msg=f"layer {i}"
+        )
     last = len(r.layers) - 1
     with torch.no_grad():
         normed = lm.model.model.norm(torch.from_numpy(r.read("layer_out", last)))
@@ -57,8 +59,13 @@ def test_layer_outputs_equal_hf_hidden_states(recorded):
 
 def test_kv_equal_hf_cache_at_same_positions(recorded):
     lm, r = recorded
-    g = lm.model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
-                          output_hidden_states=True)
+    g = lm.model.generate(
+        torch.tensor([PROMPT]),
+        max_new_tokens=NEW,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_hidden_states=True,
+    )
     cache = g.past_key_values
     n_fed = r.n_positions
     checked = 0
@@ -141,7 +148,7 @@ def test_image_prompt_tokens_and_layers_equal_hf(image_recording):
     lm, inputs, r = image_recording
     ids = torch.tensor([inputs.input_ids])
     out = lm.model.generate(ids, **inputs.extra, max_new_tokens=12, do_sample=False)
-    assert list(r.tokens()) == out[0, ids.shape[1]:].tolist()
+    assert list(r.tokens()) == out[0, ids.shape[1] :].tolist()
     assert lm.tokenizer.decode(r.tokens()).startswith("The image shows")
     assert set(r.extra_inputs()) == {"pixel_values", "image_position_ids", "mm_token_type_ids"}
 
@@ -154,18 +161,27 @@ def test_image_prompt_tokens_and_layers_equal_hf(image_recording):
     hs = hf.hidden_states
     np.testing.assert_allclose(r.read("embeddings"), hs[0][0].numpy(), rtol=1e-5, atol=1e-5)
     for i in range(len(r.layers) - 1):
-        np.testing.assert_allclose(r.read("layer_out", i), hs[i + 1][0].numpy(), rtol=1e-4, atol=1e-4, err_msg=f"layer {i}")
+        np.testing.assert_allclose(
+            r.read("layer_out", i), hs[i + 1][0].numpy(), rtol=1e-4, atol=1e-4, err_msg=f"layer {i}"
+        )
 
 
 def test_image_prompt_masks_equal_hf_vision_masks(image_recording):
-    from transformers.models.gemma4.modeling_gemma4 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
+    from transformers.models.gemma4.modeling_gemma4 import (
+        create_masks_for_vision_model,
+        get_block_sequence_ids_for_mask,
+    )
 
     lm, inputs, r = image_recording
     T = r.prompt_len
     tt = inputs.extra["mm_token_type_ids"]
     masks = create_masks_for_vision_model(
-        config=lm.text_config, inputs_embeds=torch.zeros(1, T, lm.text_config.hidden_size), attention_mask=None,
-        cache=None, position_ids=torch.arange(T)[None], block_sequence_ids=get_block_sequence_ids_for_mask(tt, "cpu"),
+        config=lm.text_config,
+        inputs_embeds=torch.zeros(1, T, lm.text_config.hidden_size),
+        attention_mask=None,
+        cache=None,
+        position_ids=torch.arange(T)[None],
+        block_sequence_ids=get_block_sequence_ids_for_mask(tt, "cpu"),
     )
     for i, info in enumerate(r.layers):
         m = masks[info.layer_type]

@@ -85,15 +85,31 @@ def test_free_running_fills_max_seq(recorded, tmp_path):
 def test_cli_replay_and_plugin(recorded, tmp_path):
     model, ref = recorded("k_eq_v")
     run = tmp_path / "run.h5"
-    res = invoke("replay", str(ref), "--model", str(model), "--runtime", "tests.plugin_runtime:make_exported",
-                 "--free-running", "-o", str(run))
+    res = invoke(
+        "replay",
+        str(ref),
+        "--model",
+        str(model),
+        "--runtime",
+        "tests.plugin_runtime:make_exported",
+        "--free-running",
+        "-o",
+        str(run),
+    )
     assert res.exit_code == 0, res.output
     assert "exported-static" in res.output
     compare(ref, run, same_kinds=False)
     with TraceReader(run) as r:
         assert r.provenance["runtime"] == "exported-static"
         assert {k for k, _ in r.kinds_present()} == {
-            "embeddings", "rope_cos_sliding", "rope_sin_sliding", "rope_cos_full", "rope_sin_full", "logits", "token"}
+            "embeddings",
+            "rope_cos_sliding",
+            "rope_sin_sliding",
+            "rope_cos_full",
+            "rope_sin_full",
+            "logits",
+            "token",
+        }
 
 
 def test_buggy_plugin_is_visible_in_logits_only(recorded, tmp_path):
@@ -185,7 +201,9 @@ def test_tiny_two_images_bidirectional(tmp_path):
     from gemma4_trace.recorder.record import PromptInputs, record_loaded
     from tests.test_runtime import BOI, EOI, IMG, image_inputs
 
-    model = tiny_models.build(tmp_path / "m", "base", multimodal=True, use_bidirectional_attention="vision", sliding_window=6)
+    model = tiny_models.build(
+        tmp_path / "m", "base", multimodal=True, use_bidirectional_attention="vision", sliding_window=6
+    )
     ids = [2, 5, BOI] + [IMG] * 4 + [EOI, 9, 17, BOI] + [IMG] * 2 + [EOI, 33, 4]
     ref, run = tmp_path / "ref.h5", tmp_path / "run.h5"
     record_loaded(load_model(model), PromptInputs(ids, image_inputs(ids)), ref, max_new_tokens=8)

@@ -25,9 +25,11 @@ def token_pair(tmp_path_factory):
     from step 12 (behind the first divergence: found only by --full)."""
     d = tmp_path_factory.mktemp("token")
     shutil.copyfile(golden.golden_path("window"), d / "ref.h5")
-    copy_trace(d / "ref.h5", d / "run.h5",
-               edit=chain(noise("attn_out", 1, 0, 1e-2, seed=1),
-                          noise("q", 5, 12, 0.2, seed=2, head=1)))
+    copy_trace(
+        d / "ref.h5",
+        d / "run.h5",
+        edit=chain(noise("attn_out", 1, 0, 1e-2, seed=1), noise("q", 5, 12, 0.2, seed=2, head=1)),
+    )
     return d / "ref.h5", d / "run.h5"
 
 
@@ -68,8 +70,11 @@ def test_full_compares_every_row_and_finds_the_same_first_divergence(token_pair)
 
 def test_full_on_a_mask_divergence_counts_every_mismatched_row(tmp_path):
     shutil.copyfile(golden.golden_path("window"), tmp_path / "ref.h5")
-    copy_trace(tmp_path / "ref.h5", tmp_path / "run.h5",
-               edit=chain(set_at("mask", 6, 3, (0, 20), True), set_at("mask", 6, 9, (0, 30), True)))
+    copy_trace(
+        tmp_path / "ref.h5",
+        tmp_path / "run.h5",
+        edit=chain(set_at("mask", 6, 3, (0, 20), True), set_at("mask", 6, 9, (0, 30), True)),
+    )
     full = diff_traces(tmp_path / "ref.h5", tmp_path / "run.h5", full=True)
     m6 = next(t for t in full.tensors if (t.kind, t.layer) == ("mask", 6))
     assert m6.status == "diverged" and m6.mismatched_rows == 2 and m6.rows_compared == m6.rows
@@ -87,8 +92,12 @@ def _cells(page: str, row_title: str) -> list[str]:
 
 def test_heatmap_log_legend_global_frame_and_not_compared_cells(tmp_path):
     shutil.copyfile(golden.golden_path("window"), tmp_path / "ref.h5")
-    copy_trace(tmp_path / "ref.h5", tmp_path / "run.h5", omit=("final_hidden",),
-               edit=chain(noise("per_layer_inputs", None, 0, 1e-2, seed=3), noise("layer_out", 2, 0, 1e-3, seed=4)))
+    copy_trace(
+        tmp_path / "ref.h5",
+        tmp_path / "run.h5",
+        omit=("final_hidden",),
+        edit=chain(noise("per_layer_inputs", None, 0, 1e-2, seed=3), noise("layer_out", 2, 0, 1e-3, seed=4)),
+    )
     result = diff_traces(tmp_path / "ref.h5", tmp_path / "run.h5")
     assert result.first_divergence.kind == "per_layer_inputs"
     page = render_html(result)
@@ -131,7 +140,9 @@ def test_baseline_map_shows_where_run_leaves_base(tmp_path):
     assert page.count('<g class="first-div" data-row="L3" data-step="6">') == 2  # framed in both maps
     second = page.split("<h2>Against the baseline")[1].split("<h2>Error vs layer</h2>")[0]
     assert ">1 = envelope</text>" in second
-    ratios = [float(x) for x in re.findall(r"layer_out of layer 3, step \d+: rel-L2 \S+ \(x(\S+) of the envelope\)", second)]
+    ratios = [
+        float(x) for x in re.findall(r"layer_out of layer 3, step \d+: rel-L2 \S+ \(x(\S+) of the envelope\)", second)
+    ]
     assert len(ratios) == len(result.growth.steps)
     assert ratios[6] > 1 and max(ratios[:6] + ratios[7:]) < 1  # only the bug's step leaves BASE's envelope
     # against the plain tolerance every step of layer 3 is far above it
@@ -146,10 +157,13 @@ def test_largest_jump_shows_its_division_and_floor(tmp_path):
     result = diff_traces(tmp_path / "ref.h5", tmp_path / "run.h5")
     j = result.growth.largest_jump
     line = next(x for x in format_text(result).splitlines() if "largest jump" in x)
-    after, counted, ratio = re.search(r"\((\S+) / (\S+) = x(\S+); the input's 0 counted at its tolerance (\S+)\)",
-                                      line).group(1, 2, 3)
+    after, counted, ratio = re.search(
+        r"\((\S+) / (\S+) = x(\S+); the input's 0 counted at its tolerance (\S+)\)", line
+    ).group(1, 2, 3)
     assert counted == "1e-4" and line.endswith(f"tolerance {counted})")  # layer 2's error is 0: its tolerance counts
-    assert float(after) / float(counted) == pytest.approx(float(ratio), rel=0.1) and j.ratio == pytest.approx(float(ratio), rel=1e-2)
+    assert float(after) / float(counted) == pytest.approx(float(ratio), rel=0.1) and j.ratio == pytest.approx(
+        float(ratio), rel=1e-2
+    )
 
 
 def test_isolated_trace_says_tokens_and_logits_hold_by_construction(tmp_path):
@@ -165,7 +179,9 @@ def test_isolated_trace_says_tokens_and_logits_hold_by_construction(tmp_path):
     page = render_html(result)
     assert "by construction" in page and "largest jump" not in page and "max rel-L2 (worst row)" in page
     # a teacher-forced candidate says nothing of the kind
-    copy_trace(tmp_path / "ref.h5", tmp_path / "tf.h5", mode="teacher-forced", edit=noise("layer_out", 3, 0, 1e-2, seed=1))
+    copy_trace(
+        tmp_path / "ref.h5", tmp_path / "tf.h5", mode="teacher-forced", edit=noise("layer_out", 3, 0, 1e-2, seed=1)
+    )
     assert "by construction" not in format_text(diff_traces(tmp_path / "ref.h5", tmp_path / "tf.h5"))
 
 
@@ -196,8 +212,10 @@ def test_a_base_of_another_quantization_is_accepted_with_a_note(tmp_path):
     _with_runtime(tmp_path / "ref.h5", tmp_path / "bug.h5", "bug-stale-ple-in-decode+w8", quant)
     other = diff_traces(tmp_path / "ref.h5", tmp_path / "w8.h5", baseline_path=tmp_path / "w4.h5")
     notes = [n for n in other.notes if "another quantization" in n]
-    assert notes == ["BASE ran static-w4g32 (w4g32), RUN static-w8 (w8): RUN is judged by the envelope of another "
-                     "quantization than its own"]
+    assert notes == [
+        "BASE ran static-w4g32 (w4g32), RUN static-w8 (w8): RUN is judged by the envelope of another "
+        "quantization than its own"
+    ]
     same = diff_traces(tmp_path / "ref.h5", tmp_path / "bug.h5", baseline_path=tmp_path / "w8.h5")  # a bug on w8
     assert not any("another quantization" in n for n in same.notes)
 

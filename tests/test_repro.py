@@ -31,10 +31,17 @@ HOSTILE = "x'''\"\"\"\nimport os; os._exit(7) # \\"
 
 def run_repro(folder: Path) -> subprocess.CompletedProcess:
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": SITE_PACKAGES}
-    probe = subprocess.run([sys.executable, "-S", "-c", "import importlib.util as u; print(u.find_spec('gemma4_trace'))"],
-                           cwd=folder, env=env, capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-S", "-c", "import importlib.util as u; print(u.find_spec('gemma4_trace'))"],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert probe.stdout.strip() == "None", "the project must not be importable where repro.py runs"
-    return subprocess.run([sys.executable, "-S", "repro.py"], cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-S", "repro.py"], cwd=folder, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def rel_l2(a, b) -> float:
@@ -44,8 +51,14 @@ def rel_l2(a, b) -> float:
 
 # every layer type of the embedded model (all layers have a per-layer input): sliding and full
 # layers that store K/V, sliding and full KV-sharing readers; prefill and decode steps
-SITES = [(0, 0, "sliding_attention", "owns"), (20, 1, "sliding_attention", "owns"), (0, 2, "full_attention", "owns"),
-         (9, 4, "full_attention", "stores"), (17, 6, "sliding_attention", "reuses"), (0, 7, "full_attention", "reuses")]
+SITES = [
+    (0, 0, "sliding_attention", "owns"),
+    (20, 1, "sliding_attention", "owns"),
+    (0, 2, "full_attention", "owns"),
+    (9, 4, "full_attention", "stores"),
+    (17, 6, "sliding_attention", "reuses"),
+    (0, 7, "full_attention", "reuses"),
+]
 
 
 @pytest.mark.parametrize("step,layer,layer_type,role", SITES)
@@ -111,11 +124,14 @@ def test_cli_repro_at_first_divergence_of_a_zoo_bug(tmp_path):
     assert again.exit_code == 2 and "--force" in again.output
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--at", "1;2"], "--at expects STEP,LAYER"),
-    (["--at", "99,0"], "step 99 is outside"),
-    (["--at", "0,8"], "layer 8 is outside"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--at", "1;2"], "--at expects STEP,LAYER"),
+        (["--at", "99,0"], "step 99 is outside"),
+        (["--at", "0,8"], "layer 8 is outside"),
+    ],
+)
 def test_cli_repro_refuses_bad_sites(tmp_path, args, message):
     res = CliRunner().invoke(main, ["repro", str(REF), str(REF), "-o", str(tmp_path / "r"), *args])
     assert res.exit_code == 2 and message in res.output

@@ -39,7 +39,8 @@ def generate(rt, input_ids, extra_inputs: dict | None, max_new_tokens: int, eos_
     ids = list(int(i) for i in torch.as_tensor(input_ids).reshape(-1).tolist())
     if len(ids) + max_new_tokens > rt.max_seq:
         raise TraceToolError(
-            f"prompt ({len(ids)}) + new tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} exceeds max_seq {rt.max_seq}"
+            f"prompt ({len(ids)}) + new tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} exceeds max_seq "
+            f"{rt.max_seq}"
         )
     eos = set(int(e) for e in eos_token_ids)
     out = [int(torch.argmax(rt.prefill(ids, extra_inputs or {}, None)))]
@@ -123,7 +124,12 @@ def test_images_match_hf(models, bidir):
     rt.prefill(ids, extra, p)
     T = len(ids)
     hf = Gemma4ForConditionalGeneration.create_masks_for_generate(
-        lm.config, torch.zeros(1, T, 32), None, None, torch.arange(T)[None], mm_token_type_ids=extra["mm_token_type_ids"]
+        lm.config,
+        torch.zeros(1, T, 32),
+        None,
+        None,
+        torch.arange(T)[None],
+        mm_token_type_ids=extra["mm_token_type_ids"],
     )
     for i, info in enumerate(rt.infos):
         m = hf[info.layer_type]
@@ -139,7 +145,9 @@ def test_images_match_hf(models, bidir):
     else:
         assert not sliding[3, 6]
     # soft tokens are merged unscaled at the image slots; PLE uses pad ids there
-    soft = torch.cat(list(lm.model.model.get_image_features(extra["pixel_values"], extra["image_position_ids"]).pooler_output))
+    soft = torch.cat(
+        list(lm.model.model.get_image_features(extra["pixel_values"], extra["image_position_ids"]).pooler_output)
+    )
     emb = p.d[("embeddings", None)]
     assert torch.equal(emb[[i for i, t in enumerate(ids) if t == IMG]], soft)
 
@@ -191,8 +199,19 @@ def test_probe_none_reports_nothing_and_same_logits(models):
     b = rt.prefill(ids, {}, p)
     assert torch.equal(a, b)
     kinds = {k for k, _ in p.d}
-    assert {"embeddings", "per_layer_inputs", "rope_cos_full", "rope_sin_sliding", "q", "k", "v", "mask",
-            "attn_out", "layer_out", "final_hidden"} <= kinds
+    assert {
+        "embeddings",
+        "per_layer_inputs",
+        "rope_cos_full",
+        "rope_sin_sliding",
+        "q",
+        "k",
+        "v",
+        "mask",
+        "attn_out",
+        "layer_out",
+        "final_hidden",
+    } <= kinds
     assert ("k", 4) not in p.d and ("k", 2) in p.d  # layer 4 reuses layer 2's K/V
 
 

@@ -31,7 +31,10 @@ def test_selective_trace_keeps_what_was_asked(traces):
         assert a.selection is None
         assert b.selection == Selection((0, 1, 3), ("q", "k", "layer_out", "logits", "token"), (0, 2, 3))
         kept = set(b.kinds_present())
-        assert kept == {(k, l) for k in ("q", "k", "layer_out") for l in (0, 1, 3) if a.has(k, l)} | {("logits", None), ("token", None)}
+        assert kept == {(k, l) for k in ("q", "k", "layer_out") for l in (0, 1, 3) if a.has(k, l)} | {
+            ("logits", None),
+            ("token", None),
+        }
         assert np.array_equal(a.tokens(), b.tokens()) and np.array_equal(a.read("logits"), b.read("logits"))
         steps = b.step_positions
         present = b.rows_present("q", 0)
@@ -70,13 +73,16 @@ def test_replay_filters_override(traces):
     assert invoke("diff", full, out).exit_code == 0
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--layers", "0-99"], "--layers 8-99: the model has 8 layers (0-7)"),
-    (["--kinds", "q,attention"], "--kinds: unknown kind 'attention'"),
-    (["--steps", "4-2"], "bad range '4-2'"),
-    (["--layers", "1-x"], "expected numbers and ranges"),
-    (["--steps", "9"], "the run has 5 steps"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--layers", "0-99"], "--layers 8-99: the model has 8 layers (0-7)"),
+        (["--kinds", "q,attention"], "--kinds: unknown kind 'attention'"),
+        (["--steps", "4-2"], "bad range '4-2'"),
+        (["--layers", "1-x"], "expected numbers and ranges"),
+        (["--steps", "9"], "the run has 5 steps"),
+    ],
+)
 def test_bad_filters_are_one_line(tmp_path, args, needle):
     for cmd in (["record", "--max-new-tokens", "5"], ["replay", str(golden.golden_path("short"))]):
         if cmd[0] == "replay" and args == ["--steps", "9"]:

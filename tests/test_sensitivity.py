@@ -52,8 +52,9 @@ def work(tmp_path_factory):
 @pytest.fixture(scope="module")
 def weak_trace(work):
     rec = work / "weak.h5"
-    res = CliRunner().invoke(main, ["replay", str(REF), "--runtime", "static-w8", "--recipe", str(work / "weak.toml"),
-                                    "-o", str(rec)])
+    res = CliRunner().invoke(
+        main, ["replay", str(REF), "--runtime", "static-w8", "--recipe", str(work / "weak.toml"), "-o", str(rec)]
+    )
     assert res.exit_code == 0, res.output
     return rec
 
@@ -88,8 +89,22 @@ def test_sensitivity_ranks_the_planted_weak_layer_first(work, weak_trace):
 def test_cli_sensitivity_json_by_module(work):
     import json
 
-    res = CliRunner().invoke(main, ["sensitivity", str(REF), "--runtime", "static-w8", "--recipe", str(work / "weak.toml"),
-                                    "--unit", "module", "--replays", "1", "--json"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "sensitivity",
+            str(REF),
+            "--runtime",
+            "static-w8",
+            "--recipe",
+            str(work / "weak.toml"),
+            "--unit",
+            "module",
+            "--replays",
+            "1",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["replays"] == {"full": 3, "isolated": 1}
@@ -100,8 +115,21 @@ def test_cli_sensitivity_json_by_module(work):
 
 def test_cli_precision_reaches_the_target_and_replay_verifies_it(work):
     out = work / "recipe.toml"
-    res = CliRunner().invoke(main, ["precision", str(REF), "--runtime", "static-w8", "--recipe", str(work / "weak.toml"),
-                                    "--target", "kl_mean<=1e-6 and top1>=0.98", "-o", str(out)])
+    res = CliRunner().invoke(
+        main,
+        [
+            "precision",
+            str(REF),
+            "--runtime",
+            "static-w8",
+            "--recipe",
+            str(work / "weak.toml"),
+            "--target",
+            "kl_mean<=1e-6 and top1>=0.98",
+            "-o",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert f"reached with 1 unit(s) at float: layer.{LOW_LAYER}" in res.output
     assert load_recipe(out) == Recipe("static-w8", {f"layer.{LOW_LAYER}": "float"})
@@ -110,24 +138,41 @@ def test_cli_precision_reaches_the_target_and_replay_verifies_it(work):
     assert res.exit_code == 0, res.output
     kl, top1 = kl_top1(REF, run)
     assert kl <= 1e-6 and top1 >= 0.98
-    again = CliRunner().invoke(main, ["precision", str(REF), "--runtime", "static-w8", "--target", "kl_mean<=1e-6",
-                                      "-o", str(out)])
+    again = CliRunner().invoke(
+        main, ["precision", str(REF), "--runtime", "static-w8", "--target", "kl_mean<=1e-6", "-o", str(out)]
+    )
     assert again.exit_code == 2 and "--force" in again.output  # never over an existing recipe without --force
 
 
 def test_cli_precision_refuses_a_fallback_that_is_the_runtime(work):
     out = work / "never.toml"
-    res = CliRunner().invoke(main, ["precision", str(REF), "--runtime", "static-w8", "--target", "kl_mean<0",
-                                    "--fallback", "static-w8", "-o", str(out)])
+    res = CliRunner().invoke(
+        main,
+        [
+            "precision",
+            str(REF),
+            "--runtime",
+            "static-w8",
+            "--target",
+            "kl_mean<0",
+            "--fallback",
+            "static-w8",
+            "-o",
+            str(out),
+        ],
+    )
     assert res.exit_code == 2 and "--fallback static-w8 is the runtime itself" in res.output
     assert not out.exists()
 
 
-@pytest.mark.parametrize("text,clauses", [
-    ("kl_mean<=0.01 and top1>=0.98", (("kl_mean", "<=", 0.01), ("top1", ">=", 0.98))),
-    ("  kl_p99 < 1e-3 ", (("kl_p99", "<", 1e-3),)),
-    ("layer_out<.5", (("layer_out", "<", 0.5),)),
-])
+@pytest.mark.parametrize(
+    "text,clauses",
+    [
+        ("kl_mean<=0.01 and top1>=0.98", (("kl_mean", "<=", 0.01), ("top1", ">=", 0.98))),
+        ("  kl_p99 < 1e-3 ", (("kl_p99", "<", 1e-3),)),
+        ("layer_out<.5", (("layer_out", "<", 0.5),)),
+    ],
+)
 def test_target_parser(text, clauses):
     t = Target.parse(text)
     assert t.clauses == clauses
@@ -135,21 +180,37 @@ def test_target_parser(text, clauses):
     assert not t.holds({"kl_mean": 1, "kl_p99": 1, "top1": 0, "layer_out": 1})
 
 
-@pytest.mark.parametrize("text", ["__import__('os').system('true')", "kl_mean<=0.01 or top1>=0.9", "kl_mean", "top1>=",
-                                  "kl_mean<=nan", "bogus<=1", "kl_mean<=1 and", "kl_mean==1", "", "x" * 600])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "__import__('os').system('true')",
+        "kl_mean<=0.01 or top1>=0.9",
+        "kl_mean",
+        "top1>=",
+        "kl_mean<=nan",
+        "bogus<=1",
+        "kl_mean<=1 and",
+        "kl_mean==1",
+        "",
+        "x" * 600,
+    ],
+)
 def test_target_parser_refuses(text):
     with pytest.raises(TraceToolError, match="--target"):
         Target.parse(text)
 
 
-@pytest.mark.parametrize("body,message", [
-    ('runtime = "static"\n', "not a quantized runtime"),
-    ('runtime = "static-w8"\n[units]\n"layer.x" = "float"\n', "expected layer.N"),
-    ('runtime = "static-w8"\n[units]\n"layer.1" = "int3"\n', "unknown precision"),
-    ('runtime = "static-w8"\nunits = 3\n', "[units] table"),
-    ('runtime = "static-w8"\nextra = 1\n', "unknown key"),
-    ('runtime = \n', "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ('runtime = "static"\n', "not a quantized runtime"),
+        ('runtime = "static-w8"\n[units]\n"layer.x" = "float"\n', "expected layer.N"),
+        ('runtime = "static-w8"\n[units]\n"layer.1" = "int3"\n', "unknown precision"),
+        ('runtime = "static-w8"\nunits = 3\n', "[units] table"),
+        ('runtime = "static-w8"\nextra = 1\n', "unknown key"),
+        ("runtime = \n", "not valid TOML"),
+    ],
+)
 def test_recipe_loader_refuses(tmp_path, body, message):
     p = tmp_path / "r.toml"
     p.write_text(body)
@@ -160,9 +221,13 @@ def test_recipe_loader_refuses(tmp_path, body, message):
 def test_replay_recipe_refusals(tmp_path):
     p = tmp_path / "r.toml"
     p.write_text('runtime = "static-w8"\n[units]\n"layer.99" = "float"\n')
-    res = CliRunner().invoke(main, ["replay", str(REF), "--runtime", "static-w8", "--recipe", str(p), "-o", str(tmp_path / "o.h5")])
+    res = CliRunner().invoke(
+        main, ["replay", str(REF), "--runtime", "static-w8", "--recipe", str(p), "-o", str(tmp_path / "o.h5")]
+    )
     assert res.exit_code == 2 and "not a quantizable unit of this model" in res.output
-    res = CliRunner().invoke(main, ["replay", str(REF), "--runtime", "static-w4g32", "--recipe", str(p), "-o", str(tmp_path / "o.h5")])
+    res = CliRunner().invoke(
+        main, ["replay", str(REF), "--runtime", "static-w4g32", "--recipe", str(p), "-o", str(tmp_path / "o.h5")]
+    )
     assert res.exit_code == 2 and "the recipe is for --runtime static-w8" in res.output
     res = CliRunner().invoke(main, ["sensitivity", str(REF), "--runtime", "static"])
     assert res.exit_code == 2 and "quantized static runtime" in res.output
@@ -177,7 +242,7 @@ def _doc_blocks():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "quantized.md").read_text()
-    section = text[text.index(DOC_SECTION):]
+    section = text[text.index(DOC_SECTION) :]
     nxt = section.find("\n## ", 3)
     section = section if nxt < 0 else section[:nxt]
     commands, expected = [], []
@@ -216,8 +281,12 @@ def test_walkthrough_in_the_docs_runs_as_shown(tmp_path, monkeypatch):
             (tmp_path / target).write_text(WEAK)
             continue
         if cmd.startswith("cd repro && "):
-            p = subprocess.run([sys.executable, *shlex.split(cmd.removeprefix("cd repro && python "))], cwd=tmp_path / "repro",
-                               capture_output=True, text=True)
+            p = subprocess.run(
+                [sys.executable, *shlex.split(cmd.removeprefix("cd repro && python "))],
+                cwd=tmp_path / "repro",
+                capture_output=True,
+                text=True,
+            )
             assert p.returncode == 0, p.stdout + p.stderr
             printed += p.stdout.splitlines()
             continue

@@ -44,9 +44,9 @@ def test_last_row_trace_holds_hf_rows_and_flags_the_rest(traces):
             x, y = a.read(kind, layer), b.read(kind, layer)
             if layer in reusing and kind in ROW_KINDS or kind == "final_hidden":
                 # the prompt's rows but the last are absent (zeros); the last and every decode row are HF's
-                assert present is not None and not present[: T - 1].any() and present[T - 1:].all(), (kind, layer)
+                assert present is not None and not present[: T - 1].any() and present[T - 1 :].all(), (kind, layer)
                 assert not y[: T - 1].any()
-                x, y = x[T - 1:], y[T - 1:]
+                x, y = x[T - 1 :], y[T - 1 :]
             else:
                 assert present is None, (kind, layer)
             if x.dtype == bool:
@@ -100,8 +100,19 @@ def test_image_prompt_and_a_model_without_sharing(tmp_path):
     img = tmp_path / "i.png"
     Image.new("RGB", (40, 30), (200, 30, 90)).save(img)
     ref, out = tmp_path / "img.h5", tmp_path / "img_run.h5"
-    res = invoke("record", "--prompt", "What is this?", "--image", img, "--max-new-tokens", 3, "-o", ref,
-              "--shared-kv-prefill", "last")
+    res = invoke(
+        "record",
+        "--prompt",
+        "What is this?",
+        "--image",
+        img,
+        "--max-new-tokens",
+        3,
+        "-o",
+        ref,
+        "--shared-kv-prefill",
+        "last",
+    )
     assert res.exit_code == 0, res.output
     assert invoke("replay", ref, "-o", out).exit_code == 0
     res = invoke("diff", ref, out)

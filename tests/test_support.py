@@ -24,19 +24,22 @@ def test_one_line_error_accepts_the_one_line():
     assert one_line_error(p, "x.h5") == GOOD.rstrip("\n")
 
 
-@pytest.mark.parametrize("bad,needles", [
-    (result(code=1), ()),
-    (result(code=0), ()),
-    (result(stdout="progress\n"), ()),
-    (result(stderr=GOOD + "more\n"), ()),
-    (result(stderr=GOOD.rstrip("\n")), ()),  # no newline at the end
-    (result(stderr="x.h5 is bad\n"), ()),
-    (result(stderr="error: \n"), ()),
-    (result(stderr="error: internal error (KeyError: 'x'); set GEMMA4_TRACE_DEBUG=1\n"), ()),
-    (result(stderr="Traceback (most recent call last):\n"), ()),
-    (result(stderr="error: \x1b[31mred\x1b[0m\n"), ()),
-    (result(), ("not in the line",)),
-])
+@pytest.mark.parametrize(
+    "bad,needles",
+    [
+        (result(code=1), ()),
+        (result(code=0), ()),
+        (result(stdout="progress\n"), ()),
+        (result(stderr=GOOD + "more\n"), ()),
+        (result(stderr=GOOD.rstrip("\n")), ()),  # no newline at the end
+        (result(stderr="x.h5 is bad\n"), ()),
+        (result(stderr="error: \n"), ()),
+        (result(stderr="error: internal error (KeyError: 'x'); set GEMMA4_TRACE_DEBUG=1\n"), ()),
+        (result(stderr="Traceback (most recent call last):\n"), ()),
+        (result(stderr="error: \x1b[31mred\x1b[0m\n"), ()),
+        (result(), ("not in the line",)),
+    ],
+)
 def test_one_line_error_rejects(bad, needles):
     with pytest.raises(AssertionError):
         one_line_error(bad, *needles)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("tico.quantization.recipes.debug.static_gemma4_runtime",
-                    reason="TICO is not installed (pip install 'gemma4-trace[tico]')")
+pytest.importorskip(
+    "tico.quantization.recipes.debug.static_gemma4_runtime",
+    reason="TICO is not installed (pip install 'gemma4-trace[tico]')",
+)
 
 from gemma4_trace.diff import diff_traces  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402
@@ -61,8 +63,7 @@ def test_missing_or_unsupported_is_one_line(tmp_path, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "tico", None)  # as if TICO were not installed
-    res = invoke("replay", str(golden_path("short")), "--runtime", "tico",
-                 "-o", str(tmp_path / "x.h5"))
+    res = invoke("replay", str(golden_path("short")), "--runtime", "tico", "-o", str(tmp_path / "x.h5"))
     one_line_error(res, "pip install 'gemma4-trace[tico]'")
     assert not (tmp_path / "x.h5").exists()
 
@@ -70,8 +71,8 @@ def test_missing_or_unsupported_is_one_line(tmp_path, monkeypatch):
 def test_per_layer_kv_heads_config(tmp_path):
     # attention_k_eq_v: full layers have their own KV head count (per_layer_config); TICO 0.3.0
     # sizes every cache from the sliding layers' count unless the adapter sizes them per layer
-    from tests import tiny_models
     from gemma4_trace.recorder.record import record_trace
+    from tests import tiny_models
 
     model = tiny_models.build(tmp_path / "model", "k_eq_v", multimodal=True)
     ref, run, static = tmp_path / "ref.h5", tmp_path / "tico.h5", tmp_path / "static.h5"

@@ -42,8 +42,9 @@ def test_show_names_the_token_it_cannot_decode(tmp_path, token):
     assert "internal error" not in r.output and "Traceback" not in r.output
     assert "generated  3 tokens (no EOS): [" in r.output and f", {token}, " in r.output
     text = [ln for ln in r.output.splitlines() if ln.startswith("text ")]
-    assert text == [f"text       not decoded: token {token} of step {STEP} is not in the tokenizer's vocabulary "
-                    "(ids 0..679)"], r.output
+    assert text == [
+        f"text       not decoded: token {token} of step {STEP} is not in the tokenizer's vocabulary (ids 0..679)"
+    ], r.output
 
 
 def test_show_still_decodes_a_good_trace():
@@ -56,8 +57,10 @@ def test_diff_reports_the_token_divergence(tmp_path, token):
     bad = with_token(tmp_path, token)
     with TraceReader(golden_path("short")) as g:
         ref_token = int(g.tokens()[STEP])
-    for ref, run, (ref_id, run_id) in ((golden_path("short"), bad, (ref_token, token)),
-                                       (bad, golden_path("short"), (token, ref_token))):
+    for ref, run, (ref_id, run_id) in (
+        (golden_path("short"), bad, (ref_token, token)),
+        (bad, golden_path("short"), (token, ref_token)),
+    ):
         r = invoke("diff", ref, run)
         assert r.exit_code == 1, r.output
         assert "internal error" not in r.output and "Traceback" not in r.output

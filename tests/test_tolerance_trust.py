@@ -50,8 +50,13 @@ def test_calibrate_base_name_with_a_newline_writes_no_configuration(ref, tmp_pat
         r = invoke("calibrate", ref, base, "-o", out)
         assert r.exit_code == 0, r.output
         tol = T.load_tolerances(out)  # parses: the name broke no comment
-        loaded.append((tol.near_tie_margin, tol.accept_near_ties,
-                       [(x.kind.glob.pattern, x.layer and x.layer.ranges, x.step.ranges, x.values) for x in tol.rules]))
+        loaded.append(
+            (
+                tol.near_tie_margin,
+                tol.accept_near_ties,
+                [(x.kind.glob.pattern, x.layer and x.layer.ranges, x.step.ranges, x.values) for x in tol.rules],
+            )
+        )
     assert loaded[0] == loaded[1]
     assert loaded[1][1] is False and loaded[1][2], loaded[1][:2]  # no injected [tokens]; real rules
     texts = [(d / "tol.toml").read_text(encoding="utf-8").splitlines() for d in (plain, odd)]
@@ -79,7 +84,7 @@ def test_oversized_tolerances_file_refused_before_reading(ref, tmp_path):
 
 
 def test_tolerances_file_at_the_size_cap_is_read(ref, tmp_path):
-    text = '[[rule]]\nrel_l2 = 1e-4\n'
+    text = "[[rule]]\nrel_l2 = 1e-4\n"
     ok = tmp_path / "ok.toml"
     ok.write_text(text + "#" * (T.MAX_FILE_BYTES - len(text) - 1) + "\n", encoding="utf-8")
     assert ok.stat().st_size == T.MAX_FILE_BYTES
@@ -89,8 +94,10 @@ def test_tolerances_file_at_the_size_cap_is_read(ref, tmp_path):
 def test_too_many_pattern_alternatives_refused_quickly(ref, tmp_path):
     kinds = ",".join(["q"] * 40_000)  # made a 3-step diff take about a minute
     t = time.monotonic()
-    one_line_error(diff_with(ref, tmp_path, f'[[rule]]\nkind = "{kinds}"\nrel_l2 = 1e-4\n'),
-                   f"more than {T.MAX_ALTERNATIVES} pattern alternatives")
+    one_line_error(
+        diff_with(ref, tmp_path, f'[[rule]]\nkind = "{kinds}"\nrel_l2 = 1e-4\n'),
+        f"more than {T.MAX_ALTERNATIVES} pattern alternatives",
+    )
     assert time.monotonic() - t < 10
 
 
@@ -108,30 +115,38 @@ def test_matching_is_compiled_once(ref, tmp_path):
 
 
 def test_too_many_rules_refused(ref, tmp_path):
-    one_line_error(diff_with(ref, tmp_path, '[[rule]]\nrel_l2 = 1e-4\n' * (T.MAX_RULES + 1)),
-                   f"more than the {T.MAX_RULES} allowed")
+    one_line_error(
+        diff_with(ref, tmp_path, "[[rule]]\nrel_l2 = 1e-4\n" * (T.MAX_RULES + 1)),
+        f"more than the {T.MAX_RULES} allowed",
+    )
 
 
 # ---------------------------------------------------------------- tolerance files: values
-@pytest.mark.parametrize("text, field", [
-    ("[[rule]]\nl2_floor = inf\n", "l2_floor is inf"),
-    ("[[rule]]\nrel_l2 = inf\n", "rel_l2 is inf"),
-    ("[[rule]]\nrel_l2 = 1e400\n", "rel_l2 is inf"),
-    ("[[rule]]\nmax_abs = nan\n", "max_abs is nan"),
-    ("[tokens]\nnear_tie_margin = inf\n", "near_tie_margin is inf"),
-])
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("[[rule]]\nl2_floor = inf\n", "l2_floor is inf"),
+        ("[[rule]]\nrel_l2 = inf\n", "rel_l2 is inf"),
+        ("[[rule]]\nrel_l2 = 1e400\n", "rel_l2 is inf"),
+        ("[[rule]]\nmax_abs = nan\n", "max_abs is nan"),
+        ("[tokens]\nnear_tie_margin = inf\n", "near_tie_margin is inf"),
+    ],
+)
 def test_non_finite_values_refused(ref, tmp_path, text, field):
     one_line_error(diff_with(ref, tmp_path, text), field, "not a finite number")
 
 
-@pytest.mark.parametrize("text", [
-    "[[rule]]\nkind = " + "[" * 300 + '"q"' + "]" * 300 + "\nrel_l2 = 1\n",
-    "[[rule]]\nrel_l2 = " + "{a=" * 300 + "1" + "}" * 300 + "\n",
-    "version = " + "[" * 300 + "1" + "]" * 300 + "\n",
-    "[[rule]]\nkind = " + "[" * 5000 + "\n",
-    "[[rule]]\nlayer = " + "9" * 5000 + "\nrel_l2 = 1\n",
-    '[[rule]]\nlayer = "' + "9" * 5000 + '-"\nrel_l2 = 1\n',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[[rule]]\nkind = " + "[" * 300 + '"q"' + "]" * 300 + "\nrel_l2 = 1\n",
+        "[[rule]]\nrel_l2 = " + "{a=" * 300 + "1" + "}" * 300 + "\n",
+        "version = " + "[" * 300 + "1" + "]" * 300 + "\n",
+        "[[rule]]\nkind = " + "[" * 5000 + "\n",
+        "[[rule]]\nlayer = " + "9" * 5000 + "\nrel_l2 = 1\n",
+        '[[rule]]\nlayer = "' + "9" * 5000 + '-"\nrel_l2 = 1\n',
+    ],
+)
 def test_deep_or_huge_values_are_one_short_line(ref, tmp_path, text):
     line = one_line_error(diff_with(ref, tmp_path, text), "tol.toml")
     assert len(line) < 400, line

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from gemma4_trace.hf.model import embedded_model_dir
-from gemma4_trace.traces.reader import TraceReader
 from tests.support import invoke, one_line_error, ours
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,8 +70,10 @@ def test_record_output_onto_a_model_file_refused(tmp_path):
     model = tmp_path / "model"
     shutil.copytree(embedded_model_dir(), model)
     before = (model / "config.json").read_bytes()
-    one_line_error(invoke("record", "--model", model, "--input-ids", "2,10,11", "-o", model / "config.json", "--force"),
-                   "is the input")
+    one_line_error(
+        invoke("record", "--model", model, "--input-ids", "2,10,11", "-o", model / "config.json", "--force"),
+        "is the input",
+    )
     assert (model / "config.json").read_bytes() == before
 
 
@@ -99,8 +100,13 @@ def test_fifo_socket_and_device_refused_as_traces(tmp_path):
     sock.bind(str(sock_path))
     try:
         for path, word in ((fifo, "FIFO"), (sock_path, "socket"), (Path("/dev/zero"), "character device")):
-            for args in (["show", path], ["show", "--hash", path], ["diff", GOLDEN, path], ["diff", path, GOLDEN],
-                         ["replay", path, "-o", tmp_path / "out.h5"]):
+            for args in (
+                ["show", path],
+                ["show", "--hash", path],
+                ["diff", GOLDEN, path],
+                ["diff", path, GOLDEN],
+                ["replay", path, "-o", tmp_path / "out.h5"],
+            ):
                 one_line_error(invoke(*args), str(path), word, "not a regular file")
     finally:
         sock.close()
@@ -120,8 +126,9 @@ def _with_header(tmp_path, max_new_tokens: int) -> Path:
 
 def test_replay_with_a_huge_max_new_tokens_refused_before_allocating(tmp_path):
     ref = _with_header(tmp_path, 40_000)
-    line = one_line_error(invoke("replay", ref, "-o", tmp_path / "run.h5", env={"GEMMA4_TRACE_MEMORY_LIMIT": "4G"}),
-                          "40016")
+    line = one_line_error(
+        invoke("replay", ref, "-o", tmp_path / "run.h5", env={"GEMMA4_TRACE_MEMORY_LIMIT": "4G"}), "40016"
+    )
     # the memory estimate (about 78 GiB) or, first for the tiny model, its 2048 positions
     assert ("needs about" in line and "4.0 GiB available" in line) or "max_position_embeddings" in line, line
     assert not (tmp_path / "run.h5").exists()
@@ -141,8 +148,12 @@ def test_static_runtime_estimate(monkeypatch):
 
 
 def test_max_seq_too_large_refused_before_allocating(tmp_path):
-    line = one_line_error(invoke("replay", GOLDEN, "--max-seq", "1000000", "-o", tmp_path / "run.h5",
-                                 env={"GEMMA4_TRACE_MEMORY_LIMIT": "8G"}), "1000000")
+    line = one_line_error(
+        invoke(
+            "replay", GOLDEN, "--max-seq", "1000000", "-o", tmp_path / "run.h5", env={"GEMMA4_TRACE_MEMORY_LIMIT": "8G"}
+        ),
+        "1000000",
+    )
     assert ("needs about" in line and "TiB" in line) or "max_position_embeddings" in line, line
     assert not (tmp_path / "run.h5").exists()
 
@@ -154,36 +165,56 @@ def test_model_config_with_a_million_layers_refused(tmp_path):
     cfg["text_config"]["num_hidden_layers"] = 10**6
     cfg["text_config"]["layer_types"] = ["sliding_attention"] * 10**6
     (model / "config.json").write_text(json.dumps(cfg))
-    one_line_error(invoke("record", "--model", model, "--input-ids", "2,10,11", "-o", tmp_path / "t.h5"),
-                   "num_hidden_layers is 1000000")
+    one_line_error(
+        invoke("record", "--model", model, "--input-ids", "2,10,11", "-o", tmp_path / "t.h5"),
+        "num_hidden_layers is 1000000",
+    )
     one_line_error(invoke("replay", GOLDEN, "--model", model, "-o", tmp_path / "r.h5"), "num_hidden_layers is 1000000")
     assert not (tmp_path / "t.h5").exists() and not (tmp_path / "r.h5").exists()
 
 
 def test_model_too_big_for_the_memory_refused(tmp_path):
-    one_line_error(invoke("record", "--input-ids", "2,10,11", "-o", tmp_path / "t.h5",
-                          env={"GEMMA4_TRACE_MEMORY_LIMIT": "1M"}), "the model in", "needs about", "1.0 MiB available")
+    one_line_error(
+        invoke("record", "--input-ids", "2,10,11", "-o", tmp_path / "t.h5", env={"GEMMA4_TRACE_MEMORY_LIMIT": "1M"}),
+        "the model in",
+        "needs about",
+        "1.0 MiB available",
+    )
 
 
 def test_recording_too_long_refused(tmp_path):
     # the tiny model's weights (~2 MB) fit in 3 MB; a KV cache for 2003 positions (~4 MB) does not
-    one_line_error(invoke("record", "--input-ids", "2,10,11", "--max-new-tokens", "2000", "-o", tmp_path / "t.h5",
-                          env={"GEMMA4_TRACE_MEMORY_LIMIT": "3M"}), "recording 3 prompt tokens + 2000 new tokens")
+    one_line_error(
+        invoke(
+            "record",
+            "--input-ids",
+            "2,10,11",
+            "--max-new-tokens",
+            "2000",
+            "-o",
+            tmp_path / "t.h5",
+            env={"GEMMA4_TRACE_MEMORY_LIMIT": "3M"},
+        ),
+        "recording 3 prompt tokens + 2000 new tokens",
+    )
 
 
 # ---------------------------------------------------------------- plug-ins: failures are one line
-@pytest.mark.parametrize("factory,needles", [
-    ("make_exit_in_factory", ["failed to start", "SystemExit"]),
-    ("make_exit_in_prefill", ["runtime hostile failed in prefill", "SystemExit"]),
-    ("make_exit_in_decode", ["runtime hostile failed in decode step 1", "SystemExit"]),
-    ("make_complex_logits", ["logits as torch.complex64"]),
-    ("make_string_logits", ["logits as a str"]),
-    ("make_list_logits", ["logits as a list"]),
-    ("make_huge_logits_view", ["logits of shape (1000000000000,)"]),
-    ("make_wide_probe", ["'embeddings'", "more than 13 row(s) of embeddings may hold"]),
-    ("make_complex_probe", ["'embeddings'", "complex64", "expected real numbers"]),
-    ("make_evil_error", ["failed in prefill", "first line", "\\n"]),
-])
+@pytest.mark.parametrize(
+    "factory,needles",
+    [
+        ("make_exit_in_factory", ["failed to start", "SystemExit"]),
+        ("make_exit_in_prefill", ["runtime hostile failed in prefill", "SystemExit"]),
+        ("make_exit_in_decode", ["runtime hostile failed in decode step 1", "SystemExit"]),
+        ("make_complex_logits", ["logits as torch.complex64"]),
+        ("make_string_logits", ["logits as a str"]),
+        ("make_list_logits", ["logits as a list"]),
+        ("make_huge_logits_view", ["logits of shape (1000000000000,)"]),
+        ("make_wide_probe", ["'embeddings'", "more than 13 row(s) of embeddings may hold"]),
+        ("make_complex_probe", ["'embeddings'", "complex64", "expected real numbers"]),
+        ("make_evil_error", ["failed in prefill", "first line", "\\n"]),
+    ],
+)
 def test_misbehaving_plugin_is_one_line(tmp_path, factory, needles):
     out = tmp_path / "run.h5"
     one_line_error(invoke("replay", GOLDEN, "--runtime", f"tests.hostile_plugins:{factory}", "-o", out), *needles)
@@ -203,15 +234,20 @@ def test_plugin_name_with_newlines_and_escapes_is_printed_as_one_line(tmp_path):
 
 # ---------------------------------------------------------------- disk full
 def _unshare_ok() -> bool:
-    return shutil.which("unshare") is not None and subprocess.run(
-        ["unshare", "-Urm", "true"], capture_output=True).returncode == 0
+    return (
+        shutil.which("unshare") is not None
+        and subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode == 0
+    )
 
 
 @pytest.mark.skipif(not _unshare_ok(), reason="needs unprivileged user+mount namespaces to mount a tiny tmpfs")
-@pytest.mark.parametrize("size,args", [
-    ("64k", ["replay", GOLDEN, "-o", "{d}/run.h5"]),
-    ("4k", ["diff", GOLDEN, GOLDEN, "--report", "{d}/report.html"]),
-])
+@pytest.mark.parametrize(
+    "size,args",
+    [
+        ("64k", ["replay", GOLDEN, "-o", "{d}/run.h5"]),
+        ("4k", ["diff", GOLDEN, GOLDEN, "--report", "{d}/report.html"]),
+    ],
+)
 def test_disk_full_is_one_line(tmp_path, size, args):
     d = tmp_path / "small"
     d.mkdir()
@@ -222,10 +258,13 @@ def test_disk_full_is_one_line(tmp_path, size, args):
 
 
 # ---------------------------------------------------------------- odd tolerances files
-@pytest.mark.parametrize("text,needle", [
-    ("x = " + "[" * 50_000 + "]" * 50_000 + "\n", "nested too deeply"),
-    ("[tokens]\nnear_tie_margin = nan\n", "near_tie_margin must be a number >= 0"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("x = " + "[" * 50_000 + "]" * 50_000 + "\n", "nested too deeply"),
+        ("[tokens]\nnear_tie_margin = nan\n", "near_tie_margin must be a number >= 0"),
+    ],
+)
 def test_hostile_tolerances_file(tmp_path, text, needle):
     p = tmp_path / "tol.toml"
     p.write_text(text)
@@ -233,9 +272,14 @@ def test_hostile_tolerances_file(tmp_path, text, needle):
 
 
 # ---------------------------------------------------------------- Ctrl-C at start-up
-@pytest.mark.parametrize("command", [[str(TRACE), "show", str(GOLDEN)],
-                                     [str(TRACE), "diff", str(GOLDEN), str(GOLDEN), "--report", "{tmp}-r.html"],
-                                     ["-m", "gemma4_trace", "show", str(GOLDEN)]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        [str(TRACE), "show", str(GOLDEN)],
+        [str(TRACE), "diff", str(GOLDEN), str(GOLDEN), "--report", "{tmp}-r.html"],
+        ["-m", "gemma4_trace", "show", str(GOLDEN)],
+    ],
+)
 def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path, command):
     """SIGINT at several moments after the tool's first instruction (the import of
     gemma4_trace.entry, seen through -X importtime), while click, numpy, h5py are imported:
@@ -243,8 +287,13 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path, command):
     the interpreter itself is starting, which no program controls.)"""
     interrupted = 0
     for i, delay in enumerate((0.0, 0.01, 0.03, 0.1, 0.2, 0.4)):
-        p = subprocess.Popen([sys.executable, "-X", "importtime", *[c.format(tmp=tmp_path / str(i)) for c in command]],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        p = subprocess.Popen(
+            [sys.executable, "-X", "importtime", *[c.format(tmp=tmp_path / str(i)) for c in command]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
         for line in p.stderr:  # importtime reports each import as it completes
             if line.rstrip().endswith("gemma4_trace.entry"):
                 break

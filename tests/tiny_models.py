@@ -57,7 +57,9 @@ VISION = dict(
 )
 
 
-def build(out_dir: str | Path, variant: str = "base", seed: int = 0, multimodal: bool = False, **text_overrides) -> Path:
+def build(
+    out_dir: str | Path, variant: str = "base", seed: int = 0, multimodal: bool = False, **text_overrides
+) -> Path:
     """Write a random tiny Gemma 4 checkpoint for `variant` into out_dir and return it."""
     import torch
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
@@ -66,9 +68,16 @@ def build(out_dir: str | Path, variant: str = "base", seed: int = 0, multimodal:
     torch.manual_seed(seed)
     if multimodal:
         cfg = Gemma4Config(
-            text_config=text, vision_config=VISION, audio_config=None,
-            image_token_id=120, boi_token_id=121, eoi_token_id=122,
-            video_token_id=123, audio_token_id=124, boa_token_id=125, eoa_token_index=126,
+            text_config=text,
+            vision_config=VISION,
+            audio_config=None,
+            image_token_id=120,
+            boi_token_id=121,
+            eoi_token_id=122,
+            video_token_id=123,
+            audio_token_id=124,
+            boa_token_id=125,
+            eoa_token_index=126,
         )
         model = Gemma4ForConditionalGeneration(cfg)
     else:

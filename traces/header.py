@@ -39,7 +39,7 @@ class Provenance:
             raise ValueError(f"mode {self.mode!r} not in {S.MODES}")
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Provenance":
+    def from_dict(cls, d: Mapping) -> Provenance:
         """From a mapping with every key of schema.PROVENANCE_KEYS (others are ignored)."""
         missing = [k for k in S.PROVENANCE_KEYS if k not in d]
         if missing:
@@ -53,7 +53,7 @@ class Provenance:
         """The root attributes' texts: a config given as a dict becomes sorted JSON."""
         return {k: json.dumps(v, sort_keys=True) if isinstance(v, dict) else str(v) for k, v in self.to_dict().items()}
 
-    def replace(self, **changes) -> "Provenance":
+    def replace(self, **changes) -> Provenance:
         return dataclasses.replace(self, **changes)
 
 
@@ -86,7 +86,7 @@ class TraceHeader:
         if not self.layers:
             raise ValueError("a trace header needs the model's layers")
 
-    def with_provenance(self, provenance: Provenance | Mapping) -> "TraceHeader":
+    def with_provenance(self, provenance: Provenance | Mapping) -> TraceHeader:
         """This header with another provenance (a Provenance, or a mapping of its keys)."""
         p = provenance if isinstance(provenance, Provenance) else Provenance.from_dict(provenance)
         return dataclasses.replace(self, provenance=p)

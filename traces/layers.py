@@ -38,9 +38,9 @@ def layer_infos_from_config(text_config) -> list[LayerInfo]:
         infos.append(
             LayerInfo(
                 layer_type=types[i],
-                head_dim=int(getattr(cfg, "head_dim")),
+                head_dim=int(cfg.head_dim),
                 num_heads=int(text_config.num_attention_heads),
-                num_kv_heads=int(getattr(cfg, "num_key_value_heads")),
+                num_kv_heads=int(cfg.num_key_value_heads),
                 kv_role=role,
                 kv_source=src,
             )

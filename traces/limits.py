@@ -98,7 +98,14 @@ def row_limits(cfg, layers) -> dict[str, int]:
     vocab = size("vocab_size", MAX_VOCAB)
     hd = max([li.head_dim for li in layers] or [MAX_HEAD_DIM])
     heads = max([li.num_heads for li in layers] or [MAX_HEADS])
-    width = {"hidden": hidden, "ple": ple, "layers": max(1, len(layers)), "heads": heads, "head_dim": hd,
-             "vocab": vocab, "keys": MAX_POSITIONS // ROW_SLACK}
+    width = {
+        "hidden": hidden,
+        "ple": ple,
+        "layers": max(1, len(layers)),
+        "heads": heads,
+        "head_dim": hd,
+        "vocab": vocab,
+        "keys": MAX_POSITIONS // ROW_SLACK,
+    }
     per = {k.name: math.prod(width[a.width] for a in k.axes) for k in KINDS}
     return {k: ROW_SLACK * v for k, v in per.items()}

@@ -60,7 +60,7 @@ class Selection:
     steps: tuple[int, ...] | None = None  # None: every step
 
     @classmethod
-    def parse(cls, layers: str | None = None, kinds: str | None = None, steps: str | None = None) -> "Selection | None":
+    def parse(cls, layers: str | None = None, kinds: str | None = None, steps: str | None = None) -> Selection | None:
         """The CLI's filter strings -> a Selection (None when nothing is filtered)."""
         if layers is None and kinds is None and steps is None:
             return None
@@ -69,10 +69,15 @@ class Selection:
             names = tuple(dict.fromkeys(x for x in kinds.replace(" ", "").split(",") if x))
             bad = [x for x in names if x not in S.KIND_NAMES]
             if bad or not names:
-                raise TraceToolError(f"--kinds: unknown kind {bad[0] if bad else kinds!r} (known: {', '.join(S.KIND_NAMES)})")
+                raise TraceToolError(
+                    f"--kinds: unknown kind {bad[0] if bad else kinds!r} (known: {', '.join(S.KIND_NAMES)})"
+                )
             k = tuple(x for x in S.KIND_NAMES if x in names or x in ALWAYS_KEPT)
-        return cls(parse_ranges(layers, "layers") if layers is not None else None, k,
-                   parse_ranges(steps, "steps") if steps is not None else None)
+        return cls(
+            parse_ranges(layers, "layers") if layers is not None else None,
+            k,
+            parse_ranges(steps, "steps") if steps is not None else None,
+        )
 
     def check(self, n_layers: int, max_steps: int) -> None:
         """Refuse layers the model does not have and steps the run cannot reach."""
@@ -80,8 +85,10 @@ class Selection:
             bad = ranges_text([x for x in self.layers if x >= n_layers])
             raise TraceToolError(f"--layers {bad}: the model has {n_layers} layers (0-{n_layers - 1})")
         if self.steps is not None and self.steps[0] >= max_steps:
-            raise TraceToolError(f"--steps {ranges_text(self.steps)}: the run has {max_steps} steps (0-{max_steps - 1}); "
-                                 "step 0 is the prefill, step s the s-th decode step")
+            raise TraceToolError(
+                f"--steps {ranges_text(self.steps)}: the run has {max_steps} steps (0-{max_steps - 1}); "
+                "step 0 is the prefill, step s the s-th decode step"
+            )
 
     def keeps(self, kind: str, layer: int | None = None) -> bool:
         """Is (kind, layer) written at all (at the steps kept)?"""
@@ -95,12 +102,14 @@ class Selection:
         return kind in ALWAYS_KEPT or self.steps is None or step in self.steps
 
     def to_json(self) -> dict:
-        return {"layers": None if self.layers is None else ranges_text(self.layers),
-                "kinds": None if self.kinds is None else list(self.kinds),
-                "steps": None if self.steps is None else ranges_text(self.steps)}
+        return {
+            "layers": None if self.layers is None else ranges_text(self.layers),
+            "kinds": None if self.kinds is None else list(self.kinds),
+            "steps": None if self.steps is None else ranges_text(self.steps),
+        }
 
     @classmethod
-    def from_json(cls, text: str) -> "Selection":
+    def from_json(cls, text: str) -> Selection:
         """A trace's `selection` attribute; ValueError when malformed (the reader says which file)."""
         d = json.loads(text)
         if not isinstance(d, dict) or set(d) - {"layers", "kinds", "steps"}:
