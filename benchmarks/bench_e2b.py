@@ -5,7 +5,11 @@
     python benchmarks/bench_e2b.py --bf16 /tmp/e2b/bf16/e2b-random --f32 /tmp/e2b/f32/e2b-random
 
 Each measured command runs in its own process (one at a time), which reports the seconds of
-its timed part and its own peak RSS (VmHWM). Traces go to --work (kept). Steps:
+its timed part and its own peak RSS (VmHWM). Traces go to --work (kept). Before any timing the
+checkpoint's files are read once (into the page cache), so that the first command does not
+pay the disk reads the others skip; and the machine's matmul speed (GFLOP/s of one E2B-sized
+linear, the MLP's up projection over the prompt, in bf16 and float32) is measured and printed
+beside every ratio, so that figures from two machines can be compared. Steps:
 
   generate   plain HF generate() (bf16), the same greedy settings as the recorder
   record     trace record (bf16)                      -> BASE.h5   (HF bf16)
@@ -60,6 +64,36 @@ def child_generate(model_dir: str, dtype: str, n_prompt: int, n_new: int) -> dic
         out = lm.model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, num_beams=1,
                                 eos_token_id=eos_ids(lm), pad_token_id=0, top_k=None, top_p=None, temperature=None)
     return dict(load_s=load_s, seconds=time.perf_counter() - t0, tokens=out[0, n_prompt:].tolist())
+
+
+def child_matmul(n_prompt: int) -> dict:
+    """GFLOP/s of one E2B-sized linear: (n_prompt, 1536) x (1536 -> 6144), the best of 5 runs."""
+    import torch
+
+    out = {}
+    for dtype in ("bfloat16", "float32"):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n_prompt, 1536, generator=g).to(getattr(torch, dtype))
+        w = torch.randn(6144, 1536, generator=g).to(getattr(torch, dtype))
+        best = float("inf")
+        with torch.no_grad():
+            for _ in range(5):
+                t0 = time.perf_counter()
+                torch.nn.functional.linear(x, w)
+                best = min(best, time.perf_counter() - t0)
+        out[dtype] = 2 * n_prompt * 1536 * 6144 / best / 1e9
+    return dict(seconds=0.0, gflops=out)
+
+
+def warm_checkpoint(model_dir: str) -> str:
+    """Read every file of the checkpoint once, so that it is in the page cache before any timing."""
+    t0, total = time.perf_counter(), 0
+    for p in sorted(Path(model_dir).iterdir()):
+        if p.is_file():
+            with open(p, "rb") as f:
+                while block := f.read(64 << 20):
+                    total += len(block)
+    return f"read the checkpoint once before timing ({total / 2**30:.1f} GiB in {time.perf_counter() - t0:.1f} s)"
 
 
 def child_record(model_dir: str, dtype: str, n_prompt: int, n_new: int, out: str, shared_kv_prefill: str = "all") -> dict:
@@ -137,7 +171,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-        fn = {"generate": child_generate, "record": child_record, "cli": child_cli}[a.child]
+        fn = {"generate": child_generate, "record": child_record, "cli": child_cli, "matmul": child_matmul}[a.child]
         args = json.loads(a.child_args)
         res = fn(args) if a.child == "cli" else fn(*args)
         res["peak_mib"] = peak_mib()
@@ -156,14 +190,18 @@ def main() -> None:
         print(f"{name:11s} {r['seconds']:8.1f} s timed  {r['wall_s']:8.1f} s process  peak RSS {r['peak_mib'] / 1024:6.2f} GiB  {extra}", flush=True)
 
     print(f"E2B-dimension random checkpoint {a.bf16}; prompt {T} tokens, {n} new tokens; 2 threads; "
-          f"available memory {available_gib():.1f} GiB", flush=True)
+          f"available memory {available_gib():.1f} GiB; load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(warm_checkpoint(a.bf16), flush=True)
+    mm = run_child("matmul", T)["gflops"]
+    speed = f"matmul {mm['bfloat16']:.0f} GFLOP/s bf16, {mm['float32']:.0f} GFLOP/s float32"
+    print(f"{speed} (one ({T}, 1536) x (1536 -> 6144) linear, best of 5)", flush=True)
     if "generate" not in skip:
         show("generate", run_child("generate", a.bf16, "bfloat16", T, n))
     if "record" not in skip:
         r = run_child("record", a.bf16, "bfloat16", T, n, base)
         show("record", r, f"trace {os.path.getsize(base) / 2**20:.1f} MiB")
         if "generate" in rows:
-            print(f"record / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x (timed parts); "
+            print(f"record / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x (timed parts; {speed}); "
                   f"tokens equal: {r['tokens'] == rows['generate']['tokens']}", flush=True)
     if "record-last" not in skip:
         last = str(work / "LAST.h5")
@@ -171,13 +209,15 @@ def main() -> None:
         show("record-last", r, f"trace {os.path.getsize(last) / 2**20:.1f} MiB")
         if "generate" in rows:
             print(f"record --shared-kv-prefill last / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x "
-                  f"(timed parts); tokens equal: {r['tokens'] == rows['generate']['tokens']}", flush=True)
+                  f"(timed parts; {speed}); tokens equal: {r['tokens'] == rows['generate']['tokens']}", flush=True)
         if Path(base).exists():
             d = run_child("cli", "diff", base, last)
             print(f"  trace diff BASE LAST: exit {d['exit']}: {d['out'].strip().splitlines()[0] if d['out'].strip() else ''}", flush=True)
     if "replay" not in skip:
         r = run_child("cli", "replay", base, "--model", a.bf16, "-o", run, "--force")
         show("replay", r, f"trace {os.path.getsize(run) / 2**20:.1f} MiB; {r['out'].strip().splitlines()[-1] if r['out'].strip() else ''}")
+        if "record" in rows:
+            print(f"replay / record = {r['seconds'] / rows['record']['seconds']:.2f}x ({speed})", flush=True)
     if "diff" not in skip:
         r = run_child("cli", "diff", base, run)
         show("diff", r, f"exit {r['exit']}: {r['out'].strip().splitlines()[0] if r['out'].strip() else ''}")
