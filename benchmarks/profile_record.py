@@ -73,6 +73,9 @@ def main():
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats(key).print_stats(args.top)
             print(s.getvalue())
+        s = io.StringIO()  # the tool's own share: hooks, hand-over, writer, h5py
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(r"recorder/|replayer/|traces/|h5py", args.top)
+        print(s.getvalue())
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ from .layers import LayerInfo
 CHUNK_BYTES = 1 << 20  # target uncompressed chunk size
 MAX_CHUNK_ROWS = 256
 MASK_CHUNK_ROWS, MASK_CHUNK_KEYS = 256, 1024  # bool: 256 KiB per chunk
+# measured one at a time in docs/benchmarks.md (benchmarks/bench_writer.py switches them off)
+THREADED = True  # writes on the writer thread (False: on the caller's thread, as before)
+BF16_BITS = True  # bfloat16 values stored as their 16-bit patterns (False: as float32, as before)
 QUEUE_BYTES = 256 << 20  # rows handed to the writer thread and not yet written: the model thread waits beyond this
 COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True, fletcher32=True)
 
@@ -72,7 +75,7 @@ class _Series:
         self.rows = 0  # rows written (writer thread)
         self.absent: list[tuple[int, int]] = []  # [start, stop) row ranges a runtime did not report
         # bfloat16 values are stored as their 16-bit patterns, as long as every value written is one
-        self.bf16 = source_dtype == "bfloat16" and np.dtype(dtype) == np.float32
+        self.bf16 = BF16_BITS and source_dtype == "bfloat16" and np.dtype(dtype) == np.float32
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
         self.chunk_rows = int(max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // row_bytes)))
         self.ds = None
@@ -162,9 +165,14 @@ class _Writes:
         self.error: BaseException | None = None
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="trace-writer", daemon=True)
-        self.thread.start()
+        self.threaded = THREADED
+        if self.threaded:
+            self.thread.start()
 
     def submit(self, series: _Series, blocks: list[np.ndarray]) -> None:
+        if not self.threaded:
+            series.write(blocks)
+            return
         size = sum(b.nbytes for b in blocks)
         with self.cond:
             while self.queued and self.queued + size > self.max_bytes and self.error is None:
@@ -188,7 +196,8 @@ class _Writes:
             self.stopping = True
             self.jobs.clear()
             self.cond.notify_all()
-        self.thread.join()
+        if self.threaded:
+            self.thread.join()
 
     def _raise(self) -> None:
         if self.error is not None:
