@@ -57,7 +57,7 @@ def main():
         kw = dict(max_new_tokens=args.steps, shared_kv_prefill=args.shared_kv_prefill)
         prof = cProfile.Profile()
         if args.replay:
-            from gemma4_trace.replayer.api import replay_trace  # noqa: PLC0415
+            from gemma4_trace.replayer.replay import replay_trace  # noqa: PLC0415
 
             record_loaded(lm, PromptInputs(ids), out, **kw)
             target = lambda: replay_trace(out, tmp / "r.h5", model_dir=model_dir)  # noqa: E731
