@@ -41,7 +41,7 @@ def write_all(tensors, storage: str, setting: dict, path: Path) -> tuple[dict, d
     sizes, times = {}, {}
     with h5py.File(path, "w", rdcc_nbytes=0) as f:
         for name, data in tensors.items():
-            kind = name.rsplit("/", 1)[-1]
+            kind = name.split("/")[0]
             if storage == "bf16" and data.dtype == np.float32:
                 data = W._bf16_bits(data)
                 assert data is not None, f"{name}: not bf16 values"

@@ -41,8 +41,20 @@ def fixed_text(text: str | list[str]) -> np.ndarray:
     return np.array(data, dtype=h5py.string_dtype("utf-8", width))
 
 
+class Bf16Rows:
+    """bfloat16 values handed over as their 16-bit patterns (a uint16 array), so that the
+    producer neither upcasts them to float32 nor copies twice as many bytes:
+    `w.add(kind, Bf16Rows(t.view(torch.int16).numpy().view(np.uint16)))`. The writer copies them."""
+
+    def __init__(self, bits: np.ndarray):
+        self.bits = np.asarray(bits).view(np.uint16)
+
+
 def _to_array(value, source_dtype: str | None) -> tuple[np.ndarray, str]:
-    """Canonical storage dtype: floats as float32 (bf16/fp16 upcast losslessly), ints as int64."""
+    """Canonical storage dtype: floats as float32 (bf16/fp16 upcast losslessly), ints as int64;
+    Bf16Rows stay uint16 bit patterns until written."""
+    if isinstance(value, Bf16Rows):
+        return value.bits, "bfloat16"
     arr = np.asarray(value)
     if arr.dtype == np.bool_:
         return arr, "bool"
@@ -57,6 +69,12 @@ def _bf16_bits(data: np.ndarray) -> np.ndarray | None:
     if (bits & 0xFFFF).any():
         return None
     return (bits >> 16).astype(np.uint16)
+
+
+def _bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    wide = bits.astype(np.uint32)
+    wide <<= 16
+    return wide.view(np.float32)
 
 
 class _Series:
@@ -75,8 +93,10 @@ class _Series:
         self.rows = 0  # rows written (writer thread)
         self.absent: list[tuple[int, int]] = []  # [start, stop) row ranges a runtime did not report
         # bfloat16 values are stored as their 16-bit patterns, as long as every value written is one
-        self.bf16 = BF16_BITS and source_dtype == "bfloat16" and np.dtype(dtype) == np.float32
-        row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+        bits = np.dtype(dtype) == np.uint16  # Bf16Rows
+        self.bf16 = BF16_BITS and source_dtype == "bfloat16" and (bits or np.dtype(dtype) == np.float32)
+        # chunks of the same rows however the values are handed over or stored
+        row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * (4 if bits else np.dtype(dtype).itemsize))
         self.chunk_rows = int(max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // row_bytes)))
         self.ds = None
 
@@ -104,13 +124,7 @@ class _Series:
             blocks = [np.pad(b, ((0, 0), (0, width - b.shape[1]))) for b in blocks]
         else:
             width = None
-        data = np.concatenate(blocks, axis=0) if len(blocks) > 1 else blocks[0]
-        stored = data
-        if self.bf16:
-            stored = _bf16_bits(data)
-            if stored is None:  # not bfloat16 values after all: store them (and the rows so far) as float32
-                self._widen()
-                stored = data
+        stored = self._stored(blocks)
         if self.ds is None:
             self._create(stored)
         if self.grow_last and width > self.ds.shape[1]:
@@ -123,6 +137,16 @@ class _Series:
         self.rows += stored.shape[0]
         if self.grow_last:
             self.row_shape = (self.ds.shape[1],)
+
+    def _stored(self, blocks: list[np.ndarray]) -> np.ndarray:
+        """The blocks as stored: bfloat16 bit patterns while every value is one, else float32 (or as given)."""
+        if self.bf16:
+            bits = [b if b.dtype == np.uint16 else _bf16_bits(b) for b in blocks]
+            if all(b is not None for b in bits):
+                return np.concatenate(bits, axis=0) if len(bits) > 1 else bits[0]
+            self._widen()  # not bfloat16 values after all: store them (and the rows so far) as float32
+        blocks = [_bf16_to_float32(b) if b.dtype == np.uint16 else b for b in blocks]
+        return np.concatenate(blocks, axis=0) if len(blocks) > 1 else blocks[0]
 
     def _create(self, data: np.ndarray) -> None:
         maxshape = (None, None) if self.grow_last else (None, *self.row_shape)
@@ -145,9 +169,7 @@ class _Series:
         del self.f[self.path]
         self.ds, self.rows = None, 0
         if old.shape[0]:
-            wide = old.astype(np.uint32)
-            wide <<= 16
-            self.write([wide.view(np.float32)])
+            self.write([_bf16_to_float32(old)])
 
 
 class _Writes:
