@@ -1,7 +1,10 @@
 """TraceWriter: streams canonical tensors into one HDF5 trace, step by step.
 
 Rows are buffered per dataset and written in chunk-sized blocks, so memory stays
-bounded by (datasets x chunk) however long the run is.
+bounded by (datasets x chunk + the writer's queue) however long the run is. The blocks are
+compressed and written on a writer thread (`_Writes`), off the caller's (the model's) thread;
+the caller waits only while QUEUE_BYTES are queued, and at the end of the trace. bfloat16
+values are stored as their 16-bit patterns (schema.STORAGE_BF16).
 """
 
 from __future__ import annotations
