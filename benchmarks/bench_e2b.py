@@ -164,6 +164,8 @@ def main() -> None:
     ap.add_argument("--ref-prompt-len", type=int, default=None, help="a shorter prompt for the float32 REF (default: the same)")
     ap.add_argument("--work", default="/tmp/e2b/run")
     ap.add_argument("--skip", default="", help="comma-separated steps to skip (generate,record,record-last,replay,diff,ref)")
+    ap.add_argument("--writer-before", action="store_true",
+                    help="write traces as before the writer thread and 16-bit bf16 storage (for a before/after)")
     ap.add_argument("--child", default=None)
     ap.add_argument("child_args", nargs="?")
     a = ap.parse_args()
@@ -171,6 +173,11 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+        if os.environ.get("BENCH_WRITER_BEFORE"):  # the trace writer as it was before issue 20's changes
+            from gemma4_trace.recorder import record
+            from gemma4_trace.traces import writer
+
+            writer.THREADED = writer.BF16_BITS = record.HAND_OVER_BITS = False
         fn = {"generate": child_generate, "record": child_record, "cli": child_cli, "matmul": child_matmul}[a.child]
         args = json.loads(a.child_args)
         res = fn(args) if a.child == "cli" else fn(*args)
@@ -178,6 +185,9 @@ def main() -> None:
         print("RESULT " + json.dumps(res), flush=True)
         return
 
+    if a.writer_before:
+        os.environ["BENCH_WRITER_BEFORE"] = "1"
+        print("trace writer as before: writes on the model's thread, bf16 upcast and stored as float32", flush=True)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     base, run, ref = str(work / "BASE.h5"), str(work / "RUN.h5"), str(work / "REF.h5")
