@@ -48,8 +48,9 @@ def write_all(tensors, storage: str, setting: dict, path: Path) -> tuple[dict, d
             row_bytes = max(1, data[0].nbytes)
             rows = int(max(1, min(W.MAX_CHUNK_ROWS, W.CHUNK_BYTES // row_bytes)))
             t0 = time.perf_counter()
-            ds = f.create_dataset(name, data=data, chunks=(min(rows, data.shape[0]), *data.shape[1:]),
-                                  fletcher32=True, **setting)
+            ds = f.create_dataset(
+                name, data=data, chunks=(min(rows, data.shape[0]), *data.shape[1:]), fletcher32=True, **setting
+            )
             f.flush()
             dt = time.perf_counter() - t0
             g = group(kind)

@@ -61,8 +61,18 @@ def child_generate(model_dir: str, dtype: str, n_prompt: int, n_new: int) -> dic
     ids = torch.tensor([prompt_ids(n_prompt, lm.text_config.vocab_size)])
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = lm.model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, num_beams=1,
-                                eos_token_id=eos_ids(lm), pad_token_id=0, top_k=None, top_p=None, temperature=None)
+        out = lm.model.generate(
+            ids,
+            max_new_tokens=n_new,
+            min_new_tokens=n_new,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=eos_ids(lm),
+            pad_token_id=0,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+        )
     return dict(load_s=load_s, seconds=time.perf_counter() - t0, tokens=out[0, n_prompt:].tolist())
 
 
@@ -96,7 +106,9 @@ def warm_checkpoint(model_dir: str) -> str:
     return f"read the checkpoint once before timing ({total / 2**30:.1f} GiB in {time.perf_counter() - t0:.1f} s)"
 
 
-def child_record(model_dir: str, dtype: str, n_prompt: int, n_new: int, out: str, shared_kv_prefill: str = "all") -> dict:
+def child_record(
+    model_dir: str, dtype: str, n_prompt: int, n_new: int, out: str, shared_kv_prefill: str = "all"
+) -> dict:
     from gemma4_trace.hf.model import load_model
     from gemma4_trace.recorder.record import PromptInputs, record_loaded
 
@@ -104,8 +116,14 @@ def child_record(model_dir: str, dtype: str, n_prompt: int, n_new: int, out: str
     lm = load_model(model_dir, dtype=dtype)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    tokens = record_loaded(lm, PromptInputs(prompt_ids(n_prompt, lm.text_config.vocab_size)), out, max_new_tokens=n_new, force=True,
-                           shared_kv_prefill=shared_kv_prefill)
+    tokens = record_loaded(
+        lm,
+        PromptInputs(prompt_ids(n_prompt, lm.text_config.vocab_size)),
+        out,
+        max_new_tokens=n_new,
+        force=True,
+        shared_kv_prefill=shared_kv_prefill,
+    )
     return dict(load_s=load_s, seconds=time.perf_counter() - t0, tokens=tokens)
 
 
@@ -124,7 +142,9 @@ def child_cli(args: list[str]) -> dict:
 def run_child(name: str, *args) -> dict:
     """Run one child in a fresh process; return its JSON (seconds, peak_mib, wall_s)."""
     t0 = time.perf_counter()
-    p = subprocess.run([PY, __file__, "--child", name, json.dumps(list(args))], capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run(
+        [PY, __file__, "--child", name, json.dumps(list(args))], capture_output=True, text=True, cwd=ROOT
+    )
     wall = time.perf_counter() - t0
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
@@ -143,7 +163,10 @@ def rel_l2_layer_out(ref: str, other: str, layers: list[int], rows: slice) -> li
     out = []
     with TraceReader(ref) as a, TraceReader(other) as b:
         for layer in layers:
-            x, y = a.read("layer_out", layer, rows).astype(np.float64), b.read("layer_out", layer, rows).astype(np.float64)
+            x, y = (
+                a.read("layer_out", layer, rows).astype(np.float64),
+                b.read("layer_out", layer, rows).astype(np.float64),
+            )
             out.append(float(np.linalg.norm(x - y) / np.linalg.norm(x)))
     return out
 
@@ -161,11 +184,18 @@ def main() -> None:
     ap.add_argument("--f32", default=None, help="the float32 checkpoint of the same weights (REF)")
     ap.add_argument("--prompt-len", type=int, default=600)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--ref-prompt-len", type=int, default=None, help="a shorter prompt for the float32 REF (default: the same)")
+    ap.add_argument(
+        "--ref-prompt-len", type=int, default=None, help="a shorter prompt for the float32 REF (default: the same)"
+    )
     ap.add_argument("--work", default="/tmp/e2b/run")
-    ap.add_argument("--skip", default="", help="comma-separated steps to skip (generate,record,record-last,replay,diff,ref)")
-    ap.add_argument("--writer-before", action="store_true",
-                    help="write traces as before the writer thread and 16-bit bf16 storage (for a before/after)")
+    ap.add_argument(
+        "--skip", default="", help="comma-separated steps to skip (generate,record,record-last,replay,diff,ref)"
+    )
+    ap.add_argument(
+        "--writer-before",
+        action="store_true",
+        help="write traces as before the writer thread and 16-bit bf16 storage (for a before/after)",
+    )
     ap.add_argument("--child", default=None)
     ap.add_argument("child_args", nargs="?")
     a = ap.parse_args()
@@ -197,10 +227,16 @@ def main() -> None:
 
     def show(name, r, extra=""):
         rows[name] = r
-        print(f"{name:11s} {r['seconds']:8.1f} s timed  {r['wall_s']:8.1f} s process  peak RSS {r['peak_mib'] / 1024:6.2f} GiB  {extra}", flush=True)
+        print(
+            f"{name:11s} {r['seconds']:8.1f} s timed  {r['wall_s']:8.1f} s process  peak RSS {r['peak_mib'] / 1024:6.2f} GiB  {extra}",
+            flush=True,
+        )
 
-    print(f"E2B-dimension random checkpoint {a.bf16}; prompt {T} tokens, {n} new tokens; 2 threads; "
-          f"available memory {available_gib():.1f} GiB; load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"E2B-dimension random checkpoint {a.bf16}; prompt {T} tokens, {n} new tokens; 2 threads; "
+        f"available memory {available_gib():.1f} GiB; load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     print(warm_checkpoint(a.bf16), flush=True)
     mm = run_child("matmul", T)["gflops"]
     speed = f"matmul {mm['bfloat16']:.0f} GFLOP/s bf16, {mm['float32']:.0f} GFLOP/s float32"
@@ -211,21 +247,34 @@ def main() -> None:
         r = run_child("record", a.bf16, "bfloat16", T, n, base)
         show("record", r, f"trace {os.path.getsize(base) / 2**20:.1f} MiB")
         if "generate" in rows:
-            print(f"record / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x (timed parts; {speed}); "
-                  f"tokens equal: {r['tokens'] == rows['generate']['tokens']}", flush=True)
+            print(
+                f"record / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x (timed parts; {speed}); "
+                f"tokens equal: {r['tokens'] == rows['generate']['tokens']}",
+                flush=True,
+            )
     if "record-last" not in skip:
         last = str(work / "LAST.h5")
         r = run_child("record", a.bf16, "bfloat16", T, n, last, "last")
         show("record-last", r, f"trace {os.path.getsize(last) / 2**20:.1f} MiB")
         if "generate" in rows:
-            print(f"record --shared-kv-prefill last / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x "
-                  f"(timed parts; {speed}); tokens equal: {r['tokens'] == rows['generate']['tokens']}", flush=True)
+            print(
+                f"record --shared-kv-prefill last / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x "
+                f"(timed parts; {speed}); tokens equal: {r['tokens'] == rows['generate']['tokens']}",
+                flush=True,
+            )
         if Path(base).exists():
             d = run_child("cli", "diff", base, last)
-            print(f"  trace diff BASE LAST: exit {d['exit']}: {d['out'].strip().splitlines()[0] if d['out'].strip() else ''}", flush=True)
+            print(
+                f"  trace diff BASE LAST: exit {d['exit']}: {d['out'].strip().splitlines()[0] if d['out'].strip() else ''}",
+                flush=True,
+            )
     if "replay" not in skip:
         r = run_child("cli", "replay", base, "--model", a.bf16, "-o", run, "--force")
-        show("replay", r, f"trace {os.path.getsize(run) / 2**20:.1f} MiB; {r['out'].strip().splitlines()[-1] if r['out'].strip() else ''}")
+        show(
+            "replay",
+            r,
+            f"trace {os.path.getsize(run) / 2**20:.1f} MiB; {r['out'].strip().splitlines()[-1] if r['out'].strip() else ''}",
+        )
         if "record" in rows:
             print(f"replay / record = {r['seconds'] / rows['record']['seconds']:.2f}x ({speed})", flush=True)
     if "diff" not in skip:
@@ -240,7 +289,10 @@ def main() -> None:
         show("ref-f32", r, f"trace {os.path.getsize(ref) / 2**20:.1f} MiB")
     if a.f32 and Path(ref).exists() and Path(run).exists():
         r = run_child("cli", "diff", ref, run, "--baseline", base)
-        print(f"\n$ trace diff REF RUN --baseline BASE   (exit {r['exit']}, {r['seconds']:.1f} s)\n{r['out'].strip()}\n", flush=True)
+        print(
+            f"\n$ trace diff REF RUN --baseline BASE   (exit {r['exit']}, {r['seconds']:.1f} s)\n{r['out'].strip()}\n",
+            flush=True,
+        )
         layers = [0, 5, 10, 20, 34]
         pre = slice(0, T)
         b, c = rel_l2_layer_out(ref, base, layers, pre), rel_l2_layer_out(ref, run, layers, pre)
@@ -250,8 +302,10 @@ def main() -> None:
         for name, other in (("BASE", base), ("RUN", run)):
             r = run_child("cli", "diff", ref, other, "--json")
             try:
-                j = json.loads(r["out"][r["out"].index("{"):])
-                print(f"  tokens {name} vs REF: accuracy {j['tokens']['accuracy']:.3f}, first mismatch step {j['tokens']['first_mismatch_step']}")
+                j = json.loads(r["out"][r["out"].index("{") :])
+                print(
+                    f"  tokens {name} vs REF: accuracy {j['tokens']['accuracy']:.3f}, first mismatch step {j['tokens']['first_mismatch_step']}"
+                )
             except (ValueError, KeyError):
                 pass
 

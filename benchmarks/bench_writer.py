@@ -63,20 +63,30 @@ def main():
                 writer.THREADED, writer.BF16_BITS, record.HAND_OVER_BITS = threaded, bits, hand_over
                 out = tmp / "t.h5"
                 t0 = time.perf_counter()
-                record_loaded(lm, PromptInputs(ids), out, max_new_tokens=args.steps, force=True,
-                              shared_kv_prefill=args.shared_kv_prefill)
+                record_loaded(
+                    lm,
+                    PromptInputs(ids),
+                    out,
+                    max_new_tokens=args.steps,
+                    force=True,
+                    shared_kv_prefill=args.shared_kv_prefill,
+                )
                 times.setdefault(name, []).append(time.perf_counter() - t0)
                 sizes[name] = out.stat().st_size
         g = statistics.median(times["generate()"])
-        print(f"E2B-shaped bf16, prompt {args.prompt_len}, {args.steps} new tokens, --shared-kv-prefill "
-              f"{args.shared_kv_prefill}, median of {args.repeats}; load average now {os.getloadavg()[0]:.1f}")
+        print(
+            f"E2B-shaped bf16, prompt {args.prompt_len}, {args.steps} new tokens, --shared-kv-prefill "
+            f"{args.shared_kv_prefill}, median of {args.repeats}; load average now {os.getloadavg()[0]:.1f}"
+        )
         m = min(times["generate()"])
         print("  (the fastest run of each is the figure least disturbed by other work on a shared machine)")
         for name, ts in times.items():
             t = statistics.median(ts)
             size = f"  trace {sizes[name] / 2**20:.1f} MiB" if name in sizes else ""
-            print(f"  {name:<55} median {t:7.2f} s {t / g:5.2f}x   fastest {min(ts):7.2f} s {min(ts) / m:5.2f}x"
-                  f"{size}  (runs: {', '.join(f'{x:.2f}' for x in ts)})")
+            print(
+                f"  {name:<55} median {t:7.2f} s {t / g:5.2f}x   fastest {min(ts):7.2f} s {min(ts) / m:5.2f}x"
+                f"{size}  (runs: {', '.join(f'{x:.2f}' for x in ts)})"
+            )
 
 
 if __name__ == "__main__":

@@ -67,8 +67,10 @@ def main():
         prof.runcall(target)
         t_rec = time.perf_counter() - t0
         size = out.stat().st_size
-        print(f"{args.model} {args.dtype}: prompt {len(ids)}, {args.steps} new tokens; generate() {t_gen:.2f} s, "
-              f"{'replay' if args.replay else 'record'} {t_rec:.2f} s under cProfile; trace {size / 2**20:.1f} MiB")
+        print(
+            f"{args.model} {args.dtype}: prompt {len(ids)}, {args.steps} new tokens; generate() {t_gen:.2f} s, "
+            f"{'replay' if args.replay else 'record'} {t_rec:.2f} s under cProfile; trace {size / 2**20:.1f} MiB"
+        )
         for key in ("cumulative", "tottime"):
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats(key).print_stats(args.top)

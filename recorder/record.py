@@ -79,11 +79,25 @@ def record_trace(
     if images and prompt is None:
         raise TraceToolError("--image needs --prompt (the processor places the image tokens)")
     pil_images = [_open_image(p) for p in images]
-    lm = load_model(model_dir, dtype=dtype, device=device, device_map=device_map, max_memory=max_memory,
-                    offload_folder=offload_folder)
+    lm = load_model(
+        model_dir,
+        dtype=dtype,
+        device=device,
+        device_map=device_map,
+        max_memory=max_memory,
+        offload_folder=offload_folder,
+    )
     inputs = prepare_inputs(lm, prompt, input_ids, pil_images, chat)
-    tokens = record_loaded(lm, inputs, output, max_new_tokens=max_new_tokens, force=force, progress=progress,
-                           selection=selection, shared_kv_prefill=shared_kv_prefill)
+    tokens = record_loaded(
+        lm,
+        inputs,
+        output,
+        max_new_tokens=max_new_tokens,
+        force=force,
+        progress=progress,
+        selection=selection,
+        shared_kv_prefill=shared_kv_prefill,
+    )
     text = ""
     if lm.tokenizer is not None:
         text = " -> " + repr(lm.tokenizer.decode(tokens, skip_special_tokens=False))
@@ -120,14 +134,21 @@ def prepare_inputs(lm: LoadedModel, prompt, input_ids, images, chat: bool) -> Pr
     if use_chat:
         content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": prompt}]
         enc = lm.processor.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True,
-            return_dict=True, return_tensors="pt",
+            [{"role": "user", "content": content}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
         )
     elif images:
         text = "".join(lm.processor.image_token for _ in images) + prompt
         enc = lm.processor(text=text, images=images, return_tensors="pt")
     else:
-        enc = lm.processor(text=prompt, return_tensors="pt") if hasattr(lm.processor, "image_processor") else lm.tokenizer(prompt, return_tensors="pt")
+        enc = (
+            lm.processor(text=prompt, return_tensors="pt")
+            if hasattr(lm.processor, "image_processor")
+            else lm.tokenizer(prompt, return_tensors="pt")
+        )
     enc = dict(enc)
     ids = enc.pop("input_ids")[0].tolist()
     enc.pop("attention_mask", None)
@@ -144,10 +165,14 @@ def check_positions(text_config, prompt_len: int, max_new_tokens: int) -> None:
     if limit is None:
         return
     if prompt_len > limit:
-        raise TraceToolError(f"the prompt has {prompt_len} tokens, more than the model's {limit} positions (max_position_embeddings)")
+        raise TraceToolError(
+            f"the prompt has {prompt_len} tokens, more than the model's {limit} positions (max_position_embeddings)"
+        )
     if prompt_len + max_new_tokens > limit:
-        raise TraceToolError(f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} = {prompt_len + max_new_tokens} "
-                             f"exceeds the model's {limit} positions (max_position_embeddings)")
+        raise TraceToolError(
+            f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} = {prompt_len + max_new_tokens} "
+            f"exceeds the model's {limit} positions (max_position_embeddings)"
+        )
 
 
 def eos_ids(lm: LoadedModel) -> list[int]:
@@ -236,6 +261,7 @@ class _StepRecorder:
             stack.callback(h.remove)
         slicer = getattr(tm, "_maybe_slice_kv_shared_inputs", None)
         if slicer is not None:  # the per-layer inputs of every position, before the shortcut drops rows
+
             def see_all_rows(hidden, per_layer_inputs, *args, **kwargs):
                 if per_layer_inputs is not None:
                     self.buf["ple_all"] = per_layer_inputs[0]
@@ -346,8 +372,15 @@ def _np(t):
 
 
 def record_loaded(
-    lm: LoadedModel, inputs: PromptInputs, output, *, max_new_tokens: int, force: bool = False,
-    progress: Callable[[int, int], None] | None = None, selection=None, shared_kv_prefill: str = "all",
+    lm: LoadedModel,
+    inputs: PromptInputs,
+    output,
+    *,
+    max_new_tokens: int,
+    force: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    selection=None,
+    shared_kv_prefill: str = "all",
 ) -> list[int]:
     """Run greedy generate() with hooks and write the trace; return the generated ids."""
     import torch
@@ -370,19 +403,32 @@ def record_loaded(
     impl = model.config._attn_implementation or "eager"
     original = ALL_ATTENTION_FUNCTIONS.get(impl, modeling_gemma4.eager_attention_forward)
     streamer = _ProgressStreamer(max_new_tokens, progress) if progress is not None else None
-    LIM.check_fits(LIM.generation_bytes(lm.text_config, prompt_len, prompt_len + max_new_tokens,
-                                        2 if lm.dtype == "bfloat16" else 4),
-                   f"recording {prompt_len} prompt tokens + {max_new_tokens} new tokens")
+    LIM.check_fits(
+        LIM.generation_bytes(
+            lm.text_config, prompt_len, prompt_len + max_new_tokens, 2 if lm.dtype == "bfloat16" else 4
+        ),
+        f"recording {prompt_len} prompt tokens + {max_new_tokens} new tokens",
+    )
 
     with TraceWriter(output, force=force, source_dtype=lm.dtype, selection=selection) as w:
-        w.write_header(TraceHeader(
-            Provenance.from_dict(provenance(
-                lm, runtime=f"hf-transformers ({impl}{', KV-shared prefill: last row' if shortcut else ''})",
-                mode="reference")),
-            inputs.input_ids, layers, max_new_tokens=max_new_tokens, eos_token_ids=eos,
-            prompt_text=inputs.text, chat_template_applied=inputs.chat,
-            extra_inputs={k: _np(v) for k, v in extra.items()},
-        ))
+        w.write_header(
+            TraceHeader(
+                Provenance.from_dict(
+                    provenance(
+                        lm,
+                        runtime=f"hf-transformers ({impl}{', KV-shared prefill: last row' if shortcut else ''})",
+                        mode="reference",
+                    )
+                ),
+                inputs.input_ids,
+                layers,
+                max_new_tokens=max_new_tokens,
+                eos_token_ids=eos,
+                prompt_text=inputs.text,
+                chat_template_applied=inputs.chat,
+                extra_inputs={k: _np(v) for k, v in extra.items()},
+            )
+        )
         rec = _StepRecorder(lm, w, prompt_len, shortcut)
         with contextlib.ExitStack() as stack:
             rec.install(stack)
@@ -390,11 +436,19 @@ def record_loaded(
             stack.callback(ALL_ATTENTION_FUNCTIONS._local_mapping.pop, impl, None)
             with torch.no_grad():
                 out = model.generate(
-                    ids, **extra, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                    eos_token_id=eos, pad_token_id=lm.text_config.pad_token_id,
+                    ids,
+                    **extra,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    num_beams=1,
+                    eos_token_id=eos,
+                    pad_token_id=lm.text_config.pad_token_id,
                     # an index tensor (not the int generate() uses) keeps all positions in KV-reusing layers
                     logits_to_keep=1 if shortcut else torch.tensor([-1], device=lm.device),
-                    streamer=streamer, top_k=None, top_p=None, temperature=None,
+                    streamer=streamer,
+                    top_k=None,
+                    top_p=None,
+                    temperature=None,
                 )
         generated = out[0, prompt_len:].tolist()
         if rec.pending_token_step:

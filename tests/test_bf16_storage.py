@@ -41,8 +41,9 @@ def _as_float32_storage(src, dst) -> None:
             attrs = {k: v for k, v in ds.attrs.items() if k != S.ATTR_STORAGE}
             values = (ds[()].astype(np.uint32) << 16).view(np.float32)
             del f[p]
-            new = f.create_dataset(p, data=values, maxshape=(None, *values.shape[1:]), compression="gzip",
-                                   shuffle=True, fletcher32=True)
+            new = f.create_dataset(
+                p, data=values, maxshape=(None, *values.shape[1:]), compression="gzip", shuffle=True, fletcher32=True
+            )
             for k, v in attrs.items():
                 new.attrs[k] = v
 
@@ -112,10 +113,13 @@ def test_values_that_are_not_bf16_widen_to_float32(tmp_path, monkeypatch):
         assert np.array_equal(a.read("q", 1), b.read("q", 1))
 
 
-@pytest.mark.parametrize("change, needle", [
-    (lambda ds: ds.attrs.modify(S.ATTR_STORAGE, np.bytes_(b"float8")), "only a float kind may say"),
-    (lambda ds: ds.attrs.__delitem__(S.ATTR_STORAGE), "expected float16, float32 or float64"),
-])
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (lambda ds: ds.attrs.modify(S.ATTR_STORAGE, np.bytes_(b"float8")), "only a float kind may say"),
+        (lambda ds: ds.attrs.__delitem__(S.ATTR_STORAGE), "expected float16, float32 or float64"),
+    ],
+)
 def test_bad_bf16_storage_refused(runs, tmp_path, change, needle):
     bad = tmp_path / "bad.h5"
     shutil.copy(runs[1], bad)

@@ -28,8 +28,18 @@ from . import limits as LIM
 from . import schema as S
 from .errors import TraceToolError, interrupted, one_line
 from .header import Provenance, TraceHeader
-from .validate import (ADVICE, READ_ERRORS, Checked, Validator, attr_text, corrupt, corrupt_data, file_error, nbytes,
-                       read_small)
+from .validate import (
+    ADVICE,
+    READ_ERRORS,
+    Checked,
+    Validator,
+    attr_text,
+    corrupt,
+    corrupt_data,
+    file_error,
+    nbytes,
+    read_small,
+)
 
 HASH_BLOCK_BYTES = 64 << 20  # content_hash reads a dataset this many bytes at a time
 
@@ -97,11 +107,15 @@ class TraceReader:
         head = f"{self.path} is not a readable HDF5 trace"
         m = re.search(r"truncated file: eof = (\d+).*stored_eof = (\d+)", msg)
         if m:
-            return (f"{head}: it is truncated ({m.group(1)} of {m.group(2)} bytes; an interrupted copy or write); "
-                    "copy it again or re-record it")
+            return (
+                f"{head}: it is truncated ({m.group(1)} of {m.group(2)} bytes; an interrupted copy or write); "
+                "copy it again or re-record it"
+            )
         if "file signature not found" in msg:
-            return (f"{head}: it is not an HDF5 file at all (no HDF5 signature); "
-                    "pass a trace written by 'trace record' or 'trace replay'")
+            return (
+                f"{head}: it is not an HDF5 file at all (no HDF5 signature); "
+                "pass a trace written by 'trace record' or 'trace replay'"
+            )
         return f"{head} ({msg}); {ADVICE}"
 
     # ------------------------------------------------------------------ info
@@ -147,9 +161,14 @@ class TraceReader:
     def header(self) -> TraceHeader:
         """The trace's header, whole (the extra inputs are read): what a copy of it writes."""
         return TraceHeader(
-            Provenance.from_dict(self.provenance), self.prompt_ids, self.layers, max_new_tokens=self.max_new_tokens,
-            eos_token_ids=self.eos_token_ids, prompt_text=self.prompt_text,
-            chat_template_applied=self.chat_template_applied, extra_inputs=self.extra_inputs(),
+            Provenance.from_dict(self.provenance),
+            self.prompt_ids,
+            self.layers,
+            max_new_tokens=self.max_new_tokens,
+            eos_token_ids=self.eos_token_ids,
+            prompt_text=self.prompt_text,
+            chat_template_applied=self.chat_template_applied,
+            extra_inputs=self.extra_inputs(),
         )
 
     def has(self, kind: str, layer: int | None = None) -> bool:
@@ -252,7 +271,9 @@ class TraceReader:
             except READ_ERRORS as e:
                 if isinstance(obj, h5py.Dataset):
                     raise corrupt_data(self.path, name, e) from None
-                raise corrupt(f"{self.path} is damaged: reading {name!r} failed ({one_line(e, 200)}); {ADVICE}") from None
+                raise corrupt(
+                    f"{self.path} is damaged: reading {name!r} failed ({one_line(e, 200)}); {ADVICE}"
+                ) from None
         return h.hexdigest()
 
     def close(self) -> None:
@@ -266,7 +287,6 @@ class TraceReader:
         self.close()
 
 
-
 def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) -> the float32 values they are, exactly."""
     wide = bits.astype(np.uint32)
@@ -275,8 +295,12 @@ def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
 
 
 def _file_kind(mode: int) -> str:
-    for test, word in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+    for test, word in (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return word
     return "not a regular file"

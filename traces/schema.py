@@ -91,7 +91,12 @@ MEMBERS = {
     GROUP_STEPS: (leaf(DSET_STEP_POSITIONS),),
 }
 
-MODES = ("reference", "teacher-forced", "free-running", "isolated")  # isolated: teacher-forced, every layer fed REF's input
+MODES = (
+    "reference",
+    "teacher-forced",
+    "free-running",
+    "isolated",
+)  # isolated: teacher-forced, every layer fed REF's input
 KV_ROLES = ("owns", "stores", "reuses")
 
 # layer types as HF names them, and their short suffix in RoPE kind names
@@ -160,26 +165,60 @@ KIND_TOKEN = "token"  # the chosen tokens: every trace holds them
 
 # The canonical kinds in data-flow order: the order `trace diff` searches them in.
 KINDS: tuple[Kind, ...] = (
-    Kind("embeddings", False, "position", "float", (_HIDDEN,), "input embeddings after vision merge",
-         residual=True, layer_input=True),
-    Kind("per_layer_inputs", False, "position", "float",
-         (Axis("L", "layers", report="ple_layer", dump="layer", meta="layers"), Axis("ple_dim", "ple")),
-         "per-layer inputs as fed to layers", layer_input=True),
+    Kind(
+        "embeddings",
+        False,
+        "position",
+        "float",
+        (_HIDDEN,),
+        "input embeddings after vision merge",
+        residual=True,
+        layer_input=True,
+    ),
+    Kind(
+        "per_layer_inputs",
+        False,
+        "position",
+        "float",
+        (Axis("L", "layers", report="ple_layer", dump="layer", meta="layers"), Axis("ple_dim", "ple")),
+        "per-layer inputs as fed to layers",
+        layer_input=True,
+    ),
     _rope("rope_cos_sliding", "sliding"),
     _rope("rope_sin_sliding", "sliding"),
     _rope("rope_cos_full", "full"),
     _rope("rope_sin_full", "full"),
-    Kind("mask", True, "position", "bool", (Axis("K", "keys", dump="key"),),
-         "allowed[query_pos, key_pos] over absolute key positions"),
+    Kind(
+        "mask",
+        True,
+        "position",
+        "bool",
+        (Axis("K", "keys", dump="key"),),
+        "allowed[query_pos, key_pos] over absolute key positions",
+    ),
     Kind("q", True, "position", "float", (_HEADS, _HEAD_DIM), "query after q_norm and RoPE"),
     Kind("k", True, "position", "float", (_KV_HEADS, _HEAD_DIM), "key row written at this position (k_norm, RoPE)"),
     Kind("v", True, "position", "float", (_KV_HEADS, _HEAD_DIM), "value row written at this position (v_norm)"),
     Kind("attn_out", True, "position", "float", (_HIDDEN,), "attention output after o_proj"),
-    Kind("layer_out", True, "position", "float", (_HIDDEN,), "decoder layer output (residual stream)",
-         residual=True, layer_input=True),
+    Kind(
+        "layer_out",
+        True,
+        "position",
+        "float",
+        (_HIDDEN,),
+        "decoder layer output (residual stream)",
+        residual=True,
+        layer_input=True,
+    ),
     Kind("final_hidden", False, "position", "float", (_HIDDEN,), "hidden state after the final norm", residual=True),
-    Kind("logits", False, "step", "float", (Axis("vocab", "vocab", report="vocab_id"),),
-         "soft-capped logits at the predicting position"),
+    Kind(
+        "logits",
+        False,
+        "step",
+        "float",
+        (Axis("vocab", "vocab", report="vocab_id"),),
+        "soft-capped logits at the predicting position",
+    ),
     Kind(KIND_TOKEN, False, "step", "int", (), "token chosen at this step"),
 )
 KIND_BY_NAME = {k.name: k for k in KINDS}

@@ -40,11 +40,21 @@ READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError)
 _LAYER_GROUP = re.compile(rf"^{S.LAYER_GROUP_PREFIX}(\d+)$")
 _LAYOUTS = {h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.CHUNKED: "chunked", h5py.h5d.COMPACT: "compact"}
 # HDF5's built-in filters and h5py's lzf: anything else would load a plug-in library from disk
-_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_FLETCHER32, h5py.h5z.FILTER_SZIP,
-            h5py.h5z.FILTER_NBIT, h5py.h5z.FILTER_SCALEOFFSET, h5py.h5z.FILTER_LZF}
+_FILTERS = {
+    h5py.h5z.FILTER_DEFLATE,
+    h5py.h5z.FILTER_SHUFFLE,
+    h5py.h5z.FILTER_FLETCHER32,
+    h5py.h5z.FILTER_SZIP,
+    h5py.h5z.FILTER_NBIT,
+    h5py.h5z.FILTER_SCALEOFFSET,
+    h5py.h5z.FILTER_LZF,
+}
 _METADATA = f"the per-layer metadata under '{S.GROUP_MODEL}/'"
-_HEAD_CAPS = ((S.FIELD_HEAD_DIM, LIM.MAX_HEAD_DIM), (S.FIELD_NUM_HEADS, LIM.MAX_HEADS),
-              (S.FIELD_NUM_KV_HEADS, LIM.MAX_HEADS))
+_HEAD_CAPS = (
+    (S.FIELD_HEAD_DIM, LIM.MAX_HEAD_DIM),
+    (S.FIELD_NUM_HEADS, LIM.MAX_HEADS),
+    (S.FIELD_NUM_KV_HEADS, LIM.MAX_HEADS),
+)
 
 
 @dataclass
@@ -103,8 +113,10 @@ class _Objects:
             if isinstance(link, h5py.SoftLink):
                 self._bad(f"{walked!r} is a soft link (to {link.path!r}); a trace holds no links, only its own data")
             if isinstance(link, h5py.ExternalLink):
-                self._bad(f"{walked!r} is an external link (to {link.filename!r}); "
-                          "a trace holds no links and is never allowed to read another file")
+                self._bad(
+                    f"{walked!r} is an external link (to {link.filename!r}); "
+                    "a trace holds no links and is never allowed to read another file"
+                )
             if not isinstance(link, h5py.HardLink):
                 self._bad(f"{walked!r} is a user-defined link; a trace holds no links, only its own data")
             obj = obj[name]
@@ -117,8 +129,10 @@ class _Objects:
         info = h5py.h5o.get_info(obj.id)
         if info.rc != 1 or info.addr in self._addrs:
             other = self._addrs.get(info.addr)
-            self._bad(f"{path!r} is reached by {'two names' if other is None else f'two names ({other!r} too)'}; "
-                      "every object of a trace has exactly one name")
+            self._bad(
+                f"{path!r} is reached by {'two names' if other is None else f'two names ({other!r} too)'}; "
+                "every object of a trace has exactly one name"
+            )
         self._addrs[info.addr] = path
         if path != "/":
             self.out.objects.append(path)
@@ -141,20 +155,26 @@ class _Objects:
             vlen = aid.dtype.kind == "O"
             if size > LIM.MAX_ATTR_BYTES or (vlen and (n > 1 or h5py.check_string_dtype(aid.dtype) is None)):
                 what = f"{LIM.fmt_bytes(size)}" if not vlen else f"{n} variable-length values"
-                self._bad(f"the attribute {key!r} of {path!r} holds {what}, more than a trace attribute may "
-                          f"({LIM.fmt_bytes(LIM.MAX_ATTR_BYTES)} of text or numbers)")
+                self._bad(
+                    f"the attribute {key!r} of {path!r} holds {what}, more than a trace attribute may "
+                    f"({LIM.fmt_bytes(LIM.MAX_ATTR_BYTES)} of text or numbers)"
+                )
 
     def _check_storage(self, obj: h5py.Dataset, path: str) -> None:
         self.at = path
         plist = obj.id.get_create_plist()
         layout = plist.get_layout()
         if layout not in _LAYOUTS:
-            what = "a virtual dataset (its data lives in other files)" if layout == h5py.h5d.VIRTUAL \
+            what = (
+                "a virtual dataset (its data lives in other files)"
+                if layout == h5py.h5d.VIRTUAL
                 else f"stored with layout {layout}"
+            )
             self._bad(f"{path!r} is {what}; a trace's datasets keep their bytes in the trace itself")
         if plist.get_external_count():
-            self._bad(f"{path!r} keeps its bytes in an external file; "
-                      "a trace's datasets keep their bytes in the trace itself")
+            self._bad(
+                f"{path!r} keeps its bytes in an external file; a trace's datasets keep their bytes in the trace itself"
+            )
         for i in range(plist.get_nfilters()):
             code = plist.get_filter(i)[0]
             if code not in _FILTERS:
@@ -162,16 +182,19 @@ class _Objects:
         if layout == h5py.h5d.CHUNKED:
             chunk = nbytes(plist.get_chunk(), obj.dtype)
             if chunk > LIM.MAX_CHUNK_BYTES:
-                self._bad(f"{path!r} has chunks of {LIM.fmt_bytes(chunk)} (at most "
-                          f"{LIM.fmt_bytes(LIM.MAX_CHUNK_BYTES)}: a chunk is decompressed whole)")
+                self._bad(
+                    f"{path!r} has chunks of {LIM.fmt_bytes(chunk)} (at most "
+                    f"{LIM.fmt_bytes(LIM.MAX_CHUNK_BYTES)}: a chunk is decompressed whole)"
+                )
 
     def _members(self, g: h5py.Group, path: str, allowed) -> list[str]:
         names = list(g)
         if allowed is not None:
             extra = [n for n in names if n not in allowed]
             if extra:
-                self._bad(f"{path!r} holds {extra[0]!r}, which is not part of a trace (expected only "
-                          f"{', '.join(allowed)})")
+                self._bad(
+                    f"{path!r} holds {extra[0]!r}, which is not part of a trace (expected only {', '.join(allowed)})"
+                )
         return names
 
     def _group(self, path: str) -> h5py.Group:
@@ -263,9 +286,11 @@ class _Objects:
         self.at = "the sizes of the datasets"
         allowed = max(LIM.MIN_DECLARED, LIM.EXPANSION * self.file_size)
         if self._declared > allowed:
-            self._bad(f"its datasets declare {LIM.fmt_bytes(self._declared)} of data in a file of "
-                      f"{LIM.fmt_bytes(self.file_size)} (at most {LIM.EXPANSION}x the file size, or "
-                      f"{LIM.fmt_bytes(LIM.MIN_DECLARED)}): a compression bomb or a damaged file")
+            self._bad(
+                f"its datasets declare {LIM.fmt_bytes(self._declared)} of data in a file of "
+                f"{LIM.fmt_bytes(self.file_size)} (at most {LIM.EXPANSION}x the file size, or "
+                f"{LIM.fmt_bytes(LIM.MIN_DECLARED)}): a compression bomb or a damaged file"
+            )
 
 
 class Validator(_Objects):
@@ -293,8 +318,11 @@ class Validator(_Objects):
         if isinstance(name, bytes):
             name = name.decode(errors="replace")
         if not (isinstance(name, str) and name == S.SCHEMA_NAME):
-            what = f"has no {S.ATTR_SCHEMA!r} attribute" if name is None \
+            what = (
+                f"has no {S.ATTR_SCHEMA!r} attribute"
+                if name is None
                 else f"its {S.ATTR_SCHEMA!r} attribute is {describe(name)}"
+            )
             raise file_error(
                 f"{self.path} is an HDF5 file but not a {S.SCHEMA_NAME} trace ({what}); "
                 "pass a trace written by 'trace record' or 'trace replay'"
@@ -359,8 +387,10 @@ class Validator(_Objects):
         out, where, n_ids = self.out, f"{S.GROUP_INPUTS!r}", self.out.prompt_ids.size
         out.max_new_tokens = self._int_attr(g, S.ATTR_MAX_NEW_TOKENS, where, 1)
         if n_ids + out.max_new_tokens > LIM.MAX_POSITIONS:
-            self._bad(f"the attribute {S.ATTR_MAX_NEW_TOKENS!r} of {where} is {out.max_new_tokens}: with the "
-                      f"{n_ids} prompt ids that is more than {LIM.MAX_POSITIONS} positions")
+            self._bad(
+                f"the attribute {S.ATTR_MAX_NEW_TOKENS!r} of {where} is {out.max_new_tokens}: with the "
+                f"{n_ids} prompt ids that is more than {LIM.MAX_POSITIONS} positions"
+            )
         eos = np.asarray(self._attr(g, S.ATTR_EOS_TOKEN_IDS, where))
         if eos.ndim > 1 or (eos.size and eos.dtype.kind not in "iu"):
             self._bad(f"the attribute {S.ATTR_EOS_TOKEN_IDS!r} of {where} should be integers, got {describe(eos)}")
@@ -368,8 +398,9 @@ class Validator(_Objects):
         out.prompt_text = self._text_attr(g, S.ATTR_PROMPT_TEXT, where)
         chat = self._attr(g, S.ATTR_CHAT_TEMPLATE_APPLIED, where)
         if not (isinstance(chat, (bool, np.bool_)) or as_int(chat) in (0, 1)):
-            self._bad(f"the attribute {S.ATTR_CHAT_TEMPLATE_APPLIED!r} of {where} should be a bool, "
-                      f"got {describe(chat)}")
+            self._bad(
+                f"the attribute {S.ATTR_CHAT_TEMPLATE_APPLIED!r} of {where} should be a bool, got {describe(chat)}"
+            )
         out.chat_template_applied = bool(chat)
 
     def _check_extra_inputs(self) -> None:
@@ -423,8 +454,9 @@ class Validator(_Objects):
                 self._bad(f"{path(k)} of layer {i} is {fields[k][i]}, expected 1..{cap}")
         ok = (src == i) if role != "reuses" else (0 <= src < i and fields[S.FIELD_KV_ROLE][src] != "reuses")
         if not ok:
-            self._bad(f"{path(S.FIELD_KV_SOURCE)} of layer {i} is {src}, impossible for a layer whose kv_role is "
-                      f"{role!r}")
+            self._bad(
+                f"{path(S.FIELD_KV_SOURCE)} of layer {i} is {src}, impossible for a layer whose kv_role is {role!r}"
+            )
 
     def _check_steps(self) -> None:
         self._members(self._group(S.GROUP_STEPS), S.GROUP_STEPS, S.MEMBERS[S.GROUP_STEPS])
@@ -440,8 +472,10 @@ class Validator(_Objects):
         for s, (a, b) in enumerate(steps):
             want = (0, T) if s == 0 else (T + s - 1, T + s)
             if (a, b) != want:
-                self._bad(f"{S.DSET_STEP_POSITIONS!r}: step {s} feeds positions [{a}, {b}), expected [{want[0]}, "
-                          f"{want[1]}) (a prefill over the {T} prompt ids, then one position per decode step)")
+                self._bad(
+                    f"{S.DSET_STEP_POSITIONS!r}: step {s} feeds positions [{a}, {b}), expected [{want[0]}, "
+                    f"{want[1]}) (a prefill over the {T} prompt ids, then one position per decode step)"
+                )
         self.out.step_positions = steps
 
     # ------------------------------------------------------------------ tensors
@@ -499,8 +533,10 @@ class Validator(_Objects):
         if S.ATTR_STORAGE in ds.attrs:  # bfloat16 values stored as their 16-bit patterns
             storage = self._text_attr(ds, S.ATTR_STORAGE, repr(path))
             if spec.dtype != "float" or storage != S.STORAGE_BF16:
-                self._bad(f"{path!r} says its values are stored as {storage[:40]!r}; only a float kind may say "
-                          f"{S.STORAGE_BF16!r}")
+                self._bad(
+                    f"{path!r} says its values are stored as {storage[:40]!r}; only a float kind may say "
+                    f"{S.STORAGE_BF16!r}"
+                )
             if ds.dtype.kind != "u" or ds.dtype.itemsize != 2:
                 self._bad(f"the dataset {path!r} has dtype {ds.dtype}, expected uint16 ({S.STORAGE_BF16})")
             self.out.bf16.add((kind, layer))
@@ -521,8 +557,10 @@ class Validator(_Objects):
         self._check_row_axes(path, spec, layer, row)
         elements = nbytes(row, np.uint8)
         if elements > row_limit:
-            self._bad(f"{path!r} has rows of shape {row} ({elements} values), more than the model config "
-                      f"justifies ({row_limit})")
+            self._bad(
+                f"{path!r} has rows of shape {row} ({elements} values), more than the model config "
+                f"justifies ({row_limit})"
+            )
 
     def _check_row_axes(self, path: str, spec: S.Kind, layer: int | None, row: tuple) -> None:
         """The row axes the layer metadata fixes (heads, KV heads, layers) have exactly that size."""

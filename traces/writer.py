@@ -257,8 +257,10 @@ def _spread_rows(kind, layer, arr: np.ndarray, positions, start: int, stop: int,
         raise ValueError(f"{kind} layer {layer}: positions must be integers, got {pos.dtype}")
     n = stop - start
     if pos.size == 0 or pos.size > n or np.any(np.diff(pos) <= 0) or pos[0] < start or pos[-1] >= stop:
-        raise ValueError(f"{kind} layer {layer}: positions must be increasing absolute positions within this "
-                         f"step's {start}..{stop - 1}, got {pos[:8].tolist()}{' ...' if pos.size > 8 else ''}")
+        raise ValueError(
+            f"{kind} layer {layer}: positions must be increasing absolute positions within this "
+            f"step's {start}..{stop - 1}, got {pos[:8].tolist()}{' ...' if pos.size > 8 else ''}"
+        )
     if arr.ndim == 0 or arr.shape[0] != pos.size:
         raise ValueError(f"{kind} layer {layer}: {arr.shape[0] if arr.ndim else 0} rows for {pos.size} positions")
     full = np.zeros((n, *arr.shape[1:]), dtype=arr.dtype)
@@ -381,8 +383,7 @@ class TraceWriter:
     def step(self) -> int:
         return len(self._steps) - 1
 
-    def add(self, kind: str, value, layer: int | None = None, source_dtype: str | None = None,
-            positions=None) -> None:
+    def add(self, kind: str, value, layer: int | None = None, source_dtype: str | None = None, positions=None) -> None:
         """Add the rows of `kind` for the open step: one per fed position, or one per step.
 
         `positions` (increasing absolute positions of this step): `value` holds only these rows;
@@ -407,10 +408,8 @@ class TraceWriter:
             raise ValueError(f"{kind} layer {layer}: {arr.shape[0]} rows for {stop - start} positions")
         series = self._series.get(path)
         if series is None:
-            series = self._series[path] = _Series(
-                self.f, path, arr.shape[1:], arr.dtype, src, grow_last=spec.grows
-            )
-        expected_rows = (self.step if spec.index == "step" else start)
+            series = self._series[path] = _Series(self.f, path, arr.shape[1:], arr.dtype, src, grow_last=spec.grows)
+        expected_rows = self.step if spec.index == "step" else start
         if series.accepted != expected_rows:
             raise ValueError(f"{kind} layer {layer}: rows out of order at step {self.step}")
         series.absent += [(start + a, start + b) for a, b in absent]
@@ -437,6 +436,7 @@ class TraceWriter:
                 present = np.ones(s.rows, dtype=bool)
                 for a, b in s.absent:
                     present[a:b] = False
-                self.f.create_dataset(s.path + S.ROWS_PRESENT_SUFFIX, data=present, chunks=(min(s.rows, 1 << 16),),
-                                      **COMPRESSION)
+                self.f.create_dataset(
+                    s.path + S.ROWS_PRESENT_SUFFIX, data=present, chunks=(min(s.rows, 1 << 16),), **COMPRESSION
+                )
         self.f.create_dataset(S.DSET_STEP_POSITIONS, data=np.asarray(self._steps, dtype=np.int64).reshape(-1, 2))
