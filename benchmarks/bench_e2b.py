@@ -5,7 +5,11 @@
     python benchmarks/bench_e2b.py --bf16 /tmp/e2b/bf16/e2b-random --f32 /tmp/e2b/f32/e2b-random
 
 Each measured command runs in its own process (one at a time), which reports the seconds of
-its timed part and its own peak RSS (VmHWM). Traces go to --work (kept). Steps:
+its timed part and its own peak RSS (VmHWM). Traces go to --work (kept). Before any timing the
+checkpoint's files are read once (into the page cache), so that the first command does not
+pay the disk reads the others skip; and the machine's matmul speed (GFLOP/s of one E2B-sized
+linear, the MLP's up projection over the prompt, in bf16 and float32) is measured and printed
+beside every ratio, so that figures from two machines can be compared. Steps:
 
   generate   plain HF generate() (bf16), the same greedy settings as the recorder
   record     trace record (bf16)                      -> BASE.h5   (HF bf16)
@@ -70,6 +74,36 @@ def child_generate(model_dir: str, dtype: str, n_prompt: int, n_new: int) -> dic
             temperature=None,
         )
     return dict(load_s=load_s, seconds=time.perf_counter() - t0, tokens=out[0, n_prompt:].tolist())
+
+
+def child_matmul(n_prompt: int) -> dict:
+    """GFLOP/s of one E2B-sized linear: (n_prompt, 1536) x (1536 -> 6144), the best of 5 runs."""
+    import torch
+
+    out = {}
+    for dtype in ("bfloat16", "float32"):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n_prompt, 1536, generator=g).to(getattr(torch, dtype))
+        w = torch.randn(6144, 1536, generator=g).to(getattr(torch, dtype))
+        best = float("inf")
+        with torch.no_grad():
+            for _ in range(5):
+                t0 = time.perf_counter()
+                torch.nn.functional.linear(x, w)
+                best = min(best, time.perf_counter() - t0)
+        out[dtype] = 2 * n_prompt * 1536 * 6144 / best / 1e9
+    return dict(seconds=0.0, gflops=out)
+
+
+def warm_checkpoint(model_dir: str) -> str:
+    """Read every file of the checkpoint once, so that it is in the page cache before any timing."""
+    t0, total = time.perf_counter(), 0
+    for p in sorted(Path(model_dir).iterdir()):
+        if p.is_file():
+            with open(p, "rb") as f:
+                while block := f.read(64 << 20):
+                    total += len(block)
+    return f"read the checkpoint once before timing ({total / 2**30:.1f} GiB in {time.perf_counter() - t0:.1f} s)"
 
 
 def child_record(
@@ -157,6 +191,11 @@ def main() -> None:
     ap.add_argument(
         "--skip", default="", help="comma-separated steps to skip (generate,record,record-last,replay,diff,ref)"
     )
+    ap.add_argument(
+        "--writer-before",
+        action="store_true",
+        help="write traces as before the writer thread and 16-bit bf16 storage (for a before/after)",
+    )
     ap.add_argument("--child", default=None)
     ap.add_argument("child_args", nargs="?")
     a = ap.parse_args()
@@ -164,13 +203,21 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-        fn = {"generate": child_generate, "record": child_record, "cli": child_cli}[a.child]
+        if os.environ.get("BENCH_WRITER_BEFORE"):  # the trace writer as it was before issue 20's changes
+            from gemma4_trace.recorder import record
+            from gemma4_trace.traces import writer
+
+            writer.THREADED = writer.BF16_BITS = record.HAND_OVER_BITS = False
+        fn = {"generate": child_generate, "record": child_record, "cli": child_cli, "matmul": child_matmul}[a.child]
         args = json.loads(a.child_args)
         res = fn(args) if a.child == "cli" else fn(*args)
         res["peak_mib"] = peak_mib()
         print("RESULT " + json.dumps(res), flush=True)
         return
 
+    if a.writer_before:
+        os.environ["BENCH_WRITER_BEFORE"] = "1"
+        print("trace writer as before: writes on the model's thread, bf16 upcast and stored as float32", flush=True)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     base, run, ref = str(work / "BASE.h5"), str(work / "RUN.h5"), str(work / "REF.h5")
@@ -188,9 +235,13 @@ def main() -> None:
 
     print(
         f"E2B-dimension random checkpoint {a.bf16}; prompt {T} tokens, {n} new tokens; 2 threads; "
-        f"available memory {available_gib():.1f} GiB",
+        f"available memory {available_gib():.1f} GiB; load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
+    print(warm_checkpoint(a.bf16), flush=True)
+    mm = run_child("matmul", T)["gflops"]
+    speed = f"matmul {mm['bfloat16']:.0f} GFLOP/s bf16, {mm['float32']:.0f} GFLOP/s float32"
+    print(f"{speed} (one ({T}, 1536) x (1536 -> 6144) linear, best of 5)", flush=True)
     if "generate" not in skip:
         show("generate", run_child("generate", a.bf16, "bfloat16", T, n))
     if "record" not in skip:
@@ -198,7 +249,7 @@ def main() -> None:
         show("record", r, f"trace {os.path.getsize(base) / 2**20:.1f} MiB")
         if "generate" in rows:
             print(
-                f"record / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x (timed parts); "
+                f"record / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x (timed parts; {speed}); "
                 f"tokens equal: {r['tokens'] == rows['generate']['tokens']}",
                 flush=True,
             )
@@ -209,7 +260,7 @@ def main() -> None:
         if "generate" in rows:
             print(
                 f"record --shared-kv-prefill last / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x "
-                f"(timed parts); tokens equal: {r['tokens'] == rows['generate']['tokens']}",
+                f"(timed parts; {speed}); tokens equal: {r['tokens'] == rows['generate']['tokens']}",
                 flush=True,
             )
         if Path(base).exists():
@@ -227,6 +278,8 @@ def main() -> None:
             f"trace {os.path.getsize(run) / 2**20:.1f} MiB; "
             f"{r['out'].strip().splitlines()[-1] if r['out'].strip() else ''}",
         )
+        if "record" in rows:
+            print(f"replay / record = {r['seconds'] / rows['record']['seconds']:.2f}x ({speed})", flush=True)
     if "diff" not in skip:
         r = run_child("cli", "diff", base, run)
         show("diff", r, f"exit {r['exit']}: {r['out'].strip().splitlines()[0] if r['out'].strip() else ''}")

@@ -31,6 +31,7 @@ from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces.atomic import check_output_path
 from gemma4_trace.traces.errors import TraceToolError, one_line
 from gemma4_trace.traces.schema import LAYER_KIND_NAMES, rope_kinds
+from gemma4_trace.traces.writer import Bf16Rows
 
 
 @dataclass
@@ -324,7 +325,7 @@ class _StepRecorder:
                 t = np.zeros(tuple(t.shape), dtype=bool if t.dtype == torch.bool else np.float32)
             n = t.shape[0]  # fewer rows than positions: the last ones (generate()'s prefill shortcut)
             rows = None if n == len(self.positions) else range(self.positions.stop - n, self.positions.stop)
-            w.add(kind, _np(t) if hasattr(t, "detach") else t, layer=layer, positions=rows)
+            w.add(kind, _rows(t) if hasattr(t, "detach") else t, layer=layer, positions=rows)
 
         put("embeddings", b["embeddings"])
         n_layers = len(self.text_model.layers)
@@ -341,7 +342,7 @@ class _StepRecorder:
                     put(kind, b[(kind, i)], layer=i)
         put("final_hidden", b["final_hidden"])
         logits = out.logits[0, -1]
-        w.add("logits", _np(logits))
+        w.add("logits", _rows(logits))
         self.n_steps += 1
         self.pending_token_step = True
         self.buf = {}
@@ -350,6 +351,20 @@ class _StepRecorder:
         self.w.add("token", token)
         self.w.end_step()
         self.pending_token_step = False
+
+
+HAND_OVER_BITS = True  # bf16 rows handed to the writer as 16-bit patterns (False: upcast to float32, as before)
+
+
+def _rows(t):
+    """A step's rows for the writer: bf16 as their 16-bit patterns (no upcast, half the bytes to
+    copy; the writer copies them), the rest as _np."""
+    import torch
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16 and HAND_OVER_BITS:
+        return Bf16Rows(t.contiguous().view(torch.int16).cpu().numpy())
+    return _np(t)
 
 
 def _np(t):

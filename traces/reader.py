@@ -100,6 +100,7 @@ class TraceReader:
         self.layers, self.step_positions = c.layers, c.step_positions
         self._extra_names, self._present, self._flags = c.extra_names, c.present, c.flags
         self._tokens, self._objects = c.tokens, c.objects
+        self._bf16 = c.bf16
 
     def _open_message(self, e: BaseException) -> str:
         msg = one_line(e, 200)
@@ -202,14 +203,23 @@ class TraceReader:
             )
 
     def read(self, kind: str, layer: int | None = None, rows: slice = slice(None)) -> np.ndarray:
-        """Rows of a kind: by position for position-indexed kinds, by step for step kinds."""
+        """Rows of a kind: by position for position-indexed kinds, by step for step kinds.
+
+        Values stored as bfloat16 bit patterns (schema.STORAGE_BF16) come back as float32, exactly."""
         ds = self.dataset(kind, layer)
+        bf16 = (kind, layer) in self._bf16
         n = len(range(*rows.indices(ds.shape[0])))
-        self._check_memory(ds, nbytes((n, *ds.shape[1:]), ds.dtype))
+        # bf16: the 16-bit rows read, then widened (1.5x the float32 result at the peak)
+        self._check_memory(ds, nbytes((n, *ds.shape[1:]), ds.dtype) * (3 if bf16 else 1))
         try:
-            return ds[rows]
+            data = ds[rows]
         except READ_ERRORS as e:
             raise corrupt_data(self.path, ds.name, e) from None
+        return bf16_to_float32(data) if bf16 else data
+
+    def stored_as(self, kind: str, layer: int | None = None) -> str:
+        """How a kind's values are stored: its dataset's dtype, or schema.STORAGE_BF16."""
+        return S.STORAGE_BF16 if (kind, layer) in self._bf16 else str(self.dataset(kind, layer).dtype)
 
     def tokens(self) -> np.ndarray:
         return self._tokens.copy()
@@ -235,10 +245,12 @@ class TraceReader:
 
         def visit(name: str, obj) -> None:
             h.update(f"\0{name}\0{type(obj).__name__}\0".encode("utf-8", "surrogateescape"))
+            bf16 = name in bf16_paths  # hashed as the float32 values it holds: how they are stored is no content
             for k in sorted(obj.attrs):
-                h.update(f"{k}={text(obj.attrs[k])}\0".encode("utf-8", "surrogateescape"))
+                if not (bf16 and k == S.ATTR_STORAGE):
+                    h.update(f"{k}={text(obj.attrs[k])}\0".encode("utf-8", "surrogateescape"))
             if isinstance(obj, h5py.Dataset):
-                h.update(f"{obj.dtype.str}{obj.shape}\0".encode())
+                h.update(f"{np.dtype(np.float32).str if bf16 else obj.dtype.str}{obj.shape}\0".encode())
                 if obj.shape is None:  # an empty (null dataspace) dataset: no values
                     return
                 if obj.shape == () or obj.ndim == 0:
@@ -248,8 +260,10 @@ class TraceReader:
                 else:
                     block = max(1, HASH_BLOCK_BYTES // max(1, nbytes(obj.shape[1:], obj.dtype)))
                     for i in range(0, obj.shape[0], block):
-                        h.update(np.ascontiguousarray(obj[i : i + block]).tobytes())
+                        data = obj[i : i + block]
+                        h.update(np.ascontiguousarray(bf16_to_float32(data) if bf16 else data).tobytes())
 
+        bf16_paths = {S.tensor_path(kind, layer) for kind, layer in self._bf16}
         for name in ["/", *sorted(self._objects)]:
             obj = None
             try:
@@ -272,6 +286,13 @@ class TraceReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> the float32 values they are, exactly."""
+    wide = bits.astype(np.uint32)
+    wide <<= 16
+    return wide.view(np.float32)
 
 
 def _file_kind(mode: int) -> str:

@@ -28,6 +28,13 @@ SCHEMA_VERSION = 1
 ATTR_SCHEMA = "schema"
 ATTR_SCHEMA_VERSION = "schema_version"
 ATTR_SOURCE_DTYPE = "source_dtype"
+# optional attribute of a float kind's dataset: its values are not stored as floats. STORAGE_BF16:
+# the dataset is uint16 holding each value's bfloat16 bit pattern (the upper half of its float32
+# bits); a reader widens it to float32 exactly ((uint32(bits) << 16) viewed as float32). Written
+# when the source dtype is bfloat16, so that no bit is lost. Absent: float16/32/64 as stored.
+# Schema version unchanged: a reader without this refuses such a dataset's dtype; it never misreads it.
+ATTR_STORAGE = "storage"
+STORAGE_BF16 = "bfloat16-bits"
 # optional: what a selective recording kept (JSON {"layers", "kinds", "steps"}; traces/selection.py).
 # Absent: everything. Schema version unchanged: a reader without it still reads such a trace right
 # (left-out kinds are absent, left-out steps are rows flagged absent); it cannot say why.

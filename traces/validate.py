@@ -74,6 +74,7 @@ class Checked:
     step_positions: list[tuple[int, int]] = field(default_factory=list)
     present: set = field(default_factory=set)  # (kind, layer) stored
     flags: set = field(default_factory=set)  # (kind, layer) with a rows_present dataset
+    bf16: set = field(default_factory=set)  # (kind, layer) stored as bfloat16 bit patterns (schema.STORAGE_BF16)
     tokens: np.ndarray | None = None
     objects: list[str] = field(default_factory=list)  # every group and dataset, as walked (content_hash hashes these)
 
@@ -218,11 +219,15 @@ class _Objects:
             self._bad(f"the dataset {path!r} is empty (no dataspace)")
         if ndim is not None and obj.ndim != ndim:
             self._bad(f"the dataset {path!r} has shape {obj.shape}, expected {ndim} dimension(s)")
+        if kinds is not None:
+            self._check_dtype(obj, path, kinds)
+        return obj
+
+    def _check_dtype(self, obj: h5py.Dataset, path: str, kinds: str) -> None:
         dt = obj.dtype
-        if kinds is not None and (dt.kind not in kinds or (dt.kind == "f" and dt.itemsize not in (2, 4, 8))):
+        if dt.kind not in kinds or (dt.kind == "f" and dt.itemsize not in (2, 4, 8)):
             # float128 and other exotic widths are no numpy/torch-friendly tensor type: refuse them here
             self._bad(f"the dataset {path!r} has dtype {dt}, expected {DTYPE_WORDS.get(kinds, kinds)}")
-        return obj
 
     def _small(self, ds: h5py.Dataset, max_len: int, what: str, vlen_text: bool = False) -> np.ndarray:
         """Read a small dataset whole, after checking its declared length (a bomb is never inflated)."""
@@ -523,8 +528,20 @@ class Validator(_Objects):
     def _check_tensor(self, kind: str, layer: int | None, row_limit: int) -> None:
         path = S.tensor_path(kind, layer)
         spec = S.KIND_BY_NAME[kind]
-        ds = self._dset(path, 1 + spec.row_ndim, S.DTYPE_KINDS[spec.dtype])
+        ds = self._dset(path, 1 + spec.row_ndim)
         self._text_attr(ds, S.ATTR_SOURCE_DTYPE, repr(path))
+        if S.ATTR_STORAGE in ds.attrs:  # bfloat16 values stored as their 16-bit patterns
+            storage = self._text_attr(ds, S.ATTR_STORAGE, repr(path))
+            if spec.dtype != "float" or storage != S.STORAGE_BF16:
+                self._bad(
+                    f"{path!r} says its values are stored as {storage[:40]!r}; only a float kind may say "
+                    f"{S.STORAGE_BF16!r}"
+                )
+            if ds.dtype.kind != "u" or ds.dtype.itemsize != 2:
+                self._bad(f"the dataset {path!r} has dtype {ds.dtype}, expected uint16 ({S.STORAGE_BF16})")
+            self.out.bf16.add((kind, layer))
+        else:
+            self._check_dtype(ds, path, S.DTYPE_KINDS[spec.dtype])
         self.at = path
         rows, row = ds.shape[0], ds.shape[1:]
         if any(d < 1 for d in row):

@@ -1,13 +1,18 @@
 """TraceWriter: streams canonical tensors into one HDF5 trace, step by step.
 
 Rows are buffered per dataset and written in chunk-sized blocks, so memory stays
-bounded by (datasets x chunk) however long the run is.
+bounded by (datasets x chunk + the writer's queue) however long the run is. The blocks are
+compressed and written on a writer thread (`_Writes`), off the caller's (the model's) thread;
+the caller waits only while QUEUE_BYTES are queued, and at the end of the trace. bfloat16
+values are stored as their 16-bit patterns (schema.STORAGE_BF16).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
+import threading
 from pathlib import Path
 
 import h5py
@@ -21,6 +26,10 @@ from .layers import LayerInfo
 CHUNK_BYTES = 1 << 20  # target uncompressed chunk size
 MAX_CHUNK_ROWS = 256
 MASK_CHUNK_ROWS, MASK_CHUNK_KEYS = 256, 1024  # bool: 256 KiB per chunk
+# measured one at a time in docs/benchmarks.md (benchmarks/bench_writer.py switches them off)
+THREADED = True  # writes on the writer thread (False: on the caller's thread, as before)
+BF16_BITS = True  # bfloat16 values stored as their 16-bit patterns (False: as float32, as before)
+QUEUE_BYTES = 256 << 20  # rows handed to the writer thread and not yet written: the model thread waits beyond this
 COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True, fletcher32=True)
 
 
@@ -35,8 +44,20 @@ def fixed_text(text: str | list[str]) -> np.ndarray:
     return np.array(data, dtype=h5py.string_dtype("utf-8", width))
 
 
+class Bf16Rows:
+    """bfloat16 values handed over as their 16-bit patterns (a uint16 array), so that the
+    producer neither upcasts them to float32 nor copies twice as many bytes:
+    `w.add(kind, Bf16Rows(t.view(torch.int16).numpy().view(np.uint16)))`. The writer copies them."""
+
+    def __init__(self, bits: np.ndarray):
+        self.bits = np.asarray(bits).view(np.uint16)
+
+
 def _to_array(value, source_dtype: str | None) -> tuple[np.ndarray, str]:
-    """Canonical storage dtype: floats as float32 (bf16/fp16 upcast losslessly), ints as int64."""
+    """Canonical storage dtype: floats as float32 (bf16/fp16 upcast losslessly), ints as int64;
+    Bf16Rows stay uint16 bit patterns until written."""
+    if isinstance(value, Bf16Rows):
+        return value.bits, "bfloat16"
     arr = np.asarray(value)
     if arr.dtype == np.bool_:
         return arr, "bool"
@@ -45,8 +66,25 @@ def _to_array(value, source_dtype: str | None) -> tuple[np.ndarray, str]:
     return arr.astype(np.float32, copy=False), source_dtype or str(arr.dtype)
 
 
+def _bf16_bits(data: np.ndarray) -> np.ndarray | None:
+    """float32 values -> their bfloat16 bit patterns (uint16); None unless every value is a bfloat16 exactly."""
+    bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
+    if (bits & 0xFFFF).any():
+        return None
+    return (bits >> 16).astype(np.uint16)
+
+
+def _bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    wide = bits.astype(np.uint32)
+    wide <<= 16
+    return wide.view(np.float32)
+
+
 class _Series:
-    """One resizable dataset fed row blocks; the mask may grow along its key axis."""
+    """One resizable dataset fed row blocks; the mask may grow along its key axis.
+
+    The model thread appends copied rows and hands full chunks to the writer thread (`_Writes`);
+    only the writer thread touches the HDF5 dataset (`write`) until the trace is finished."""
 
     def __init__(self, f: h5py.File, path: str, row_shape: tuple, dtype, source_dtype: str, grow_last: bool):
         self.f, self.path, self.dtype = f, path, dtype
@@ -54,13 +92,19 @@ class _Series:
         self.source_dtype = source_dtype
         self.pending: list[np.ndarray] = []
         self.pending_rows = 0
-        self.rows = 0
+        self.accepted = 0  # rows handed over so far (model thread)
+        self.rows = 0  # rows written (writer thread)
         self.absent: list[tuple[int, int]] = []  # [start, stop) row ranges a runtime did not report
-        row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+        # bfloat16 values are stored as their 16-bit patterns, as long as every value written is one
+        bits = np.dtype(dtype) == np.uint16  # Bf16Rows
+        self.bf16 = BF16_BITS and source_dtype == "bfloat16" and (bits or np.dtype(dtype) == np.float32)
+        # chunks of the same rows however the values are handed over or stored
+        row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * (4 if bits else np.dtype(dtype).itemsize))
         self.chunk_rows = int(max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // row_bytes)))
         self.ds = None
 
-    def append(self, block: np.ndarray) -> None:
+    def append(self, block: np.ndarray) -> list[np.ndarray] | None:
+        """Take a copy of `block`; return the pending blocks to write once they fill a chunk."""
         if block.shape[1:] != self.row_shape:
             if not (self.grow_last and block.ndim == 2):
                 raise ValueError(f"{self.path}: row shape {block.shape[1:]} != {self.row_shape} of earlier rows")
@@ -68,38 +112,139 @@ class _Series:
         # later in-place writes to it
         self.pending.append(np.array(block, copy=True))
         self.pending_rows += block.shape[0]
-        if self.pending_rows >= self.chunk_rows:
-            self.flush()
+        self.accepted += block.shape[0]
+        return self.take() if self.pending_rows >= self.chunk_rows else None
 
-    def flush(self) -> None:
-        if not self.pending:
-            return
+    def take(self) -> list[np.ndarray] | None:
+        """The pending blocks, handed over (None when there are none)."""
+        blocks, self.pending, self.pending_rows = self.pending, [], 0
+        return blocks or None
+
+    def write(self, blocks: list[np.ndarray]) -> None:
+        """Write row blocks at the end of the dataset (writer thread)."""
         if self.grow_last:
-            width = max([b.shape[1] for b in self.pending] + [self.row_shape[0]])
-            blocks = [np.pad(b, ((0, 0), (0, width - b.shape[1]))) for b in self.pending]
+            width = max([b.shape[1] for b in blocks] + [self.row_shape[0]])
+            blocks = [np.pad(b, ((0, 0), (0, width - b.shape[1]))) for b in blocks]
         else:
-            width, blocks = None, self.pending
-        data = np.concatenate(blocks, axis=0)
+            width = None
+        stored = self._stored(blocks)
         if self.ds is None:
-            maxshape = (None, None) if self.grow_last else (None, *self.row_shape)
-            # the mask's key axis grows with the run: fixed-width key chunks keep the chunk count
-            # (and HDF5's index) proportional to the data, not to the number of resizes
-            chunks = (self.chunk_rows, *data.shape[1:]) if not self.grow_last else (MASK_CHUNK_ROWS, MASK_CHUNK_KEYS)
-            self.ds = self.f.create_dataset(
-                self.path, shape=(0, *data.shape[1:]), maxshape=maxshape, dtype=self.dtype, chunks=chunks, **COMPRESSION
-            )
-            self.ds.attrs[S.ATTR_SOURCE_DTYPE] = fixed_text(self.source_dtype)
+            self._create(stored)
         if self.grow_last and width > self.ds.shape[1]:
             self.ds.resize(width, axis=1)
-        if self.grow_last and data.shape[1] < self.ds.shape[1]:
-            data = np.pad(data, ((0, 0), (0, self.ds.shape[1] - data.shape[1])))
+        if self.grow_last and stored.shape[1] < self.ds.shape[1]:
+            stored = np.pad(stored, ((0, 0), (0, self.ds.shape[1] - stored.shape[1])))
         n = self.rows
-        self.ds.resize(n + data.shape[0], axis=0)
-        self.ds[n:] = data
-        self.rows += data.shape[0]
+        self.ds.resize(n + stored.shape[0], axis=0)
+        self.ds[n:] = stored
+        self.rows += stored.shape[0]
         if self.grow_last:
             self.row_shape = (self.ds.shape[1],)
-        self.pending, self.pending_rows = [], 0
+
+    def _stored(self, blocks: list[np.ndarray]) -> np.ndarray:
+        """The blocks as stored: bfloat16 bit patterns while every value is one, else float32 (or as given)."""
+        if self.bf16:
+            bits = [b if b.dtype == np.uint16 else _bf16_bits(b) for b in blocks]
+            if all(b is not None for b in bits):
+                return np.concatenate(bits, axis=0) if len(bits) > 1 else bits[0]
+            self._widen()  # not bfloat16 values after all: store them (and the rows so far) as float32
+        blocks = [_bf16_to_float32(b) if b.dtype == np.uint16 else b for b in blocks]
+        return np.concatenate(blocks, axis=0) if len(blocks) > 1 else blocks[0]
+
+    def _create(self, data: np.ndarray) -> None:
+        maxshape = (None, None) if self.grow_last else (None, *self.row_shape)
+        # the mask's key axis grows with the run: fixed-width key chunks keep the chunk count
+        # (and HDF5's index) proportional to the data, not to the number of resizes
+        chunks = (self.chunk_rows, *data.shape[1:]) if not self.grow_last else (MASK_CHUNK_ROWS, MASK_CHUNK_KEYS)
+        self.ds = self.f.create_dataset(
+            self.path, shape=(0, *data.shape[1:]), maxshape=maxshape, dtype=data.dtype, chunks=chunks, **COMPRESSION
+        )
+        self.ds.attrs[S.ATTR_SOURCE_DTYPE] = fixed_text(self.source_dtype)
+        if self.bf16:
+            self.ds.attrs[S.ATTR_STORAGE] = fixed_text(S.STORAGE_BF16)
+
+    def _widen(self) -> None:
+        """From bfloat16 bit patterns to float32: the rows written so far are rewritten."""
+        self.bf16 = False
+        if self.ds is None:
+            return
+        old = self.ds[()]
+        del self.f[self.path]
+        self.ds, self.rows = None, 0
+        if old.shape[0]:
+            self.write([_bf16_to_float32(old)])
+
+
+class _Writes:
+    """The writer thread: runs the HDF5 writes handed to it, in order, off the model's thread.
+
+    The model thread hands over copied rows and waits only while more than `max_bytes` are
+    queued. The first error raised in the writer thread is raised again in the model thread at
+    its next hand-over (or at the end): the same exception, so it reads as it always did."""
+
+    def __init__(self, max_bytes: int = QUEUE_BYTES):
+        self.max_bytes = max_bytes
+        self.jobs: collections.deque = collections.deque()
+        self.queued = 0  # bytes of the blocks queued and not yet written
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="trace-writer", daemon=True)
+        self.threaded = THREADED
+        if self.threaded:
+            self.thread.start()
+
+    def submit(self, series: _Series, blocks: list[np.ndarray]) -> None:
+        if not self.threaded:
+            series.write(blocks)
+            return
+        size = sum(b.nbytes for b in blocks)
+        with self.cond:
+            while self.queued and self.queued + size > self.max_bytes and self.error is None:
+                self.cond.wait()
+            self._raise()
+            self.jobs.append((series, blocks, size))
+            self.queued += size
+            self.cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait until everything handed over is written; raise the writer thread's error, if any."""
+        with self.cond:
+            while self.queued and self.error is None:
+                self.cond.wait()
+            self._raise()
+
+    def close(self) -> None:
+        """Stop the thread: what is still queued is dropped (an error or an interrupt ended the
+        trace); the write in progress, at most a chunk or a step's rows, is waited for."""
+        with self.cond:
+            self.stopping = True
+            self.jobs.clear()
+            self.cond.notify_all()
+        if self.threaded:
+            self.thread.join()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.jobs and not self.stopping:
+                    self.cond.wait()
+                if self.stopping:
+                    return
+                series, blocks, size = self.jobs.popleft()
+            try:
+                if self.error is None:
+                    series.write(blocks)
+            except BaseException as e:  # noqa: BLE001 - raised again in the model thread
+                with self.cond:
+                    self.error = e
+            with self.cond:
+                self.queued -= size
+                self.cond.notify_all()
 
 
 def _spread_rows(kind, layer, arr: np.ndarray, positions, start: int, stop: int, index: str):
@@ -153,6 +298,7 @@ class TraceWriter:
         self.source_dtype = source_dtype
         self._ctx = None
         self.f: h5py.File | None = None
+        self._writes: _Writes | None = None
         self._series: dict[str, _Series] = {}
         self._steps: list[tuple[int, int]] = []
         self._step_open = False
@@ -165,6 +311,7 @@ class TraceWriter:
         tmp = self._ctx.__enter__()
         # no chunk cache: rows are written in chunk-sized blocks, once, so caching only costs memory
         self.f = h5py.File(tmp, "w", track_order=True, rdcc_nbytes=0)
+        self._writes = _Writes()
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -173,8 +320,10 @@ class TraceWriter:
                 if self._step_open:
                     raise ValueError("trace closed in the middle of a step")
                 self._finish()
+            self._writes.close()
             self.f.close()  # flushes: a full disk can fail here too
         except BaseException as e:
+            self._writes.close()  # the writer thread stops before the partial file goes
             with contextlib.suppress(Exception):
                 self.f.close()
             self._ctx.__exit__(type(e), e, e.__traceback__)  # removes the partial file; names a full disk
@@ -261,10 +410,12 @@ class TraceWriter:
         if series is None:
             series = self._series[path] = _Series(self.f, path, arr.shape[1:], arr.dtype, src, grow_last=spec.grows)
         expected_rows = self.step if spec.index == "step" else start
-        if series.rows + series.pending_rows != expected_rows:
+        if series.accepted != expected_rows:
             raise ValueError(f"{kind} layer {layer}: rows out of order at step {self.step}")
         series.absent += [(start + a, start + b) for a, b in absent]
-        series.append(arr)
+        blocks = series.append(arr)
+        if blocks is not None:
+            self._writes.submit(series, blocks)
 
     def keeps(self, kind: str, layer: int | None = None) -> bool:
         """Does the selection keep (kind, layer) at all? (Callers skip computing what it does not.)"""
@@ -276,7 +427,11 @@ class TraceWriter:
 
     def _finish(self) -> None:
         for s in self._series.values():
-            s.flush()
+            blocks = s.take()
+            if blocks is not None:
+                self._writes.submit(s, blocks)
+        self._writes.drain()  # every row written: the rest is written here, on the caller's thread
+        for s in self._series.values():
             if s.absent:  # rows reported only in part: say which rows are data
                 present = np.ones(s.rows, dtype=bool)
                 for a, b in s.absent:

@@ -1,0 +1,90 @@
+"""Size and write time of a trace's tensors under each storage setting, kind group by kind group.
+
+    python benchmarks/bench_compression.py TRACE.h5 [--repeats 2]
+
+Reads every float tensor of TRACE (a bf16 recording, say) and writes it again, in the
+writer's chunk layout, with each candidate setting: float32 or bfloat16-bits storage, gzip
+level 1 / 4 or none, shuffle on or off (HDF5 built-ins only: a trace must stay readable
+with h5py and numpy alone, so no lzf, no plug-ins). Prints, per kind group (logits, the
+hidden-state rows, the mask), MiB on disk and seconds to write, the minimum of --repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import h5py  # noqa: E402
+import numpy as np  # noqa: E402
+
+from gemma4_trace.traces import writer as W  # noqa: E402
+from gemma4_trace.traces.reader import TraceReader  # noqa: E402
+
+SETTINGS = {
+    "gzip1+shuffle": dict(compression="gzip", compression_opts=1, shuffle=True),
+    "gzip1": dict(compression="gzip", compression_opts=1, shuffle=False),
+    "gzip4+shuffle": dict(compression="gzip", compression_opts=4, shuffle=True),
+    "none": dict(),
+}
+
+
+def group(kind: str) -> str:
+    return kind if kind in ("logits", "mask") else "hidden rows"
+
+
+def write_all(tensors, storage: str, setting: dict, path: Path) -> tuple[dict, dict]:
+    sizes, times = {}, {}
+    with h5py.File(path, "w", rdcc_nbytes=0) as f:
+        for name, data in tensors.items():
+            kind = name.split("/")[0]
+            if storage == "bf16" and data.dtype == np.float32:
+                data = W._bf16_bits(data)
+                assert data is not None, f"{name}: not bf16 values"
+            row_bytes = max(1, data[0].nbytes)
+            rows = int(max(1, min(W.MAX_CHUNK_ROWS, W.CHUNK_BYTES // row_bytes)))
+            t0 = time.perf_counter()
+            ds = f.create_dataset(
+                name, data=data, chunks=(min(rows, data.shape[0]), *data.shape[1:]), fletcher32=True, **setting
+            )
+            f.flush()
+            dt = time.perf_counter() - t0
+            g = group(kind)
+            sizes[g] = sizes.get(g, 0) + ds.id.get_storage_size()
+            times[g] = times.get(g, 0.0) + dt
+    return sizes, times
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    tensors = {}
+    with TraceReader(args.trace) as r:
+        for kind, layer in r.kinds_present():
+            if kind != "token":
+                tensors[f"{kind}/{layer}"] = r.read(kind, layer)
+        print(f"{args.trace}: dtype {r.provenance['dtype']}, {r.n_positions} positions, {r.n_steps} steps")
+    raw = {}
+    for name, data in tensors.items():
+        raw[group(name.split("/")[0])] = raw.get(group(name.split("/")[0]), 0) + data.nbytes
+    print("raw float32 MiB: " + ", ".join(f"{g} {b / 2**20:.1f}" for g, b in sorted(raw.items())))
+    print(f"{'storage':<8} {'setting':<14} " + " ".join(f"{g + ' MiB':>16} {'s':>6}" for g in sorted(raw)))
+    with tempfile.TemporaryDirectory() as d:
+        for storage in ("float32", "bf16"):
+            for label, setting in SETTINGS.items():
+                best_t: dict = {}
+                for _ in range(args.repeats):
+                    sizes, times = write_all(tensors, storage, setting, Path(d) / "x.h5")
+                    best_t = {g: min(t, best_t.get(g, t)) for g, t in times.items()}
+                cells = " ".join(f"{sizes[g] / 2**20:>16.2f} {best_t[g]:>6.2f}" for g in sorted(raw))
+                print(f"{storage:<8} {label:<14} {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

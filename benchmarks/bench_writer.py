@@ -1,0 +1,93 @@
+"""`trace record` with each writer change switched on one at a time, side by side with generate().
+
+    python benchmarks/bench_writer.py [--prompt-len 300] [--steps 16] [--repeats 2] [--model-dir DIR]
+
+On the E2B-shaped model (benchmarks/e2b_shaped.py) in bfloat16, loaded once: plain generate(),
+then `trace record` with the trace writer as it was (writes on the model's thread, bf16 values
+stored as float32), with the writer thread, with the writer thread and bf16 values in 16
+bits (traces/writer.py THREADED, BF16_BITS), and with bf16 rows handed over as 16-bit patterns
+(recorder/record.py HAND_OVER_BITS). Each timing is the median of --repeats runs, the
+variants alternating; the trace size is printed beside each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks import e2b_shaped  # noqa: E402
+from benchmarks.bench_record import plain_generate  # noqa: E402
+from gemma4_trace.hf.model import load_model  # noqa: E402
+from gemma4_trace.recorder import record  # noqa: E402
+from gemma4_trace.recorder.record import PromptInputs, record_loaded  # noqa: E402
+from gemma4_trace.traces import writer  # noqa: E402
+
+VARIANTS = {  # name: (writer.THREADED, writer.BF16_BITS, record.HAND_OVER_BITS)
+    "record (before: writes on the model thread, float32)": (False, False, False),
+    "record + writer thread": (True, False, False),
+    "record + writer thread + bf16 in 16 bits": (True, True, False),
+    "  + bf16 handed over as 16 bits (no upcast)": (True, True, True),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt-len", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--shared-kv-prefill", default="all")
+    ap.add_argument("--model-dir", help="where the E2B-shaped checkpoint is built once (default: a temporary folder)")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        lm = load_model(e2b_shaped.build(args.model_dir or tmp / "e2b"), dtype="bfloat16")
+        ids = torch.randint(3, 16000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+        plain_generate(lm, ids, 2)  # warm up
+        times: dict = {"generate()": []}
+        sizes = {}
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            plain_generate(lm, ids, args.steps)
+            times["generate()"].append(time.perf_counter() - t0)
+            for name, (threaded, bits, hand_over) in VARIANTS.items():
+                writer.THREADED, writer.BF16_BITS, record.HAND_OVER_BITS = threaded, bits, hand_over
+                out = tmp / "t.h5"
+                t0 = time.perf_counter()
+                record_loaded(
+                    lm,
+                    PromptInputs(ids),
+                    out,
+                    max_new_tokens=args.steps,
+                    force=True,
+                    shared_kv_prefill=args.shared_kv_prefill,
+                )
+                times.setdefault(name, []).append(time.perf_counter() - t0)
+                sizes[name] = out.stat().st_size
+        g = statistics.median(times["generate()"])
+        print(
+            f"E2B-shaped bf16, prompt {args.prompt_len}, {args.steps} new tokens, --shared-kv-prefill "
+            f"{args.shared_kv_prefill}, median of {args.repeats}; load average now {os.getloadavg()[0]:.1f}"
+        )
+        m = min(times["generate()"])
+        print("  (the fastest run of each is the figure least disturbed by other work on a shared machine)")
+        for name, ts in times.items():
+            t = statistics.median(ts)
+            size = f"  trace {sizes[name] / 2**20:.1f} MiB" if name in sizes else ""
+            print(
+                f"  {name:<55} median {t:7.2f} s {t / g:5.2f}x   fastest {min(ts):7.2f} s {min(ts) / m:5.2f}x"
+                f"{size}  (runs: {', '.join(f'{x:.2f}' for x in ts)})"
+            )
+
+
+if __name__ == "__main__":
+    main()

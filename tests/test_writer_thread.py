@@ -1,0 +1,124 @@
+"""The writer thread (traces/writer.py): rows are written off the model's thread, the model
+thread waits only while the queue is full, and an error or an interrupt still ends in one line
+and no file."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gemma4_trace.cli import main
+from gemma4_trace.traces import writer
+from gemma4_trace.traces.reader import TraceReader
+from tests.synth import write_trace
+
+
+def _writer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "trace-writer"]
+
+
+def _failing_write(monkeypatch, exc: BaseException, after: int = 2):
+    """Make the writer thread's `after`+1-th write raise `exc`; return the threads that wrote."""
+    real, seen = writer._Series.write, []
+
+    def write(self, blocks):
+        seen.append(threading.current_thread())
+        if len(seen) > after:
+            raise exc
+        return real(self, blocks)
+
+    monkeypatch.setattr(writer._Series, "write", write)
+    return seen
+
+
+def test_rows_are_written_on_the_writer_thread(tmp_path, monkeypatch):
+    seen = _failing_write(monkeypatch, RuntimeError("unused"), after=10**9)
+    path = tmp_path / "t.h5"
+    write_trace(path)
+    assert seen and all(t.name == "trace-writer" for t in seen)
+    assert not _writer_threads()
+    with TraceReader(path) as r:
+        assert r.read("q", 0).shape[0] == r.n_positions
+
+
+def test_disk_full_in_the_writer_thread_is_one_line_and_no_file(tmp_path, monkeypatch):
+    """`trace record` on a real model: ENOSPC raised in the writer thread reads as it always did."""
+    seen = _failing_write(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    out = tmp_path / "t.h5"
+    res = CliRunner().invoke(main, ["record", "--input-ids", "2,17,5", "--max-new-tokens", "6", "-o", str(out)])
+    lines = [l for l in res.output.splitlines() if l.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert "no space left on device writing" in lines[0] and "Traceback" not in res.output, res.output
+    assert seen[-1].name == "trace-writer"
+    assert list(tmp_path.iterdir()) == [] and not _writer_threads()
+
+
+def test_writer_thread_error_is_raised_in_the_model_thread(tmp_path, monkeypatch):
+    _failing_write(monkeypatch, ValueError("tensors/L01/q: boom"), after=0)
+    monkeypatch.setattr(writer, "MAX_CHUNK_ROWS", 1)  # a write per row: the error comes while rows are added
+    with pytest.raises(ValueError, match="boom") as info:
+        write_trace(tmp_path / "t.h5", new_tokens=6)
+    assert "tensors/L01/q: boom" == str(info.value)
+    assert list(tmp_path.iterdir()) == [] and not _writer_threads()
+
+
+def test_interrupt_while_the_writer_thread_writes_leaves_nothing(tmp_path, monkeypatch):
+    busy, release = threading.Event(), threading.Event()
+    real = writer._Series.write
+
+    def slow(self, blocks):
+        busy.set()
+        release.wait(10)
+        return real(self, blocks)
+
+    monkeypatch.setattr(writer._Series, "write", slow)
+    monkeypatch.setattr(writer, "MAX_CHUNK_ROWS", 1)
+
+    def edit(kind, layer, step, rows):
+        if step == 2 and kind == "q":
+            assert busy.wait(10)
+            threading.Timer(0.2, release.set).start()  # the write in progress ends after the interrupt
+            raise KeyboardInterrupt
+        return rows
+
+    with pytest.raises(KeyboardInterrupt):
+        write_trace(tmp_path / "t.h5", new_tokens=6, edit=edit)
+    assert list(tmp_path.iterdir()) == [] and not _writer_threads()
+
+
+class _Slow:
+    """A series whose write waits until released."""
+
+    def __init__(self):
+        self.release, self.written = threading.Event(), []
+
+    def write(self, blocks):
+        self.release.wait(10)
+        self.written.append(blocks)
+
+
+def test_model_thread_waits_only_while_the_queue_is_full():
+    q = writer._Writes(max_bytes=1000)
+    s = _Slow()
+    try:
+        t0 = time.perf_counter()
+        q.submit(s, [np.zeros(100, np.float32)])  # 400 bytes: queued at once
+        q.submit(s, [np.zeros(100, np.float32)])  # 800 bytes
+        assert time.perf_counter() - t0 < 1.0 and s.written == []
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (q.submit(s, [np.zeros(100, np.float32)]), done.set()))
+        t.start()  # 1200 bytes would be queued: waits for the writer
+        assert not done.wait(0.5)
+        s.release.set()
+        assert done.wait(10)
+        q.drain()
+        assert len(s.written) == 3
+    finally:
+        s.release.set()
+        q.close()
+    assert not q.thread.is_alive()
