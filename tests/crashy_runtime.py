@@ -161,9 +161,8 @@ class _BadPositions(StaticGemma4Runtime):
         self.positions = positions
 
     def prefill(self, input_ids, extra_inputs=None, probe=None):
-        probe.tensor(
-            "embeddings", torch.zeros(len(self.positions), self.hidden), positions=self.positions
-        )  # CRASH-SITE-POSITIONS
+        zeros = torch.zeros(len(self.positions), self.hidden)
+        probe.tensor("embeddings", zeros, positions=self.positions)  # CRASH-SITE-POSITIONS
         return super().prefill(input_ids, extra_inputs, None)
 
 

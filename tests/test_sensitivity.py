@@ -8,8 +8,6 @@ bit for bit. Metrics are recomputed here with numpy from written traces.
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -235,67 +233,6 @@ def test_replay_recipe_refusals(tmp_path):
 
 
 DOC_SECTION = "## From a failing port to a fix"
-
-
-def _doc_blocks():
-    """(commands, expected output lines) of the walkthrough section of docs/quantized.md."""
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[1] / "docs" / "quantized.md").read_text()
-    section = text[text.index(DOC_SECTION) :]
-    nxt = section.find("\n## ", 3)
-    section = section if nxt < 0 else section[:nxt]
-    commands, expected = [], []
-    for line in section.splitlines():
-        if not line.startswith("    ") or not line.strip():
-            continue
-        line = line[4:]
-        if line.startswith(("trace ", "printf ", "cd repro && ")):
-            commands.append(line)
-        elif line.strip() != "...":
-            expected.append(line)
-    return commands, expected
-
-
-def _untimed(line: str) -> str:
-    import re
-
-    return re.sub(r"\d+\.\d s\b", "N s", line)
-
-
-def test_walkthrough_in_the_docs_runs_as_shown(tmp_path, monkeypatch):
-    """Every command of the docs' walkthrough, run in order on the embedded model; every output
-    line the docs show (timings aside) is printed."""
-    import shlex
-    import subprocess
-    import sys
-
-    commands, expected = _doc_blocks()
-    assert len(commands) == 8 and len(expected) >= 19
-    monkeypatch.chdir(tmp_path)
-    printed = []
-    for cmd in commands:
-        if cmd.startswith("printf "):
-            fmt, target = re.fullmatch(r"printf '(.*)' > (\S+)", cmd).groups()
-            assert fmt.encode().decode("unicode_escape") == WEAK
-            (tmp_path / target).write_text(WEAK)
-            continue
-        if cmd.startswith("cd repro && "):
-            p = subprocess.run(
-                [sys.executable, *shlex.split(cmd.removeprefix("cd repro && python "))],
-                cwd=tmp_path / "repro",
-                capture_output=True,
-                text=True,
-            )
-            assert p.returncode == 0, p.stdout + p.stderr
-            printed += p.stdout.splitlines()
-            continue
-        res = CliRunner().invoke(main, shlex.split(cmd)[1:])
-        assert res.exit_code == 0, (cmd, res.output)
-        printed += res.output.splitlines()
-    shown = {_untimed(x) for x in printed}
-    missing = [x for x in expected if _untimed(x) not in shown]
-    assert not missing, missing
 
 
 @pytest.mark.parametrize("qrt", ["static-w4g32", "static-w8a8"])

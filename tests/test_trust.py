@@ -225,7 +225,8 @@ def test_plugin_name_with_newlines_and_escapes_is_printed_as_one_line(tmp_path):
     out = tmp_path / "run.h5"
     r = invoke("replay", GOLDEN, "--runtime", "tests.hostile_plugins:make_evil_name", "-o", out)
     assert r.exit_code == 0, r.output
-    assert "\x1b" not in r.output and len(ours(r.output).splitlines()) == 1 and "evil\\nname" in r.output
+    # one line of result on stdout (the plain phase lines go to stderr), nothing raw anywhere
+    assert "\x1b" not in r.output and len(ours(r.stdout).splitlines()) == 1 and "evil\\nname" in r.stdout
     for args in (["show", out], ["diff", GOLDEN, out]):
         r = invoke(*args)
         assert r.exit_code in (0, 1) and "\x1b" not in r.output and "\x07" not in r.output, r.output
