@@ -29,7 +29,7 @@ demo: $(BIN)/.installed
 test: $(BIN)/.installed-extras
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 clean:
 	rm -rf $(OUT)
