@@ -46,6 +46,7 @@ def doc_files() -> list[Path]:
 
 # ---- reading the blocks ------------------------------------------------------------------
 
+
 def _code_blocks(text: str):
     """Yield (first line number, lines, fenced language or None for indented) of each code block."""
     lines = text.split("\n")
@@ -59,7 +60,7 @@ def _code_blocks(text: str):
             j = i + 1
             while j < n and not lines[j].startswith(mark):
                 j += 1
-            yield i + 2, lines[i + 1:j], lang
+            yield i + 2, lines[i + 1 : j], lang
             i, prev_blank = j + 1, False
             continue
         if line.startswith("    ") and line.strip() and prev_blank:
@@ -141,8 +142,10 @@ def _commands(path: Path, first: int, lines: list[str]) -> list[Command]:
             i += 1
             continue
         if not prompt and not _is_command(ln):
-            raise ValueError(f"{path.name}:{first + i}: a block of bare commands holds a line that "
-                                 f"is not one ({ln.strip()[:60]!r}): write the block with `$ ` prompts")
+            raise ValueError(
+                f"{path.name}:{first + i}: a block of bare commands holds a line that "
+                f"is not one ({ln.strip()[:60]!r}): write the block with `$ ` prompts"
+            )
         cmd, start = ln[2:] if prompt else ln, i
         while cmd.rstrip().endswith("\\") and i + 1 < len(lines):  # continuation lines
             i += 1
@@ -165,7 +168,7 @@ def _tokens(line: str):
     line = WALL_CLOCK.sub("<time> s", line.rstrip())
     parts, pos = [], 0
     for m in NUMBER.finditer(line):
-        parts.append(line[pos:m.start()])
+        parts.append(line[pos : m.start()])
         parts.append(m.group())
         pos = m.end()
     parts.append(line[pos:])
@@ -200,8 +203,9 @@ def line_matches(shown: str, real: str) -> bool:
 
 
 def test_line_matches_within_the_precision_shown():
-    assert line_matches("rel-L2 5.4e-3 > 1e-4 (REF 0.1575 vs RUN 0.1554)",
-                        "rel-L2 5.45e-3 > 1e-4 (REF 0.1576 vs RUN 0.1554)")
+    assert line_matches(
+        "rel-L2 5.4e-3 > 1e-4 (REF 0.1575 vs RUN 0.1554)", "rel-L2 5.45e-3 > 1e-4 (REF 0.1576 vs RUN 0.1554)"
+    )
     assert not line_matches("rel-L2 5.4e-3 > 1e-4", "rel-L2 5.6e-3 > 1e-4")
     assert not line_matches("16/16 tokens agree", "15/16 tokens agree")
     assert not line_matches("kind q, position 0", "kind k, position 0")
@@ -213,6 +217,7 @@ def test_line_matches_within_the_precision_shown():
 
 # ---- running a document ------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def trace_bin(tmp_path_factory):
     """A folder whose `trace` runs the CLI forked from a warm server (None: the real one)."""
@@ -221,8 +226,13 @@ def trace_bin(tmp_path_factory):
         return
     d = tmp_path_factory.mktemp("trace-bin")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    srv = subprocess.Popen([sys.executable, "-m", "tests.docs_trace_server", str(d / "s"), str(d)],
-                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    srv = subprocess.Popen(
+        [sys.executable, "-m", "tests.docs_trace_server", str(d / "s"), str(d)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         assert srv.stdout.readline().strip() == b"ready", "the docs' trace server did not start"
         yield d
@@ -253,26 +263,36 @@ def _run_doc(path: Path, tmp: Path, trace_bin) -> int:
             pytest.fail(commands)
         for c in commands:
             try:
-                p = subprocess.run(["bash", "-c", c.cmd], cwd=tmp, env=env, capture_output=True,
-                                   text=True, timeout=COMMAND_TIMEOUT, stdin=subprocess.DEVNULL)
+                p = subprocess.run(
+                    ["bash", "-c", c.cmd],
+                    cwd=tmp,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=COMMAND_TIMEOUT,
+                    stdin=subprocess.DEVNULL,
+                )
             except subprocess.TimeoutExpired:
                 pytest.fail(f"{where}:{c.line_no}: `{c.cmd}` ran past {COMMAND_TIMEOUT} s")
             ran += 1
             said = f"\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}"
             diverged = re.match(r"\s*trace\s+diff\b", c.cmd) and "first divergence" in p.stdout
             refused = bool(c.shown) and c.shown[0].startswith("error: ")  # the doc shows a refusal: exit 2
-            assert (p.returncode == 0 and not refused) or (p.returncode == 1 and diverged) \
-                or (p.returncode == 2 and refused), f"{where}:{c.line_no}: `{c.cmd}` exited {p.returncode}{said}"
+            assert (
+                (p.returncode == 0 and not refused)
+                or (p.returncode == 1 and diverged)
+                or (p.returncode == 2 and refused)
+            ), f"{where}:{c.line_no}: `{c.cmd}` exited {p.returncode}{said}"
             real = (p.stdout or p.stderr).split("\n")
             for k, shown in enumerate(c.shown):
                 got = real[k] if k < len(real) else "<no more output>"
-                assert line_matches(shown, got), \
+                assert line_matches(shown, got), (
                     f"{where}:{c.line_no + 1 + k}: `{c.cmd}` shows\n  {shown}\nbut printed\n  {got}{said}"
+                )
     return ran
 
 
-DOCS_WITH_COMMANDS = [p for p in doc_files()
-                      if any(not marker for _, _, marker, _ in shell_blocks(p))]
+DOCS_WITH_COMMANDS = [p for p in doc_files() if any(not marker for _, _, marker, _ in shell_blocks(p))]
 
 
 @pytest.mark.parametrize("doc", DOCS_WITH_COMMANDS, ids=lambda p: p.name)
