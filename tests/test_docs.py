@@ -9,7 +9,8 @@ is an error: write it with prompts). Blocks of output only, TOML and Python are 
 Each document runs in its own temporary folder, in document order, on the embedded model;
 the folder links the repository's traces/, tests/, hf/, benchmarks/, scripts/ and docs/ so
 the docs' relative paths work, PYTHONPATH is the repository root (`tests.bug_zoo:...`
-plug-ins import) and this interpreter's environment is first on PATH. `trace` there is the
+plug-ins import), this interpreter's environment is first on PATH and GEMMA4_TRACE_CACHE is an
+empty folder of that document (no artifact converted by an earlier document is "cached"). `trace` there is the
 console script's `main()` run in a process forked from a warm one (tests/docs_trace_server.py:
 each command its own process, without the 2 s of imports); GEMMA4_DOCS_REAL_TRACE=1 runs the
 environment's own `trace` instead.
@@ -254,6 +255,7 @@ def _run_doc(path: Path, tmp: Path, trace_bin) -> int:
     for name in LINKED:
         (tmp / name).symlink_to(ROOT / name)
     env, ran = _env(trace_bin), 0
+    env["GEMMA4_TRACE_CACHE"] = str(tmp / ".artifact-cache")  # each document starts as a new user
     where = path.relative_to(ROOT)
     for _line_no, _lines, marker, commands in shell_blocks(path):
         if marker:
