@@ -34,7 +34,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LINKED = ("traces", "tests", "hf", "benchmarks", "scripts", "docs")
-COMMAND_WORDS = ("trace", "make", "python", "pytest", "pip")
+COMMAND_WORDS = ("trace", "make", "python", "pytest", "pip", "printf", "cd")
 FENCE_LANGS = ("", "sh", "bash", "console", "shell")
 MARKER = re.compile(r"^\s*<!--\s*not run\b(.*?)-->\s*$")
 MARKER_START = re.compile(r"^\s*<!--\s*not run\b")
