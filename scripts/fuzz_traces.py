@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import json
 import os
 import shutil
@@ -1779,6 +1780,7 @@ def _run_tolerance_cases(rep: Report, cases, seed, timeout, only, talk, budget) 
                 rep.stopped = True
                 break
             add_case(rep, seed, run_tolerance_case(case, seed, Path(tmp), timeout, watch, only, talk))
+            gc.collect()  # a parse that ran into the cap holds its memory in a traceback's frames
         rep.seconds = time.perf_counter() - t0
         for key in [k for k in ENV if isinstance(k, tuple)]:  # plain calibrations lived in tmp
             del ENV[key]
