@@ -567,7 +567,7 @@ def calibrate(reference, bases, output, margin, force):
     """Write tolerances from known-good runs: `trace diff REF BASE --tolerances` then matches."""
     from gemma4_trace.diff.calibrate import write_calibration
 
-    click.echo(write_calibration(reference, list(bases), output, margin=margin, force=force))
+    click.echo(one_line(write_calibration(reference, list(bases), output, margin=margin, force=force)))  # names OUT
 
 
 @main.command("export-gguf")

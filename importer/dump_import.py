@@ -191,110 +191,134 @@ def _layers_found(folder: F.DumpFolder, entries: list[Entry]) -> list[dict]:
     return found
 
 
-def import_dump(dump_dir, reference, map_path, output, *, force: bool = False) -> str:
-    """Write OUTPUT from the dump; return a one-line summary."""
-    from importlib.metadata import version
+class _Import:
+    """The state one import shares between its parts: the dump folder, the map, REF and the positions
+    of each step."""
 
-    folder = F.DumpFolder(dump_dir)
-    dump = folder.path
-    check_output_path(output, force, inputs=(reference, map_path))  # never over an input, even with --force
-    m = load_map(map_path)
-    with TraceReader(reference) as ref:
-        sources = _sources(m["entries"], ref, f"map {map_path}")
-        n_steps = m["steps"] or ref.n_steps
-        if n_steps > ref.max_new_tokens:
-            fail(f"map {map_path}: steps {n_steps} exceeds REF's max_new_tokens {ref.max_new_tokens}")
+    def __init__(self, folder: F.DumpFolder, m: dict, map_path, ref: TraceReader):
+        self.folder, self.m, self.map_path, self.ref = folder, m, map_path, ref
+        self.sources = _sources(m["entries"], ref, f"map {map_path}")
+        self.n_steps = m["steps"] or ref.n_steps
+        if self.n_steps > ref.max_new_tokens:
+            fail(f"map {map_path}: steps {self.n_steps} exceeds REF's max_new_tokens {ref.max_new_tokens}")
         T = ref.prompt_len
-        positions = [(0, T)] + [(T + s - 1, T + s) for s in range(1, n_steps)]
-        whole_rows = LIM.ROW_SLACK * (T + ref.max_new_tokens)  # pos rows of a file read whole (npz)
+        self.positions = [(0, T)] + [(T + s - 1, T + s) for s in range(1, self.n_steps)]
+        self.whole_rows = LIM.ROW_SLACK * (T + ref.max_new_tokens)  # pos rows of a file read whole (npz)
 
-        def fields_of(step: int, layer, kind: str, pos: int | None = None) -> dict:
-            a, b = positions[step]
-            return dict(
-                step=step,
-                layer=layer if layer is not None else 0,
-                kind=kind,
-                start=a,
-                stop=b,
-                n=b - a,
-                position=a if pos is None else pos,
-            )
+    def fields_of(self, step: int, layer, kind: str, pos: int | None = None) -> dict:
+        a, b = self.positions[step]
+        return dict(
+            step=step,
+            layer=layer if layer is not None else 0,
+            kind=kind,
+            start=a,
+            stop=b,
+            n=b - a,
+            position=a if pos is None else pos,
+        )
 
-        def candidates(src: Source):
-            """(step, relative name, fields) of every file the source needs, in order."""
-            for step, (a, b) in enumerate(positions):
-                for p in range(a, b) if src.entry.per_position else [None]:
-                    f = fields_of(step, src.layer, src.entry.kind, p)
-                    yield step, src.entry.file.format(**f), f
+    def candidates(self, src: Source):
+        """(step, relative name, fields) of every file the source needs, in order."""
+        for step, (a, b) in enumerate(self.positions):
+            for p in range(a, b) if src.entry.per_position else [None]:
+                f = self.fields_of(step, src.layer, src.entry.kind, p)
+                yield step, src.entry.file.format(**f), f
 
-        # a (kind, layer) is imported when its files exist for every step, absent when none exist
-        found = _layers_found(folder, m["entries"])
-        entry_index = {id(e): i for i, e in enumerate(m["entries"])}
+    # ------------------------------------------------------------ which files
+    def resolve(self) -> tuple[list[Source], list[Source]]:
+        """(present, absent): a (kind, layer) is imported when its files exist for every step, absent
+        when none exist; some but not all is an error."""
+        found = _layers_found(self.folder, self.m["entries"])
+        entry_index = {id(e): i for i, e in enumerate(self.m["entries"])}
         present, absent = [], []
-        for src in sources:
+        for src in self.sources:
             has_layer = "layer" in {name for _l, name, _s, _c in string.Formatter().parse(src.entry.file)}
             example = found[entry_index[id(src.entry)]].get((src.layer or 0) if has_layer else None)
             if example is None:
                 absent.append(src)
                 continue
-            src.files = {}
-            for step, rel, f in candidates(src):
-                if rel not in folder.names:
-                    other = (
-                        "other steps of it exist"
-                        if src.files
-                        else f"files matching its pattern exist (e.g. {folder.shown(example)})"
-                    )
-                    fail(
-                        f"{folder.shown(rel)}: missing (kind {src.entry.kind}"
-                        f"{'' if src.layer is None else f' layer {src.layer}'}, step {step}); {other}"
-                    )
-                src.files.setdefault(step, []).append((rel, f))
+            self._list_files(src, example)
             present.append(src)
         if not present:
-            _step, first, _f = next(candidates(sources[0]))
-            fail(f"dump folder {dump}: no file matches any pattern of map {map_path} (e.g. {folder.shown(first)})")
-        read = sorted({folder.shown(rel) for src in present for fs in src.files.values() for rel, _f in fs})
-        check_output_path(output, force, inputs=(reference, map_path, *read))  # no dump file either
+            _step, first, _f = next(self.candidates(self.sources[0]))
+            fail(
+                f"dump folder {self.folder.path}: no file matches any pattern of map {self.map_path} "
+                f"(e.g. {self.folder.shown(first)})"
+            )
+        return present, absent
 
-        def rows_of(src: Source, rel: str, f: dict) -> tuple[np.ndarray, str]:
-            e, shown = src.entry, folder.shown(rel)
-            key = e.key.format(**f) if e.key else None
+    def _list_files(self, src: Source, example: str) -> None:
+        """Fill src.files with every file the source needs; fail at the first one missing."""
+        folder = self.folder
+        src.files = {}
+        for step, rel, f in self.candidates(src):
+            if rel not in folder.names:
+                other = (
+                    "other steps of it exist"
+                    if src.files
+                    else f"files matching its pattern exist (e.g. {folder.shown(example)})"
+                )
+                fail(
+                    f"{folder.shown(rel)}: missing (kind {src.entry.kind}"
+                    f"{'' if src.layer is None else f' layer {src.layer}'}, step {step}); {other}"
+                )
+            src.files.setdefault(step, []).append((rel, f))
 
-            def check(shape, dtype, what, whole):
-                lay = layout(shape, dtype, e, f, src, what)
-                if whole and lay.pos_rows > whole_rows:
-                    fail(
-                        f"{what}: {lay.pos_rows} rows on axis 'pos'; an .npz member is inflated whole, so it may "
-                        f"hold at most {whole_rows} (4x REF's positions); store a longer buffer as .npy or raw"
-                    )
-                return lay
+    # ------------------------------------------------------------ one file
+    def rows_of(self, src: Source, rel: str, f: dict) -> tuple[np.ndarray, str]:
+        """One file's canonical rows and its dtype, its layout checked before its data is read."""
+        e, shown = src.entry, self.folder.shown(rel)
+        key = e.key.format(**f) if e.key else None
+        check = self._checker(src, f)
+        with self.folder.open(rel) as fh:
+            if e.format == "raw":
+                shape = tuple(f[x] if isinstance(x, str) else x for x in e.shape)
+                arr, dtype, lay = F.read_raw(fh, shown, e, shape, check)
+            elif e.format == "npy":
+                arr, dtype, lay = F.read_npy(fh, shown, check)
+            elif e.format == "npz":
+                arr, dtype, lay = F.read_npz(fh, shown, key, check)
+            else:
+                arr, dtype, lay = F.read_safetensors(fh, shown, key, check)
+            return take(arr, lay, dtype, e), dtype
 
-            with folder.open(rel) as fh:
-                if e.format == "raw":
-                    shape = tuple(f[x] if isinstance(x, str) else x for x in e.shape)
-                    arr, dtype, lay = F.read_raw(fh, shown, e, shape, check)
-                elif e.format == "npy":
-                    arr, dtype, lay = F.read_npy(fh, shown, check)
-                elif e.format == "npz":
-                    arr, dtype, lay = F.read_npz(fh, shown, key, check)
-                else:
-                    arr, dtype, lay = F.read_safetensors(fh, shown, key, check)
-                return take(arr, lay, dtype, e), dtype
+    def _checker(self, src: Source, f: dict):
+        """The layout check a reader calls with a file's header facts (whole: the data is inflated whole)."""
+        whole_rows = self.whole_rows
 
+        def check(shape, dtype, what, whole):
+            lay = layout(shape, dtype, src.entry, f, src, what)
+            if whole and lay.pos_rows > whole_rows:
+                fail(
+                    f"{what}: {lay.pos_rows} rows on axis 'pos'; an .npz member is inflated whole, so it may "
+                    f"hold at most {whole_rows} (4x REF's positions); store a longer buffer as .npy or raw"
+                )
+            return lay
+
+        return check
+
+    # ------------------------------------------------------------ header
+    def token_source(self, present: list[Source], ref_tokens: list[int]) -> str:
+        """Where the candidate's tokens come from, in words."""
         mapped = {s.entry.kind for s in present}
-        ref_tokens = [int(t) for t in ref.tokens()]
-        if m["mode"] == "free-running" and not mapped & {"token", "logits"}:
-            fail(f"map {map_path}: a free-running dump needs token or logits files (its tokens are its own)")
+        if self.m["mode"] == "free-running" and not mapped & {"token", "logits"}:
+            fail(f"map {self.map_path}: a free-running dump needs token or logits files (its tokens are its own)")
         if "token" in mapped:
-            token_from = "dump"
-        elif "logits" in mapped:
-            token_from = "argmax of the dumped logits"
-        else:
-            token_from = "REF (no token or logits in the dump)"
-            if n_steps > len(ref_tokens):
-                fail(f"map {map_path}: steps {n_steps} but REF has {len(ref_tokens)} tokens to copy")
-        prov = dict(ref.provenance)
+            return "dump"
+        if "logits" in mapped:
+            return "argmax of the dumped logits"
+        if self.n_steps > len(ref_tokens):
+            fail(f"map {self.map_path}: steps {self.n_steps} but REF has {len(ref_tokens)} tokens to copy")
+        return "REF (no token or logits in the dump)"
+
+    def provenance(self) -> dict:
+        """REF's provenance with the dump's runtime, mode, device and dtype and this package's versions."""
+        from importlib.metadata import version
+
+        import h5py
+
+        m = self.m
+        prov = dict(self.ref.provenance)
         prov.update(
             runtime=m["runtime"],
             mode=m["mode"],
@@ -304,40 +328,65 @@ def import_dump(dump_dir, reference, map_path, output, *, force: bool = False) -
             torch_version="n/a (import)",
             transformers_version="n/a (import)",
         )
-        import h5py
-
         prov["h5py_version"] = h5py.__version__
-        tokens: list[int] = []
+        return prov
+
+    # ------------------------------------------------------------ the steps
+    def write_step(self, w: TraceWriter, step: int, present: list[Source], ref_tokens: list[int]) -> int:
+        """Write one step's rows and token; return the token."""
+        a, b = self.positions[step]
+        w.begin_step(range(a, b))
+        got = {}
+        for src in present:
+            rows, src_dtype = self._step_rows(src, step)
+            if src.entry.kind in ("logits", "token"):
+                got[src.entry.kind] = (rows, src_dtype)
+                continue
+            try:
+                w.add(src.entry.kind, rows, layer=src.layer, source_dtype=src_dtype)
+            except ValueError as ex:  # a row shape that changed between steps
+                fail(f"{self.folder.shown(src.files[step][0][0])}: {ex}")
+        if "logits" in got:
+            w.add("logits", got["logits"][0], source_dtype=got["logits"][1])
+        if "token" in got:
+            token = int(np.asarray(got["token"][0]).reshape(-1)[0])
+        elif "logits" in got:
+            token = int(np.argmax(got["logits"][0]))
+        else:
+            token = ref_tokens[step]
+        w.add("token", token)
+        w.end_step()
+        return token
+
+    def _step_rows(self, src: Source, step: int) -> tuple[np.ndarray, str | None]:
+        """A source's rows at one step (per-position files joined) and the dtype of its last file."""
+        blocks, src_dtype = [], None
+        for rel, f in src.files[step]:
+            block, src_dtype = self.rows_of(src, rel, f)
+            blocks.append(block)
+        return (np.concatenate(blocks) if src.entry.per_position else blocks[0]), src_dtype
+
+
+def import_dump(dump_dir, reference, map_path, output, *, force: bool = False) -> str:
+    """Write OUTPUT from the dump; return a one-line summary."""
+    folder = F.DumpFolder(dump_dir)
+    check_output_path(output, force, inputs=(reference, map_path))  # never over an input, even with --force
+    m = load_map(map_path)
+    with TraceReader(reference) as ref:
+        imp = _Import(folder, m, map_path, ref)
+        present, absent = imp.resolve()
+        read = sorted({folder.shown(rel) for src in present for fs in src.files.values() for rel, _f in fs})
+        check_output_path(output, force, inputs=(reference, map_path, *read))  # no dump file either
+        ref_tokens = [int(t) for t in ref.tokens()]
+        token_from = imp.token_source(present, ref_tokens)
+        prov = imp.provenance()
         with TraceWriter(output, force=force) as w:
             w.write_header(ref.header().with_provenance(prov))
-            for step in range(n_steps):
-                a, b = positions[step]
-                w.begin_step(range(a, b))
-                got = {}
-                for src in present:
-                    blocks, src_dtype = [], None
-                    for rel, f in src.files[step]:
-                        block, src_dtype = rows_of(src, rel, f)
-                        blocks.append(block)
-                    rows = np.concatenate(blocks) if src.entry.per_position else blocks[0]
-                    if src.entry.kind in ("logits", "token"):
-                        got[src.entry.kind] = (rows, src_dtype)
-                        continue
-                    try:
-                        w.add(src.entry.kind, rows, layer=src.layer, source_dtype=src_dtype)
-                    except ValueError as ex:  # a row shape that changed between steps
-                        fail(f"{folder.shown(src.files[step][0][0])}: {ex}")
-                if "logits" in got:
-                    w.add("logits", got["logits"][0], source_dtype=got["logits"][1])
-                if "token" in got:
-                    token = int(np.asarray(got["token"][0]).reshape(-1)[0])
-                elif "logits" in got:
-                    token = int(np.argmax(got["logits"][0]))
-                else:
-                    token = ref_tokens[step]
-                w.add("token", token)
-                w.end_step()
-                tokens.append(token)
+            tokens = [imp.write_step(w, step, present, ref_tokens) for step in range(imp.n_steps)]
+    return _summary(output, folder.path, imp.n_steps, present, absent, token_from, tokens, ref_tokens)
+
+
+def _summary(output, dump, n_steps: int, present, absent, token_from: str, tokens, ref_tokens) -> str:
     kinds = sorted({s.entry.kind for s in present}, key=S.KIND_NAMES.index)
     miss = sorted({s.entry.kind for s in absent} - set(kinds), key=S.KIND_NAMES.index)
     agree = sum(x == y for x, y in zip(tokens, ref_tokens))

@@ -4,6 +4,7 @@
     python scripts/fuzz_traces.py --cases 4000 --seed 1        # counts by outcome
     python scripts/fuzz_traces.py --seed 1 --case 3245 --keep bad.h5   # replay one case, keep its file
     python scripts/fuzz_traces.py --import-cases 400 --seed 18          # `trace import`: hostile maps and dumps
+    python scripts/fuzz_traces.py --tolerance-cases 300 --seed 18       # tolerance files, calibrate's names
 
 A case applies one to three corruptions to a copy of the golden trace (default
 traces/golden/short.h5): bit flips at random offsets (anywhere, or only in HDF5 metadata),
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import json
 import os
 import shutil
@@ -1414,6 +1416,404 @@ def format_import_report(rep: Report, command_line: str) -> str:
     )
 
 
+# ---------------------------------------------------------------- tolerance files and generated names
+# `--tolerance-cases N` fuzzes the tolerance surfaces instead. Classes tol_*: a crafted tolerances
+# file (or a link, FIFO, device or folder in its place) passed to `trace diff GOLDEN COPY
+# --tolerances FILE`: exit 0, 1 or 2 (one line). calibrate_name: `trace calibrate REF BASE -o OUT`
+# where REF's or BASE's file name holds newlines, quotes, TOML syntax or terminal escapes: exit 0,
+# and OUT must load and resolve to the same thresholds as a calibration from plain names. Both: no
+# 'internal error', no raw control character in the output, no run over SLOW_SECONDS or BIG_RSS, no
+# open of the watched outside folder.
+ALLOWED.update({"diff --tolerances": {0, 1, 2}, "calibrate": {0}})
+TOL_VALID = '[[rule]]\nkind = "layer_out"\nrel_l2 = 0.001\n'
+
+
+def _tol_limits():
+    from gemma4_trace.diff import tolerances as T
+
+    return T
+
+
+def t_huge(folder, rng):
+    """Files at and past the size limit: sparse 2 GiB, a comment or a string just over or under."""
+    T = _tol_limits()
+    p, how = folder / "tol.toml", int(rng.integers(4))
+    if how == 0:
+        with open(p, "wb") as fh:
+            fh.truncate(2 << 30)
+        return p, "sparse 2 GiB file"
+    size = T.MAX_FILE_BYTES + (1 if how in (1, 3) else -64)
+    if how == 3:
+        p.write_text(TOL_VALID + 'note = "' + "a" * (size - len(TOL_VALID) - 10) + '"\n')
+        return p, f"a note string in {p.stat().st_size} bytes"
+    p.write_text(TOL_VALID + "#" * (size - len(TOL_VALID) - 1) + "\n")
+    return p, f"a comment in {p.stat().st_size} bytes"
+
+
+def t_rules(folder, rng):
+    """Many rules, at, past and far past MAX_RULES, each matching every tensor."""
+    T = _tol_limits()
+    n = int(rng.choice([T.MAX_RULES, T.MAX_RULES + 1, 100_000]))
+    rule = str(rng.choice(['kind = "*"\nrel_l2 = 0.001', 'layer = "0-3"\nstep = "decode"\nskip = true', "max_abs = 1"]))
+    p = folder / "tol.toml"
+    p.write_text(f"[[rule]]\n{rule}\n" * n)
+    return p, f"{n} rules ({rule.splitlines()[0]})"
+
+
+def t_alternatives(folder, rng):
+    """Comma-separated pattern alternatives: many, wide ranges, long globs, spread over rules."""
+    T = _tol_limits()
+    how = int(rng.integers(5))
+    p = folder / "tol.toml"
+    if how == 0:
+        n = int(rng.choice([T.MAX_ALTERNATIVES, T.MAX_ALTERNATIVES + 1, 40_000, 100_000]))
+        p.write_text(
+            f'[[rule]]\nkind = "{",".join(["embeddings", "layer_*", "q"] * (n // 3 + 1))[: n * 4]}"\nrel_l2 = 0.01\n'
+        )
+        return p, f"kind with ~{n} alternatives"
+    if how == 1:
+        n = int(rng.choice([T.MAX_ALTERNATIVES, 40_000]))
+        p.write_text(f'[[rule]]\nlayer = "{",".join(str(i) for i in range(n))}"\nrel_l2 = 0.01\n')
+        return p, f"layer with {n} alternatives"
+    if how == 2:
+        rng_ = str(rng.choice(["0-1000000000000", "0-" + "9" * 5000, "5-2", "-1", "0-", "decode,prefill," * 500]))
+        p.write_text(f'[[rule]]\nstep = "{rng_}"\nrel_l2 = 0.01\n')
+        return p, f"step {rng_[:30]!r}"
+    if how == 3:
+        glob = str(rng.choice(["*" * 100_000, "?" * 100_000, "[" * 10_000, "[!a-z]" * 10_000, "*a" * 50_000]))
+        p.write_text(f'[[rule]]\nkind = "{glob}"\nrel_l2 = 0.01\n')
+        return p, f"glob {glob[:12]!r}... ({len(glob)} chars)"
+    p.write_text('[[rule]]\nkind = "q,k,v,layer_out,embeddings,mask,logits,token,attn_out"\nrel_l2 = 0.01\n' * 2000)
+    return p, "2000 rules x 9 alternatives"
+
+
+def t_nesting(folder, rng):
+    """Arrays, inline tables, dotted keys and table headers nested deep."""
+    n = int(rng.choice([1000, 100_000]))
+    how = int(rng.integers(5))
+    p = folder / "tol.toml"
+    texts = [
+        "x = " + "[" * n + "]" * n,
+        "rule = [" + "{a = " * n + "1" + "}" * n + "]",
+        "[tokens]\nnear_tie_margin = " + "[" * n + "]" * n,
+        "a" + ".a" * n + " = 1",
+        "[" + ".".join(["rule"] * n) + "]",
+    ]
+    p.write_text(texts[how] + "\n")
+    return p, f"nesting {n} deep ({['array', 'inline table', 'margin array', 'dotted key', 'table header'][how]})"
+
+
+def t_numbers(folder, rng):
+    """Non-finite, huge, tiny, negative and malformed numbers in every numeric field."""
+    T = _tol_limits()
+    value = str(
+        rng.choice(
+            ["inf", "-inf", "nan", "+nan", "1e400", "-1e400", "1e308", "-0.0", "0", "5e-324", "-1"]
+            + ["9223372036854775807", "-9223372036854775808", "1" + "0" * 5000, "0x7fffffffffffffff", "1_000", "0b1"]
+        )
+    )
+    if rng.random() < 0.2:
+        p = folder / "tol.toml"
+        p.write_text(f"[tokens]\nnear_tie_margin = {value}\naccept_near_ties = true\n")
+        return p, f"near_tie_margin = {value[:30]}"
+    key = str(rng.choice(list(T.THRESHOLD_FIELDS)))
+    p = folder / "tol.toml"
+    p.write_text(f'[[rule]]\nkind = "*"\n{key} = {value}\n')
+    return p, f"{key} = {value[:30]}"
+
+
+def t_types(folder, rng):
+    """Values of the wrong TOML type for every key, at the top level, in a rule and in [tokens]."""
+    T = _tol_limits()
+    value = str(
+        rng.choice(
+            ['"x"', '[1, "a"]', "{a = 1}", "1979-05-27T07:32:00Z", "07:32:00", "1979-05-27", "true", "[]", "{}"]
+            + ["-1", '""', '"\\u0000"', "1.5", '["*"]', "[[1]]"]
+        )
+    )
+    where = int(rng.integers(3))
+    p = folder / "tol.toml"
+    if where == 0:
+        key = str(rng.choice(["rule", "tokens", "version"]))
+        p.write_text(f"{key} = {value}\n")
+    elif where == 1:
+        key = str(rng.choice(list(T.RULE_FIELDS)))
+        p.write_text(
+            f"[[rule]]\nrel_l2 = 0.01\n{key} = {value}\n" if key != "rel_l2" else f"[[rule]]\n{key} = {value}\n"
+        )
+    else:
+        key = str(rng.choice(list(T.TOKEN_FIELDS)))
+        p.write_text(f"[tokens]\n{key} = {value}\n")
+    return p, f"{key} = {value}"
+
+
+def t_control(folder, rng):
+    """Control characters, escapes, invalid UTF-8 and odd line ends, raw in the file or in strings."""
+    how = int(rng.integers(8))
+    p = folder / "tol.toml"
+    datas = [
+        b'[[rule]]\nkind = "\\u001b[2J\\u001b]0;pwned\\u0007embeddings"\nrel_l2 = 0.01\n',  # ESC in a kind (echoed)
+        b'[[rule]]\nkind = "layer_out"\nrel_l2 = 0.01 \x1b[2J\n',  # raw ESC
+        b'[[rule]]\nkind = "layer\x00out"\nrel_l2 = 0.01\n',  # raw NUL
+        b'[[rule]]\r\nkind = "layer_out"\rrel_l2 = 0.01\r',  # lone CR
+        b'\xef\xbb\xbf[[rule]]\nkind = "layer_out"\nrel_l2 = 0.01\n',  # BOM
+        b'[[rule]]\nkind = "\xff\xfe"\nrel_l2 = 0.01\n',  # invalid UTF-8
+        '[[rule]]\nkind = "q\u2028\u202ek"\nrel_l2 = 0.01\n'.encode(),  # line separator, RTL override
+        b'[[rule]]\nkind = "' + b"\\u009b" * 100_000 + b'"\nrel_l2 = 0.01\n',  # 100,000 C1 CSI
+    ]
+    p.write_bytes(datas[how])
+    return p, f"control characters, form {how}"
+
+
+def t_special(folder, rng):
+    """A FIFO, a device, a folder or a dangling or looping link as the tolerances file."""
+    how = int(rng.integers(7))
+    p = folder / "tol.toml"
+    if how == 0:
+        os.mkfifo(p)
+        return p, "fifo"
+    if how == 1:
+        return Path("/dev/zero"), "/dev/zero"
+    if how == 2:
+        p.symlink_to("/dev/zero")
+        return p, "link to /dev/zero"
+    if how == 3:
+        p.mkdir()
+        return p, "folder"
+    if how == 4:
+        p.symlink_to(folder / "missing.toml")
+        return p, "dangling link"
+    if how == 5:
+        p.symlink_to(p)
+        return p, "link to itself"
+    return Path("/dev/null"), "/dev/null (empty: the defaults)"
+
+
+TOLERANCE = {
+    "tol_huge": t_huge,
+    "tol_rules": t_rules,
+    "tol_alternatives": t_alternatives,
+    "tol_nesting": t_nesting,
+    "tol_numbers": t_numbers,
+    "tol_types": t_types,
+    "tol_control": t_control,
+    "tol_special": t_special,
+}
+HOSTILE_NAMES = (
+    "b\ntokens = {accept_near_ties = true, near_tie_margin = 1e308}\n.h5",
+    'b"; x = 1 #.h5',
+    "b'''\n[[rule]]\nkind = \"*\"\nskip = true\n'''.h5",
+    'b"""\n[tokens]\naccept_near_ties = true\n""".h5',
+    "b\x1b[2J\x1b]0;pwned\x07.h5",
+    "b\r[tokens]\raccept_near_ties = true.h5",
+    "b\u2028[tokens]\u2029accept_near_ties = true\u0085.h5",
+    "b\\u000a[tokens]\\n.h5",
+    "b\x7f\x01\x1f\x9b.h5",
+    "b\udcff\udcfe.h5",  # bytes that are not UTF-8
+    ("\"\n[[rule]]\nkind = '*'\nskip = true\n" * 5)[:200] + ".h5",
+)
+
+
+def _fingerprint(path) -> list:
+    """What a tolerances file means: every threshold, floor and skip it resolves to, per kind, layer
+    (and none), precision and step."""
+    T = _tol_limits()
+    from gemma4_trace.traces import schema as S
+
+    tol = T.load_tolerances(path)
+    out: list = [tol.near_tie_margin, tol.accept_near_ties, len(tol.rules)]
+    for kind in S.KIND_NAMES:
+        for layer in (None, *range(8)):
+            for prec in sorted(T.DEFAULTS):
+                st = tol.resolve(kind, layer, prec, 4)
+                out.append([{f: v.tolist() for f, v in st.limits.items()}, st.l2_floor.tolist(), st.skip.tolist()])
+    return out
+
+
+def _plain_calibration(work: Path, n_bases: int) -> list:
+    key = ("plain", n_bases)
+    if key not in ENV:
+        d = work / f"plain{n_bases}"
+        d.mkdir(exist_ok=True)
+        bases = []
+        for i in range(n_bases):
+            bases.append(d / f"base{i}.h5")
+            shutil.copyfile(GOLDEN, bases[-1])
+        code, so, se, problem = run_cli(["calibrate", str(GOLDEN), *map(str, bases), "-o", str(d / "t.toml")], 60)
+        if code != 0:
+            raise RuntimeError(f"plain calibration failed: exit {code} {se} {problem}")
+        ENV[key] = _fingerprint(d / "t.toml")
+    return ENV[key]
+
+
+def calibrate_case(folder: Path, rng, work: Path):
+    """(argv, what it did, check of the result): REF and BASE copies under hostile names."""
+    names = [str(n) for n in rng.choice(HOSTILE_NAMES, size=3)]
+    n_bases = int(rng.integers(1, 3))
+    ref = folder / ("r" + names[0] if rng.random() < 0.5 else "ref.h5")
+    shutil.copyfile(GOLDEN, ref)
+    bases = []
+    for i in range(n_bases):
+        d = folder / f"b{i}"
+        d.mkdir()
+        bases.append(d / names[1 + i])
+        shutil.copyfile(GOLDEN, bases[-1])
+    out = folder / ("o" + names[2] if rng.random() < 0.3 else "tol.toml")
+    plain = _plain_calibration(work, n_bases)
+
+    def verify(code) -> str | None:
+        if code != 0:
+            return None  # check() reports the exit
+        try:
+            got = _fingerprint(out)
+        except Exception as e:  # noqa: BLE001 -- the written file must load
+            return f"the written TOML does not load: {e}"
+        return None if got == plain else "the written TOML gives other tolerances than a plain name's"
+
+    argv = ["calibrate", str(ref), *map(str, bases), "-o", str(out)]
+    return argv, f"names {ascii([ref.name, *(b.name for b in bases), out.name])[:120]}", verify
+
+
+def _raw_control(text: str) -> bool:
+    return any((ord(c) < 32 and c not in "\n\t") or 0x7F <= ord(c) < 0xA0 for c in text)
+
+
+def run_tolerance_case(
+    case: int,
+    seed: int,
+    work: Path,
+    timeout: float,
+    watch: OutsideWatch | None = None,
+    only: str | None = None,
+    talk: bool = False,
+) -> dict:
+    rng = np.random.default_rng([seed, case, 1818])
+    pick = only or str(rng.choice([*TOLERANCE, "calibrate_name"]))
+    folder = work / f"case{case}"
+    folder.mkdir()
+    if pick == "calibrate_name":
+        command = "calibrate"
+        argv, done, verify = calibrate_case(folder, rng, work)
+    else:
+        command, verify = "diff --tolerances", None
+        run = folder / "run.h5"
+        shutil.copyfile(GOLDEN, run)
+        tol, done = TOLERANCE[pick](folder, rng)
+        argv = ["diff", str(GOLDEN), str(run), "--tolerances", str(tol)]
+    if watch is not None:
+        watch.events()
+    t0, rss0 = time.perf_counter(), peak_rss()
+    code, so, se, problem = run_cli(argv, timeout)
+    seconds = time.perf_counter() - t0
+    problem = problem or check(command, code, so, se)
+    if problem is None and _raw_control(so + se):
+        problem = "a raw control character in the output"
+    if problem is None and command == "calibrate" and len(so.splitlines()) != 1:
+        problem = f"calibrate printed {len(so.splitlines())} lines, not one (a file name's newline printed raw)"
+    if problem is None and verify is not None:
+        problem = verify(code)
+    outside = sorted(set(watch.events())) if watch is not None else []
+    if talk:
+        print(
+            f"case {case}: {pick}: {done}\n    exit {code} {ascii((se.strip() or so.strip())[:200])}"
+            + (f"  FAIL: {problem}" if problem else ""),
+            flush=True,
+        )
+    shutil.rmtree(folder, ignore_errors=True)
+    return {
+        "case": case,
+        "picks": [pick],
+        "done": [done],
+        "watch_ok": watch is None or watch.ok,
+        "results": [
+            {
+                "command": command,
+                "code": code,
+                "problem": problem,
+                "message": (se.strip()[7:60] if code == 2 and problem is None else None),
+                "seconds": seconds,
+                "rss": peak_rss(),
+                "rss_grew": peak_rss() > rss0,
+                "outside": outside,
+            }
+        ],
+    }
+
+
+def fuzz_tolerances(
+    cases: int,
+    seed: int,
+    timeout: float = 60.0,
+    only: str | None = None,
+    talk: bool = False,
+    budget: float | None = None,
+) -> Report:
+    """Run tolerance cases 0..cases-1 in this process (a FIFO open would be ended by the case's alarm).
+    The outside folder holds a canary no case names: any open of it is a read outside the inputs."""
+    import resource
+
+    rep = Report()
+    # a parse that grows without bound ends in MemoryError (a failure) instead of taking the machine
+    old_as = resource.getrlimit(resource.RLIMIT_AS)
+    cap = _vm_size() + (3 << 30)
+    if old_as[1] != resource.RLIM_INFINITY:
+        cap = min(cap, old_as[1])
+    resource.setrlimit(resource.RLIMIT_AS, (cap, old_as[1]))
+    try:
+        _run_tolerance_cases(rep, cases, seed, timeout, only, talk, budget)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, old_as)
+    return rep
+
+
+def _run_tolerance_cases(rep: Report, cases, seed, timeout, only, talk, budget) -> None:
+    with (
+        tempfile.TemporaryDirectory(prefix="trace-fuzz-tolerances-") as tmp,
+        tempfile.TemporaryDirectory(prefix="trace-fuzz-outside-") as outside_dir,
+    ):
+        (Path(outside_dir) / "canary.toml").write_bytes(CANARY)
+        watch = OutsideWatch([outside_dir])
+        rep.watch_ok = watch.ok
+        t0 = time.perf_counter()
+        for case in range(cases):
+            if budget is not None and time.perf_counter() - t0 > budget:
+                rep.stopped = True
+                break
+            add_case(rep, seed, run_tolerance_case(case, seed, Path(tmp), timeout, watch, only, talk))
+            gc.collect()  # a parse that ran into the cap holds its memory in a traceback's frames
+        rep.seconds = time.perf_counter() - t0
+        for key in [k for k in ENV if isinstance(k, tuple)]:  # plain calibrations lived in tmp
+            del ENV[key]
+
+
+def _vm_size() -> int:
+    """This process's virtual size in bytes (Linux), 0 where unknown."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(ln.split()[1]) << 10 for ln in fh if ln.startswith("VmSize:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def format_tolerance_report(rep: Report, command_line: str) -> str:
+    codes = Counter()
+    for (cmd, c), n in rep.outcomes.items():
+        codes[f"{cmd.split()[0]} {c}"] += n
+    return "\n".join(
+        [
+            f"$ {command_line}",
+            f"{rep.cases} tolerance cases in {rep.seconds:.1f} s; failures: {len(rep.failures)}"
+            + (" (stopped by --budget before the rest)" if rep.stopped else ""),
+            "exit codes: " + ", ".join(f"{c}: {n}" for c, n in sorted(codes.items())),
+            f"reads outside the inputs (inotify on a canary folder): "
+            f"{len(rep.outside) if rep.watch_ok else 'NOT CHECKED (no inotify)'}",
+            f"runs over {SLOW_SECONDS:.0f} s: {len(rep.slow)} (slowest {rep.max_seconds:.1f} s); "
+            f"over {BIG_RSS >> 30} GiB RSS: {len(rep.big)} (peak {rep.max_rss / 2**20:.0f} MiB)",
+            "classes: " + ", ".join(f"{k} {v}" for k, v in sorted(rep.mutations.items())),
+        ]
+    )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=1000)
@@ -1445,6 +1845,18 @@ def main(argv=None) -> int:
         help="fuzz `trace import` with this many hostile maps and dumps instead (in this process)",
     )
     ap.add_argument("--import-only", choices=list(IMPORT), default=None, help="with --import-cases: only this class")
+    ap.add_argument(
+        "--tolerance-cases",
+        type=int,
+        default=None,
+        help="fuzz tolerance files (`trace diff --tolerances`) and calibrate's file names instead (in this process)",
+    )
+    ap.add_argument(
+        "--tolerance-only",
+        choices=[*TOLERANCE, "calibrate_name"],
+        default=None,
+        help="with --tolerance-cases: only this class",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--stop", type=int, default=0, help=argparse.SUPPRESS)
@@ -1461,6 +1873,19 @@ def main(argv=None) -> int:
         print(format_import_report(rep, " ".join(["python scripts/fuzz_traces.py", *(argv or sys.argv[1:])])))
         for line in (rep.failures + rep.outside + rep.slow + rep.big)[: args.show_failures]:
             print("FAIL " + line)
+        return 1 if rep.failures or rep.outside or rep.slow or rep.big or not rep.watch_ok else 0
+    if args.tolerance_cases is not None:
+        rep = fuzz_tolerances(
+            args.tolerance_cases,
+            args.seed,
+            max(args.timeout, SLOW_SECONDS),
+            args.tolerance_only,
+            talk=args.case is not None,
+            budget=args.budget,
+        )
+        print(format_tolerance_report(rep, " ".join(["python scripts/fuzz_traces.py", *(argv or sys.argv[1:])])))
+        for line in (rep.failures + rep.outside + rep.slow + rep.big)[: args.show_failures]:
+            print("FAIL " + ascii(line)[1:-1])
         return 1 if rep.failures or rep.outside or rep.slow or rep.big or not rep.watch_ok else 0
     if args.worker:
         return worker(
