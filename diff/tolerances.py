@@ -53,6 +53,9 @@ TOP_FIELDS = ("rule", "tokens", "version")
 MAX_FILE_BYTES = 4 << 20  # a calibrated file for a 60-layer model: ~0.3 MiB, ~2,000 rules, ~6,000 alternatives
 MAX_RULES = 8_192
 MAX_ALTERNATIVES = 16_384  # comma-separated pattern alternatives in the whole file
+# dotted-key parts on one line: Python's TOML parser spends time and memory quadratic in a key's depth
+# (30,000 parts: 3.5 GB); the format's own keys are 2 deep
+MAX_KEY_DOTS = 64
 
 _short = reprlib.Repr()
 _short.maxlevel, _short.maxstring, _short.maxother, _short.maxlist, _short.maxdict = 3, 60, 60, 6, 6
@@ -289,9 +292,15 @@ def _read_bounded(p: Path) -> str:
     if len(raw) > MAX_FILE_BYTES:
         raise TraceToolError(f"tolerances file {p}: more than the {MAX_FILE_BYTES} bytes allowed")
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise TraceToolError(f"tolerances file {p}: not valid TOML ({e})") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        key = line.lstrip()
+        key = key if key.startswith("[") else key.split("=", 1)[0]  # a table header, or a line's key part
+        if key.count(".") > MAX_KEY_DOTS:
+            raise TraceToolError(f"tolerances file {p}, line {n}: a key nested more than {MAX_KEY_DOTS} deep")
+    return text
 
 
 PROFILES = Path(__file__).resolve().parent / "profiles"  # tolerance profiles shipped with the tool

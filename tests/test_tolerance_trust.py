@@ -150,3 +150,11 @@ def test_non_finite_values_refused(ref, tmp_path, text, field):
 def test_deep_or_huge_values_are_one_short_line(ref, tmp_path, text):
     line = one_line_error(diff_with(ref, tmp_path, text), "tol.toml")
     assert len(line) < 400, line
+
+
+@pytest.mark.parametrize("text", ["a" + ".a" * 100_000 + " = 1\n", "[rule" + ".rule" * 100_000 + "]\n"])
+def test_deep_dotted_keys_are_refused_before_parsing(ref, tmp_path, text):
+    # Python's TOML parser takes memory quadratic in a dotted key's depth (100,000 parts: over 20 GB)
+    tol = tmp_path / "deep.toml"
+    tol.write_text(text)
+    one_line_error(invoke("diff", ref, ref, "--tolerances", tol), "line 1: a key nested more than 64 deep")
