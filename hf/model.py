@@ -14,7 +14,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from gemma4_trace.traces import limits as LIM
-from gemma4_trace.traces.errors import TraceToolError, one_line
+from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 
 from . import memory
 
@@ -138,7 +138,7 @@ def load_model(
         try:
             import accelerate  # noqa: F401
         except ImportError:
-            raise TraceToolError("--device-map needs accelerate: pip install 'gemma4-trace[big]'") from None
+            raise TraceToolError(f"--device-map needs accelerate: {install_hint('big')}") from None
 
     import torch
 

@@ -30,7 +30,7 @@ import traceback
 
 from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces import schema as S
-from gemma4_trace.traces.errors import TraceToolError, one_line
+from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 
 REQUIRED_METHODS = ("prefill", "decode")
 DRIVER_KINDS = ("logits", "token")  # written by the replay driver, never by a runtime
@@ -299,7 +299,7 @@ def check_runtime_name(spec: str, isolate: bool = False) -> None:
             extra = _EXTRA_OF.get(missing[0], "")
             raise TraceToolError(
                 f"--runtime {spec} needs {', '.join(missing)}, which is not installed"
-                + (f": pip install 'gemma4-trace[{extra}]'" if extra else "")
+                + (f": {install_hint(extra)}" if extra else "")
             )
         if isolate and spec in _NO_ISOLATION:
             raise TraceToolError(

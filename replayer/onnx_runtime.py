@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from gemma4_trace.traces.atomic import no_space
-from gemma4_trace.traces.errors import TraceToolError, one_line
+from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 
 from .runtime import StaticGemma4Runtime
 
@@ -42,7 +42,7 @@ def _import_ort():
     try:
         import onnxruntime
     except ImportError as e:
-        raise TraceToolError(f"--runtime onnx needs onnxruntime: pip install 'gemma4-trace[onnx]' ({e})") from None
+        raise TraceToolError(f"--runtime onnx needs onnxruntime: {install_hint('onnx')} ({e})") from None
     return onnxruntime
 
 
@@ -106,9 +106,7 @@ def export_onnx(loaded, max_seq: int, out_dir) -> tuple[Path, Path]:
         import onnx  # noqa: F401
         import onnxscript  # noqa: F401  (torch's ONNX exporter needs it)
     except ImportError as e:
-        raise TraceToolError(
-            f"exporting ONNX needs onnx and onnxscript: pip install 'gemma4-trace[onnx]' ({e})"
-        ) from None
+        raise TraceToolError(f"exporting ONNX needs onnx and onnxscript: {install_hint('onnx')} ({e})") from None
     out = Path(out_dir)
     if not out.is_dir():
         raise TraceToolError(f"output folder {out} does not exist")

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError, install_hint
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,7 @@ def _ao():
     try:
         from torchao.quantization import quant_primitives as qp
     except ImportError:
-        raise TraceToolError(
-            "the quantized runtimes need torchao: pip install 'gemma4-trace[quant]' (or pip install torchao)"
-        ) from None
+        raise TraceToolError(f"the quantized runtimes need torchao: {install_hint('quant')}") from None
     finally:
         for lg, lv in zip(quiet, levels):
             lg.setLevel(lv)

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError, install_hint
 from gemma4_trace.traces.schema import rope_kinds
 
-TICO_VERSION = "0.3.0"  # the release tested; `pip install gemma4-trace[tico]` pins it
+TICO_VERSION = "0.3.0"  # the release tested; the extra [tico] pins it
 NEG_ALLOWED_ABOVE = -1.0  # TICO's additive masks: 0 allowed, its fill value (-120) not
 
 
@@ -42,9 +42,7 @@ def _import_tico():
         from tico.quantization.wrapq.wrappers.gemma4 import static_vision_profile as vp
         from tico.quantization.wrapq.wrappers.gemma4.utils import StaticGemma4Layout
     except ImportError as e:
-        raise TraceToolError(
-            f"--runtime tico needs TICO {TICO_VERSION}: pip install 'gemma4-trace[tico]' ({e})"
-        ) from None
+        raise TraceToolError(f"--runtime tico needs TICO {TICO_VERSION}: {install_hint('tico')} ({e})") from None
     from importlib.metadata import version as dist_version
 
     version = dist_version("tico")

@@ -73,12 +73,14 @@ def test_a_missing_extra_is_named_before_the_model_loads(no_model, monkeypatch, 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in gone else real(name, *a))
     _refused(
         ["replay", REF, "--runtime", "static-w8"],
-        "--runtime static-w8 needs torchao, which is not installed: pip install 'gemma4-trace[quant]'",
+        "--runtime static-w8 needs torchao, which is not installed: install the extra [quant] "
+        "(from a checkout: pip install -e '.[quant]')",
         tmp_path,
     )
     _refused(
         ["replay", REF, "--runtime", "onnx"],
-        "needs onnxruntime, onnxscript, which is not installed: pip install 'gemma4-trace[onnx]'",
+        "needs onnxruntime, onnxscript, which is not installed: install the extra [onnx] "
+        "(from a checkout: pip install -e '.[onnx]')",
         tmp_path,
     )
     _refused(["replay", REF, "--runtime", "tico-quant"], "needs tico", tmp_path)

@@ -37,3 +37,8 @@ def interrupted(e: BaseException) -> bool:
             return True
         e, seen = e.__cause__ or e.__context__, seen + 1
     return False
+
+
+def install_hint(extra: str) -> str:
+    """How to install one of the project's extras (it is installed from a checkout, not a registry)."""
+    return f"install the extra [{extra}] (from a checkout: pip install -e '.[{extra}]')"
