@@ -34,6 +34,7 @@ MAX_KEY_LEN = 1 << 16  # bytes of a key or tensor name
 MAX_STRING = 1 << 26  # bytes of one string value (a chat template is some 10 KiB)
 MAX_NAME = 64  # ggml's GGML_MAX_NAME, with its terminating zero: names of 63 bytes at most
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+MAX_ARRAY = 1 << 24  # items of one array value (a vocabulary has some 262144)
 KEEP_ARRAY = 1 << 12  # numeric arrays up to this many items are kept; longer ones only counted
 VERSIONS = (2, 3)
 # GGUF value types (gguf.GGUFValueType): struct format of the fixed-size ones
@@ -99,6 +100,7 @@ class _Cursor:
         self.buf, self.pos, self.path = buf, 0, path
 
     def fail(self, what: str):
+        what = what if len(what) <= 300 else what[:300] + "..."  # a name can be 64 KiB long
         raise MalformedGGUF(f"{self.path}: not a valid GGUF file: {what}")
 
     def skip(self, n: int, what: str) -> None:
@@ -131,6 +133,8 @@ class _Cursor:
             self.fail(f"{what} has unknown value type {vtype}")
         item = self.scalar("I", f"the item type of {what}")
         count = self.scalar("Q", f"the length of {what}")
+        if count > MAX_ARRAY:
+            self.fail(f"{what} claims {count} items (at most {MAX_ARRAY})")
         if item in SCALARS:
             size = struct.calcsize(SCALARS[item])
             if count > (len(self.buf) - self.pos) // size:
@@ -207,13 +211,14 @@ def _parse(c: _Cursor, size: int) -> Header:
         if key in h.metadata:
             c.fail(f"key {key!r} appears twice")
         h.metadata[key] = c.value(c.scalar("I", f"the type of key {key!r}"), f"key {key!r}")
-    infos = []
+    infos, seen = [], set()
     for i in range(n_tensors):
         name = c.string(f"tensor {i}'s name", MAX_KEY_LEN)
         if len(name.encode()) >= MAX_NAME:
             c.fail(f"tensor {i}'s name is {len(name.encode())} bytes (ggml's limit: {MAX_NAME - 1})")
-        if name in h.tensors or any(t[0] == name for t in infos):
+        if name in seen:
             c.fail(f"tensor {name!r} appears twice")
+        seen.add(name)
         n_dims = c.scalar("I", f"the rank of tensor {name!r}")
         if not 1 <= n_dims <= MAX_DIMS:
             c.fail(f"tensor {name!r} has {n_dims} dims (1 to {MAX_DIMS})")
