@@ -116,6 +116,9 @@ def test_gguf_of_another_model_is_refused_naming_the_differences(tmp_path):
     # the same check guards --weights-from
     res = invoke("replay", golden_path("short"), "--weights-from", path, "-o", run)
     assert one_line_error(res, out=run).startswith(f"error: {path} does not match REF's model config: layers 7")
+    # allowed, the static runtime still needs every weight of REF's model, each of its shape
+    res = invoke("replay", golden_path("short"), "--weights-from", path, "--allow-config-mismatch", "-o", run)
+    assert one_line_error(res, out=run).startswith(f"error: {path} does not fit REF's model: it lacks blk.7."), res
 
 
 def _edit(data: bytes, at: int, fmt: str, value) -> bytes:
