@@ -378,6 +378,18 @@ def _embedded_model_dir(model_name: str):
     default=None,
     help="precision recipe TOML (trace precision) for a quantized static runtime",
 )
+@click.option(
+    "--gguf", "gguf_path", type=click.Path(), default=None, help="run this GGUF file in llama.cpp (extra [llamacpp])"
+)
+@click.option(
+    "--weights-from",
+    type=click.Path(),
+    default=None,
+    help="static runtime on this GGUF's weights, dequantized (extra [llamacpp])",
+)
+@click.option(
+    "--allow-config-mismatch", is_flag=True, help="replay a GGUF whose metadata differs from REF's model config"
+)
 @progress_option
 @selection_options
 @user_errors
@@ -397,13 +409,19 @@ def replay(
     steps,
     progress,
     recipe=None,
+    gguf_path=None,
+    weights_from=None,
+    allow_config_mismatch=False,
 ):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""
     from gemma4_trace.progress import Progress
     from gemma4_trace.replayer.api import check_runtime_name
 
     check_runtime_name(runtime, isolate)  # cheap checks first: a typo is refused before torch or the model loads
-    check_output_path(output, force, inputs=[reference, *_model_files(model_dir), *([recipe] if recipe else [])])
+    gguf_files = [p for p in (gguf_path, weights_from) if p]
+    check_output_path(
+        output, force, inputs=[reference, *_model_files(model_dir), *([recipe] if recipe else []), *gguf_files]
+    )
     _check_model_dir(model_dir)
     if recipe is not None:
         from gemma4_trace.replayer.recipe import load_recipe
@@ -427,6 +445,9 @@ def replay(
             selection=_selection(layers, kinds, steps),
             device=device,
             recipe=recipe,
+            gguf=gguf_path,
+            weights_from=weights_from,
+            allow_config_mismatch=allow_config_mismatch,
         )
         bar.close()
     finally:

@@ -114,6 +114,15 @@ def _rope(tc, layer_type: str) -> dict:
 
 def tensors(loaded):
     """(gguf name, float32 array) for every tensor the `gemma4` graph reads, in file order."""
+    for name, t in sources(loaded):
+        yield name, t if isinstance(t, np.ndarray) else _np(t)
+
+
+def sources(loaded):
+    """(gguf name, the model's torch tensor) for every tensor the `gemma4` graph reads, in file
+    order; a tensor the writer derives from the config (rope_freqs) comes as its float32 array.
+    One table both ways: the writer reads it, `--weights-from` (replayer/gguf_reader.py) writes
+    a GGUF's tensors back into the model through it."""
     from gemma4_trace.traces.layers import layer_infos_from_config
 
     gguf = _gguf()
@@ -133,15 +142,15 @@ def tensors(loaded):
         )
         freqs = np.array([1.0] * rotated + [1e30] * (head_dim // 2 - rotated), dtype=np.float32)
         yield names[T.ROPE_FREQS] + ".weight", freqs
-    yield names[T.TOKEN_EMBD] + ".weight", _np(tm.embed_tokens.weight)
+    yield names[T.TOKEN_EMBD] + ".weight", tm.embed_tokens.weight
     lm_head = getattr(loaded.model, "lm_head", None)
     if lm_head is not None and lm_head.weight.data_ptr() != tm.embed_tokens.weight.data_ptr():
-        yield names[T.OUTPUT] + ".weight", _np(lm_head.weight)
-    yield names[T.OUTPUT_NORM] + ".weight", _np(tm.norm.weight)
+        yield names[T.OUTPUT] + ".weight", lm_head.weight
+    yield names[T.OUTPUT_NORM] + ".weight", tm.norm.weight
     if getattr(tc, "hidden_size_per_layer_input", 0):
-        yield names[T.PER_LAYER_TOKEN_EMBD] + ".weight", _np(tm.embed_tokens_per_layer.weight)
-        yield names[T.PER_LAYER_MODEL_PROJ] + ".weight", _np(tm.per_layer_model_projection.weight)
-        yield names[T.PER_LAYER_PROJ_NORM] + ".weight", _np(tm.per_layer_projection_norm.weight)
+        yield names[T.PER_LAYER_TOKEN_EMBD] + ".weight", tm.embed_tokens_per_layer.weight
+        yield names[T.PER_LAYER_MODEL_PROJ] + ".weight", tm.per_layer_model_projection.weight
+        yield names[T.PER_LAYER_PROJ_NORM] + ".weight", tm.per_layer_projection_norm.weight
     for i, layer in enumerate(tm.layers):
         a = layer.self_attn
         per_layer = [
@@ -170,7 +179,7 @@ def tensors(loaded):
                 (T.PER_LAYER_POST_NORM, layer.post_per_layer_input_norm.weight),
             ]
         for kind, t in per_layer:
-            yield names[kind].format(bid=i) + ".weight", _np(t)
+            yield names[kind].format(bid=i) + ".weight", t
 
 
 def _check_supported(loaded) -> None:
@@ -208,7 +217,16 @@ def _check_kv_sharing(tc) -> None:
             )
 
 
-def _metadata(w, loaded) -> None:
+def expected_metadata(loaded) -> dict:
+    """{key: value} of the metadata the writer would write for `loaded` (no vocabulary): what a
+    user's GGUF is checked against (replayer/gguf_reader.py)."""
+    gguf = _gguf()
+    w = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GEMMA4])
+    _metadata(w, loaded, vocab=False)
+    return {k: v.value for k, v in w.kv_data[0].items()}
+
+
+def _metadata(w, loaded, vocab: bool = True) -> None:
     from gemma4_trace.traces.layers import layer_infos_from_config
 
     tc = loaded.text_config
@@ -244,7 +262,8 @@ def _metadata(w, loaded) -> None:
     if getattr(tc, "final_logit_softcapping", None):
         w.add_final_logit_softcapping(float(tc.final_logit_softcapping))
     w.add_file_type(GGUF_TYPES["F32"])
-    _vocab(w, loaded)
+    if vocab:
+        _vocab(w, loaded)
 
 
 def _vocab(w, loaded) -> None:

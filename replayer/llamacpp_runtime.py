@@ -166,13 +166,18 @@ def gguf_file(loaded, gguf_type: str, cache=None, child: Child | None = None) ->
 class LlamaCppRuntime:
     """The runtime API (replayer/api.py) over a llama.cpp child process."""
 
-    def __init__(self, loaded, max_seq: int, gguf_type: str = "F32", cache=None):
+    def __init__(self, loaded, max_seq: int, gguf_type: str = "F32", cache=None, user_file=None, notes=()):
+        """`user_file`: a user's GGUF (its header checked, replayer/gguf_reader.py), run as it is;
+        `notes`: what the runtime's name adds (the config differences a replay allowed)."""
         check_installed()
         self.gguf_type = gguf_type
-        label = f"{RUNTIME} ({gguf_type})"
+        label = f"{RUNTIME} ({gguf_type if user_file is None else Path(user_file).name})"
         self.child = Child(label)
         try:
-            self.path, self.note = gguf_file(loaded, gguf_type, cache, self.child)
+            if user_file is None:
+                self.path, self.note = gguf_file(loaded, gguf_type, cache, self.child)
+            else:
+                self.path, self.note = Path(user_file), "a user's file"
             self.child.send("load", str(self.path), int(max_seq))
             _, desc, n_vocab = self.child.receive(f"loading {self.path}")
         except BaseException:
@@ -180,7 +185,9 @@ class LlamaCppRuntime:
             raise
         from importlib.metadata import version
 
-        self.name = f"llama.cpp:{gguf_type} (llama-cpp-python {version('llama-cpp-python')}, CPU)"
+        what = gguf_type if user_file is None else f"{Path(user_file).name} ({gguf_type})"
+        more = "".join(f"; {n}" for n in notes)
+        self.name = f"llama.cpp:{what} (llama-cpp-python {version('llama-cpp-python')}, CPU{more})"
         self.vocab = n_vocab
         self.mm_token_ids = {
             int(getattr(loaded.config, k))
@@ -232,6 +239,28 @@ def make_llamacpp(gguf_type: str):
         return LlamaCppRuntime(loaded, max_seq, gguf_type)
 
     return factory
+
+
+def make_gguf_runtime(runtime: str, loaded, max_seq: int, header, allow_config_mismatch: bool, weights_from: bool):
+    """`trace replay --gguf FILE` (llama.cpp on the user's file) or `--runtime static
+    --weights-from FILE` (the static runtime on its dequantized weights), after the file's
+    metadata is checked against REF's model config (replayer/gguf_reader.py)."""
+    from . import gguf_reader as GR
+    from .api import make_runtime
+
+    if loaded.dtype != "float32":
+        raise TraceToolError(
+            f"{header.path}: a GGUF replays against float32 references; REF was recorded in {loaded.dtype}"
+        )
+    diffs = GR.check_config(header, loaded, allow_config_mismatch)
+    notes = [f"config differs from REF: {', '.join(diffs)}"] if diffs else []
+    if weights_from:
+        GR.load_weights(header, loaded)
+        rt = make_runtime(runtime, loaded, max_seq)
+        more = "".join(f"; {n}" for n in notes)
+        rt.name = f"{rt.name} (weights from {header.path.name}, {header.type_name()}, dequantized{more})"
+        return rt
+    return LlamaCppRuntime(loaded, max_seq, header.type_name(), user_file=header.path, notes=notes)
 
 
 def export_command(model_dir, gguf_type: str, output, force: bool = False) -> str:

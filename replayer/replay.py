@@ -85,6 +85,9 @@ def replay_trace(
     selection=None,
     device: str = "cpu",
     recipe=None,
+    gguf=None,
+    weights_from=None,
+    allow_config_mismatch: bool = False,
 ) -> str:
     """Replay REF's inputs through a runtime and write the candidate trace; return a summary line.
 
@@ -94,12 +97,21 @@ def replay_trace(
     `selection` (traces.selection.Selection): what to keep; default what REF kept.
     `device`: where the model (and the static runtime's caches and tables) live, cpu or cuda.
     `recipe` (replayer.recipe.Recipe): per-unit precisions for a quantized static runtime.
+    `gguf`: a user's GGUF file run by llama.cpp; `weights_from`: a GGUF whose dequantized weights
+    the static runtime runs on; either is checked against REF's config first, differences
+    refused unless `allow_config_mismatch` (replayer/gguf_reader.py).
     """
     if mode not in MODES:
         raise TraceToolError(f"mode must be one of {MODES}, got {mode!r}")
     if isolate and mode != "teacher-forced":
         raise TraceToolError("--isolate feeds REF's tokens and tensors; it cannot be combined with --free-running")
     check_output_path(output, force, inputs=(reference,))  # fail before loading anything; never over REF
+    header = None
+    if gguf is not None or weights_from is not None:
+        from .gguf_reader import check_gguf_options, read_header
+
+        runtime = check_gguf_options(runtime, gguf, weights_from, isolate, recipe)
+        header = read_header(gguf if gguf is not None else weights_from)  # malformed: refused before the model loads
     ref = read_reference(reference)
     T, n_new = len(ref.prompt_ids), ref.max_new_tokens
     max_seq = default_max_seq(T, n_new) if max_seq is None else max_seq
@@ -116,7 +128,11 @@ def replay_trace(
     if limit is not None and max_seq > limit:
         raise TraceToolError(f"--max-seq {max_seq} exceeds the model's {limit} positions (max_position_embeddings)")
     _phase(progress, f"preparing the {runtime} runtime")  # an export or a lowering, where the runtime has one
-    if recipe is None:
+    if header is not None:
+        from .llamacpp_runtime import make_gguf_runtime
+
+        rt = make_gguf_runtime(runtime, loaded, max_seq, header, allow_config_mismatch, weights_from is not None)
+    elif recipe is None:
         rt = make_runtime(runtime, loaded, max_seq)
     else:  # a precision recipe (replayer/recipe.py) over a quantized static runtime
         from .recipe import make_recipe_runtime

@@ -355,3 +355,20 @@ def test_kv_sharing_llamacpp_cannot_express_is_refused_in_one_line(tmp_path):
         "HF reads layer 2's (llama.cpp expects the last layer before the sharing ones to be a full layer and the "
         "one before it sliding)"
     )
+
+
+def test_q4_k_m_three_way_diff_with_the_dequantized_baseline_is_a_match(tmp_path, kquant_model):
+    """Q4_K_M really in Q4_K (widths of 256): RUN (llama.cpp) against REF leaves the llama.cpp
+    profile, BASE (the static runtime on the same file's weights, dequantized by gguf) explains
+    it: the three-way diff is a match. An F32 static BASE explains nothing: not a match."""
+    model, ref = kquant_model
+    q4 = tmp_path / "q4km.gguf"
+    assert invoke("export-gguf", "--model", model, "--type", "Q4_K_M", "-o", q4).exit_code == 0
+    run, base, static = tmp_path / "run.h5", tmp_path / "base.h5", tmp_path / "static.h5"
+    replay_trace(ref, run, model_dir=model, gguf=q4)
+    replay_trace(ref, base, model_dir=model, weights_from=q4)
+    replay_trace(ref, static, model_dir=model)
+    assert not diff_traces(ref, run, str(PROFILE)).match
+    res = diff_traces(ref, run, str(PROFILE), baseline_path=base)
+    assert res.match, res.to_json()["first_divergence"]
+    assert not diff_traces(ref, run, str(PROFILE), baseline_path=static).match
