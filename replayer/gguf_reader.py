@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError, install_hint
 
 from . import gguf_writer as GW
 
@@ -173,7 +173,7 @@ def check_gguf_options(runtime: str, gguf, weights_from, isolate: bool, recipe) 
         import importlib.util
 
         if importlib.util.find_spec(module) is None:
-            raise TraceToolError(f"reading a GGUF needs {what}: pip install 'gemma4-trace[llamacpp]'")
+            raise TraceToolError(f"reading a GGUF needs {what}: {install_hint('llamacpp')}")
     return runtime
 
 

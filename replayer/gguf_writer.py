@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError, install_hint
 
 # bump when the written file changes for the same checkpoint: old cache entries are then unused
 WRITER_VERSION = 1
@@ -55,9 +55,7 @@ def _gguf():
     try:
         import gguf
     except ImportError as e:
-        raise TraceToolError(
-            f"GGUF conversion needs the gguf package: pip install 'gemma4-trace[llamacpp]' ({e})"
-        ) from None
+        raise TraceToolError(f"GGUF conversion needs the gguf package: {install_hint('llamacpp')} ({e})") from None
     return gguf
 
 

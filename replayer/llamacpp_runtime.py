@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from gemma4_trace.traces import schema as S
-from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError, install_hint
 
 from . import gguf_writer as GW
 
@@ -62,7 +62,7 @@ def parse_spec(spec: str) -> str | None:
 def check_installed() -> None:
     for module, what in (("llama_cpp", "llama-cpp-python"), ("gguf", "gguf")):
         if importlib.util.find_spec(module) is None:
-            raise TraceToolError(f"--runtime llama.cpp needs {what}: pip install 'gemma4-trace[llamacpp]'")
+            raise TraceToolError(f"--runtime llama.cpp needs {what}: {install_hint('llamacpp')}")
 
 
 def _signal_words(rc: int) -> str:

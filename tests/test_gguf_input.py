@@ -10,8 +10,8 @@ import struct
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf", reason="gguf is not installed (pip install 'gemma4-trace[llamacpp]')")
-pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'gemma4-trace[llamacpp]')")
+gguf = pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llamacpp]')")
 
 from gemma4_trace.diff import diff_traces  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf", reason="gguf is not installed (pip install 'gemma4-trace[llamacpp]')")
-pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'gemma4-trace[llamacpp]')")
+gguf = pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llamacpp]')")
 
 from gemma4_trace.diff import diff_traces  # noqa: E402
 from gemma4_trace.hf.model import embedded_model_dir  # noqa: E402
