@@ -255,6 +255,8 @@ def format_text(result: DiffResult) -> str:
         o = origin_summary(d)
         if o:
             lines.append(o)
+        if result.hint is not None:
+            lines.append(f"  looks like: {result.hint.name} ({result.hint.evidence})")
     isolated = result.candidate.mode == "isolated"
     lines.append(token_summary(result.tokens, isolated))
     if result.logits is not None:

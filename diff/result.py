@@ -235,6 +235,17 @@ class Divergence:
         return out
 
 
+@dataclass
+class Hint:
+    """The known porting bug the first divergence looks like (diff/hints.py), and the evidence."""
+
+    name: str
+    evidence: str
+
+    def to_json(self) -> dict:
+        return json_fields(self)
+
+
 # ---------------------------------------------------------------- the rest of the report
 @dataclass
 class TokenInfo:
@@ -388,12 +399,14 @@ class DiffResult:
     baseline: BaselineInfo | None = None  # under --baseline
     isolation: IsolationRanking | None = None  # for an isolated candidate
     logits: LogitMetrics | None = None  # when both traces store logits
+    hint: Hint | None = None  # a known bug's signature matched (diff/hints.py); JSON only when set
 
     def to_json(self) -> dict:
         return jsonable(
             {
                 "match": self.match,
                 "first_divergence": self.first_divergence,
+                **({"hint": self.hint} if self.hint is not None else {}),
                 "tokens": self.tokens,
                 "steps": self.steps,
                 "growth": self.growth,
