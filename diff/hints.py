@@ -24,7 +24,8 @@ from .metrics import ranges_text
 from .result import DiffResult, Divergence, Hint
 
 MAX_ROWS = 64  # rows past the first divergence a signature reads (masks, RoPE, logits, PLE)
-MAX_PREFILL_ROWS = 1024  # prompt rows read to tell image from text positions
+MAX_PREFILL_ROWS = 512  # prompt rows read to tell image from text positions (prompts with images only)
+MAX_LOGIT_ROWS = 8  # steps of logits (a vocabulary each) the soft-cap signature reads
 SHIFTS = range(-8, 9)  # RoPE position offsets tried
 
 # the hints' names (tests/test_hints.py maps each zoo entry to one of them)
@@ -78,9 +79,13 @@ def likely_cause(result: DiffResult, ref_path, run_path) -> Hint | None:
                 hint = check(site)
                 if hint is not None:
                     return hint
-    except (TraceToolError, KeyError, ValueError, TypeError, IndexError):
-        return None
+    except (_Unsure, TraceToolError, KeyError, ValueError, TypeError, IndexError):
+        return None  # an odd trace or config: no hint rather than a wrong one, and never an error
     return None
+
+
+class _Unsure(Exception):
+    """A signature cannot be decided from what the traces hold."""
 
 
 # ---------------------------------------------------------------- what the checks read
@@ -106,9 +111,13 @@ class _Site:
     def rows(self, kind: str, layer, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows [start, stop) of both traces, cut to the rows both hold (float64, flattened per row
         for float kinds)."""
-        n = min(stop, self.ref.dataset(kind, layer).shape[0], self.run.dataset(kind, layer).shape[0])
-        a = self.ref.read(kind, layer, slice(start, max(start, n)))
-        b = self.run.read(kind, layer, slice(start, max(start, n)))
+        n = max(start, min(stop, self.ref.dataset(kind, layer).shape[0], self.run.dataset(kind, layer).shape[0]))
+        for r in (self.ref, self.run):
+            present = r.rows_present(kind, layer)
+            if present is not None and not present[start:n].all():
+                raise _Unsure(f"{kind} rows not reported")  # their zeros are no evidence
+        a = self.ref.read(kind, layer, slice(start, n))
+        b = self.run.read(kind, layer, slice(start, n))
         if a.dtype == bool:
             return a, b
         return a.reshape(a.shape[0], -1).astype(np.float64), b.reshape(b.shape[0], -1).astype(np.float64)
@@ -253,15 +262,16 @@ def _rope_offset(s: _Site) -> Hint | None:
     a, b = s.rows(kind, None, p, p + MAX_ROWS)
     if b.shape[0] == 0:
         return None
-    full = s.ref.read(kind, None, slice(0, min(n_ref, p + MAX_ROWS + max(SHIFTS)))).astype(np.float64)
-    full = full.reshape(full.shape[0], -1)
+    lo = max(0, p + min(SHIFTS))
+    near = s.ref.read(kind, None, slice(lo, min(n_ref, p + MAX_ROWS + max(SHIFTS)))).astype(np.float64)
+    near = near.reshape(near.shape[0], -1)  # REF's rows lo.. around the ones read
     for k in SHIFTS:
         if k == 0:
             continue
-        qs = [p + i for i in range(b.shape[0]) if 0 <= p + i + k < full.shape[0]]
+        qs = [p + i for i in range(b.shape[0]) if 0 <= p + i + k - lo < near.shape[0]]
         if len(qs) < 2:
             continue
-        err = _rel(full[[q + k for q in qs]], b[[q - p for q in qs]])
+        err = _rel(near[[q + k - lo for q in qs]], b[[q - p for q in qs]])
         if np.all(err <= s.tol):
             phase = f"{s.d.phase} position" if s.d.phase == "decode" else "position"
             ahead = f"{abs(k)} position{'s' if abs(k) > 1 else ''} {'ahead' if k > 0 else 'behind'}"
@@ -311,7 +321,7 @@ def _softcap(s: _Site) -> Hint | None:
     cap = _number(s.text, "final_logit_softcapping")
     if cap is None or cap <= 0 or not s.both("logits"):
         return None
-    a, b = s.rows("logits", None, s.d.step, s.d.step + MAX_ROWS)
+    a, b = s.rows("logits", None, s.d.step, s.d.step + MAX_LOGIT_ROWS)
     if a.shape[0] == 0:
         return None
     before = _rel(a, b)
@@ -322,8 +332,8 @@ def _softcap(s: _Site) -> Hint | None:
     return Hint(
         NO_SOFTCAP,
         f"{cap:g} * tanh(RUN / {cap:g}) is REF's logits at steps {steps} (rel-L2 at most {sci(float(after.max()))}; "
-        f"RUN as it is: {sci(float(before[0]))}), {cap:g} being the config's final_logit_softcapping; every "
-        f"hidden state before them matches",
+        f"RUN as it is: {sci(float(before[0]))}), {cap:g} being the config's final_logit_softcapping; everything "
+        f"before them matches",
     )
 
 
@@ -353,10 +363,10 @@ def _differing(s: _Site, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray,
 
 def _ple_image_ids(s: _Site) -> Hint | None:
     """per_layer_inputs differ exactly at the image-token positions of the prompt."""
-    if s.d.step != 0:
+    image = s.image_positions()
+    if s.d.step != 0 or image.size == 0:
         return None
     _, _, bad, read = _differing(s, "per_layer_inputs")
-    image = s.image_positions()
     image = image[image < read.size]
     if image.size == 0 or not np.array_equal(bad, image):
         return None
@@ -392,10 +402,10 @@ def _stale_ple(s: _Site) -> Hint | None:
 def _vision(s: _Site) -> Hint | None:
     """embeddings differ only at (or next to) image-token positions: RUN's rows are REF's times the
     text embedding scale sqrt(hidden_size), or REF's rows one or more slots away."""
-    if s.d.step != 0:
+    image = s.image_positions()
+    if s.d.step != 0 or image.size == 0:
         return None
     a, b, bad, read = _differing(s, "embeddings")
-    image = s.image_positions()
     image = image[image < read.size]
     if image.size == 0 or bad.size == 0:
         return None
