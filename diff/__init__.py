@@ -10,7 +10,7 @@ from .core import compare
 from .hints import likely_cause
 from .html import render_html, write_html
 from .metrics import METRICS, Metric
-from .report import divergence_sentence, format_text
+from .report import divergence_sentence, format_text, hint_evidence
 from .result import DiffResult, Divergence, Hint
 from .tolerances import Tolerances, load_tolerances
 
@@ -45,4 +45,6 @@ def diff_traces(
     if result.first_divergence is not None:
         result.first_divergence.sentence = divergence_sentence(result)
         result.hint = likely_cause(result, ref_path, run_path)
+        if result.hint is not None:
+            result.hint.evidence = hint_evidence(result.hint)
     return result

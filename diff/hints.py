@@ -6,7 +6,8 @@ layer's metadata (type, KV role and source), and a bounded look at the rows arou
 traces (mask key sets, RoPE rows, per-row errors, zero rows, the logits against the
 config's soft-cap). The runtime's name is never read. A signature that does not hold in full
 gives no hint: no hint is better than a wrong one. Compute only: `likely_cause` returns a
-`Hint` (name, evidence) or None; the reports print it.
+`Hint` (name, evidence template, its numbers) or None; diff/report.py writes the numbers into
+the evidence (`hint_evidence`) and the reports print it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import numpy as np
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
 
-from .fmt import sci
 from .metrics import ranges_text
 from .result import DiffResult, Divergence, Hint
 
@@ -278,8 +278,9 @@ def _rope_offset(s: _Site) -> Hint | None:
             return Hint(
                 ROPE_OFFSET,
                 f"RUN's {kind} at positions {ranges_text(np.array(qs))} equals REF's at "
-                f"{ranges_text(np.array(qs) + k)} ({ahead}; worst rel-L2 {sci(float(err.max()))}); the rows before "
+                f"{ranges_text(np.array(qs) + k)} ({ahead}; worst rel-L2 {{worst}}); the rows before "
                 f"{phase} {p} match",
+                {"worst": (float(err.max()), "sci")},
             )
     return None
 
@@ -309,8 +310,9 @@ def _reused_kv(s: _Site) -> Hint | None:
         return Hint(
             KV_SOURCE_WRONG,
             f"{who}, and all of prefill matched, yet its attn_out at position {d.position} ({_where(d)}) has "
-            f"rel-L2 {sci(float(_rel(a, b)[0]))}: it attends over other K/V rows than layer {src}'s (a stale or "
+            f"rel-L2 {{rel}}: it attends over other K/V rows than layer {src}'s (a stale or "
             f"wrong cache)",
+            {"rel": (float(_rel(a, b)[0]), "sci")},
         )
     return None
 
@@ -331,9 +333,10 @@ def _softcap(s: _Site) -> Hint | None:
     steps = f"{s.d.step}-{s.d.step + a.shape[0] - 1}" if a.shape[0] > 1 else f"{s.d.step}"
     return Hint(
         NO_SOFTCAP,
-        f"{cap:g} * tanh(RUN / {cap:g}) is REF's logits at steps {steps} (rel-L2 at most {sci(float(after.max()))}; "
-        f"RUN as it is: {sci(float(before[0]))}), {cap:g} being the config's final_logit_softcapping; everything "
+        f"{{cap}} * tanh(RUN / {{cap}}) is REF's logits at steps {steps} (rel-L2 at most {{after}}; "
+        f"RUN as it is: {{before}}), {{cap}} being the config's final_logit_softcapping; everything "
         f"before them matches",
+        {"cap": (cap, "val"), "after": (float(after.max()), "sci"), "before": (float(before[0]), "sci")},
     )
 
 
@@ -393,7 +396,8 @@ def _stale_ple(s: _Site) -> Hint | None:
                 STALE_PLE,
                 f"RUN's per_layer_inputs at position {d.position} ({_where(d)}) are bit-identical to its row at "
                 f"position {T + i} (decode step {i + 1}), while REF's two rows differ (rel-L2 "
-                f"{sci(float(_rel(a[i][None], a[last][None])[0]))}): computed once, not per step",
+                f"{{rel}}): computed once, not per step",
+                {"rel": (float(_rel(a[i][None], a[last][None])[0]), "sci")},
             )
     return None
 
@@ -419,8 +423,9 @@ def _vision(s: _Site) -> Hint | None:
             return Hint(
                 VISION_SCALED,
                 f"RUN's embeddings at the {image.size} image-token positions ({ranges_text(image)}) are REF's times "
-                f"{k:.4g} (sqrt(hidden_size {int(hidden)}) = {scale:.4g}, the text embedding scale; rel-L2 after "
-                f"dividing it out at most {sci(float(fit.max()))}); text positions match",
+                f"{{k}} (sqrt(hidden_size {int(hidden)}) = {{scale}}, the text embedding scale; rel-L2 after "
+                f"dividing it out at most {{fit}}); text positions match",
+                {"k": (k, "val"), "scale": (scale, "val"), "fit": (float(fit.max()), "sci")},
             )
         return None
     image_set = {int(x) for x in image}

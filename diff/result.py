@@ -240,10 +240,12 @@ class Hint:
     """The known porting bug the first divergence looks like (diff/hints.py), and the evidence."""
 
     name: str
-    evidence: str
+    template: str  # the evidence, with {field}s for its numbers (diff/report.py hint_evidence fills them)
+    numbers: dict[str, tuple[float, str]] = field(default_factory=dict)  # field -> (value, "sci" | "val")
+    evidence: str | None = None  # the filled-in template (diff_traces sets it)
 
     def to_json(self) -> dict:
-        return json_fields(self)
+        return {"name": self.name, "evidence": self.evidence}
 
 
 # ---------------------------------------------------------------- the rest of the report
