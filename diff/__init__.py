@@ -7,21 +7,24 @@ render them, with numbers formatted by fmt.py.
 
 from .baseline import DEFAULT_FACTOR
 from .core import compare
+from .hints import likely_cause
 from .html import render_html, write_html
 from .metrics import METRICS, Metric
-from .report import divergence_sentence, format_text
-from .result import DiffResult, Divergence
+from .report import divergence_sentence, format_text, hint_evidence
+from .result import DiffResult, Divergence, Hint
 from .tolerances import Tolerances, load_tolerances
 
 __all__ = [
     "METRICS",
     "DiffResult",
     "Divergence",
+    "Hint",
     "Metric",
     "Tolerances",
     "compare",
     "diff_traces",
     "format_text",
+    "likely_cause",
     "load_tolerances",
     "render_html",
     "write_html",
@@ -36,8 +39,12 @@ def diff_traces(
     baseline_factor: float = DEFAULT_FACTOR,
     full: bool = False,
 ) -> DiffResult:
-    """compare(), with the first divergence's sentence (the text report's first line, also in the JSON)."""
+    """compare(), with the first divergence's sentence (the text report's first line, also in the JSON)
+    and the known bug it looks like, if any (diff/hints.py)."""
     result = compare(ref_path, run_path, tolerances_path, baseline_path, baseline_factor, full)
     if result.first_divergence is not None:
         result.first_divergence.sentence = divergence_sentence(result)
+        result.hint = likely_cause(result, ref_path, run_path)
+        if result.hint is not None:
+            result.hint.evidence = hint_evidence(result.hint)
     return result

@@ -12,6 +12,7 @@ from .result import (
     DiffResult,
     Divergence,
     Growth,
+    Hint,
     IsolationRanking,
     LogitMetrics,
     MaskDetail,
@@ -21,7 +22,17 @@ from .result import (
     TokenInfo,
 )
 
-__all__ = ["divergence_sentence", "fmt", "format_text", "growth_summary", "sci", "sci_pair", "token_summary", "val"]
+__all__ = [
+    "divergence_sentence",
+    "fmt",
+    "hint_evidence",
+    "format_text",
+    "growth_summary",
+    "sci",
+    "sci_pair",
+    "token_summary",
+    "val",
+]
 SHOWN = 5  # layers of an isolation ranking in the text (all in the JSON and HTML)
 
 
@@ -237,6 +248,11 @@ def logits_text(m: LogitMetrics, isolated: bool = False) -> str:
     )
 
 
+def hint_evidence(h: Hint) -> str:
+    """The hint's evidence with its numbers written as every report writes them."""
+    return h.template.format(**{k: sci(v) if style == "sci" else val(v) for k, (v, style) in h.numbers.items()})
+
+
 def format_text(result: DiffResult) -> str:
     lines = []
     d = result.first_divergence
@@ -255,6 +271,9 @@ def format_text(result: DiffResult) -> str:
         o = origin_summary(d)
         if o:
             lines.append(o)
+        if result.hint is not None:
+            h = result.hint
+            lines.append(f"  looks like: {h.name} ({h.evidence or hint_evidence(h)})")
     isolated = result.candidate.mode == "isolated"
     lines.append(token_summary(result.tokens, isolated))
     if result.logits is not None:

@@ -235,6 +235,19 @@ class Divergence:
         return out
 
 
+@dataclass
+class Hint:
+    """The known porting bug the first divergence looks like (diff/hints.py), and the evidence."""
+
+    name: str
+    template: str  # the evidence, with {field}s for its numbers (diff/report.py hint_evidence fills them)
+    numbers: dict[str, tuple[float, str]] = field(default_factory=dict)  # field -> (value, "sci" | "val")
+    evidence: str | None = None  # the filled-in template (diff_traces sets it)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "evidence": self.evidence}
+
+
 # ---------------------------------------------------------------- the rest of the report
 @dataclass
 class TokenInfo:
@@ -388,12 +401,14 @@ class DiffResult:
     baseline: BaselineInfo | None = None  # under --baseline
     isolation: IsolationRanking | None = None  # for an isolated candidate
     logits: LogitMetrics | None = None  # when both traces store logits
+    hint: Hint | None = None  # a known bug's signature matched (diff/hints.py); JSON only when set
 
     def to_json(self) -> dict:
         return jsonable(
             {
                 "match": self.match,
                 "first_divergence": self.first_divergence,
+                **({"hint": self.hint} if self.hint is not None else {}),
                 "tokens": self.tokens,
                 "steps": self.steps,
                 "growth": self.growth,

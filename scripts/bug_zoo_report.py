@@ -24,6 +24,7 @@ from gemma4_trace.traces.errors import TraceToolError  # noqa: E402
 from tests.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, runtime_spec  # noqa: E402
 
 DOC = ROOT / "docs" / "bug-zoo.md"
+KEPT = "\n## Likely causes"  # the doc's hand-written tail from this heading on is kept (tests/test_hints.py)
 
 HEADER = """# The bug zoo: what `trace diff` says about known Gemma 4 porting bugs
 
@@ -93,6 +94,9 @@ def main() -> int:
     ap.add_argument("--stdout", action="store_true")
     args = ap.parse_args()
     text = build()
+    old = DOC.read_text() if DOC.exists() else ""
+    if KEPT in old:
+        text = text.rstrip("\n") + "\n" + KEPT + old.split(KEPT, 1)[1]
     if args.stdout:
         print(text)
     else:

@@ -15,6 +15,7 @@ COMPUTE = (
     "blocks",
     "calibrate",
     "core",
+    "hints",
     "isolation",
     "logits",
     "metrics",
