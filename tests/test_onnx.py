@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install 'gemma4-trace[onnx]')")
-pytest.importorskip("onnxscript", reason="onnxscript is not installed (pip install 'gemma4-trace[onnx]')")
+pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install -e '.[onnx]')")
+pytest.importorskip("onnxscript", reason="onnxscript is not installed (pip install -e '.[onnx]')")
 
 from gemma4_trace.diff import diff_traces  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402

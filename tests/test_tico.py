@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip(
     "tico.quantization.recipes.debug.static_gemma4_runtime",
-    reason="TICO is not installed (pip install 'gemma4-trace[tico]')",
+    reason="TICO is not installed (pip install -e '.[tico]')",
 )
 
 from gemma4_trace.diff import diff_traces  # noqa: E402
@@ -64,7 +64,7 @@ def test_missing_or_unsupported_is_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "tico", None)  # as if TICO were not installed
     res = invoke("replay", str(golden_path("short")), "--runtime", "tico", "-o", str(tmp_path / "x.h5"))
-    one_line_error(res, "pip install 'gemma4-trace[tico]'")
+    one_line_error(res, "pip install -e '.[tico]'")
     assert not (tmp_path / "x.h5").exists()
 
 
