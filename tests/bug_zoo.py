@@ -395,3 +395,21 @@ CRASHING = {
 def runtime_spec(bug: str) -> str:
     """The --runtime value of a bug of BUGS or CRASHING: 'tests.bug_zoo:make_xxx'."""
     return f"tests.bug_zoo:{(BUGS | CRASHING)[bug][0]}"
+
+
+def replayed_zoo(workdir: Path):
+    """A lookup bug -> (REF path, RUN path, DiffResult): each bug replayed once (teacher-forced) on first use."""
+    from gemma4_trace.diff import diff_traces
+    from gemma4_trace.replayer.replay import replay_trace
+
+    cache = {}
+
+    def get(bug):
+        if bug not in cache:
+            ref = reference_path(BUGS[bug][1], workdir)
+            run = workdir / f"{bug}.h5"
+            replay_trace(ref, run, runtime=runtime_spec(bug), force=True)
+            cache[bug] = (ref, run, diff_traces(ref, run))
+        return cache[bug]
+
+    return get

@@ -20,7 +20,7 @@ from gemma4_trace.replayer.replay import default_max_seq, replay_trace
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
-from tests.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, runtime_spec
+from tests.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, replayed_zoo, runtime_spec
 from tests.support import invoke, one_line_error, site_of
 
 
@@ -31,18 +31,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zoo(workdir):
-    """bug -> (REF path, RUN path, DiffResult); each bug replayed once (teacher-forced)."""
-    cache = {}
-
-    def get(bug):
-        if bug not in cache:
-            ref = reference_path(BUGS[bug][1], workdir)
-            run = workdir / f"{bug}.h5"
-            replay_trace(ref, run, runtime=runtime_spec(bug), force=True)
-            cache[bug] = (ref, run, diff_traces(ref, run))
-        return cache[bug]
-
-    return get
+    return replayed_zoo(workdir)
 
 
 class Facts:

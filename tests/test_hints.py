@@ -19,7 +19,7 @@ from gemma4_trace.diff import diff_traces, format_text, render_html
 from gemma4_trace.diff import hints as H
 from gemma4_trace.diff.fmt import sci
 from gemma4_trace.replayer.replay import replay_trace
-from tests.bug_zoo import BUGS, reference_path, runtime_spec
+from tests.bug_zoo import BUGS, reference_path, replayed_zoo
 from tests.support import invoke
 
 # zoo entry -> the hint it must get (None: no signature applies; docs/bug-zoo.md says why)
@@ -65,18 +65,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zoo(workdir):
-    """bug -> (REF, RUN, DiffResult) of the float zoo, each replayed once (teacher-forced)."""
-    cache = {}
-
-    def get(bug):
-        if bug not in cache:
-            ref = reference_path(BUGS[bug][1], workdir)
-            run = workdir / f"{bug}.h5"
-            replay_trace(ref, run, runtime=runtime_spec(bug), force=True)
-            cache[bug] = (ref, run, diff_traces(ref, run))
-        return cache[bug]
-
-    return get
+    return replayed_zoo(workdir)
 
 
 def _name(result):
