@@ -54,6 +54,23 @@ def debug_option(fn):
     )(fn)
 
 
+# --model of the commands that load a checkpoint: the embedded tiny model, or the one REF names
+model_option = click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(),
+    default=None,
+    help="save_pretrained folder [default: embedded tiny model]",
+)
+ref_model_option = click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(),
+    default=None,
+    help="model folder [default: the one REF was recorded with]",
+)
+
+
 def user_errors(fn):
     """Map library exceptions to exit codes and one-line messages: never a traceback."""
 
@@ -164,13 +181,7 @@ def _selection(layers, kinds, steps):
 
 
 @main.command()
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(),
-    default=None,
-    help="save_pretrained folder [default: embedded tiny model]",
-)
+@model_option
 @click.option("--prompt", default=None, help="prompt text (needs a tokenizer in the model folder)")
 @click.option("--input-ids", callback=_int_list, default=None, help="comma-separated prompt token ids")
 @click.option("--image", "images", multiple=True, type=click.Path(), help="image file (repeatable)")
@@ -328,13 +339,7 @@ def _embedded_model_dir(model_name: str):
 
 @main.command()
 @click.argument("reference", metavar="REF.h5", type=click.Path())
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(),
-    default=None,
-    help="model folder [default: the one REF was recorded with]",
-)
+@ref_model_option
 @click.option(
     "--runtime",
     default="static",
@@ -456,13 +461,7 @@ def replay(
 
 
 @main.command("export-onnx")
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(),
-    default=None,
-    help="save_pretrained folder [default: embedded tiny model]",
-)
+@model_option
 @click.option(
     "--max-seq", type=click.IntRange(2, 1_000_000), required=True, help="static sequence length of the graphs"
 )
@@ -592,13 +591,7 @@ def calibrate(reference, bases, output, margin, force):
 
 
 @main.command("export-gguf")
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(),
-    default=None,
-    help="save_pretrained folder [default: embedded tiny model]",
-)
+@model_option
 @click.option(
     "--type",
     "gguf_type",
@@ -620,13 +613,7 @@ def export_gguf_cmd(model_dir, gguf_type, output, force):
 @click.argument("reference", metavar="REF.h5", type=click.Path())
 @click.argument("candidate", metavar="RUN.h5", type=click.Path())
 @click.option("--at", "at", default=None, help="STEP,LAYER to extract [default: the first divergence]")
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(),
-    default=None,
-    help="model folder [default: the one REF was recorded with]",
-)
+@ref_model_option
 @click.option(
     "-o", "--output", "out_dir", required=True, type=click.Path(), help="folder for repro.py and its .npz files"
 )
@@ -686,13 +673,7 @@ def _load_start_recipe(path):
     show_default=True,
     help="full replays (only quantized, only float) for this many units, the isolated ranking's first",
 )
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(),
-    default=None,
-    help="model folder [default: the one REF was recorded with]",
-)
+@ref_model_option
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of text")
 @debug_option
 @user_errors
@@ -727,13 +708,7 @@ def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_
 @click.option(
     "--recipe", type=click.Path(), default=None, help="a recipe TOML to start from [default: every unit at --runtime]"
 )
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(),
-    default=None,
-    help="model folder [default: the one REF was recorded with]",
-)
+@ref_model_option
 @click.option("-o", "--output", required=True, type=click.Path(), help="recipe TOML to write")
 @click.option("--force", is_flag=True, help="replace an existing output")
 @debug_option

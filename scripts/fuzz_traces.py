@@ -1302,6 +1302,28 @@ def _tree_digest(folder: Path) -> dict:
     return out
 
 
+def _case_record(case, pick, done, watch, command, code, se, problem, seconds, rss0, outside) -> dict:
+    """One in-process case's record, as the supervisor's worker results are shaped."""
+    return {
+        "case": case,
+        "picks": [pick],
+        "done": [done],
+        "watch_ok": watch is None or watch.ok,
+        "results": [
+            {
+                "command": command,
+                "code": code,
+                "problem": problem,
+                "message": (se.strip()[7:60] if code == 2 and problem is None else None),
+                "seconds": seconds,
+                "rss": peak_rss(),
+                "rss_grew": peak_rss() > rss0,
+                "outside": outside,
+            }
+        ],
+    }
+
+
 def run_import_case(
     case: int,
     seed: int,
@@ -1346,24 +1368,7 @@ def run_import_case(
             flush=True,
         )
     shutil.rmtree(folder, ignore_errors=True)
-    return {
-        "case": case,
-        "picks": [pick],
-        "done": [done],
-        "watch_ok": watch is None or watch.ok,
-        "results": [
-            {
-                "command": "import",
-                "code": code,
-                "problem": problem,
-                "message": (se.strip()[7:60] if code == 2 and problem is None else None),
-                "seconds": seconds,
-                "rss": peak_rss(),
-                "rss_grew": peak_rss() > rss0,
-                "outside": outside,
-            }
-        ],
-    }
+    return _case_record(case, pick, done, watch, "import", code, se, problem, seconds, rss0, outside)
 
 
 def fuzz_import(
@@ -1720,24 +1725,7 @@ def run_tolerance_case(
             flush=True,
         )
     shutil.rmtree(folder, ignore_errors=True)
-    return {
-        "case": case,
-        "picks": [pick],
-        "done": [done],
-        "watch_ok": watch is None or watch.ok,
-        "results": [
-            {
-                "command": command,
-                "code": code,
-                "problem": problem,
-                "message": (se.strip()[7:60] if code == 2 and problem is None else None),
-                "seconds": seconds,
-                "rss": peak_rss(),
-                "rss_grew": peak_rss() > rss0,
-                "outside": outside,
-            }
-        ],
-    }
+    return _case_record(case, pick, done, watch, command, code, se, problem, seconds, rss0, outside)
 
 
 def fuzz_tolerances(

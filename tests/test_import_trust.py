@@ -56,6 +56,11 @@ def _limited(memory=3 << 30):
     return limit
 
 
+def _import_args(dump, map_path, out) -> list[str]:
+    """`trace import` arguments against the golden REF."""
+    return ["import", str(dump), "--reference", str(GOLDEN), "--map", str(map_path), "-o", str(out)]
+
+
 def _cli_subprocess(args, tmp_path, timeout=60, memory=3 << 30):
     """The CLI in a child process (so a hang is a timeout and a blow-up hits its memory limit)."""
     return subprocess.run(
@@ -213,19 +218,7 @@ def test_npz_member_is_refused_from_its_header_before_inflating(tmp_path):
     m = 'steps = 1\n[[tensor]]\nkind = "embeddings"\nfile = "e.npz"\nkey = "e"\n'
     env = dict(os.environ, GEMMA4_TRACE_MEMORY_LIMIT="16M")
     p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gemma4_trace",
-            "import",
-            str(dump),
-            "--reference",
-            str(GOLDEN),
-            "--map",
-            str(_write(tmp_path, m)),
-            "-o",
-            str(tmp_path / "imp.h5"),
-        ],
+        [sys.executable, "-m", "gemma4_trace", *_import_args(dump, _write(tmp_path, m), tmp_path / "imp.h5")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -254,19 +247,7 @@ def test_raw_file_is_read_only_at_the_rows_used(tmp_path):
         "print('RSS', hwm, 'EXIT', c, file=sys.stderr)"
     )
     p = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            code,
-            "import",
-            str(dump),
-            "--reference",
-            str(GOLDEN),
-            "--map",
-            str(_write(tmp_path, m)),
-            "-o",
-            str(tmp_path / "imp.h5"),
-        ],
+        [sys.executable, "-c", code, *_import_args(dump, _write(tmp_path, m), tmp_path / "imp.h5")],
         capture_output=True,
         text=True,
         timeout=120,
