@@ -9,13 +9,12 @@ import shutil
 import h5py
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.recorder.record import record_trace
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceCorruptError
 from gemma4_trace.traces.reader import TraceReader
+from tests.support import invoke
 from tests.synth import write_trace
 
 
@@ -77,11 +76,11 @@ def test_readers_hash_and_diff_identical_for_both_storages(runs):
     for args in ([ref, "{}"], ["{}", ref], ["{}", "{}"]):
         outs = []
         for run in (bf16, wide):
-            res = CliRunner().invoke(main, ["diff", *[str(run) if a == "{}" else str(a) for a in args], "--json"])
+            res = invoke("diff", *[str(run) if a == "{}" else str(a) for a in args], "--json")
             assert res.exit_code in (0, 1), res.output
             outs.append(res.output.replace(str(run), "RUN"))
         assert outs[0] == outs[1]
-    res = CliRunner().invoke(main, ["show", str(bf16)])
+    res = invoke("show", str(bf16))
     assert res.exit_code == 0 and "bfloat16" in res.output
 
 

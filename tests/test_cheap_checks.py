@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.recorder import golden
+from tests.support import invoke
 
 REF = str(golden.golden_path("short"))
 
@@ -34,7 +33,7 @@ def no_model(monkeypatch):
 
 
 def _refused(args, needle, tmp_path):
-    r = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "out.h5")])
+    r = invoke(*args, "-o", str(tmp_path / "out.h5"))
     assert r.exit_code == 2, r.output
     lines = r.output.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.output
@@ -85,7 +84,7 @@ def test_a_missing_extra_is_named_before_the_model_loads(no_model, monkeypatch, 
     )
     _refused(["replay", REF, "--runtime", "tico-quant"], "needs tico", tmp_path)
     _refused(["record", "--device-map", "auto"], "--device-map needs accelerate, which is not installed", tmp_path)
-    r = CliRunner().invoke(main, ["export-onnx", "--max-seq", "16", "-o", str(tmp_path / "g")])
+    r = invoke("export-onnx", "--max-seq", "16", "-o", str(tmp_path / "g"))
     assert r.exit_code == 2 and "trace export-onnx needs onnxscript" in r.output, r.output
     assert no_model == []
 
@@ -102,7 +101,7 @@ def test_module_factory_syntax_and_module_are_checked_first(no_model, tmp_path, 
     # a module in the current folder is found, as the replay imports it (then the model loads)
     (tmp_path / "my_rt_21.py").write_text("def make(loaded, max_seq):\n    raise RuntimeError('started')\n")
     monkeypatch.chdir(tmp_path)
-    r = CliRunner().invoke(main, ["replay", REF, "--runtime", "my_rt_21:make", "-o", str(tmp_path / "o.h5")])
+    r = invoke("replay", REF, "--runtime", "my_rt_21:make", "-o", str(tmp_path / "o.h5"))
     assert r.exit_code == 2 and "a model was loaded" in r.output and no_model, r.output  # past the checks
 
 

@@ -10,13 +10,12 @@ import re
 import shutil
 
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.diff import diff_traces, format_text, render_html
 from gemma4_trace.diff.html import EXACT, NONFINITE, NOT_COMPARED, _Scale
 from gemma4_trace.recorder import golden
 from tests.diff_fixtures import chain, copy_trace, noise, set_at
+from tests.support import invoke
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +33,7 @@ def token_pair(tmp_path_factory):
 
 
 def _json(*args) -> dict:
-    r = CliRunner().invoke(main, ["diff", *map(str, args), "--json"])
+    r = invoke("diff", *map(str, args), "--json")
     assert r.exit_code == 1, r.output
     return json.loads(r.output)
 
@@ -229,7 +228,7 @@ def test_mask_keys_are_listed_as_ranges(tmp_path):
 
 def test_every_command_lists_debug_in_its_help():
     for name in ("record", "replay", "show", "diff", "calibrate", "import", "export-onnx"):
-        r = CliRunner().invoke(main, [name, "--help"])
+        r = invoke(name, "--help")
         assert r.exit_code == 0 and "--debug" in r.output, name
 
 

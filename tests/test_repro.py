@@ -17,12 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.recorder.golden import GOLDEN_DIR
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.replayer.repro import write_repro
+from tests.support import invoke
 
 REF = GOLDEN_DIR / "window.h5"  # prompt 13 > sliding window 8; decode to position 35
 SITE_PACKAGES = str(Path(torch.__file__).resolve().parents[1])
@@ -108,7 +107,7 @@ def test_cli_repro_at_first_divergence_of_a_zoo_bug(tmp_path):
     run = tmp_path / "run.h5"
     replay_trace(REF, run, runtime="tests.test_repro:make_hostile_name_window_bug")
     out = tmp_path / "repro"
-    res = CliRunner().invoke(main, ["repro", str(REF), str(run), "-o", str(out)])
+    res = invoke("repro", str(REF), str(run), "-o", str(out))
     assert res.exit_code == 0, res.output
     assert "layer 0 (sliding_attention, owns, PLE) at step 0" in res.output
     p = run_repro(out)
@@ -120,7 +119,7 @@ def test_cli_repro_at_first_divergence_of_a_zoo_bug(tmp_path):
     assert printed == pytest.approx(run_err, rel=1e-3)
     assert "os._exit(7)" in p.stdout  # the name was printed as text, never executed
     # an existing repro is not replaced without --force
-    again = CliRunner().invoke(main, ["repro", str(REF), str(run), "-o", str(out)])
+    again = invoke("repro", str(REF), str(run), "-o", str(out))
     assert again.exit_code == 2 and "--force" in again.output
 
 
@@ -133,11 +132,11 @@ def test_cli_repro_at_first_divergence_of_a_zoo_bug(tmp_path):
     ],
 )
 def test_cli_repro_refuses_bad_sites(tmp_path, args, message):
-    res = CliRunner().invoke(main, ["repro", str(REF), str(REF), "-o", str(tmp_path / "r"), *args])
+    res = invoke("repro", str(REF), str(REF), "-o", str(tmp_path / "r"), *args)
     assert res.exit_code == 2 and message in res.output
     assert not (tmp_path / "r").exists()
 
 
 def test_cli_repro_of_a_match_asks_for_a_site(tmp_path):
-    res = CliRunner().invoke(main, ["repro", str(REF), str(REF), "-o", str(tmp_path / "r")])
+    res = invoke("repro", str(REF), str(REF), "-o", str(tmp_path / "r"))
     assert res.exit_code == 2 and "no divergence" in res.output

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.recorder.golden import GOLDEN_DIR
 from gemma4_trace.replayer.recipe import Recipe, load_recipe
 from gemma4_trace.replayer.replay import replay_trace
@@ -20,6 +18,7 @@ from gemma4_trace.replayer.sensitivity import Runner, Target, sensitivity
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
 from tests.quant_bugs import LOW_LAYER, runtime_spec
+from tests.support import invoke
 
 pytest.importorskip("torchao")
 
@@ -50,9 +49,7 @@ def work(tmp_path_factory):
 @pytest.fixture(scope="module")
 def weak_trace(work):
     rec = work / "weak.h5"
-    res = CliRunner().invoke(
-        main, ["replay", str(REF), "--runtime", "static-w8", "--recipe", str(work / "weak.toml"), "-o", str(rec)]
-    )
+    res = invoke("replay", str(REF), "--runtime", "static-w8", "--recipe", str(work / "weak.toml"), "-o", str(rec))
     assert res.exit_code == 0, res.output
     return rec
 
@@ -87,21 +84,18 @@ def test_sensitivity_ranks_the_planted_weak_layer_first(work, weak_trace):
 def test_cli_sensitivity_json_by_module(work):
     import json
 
-    res = CliRunner().invoke(
-        main,
-        [
-            "sensitivity",
-            str(REF),
-            "--runtime",
-            "static-w8",
-            "--recipe",
-            str(work / "weak.toml"),
-            "--unit",
-            "module",
-            "--replays",
-            "1",
-            "--json",
-        ],
+    res = invoke(
+        "sensitivity",
+        str(REF),
+        "--runtime",
+        "static-w8",
+        "--recipe",
+        str(work / "weak.toml"),
+        "--unit",
+        "module",
+        "--replays",
+        "1",
+        "--json",
     )
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
@@ -113,51 +107,43 @@ def test_cli_sensitivity_json_by_module(work):
 
 def test_cli_precision_reaches_the_target_and_replay_verifies_it(work):
     out = work / "recipe.toml"
-    res = CliRunner().invoke(
-        main,
-        [
-            "precision",
-            str(REF),
-            "--runtime",
-            "static-w8",
-            "--recipe",
-            str(work / "weak.toml"),
-            "--target",
-            "kl_mean<=1e-6 and top1>=0.98",
-            "-o",
-            str(out),
-        ],
+    res = invoke(
+        "precision",
+        str(REF),
+        "--runtime",
+        "static-w8",
+        "--recipe",
+        str(work / "weak.toml"),
+        "--target",
+        "kl_mean<=1e-6 and top1>=0.98",
+        "-o",
+        str(out),
     )
     assert res.exit_code == 0, res.output
     assert f"reached with 1 unit(s) at float: layer.{LOW_LAYER}" in res.output
     assert load_recipe(out) == Recipe("static-w8", {f"layer.{LOW_LAYER}": "float"})
     run = work / "kept.h5"
-    res = CliRunner().invoke(main, ["replay", str(REF), "--runtime", "static-w8", "--recipe", str(out), "-o", str(run)])
+    res = invoke("replay", str(REF), "--runtime", "static-w8", "--recipe", str(out), "-o", str(run))
     assert res.exit_code == 0, res.output
     kl, top1 = kl_top1(REF, run)
     assert kl <= 1e-6 and top1 >= 0.98
-    again = CliRunner().invoke(
-        main, ["precision", str(REF), "--runtime", "static-w8", "--target", "kl_mean<=1e-6", "-o", str(out)]
-    )
+    again = invoke("precision", str(REF), "--runtime", "static-w8", "--target", "kl_mean<=1e-6", "-o", str(out))
     assert again.exit_code == 2 and "--force" in again.output  # never over an existing recipe without --force
 
 
 def test_cli_precision_refuses_a_fallback_that_is_the_runtime(work):
     out = work / "never.toml"
-    res = CliRunner().invoke(
-        main,
-        [
-            "precision",
-            str(REF),
-            "--runtime",
-            "static-w8",
-            "--target",
-            "kl_mean<0",
-            "--fallback",
-            "static-w8",
-            "-o",
-            str(out),
-        ],
+    res = invoke(
+        "precision",
+        str(REF),
+        "--runtime",
+        "static-w8",
+        "--target",
+        "kl_mean<0",
+        "--fallback",
+        "static-w8",
+        "-o",
+        str(out),
     )
     assert res.exit_code == 2 and "--fallback static-w8 is the runtime itself" in res.output
     assert not out.exists()
@@ -219,15 +205,11 @@ def test_recipe_loader_refuses(tmp_path, body, message):
 def test_replay_recipe_refusals(tmp_path):
     p = tmp_path / "r.toml"
     p.write_text('runtime = "static-w8"\n[units]\n"layer.99" = "float"\n')
-    res = CliRunner().invoke(
-        main, ["replay", str(REF), "--runtime", "static-w8", "--recipe", str(p), "-o", str(tmp_path / "o.h5")]
-    )
+    res = invoke("replay", str(REF), "--runtime", "static-w8", "--recipe", str(p), "-o", str(tmp_path / "o.h5"))
     assert res.exit_code == 2 and "not a quantizable unit of this model" in res.output
-    res = CliRunner().invoke(
-        main, ["replay", str(REF), "--runtime", "static-w4g32", "--recipe", str(p), "-o", str(tmp_path / "o.h5")]
-    )
+    res = invoke("replay", str(REF), "--runtime", "static-w4g32", "--recipe", str(p), "-o", str(tmp_path / "o.h5"))
     assert res.exit_code == 2 and "the recipe is for --runtime static-w8" in res.output
-    res = CliRunner().invoke(main, ["sensitivity", str(REF), "--runtime", "static"])
+    res = invoke("sensitivity", str(REF), "--runtime", "static")
     assert res.exit_code == 2 and "quantized static runtime" in res.output
     assert not (tmp_path / "o.h5").exists()
 

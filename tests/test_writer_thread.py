@@ -10,11 +10,10 @@ import time
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from gemma4_trace.cli import main
 from gemma4_trace.traces import writer
 from gemma4_trace.traces.reader import TraceReader
+from tests.support import invoke
 from tests.synth import write_trace
 
 
@@ -50,7 +49,7 @@ def test_disk_full_in_the_writer_thread_is_one_line_and_no_file(tmp_path, monkey
     """`trace record` on a real model: ENOSPC raised in the writer thread reads as it always did."""
     seen = _failing_write(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     out = tmp_path / "t.h5"
-    res = CliRunner().invoke(main, ["record", "--input-ids", "2,17,5", "--max-new-tokens", "6", "-o", str(out)])
+    res = invoke("record", "--input-ids", "2,17,5", "--max-new-tokens", "6", "-o", str(out))
     lines = [l for l in res.output.splitlines() if l.strip()]
     assert res.exit_code == 2 and len(lines) == 1, res.output
     assert "no space left on device writing" in lines[0] and "Traceback" not in res.output, res.output
