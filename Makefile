@@ -12,10 +12,11 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $@
 
-# the tests add every extra: test tools, torchao, TICO, ONNX Runtime, accelerate, llama.cpp
+# the tests add every extra: test tools, torchao, TICO, ONNX Runtime, accelerate, llama.cpp, ExecuTorch,
+# mobius-onnx, Ray
 # (llama-cpp-python builds from its sdist: about 4 minutes on 2 idle cores the first time; pip caches the wheel)
 $(BIN)/.installed-extras: $(BIN)/.installed
-	$(BIN)/pip install -q -e ".[test,quant,tico,onnx,big,llamacpp]"
+	$(BIN)/pip install -q -e ".[test,quant,tico,onnx,big,llamacpp,executorch,mobius,cluster]"
 	touch $@
 
 # record HF on the embedded tiny model, replay the static runtime, diff the two
