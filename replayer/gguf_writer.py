@@ -33,6 +33,8 @@ import numpy as np
 
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 
+from .artifacts import CACHE_ENV, cache_dir, model_hash  # noqa: F401  (CACHE_ENV: the tests set it)
+
 # bump when the written file changes for the same checkpoint: old cache entries are then unused
 WRITER_VERSION = 1
 
@@ -48,7 +50,6 @@ GGUF_TYPES = {
     "Q4_0": 2,
     "Q3_K_M": 12,
 }
-CACHE_ENV = "GEMMA4_TRACE_CACHE"  # overrides the cache folder (default ~/.cache/gemma4-trace)
 
 
 def _gguf():
@@ -63,33 +64,6 @@ def check_type(name: str) -> str:
     if name not in GGUF_TYPES:
         raise TraceToolError(f"unknown GGUF type {name!r}; expected one of {', '.join(GGUF_TYPES)}")
     return name
-
-
-def cache_dir(override=None) -> Path:
-    if override is not None:
-        return Path(override)
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "gemma4-trace"
-
-
-def model_hash(model_dir) -> str:
-    """sha256 over the checkpoint's config, tokenizer and weight files (names and bytes)."""
-    d = Path(model_dir)
-    names = sorted(
-        p.name
-        for p in d.iterdir()
-        if p.is_file()
-        and (p.suffix in (".json", ".safetensors", ".jinja") or p.name.endswith(".safetensors.index.json"))
-    )
-    h = hashlib.sha256()
-    for n in names:
-        h.update(n.encode() + b"\0")
-        with open(d / n, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-    return h.hexdigest()
 
 
 def cache_path(model_dir, gguf_type: str, cache=None) -> Path:

@@ -1,0 +1,166 @@
+"""A content-keyed cache of built artifacts (exported ONNX graphs, .pte programs, converted GGUF files).
+
+    art = artifact_folder("onnx", {"model": model_hash(d), "max_seq": 32, ...}, build)
+    art.path        # a folder holding what build(folder) wrote; art.note: "cached" / "built in 3.1 s"
+    art.close()     # removes the folder only when the cache was off (enabled=False)
+
+An entry is a folder `<cache>/<kind>/<key>` (key: sha256 of the key dict) with a manifest.json that
+names each file with its size and sha256. Before an entry is used, every file is hashed again: a file
+changed, missing, added or replaced by a link makes the entry stale, and it is built again. An entry
+is built in a private sibling folder and renamed into place, so a crash or Ctrl-C never leaves a
+half-built entry. The cache folder: `--cache-dir`, else $GEMMA4_TRACE_CACHE, else
+$XDG_CACHE_HOME/gemma4-trace (~/.cache/gemma4-trace).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE_ENV = "GEMMA4_TRACE_CACHE"  # overrides the cache folder (default ~/.cache/gemma4-trace)
+MANIFEST = "manifest.json"
+
+
+def cache_dir(override=None) -> Path:
+    if override is not None:
+        return Path(override)
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gemma4-trace"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_hash(model_dir) -> str:
+    """sha256 over the checkpoint's config, tokenizer and weight files (names and bytes)."""
+    d = Path(model_dir)
+    names = sorted(
+        p.name
+        for p in d.iterdir()
+        if p.is_file()
+        and (p.suffix in (".json", ".safetensors", ".jinja") or p.name.endswith(".safetensors.index.json"))
+    )
+    h = hashlib.sha256()
+    for n in names:
+        h.update(n.encode() + b"\0" + _sha256(d / n).encode())
+    return h.hexdigest()
+
+
+def key_digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _files(folder: Path) -> dict[str, Path]:
+    """Every entry under folder by relative name; a link or a special file is refused (ValueError)."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_symlink() or not (p.is_file() or p.is_dir()):
+            raise ValueError(f"{p.name} is not a plain file")
+        if p.is_file():
+            out[p.relative_to(folder).as_posix()] = p
+    return out
+
+
+def _write_manifest(folder: Path, key: dict) -> None:
+    files = {n: {"size": p.stat().st_size, "sha256": _sha256(p)} for n, p in _files(folder).items()}
+    (folder / MANIFEST).write_text(json.dumps({"key": key, "files": files}, indent=1, sort_keys=True, default=str))
+
+
+def verify(folder: Path, key: dict) -> str | None:
+    """None when folder is an intact entry for key, else why not (one phrase)."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        files = _files(folder)
+    except (OSError, ValueError) as e:
+        return f"unreadable ({e})"
+    listed = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(listed, dict) or json.loads(json.dumps(key, default=str)) != manifest.get("key"):
+        return "its manifest does not describe this artifact"
+    files.pop(MANIFEST, None)
+    if set(files) != set(listed):
+        return "its files differ from its manifest"
+    for name, p in files.items():
+        want = listed[name]
+        if not isinstance(want, dict) or p.stat().st_size != want.get("size") or _sha256(p) != want.get("sha256"):
+            return f"{name} fails its hash check"
+    return None
+
+
+@dataclass
+class Artifact:
+    path: Path
+    note: str  # "cached", "built in 3.1 s", "rebuilt in 3.1 s (...)", "built in 3.1 s, not cached"
+    temporary: bool = False
+
+    def close(self) -> None:
+        if self.temporary:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def artifact_folder(
+    kind: str,
+    key: dict,
+    build: Callable[[Path], None],
+    *,
+    cache=None,
+    enabled: bool = True,
+    what: str | None = None,
+    say: Callable[[str], None] | None = _say,
+) -> Artifact:
+    """The cache entry of (kind, key), built by build(folder) when absent or stale. `what` (e.g.
+    "exporting ONNX (prefill and decode)") is said on stderr before a build. With enabled=False the
+    artifact is built in a temporary folder that Artifact.close() removes."""
+    t0 = time.perf_counter()
+    if not enabled:
+        tmp = Path(tempfile.mkdtemp(prefix=f"gemma4-trace-{kind}-"))
+        try:
+            if what and say:
+                say(f"{what} (cache off)")
+            build(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return Artifact(tmp, f"built in {time.perf_counter() - t0:.1f} s, not cached", temporary=True)
+    root = cache_dir(cache) / kind
+    final = root / key_digest(key)
+    stale = None
+    if final.exists():
+        stale = verify(final, key)
+        if stale is None:
+            return Artifact(final, "cached")
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".partial"))
+    try:
+        if what and say:
+            say(f"{what}{f'; the cached copy was stale: {stale}' if stale else ''}")
+        build(tmp)
+        _write_manifest(tmp, key)
+        if final.exists() or final.is_symlink():
+            old = root / f".{final.name}.{os.getpid()}.stale"
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    verb = "rebuilt" if stale else "built"
+    return Artifact(final, f"{verb} in {time.perf_counter() - t0:.1f} s" + (f" ({stale})" if stale else ""))
