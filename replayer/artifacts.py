@@ -28,8 +28,17 @@ from pathlib import Path
 CACHE_ENV = "GEMMA4_TRACE_CACHE"  # overrides the cache folder (default ~/.cache/gemma4-trace)
 MANIFEST = "manifest.json"
 
+# process-wide choices made once by the command line (--cache-dir, --no-cache); arguments win over them
+_settings = {"cache": None, "enabled": True}
+
+
+def configure(cache=None, enabled: bool = True) -> None:
+    """Set the cache folder and whether artifacts are cached, for every later call that does not say."""
+    _settings.update(cache=cache, enabled=enabled)
+
 
 def cache_dir(override=None) -> Path:
+    override = override if override is not None else _settings["cache"]
     if override is not None:
         return Path(override)
     if os.environ.get(CACHE_ENV):
@@ -122,14 +131,15 @@ def artifact_folder(
     build: Callable[[Path], None],
     *,
     cache=None,
-    enabled: bool = True,
+    enabled: bool | None = None,
     what: str | None = None,
     say: Callable[[str], None] | None = _say,
 ) -> Artifact:
     """The cache entry of (kind, key), built by build(folder) when absent or stale. `what` (e.g.
-    "exporting ONNX (prefill and decode)") is said on stderr before a build. With enabled=False the
-    artifact is built in a temporary folder that Artifact.close() removes."""
+    "exporting ONNX (prefill and decode)") is said on stderr before a build. With enabled=False (default:
+    as configure() set it) the artifact is built in a temporary folder that Artifact.close() removes."""
     t0 = time.perf_counter()
+    enabled = _settings["enabled"] if enabled is None else enabled
     if not enabled:
         tmp = Path(tempfile.mkdtemp(prefix=f"gemma4-trace-{kind}-"))
         try:
