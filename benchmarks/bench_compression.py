@@ -4,8 +4,8 @@
 
 Reads every float tensor of TRACE (a bf16 recording, say) and writes it again, in the
 writer's chunk layout, with each candidate setting: float32 or bfloat16-bits storage, gzip
-level 1 / 4 or none, shuffle on or off (HDF5 built-ins only: a trace must stay readable
-with h5py and numpy alone, so no lzf, no plug-ins). Prints, per kind group (logits, the
+level 1 / 4 or none, shuffle on or off, or the writer's own chunk encoding (HDF5 built-ins
+only: a trace must stay readable with h5py and numpy alone, so no lzf, no plug-ins). Prints, per kind group (logits, the
 hidden-state rows, the mask), MiB on disk and seconds to write, the minimum of --repeats.
 """
 
@@ -30,6 +30,9 @@ SETTINGS = {
     "gzip1": dict(compression="gzip", compression_opts=1, shuffle=False),
     "gzip4+shuffle": dict(compression="gzip", compression_opts=4, shuffle=True),
     "none": dict(),
+    # gzip1+shuffle as declared, each whole chunk encoded by the writer (zlib Z_RLE)
+    # (traces/writer.py encode_chunk, DIRECT_CHUNKS); bool masks keep HDF5's own gzip
+    "writer chunks": "direct",
 }
 
 
@@ -47,10 +50,17 @@ def write_all(tensors, storage: str, setting: dict, path: Path) -> tuple[dict, d
                 assert data is not None, f"{name}: not bf16 values"
             row_bytes = max(1, data[0].nbytes)
             rows = int(max(1, min(W.MAX_CHUNK_ROWS, W.CHUNK_BYTES // row_bytes)))
+            chunks = (min(rows, data.shape[0]), *data.shape[1:])
             t0 = time.perf_counter()
-            ds = f.create_dataset(
-                name, data=data, chunks=(min(rows, data.shape[0]), *data.shape[1:]), fletcher32=True, **setting
-            )
+            if setting == "direct" and data.dtype.itemsize > 1:
+                ds = f.create_dataset(name, shape=data.shape, dtype=data.dtype, chunks=chunks, **W.COMPRESSION)
+                for a in range(0, data.shape[0], chunks[0]):
+                    part = data[a : a + chunks[0]]
+                    part = np.pad(part, [(0, chunks[0] - part.shape[0])] + [(0, 0)] * (data.ndim - 1))
+                    ds.id.write_direct_chunk((a,) + (0,) * (data.ndim - 1), W.encode_chunk(part))
+            else:
+                opts = W.COMPRESSION if setting == "direct" else dict(fletcher32=True, **setting)
+                ds = f.create_dataset(name, data=data, chunks=chunks, **opts)
             f.flush()
             dt = time.perf_counter() - t0
             g = group(kind)

@@ -207,7 +207,7 @@ def main() -> None:
             from gemma4_trace.recorder import record
             from gemma4_trace.traces import writer
 
-            writer.THREADED = writer.BF16_BITS = record.HAND_OVER_BITS = False
+            writer.THREADED = writer.BF16_BITS = record.HAND_OVER_BITS = writer.DIRECT_CHUNKS = False
         fn = {"generate": child_generate, "record": child_record, "cli": child_cli, "matmul": child_matmul}[a.child]
         args = json.loads(a.child_args)
         res = fn(args) if a.child == "cli" else fn(*args)

@@ -6,7 +6,8 @@ On the E2B-shaped model (benchmarks/e2b_shaped.py) in bfloat16, loaded once: pla
 then `trace record` with the trace writer as it was (writes on the model's thread, bf16 values
 stored as float32), with the writer thread, with the writer thread and bf16 values in 16
 bits (traces/writer.py THREADED, BF16_BITS), and with bf16 rows handed over as 16-bit patterns
-(recorder/record.py HAND_OVER_BITS). Each timing is the median of --repeats runs, the
+(recorder/record.py HAND_OVER_BITS), and with whole chunks encoded by the writer (zlib Z_RLE)
+(traces/writer.py DIRECT_CHUNKS). Each timing is the median of --repeats runs, the
 variants alternating; the trace size is printed beside each.
 """
 
@@ -31,11 +32,12 @@ from gemma4_trace.recorder import record  # noqa: E402
 from gemma4_trace.recorder.record import PromptInputs, record_loaded  # noqa: E402
 from gemma4_trace.traces import writer  # noqa: E402
 
-VARIANTS = {  # name: (writer.THREADED, writer.BF16_BITS, record.HAND_OVER_BITS)
-    "record (before: writes on the model thread, float32)": (False, False, False),
-    "record + writer thread": (True, False, False),
-    "record + writer thread + bf16 in 16 bits": (True, True, False),
-    "  + bf16 handed over as 16 bits (no upcast)": (True, True, True),
+VARIANTS = {  # name: (writer.THREADED, writer.BF16_BITS, record.HAND_OVER_BITS, writer.DIRECT_CHUNKS)
+    "record (before: writes on the model thread, float32)": (False, False, False, False),
+    "record + writer thread": (True, False, False, False),
+    "record + writer thread + bf16 in 16 bits": (True, True, False, False),
+    "  + bf16 handed over as 16 bits (no upcast)": (True, True, True, False),
+    "  + whole chunks encoded by the writer (Z_RLE)": (True, True, True, True),
 }
 
 
@@ -59,8 +61,9 @@ def main():
             t0 = time.perf_counter()
             plain_generate(lm, ids, args.steps)
             times["generate()"].append(time.perf_counter() - t0)
-            for name, (threaded, bits, hand_over) in VARIANTS.items():
+            for name, (threaded, bits, hand_over, direct) in VARIANTS.items():
                 writer.THREADED, writer.BF16_BITS, record.HAND_OVER_BITS = threaded, bits, hand_over
+                writer.DIRECT_CHUNKS = direct
                 out = tmp / "t.h5"
                 t0 = time.perf_counter()
                 record_loaded(

@@ -25,11 +25,11 @@ def _failing_write(monkeypatch, exc: BaseException, after: int = 2):
     """Make the writer thread's `after`+1-th write raise `exc`; return the threads that wrote."""
     real, seen = writer._Series.write, []
 
-    def write(self, blocks):
+    def write(self, blocks, final=False):
         seen.append(threading.current_thread())
         if len(seen) > after:
             raise exc
-        return real(self, blocks)
+        return real(self, blocks, final)
 
     monkeypatch.setattr(writer._Series, "write", write)
     return seen
@@ -70,10 +70,10 @@ def test_interrupt_while_the_writer_thread_writes_leaves_nothing(tmp_path, monke
     busy, release = threading.Event(), threading.Event()
     real = writer._Series.write
 
-    def slow(self, blocks):
+    def slow(self, blocks, final=False):
         busy.set()
         release.wait(10)
-        return real(self, blocks)
+        return real(self, blocks, final)
 
     monkeypatch.setattr(writer._Series, "write", slow)
     monkeypatch.setattr(writer, "MAX_CHUNK_ROWS", 1)
@@ -96,7 +96,7 @@ class _Slow:
     def __init__(self):
         self.release, self.written = threading.Event(), []
 
-    def write(self, blocks):
+    def write(self, blocks, final=False):
         self.release.wait(10)
         self.written.append(blocks)
 

@@ -5,6 +5,14 @@ bounded by (datasets x chunk + the writer's queue) however long the run is. The 
 compressed and written on a writer thread (`_Writes`), off the caller's (the model's) thread;
 the caller waits only while QUEUE_BYTES are queued, and at the end of the trace. bfloat16
 values are stored as their 16-bit patterns (schema.STORAGE_BF16).
+
+Row datasets are written one whole chunk at a time, each chunk encoded here (`encode_chunk`) and
+handed to HDF5 as it is stored (H5Dwrite_chunk): the same byte shuffle, deflate stream and
+Fletcher-32 checksum HDF5's own filters declare and undo on read, so any HDF5 reader reads the
+file, but deflated with zlib's Z_RLE strategy (Huffman codes and runs of one byte, no search for
+repeated strings: the shuffled byte planes of activations have runs, such as the zero low halves
+of bf16 values held in float32, but no repeated strings worth the search) and never compressed
+twice (a chunk filled in two writes is read back, inflated and deflated again by HDF5).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import collections
 import contextlib
 import json
 import threading
+import zlib
 from pathlib import Path
 
 import h5py
@@ -31,6 +40,31 @@ THREADED = True  # writes on the writer thread (False: on the caller's thread, a
 BF16_BITS = True  # bfloat16 values stored as their 16-bit patterns (False: as float32, as before)
 QUEUE_BYTES = 256 << 20  # rows handed to the writer thread and not yet written: the model thread waits beyond this
 COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True, fletcher32=True)
+DIRECT_CHUNKS = True  # whole chunks encoded here, Z_RLE (False: HDF5's gzip 1 on any row block, as before)
+
+
+def fletcher32(data: bytes) -> int:
+    """HDF5's Fletcher-32 (H5_checksum_fletcher32): sums of big-endian 16-bit words folded mod 65535
+    (a zero byte pads an odd length); its reductions keep a non-zero sum in 1..65535."""
+    if len(data) % 2:
+        data += b"\0"
+    w = np.frombuffer(data, dtype=">u2").astype(np.uint64)
+    if not w.any():
+        return 0
+    fold = lambda total: (total - 1) % 65535 + 1  # noqa: E731
+    sum1 = fold(int(w.sum()))
+    sum2 = fold(int((w * np.arange(w.size, 0, -1, dtype=np.uint64)).sum()))
+    return (sum2 << 16) | sum1
+
+
+def encode_chunk(chunk: np.ndarray, strategy: int = zlib.Z_RLE) -> bytes:
+    """One chunk as COMPRESSION's filters store it: shuffle, zlib stream (level 1), Fletcher-32
+    (little-endian) appended. With zlib's default strategy the bytes equal HDF5's own."""
+    a = np.ascontiguousarray(chunk)
+    raw = a.view(np.uint8).reshape(-1, a.dtype.itemsize).T.tobytes()
+    z = zlib.compressobj(1, zlib.DEFLATED, 15, 8, strategy)
+    body = z.compress(raw) + z.flush()
+    return body + fletcher32(body).to_bytes(4, "little")
 
 
 def fixed_text(text: str | list[str]) -> np.ndarray:
@@ -93,7 +127,7 @@ class _Series:
         self.pending: list[np.ndarray] = []
         self.pending_rows = 0
         self.accepted = 0  # rows handed over so far (model thread)
-        self.rows = 0  # rows written (writer thread)
+        self.rows = 0  # rows written (writer thread; rows carried to fill a chunk are not yet)
         self.absent: list[tuple[int, int]] = []  # [start, stop) row ranges a runtime did not report
         # bfloat16 values are stored as their 16-bit patterns, as long as every value written is one
         bits = np.dtype(dtype) == np.uint16  # Bf16Rows
@@ -102,6 +136,7 @@ class _Series:
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * (4 if bits else np.dtype(dtype).itemsize))
         self.chunk_rows = int(max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // row_bytes)))
         self.ds = None
+        self.carry: np.ndarray | None = None  # stored rows short of a whole chunk (direct chunk writes)
 
     def append(self, block: np.ndarray) -> list[np.ndarray] | None:
         """Take a copy of `block`; return the pending blocks to write once they fill a chunk."""
@@ -120,8 +155,12 @@ class _Series:
         blocks, self.pending, self.pending_rows = self.pending, [], 0
         return blocks or None
 
-    def write(self, blocks: list[np.ndarray]) -> None:
-        """Write row blocks at the end of the dataset (writer thread)."""
+    def write(self, blocks: list[np.ndarray], final: bool = False) -> None:
+        """Write row blocks at the end of the dataset (writer thread); `final`: the last rows."""
+        if not blocks:
+            if final and self.carry is not None:
+                self._write_chunks(final=True)
+            return
         if self.grow_last:
             width = max([b.shape[1] for b in blocks] + [self.row_shape[0]])
             blocks = [np.pad(b, ((0, 0), (0, width - b.shape[1]))) for b in blocks]
@@ -134,12 +173,37 @@ class _Series:
             self.ds.resize(width, axis=1)
         if self.grow_last and stored.shape[1] < self.ds.shape[1]:
             stored = np.pad(stored, ((0, 0), (0, self.ds.shape[1] - stored.shape[1])))
+        if self._direct(stored):
+            self.carry = stored if self.carry is None else np.concatenate([self.carry, stored], axis=0)
+            self._write_chunks(final)
+            return
         n = self.rows
         self.ds.resize(n + stored.shape[0], axis=0)
         self.ds[n:] = stored
         self.rows += stored.shape[0]
         if self.grow_last:
             self.row_shape = (self.ds.shape[1],)
+
+    def _direct(self, stored: np.ndarray) -> bool:
+        return DIRECT_CHUNKS and not self.grow_last and stored.dtype.itemsize > 1 and stored.dtype.kind in "uif"
+
+    def _write_chunks(self, final: bool) -> None:
+        """Write the carried rows' whole chunks (and with `final`, the rest as a zero-padded chunk)."""
+        rows, n = self.carry, self.rows  # rows written so far: whole chunks
+        whole = rows.shape[0] // self.chunk_rows * self.chunk_rows
+        end = rows.shape[0] if final else whole
+        if end == 0:
+            return
+        self.ds.resize(n + end, axis=0)
+        zeros = (0,) * len(self.row_shape)
+        for a in range(0, end, self.chunk_rows):
+            chunk = rows[a : a + self.chunk_rows]
+            if chunk.shape[0] < self.chunk_rows:  # the last chunk: HDF5 stores it whole, padded
+                pad = [(0, self.chunk_rows - chunk.shape[0])] + [(0, 0)] * len(self.row_shape)
+                chunk = np.pad(chunk, pad)
+            self.ds.id.write_direct_chunk((n + a, *zeros), encode_chunk(chunk))
+        self.carry = rows[whole:] if not final and whole < rows.shape[0] else None
+        self.rows = n + end
 
     def _stored(self, blocks: list[np.ndarray]) -> np.ndarray:
         """The blocks as stored: bfloat16 bit patterns while every value is one, else float32 (or as given)."""
@@ -164,14 +228,15 @@ class _Series:
             self.ds.attrs[S.ATTR_STORAGE] = fixed_text(S.STORAGE_BF16)
 
     def _widen(self) -> None:
-        """From bfloat16 bit patterns to float32: the rows written so far are rewritten."""
+        """From bfloat16 bit patterns to float32: the rows written (and carried) so far are rewritten."""
         self.bf16 = False
-        if self.ds is None:
-            return
-        old = self.ds[()]
-        del self.f[self.path]
-        self.ds, self.rows = None, 0
-        if old.shape[0]:
+        parts = [] if self.ds is None else [self.ds[()]]
+        parts += [] if self.carry is None else [self.carry]
+        if self.ds is not None:
+            del self.f[self.path]
+        self.ds, self.rows, self.carry = None, 0, None
+        old = np.concatenate(parts, axis=0) if parts else None
+        if old is not None and old.shape[0]:
             self.write([_bf16_to_float32(old)])
 
 
@@ -186,6 +251,7 @@ class _Writes:
         self.max_bytes = max_bytes
         self.jobs: collections.deque = collections.deque()
         self.queued = 0  # bytes of the blocks queued and not yet written
+        self.unfinished = 0  # jobs handed over and not yet done
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.stopping = False
@@ -194,23 +260,24 @@ class _Writes:
         if self.threaded:
             self.thread.start()
 
-    def submit(self, series: _Series, blocks: list[np.ndarray]) -> None:
+    def submit(self, series: _Series, blocks: list[np.ndarray], final: bool = False) -> None:
         if not self.threaded:
-            series.write(blocks)
+            series.write(blocks, final)
             return
         size = sum(b.nbytes for b in blocks)
         with self.cond:
             while self.queued and self.queued + size > self.max_bytes and self.error is None:
                 self.cond.wait()
             self._raise()
-            self.jobs.append((series, blocks, size))
+            self.jobs.append((series, blocks, size, final))
             self.queued += size
+            self.unfinished += 1
             self.cond.notify_all()
 
     def drain(self) -> None:
         """Wait until everything handed over is written; raise the writer thread's error, if any."""
         with self.cond:
-            while self.queued and self.error is None:
+            while self.unfinished and self.error is None:
                 self.cond.wait()
             self._raise()
 
@@ -235,15 +302,16 @@ class _Writes:
                     self.cond.wait()
                 if self.stopping:
                     return
-                series, blocks, size = self.jobs.popleft()
+                series, blocks, size, final = self.jobs.popleft()
             try:
                 if self.error is None:
-                    series.write(blocks)
+                    series.write(blocks, final)
             except BaseException as e:  # noqa: BLE001 - raised again in the model thread
                 with self.cond:
                     self.error = e
             with self.cond:
                 self.queued -= size
+                self.unfinished -= 1
                 self.cond.notify_all()
 
 
@@ -427,9 +495,7 @@ class TraceWriter:
 
     def _finish(self) -> None:
         for s in self._series.values():
-            blocks = s.take()
-            if blocks is not None:
-                self._writes.submit(s, blocks)
+            self._writes.submit(s, s.take() or [], final=True)  # the last rows, and a carried part chunk
         self._writes.drain()  # every row written: the rest is written here, on the caller's thread
         for s in self._series.values():
             if s.absent:  # rows reported only in part: say which rows are data
