@@ -206,7 +206,8 @@ def _stats_lines(s: dict, who: str) -> list[str]:
     pct = lambda d: "  ".join(f"{q} {sci(v)}" for q, v in d.items())  # noqa: E731
     se = f" +/- {sci(k['stderr'])}" if k["stderr"] is not None else ""
     return [
-        f"{who}: {s['positions']} token positions" + (f" ({s['non_finite_positions']} non-finite left out)" if s["non_finite_positions"] else ""),
+        f"{who}: {s['positions']} token positions"
+        + (f" ({s['non_finite_positions']} non-finite left out)" if s["non_finite_positions"] else ""),
         f"  KL(REF||RUN) mean {sci(k['mean'])}{se}, max {sci(k['max'])}",
         f"  KL percentiles: {pct(k['percentiles'])}",
         f"  dp = p_RUN - p_REF of REF's token: mean {sci(dp['mean'])}, RMS {sci(dp['rms'])}",
@@ -304,17 +305,21 @@ def render_summary_html(summary: dict) -> str:
     if summary["run"].get("positions"):
         parts += ["<h2>KL(REF||RUN) percentiles over every token position</h2>", _percentile_plot(summary["run"])]
     parts += ["<h2>First divergence by (layer, kind)</h2>", _histogram_plot(summary["first_divergence_histogram"])]
-    parts.append("<h2>Prompts, worst first</h2><table><tr><th>prompt</th><th>verdict</th><th>first divergence</th>"
-                 "<th>KL mean</th><th>KL max</th><th>top-1</th></tr>")
+    parts.append(
+        "<h2>Prompts, worst first</h2><table><tr><th>prompt</th><th>verdict</th><th>first divergence</th>"
+        "<th>KL mean</th><th>KL max</th><th>top-1</th></tr>"
+    )
     for w in summary["worst_first"]:
         parts.append(
             f'<tr><td class="l"><a href="{e(w["report"])}">{e(w["id"])}</a></td>'
-            f"<td>{'match' if w['match'] else 'diverges'}</td><td class=\"l\">{e(_site(w['first_divergence']))}</td>"
+            f'<td>{"match" if w["match"] else "diverges"}</td><td class="l">{e(_site(w["first_divergence"]))}</td>'
             f"<td>{sci(w['kl_mean'])}</td><td>{sci(w['kl_max'])}</td>"
             f"<td>{'-' if w['top1'] is None else format(w['top1'], '.3f')}</td></tr>"
         )
     parts += ["</table>", "<h2>Settings</h2><table>"]
-    parts += [f'<tr><th class="l">{e(k)}</th><td class="l">{e(str(v))}</td></tr>' for k, v in summary["settings"].items()]
+    parts += [
+        f'<tr><th class="l">{e(k)}</th><td class="l">{e(str(v))}</td></tr>' for k, v in summary["settings"].items()
+    ]
     parts += ["</table>", "</body></html>"]
     return "\n".join(parts)
 

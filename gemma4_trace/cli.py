@@ -752,7 +752,9 @@ def precision(reference, runtime, target, fallback, granularity, recipe, model_d
     default=None,
     help="one Ray task per prompt: 'auto' (the running cluster) or its ADDRESS (extra [cluster])",
 )
-@click.option("--keep-traces", is_flag=True, help="also keep each prompt's REF, RUN (and BASE) traces under DIR/prompts")
+@click.option(
+    "--keep-traces", is_flag=True, help="also keep each prompt's REF, RUN (and BASE) traces under DIR/prompts"
+)
 @click.option(
     "--tolerances",
     type=click.Path(),

@@ -32,6 +32,7 @@ from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 SWEEP_FORMAT = 1
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_PROMPTS = 100_000
+EMBEDDED_SET = "@embedded"  # PROMPTS naming the shipped set (hf/tiny_model/sweep_prompts.jsonl)
 TOKEN_FILE = ".sweep-token"  # what a Ray task looks for to know DIR is shared storage
 
 
@@ -39,8 +40,13 @@ TOKEN_FILE = ".sweep-token"  # what a Ray task looks for to know DIR is shared s
 def read_prompts(path) -> list[dict]:
     """The prompts of a text file (one a line, blank lines skipped) or of JSON lines (a line starting
     with '{'): {"text": ...} or {"input_ids": [...]}, optional "image" (a path, relative to the file's
-    folder), "chat" (false: raw text, no chat template) and "id". A bad line: TraceToolError naming it."""
+    folder), "chat" (false: raw text, no chat template) and "id". A bad line: TraceToolError naming it.
+    "@embedded": the prompt set shipped for the embedded model."""
     p = Path(path)
+    if str(path) == EMBEDDED_SET:
+        from gemma4_trace.hf.model import embedded_model_dir
+
+        p = embedded_model_dir() / "sweep_prompts.jsonl"
     try:
         raw = p.read_bytes()
     except FileNotFoundError:
@@ -86,10 +92,10 @@ def _json_prompt(line: str, where: str, folder: Path) -> dict:
         raise TraceToolError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))[:200]}")
     spec = {}
     if ("text" in d) == ("input_ids" in d):
-        raise TraceToolError(f"{where}: give exactly one of \"text\" or \"input_ids\"")
+        raise TraceToolError(f'{where}: give exactly one of "text" or "input_ids"')
     if "text" in d:
         if not isinstance(d["text"], str) or not d["text"]:
-            raise TraceToolError(f"{where}: \"text\" must be a non-empty string")
+            raise TraceToolError(f'{where}: "text" must be a non-empty string')
         spec["text"] = d["text"]
     else:
         ids = d["input_ids"]
@@ -98,20 +104,20 @@ def _json_prompt(line: str, where: str, folder: Path) -> dict:
             or not ids
             or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids)
         ):
-            raise TraceToolError(f"{where}: \"input_ids\" must be a non-empty list of token ids (integers >= 0)")
+            raise TraceToolError(f'{where}: "input_ids" must be a non-empty list of token ids (integers >= 0)')
         spec["input_ids"] = ids
     if "image" in d:
         if "text" not in d:
-            raise TraceToolError(f"{where}: \"image\" needs \"text\" (the processor places the image tokens)")
+            raise TraceToolError(f'{where}: "image" needs "text" (the processor places the image tokens)')
         if not isinstance(d["image"], str) or not d["image"]:
-            raise TraceToolError(f"{where}: \"image\" must be a path")
+            raise TraceToolError(f'{where}: "image" must be a path')
         image = folder / d["image"]
         if not image.is_file():
             raise TraceToolError(f"{where}: image {image} does not exist")
         spec["image"] = str(image)
     if "chat" in d:
         if not isinstance(d["chat"], bool):
-            raise TraceToolError(f"{where}: \"chat\" must be true or false")
+            raise TraceToolError(f'{where}: "chat" must be true or false')
         spec["chat"] = d["chat"]
     if "id" in d:
         if not isinstance(d["id"], str) or not ID_RE.match(d["id"]):
@@ -231,7 +237,9 @@ class Worker:
             except TraceToolError:
                 pass  # damaged: record it again
         images = [_open_image(spec["image"])] if "image" in spec else []
-        inputs = prepare_inputs(self.lm, spec.get("text"), spec.get("input_ids"), images, spec.get("chat", self.cfg.chat))
+        inputs = prepare_inputs(
+            self.lm, spec.get("text"), spec.get("input_ids"), images, spec.get("chat", self.cfg.chat)
+        )
         self.ref_cache.mkdir(parents=True, exist_ok=True)
         part = self.ref_cache / f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.h5"
         try:
