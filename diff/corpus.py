@@ -199,7 +199,7 @@ def _layer_order(layer) -> int:
 
 
 # ------------------------------------------------------------------ rendering
-def _stats_lines(s: dict, who: str) -> list[str]:
+def _stats_lines(s: dict, who: str, short: str = "RUN") -> list[str]:
     if not s.get("positions"):
         return [f"{who}: no finite token position to compare"]
     k, dp, t, pp = s["kl"], s["delta_p"], s["top1"], s["perplexity"]
@@ -208,12 +208,12 @@ def _stats_lines(s: dict, who: str) -> list[str]:
     return [
         f"{who}: {s['positions']} token positions"
         + (f" ({s['non_finite_positions']} non-finite left out)" if s["non_finite_positions"] else ""),
-        f"  KL(REF||RUN) mean {sci(k['mean'])}{se}, max {sci(k['max'])}",
+        f"  KL(REF||{short}) mean {sci(k['mean'])}{se}, max {sci(k['max'])}",
         f"  KL percentiles: {pct(k['percentiles'])}",
-        f"  dp = p_RUN - p_REF of REF's token: mean {sci(dp['mean'])}, RMS {sci(dp['rms'])}",
+        f"  dp = p_{short} - p_REF of REF's token: mean {sci(dp['mean'])}, RMS {sci(dp['rms'])}",
         f"  dp percentiles: {pct(dp['percentiles'])}",
         f"  top-1 agreement {100 * t['agreement']:.2f}% +/- {100 * t['stderr']:.2f}%",
-        f"  perplexity of REF's tokens: REF {pp['ref']:.4g}, RUN {pp['run']:.4g}, ratio {pp['ratio']:.6g} "
+        f"  perplexity of REF's tokens: REF {pp['ref']:.4g}, {short} {pp['run']:.4g}, ratio {pp['ratio']:.6g} "
         f"(ln {sci(pp['ln_ratio'])})",
     ]
 
@@ -234,7 +234,7 @@ def format_summary(summary: dict, worst: int = 10) -> str:
         *_stats_lines(summary["run"], "RUN vs REF"),
     ]
     if "base" in summary:
-        lines += _stats_lines(summary["base"], "BASE vs REF")
+        lines += _stats_lines(summary["base"], "BASE vs REF", "BASE")
     if summary["first_divergence_histogram"]:
         lines.append("first divergences (layer, kind): prompts")
         for h in summary["first_divergence_histogram"]:

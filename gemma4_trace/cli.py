@@ -763,6 +763,12 @@ def precision(reference, runtime, target, fallback, granularity, recipe, model_d
 )
 @click.option("--baseline-factor", type=float, default=4.0, show_default=True, help="as `trace diff --baseline-factor`")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(), help="folder for the results")
+@click.option(
+    "--progress/--no-progress",
+    "progress",
+    default=None,
+    help="a line on stderr per finished prompt [default: only on a terminal]",
+)
 @debug_option
 @user_errors
 def sweep(
@@ -778,6 +784,7 @@ def sweep(
     tolerances,
     baseline_factor,
     out_dir,
+    progress,
 ):
     """Record, replay and diff every prompt of a set; KL, top-1 and perplexity statistics over all (exit 1 if any
     prompt diverges)."""
@@ -827,10 +834,10 @@ def sweep(
         settings=settings,
         sys_path=[os.getcwd()],
     )
+    loud = progress if progress is not None else sys.stderr.isatty()
+    say = (lambda line: click.echo(one_line(line), err=True)) if loud else None
     try:
-        outcome = S.run_sweep(
-            prompts, cfg, out, workers=workers, ray_address=ray_address, say=lambda s: click.echo(one_line(s), err=True)
-        )
+        outcome = S.run_sweep(prompts, cfg, out, workers=workers, ray_address=ray_address, say=say)
     except KeyboardInterrupt:
         done = len(list((out / "prompts").glob("*.json"))) if (out / "prompts").is_dir() else 0
         _fail(f"interrupted; {done} finished prompt(s) kept in {out}/prompts (run again to resume)", EXIT_INTERRUPTED)
