@@ -753,6 +753,13 @@ def precision(reference, runtime, target, fallback, granularity, recipe, model_d
     help="one Ray task per prompt: 'auto' (the running cluster) or its ADDRESS (extra [cluster])",
 )
 @click.option(
+    "--shared-dir/--no-shared-dir",
+    "shared_dir",
+    default=None,
+    help="with --ray: tasks write DIR themselves, or return their files to be written here "
+    "[default: each task checks whether it sees DIR]",
+)
+@click.option(
     "--keep-traces", is_flag=True, help="also keep each prompt's REF, RUN (and BASE) traces under DIR/prompts"
 )
 @click.option(
@@ -780,6 +787,7 @@ def sweep(
     no_chat,
     workers,
     ray_address,
+    shared_dir,
     keep_traces,
     tolerances,
     baseline_factor,
@@ -837,7 +845,7 @@ def sweep(
     loud = progress if progress is not None else sys.stderr.isatty()
     say = (lambda line: click.echo(one_line(line), err=True)) if loud else None
     try:
-        outcome = S.run_sweep(prompts, cfg, out, workers=workers, ray_address=ray_address, say=say)
+        outcome = S.run_sweep(prompts, cfg, out, workers=workers, ray_address=ray_address, say=say, shared=shared_dir)
     except KeyboardInterrupt:
         done = len(list((out / "prompts").glob("*.json"))) if (out / "prompts").is_dir() else 0
         _fail(f"interrupted; {done} finished prompt(s) kept in {out}/prompts (run again to resume)", EXIT_INTERRUPTED)

@@ -425,7 +425,8 @@ def run_sweep(
 ) -> SweepOutcome:
     """Every prompt not finished yet, then the aggregates (DIR/summary.json, DIR/summary.html).
 
-    `shared` (Ray only): None decides per task (the token file), False makes every task return its files.
+    `shared` (Ray only): None decides per task (the token file), False makes every task return its files,
+    True makes every task write them (DIR must be the same path on every machine).
     """
     from gemma4_trace.diff.corpus import aggregate, write_summary
 
@@ -512,9 +513,10 @@ def _run_ray(todo, cfg, out_dir: Path, address: str, done, shared: bool | None) 
     token = secrets.token_hex(16)
     _write_atomic(out_dir / TOKEN_FILE, token.encode())
     task = ray.remote(num_cpus=1)(process_prompt)
-    target = None if shared is False else str(out_dir)
+    target = None if shared is False else str(out_dir.resolve())
+    token = None if shared else token
     try:
-        refs = {task.remote(cfg, spec, target, token, 1): spec for spec in todo}
+        refs = {task.remote(cfg, spec, target, token, 1): spec for spec in todo}  # 1 torch thread: 1 CPU a task
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
@@ -522,7 +524,7 @@ def _run_ray(todo, cfg, out_dir: Path, address: str, done, shared: bool | None) 
                 try:
                     got = ray.get(r)
                 except ray.exceptions.RayTaskError as e:
-                    cause = e.as_instanceof_cause()
+                    cause = getattr(e, "cause", None)  # the task's own exception
                     if isinstance(cause, TraceToolError):
                         raise TraceToolError(str(cause)) from None
                     raise
