@@ -164,3 +164,40 @@ def test_usage_refusals(tmp_path):
     one_line_error(invoke("sweep", p, "--runtime", "static", "--workers", 2, "--ray", "auto", "-o", tmp_path / "o"))
     (tmp_path / "file").write_text("")
     one_line_error(invoke("sweep", p, "--runtime", "static", "-o", tmp_path / "file"), "is a file")
+
+
+def make_interrupting(loaded, max_seq):
+    """A runtime plug-in that is Ctrl-C'd on a long prompt (max_seq over 16), static otherwise."""
+    from gemma4_trace.replayer.runtime import StaticGemma4Runtime
+
+    if max_seq > 16:
+        raise KeyboardInterrupt
+    return StaticGemma4Runtime(loaded, max_seq)
+
+
+def test_ctrl_c_keeps_every_finished_prompt_and_a_rerun_resumes(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"id": "a", "input_ids": [2, 100, 101]}\n{"id": "b", "input_ids": [2' + ", 300" * 20 + "]}\n")
+    env = {"GEMMA4_TRACE_CACHE": str(tmp_path / "cache")}
+    out = tmp_path / "out"
+    args = ["sweep", p, "--max-new-tokens", 2, "-o", out]
+    r = invoke(*args, "--runtime", "tests.test_sweep:make_interrupting", env=env)
+    assert r.exit_code == 130, r.output
+    assert r.stderr.strip() == f"error: interrupted; 1 finished prompt(s) kept in {out}/prompts (run again to resume)"
+    assert sorted(x.name for x in (out / "prompts").iterdir()) == ["a.html", "a.json"]  # nothing half-written
+    assert not (out / "summary.json").exists()
+    r = invoke(*args, "--runtime", "tests.test_sweep:make_interrupting", env=env)
+    assert r.exit_code == 130  # the same settings: a is not run again, b is interrupted again
+    r = invoke(*args, "--runtime", "static", env=env)  # other settings: both run
+    assert r.exit_code == 0 and "2 prompt(s) run, 0 resumed" in r.stdout, r.output
+
+
+def test_ray_missing_is_refused_with_the_extra_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    p = tmp_path / "p.txt"
+    p.write_text("hello\n")
+    one_line_error(invoke("sweep", p, "--runtime", "static", "--ray", "auto", "-o", tmp_path / "o"), "[cluster]", "ray")
+    assert not (tmp_path / "o").exists()
