@@ -732,3 +732,122 @@ def precision(reference, runtime, target, fallback, granularity, recipe, model_d
         comments=[f"trace precision --runtime {runtime} --target '{goal}' --fallback {fallback}"],
     )
     click.echo(format_precision(result, output, goal, fallback, runner.replays, runner.seconds))
+
+
+@main.command()
+@click.argument("prompts_path", metavar="PROMPTS", type=click.Path())
+@click.option("--runtime", required=True, help="the runtime to judge (as `trace replay --runtime`)")
+@click.option(
+    "--baseline-runtime",
+    default=None,
+    help="a trusted runtime also replayed on every prompt; RUN diverges only outside its error envelope",
+)
+@model_option
+@click.option("--max-new-tokens", type=click.IntRange(1, 100_000), default=16, show_default=True)
+@click.option("--no-chat", is_flag=True, help="text prompts as raw text, without the chat template")
+@click.option("--workers", type=click.IntRange(1, 1024), default=1, show_default=True, help="processes on this machine")
+@click.option(
+    "--ray",
+    "ray_address",
+    default=None,
+    help="one Ray task per prompt: 'auto' (the running cluster) or its ADDRESS (extra [cluster])",
+)
+@click.option(
+    "--shared-dir/--no-shared-dir",
+    "shared_dir",
+    default=None,
+    help="with --ray: tasks write DIR themselves, or return their files to be written here "
+    "[default: each task checks whether it sees DIR]",
+)
+@click.option(
+    "--keep-traces", is_flag=True, help="also keep each prompt's REF, RUN (and BASE) traces under DIR/prompts"
+)
+@click.option(
+    "--tolerances",
+    type=click.Path(),
+    default=None,
+    help="TOML file of tolerance rules, or a shipped profile by name (as `trace diff`)",
+)
+@click.option("--baseline-factor", type=float, default=4.0, show_default=True, help="as `trace diff --baseline-factor`")
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(), help="folder for the results")
+@click.option(
+    "--progress/--no-progress",
+    "progress",
+    default=None,
+    help="a line on stderr per finished prompt [default: only on a terminal]",
+)
+@debug_option
+@user_errors
+def sweep(
+    prompts_path,
+    runtime,
+    baseline_runtime,
+    model_dir,
+    max_new_tokens,
+    no_chat,
+    workers,
+    ray_address,
+    shared_dir,
+    keep_traces,
+    tolerances,
+    baseline_factor,
+    out_dir,
+    progress,
+):
+    """Record, replay and diff every prompt of a set; KL, top-1 and perplexity statistics over all (exit 1 if any
+    prompt diverges)."""
+    from pathlib import Path
+
+    from gemma4_trace import sweep as S
+    from gemma4_trace.diff.baseline import check_factor
+    from gemma4_trace.diff.tolerances import load_tolerances
+    from gemma4_trace.hf.model import embedded_model_dir
+    from gemma4_trace.replayer import artifacts
+    from gemma4_trace.replayer.api import check_runtime_name
+
+    prompts = S.read_prompts(prompts_path)  # cheap checks first: nothing heavy loads before they pass
+    for rt in (runtime, baseline_runtime):
+        if rt is not None:
+            check_runtime_name(rt)
+    if ray_address is not None:
+        if workers != 1:
+            raise TraceToolError("give --workers or --ray, not both")
+        S.check_ray()
+    _check_model_dir(model_dir)
+    load_tolerances(tolerances)
+    if baseline_runtime is not None:
+        check_factor(baseline_factor)
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise TraceToolError(f"output {out} is a file; give a folder")
+    settings = S.make_settings(
+        artifacts.model_hash(model_dir or embedded_model_dir()),
+        runtime,
+        baseline_runtime,
+        max_new_tokens,
+        tolerances,
+        baseline_factor,
+    )
+    settings["chat"] = not no_chat
+    cfg = S.Config(
+        model_dir=str(Path(model_dir).resolve()) if model_dir else None,
+        runtime=runtime,
+        baseline_runtime=baseline_runtime,
+        max_new_tokens=max_new_tokens,
+        tolerances=str(Path(tolerances).resolve()) if tolerances and Path(tolerances).is_file() else tolerances,
+        baseline_factor=baseline_factor,
+        chat=not no_chat,
+        keep_traces=keep_traces,
+        cache=str(artifacts.cache_dir().resolve()),
+        settings=settings,
+        sys_path=[os.getcwd()],
+    )
+    loud = progress if progress is not None else sys.stderr.isatty()
+    say = (lambda line: click.echo(one_line(line), err=True)) if loud else None
+    try:
+        outcome = S.run_sweep(prompts, cfg, out, workers=workers, ray_address=ray_address, say=say, shared=shared_dir)
+    except KeyboardInterrupt:
+        done = len(list((out / "prompts").glob("*.json"))) if (out / "prompts").is_dir() else 0
+        _fail(f"interrupted; {done} finished prompt(s) kept in {out}/prompts (run again to resume)", EXIT_INTERRUPTED)
+    click.echo("\n".join(one_line(line) for line in S.describe(outcome).splitlines()))
+    sys.exit(EXIT_DIVERGENCE if outcome.summary["diverging"] else 0)
