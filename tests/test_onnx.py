@@ -129,9 +129,12 @@ def test_export_onnx_places_both_graphs_or_neither(tmp_path, monkeypatch):
             (folder / f"{g}.onnx").write_bytes(b"new " + g.encode())
         (out / "prefill.onnx").mkdir()  # after the checks, before the graphs are placed
 
-    monkeypatch.setattr("gemma4_trace.hf.model.load_model", lambda *a, **k: types.SimpleNamespace(name="tiny"))
+    from gemma4_trace.hf.model import embedded_model_dir
+
+    tiny = types.SimpleNamespace(name="tiny", model_dir=embedded_model_dir(), dtype="float32")
+    monkeypatch.setattr("gemma4_trace.hf.model.load_model", lambda *a, **k: tiny)
     monkeypatch.setattr(onnx_runtime, "export_onnx", export)
-    res = invoke("export-onnx", "--max-seq", "16", "-o", out, "--force")
+    res = invoke("export-onnx", "--max-seq", "16", "-o", out, "--force", "--no-cache")  # these graphs are fake
     one_line_error(res, "prefill.onnx", "no .onnx file was changed")
     assert (out / "decode.onnx").read_bytes() == b"old decode"
     assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "prefill.onnx"]  # no partial folder left
