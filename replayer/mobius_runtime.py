@@ -238,7 +238,7 @@ class MobiusRuntime:
         if extra_inputs:
             raise TraceToolError(
                 "--runtime mobius runs mobius's text decoder, which takes token ids only; "
-                f"REF's prompt has {', '.join(sorted(extra_inputs))} (an image): replay a text prompt"
+                "REF's prompt has an image: replay a text prompt"
             )
         self.past = self._empty_past()
         return self._run([int(t) for t in input_ids], 0, probe)
