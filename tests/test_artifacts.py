@@ -167,3 +167,25 @@ def test_command_line_options_reach_the_cache(tmp_path, monkeypatch, command):
     invoke(*args, "--cache-dir", tmp_path / "c", "--no-cache")
     invoke(*args)
     assert seen == [(str(tmp_path / "c"), False), (None, True)]
+
+
+def test_an_unwritable_cache_folder_is_one_line(tmp_path):
+    from gemma4_trace.traces.errors import TraceToolError
+
+    (tmp_path / "file").write_text("x")
+    b = Builder()
+    with pytest.raises(TraceToolError, match=r"cannot write in the artifact cache .*file/onnx .*--no-cache"):
+        _get(tmp_path / "file", b)
+    assert b.calls == 0  # refused before anything was built
+
+
+def test_replay_with_an_unwritable_cache_is_one_line(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from gemma4_trace.recorder.golden import golden_path
+    from tests.support import one_line_error
+
+    (tmp_path / "file").write_text("x")
+    res = invoke(
+        "replay", golden_path("short"), "--runtime", "onnx", "--cache-dir", tmp_path / "file" / "cache", "-o", tmp_path / "r.h5"
+    )
+    one_line_error(res, "cannot write in the artifact cache", out=tmp_path / "r.h5")
