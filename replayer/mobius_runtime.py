@@ -60,7 +60,9 @@ def _imports():
         import mobius  # noqa: F401
         import onnxruntime
     except ImportError as e:
-        raise TraceToolError(f"--runtime mobius needs mobius-onnx and onnxruntime: {install_hint('mobius')} ({e})") from None
+        raise TraceToolError(
+            f"--runtime mobius needs mobius-onnx and onnxruntime: {install_hint('mobius')} ({e})"
+        ) from None
     return onnxruntime
 
 
@@ -101,8 +103,13 @@ def _promote(graph, n_layers: int) -> dict[str, tuple[str, int | None]]:
     emb = first(lambda n: n.name.startswith("model/embed_tokens/") and n.op_type == "Mul")
     tap(emb and emb.outputs[0], "embeddings")
     ple = first(
-        lambda n: n.name.startswith("model/Mul_node_")
-        and any(i is not None and i.producer() is not None and i.producer().name.startswith("model/Add_node_") for i in n.inputs)
+        lambda n: (
+            n.name.startswith("model/Mul_node_")
+            and any(
+                i is not None and i.producer() is not None and i.producer().name.startswith("model/Add_node_")
+                for i in n.inputs
+            )
+        )
     )
     tap(ple and ple.outputs[0], "per_layer_inputs")
     for i in range(n_layers):
@@ -123,7 +130,8 @@ def _promote(graph, n_layers: int) -> dict[str, tuple[str, int | None]]:
     if missing or ("embeddings", None) not in taps.values():
         raise TraceToolError(
             "--runtime mobius: the mobius graph does not have the expected node names "
-            f"(mobius-onnx {MOBIUS_VERSION} is the release this adapter knows); missing: {', '.join(missing) or 'embeddings'}"
+            f"(mobius-onnx {MOBIUS_VERSION} is the release this adapter knows); "
+            f"missing: {', '.join(missing) or 'embeddings'}"
         )
     outputs = {v.name for v in graph.outputs}
     graph.outputs.extend(v for name, v in values.items() if name not in outputs)

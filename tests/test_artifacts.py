@@ -38,7 +38,9 @@ def _entry(cache, key=KEY):
 
 
 def _get(cache, build, said=None, key=KEY, **kw):
-    return A.artifact_folder("onnx", key, build, cache=cache, what="exporting", say=(said if said is not None else []).append, **kw)
+    return A.artifact_folder(
+        "onnx", key, build, cache=cache, what="exporting", say=(said if said is not None else []).append, **kw
+    )
 
 
 def test_built_once_then_cached(tmp_path):
@@ -186,6 +188,13 @@ def test_replay_with_an_unwritable_cache_is_one_line(tmp_path):
 
     (tmp_path / "file").write_text("x")
     res = invoke(
-        "replay", golden_path("short"), "--runtime", "onnx", "--cache-dir", tmp_path / "file" / "cache", "-o", tmp_path / "r.h5"
+        "replay",
+        golden_path("short"),
+        "--runtime",
+        "onnx",
+        "--cache-dir",
+        tmp_path / "file" / "cache",
+        "-o",
+        tmp_path / "r.h5",
     )
     one_line_error(res, "cannot write in the artifact cache", out=tmp_path / "r.h5")

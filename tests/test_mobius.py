@@ -69,7 +69,8 @@ def test_mobius_matches_hf_on_the_short_golden(runs):
             "rope_sin_full",
         }  # what mobius does not expose; `trace diff` names them as not compared
         worst = 0.0
-        for kind, layer in got - {("token", None)}:  # an independent implementation: float32-rounding-sized differences only
+        # an independent implementation: float32-rounding-sized differences only
+        for kind, layer in got - {("token", None)}:
             x, y = ref.read(kind, layer).astype(np.float64), run.read(kind, layer)
             assert x.shape == y.shape, (kind, layer)
             worst = max(worst, np.linalg.norm(x - y) / np.linalg.norm(x))
