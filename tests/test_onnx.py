@@ -124,20 +124,23 @@ def test_export_onnx_places_both_graphs_or_neither(tmp_path, monkeypatch):
     out.mkdir()
     (out / "decode.onnx").write_bytes(b"old decode")
 
-    def export(loaded, max_seq, folder):
+    from gemma4_trace.replayer.artifacts import Artifact
+
+    def exported(loaded, max_seq):  # fake graphs in a temporary artifact (never in the cache)
+        folder = tmp_path / "artifact"
+        folder.mkdir()
         for g in ("prefill", "decode"):
             (folder / f"{g}.onnx").write_bytes(b"new " + g.encode())
         (out / "prefill.onnx").mkdir()  # after the checks, before the graphs are placed
+        return Artifact(folder, "built in 0.0 s, not cached", temporary=True)
 
-    from gemma4_trace.hf.model import embedded_model_dir
-
-    tiny = types.SimpleNamespace(name="tiny", model_dir=embedded_model_dir(), dtype="float32")
-    monkeypatch.setattr("gemma4_trace.hf.model.load_model", lambda *a, **k: tiny)
-    monkeypatch.setattr(onnx_runtime, "export_onnx", export)
-    res = invoke("export-onnx", "--max-seq", "16", "-o", out, "--force", "--no-cache")  # these graphs are fake
+    monkeypatch.setattr("gemma4_trace.hf.model.load_model", lambda *a, **k: types.SimpleNamespace(name="tiny"))
+    monkeypatch.setattr(onnx_runtime, "exported", exported)
+    res = invoke("export-onnx", "--max-seq", "16", "-o", out, "--force")
     one_line_error(res, "prefill.onnx", "no .onnx file was changed")
     assert (out / "decode.onnx").read_bytes() == b"old decode"
     assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "prefill.onnx"]  # no partial folder left
+    assert not (tmp_path / "artifact").exists()  # the temporary artifact was removed
 
 
 # ---- the artifact cache (replayer/artifacts.py) --------------------------------------------
