@@ -402,7 +402,9 @@ def _embedded_model_dir(model_name: str):
     help="artifact cache folder (exported ONNX graphs, GGUF files, ...) "
     "[default: $GEMMA4_TRACE_CACHE, else ~/.cache/gemma4-trace]",
 )
-@click.option("--no-cache", is_flag=True, help="build artifacts in a temporary folder; read and write no cache")
+@click.option(
+    "--no-cache", is_flag=True, help="build the graphs (ONNX, mobius) in a temporary folder, not in the cache"
+)
 @progress_option
 @selection_options
 @user_errors
@@ -493,7 +495,9 @@ def replay(
     help="artifact cache folder (exported ONNX graphs, GGUF files, ...) "
     "[default: $GEMMA4_TRACE_CACHE, else ~/.cache/gemma4-trace]",
 )
-@click.option("--no-cache", is_flag=True, help="build artifacts in a temporary folder; read and write no cache")
+@click.option(
+    "--no-cache", is_flag=True, help="build the graphs (ONNX, mobius) in a temporary folder, not in the cache"
+)
 @debug_option
 @user_errors
 def export_onnx_cmd(model_dir, max_seq, out_dir, force, cache_dir, no_cache):
