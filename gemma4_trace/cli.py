@@ -395,6 +395,16 @@ def _embedded_model_dir(model_name: str):
 @click.option(
     "--allow-config-mismatch", is_flag=True, help="replay a GGUF whose metadata differs from REF's model config"
 )
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="artifact cache folder (exported ONNX graphs, GGUF files, ...) "
+    "[default: $GEMMA4_TRACE_CACHE, else ~/.cache/gemma4-trace]",
+)
+@click.option(
+    "--no-cache", is_flag=True, help="build the graphs (ONNX, mobius) in a temporary folder, not in the cache"
+)
 @progress_option
 @selection_options
 @user_errors
@@ -417,12 +427,16 @@ def replay(
     gguf_path=None,
     weights_from=None,
     allow_config_mismatch=False,
+    cache_dir=None,
+    no_cache=False,
 ):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""
     from gemma4_trace.progress import Progress
+    from gemma4_trace.replayer import artifacts
     from gemma4_trace.replayer.api import check_runtime_name
 
     check_runtime_name(runtime, isolate)  # cheap checks first: a typo is refused before torch or the model loads
+    artifacts.configure(cache_dir, enabled=not no_cache)  # before any runtime builds an artifact
     gguf_files = [p for p in (gguf_path, weights_from) if p]
     check_output_path(
         output, force, inputs=[reference, *_model_files(model_dir), *([recipe] if recipe else []), *gguf_files]
@@ -474,10 +488,23 @@ def replay(
     help="folder for prefill.onnx and decode.onnx",
 )
 @click.option("--force", is_flag=True, help="replace existing .onnx files")
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="artifact cache folder (exported ONNX graphs, GGUF files, ...) "
+    "[default: $GEMMA4_TRACE_CACHE, else ~/.cache/gemma4-trace]",
+)
+@click.option(
+    "--no-cache", is_flag=True, help="build the graphs (ONNX, mobius) in a temporary folder, not in the cache"
+)
 @debug_option
 @user_errors
-def export_onnx_cmd(model_dir, max_seq, out_dir, force):
+def export_onnx_cmd(model_dir, max_seq, out_dir, force, cache_dir, no_cache):
     """Export the static runtime's prefill and decode steps to ONNX (what --runtime onnx runs)."""
+    from gemma4_trace.replayer import artifacts
+
+    artifacts.configure(cache_dir, enabled=not no_cache)
     _check_model_dir(model_dir)
     for module in ("onnx", "onnxscript"):
         _check_installed(module, "trace export-onnx")

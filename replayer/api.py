@@ -40,6 +40,7 @@ EXTRA_RUNTIMES = {
     "tico": "gemma4_trace.replayer.tico_runtime:make_tico",  # gemma4-trace[tico]
     "tico-quant": "gemma4_trace.replayer.tico_runtime:make_tico_quant",
     "onnx": "gemma4_trace.replayer.onnx_runtime:make_onnx",  # gemma4-trace[onnx]
+    "mobius": "gemma4_trace.replayer.mobius_runtime:make_mobius",  # gemma4-trace[mobius]
 }
 # llama.cpp[:TYPE] (gemma4-trace[llamacpp]): matched before MODULE:FACTORY, whose colon it shares
 LLAMACPP_RUNTIME = "llama.cpp"
@@ -259,6 +260,7 @@ _NEEDS = {
     "tico": ("tico",),
     "tico-quant": ("tico",),
     "onnx": ("onnxruntime", "onnx", "onnxscript"),
+    "mobius": ("mobius", "onnxruntime", "onnx_ir"),
     LLAMACPP_RUNTIME: ("llama_cpp", "gguf"),
 }
 _EXTRA_OF = {
@@ -269,11 +271,14 @@ _EXTRA_OF = {
     "onnxscript": "onnx",
     "llama_cpp": "llamacpp",
     "gguf": "llamacpp",
+    "mobius": "mobius",
+    "onnx_ir": "mobius",
 }
 _NO_ISOLATION = (
     "tico",
     "tico-quant",
     "onnx",
+    "mobius",
     LLAMACPP_RUNTIME,
 )  # built-ins that do not continue with the probe's tensors
 

@@ -157,8 +157,16 @@ def artifact_folder(
         stale = verify(final, key)
         if stale is None:
             return Artifact(final, "cached")
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".partial"))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".partial"))
+    except OSError as e:
+        from gemma4_trace.traces.errors import TraceToolError  # torch-free
+
+        raise TraceToolError(
+            f"cannot write in the artifact cache {root} ({e.strerror or type(e).__name__}); "
+            "choose another folder with --cache-dir DIR, or pass --no-cache"
+        ) from None
     try:
         if what and say:
             say(f"{what}{f'; the cached copy was stale: {stale}' if stale else ''}")

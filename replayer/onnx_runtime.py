@@ -11,6 +11,10 @@ host by HF, as in the static runtime, and fed to the prefill graph.
 
     trace export-onnx [--model DIR] --max-seq 32 -o DIR    # writes prefill.onnx, decode.onnx
     trace replay REF.h5 --runtime onnx -o RUN.h5
+
+The exported graphs are kept in the artifact cache (replayer/artifacts.py), keyed by the model's
+content hash, max_seq, the exporter's versions and this code's; a later replay of the same model
+runs the cached graphs after checking their hashes.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import errno
 import io
 import logging
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -31,9 +36,11 @@ from torch import nn
 from gemma4_trace.traces.atomic import no_space
 from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 
+from .artifacts import MANIFEST
 from .runtime import StaticGemma4Runtime
 
 OPSET = 18
+FORMAT = 1  # bump when the graphs' inputs or outputs change meaning (the cache key holds it)
 PREFILL_INPUTS = ("ids", "ple_ids", "mm_embeds", "mm_slots", "block_ids", "n_valid")
 DECODE_INPUTS = ("token", "input_pos")
 
@@ -173,6 +180,44 @@ def _quiet():
         logging.disable(logging.NOTSET)
 
 
+def cache_key(loaded, max_seq: int) -> dict:
+    """What the exported graphs depend on: the checkpoint's bytes, the shapes, the exporter's
+    versions and the code that is exported (a change to it exports again)."""
+    import hashlib
+    from importlib.metadata import version
+
+    from .artifacts import model_hash
+
+    here = Path(__file__).resolve().parent
+    code = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("runtime.py", "onnx_runtime.py"))).hexdigest()
+    return {
+        "format": FORMAT,
+        "model": model_hash(loaded.model_dir),
+        "dtype": str(loaded.dtype),
+        "max_seq": int(max_seq),
+        "opset": OPSET,
+        "torch": torch.__version__,
+        "onnx": version("onnx"),
+        "onnxscript": version("onnxscript"),
+        "code": code[:16],
+    }
+
+
+def exported(loaded, max_seq: int, cache=None, enabled=None):
+    """The artifact (replayer/artifacts.py) holding prefill.onnx and decode.onnx for `loaded` at
+    `max_seq`: the cached graphs after their hash check, else exported now (one line on stderr)."""
+    from .artifacts import artifact_folder
+
+    return artifact_folder(
+        "onnx",
+        cache_key(loaded, max_seq),
+        lambda folder: export_onnx(loaded, max_seq, folder),
+        cache=cache,
+        enabled=enabled,
+        what=f"exporting ONNX (prefill and decode, max_seq {max_seq}) for {loaded.name}",
+    )
+
+
 class OnnxRuntime:
     """The exported graphs run by onnxruntime on CPU; the host keeps the caches."""
 
@@ -181,11 +226,17 @@ class OnnxRuntime:
         self.name = f"onnx (onnxruntime {ort.__version__}, CPU)"
         self.max_seq = max_seq
         self.host = _FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
-        with tempfile.TemporaryDirectory() as d:
-            paths = export_onnx(loaded, max_seq, d)
+        art = exported(loaded, max_seq)
+        try:
             opts = ort.SessionOptions()
             opts.log_severity_level = 3
-            self.sessions = [ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"]) for p in paths]
+            self.sessions = [
+                ort.InferenceSession(str(art.path / f"{g}.onnx"), opts, providers=["CPUExecutionProvider"])
+                for g in GRAPHS
+            ]
+        finally:
+            art.close()  # a session holds its graph in memory; a temporary folder (cache off) goes now
+        self.artifact_note = art.note
         self.caches = {
             n: np.zeros(
                 (1, self.host.infos[int(n[1:3])].num_kv_heads, max_seq, self.host.infos[int(n[1:3])].head_dim),
@@ -281,8 +332,9 @@ def _place_all(files: list[Path], out: Path, backups: Path) -> None:
 
 
 def export_command(model_dir, max_seq: int, out_dir, force: bool = False) -> str:
-    """`trace export-onnx`: write prefill.onnx and decode.onnx into out_dir, both or neither;
-    return a summary line. Output paths are checked before the model loads."""
+    """`trace export-onnx`: write prefill.onnx and decode.onnx into out_dir, both or neither (the
+    artifact cache's graphs, exported into it first when absent); return a summary line. Output
+    paths are checked before the model loads."""
     from gemma4_trace.hf.model import load_model
 
     out = Path(out_dir)
@@ -293,10 +345,19 @@ def export_command(model_dir, max_seq: int, out_dir, force: bool = False) -> str
             graphs, backups = Path(tmp) / "new", Path(tmp) / "old"
             graphs.mkdir()
             backups.mkdir()
-            export_onnx(loaded, max_seq, graphs)  # the graphs (and external weights, if any), all exported first
+            art = exported(loaded, max_seq)
+            try:  # the graphs (and external weights, if any), all copied first
+                for f in sorted(art.path.iterdir()):
+                    if f.name != MANIFEST:
+                        shutil.copyfile(f, graphs / f.name)
+            finally:
+                art.close()
             _place_all(sorted(graphs.iterdir()), out, backups)
     except OSError as e:  # the temporary folder could not be made or filled
         what = "no space left on device" if no_space(e) else (e.strerror or type(e).__name__)
         raise TraceToolError(f"cannot write in output folder {out} ({what}); no .onnx file was changed") from None
     sizes = ", ".join(f"{t} ({t.stat().st_size / 2**20:.1f} MiB)" for t in targets)
-    return f"wrote {sizes}: {loaded.name}, max_seq {max_seq}, opset {OPSET}, canonical kinds as extra outputs"
+    return (
+        f"wrote {sizes}: {loaded.name}, max_seq {max_seq}, opset {OPSET}, canonical kinds as extra outputs "
+        f"({'from the artifact cache' if art.note == 'cached' else art.note})"
+    )

@@ -124,14 +124,94 @@ def test_export_onnx_places_both_graphs_or_neither(tmp_path, monkeypatch):
     out.mkdir()
     (out / "decode.onnx").write_bytes(b"old decode")
 
-    def export(loaded, max_seq, folder):
+    from gemma4_trace.replayer.artifacts import Artifact
+
+    def exported(loaded, max_seq):  # fake graphs in a temporary artifact (never in the cache)
+        folder = tmp_path / "artifact"
+        folder.mkdir()
         for g in ("prefill", "decode"):
             (folder / f"{g}.onnx").write_bytes(b"new " + g.encode())
         (out / "prefill.onnx").mkdir()  # after the checks, before the graphs are placed
+        return Artifact(folder, "built in 0.0 s, not cached", temporary=True)
 
     monkeypatch.setattr("gemma4_trace.hf.model.load_model", lambda *a, **k: types.SimpleNamespace(name="tiny"))
-    monkeypatch.setattr(onnx_runtime, "export_onnx", export)
+    monkeypatch.setattr(onnx_runtime, "exported", exported)
     res = invoke("export-onnx", "--max-seq", "16", "-o", out, "--force")
     one_line_error(res, "prefill.onnx", "no .onnx file was changed")
     assert (out / "decode.onnx").read_bytes() == b"old decode"
     assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "prefill.onnx"]  # no partial folder left
+    assert not (tmp_path / "artifact").exists()  # the temporary artifact was removed
+
+
+# ---- the artifact cache (replayer/artifacts.py) --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cached_replays(tmp_path_factory):
+    """Two replays of the short golden into one fresh --cache-dir, then export-onnx from it."""
+    from gemma4_trace.replayer import artifacts
+
+    tmp = tmp_path_factory.mktemp("onnx-cache")
+    cache = tmp / "cache"
+    runs = [
+        invoke("replay", golden_path("short"), "--runtime", "onnx", "--cache-dir", cache, "-o", tmp / f"run{i}.h5")
+        for i in range(2)
+    ]
+    entries = sorted((cache / "onnx").iterdir())
+    mtimes = {p.name: p.stat().st_mtime_ns for p in entries[0].iterdir()} if entries else {}
+    export = invoke("export-onnx", "--max-seq", "16", "--cache-dir", cache, "-o", tmp / "graphs")
+    artifacts.configure()
+    return tmp, cache, runs, entries, mtimes, export
+
+
+def test_second_replay_runs_the_cached_graphs(cached_replays):
+    tmp, cache, runs, entries, mtimes, _ = cached_replays
+    assert [r.exit_code for r in runs] == [0, 0], [r.output for r in runs]
+    said = [r.stderr.count("exporting ONNX (prefill and decode, max_seq 16)") for r in runs]
+    assert said == [1, 0]  # exported once, with one line saying so; the second replay exported nothing
+    assert len(entries) == 1 and sorted(mtimes) == ["decode.onnx", "manifest.json", "prefill.onnx"]
+    assert {p.name: p.stat().st_mtime_ns for p in entries[0].iterdir()} == mtimes
+    res = diff_traces(tmp / "run0.h5", tmp / "run1.h5")
+    assert res.match
+    with TraceReader(tmp / "run0.h5") as a, TraceReader(tmp / "run1.h5") as b:
+        for kind, layer in a.kinds_present():
+            assert np.array_equal(a.read(kind, layer), b.read(kind, layer)), (kind, layer)
+
+
+def test_export_onnx_copies_the_cached_graphs(cached_replays):
+    tmp, cache, _, entries, mtimes, export = cached_replays
+    assert export.exit_code == 0, export.output
+    assert "from the artifact cache" in export.output and "exporting ONNX" not in export.stderr
+    for g in ("prefill.onnx", "decode.onnx"):
+        assert (tmp / "graphs" / g).read_bytes() == (entries[0] / g).read_bytes()
+    assert sorted(p.name for p in (tmp / "graphs").iterdir()) == ["decode.onnx", "prefill.onnx"]  # no manifest
+
+
+def test_a_tampered_cached_graph_is_exported_again(cached_replays, tmp_path, monkeypatch):
+    """A cached graph that was changed is never run: the replay says so and exports again (the
+    export here copies the good graphs, as a real one writes them: the export is deterministic,
+    and the first replay ran a real one)."""
+    import shutil
+
+    from gemma4_trace.replayer import onnx_runtime
+
+    _, cache, _, entries, _, _ = cached_replays
+    exports = []
+
+    def export(loaded, max_seq, folder):
+        exports.append(max_seq)
+        for g in ("prefill.onnx", "decode.onnx"):
+            shutil.copyfile(entries[0] / g, folder / g)
+
+    monkeypatch.setattr(onnx_runtime, "export_onnx", export)
+    mine = tmp_path / "cache"
+    shutil.copytree(cache, mine)
+    graph = mine / "onnx" / entries[0].name / "decode.onnx"
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 1
+    graph.write_bytes(bytes(data))
+    res = invoke("replay", golden_path("short"), "--runtime", "onnx", "--cache-dir", mine, "-o", tmp_path / "r.h5")
+    assert res.exit_code == 0, res.output
+    assert "the cached copy was stale: decode.onnx fails its hash check" in res.stderr and exports == [16]
+    assert graph.read_bytes() == (entries[0] / "decode.onnx").read_bytes()  # the entry holds a good graph again
+    assert diff_traces(golden_path("short"), tmp_path / "r.h5").match
