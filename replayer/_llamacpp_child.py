@@ -32,6 +32,8 @@ LAYER_NAMES = {"Qcur_pos": "q", "Kcur_pos": "k", "Vcur_normed": "v", "l_out": "l
 # whose weight is the layer's attention output tensor
 ATTN_OUT_WEIGHT = re.compile(r"blk\.(\d+)\.attn_output\.weight")
 GGML_TYPE_F32 = 0
+GGML_LOG_LEVEL_ERROR = 4
+LOAD_ERROR = "error loading model: "  # llama_model_load's prefix to the reason a file does not load
 # llama.cpp's flash attention (auto: on for this CPU backend) computes attention with FP16 steps:
 # "off" takes the plain softmax path, to tell its share of the difference from the FP16 GELU table's
 FLASH_ATTN_ENV = "GEMMA4_TRACE_LLAMACPP_FLASH_ATTN"
@@ -147,7 +149,13 @@ def main() -> int:
     inp = sys.stdin.buffer
     import llama_cpp as L
 
-    quiet = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda level, text, user: None)
+    said: list[str] = []  # llama.cpp's error-level log lines: the first names why a file does not load
+
+    def log(level, text, _user):
+        if level == GGML_LOG_LEVEL_ERROR:
+            said.append(" ".join((text or b"").decode(errors="replace").split(LOAD_ERROR)[-1].split())[:300])
+
+    quiet = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(log)
     L.llama_log_set(quiet, None)
     L.llama_backend_init()
     ggml = _ggml_lib(L)
@@ -172,9 +180,11 @@ def main() -> int:
             mp = L.llama_model_default_params()
             mp.n_gpu_layers = 0
             mp.use_extra_bufts = False  # the AMX repacked buffers crash on quantized Gemma 4 (ggml_backend_amx_mul_mat)
+            said.clear()
             model = L.llama_model_load_from_file(path.encode(), mp)
             if not model:
-                _send(out, ("error", "llama.cpp could not load the GGUF file (llama_model_load_from_file failed)"))
+                why = said[0] if said else "llama_model_load_from_file failed"
+                _send(out, ("error", f"llama.cpp could not load the GGUF file ({why})"))
                 continue
             cp = L.llama_context_default_params()
             cp.n_ctx = n_ctx

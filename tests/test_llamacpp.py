@@ -110,7 +110,7 @@ def test_malformed_gguf_is_refused_in_one_line(tmp_path):
         path.unlink()
     assert one_line_error(res, out=run) == (
         f"error: llama.cpp (F32) failed in loading {path}: llama.cpp could not load the GGUF file "
-        "(llama_model_load_from_file failed)"
+        "(gguf_init_from_reader: number of tensors is 4611686018427387904 but must be in [0, 53624256028225440])"
     )
     assert not run.exists()
 
@@ -224,6 +224,19 @@ ZOO = {
         dict(
             mutate=lambda n, a: (
                 a.reshape(a.shape[0], 8, -1)[:, ::-1].reshape(a.shape).copy()
+                if n == "per_layer_token_embd.weight"
+                else a
+            )
+        ),
+        (0, None, "per_layer_inputs", 0),
+    ),
+    # the per-layer embedding table transposed inside each token's row: its (layer, channel)
+    # blocks written channel-major (the tiny model's 8 layers x 8 channels keep the shape, so
+    # llama.cpp loads it). The per-layer embeddings are first read by per_layer_inputs: row 0
+    "per-layer embeddings transposed (layer x channel)": (
+        dict(
+            mutate=lambda n, a: (
+                a.reshape(a.shape[0], 8, -1).transpose(0, 2, 1).reshape(a.shape).copy()
                 if n == "per_layer_token_embd.weight"
                 else a
             )
