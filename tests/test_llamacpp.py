@@ -54,9 +54,15 @@ def test_f32_replay_matches_under_the_llamacpp_profile(tmp_path, name):
             "final_hidden",
             "logits",
             "token",
+            "mask",
         }
-        # masks and RoPE tables are not graph nodes: absent, never zeros
-        assert not any(k in ("mask",) or k.startswith("rope_") for k in kinds)
+        # the RoPE tables are not graph nodes: absent, never zeros
+        assert not any(k.startswith("rope_") for k in kinds)
+        # the masks (read as the attention nodes' mask operand) are REF's, every layer; a row is
+        # max_seq wide, REF's as wide as the run's positions: the columns past them allow nothing
+        for i in range(len(a.layers)):
+            x, y = a.read("mask", i), b.read("mask", i)
+            assert np.array_equal(x, y[:, : x.shape[1]]) and not y[:, x.shape[1] :].any(), i
         # k/v only where a layer writes its own K/V
         owners = {i for i, info in enumerate(a.layers) if info.kv_role != "reuses"}
         assert {layer for k, layer in got if k == "k"} == owners
@@ -206,8 +212,9 @@ def _swap_qk_norm():
 ZOO = {
     # RoPE does nothing at position 0: the first row it changes is position 1 of the first sliding layer's q
     "sliding RoPE base 1e6 instead of 1e4": (dict(metadata={"gemma4.rope.freq_base_swa": 1e6}), (0, 0, "q", 1)),
-    # a window of 9: the first query that sees one key too many is position 8, in layer 0's attention
-    "sliding window off by one (9)": (dict(metadata={"gemma4.attention.sliding_window": 9}), (0, 0, "attn_out", 8)),
+    # a window of 9: the first query that sees one key too many is position 8, in layer 0's
+    # attention: its mask (compared before the attention's tensors) is the first to differ
+    "sliding window off by one (9)": (dict(metadata={"gemma4.attention.sliding_window": 9}), (0, 0, "mask", 8)),
     # the first full layer (2) is the first with proportional RoPE; position 0 is not rotated. The
     # extra frequencies are slow (1e6^-0.25 rad per position and less): position 1 is only just past
     # the profile (7e-3 > 6e-3), so any early position is the right site

@@ -66,10 +66,11 @@ Q4_ZOO = {
         dict(metadata={"gemma4.rope.freq_base_swa": 1e6}),
         (0, 0, "q", range(1, 10)),
     ),
-    # window 5 instead of 4: position 4 is the first query that sees a key too many (position 0)
+    # window 5 instead of 4: position 4 is the first query that sees a key too many (position 0);
+    # the mask says so exactly, whatever the weights' rounding
     "sliding window off by one (5)": (
         dict(metadata={"gemma4.attention.sliding_window": 5}),
-        (0, 0, "attn_out", range(4, 10)),
+        (0, 0, "mask", range(4, 5)),
     ),
     # norms stay F32 in Q4_K_M; the per-layer projection norm is the first norm weight applied
     "RMSNorm weights written as 1 + w": (
