@@ -136,9 +136,9 @@ class Capture:
     def _mask(self, t: _Tensor, layer: int):
         """allowed[query, key position] (max_seq wide) from the attention node's mask operand: one
         row per token of the ubatch (ne1; padding rows dropped), one column per KV cache cell (ne0),
-        0 allowed, -inf not. A fresh single-sequence cache fills its cells in position order, so
-        cell = position until a position passes the cache's cells (a sliding cache then reuses
-        cells): None from then on, and the mask is absent rather than misread."""
+        0 allowed, -inf not. A fresh single-sequence cache fills its cells in position order and
+        (full-size, swa_full) has a cell for every position, so cell = position; a position past
+        the cells (a cache that reuses cells) gives None, and the mask is absent, not misread."""
         mask = _Tensor.from_address(t.src[self.mask_ops[t.op]])
         n_kv, n_tok = int(mask.ne[0]), int(t.src[0] and _Tensor.from_address(t.src[0]).ne[1])
         dtype = {GGML_TYPE_F16: np.float16, GGML_TYPE_F32: np.float32}.get(mask.type)
@@ -247,6 +247,7 @@ def main() -> int:
             cp.flash_attn_type = FLASH_ATTN.get(os.environ.get(FLASH_ATTN_ENV, "auto"), -1)
             cp.n_threads = cp.n_threads_batch = threads
             cp.type_k = cp.type_v = GGML_TYPE_F32  # the cache keeps what the layers computed
+            cp.swa_full = True  # (its default) a full-size sliding cache: cell i holds position i, a mask column
             cp.cb_eval = ctypes.cast(cap.c_callback, type(cp.cb_eval))
             cp.cb_eval_user_data = None
             ctx = L.llama_init_from_model(model, cp)

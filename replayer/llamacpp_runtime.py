@@ -210,6 +210,8 @@ class LlamaCppRuntime:
             order = {k: n for n, k in enumerate(S.KIND_NAMES)}
             for kind, layer in sorted(got, key=lambda kl: (-1 if kl[1] is None else kl[1], order[kl[0]])):
                 rows = np.concatenate(got[(kind, layer)])  # ubatches in order
+                if kind == "mask" and len(rows) != len(ids):
+                    continue  # some ubatch's cells no longer were positions (the child left it out): none of it
                 probe.tensor(kind, torch.from_numpy(rows), layer=layer)
         return torch.from_numpy(msg[1])
 

@@ -392,3 +392,22 @@ def test_q4_k_m_three_way_diff_with_the_dequantized_baseline_is_a_match(tmp_path
     res = diff_traces(ref, run, str(PROFILE), baseline_path=base)
     assert res.match, res.to_json()["first_divergence"]
     assert not diff_traces(ref, run, str(PROFILE), baseline_path=static).match
+
+
+def test_masks_past_256_positions_in_small_ubatches_are_refs(tmp_path, monkeypatch):
+    """270 prompt tokens in ubatches of 4 (68 graphs), past 256 positions: every layer's mask,
+    read from llama.cpp's attention nodes, is REF's row for row (cells stay positions)."""
+    import random
+
+    rng = random.Random(1)
+    ids = [2] + [rng.randrange(20, 600) for _ in range(269)]  # no image/audio token ids (7-13)
+    ref, run = tmp_path / "long.h5", tmp_path / "run.h5"
+    res = invoke("record", "--input-ids", ",".join(map(str, ids)), "--max-new-tokens", "2", "-o", str(ref))
+    assert res.exit_code == 0, res.output
+    monkeypatch.setenv("GEMMA4_TRACE_LLAMACPP_UBATCH", "4")
+    replay_trace(ref, run, runtime="llama.cpp")
+    with TraceReader(ref) as a, TraceReader(run) as b:
+        for i in range(len(a.layers)):
+            x, y = a.read("mask", i), b.read("mask", i)
+            assert len(x) == 271 and np.array_equal(x, y[:, : x.shape[1]]), i
+    assert diff_traces(ref, run, str(PROFILE)).match
