@@ -32,6 +32,15 @@ LAYER_NAMES = {"Qcur_pos": "q", "Kcur_pos": "k", "Vcur_normed": "v", "l_out": "l
 # whose weight is the layer's attention output tensor
 ATTN_OUT_WEIGHT = re.compile(r"blk\.(\d+)\.attn_output\.weight")
 GGML_TYPE_F32 = 0
+GGML_TYPE_F16 = 1
+# the attention masks are graph inputs (leaves: never handed to the callback themselves), read as
+# the mask operand of each layer's attention node (FLASH_ATTN_EXT, or SOFT_MAX with flash attention
+# off); the layer is in the name of that node's first operand (its q, or the K.Q product)
+MASK_NAME = "attn_inp_kq_mask"
+MASK_OPS = {"FLASH_ATTN_EXT": 3, "SOFT_MAX": 1}  # op -> the mask's operand index
+MASK_LAYER = re.compile(r"(?:Qcur_pos|kq)-(\d+)\b")
+GGML_LOG_LEVEL_ERROR = 4
+LOAD_ERROR = "error loading model: "  # llama_model_load's prefix to the reason a file does not load
 # llama.cpp's flash attention (auto: on for this CPU backend) computes attention with FP16 steps:
 # "off" takes the plain softmax path, to tell its share of the difference from the FP16 GELU table's
 FLASH_ATTN_ENV = "GEMMA4_TRACE_LLAMACPP_FLASH_ATTN"
@@ -94,7 +103,16 @@ class Capture:
         self.ggml, self.out = ggml, out
         self.on = False
         self.abort_after = os.environ.get(TEST_ABORT_ENV)
-        self.mul_mat = next(i for i in range(1000) if ggml.ggml_op_name(i) == b"MUL_MAT")  # ggml_op's value
+        ops: dict[str, int] = {}  # ggml_op's values, scanned up to the last one needed (never past GGML_OP_COUNT)
+        for i in range(1000):
+            ops.setdefault(ggml.ggml_op_name(i).decode(errors="replace"), i)
+            if {"MUL_MAT", *MASK_OPS} <= ops.keys():
+                break
+        self.mul_mat = ops["MUL_MAT"]
+        self.mask_ops = {ops[name]: src for name, src in MASK_OPS.items()}
+        self.n_ctx = 0  # the trace's max_seq: a mask row's width
+        self.first = 0  # the position of the decode's first token
+        self.mask_rows: dict[int, int] = {}  # layer -> mask rows read in this decode (ubatches in order)
         self.c_callback = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(self._cb)
 
     def _target(self, t: _Tensor):
@@ -108,7 +126,37 @@ class Capture:
             m = ATTN_OUT_WEIGHT.fullmatch(_Tensor.from_address(t.src[0]).name.decode(errors="replace"))
             if m:
                 return "attn_out", int(m.group(1))
+        if t.op in self.mask_ops and t.src[0] and t.src[self.mask_ops[t.op]]:
+            mask = _Tensor.from_address(t.src[self.mask_ops[t.op]])
+            m = MASK_LAYER.match(_Tensor.from_address(t.src[0]).name.decode(errors="replace"))
+            if m and mask.name.decode(errors="replace").startswith(MASK_NAME):
+                return "mask", int(m.group(1))
         return None
+
+    def _mask(self, t: _Tensor, layer: int):
+        """allowed[query, key position] (max_seq wide) from the attention node's mask operand: one
+        row per token of the ubatch (ne1; padding rows dropped), one column per KV cache cell (ne0),
+        0 allowed, -inf not. A fresh single-sequence cache fills its cells in position order and
+        (full-size, swa_full) has a cell for every position, so cell = position; a position past
+        the cells (a cache that reuses cells) gives None, and the mask is absent, not misread."""
+        mask = _Tensor.from_address(t.src[self.mask_ops[t.op]])
+        n_kv, n_tok = int(mask.ne[0]), int(t.src[0] and _Tensor.from_address(t.src[0]).ne[1])
+        dtype = {GGML_TYPE_F16: np.float16, GGML_TYPE_F32: np.float32}.get(mask.type)
+        rows = int(mask.ne[1])
+        if dtype is None or int(mask.ne[2]) * int(mask.ne[3]) != 1 or not 0 < n_tok <= rows:
+            return None
+        if mask.nb[0] != np.dtype(dtype).itemsize or mask.nb[1] != mask.nb[0] * n_kv:
+            return None
+        done = self.mask_rows.get(layer, 0)
+        self.mask_rows[layer] = done + n_tok
+        if self.first + done + n_tok > n_kv:  # a position past the cells: they no longer map to positions
+            return None
+        arr = np.empty((rows, n_kv), dtype=dtype)
+        self.ggml.ggml_backend_tensor_get(ctypes.addressof(mask), arr.ctypes.data, 0, arr.nbytes)
+        allowed = np.zeros((n_tok, self.n_ctx), dtype=np.bool_)
+        width = min(n_kv, self.n_ctx)
+        allowed[:, :width] = arr[:n_tok, :width] == 0
+        return allowed
 
     def _cb(self, ptr, ask, _user):
         try:
@@ -118,6 +166,11 @@ class Capture:
             target = self._target(t)
             if ask:
                 return target is not None
+            if target is not None and target[0] == "mask":
+                allowed = self._mask(t, target[1])
+                if allowed is not None:
+                    _send(self.out, ("tensor", "mask", target[1], allowed))
+                return True
             if target is None or t.type != GGML_TYPE_F32:
                 return True
             ne = [int(x) for x in t.ne]
@@ -147,7 +200,13 @@ def main() -> int:
     inp = sys.stdin.buffer
     import llama_cpp as L
 
-    quiet = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda level, text, user: None)
+    said: list[str] = []  # llama.cpp's error-level log lines: the first names why a file does not load
+
+    def log(level, text, _user):
+        if level == GGML_LOG_LEVEL_ERROR:
+            said.append(" ".join((text or b"").decode(errors="replace").split(LOAD_ERROR)[-1].split())[:300])
+
+    quiet = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(log)
     L.llama_log_set(quiet, None)
     L.llama_backend_init()
     ggml = _ggml_lib(L)
@@ -169,12 +228,15 @@ def main() -> int:
             _send(out, ("done",) if rc == 0 else ("error", f"llama_model_quantize returned {rc}"))
         elif cmd == "load":
             _, path, n_ctx = msg
+            cap.n_ctx = n_ctx
             mp = L.llama_model_default_params()
             mp.n_gpu_layers = 0
             mp.use_extra_bufts = False  # the AMX repacked buffers crash on quantized Gemma 4 (ggml_backend_amx_mul_mat)
+            said.clear()
             model = L.llama_model_load_from_file(path.encode(), mp)
             if not model:
-                _send(out, ("error", "llama.cpp could not load the GGUF file (llama_model_load_from_file failed)"))
+                why = said[0] if said else "llama_model_load_from_file failed"
+                _send(out, ("error", f"llama.cpp could not load the GGUF file ({why})"))
                 continue
             cp = L.llama_context_default_params()
             cp.n_ctx = n_ctx
@@ -185,6 +247,7 @@ def main() -> int:
             cp.flash_attn_type = FLASH_ATTN.get(os.environ.get(FLASH_ATTN_ENV, "auto"), -1)
             cp.n_threads = cp.n_threads_batch = threads
             cp.type_k = cp.type_v = GGML_TYPE_F32  # the cache keeps what the layers computed
+            cp.swa_full = True  # (its default) a full-size sliding cache: cell i holds position i, a mask column
             cp.cb_eval = ctypes.cast(cap.c_callback, type(cp.cb_eval))
             cp.cb_eval_user_data = None
             ctx = L.llama_init_from_model(model, cp)
@@ -207,6 +270,7 @@ def main() -> int:
                     batch.seq_id[j][0] = 0
                     batch.logits[j] = j == n - 1
                 batch.n_tokens = n
+                cap.first, cap.mask_rows = first, {}
                 cap.on = True
                 rc = L.llama_decode(ctx, batch)
                 cap.on = False

@@ -9,8 +9,9 @@ by llama.cpp (llama-cpp-python, extra `gemma4-trace[llamacpp]`) in a child proce
 Capture: the scheduler's eval callback hands each graph node to the child, which sends the
 canonical kinds' nodes back (replayer/_llamacpp_child.py names the mapping): embeddings,
 per_layer_inputs, q and k (after their norm and RoPE), v (after its norm), attn_out (o_proj's
-output), layer_out, final_hidden. The masks and RoPE tables are not graph nodes llama.cpp
-exposes per layer: they are absent from the trace (never zeros), and `trace diff` says so.
+output), layer_out, final_hidden, and each layer's attention mask (a graph input, read as the
+mask operand of the layer's attention node). The RoPE tables are not graph nodes llama.cpp
+exposes: they are absent from the trace (never zeros), and `trace diff` says so.
 
 Teacher-forced and free-running: the prompt is one prefill (one llama_decode call; a prompt
 longer than a ubatch runs as several graphs, their rows stitched in order), then one token per
@@ -209,6 +210,8 @@ class LlamaCppRuntime:
             order = {k: n for n, k in enumerate(S.KIND_NAMES)}
             for kind, layer in sorted(got, key=lambda kl: (-1 if kl[1] is None else kl[1], order[kl[0]])):
                 rows = np.concatenate(got[(kind, layer)])  # ubatches in order
+                if kind == "mask" and len(rows) != len(ids):
+                    continue  # some ubatch's cells no longer were positions (the child left it out): none of it
                 probe.tensor(kind, torch.from_numpy(rows), layer=layer)
         return torch.from_numpy(msg[1])
 

@@ -90,9 +90,9 @@ def test_mismatched_metadata_is_refused_in_one_line_and_allowed_on_request(tmp_p
     assert note in res.stdout
     with TraceReader(run) as r:
         assert note in r.provenance["runtime"]
-    # the allowed differences act: the window of 9 first shows at layer 0's attention, position 8
+    # the allowed differences act: the window of 9 first shows at layer 0's attention mask, position 8
     first = diff_traces(ref, run, PROFILE).to_json()["first_divergence"]
-    assert (first["layer"], first["kind"], first["position"]) == (0, "attn_out", 8), first
+    assert (first["layer"], first["kind"], first["position"]) == (0, "mask", 8), first
 
 
 def test_gguf_of_another_model_is_refused_naming_the_differences(tmp_path):

@@ -54,9 +54,15 @@ def test_f32_replay_matches_under_the_llamacpp_profile(tmp_path, name):
             "final_hidden",
             "logits",
             "token",
+            "mask",
         }
-        # masks and RoPE tables are not graph nodes: absent, never zeros
-        assert not any(k in ("mask",) or k.startswith("rope_") for k in kinds)
+        # the RoPE tables are not graph nodes: absent, never zeros
+        assert not any(k.startswith("rope_") for k in kinds)
+        # the masks (read as the attention nodes' mask operand) are REF's, every layer; a row is
+        # max_seq wide, REF's as wide as the run's positions: the columns past them allow nothing
+        for i in range(len(a.layers)):
+            x, y = a.read("mask", i), b.read("mask", i)
+            assert np.array_equal(x, y[:, : x.shape[1]]) and not y[:, x.shape[1] :].any(), i
         # k/v only where a layer writes its own K/V
         owners = {i for i, info in enumerate(a.layers) if info.kv_role != "reuses"}
         assert {layer for k, layer in got if k == "k"} == owners
@@ -110,7 +116,7 @@ def test_malformed_gguf_is_refused_in_one_line(tmp_path):
         path.unlink()
     assert one_line_error(res, out=run) == (
         f"error: llama.cpp (F32) failed in loading {path}: llama.cpp could not load the GGUF file "
-        "(llama_model_load_from_file failed)"
+        "(gguf_init_from_reader: number of tensors is 4611686018427387904 but must be in [0, 53624256028225440])"
     )
     assert not run.exists()
 
@@ -206,8 +212,9 @@ def _swap_qk_norm():
 ZOO = {
     # RoPE does nothing at position 0: the first row it changes is position 1 of the first sliding layer's q
     "sliding RoPE base 1e6 instead of 1e4": (dict(metadata={"gemma4.rope.freq_base_swa": 1e6}), (0, 0, "q", 1)),
-    # a window of 9: the first query that sees one key too many is position 8, in layer 0's attention
-    "sliding window off by one (9)": (dict(metadata={"gemma4.attention.sliding_window": 9}), (0, 0, "attn_out", 8)),
+    # a window of 9: the first query that sees one key too many is position 8, in layer 0's
+    # attention: its mask (compared before the attention's tensors) is the first to differ
+    "sliding window off by one (9)": (dict(metadata={"gemma4.attention.sliding_window": 9}), (0, 0, "mask", 8)),
     # the first full layer (2) is the first with proportional RoPE; position 0 is not rotated. The
     # extra frequencies are slow (1e6^-0.25 rad per position and less): position 1 is only just past
     # the profile (7e-3 > 6e-3), so any early position is the right site
@@ -224,6 +231,19 @@ ZOO = {
         dict(
             mutate=lambda n, a: (
                 a.reshape(a.shape[0], 8, -1)[:, ::-1].reshape(a.shape).copy()
+                if n == "per_layer_token_embd.weight"
+                else a
+            )
+        ),
+        (0, None, "per_layer_inputs", 0),
+    ),
+    # the per-layer embedding table transposed inside each token's row: its (layer, channel)
+    # blocks written channel-major (the tiny model's 8 layers x 8 channels keep the shape, so
+    # llama.cpp loads it). The per-layer embeddings are first read by per_layer_inputs: row 0
+    "per-layer embeddings transposed (layer x channel)": (
+        dict(
+            mutate=lambda n, a: (
+                a.reshape(a.shape[0], 8, -1).transpose(0, 2, 1).reshape(a.shape).copy()
                 if n == "per_layer_token_embd.weight"
                 else a
             )
@@ -372,3 +392,22 @@ def test_q4_k_m_three_way_diff_with_the_dequantized_baseline_is_a_match(tmp_path
     res = diff_traces(ref, run, str(PROFILE), baseline_path=base)
     assert res.match, res.to_json()["first_divergence"]
     assert not diff_traces(ref, run, str(PROFILE), baseline_path=static).match
+
+
+def test_masks_past_256_positions_in_small_ubatches_are_refs(tmp_path, monkeypatch):
+    """270 prompt tokens in ubatches of 4 (68 graphs), past 256 positions: every layer's mask,
+    read from llama.cpp's attention nodes, is REF's row for row (cells stay positions)."""
+    import random
+
+    rng = random.Random(1)
+    ids = [2] + [rng.randrange(20, 600) for _ in range(269)]  # no image/audio token ids (7-13)
+    ref, run = tmp_path / "long.h5", tmp_path / "run.h5"
+    res = invoke("record", "--input-ids", ",".join(map(str, ids)), "--max-new-tokens", "2", "-o", str(ref))
+    assert res.exit_code == 0, res.output
+    monkeypatch.setenv("GEMMA4_TRACE_LLAMACPP_UBATCH", "4")
+    replay_trace(ref, run, runtime="llama.cpp")
+    with TraceReader(ref) as a, TraceReader(run) as b:
+        for i in range(len(a.layers)):
+            x, y = a.read("mask", i), b.read("mask", i)
+            assert len(x) == 271 and np.array_equal(x, y[:, : x.shape[1]]), i
+    assert diff_traces(ref, run, str(PROFILE)).match
