@@ -403,7 +403,7 @@ def _embedded_model_dir(model_name: str):
     "[default: $GEMMA4_TRACE_CACHE, else ~/.cache/gemma4-trace]",
 )
 @click.option(
-    "--no-cache", is_flag=True, help="build the graphs (ONNX, mobius) in a temporary folder, not in the cache"
+    "--no-cache", is_flag=True, help="build artifacts (ONNX, mobius, GGUF, ...) in a temporary folder, not in the cache"
 )
 @progress_option
 @selection_options
@@ -496,7 +496,7 @@ def replay(
     "[default: $GEMMA4_TRACE_CACHE, else ~/.cache/gemma4-trace]",
 )
 @click.option(
-    "--no-cache", is_flag=True, help="build the graphs (ONNX, mobius) in a temporary folder, not in the cache"
+    "--no-cache", is_flag=True, help="build artifacts (ONNX, mobius, GGUF, ...) in a temporary folder, not in the cache"
 )
 @debug_option
 @user_errors

@@ -37,6 +37,11 @@ def configure(cache=None, enabled: bool = True) -> None:
     _settings.update(cache=cache, enabled=enabled)
 
 
+def caching() -> bool:
+    """False after configure(enabled=False) (--no-cache)."""
+    return bool(_settings["enabled"])
+
+
 def cache_dir(override=None) -> Path:
     override = override if override is not None else _settings["cache"]
     if override is not None:

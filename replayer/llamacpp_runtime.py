@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pickle
+import shutil
 import signal
 import struct
 import subprocess
@@ -43,6 +44,7 @@ from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 
 from . import gguf_writer as GW
+from .artifacts import caching
 
 RUNTIME = "llama.cpp"
 MAX_REPLY = 1 << 34  # bytes in one reply from the child (a tensor of one step); more is no reply of ours
@@ -172,6 +174,9 @@ class LlamaCppRuntime:
         `notes`: what the runtime's name adds (the config differences a replay allowed)."""
         check_installed()
         self.gguf_type = gguf_type
+        self.scratch = None  # --no-cache: the conversion goes to a folder removed with the runtime
+        if user_file is None and cache is None and not caching():
+            self.scratch = cache = tempfile.mkdtemp(prefix="gemma4-trace-gguf-")
         label = f"{RUNTIME} ({gguf_type if user_file is None else Path(user_file).name})"
         self.child = Child(label)
         try:
@@ -183,6 +188,7 @@ class LlamaCppRuntime:
             _, desc, n_vocab = self.child.receive(f"loading {self.path}")
         except BaseException:
             self.child.close()
+            self._remove_scratch()
             raise
         from importlib.metadata import version
 
@@ -227,10 +233,16 @@ class LlamaCppRuntime:
     def decode(self, token_id, position, probe):
         return self._step([int(token_id)], int(position), f"decode at position {position}", probe)
 
+    def _remove_scratch(self) -> None:
+        if getattr(self, "scratch", None):
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
+
     def __del__(self):
         child = getattr(self, "child", None)
         if child is not None:
             child.close()
+        self._remove_scratch()
 
 
 def make_llamacpp(gguf_type: str):

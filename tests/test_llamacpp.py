@@ -411,3 +411,25 @@ def test_masks_past_256_positions_in_small_ubatches_are_refs(tmp_path, monkeypat
             x, y = a.read("mask", i), b.read("mask", i)
             assert len(x) == 271 and np.array_equal(x, y[:, : x.shape[1]]), i
     assert diff_traces(ref, run, str(PROFILE)).match
+
+
+def test_no_cache_converts_into_a_folder_removed_after_the_replay(tmp_path):
+    import glob
+    import tempfile
+
+    cache, run = tmp_path / "cache", tmp_path / "r.h5"
+    before = set(glob.glob(f"{tempfile.gettempdir()}/gemma4-trace-gguf-*"))
+    res = invoke(
+        "replay",
+        str(golden_path("short")),
+        "--runtime",
+        "llama.cpp",
+        "--no-cache",
+        "--cache-dir",
+        str(cache),
+        "-o",
+        str(run),
+    )
+    assert res.exit_code == 0, res.output
+    assert run.is_file() and not (cache / "gguf").exists()
+    assert set(glob.glob(f"{tempfile.gettempdir()}/gemma4-trace-gguf-*")) == before
