@@ -695,7 +695,13 @@ def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_
 @click.argument("reference", metavar="REF.h5", type=click.Path())
 @click.option("--runtime", required=True, help="quantized static runtime: static-w8, static-w4g32 or static-w8a8")
 @click.option(
-    "--target", required=True, help="e.g. 'kl_mean<=0.01 and top1>=0.98' (metrics: kl_mean, kl_p99, top1, layer_out)"
+    "--target",
+    required=True,
+    help="e.g. 'kl_mean<=0.01 and top1>=0.98' (metrics: kl_mean, kl_p99, top1, layer_out; "
+    "baseline: trace diff --baseline BASE of the replay passes)",
+)
+@click.option(
+    "--baseline", type=click.Path(), default=None, help="BASE.h5 for the target's baseline (as in trace diff --baseline)"
 )
 @click.option(
     "--fallback",
@@ -713,22 +719,35 @@ def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_
 @click.option("--force", is_flag=True, help="replace an existing output")
 @debug_option
 @user_errors
-def precision(reference, runtime, target, fallback, granularity, recipe, model_dir, output, force):
+def precision(reference, runtime, target, baseline, fallback, granularity, recipe, model_dir, output, force):
     """Keep the most sensitive units at a fallback precision until a target holds; write the recipe."""
-    from gemma4_trace.replayer.recipe import write_recipe
-    from gemma4_trace.replayer.sensitivity import Runner, Target, format_precision, precision_search
+    from pathlib import Path
 
-    check_output_path(output, force, inputs=[reference, *_model_files(model_dir), *([recipe] if recipe else [])])
+    from gemma4_trace.replayer.recipe import write_recipe
+    from gemma4_trace.replayer.sensitivity import (
+        Runner,
+        Target,
+        check_target_baseline,
+        format_precision,
+        precision_search,
+    )
+
+    inputs = [reference, *_model_files(model_dir), *([recipe] if recipe else []), *([baseline] if baseline else [])]
+    check_output_path(output, force, inputs=inputs)
     goal = Target.parse(target)
+    check_target_baseline(goal, baseline)
     if fallback == runtime:
         raise TraceToolError(f"--fallback {fallback} is the runtime itself")
     start = _load_start_recipe(recipe)
-    runner = Runner(reference, runtime, model_dir, start)
+    runner = Runner(reference, runtime, model_dir, start, baseline=baseline)
     result = precision_search(runner, goal, fallback, granularity, start)
     write_recipe(
         result.recipe,
         output,
         force,
-        comments=[f"trace precision --runtime {runtime} --target '{goal}' --fallback {fallback}"],
+        comments=[
+            f"trace precision --runtime {runtime} --target '{goal}' --fallback {fallback}"
+            + (f" --baseline {Path(baseline).name}" if baseline else "")
+        ],
     )
     click.echo(format_precision(result, output, goal, fallback, runner.replays, runner.seconds))

@@ -68,11 +68,22 @@ class Target:
                 pos += 1
         clauses, i = [], 0
         while True:
+            if i < len(tokens) and tokens[i] == ("word", "baseline"):  # `trace diff --baseline BASE` of the candidate passes
+                clauses.append(("baseline", None, None))
+                i += 1
+                if i == len(tokens):
+                    return Target(tuple(clauses))
+                if tokens[i] != ("word", "and"):
+                    raise TraceToolError("--target: clauses are joined by 'and'")
+                i += 1
+                continue
             if i + 3 > len(tokens):
                 raise TraceToolError("--target: a clause is METRIC OP NUMBER, e.g. kl_mean<=0.01")
             (tm, metric), (to, op), (tn, num) = tokens[i : i + 3]
             if tm != "word" or metric not in METRICS:
-                raise TraceToolError(f"--target: unknown metric {metric!r}; known: {', '.join(METRICS)}")
+                raise TraceToolError(
+                    f"--target: unknown metric {metric!r}; known: {', '.join(METRICS)} (and the word baseline)"
+                )
             if to != "op" or tn != "num":
                 raise TraceToolError(f"--target: expected '{metric} OP NUMBER' with OP one of <= < >= >")
             value = float(num)
@@ -86,11 +97,15 @@ class Target:
                 raise TraceToolError("--target: clauses are joined by 'and'")
             i += 1
 
+    @property
+    def uses_baseline(self) -> bool:
+        return any(m == "baseline" for m, _, _ in self.clauses)
+
     def holds(self, metrics: dict) -> bool:
-        return all(_OPS[op](metrics[m], v) for m, op, v in self.clauses)
+        return all(metrics[m] is True if m == "baseline" else _OPS[op](metrics[m], v) for m, op, v in self.clauses)
 
     def __str__(self) -> str:
-        return " and ".join(f"{m}{op}{v:g}" for m, op, v in self.clauses)
+        return " and ".join(m if m == "baseline" else f"{m}{op}{v:g}" for m, op, v in self.clauses)
 
 
 # ----------------------------------------------------------------------------- in-process replays
@@ -172,7 +187,7 @@ class ReplayResult:
 class Runner:
     """REF read once, the model loaded once; each call builds the runtime with a recipe and replays."""
 
-    def __init__(self, ref_path, runtime: str, model_dir=None, base: Recipe | None = None):
+    def __init__(self, ref_path, runtime: str, model_dir=None, base: Recipe | None = None, baseline=None):
         from gemma4_trace.hf.model import load_for_reference
 
         from .quant import SCHEMES, resolve_precision, weight_units
@@ -185,7 +200,10 @@ class Runner:
             )
         if base is not None and base.runtime != runtime:
             raise TraceToolError(f"the recipe is for --runtime {base.runtime}, not {runtime}")
+        self.ref_path, self.baseline = ref_path, baseline
         self.ref = read_ref(ref_path)
+        if baseline is not None:
+            check_baseline_for(ref_path, baseline)
         self.runtime = runtime
         self.loaded = load_for_reference(self.ref.provenance, model_dir, device="cpu")
         self.max_seq = default_max_seq(len(self.ref.prompt_ids), len(self.ref.tokens))
@@ -269,6 +287,68 @@ class Runner:
             "layer_out": float(max(layer_errors)),
         }
         return ReplayResult(metrics, layer_errors, ple)
+
+
+    def measure(self, cfg: dict) -> dict:
+        """A full replay's METRICS, plus "baseline" (True when `trace diff --baseline BASE` of
+        the replay's trace passes) when the runner has a baseline."""
+        metrics = dict(self.replay(cfg).metrics)
+        if self.baseline is not None:
+            metrics["baseline"] = self.baseline_passes(cfg)
+        return metrics
+
+    def baseline_passes(self, cfg: dict) -> bool:
+        """Write the replay of `cfg` as a trace (a temporary file, as `trace replay` writes it)
+        and diff it against REF with BASE's envelope (diff/baseline.py)."""
+        import tempfile
+        from pathlib import Path
+
+        from gemma4_trace.diff import diff_traces
+
+        with tempfile.TemporaryDirectory(prefix="trace-precision-") as d:
+            run = Path(d) / "candidate.h5"
+            self.write_trace(cfg, run)
+            self.replays["full"] += 1
+            return bool(diff_traces(self.ref_path, run, None, self.baseline).match)
+
+    def write_trace(self, cfg: dict, path) -> None:
+        """The teacher-forced replay of `cfg` written as `trace replay --recipe` writes it."""
+        from gemma4_trace.hf.model import provenance
+        from gemma4_trace.traces.header import Provenance, TraceHeader
+        from gemma4_trace.traces.layers import layer_infos_from_config
+        from gemma4_trace.traces.writer import TraceWriter
+
+        from .quant import quantize_
+        from .replay import _CheckedRuntime, _run_steps, read_reference
+
+        t0 = time.perf_counter()
+        ref = read_reference(self.ref_path)
+        rt = quantize_(self._make(), self.runtime, cfg, cache=self._cache)
+        runner = _CheckedRuntime(rt, plugin=False, vocab=self.loaded.text_config.vocab_size)
+        with TraceWriter(path, source_dtype=self.loaded.dtype, selection=ref.selection) as w:
+            w.write_header(
+                TraceHeader(
+                    Provenance.from_dict(provenance(self.loaded, runtime=rt.name, mode="teacher-forced")),
+                    ref.prompt_ids,
+                    layer_infos_from_config(self.loaded.text_config),
+                    max_new_tokens=ref.max_new_tokens,
+                    eos_token_ids=ref.eos,
+                    prompt_text=ref.prompt_text,
+                    chat_template_applied=ref.chat,
+                    extra_inputs=ref.extra,
+                )
+            )
+            _run_steps(runner, ref, "teacher-forced", w, None)
+        self.seconds += time.perf_counter() - t0
+
+
+def check_baseline_for(ref_path, base_path) -> None:
+    """Refuse (one line) a BASE that cannot judge replays of REF: another model or prompt, too
+    few steps, an isolated trace (the checks `trace diff --baseline` makes)."""
+    from gemma4_trace.diff.baseline import check_baseline
+
+    with TraceReader(ref_path) as ref, TraceReader(base_path) as base:
+        check_baseline(ref, ref, base)
 
 
 def _unit_layer(unit: str) -> int | None:
@@ -397,9 +477,12 @@ def _top1(x) -> str:
 
 
 def _metrics_text(m: dict) -> str:
-    return (
+    text = (
         f"KL mean {m['kl_mean']:.2e}, KL p99 {m['kl_p99']:.2e}, top-1 {m['top1']:.3f}, layer_out {m['layer_out']:.2e}"
     )
+    if "baseline" in m:
+        text += f", trace diff --baseline {'passes' if m['baseline'] else 'fails'}"
+    return text
 
 
 # ----------------------------------------------------------------------------- precision search
@@ -415,12 +498,20 @@ class PrecisionResult:
     started_from_recipe: bool = False
 
 
+def check_target_baseline(target: Target, baseline) -> None:
+    if target.uses_baseline and baseline is None:
+        raise TraceToolError("--target baseline needs --baseline BASE.h5 (the trace a replay is judged against)")
+    if baseline is not None and not target.uses_baseline:
+        raise TraceToolError("--baseline is used only by a target with the word baseline, e.g. --target baseline")
+
+
 def precision_search(
     runner: Runner, target: Target, fallback: str = "float", granularity: str = "layer", base: Recipe | None = None
 ) -> PrecisionResult:
     if fallback not in ("float", *SCHEME_NAMES):
         raise TraceToolError(f"--fallback must be float or a quantized runtime, got {fallback!r}")
-    before = runner.replay(runner.config()).metrics
+    check_target_baseline(target, runner.baseline)
+    before = runner.measure(runner.config())
     kept, cfg, after = [], runner.config(), before
     if not target.holds(before):
         order = [u for u, err in isolated_ranking(runner, granularity) if err is not None]
@@ -430,7 +521,7 @@ def precision_search(
                 continue
             kept.append(unit)
             cfg = runner.config({**{m: fallback for u in kept for m in runner.members(u)}})
-            after = runner.replay(cfg).metrics
+            after = runner.measure(cfg)
             if target.holds(after):
                 break
         else:
@@ -441,7 +532,7 @@ def precision_search(
         # prune: a unit added early may be unneeded once later ones are back; try each but the last
         for unit in list(kept[:-1]):
             trial = [u for u in kept if u != unit]
-            metrics = runner.replay(runner.config({m: fallback for u in trial for m in runner.members(u)})).metrics
+            metrics = runner.measure(runner.config({m: fallback for u in trial for m in runner.members(u)}))
             if target.holds(metrics):
                 kept, after = trial, metrics
     units = dict(base.units) if base else {}
@@ -450,7 +541,7 @@ def precision_search(
         units[u] = fallback
     recipe = Recipe(runner.runtime, units).check()
     # verification: the recipe as written, resolved like `trace replay --recipe` does
-    verified = runner.replay(_resolve(runner, recipe)).metrics
+    verified = runner.measure(_resolve(runner, recipe))
     if not target.holds(verified):
         raise TraceToolError(
             f"the recipe's verification replay misses the target ({_metrics_text(verified)}); nothing was written"
