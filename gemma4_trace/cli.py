@@ -701,7 +701,10 @@ def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_
     "baseline: trace diff --baseline BASE of the replay passes)",
 )
 @click.option(
-    "--baseline", type=click.Path(), default=None, help="BASE.h5 for the target's baseline (as in trace diff --baseline)"
+    "--baseline",
+    type=click.Path(),
+    default=None,
+    help="BASE.h5 for the target's baseline (as in trace diff --baseline)",
 )
 @click.option(
     "--fallback",

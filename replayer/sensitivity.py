@@ -68,7 +68,8 @@ class Target:
                 pos += 1
         clauses, i = [], 0
         while True:
-            if i < len(tokens) and tokens[i] == ("word", "baseline"):  # `trace diff --baseline BASE` of the candidate passes
+            # the word baseline: `trace diff --baseline BASE` of the candidate passes
+            if i < len(tokens) and tokens[i] == ("word", "baseline"):
                 clauses.append(("baseline", None, None))
                 i += 1
                 if i == len(tokens):
@@ -287,7 +288,6 @@ class Runner:
             "layer_out": float(max(layer_errors)),
         }
         return ReplayResult(metrics, layer_errors, ple)
-
 
     def measure(self, cfg: dict) -> dict:
         """A full replay's METRICS, plus "baseline" (True when `trace diff --baseline BASE` of
