@@ -675,18 +675,24 @@ def _load_start_recipe(path):
 )
 @ref_model_option
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of text")
+@click.option("--report", type=click.Path(), default=None, help="also write a self-contained HTML report")
+@click.option("--force", is_flag=True, help="replace an existing --report file")
 @debug_option
 @user_errors
-def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_json):
+def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_json, report, force):
     """Rank quantized units by their effect: only one unit quantized, or only one kept in float."""
     import json
     from pathlib import Path
 
-    from gemma4_trace.replayer.sensitivity import Runner, format_sensitivity
+    from gemma4_trace.replayer.sensitivity import Runner, format_sensitivity, write_sensitivity_html
     from gemma4_trace.replayer.sensitivity import sensitivity as run_sensitivity
 
+    if report:  # before the work: never onto an input
+        check_output_path(report, force, inputs=[reference, *_model_files(model_dir), *([recipe] if recipe else [])])
     runner = Runner(reference, runtime, model_dir, _load_start_recipe(recipe))
     result = run_sensitivity(runner, granularity, replays)
+    if report:
+        write_sensitivity_html(result, Path(reference).name, report, force)
     text = json.dumps(result.to_json(), indent=2) if as_json else format_sensitivity(result, Path(reference).name)
     click.echo("\n".join(one_line(line) for line in text.splitlines()))
 

@@ -332,3 +332,38 @@ def test_target_parser_baseline_word():
     for bad in ("baseline and", "baseline baseline", "baseline or top1>=1", "baseline<=1"):
         with pytest.raises(TraceToolError, match="--target"):
             Target.parse(bad)
+
+
+def test_cli_sensitivity_html_report_holds_every_unit_and_the_json_numbers(work):
+    """--report: a self-contained page whose row per unit holds the JSON's numbers (as the
+    page prints them, 4 significant digits) and a bar; an existing report needs --force."""
+    import html
+    import json
+    import re
+
+    page = work / "sens.html"
+    res = invoke(
+        "sensitivity", str(REF), "--runtime", "static-w8", "--recipe", str(work / "weak.toml"), "--replays", "2",
+        "--json", "--report", str(page),
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    out, text = json.loads(res.output), page.read_text(encoding="utf-8")
+    assert "<script" not in text and "http" not in text and "<link" not in text
+    rows = dict(re.findall(r'<tr id="([^"]+)">(.*?)</tr>', text))
+    assert list(rows) == [u["unit"] for u in out["ranking"]]  # every unit, in rank order
+    for u in out["ranking"]:
+        cells = [html.unescape(c) for c in re.findall(r"<td[^>]*>([^<]*)</td>", rows[u["unit"]])]
+        want = [u["precision"], f"{u['isolated_layer_out']:.3e}"]
+        for run in (u["only_quantized"], u["only_float"]):
+            if run is not None:
+                want += [f"{run['kl_mean']:.3e}", f"{run['kl_p99']:.3e}", f"{run['top1']:.3f}"]
+                want.append(f"{run['layer_out']:.3e}")
+        for w in want:
+            assert w in cells, (u["unit"], w, cells)
+        assert rows[u["unit"]].count("<svg") == 2
+    measured = [u for u in out["ranking"] if u["only_quantized"]]
+    assert len(measured) == 2 and all(f"{u['only_quantized']['kl_mean']:.3e}" in text for u in measured)
+    for m in ("kl_mean", "kl_p99", "layer_out"):
+        assert f"{out['all_quantized'][m]:.3e}" in text
+    again = invoke("sensitivity", str(REF), "--runtime", "static-w8", "--report", str(page))
+    assert again.exit_code == 2 and "--force" in again.output
