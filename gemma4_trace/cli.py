@@ -618,11 +618,15 @@ def export_gguf_cmd(model_dir, gguf_type, output, force):
     "-o", "--output", "out_dir", required=True, type=click.Path(), help="folder for repro.py and its .npz files"
 )
 @click.option("--force", is_flag=True, help="replace an existing repro in the folder")
+@click.option("--onnx", is_flag=True, help="also write the layer as an ONNX graph (layer.onnx; the onnx extra)")
 @debug_option
 @user_errors
-def repro(reference, candidate, at, model_dir, out_dir, force):
+def repro(reference, candidate, at, model_dir, out_dir, force, onnx):
     """Write a standalone repro (numpy + torch only) of one layer at one step."""
-    from gemma4_trace.replayer.repro import parse_site, write_repro
+    from gemma4_trace.replayer.repro import check_onnx_export, parse_site, write_repro
+
+    if onnx:
+        check_onnx_export()
 
     if at is not None:
         site = parse_site(at)
@@ -638,7 +642,9 @@ def repro(reference, candidate, at, model_dir, out_dir, force):
                 "pass --at STEP,LAYER to choose one"
             )
         site = (int(d.step), int(d.layer))
-    click.echo(one_line(write_repro(reference, candidate, out_dir, at=site, model_dir=model_dir, force=force)))
+    click.echo(
+        one_line(write_repro(reference, candidate, out_dir, at=site, model_dir=model_dir, force=force, onnx=onnx))
+    )
 
 
 def _load_start_recipe(path):
