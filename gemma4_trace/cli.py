@@ -657,7 +657,11 @@ def _load_start_recipe(path):
 
 @main.command()
 @click.argument("reference", metavar="REF.h5", type=click.Path())
-@click.option("--runtime", required=True, help="quantized static runtime: static-w8, static-w4g32 or static-w8a8")
+@click.option(
+    "--runtime",
+    required=True,
+    help="static-w8, static-w4g32, static-w8a8, or llama.cpp:TYPE (Q8_0, Q4_K_M, ...: full replays only)",
+)
 @click.option(
     "--unit",
     "granularity",
@@ -690,12 +694,12 @@ def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_
     import json
     from pathlib import Path
 
-    from gemma4_trace.replayer.sensitivity import Runner, format_sensitivity, write_sensitivity_html
+    from gemma4_trace.replayer.sensitivity import format_sensitivity, make_runner, write_sensitivity_html
     from gemma4_trace.replayer.sensitivity import sensitivity as run_sensitivity
 
     if report:  # before the work: never onto an input
         check_output_path(report, force, inputs=[reference, *_model_files(model_dir), *([recipe] if recipe else [])])
-    runner = Runner(reference, runtime, model_dir, _load_start_recipe(recipe))
+    runner = make_runner(reference, runtime, model_dir, _load_start_recipe(recipe))
     result = run_sensitivity(runner, granularity, replays)
     if report:
         write_sensitivity_html(result, Path(reference).name, report, force)
@@ -705,7 +709,11 @@ def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_
 
 @main.command()
 @click.argument("reference", metavar="REF.h5", type=click.Path())
-@click.option("--runtime", required=True, help="quantized static runtime: static-w8, static-w4g32 or static-w8a8")
+@click.option(
+    "--runtime",
+    required=True,
+    help="static-w8, static-w4g32, static-w8a8, or llama.cpp:TYPE (Q8_0, Q4_K_M, ...: full replays only)",
+)
 @click.option(
     "--target",
     required=True,
@@ -720,10 +728,9 @@ def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_
 )
 @click.option(
     "--fallback",
-    type=click.Choice(["float", "static-w8"]),
     default="float",
     show_default=True,
-    help="the precision units kept back get",
+    help="the precision units kept back get: float, static-w8, or for llama.cpp a GGUF type (e.g. Q8_0)",
 )
 @click.option("--unit", "granularity", type=click.Choice(["layer", "module"]), default="layer", show_default=True)
 @click.option(
@@ -738,23 +745,26 @@ def precision(reference, runtime, target, baseline, fallback, granularity, recip
     """Keep the most sensitive units at a fallback precision until a target holds; write the recipe."""
     from pathlib import Path
 
-    from gemma4_trace.replayer.recipe import write_recipe
+    from gemma4_trace.replayer.recipe import write_quantize_options, write_recipe
     from gemma4_trace.replayer.sensitivity import (
-        Runner,
         Target,
         check_target_baseline,
         format_precision,
+        make_runner,
         precision_search,
     )
 
     inputs = [reference, *_model_files(model_dir), *([recipe] if recipe else []), *([baseline] if baseline else [])]
     check_output_path(output, force, inputs=inputs)
+    llama = runtime.startswith("llama.cpp")
+    if llama:  # the recipe as llama-quantize options goes beside it
+        check_output_path(Path(output).with_suffix(".llama-quantize.txt"), force, inputs=inputs)
     goal = Target.parse(target)
     check_target_baseline(goal, baseline)
     if fallback == runtime:
         raise TraceToolError(f"--fallback {fallback} is the runtime itself")
     start = _load_start_recipe(recipe)
-    runner = Runner(reference, runtime, model_dir, start, baseline=baseline)
+    runner = make_runner(reference, runtime, model_dir, start, baseline=baseline)
     result = precision_search(runner, goal, fallback, granularity, start)
     write_recipe(
         result.recipe,
@@ -766,3 +776,6 @@ def precision(reference, runtime, target, baseline, fallback, granularity, recip
         ],
     )
     click.echo(format_precision(result, output, goal, fallback, runner.replays, runner.seconds))
+    if llama:
+        options = write_quantize_options(runner, result.recipe, output, force)
+        click.echo(f"wrote {options}: the recipe as llama-quantize --tensor-type options")

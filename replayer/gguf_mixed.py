@@ -134,9 +134,7 @@ class MixedFiles:
 
     def tensor_precisions(self, cfg: dict) -> dict:
         """{tensor name: precision} of the tensors whose unit is not at the runtime's TYPE."""
-        return {
-            name: p for unit, p in cfg.items() if p != self.gguf_type for name in self.units[unit][1]
-        }
+        return {name: p for unit, p in cfg.items() if p != self.gguf_type for name in self.units[unit][1]}
 
     def path(self, cfg: dict) -> Path:
         """The GGUF of a module-level configuration {module unit: precision}: the TYPE file
@@ -168,9 +166,7 @@ class MixedFiles:
         precisions = self.tensor_precisions(cfg)
         base = read_tensors(self.file(self.gguf_type))
         others = {p: read_tensors(self.file(p)) for p in set(precisions.values())}
-        return sum(
-            int((others[precisions[n]][n] if n in precisions else t).n_bytes) for n, t in base.items()
-        )
+        return sum(int((others[precisions[n]][n] if n in precisions else t).n_bytes) for n, t in base.items())
 
     def weight_errors(self, cfg: dict) -> dict:
         """{module unit: rel-L2 of its dequantized weights against float} under cfg (None where float)."""

@@ -249,11 +249,28 @@ class Runner:
 
         return weight_bytes(self._make(), self.runtime, cfg)
 
-    def replay(self, cfg: dict, isolate: bool = False) -> ReplayResult:
+    can_isolate = True
+    first_ranking = "isolated"  # what ranks the units before any full replay
+    bytes_label = "quantizable weight bytes"
+    note = ""
+    precisions = ("float", *SCHEME_NAMES)
+
+    def runtime_for(self, cfg: dict):
         from .quant import quantize_
 
+        return quantize_(self._make(), self.runtime, cfg, cache=self._cache)
+
+    def replay(self, cfg: dict, isolate: bool = False) -> ReplayResult:
         t0 = time.perf_counter()
-        rt = quantize_(self._make(), self.runtime, cfg, cache=self._cache)
+        rt = self.runtime_for(cfg)
+        try:
+            return self._replay(rt, isolate, t0)
+        finally:
+            close = getattr(getattr(rt, "child", None), "close", None)
+            if close is not None:  # llama.cpp: its child process ends with the replay
+                close()
+
+    def _replay(self, rt, isolate: bool, t0: float) -> ReplayResult:
         ref = self.ref
         ids = torch.tensor(ref.prompt_ids, dtype=torch.long)
         extra = {k: torch.as_tensor(v) for k, v in ref.extra.items()}
@@ -318,12 +335,11 @@ class Runner:
         from gemma4_trace.traces.layers import layer_infos_from_config
         from gemma4_trace.traces.writer import TraceWriter
 
-        from .quant import quantize_
         from .replay import _CheckedRuntime, _run_steps, read_reference
 
         t0 = time.perf_counter()
         ref = read_reference(self.ref_path)
-        rt = quantize_(self._make(), self.runtime, cfg, cache=self._cache)
+        rt = self.runtime_for(cfg)
         runner = _CheckedRuntime(rt, plugin=False, vocab=self.loaded.text_config.vocab_size)
         with TraceWriter(path, source_dtype=self.loaded.dtype, selection=ref.selection) as w:
             w.write_header(
@@ -338,7 +354,11 @@ class Runner:
                     extra_inputs=ref.extra,
                 )
             )
-            _run_steps(runner, ref, "teacher-forced", w, None)
+            try:
+                _run_steps(runner, ref, "teacher-forced", w, None)
+            finally:
+                if getattr(rt, "child", None) is not None:
+                    rt.child.close()
         self.seconds += time.perf_counter() - t0
 
 
@@ -349,6 +369,80 @@ def check_baseline_for(ref_path, base_path) -> None:
 
     with TraceReader(ref_path) as ref, TraceReader(base_path) as base:
         check_baseline(ref, ref, base)
+
+
+class LlamaCppRunner(Runner):
+    """`--runtime llama.cpp:TYPE`: each configuration a GGUF file (replayer/gguf_mixed.py) run by
+    llama.cpp. llama.cpp cannot isolate layers: the first ranking is each unit's weight error
+    (its dequantized weights against float: no replay), every replay a full one."""
+
+    can_isolate = False
+    first_ranking = "weight"
+    bytes_label = "GGUF tensor bytes (the whole file llama.cpp loads)"
+
+    def __init__(self, ref_path, runtime: str, model_dir=None, base: Recipe | None = None, baseline=None):
+        from gemma4_trace.hf.model import load_for_reference
+
+        from .gguf_mixed import MixedFiles, resolve
+        from .gguf_writer import GGUF_TYPES
+        from .llamacpp_runtime import parse_spec
+        from .replay import default_max_seq
+
+        gguf_type = parse_spec(runtime)
+        if gguf_type is None or gguf_type == "F32":
+            raise TraceToolError(f"--runtime {runtime}: expected llama.cpp:TYPE with a quantized TYPE")
+        if base is not None and base.runtime != runtime:
+            raise TraceToolError(f"the recipe is for --runtime {base.runtime}, not {runtime}")
+        self.ref_path, self.baseline = ref_path, baseline
+        self.ref = read_ref(ref_path)
+        if baseline is not None:
+            check_baseline_for(ref_path, baseline)
+        self.runtime, self.gguf_type = runtime, gguf_type
+        self.loaded = load_for_reference(self.ref.provenance, model_dir, device="cpu")
+        if self.loaded.dtype != "float32":
+            raise TraceToolError(
+                f"--runtime llama.cpp converts float32 checkpoints; REF was recorded in {self.loaded.dtype}"
+            )
+        self.max_seq = default_max_seq(len(self.ref.prompt_ids), len(self.ref.tokens))
+        self.mixed = MixedFiles(self.loaded, gguf_type)
+        self.modules = resolve(self.mixed, base.units if base else {}, gguf_type)
+        self.layer_of = {mu: lu for mu, (lu, _) in self.mixed.units.items()}
+        self.n_layers = len(self.loaded.text_config.layer_types)
+        self.precisions = ("float", *(t for t in GGUF_TYPES if t != "F32"))
+        self.replays = {"full": 0, "isolated": 0}
+        self.seconds = 0.0
+        self.note = (
+            f"llama.cpp cannot isolate layers: only full replays; units ranked first by their weight error "
+            f"({gguf_type} dequantized vs float, no replay)"
+        )
+
+    def runtime_for(self, cfg: dict):
+        from .llamacpp_runtime import LlamaCppRuntime
+
+        return LlamaCppRuntime(self.loaded, self.max_seq, gguf_type=self.gguf_type, user_file=self.mixed.path(cfg))
+
+    def replay(self, cfg: dict, isolate: bool = False) -> ReplayResult:
+        if isolate:
+            raise TraceToolError("llama.cpp cannot isolate layers")
+        return super().replay(cfg)
+
+    def weight_bytes(self, cfg: dict) -> int:
+        return self.mixed.tensor_bytes(cfg)
+
+    def weight_ranking(self, granularity: str) -> list:
+        errors = self.mixed.weight_errors(self.config())
+        ranked = []
+        for unit in self.units(granularity):
+            errs = [errors[m] for m in self.members(unit) if errors[m] is not None]
+            ranked.append((unit, max(errs) if errs else None))
+        ranked.sort(key=lambda ue: -1.0 if ue[1] is None else ue[1], reverse=True)
+        return ranked
+
+
+def make_runner(ref_path, runtime: str, model_dir=None, base: Recipe | None = None, baseline=None) -> Runner:
+    """The runner of a quantized static runtime, or of llama.cpp:TYPE."""
+    cls = LlamaCppRunner if runtime.startswith("llama.cpp") else Runner
+    return cls(ref_path, runtime, model_dir, base, baseline=baseline)
 
 
 def _unit_layer(unit: str) -> int | None:
@@ -384,13 +478,20 @@ class Sensitivity:
     units: list  # UnitSensitivity, ranked
     replays: dict = field(default_factory=dict)
     seconds: float = 0.0
+    first_ranking: str = "isolated"  # "weight" where the runtime cannot isolate (llama.cpp)
+    note: str = ""
 
     def to_json(self) -> dict:
+        ranking = [u.to_json() for u in self.units]
+        if self.first_ranking == "weight":
+            for u in ranking:
+                u["weight_rel_l2"] = u.pop("isolated_layer_out")
         return {
             "runtime": self.runtime,
             "unit": self.granularity,
             "all_quantized": self.all_quantized,
-            "ranking": [u.to_json() for u in self.units],
+            **({"note": self.note} if self.note else {}),
+            "ranking": ranking,
             "replays": dict(self.replays),
             "seconds": round(self.seconds, 2),
             "metrics": {
@@ -403,7 +504,10 @@ class Sensitivity:
 
 
 def isolated_ranking(runner: Runner, granularity: str) -> list[tuple[str, float | None]]:
-    """One isolated replay of the whole quantized configuration: units by their layer's own error."""
+    """One isolated replay of the whole quantized configuration: units by their layer's own error
+    (llama.cpp, which cannot isolate: by their weight error, no replay)."""
+    if not runner.can_isolate:
+        return runner.weight_ranking(granularity)
     iso = runner.replay(runner.config(), isolate=True)
     ranked = []
     for unit in runner.units(granularity):
@@ -439,7 +543,14 @@ def sensitivity(runner: Runner, granularity: str = "layer", replays: int = 4) ->
     measured = sorted((u for u in out if u.only_quantized), key=lambda u: u.only_quantized["kl_mean"], reverse=True)
     rest = [u for u in out if not u.only_quantized]
     return Sensitivity(
-        runner.runtime, granularity, all_q.metrics, measured + rest, dict(runner.replays), runner.seconds
+        runner.runtime,
+        granularity,
+        all_q.metrics,
+        measured + rest,
+        dict(runner.replays),
+        runner.seconds,
+        runner.first_ranking,
+        runner.note,
     )
 
 
@@ -453,8 +564,10 @@ def format_sensitivity(s: Sensitivity, ref_name: str) -> str:
         f"sensitivity of {s.runtime} by {s.granularity} on {ref_name}: {n} replays ({s.replays.get('isolated', 0)} "
         "isolated, "
         f"{s.replays.get('full', 0)} full) in {s.seconds:.1f} s",
+        *([s.note] if s.note else []),
         f"all quantized: {_metrics_text(s.all_quantized)}",
-        "rank  unit              precision     isolated  | only this unit quantized: KL mean  KL p99    top-1  "
+        f"rank  unit              precision     {'weight' if s.first_ranking == 'weight' else 'isolated':<9} "
+        "| only this unit quantized: KL mean  KL p99    top-1  "
         "layer_out "
         "| only this unit float: KL mean  KL p99    top-1",
     ]
@@ -465,9 +578,14 @@ def format_sensitivity(s: Sensitivity, ref_name: str) -> str:
             f"{_g(q.get('kl_p99')):<9} {_top1(q.get('top1')):<6} {_g(u.unit_layer_out):<9} | {'':<21}"
             f"{_g(f.get('kl_mean')):<8} {_g(f.get('kl_p99')):<9} {_top1(f.get('top1'))}".rstrip()
         )
+    first = (
+        "the unit's weight rel-L2 (dequantized vs float)"
+        if s.first_ranking == "weight"
+        else "the isolated replay's layer_out rel-L2"
+    )
     lines.append(
-        "ranked by KL mean with only the unit quantized (full replays), then by the isolated replay's "
-        "layer_out rel-L2 (units without full replays: '-')"
+        f"ranked by KL mean with only the unit quantized (full replays), then by {first} (units without full "
+        "replays: '-')"
     )
     return "\n".join(lines)
 
@@ -496,6 +614,8 @@ class PrecisionResult:
     bytes_all: int
     bytes_recipe: int
     started_from_recipe: bool = False
+    note: str = ""
+    bytes_label: str = "quantizable weight bytes"
 
 
 def check_target_baseline(target: Target, baseline) -> None:
@@ -508,8 +628,10 @@ def check_target_baseline(target: Target, baseline) -> None:
 def precision_search(
     runner: Runner, target: Target, fallback: str = "float", granularity: str = "layer", base: Recipe | None = None
 ) -> PrecisionResult:
-    if fallback not in ("float", *SCHEME_NAMES):
-        raise TraceToolError(f"--fallback must be float or a quantized runtime, got {fallback!r}")
+    if fallback not in runner.precisions:
+        raise TraceToolError(
+            f"--fallback for {runner.runtime} must be one of {', '.join(runner.precisions)}, got {fallback!r}"
+        )
     check_target_baseline(target, runner.baseline)
     before = runner.measure(runner.config())
     kept, cfg, after = [], runner.config(), before
@@ -555,13 +677,14 @@ def precision_search(
         runner.weight_bytes(runner.config()),
         runner.weight_bytes(_resolve(runner, recipe)),
         base is not None,
+        runner.note,
+        runner.bytes_label,
     )
 
 
 def _resolve(runner: Runner, recipe: Recipe) -> dict:
-    from .quant import resolve_precision
-
-    return {m: resolve_precision(recipe.units, recipe.runtime, runner.layer_of[m], m) for m in runner.modules}
+    default = runner.gguf_type if isinstance(runner, LlamaCppRunner) else recipe.runtime
+    return {m: recipe.units.get(m, recipe.units.get(runner.layer_of[m], default)) for m in runner.modules}
 
 
 def format_precision(p: PrecisionResult, output, target: Target, fallback: str, replays: dict, seconds: float) -> str:
@@ -569,10 +692,11 @@ def format_precision(p: PrecisionResult, output, target: Target, fallback: str, 
     return "\n".join(
         [
             f"target {target}: reached with {len(p.kept)} unit(s) at {fallback}: {kept}",
+            *([p.note] if p.note else []),
             f"before (every unit as started: {p.recipe.runtime}{', --recipe' if p.started_from_recipe else ''}): "
             f"{_metrics_text(p.before)}",
             f"after (verified by a full replay of the recipe): {_metrics_text(p.verified)}",
-            f"quantizable weight bytes: {p.bytes_recipe} vs {p.bytes_all} before (x{p.bytes_recipe / p.bytes_all:.2f})",
+            f"{p.bytes_label}: {p.bytes_recipe} vs {p.bytes_all} before (x{p.bytes_recipe / p.bytes_all:.2f})",
             f"{sum(replays.values())} replays ({replays.get('isolated', 0)} isolated, {replays.get('full', 0)} full) "
             f"in {seconds:.1f} s",
             f"wrote {output}: trace replay REF --runtime {p.recipe.runtime} --recipe {output}",
