@@ -633,6 +633,8 @@ def precision_search(
             f"--fallback for {runner.runtime} must be one of {', '.join(runner.precisions)}, got {fallback!r}"
         )
     check_target_baseline(target, runner.baseline)
+    if fallback == getattr(runner, "gguf_type", None):
+        raise TraceToolError(f"--fallback {fallback} is the runtime's own type")
     before = runner.measure(runner.config())
     kept, cfg, after = [], runner.config(), before
     if not target.holds(before):
@@ -727,11 +729,12 @@ def render_sensitivity_html(s: Sensitivity, ref_name: str) -> str:
     e = html.escape
     top_kl = max((u.only_quantized["kl_mean"] for u in s.units if u.only_quantized), default=0.0)
     top_iso = max((u.isolated for u in s.units if u.isolated is not None), default=0.0)
+    first = "weight rel-L2" if s.first_ranking == "weight" else "isolated layer_out"
     head = (
-        "<tr><th>rank</th><th>unit</th><th>precision</th><th>isolated layer_out</th>"
+        f"<tr><th>rank</th><th>unit</th><th>precision</th><th>{first}</th>"
         "<th>only quantized: KL mean</th><th>KL p99</th><th>top-1</th><th>layer_out (all)</th>"
         "<th>layer_out (its layer)</th><th>only float: KL mean</th><th>KL p99</th><th>top-1</th>"
-        "<th>layer_out (all)</th><th class=l>KL mean, only quantized</th><th class=l>isolated layer_out</th></tr>"
+        f"<th>layer_out (all)</th><th class=l>KL mean, only quantized</th><th class=l>{first}</th></tr>"
     )
     rows = []
     for k, u in enumerate(s.units, 1):
@@ -777,9 +780,14 @@ def render_sensitivity_html(s: Sensitivity, ref_name: str) -> str:
             "distributions, nats; top-1: the fraction of steps where RUN's argmax is REF's token; layer_out: the "
             "worst per-row rel-L2 of layer_out (over all layers, or the unit's own layer). 'only quantized': only "
             "this unit at its precision, every other unit float; 'only float': only this unit float, every other "
-            "unit quantized (full replays, for the isolated ranking's first units; '-' where none ran). Red bar: KL "
-            "mean with only the unit quantized, relative to the largest; blue bar: the unit's layer's own error in "
-            "the isolated replay (every layer fed REF's input).</p>",
+            "unit quantized (full replays, for the first ranking's first units; '-' where none ran). Red bar: KL "
+            "mean with only the unit quantized, relative to the largest; blue bar: "
+            + (
+                "the unit's weight rel-L2 (dequantized vs float; llama.cpp cannot isolate layers)."
+                if s.first_ranking == "weight"
+                else "the unit's layer's own error in the isolated replay (every layer fed REF's input)."
+            )
+            + "</p>",
             "</body></html>",
         ]
     )

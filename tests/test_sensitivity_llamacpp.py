@@ -71,10 +71,13 @@ def test_mixed_file_copies_each_units_tensors_from_the_file_of_its_precision(tmp
 def test_llamacpp_sensitivity_ranks_the_weak_layer_first_with_full_replays_only(work):
     res = invoke(
         "sensitivity", str(REF), "--runtime", "llama.cpp:Q8_0", "--recipe", str(work / "weak.toml"),
-        "--replays", "1", "--json",
+        "--replays", "1", "--json", "--report", str(work / "sens.html"),
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
+    page = (work / "sens.html").read_text(encoding="utf-8")
+    assert "<th>weight rel-L2</th>" in page and "isolated" not in page.split("<h2>Units, ranked</h2>")[1]
+    assert all(f'<tr id="{u["unit"]}">' in page for u in out["ranking"])
     assert out["replays"] == {"full": 3, "isolated": 0}  # all quantized, then only-quantized and only-float
     assert "llama.cpp cannot isolate layers" in out["note"]
     top = out["ranking"][0]
