@@ -138,3 +138,18 @@ def test_llamacpp_recipe_unit_the_gguf_lacks_is_refused_in_one_line(tmp_path):
     res = invoke("replay", str(REF), "--runtime", "llama.cpp:Q8_0", "--recipe", str(p), "-o", str(tmp_path / "o.h5"))
     assert res.exit_code == 2 and "is not a unit of this model's GGUF" in res.output
     assert not (tmp_path / "o.h5").exists()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--runtime", "llama.cpp:Q8_0", "--fallback", "Q8_0"], "--fallback Q8_0 is the runtime's own type"),
+        (["--runtime", "llama.cpp:Q8_0", "--fallback", "static-w8"], "--fallback for llama.cpp:Q8_0 must be one of"),
+        (["--runtime", "llama.cpp"], "expected llama.cpp:TYPE with a quantized TYPE"),
+    ],
+)
+def test_llamacpp_precision_refusals_before_any_replay(tmp_path, args, message):
+    out = tmp_path / "r.toml"
+    res = invoke("precision", str(REF), *args, "--target", "kl_mean<=1", "-o", str(out))
+    assert res.exit_code == 2 and message in res.output, res.output
+    assert not out.exists() and not (tmp_path / "r.llama-quantize.txt").exists()
