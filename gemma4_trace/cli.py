@@ -647,6 +647,21 @@ def repro(reference, candidate, at, model_dir, out_dir, force, onnx):
     )
 
 
+def _baseline_judge(reference, baseline):
+    """For `trace precision --target baseline`: BASE checked against REF now (one line, exit 2,
+    as `trace diff --baseline` checks it), then a judge: does `trace diff --baseline BASE` of a
+    replay's trace pass?"""
+    if baseline is None:
+        return None
+    from gemma4_trace.diff import diff_traces
+    from gemma4_trace.diff.baseline import check_baseline
+    from gemma4_trace.traces.reader import TraceReader
+
+    with TraceReader(reference) as ref, TraceReader(baseline) as base:
+        check_baseline(ref, ref, base)  # REF stands in for the replays: same prompt, steps and mode
+    return lambda run: diff_traces(reference, run, None, baseline).match
+
+
 def _load_start_recipe(path):
     if path is None:
         return None
@@ -694,16 +709,18 @@ def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_
     import json
     from pathlib import Path
 
-    from gemma4_trace.replayer.sensitivity import format_sensitivity, make_runner, write_sensitivity_html
+    from gemma4_trace.diff.sensitivity_html import write_sensitivity_html
+    from gemma4_trace.replayer.sensitivity import format_sensitivity, make_runner
     from gemma4_trace.replayer.sensitivity import sensitivity as run_sensitivity
 
     if report:  # before the work: never onto an input
         check_output_path(report, force, inputs=[reference, *_model_files(model_dir), *([recipe] if recipe else [])])
     runner = make_runner(reference, runtime, model_dir, _load_start_recipe(recipe))
     result = run_sensitivity(runner, granularity, replays)
+    summary = format_sensitivity(result, Path(reference).name)
     if report:
-        write_sensitivity_html(result, Path(reference).name, report, force)
-    text = json.dumps(result.to_json(), indent=2) if as_json else format_sensitivity(result, Path(reference).name)
+        write_sensitivity_html(result.to_json(), summary, Path(reference).name, report, force)
+    text = json.dumps(result.to_json(), indent=2) if as_json else summary
     click.echo("\n".join(one_line(line) for line in text.splitlines()))
 
 
@@ -764,7 +781,7 @@ def precision(reference, runtime, target, baseline, fallback, granularity, recip
     if fallback == runtime:
         raise TraceToolError(f"--fallback {fallback} is the runtime itself")
     start = _load_start_recipe(recipe)
-    runner = make_runner(reference, runtime, model_dir, start, baseline=baseline)
+    runner = make_runner(reference, runtime, model_dir, start, baseline=_baseline_judge(reference, baseline))
     result = precision_search(runner, goal, fallback, granularity, start)
     write_recipe(
         result.recipe,

@@ -203,8 +203,6 @@ class Runner:
             raise TraceToolError(f"the recipe is for --runtime {base.runtime}, not {runtime}")
         self.ref_path, self.baseline = ref_path, baseline
         self.ref = read_ref(ref_path)
-        if baseline is not None:
-            check_baseline_for(ref_path, baseline)
         self.runtime = runtime
         self.loaded = load_for_reference(self.ref.provenance, model_dir, device="cpu")
         self.max_seq = default_max_seq(len(self.ref.prompt_ids), len(self.ref.tokens))
@@ -307,8 +305,9 @@ class Runner:
         return ReplayResult(metrics, layer_errors, ple)
 
     def measure(self, cfg: dict) -> dict:
-        """A full replay's METRICS, plus "baseline" (True when `trace diff --baseline BASE` of
-        the replay's trace passes) when the runner has a baseline."""
+        """A full replay's METRICS, plus "baseline" (`self.baseline(trace)`: True when `trace diff
+        --baseline BASE` of the replay's trace passes; the CLI passes that judge, the diff library
+        lives above this package) when the runner has one."""
         metrics = dict(self.replay(cfg).metrics)
         if self.baseline is not None:
             metrics["baseline"] = self.baseline_passes(cfg)
@@ -316,17 +315,15 @@ class Runner:
 
     def baseline_passes(self, cfg: dict) -> bool:
         """Write the replay of `cfg` as a trace (a temporary file, as `trace replay` writes it)
-        and diff it against REF with BASE's envelope (diff/baseline.py)."""
+        and hand it to the baseline judge."""
         import tempfile
         from pathlib import Path
-
-        from gemma4_trace.diff import diff_traces
 
         with tempfile.TemporaryDirectory(prefix="trace-precision-") as d:
             run = Path(d) / "candidate.h5"
             self.write_trace(cfg, run)
             self.replays["full"] += 1
-            return bool(diff_traces(self.ref_path, run, None, self.baseline).match)
+            return bool(self.baseline(run))
 
     def write_trace(self, cfg: dict, path) -> None:
         """The teacher-forced replay of `cfg` written as `trace replay --recipe` writes it."""
@@ -362,15 +359,6 @@ class Runner:
         self.seconds += time.perf_counter() - t0
 
 
-def check_baseline_for(ref_path, base_path) -> None:
-    """Refuse (one line) a BASE that cannot judge replays of REF: another model or prompt, too
-    few steps, an isolated trace (the checks `trace diff --baseline` makes)."""
-    from gemma4_trace.diff.baseline import check_baseline
-
-    with TraceReader(ref_path) as ref, TraceReader(base_path) as base:
-        check_baseline(ref, ref, base)
-
-
 class LlamaCppRunner(Runner):
     """`--runtime llama.cpp:TYPE`: each configuration a GGUF file (replayer/gguf_mixed.py) run by
     llama.cpp. llama.cpp cannot isolate layers: the first ranking is each unit's weight error
@@ -395,8 +383,6 @@ class LlamaCppRunner(Runner):
             raise TraceToolError(f"the recipe is for --runtime {base.runtime}, not {runtime}")
         self.ref_path, self.baseline = ref_path, baseline
         self.ref = read_ref(ref_path)
-        if baseline is not None:
-            check_baseline_for(ref_path, baseline)
         self.runtime, self.gguf_type = runtime, gguf_type
         self.loaded = load_for_reference(self.ref.provenance, model_dir, device="cpu")
         if self.loaded.dtype != "float32":
@@ -619,6 +605,7 @@ class PrecisionResult:
 
 
 def check_target_baseline(target: Target, baseline) -> None:
+    """`baseline`: BASE's path, or the judge made of it (anything but None when given)."""
     if target.uses_baseline and baseline is None:
         raise TraceToolError("--target baseline needs --baseline BASE.h5 (the trace a replay is judged against)")
     if baseline is not None and not target.uses_baseline:
@@ -704,101 +691,3 @@ def format_precision(p: PrecisionResult, output, target: Target, fallback: str, 
             f"wrote {output}: trace replay REF --runtime {p.recipe.runtime} --recipe {output}",
         ]
     )
-
-
-# ----------------------------------------------------------------------------- HTML report
-def _cell(x, top1: bool = False) -> str:
-    return "-" if x is None else f"{x:.3f}" if top1 else f"{x:.3e}"
-
-
-def _bar(value, top: float, color: str) -> str:
-    from gemma4_trace.diff.html import _svg
-
-    width = int(300 * value / top) if value is not None and top > 0 else 0
-    return _svg(width + 2, 10, f'<rect width="{width}" height="10" fill="{color}"/>', role=False)
-
-
-def render_sensitivity_html(s: Sensitivity, ref_name: str) -> str:
-    """A self-contained page (the diff report's style, diff/html.py): the text summary, the
-    ranked table with every metric, and a bar per unit (KL mean with only the unit quantized
-    where measured; the isolated layer_out error for every unit)."""
-    import html
-
-    from gemma4_trace.diff.html import CSS
-
-    e = html.escape
-    top_kl = max((u.only_quantized["kl_mean"] for u in s.units if u.only_quantized), default=0.0)
-    top_iso = max((u.isolated for u in s.units if u.isolated is not None), default=0.0)
-    first = "weight rel-L2" if s.first_ranking == "weight" else "isolated layer_out"
-    head = (
-        f"<tr><th>rank</th><th>unit</th><th>precision</th><th>{first}</th>"
-        "<th>only quantized: KL mean</th><th>KL p99</th><th>top-1</th><th>layer_out (all)</th>"
-        "<th>layer_out (its layer)</th><th>only float: KL mean</th><th>KL p99</th><th>top-1</th>"
-        f"<th>layer_out (all)</th><th class=l>KL mean, only quantized</th><th class=l>{first}</th></tr>"
-    )
-    rows = []
-    for k, u in enumerate(s.units, 1):
-        q, f = u.only_quantized or {}, u.only_float or {}
-        cells = [
-            str(k),
-            e(u.unit),
-            e(u.precision),
-            _cell(u.isolated),
-            _cell(q.get("kl_mean")),
-            _cell(q.get("kl_p99")),
-            _cell(q.get("top1"), True),
-            _cell(q.get("layer_out")),
-            _cell(u.unit_layer_out),
-            _cell(f.get("kl_mean")),
-            _cell(f.get("kl_p99")),
-            _cell(f.get("top1"), True),
-            _cell(f.get("layer_out")),
-        ]
-        bars = [_bar(q.get("kl_mean"), top_kl, "#c0392b"), _bar(u.isolated, top_iso, "#4f86c6")]
-        rows.append(
-            f'<tr id="{e(u.unit)}">'
-            + "".join(f"<td{' class=l' if i in (1, 2) else ''}>{c}</td>" for i, c in enumerate(cells))
-            + "".join(f"<td class=l>{b}</td>" for b in bars)
-            + "</tr>"
-        )
-    a = s.all_quantized
-    return "\n".join(
-        [
-            "<!DOCTYPE html>",
-            '<html lang="en"><head><meta charset="utf-8">',
-            f"<title>trace sensitivity: {e(s.runtime)} by {e(s.granularity)}</title>",
-            f"<style>{CSS}</style></head><body>",
-            f"<h1>trace sensitivity: {e(s.runtime)} by {e(s.granularity)} on {e(ref_name)}</h1>",
-            f"<pre>{e(format_sensitivity(s, ref_name))}</pre>",
-            "<h2>All quantized</h2>",
-            "<table><tr><th>KL mean</th><th>KL p99</th><th>top-1</th><th>layer_out</th></tr><tr>"
-            + "".join(f"<td>{_cell(a[m], m == 'top1')}</td>" for m in ("kl_mean", "kl_p99", "top1", "layer_out"))
-            + "</tr></table>",
-            "<h2>Units, ranked</h2>",
-            "<table>" + head + "".join(rows) + "</table>",
-            '<p class="legend">KL: mean (and 99th percentile) over the steps of KL(REF||RUN) of the next-token '
-            "distributions, nats; top-1: the fraction of steps where RUN's argmax is REF's token; layer_out: the "
-            "worst per-row rel-L2 of layer_out (over all layers, or the unit's own layer). 'only quantized': only "
-            "this unit at its precision, every other unit float; 'only float': only this unit float, every other "
-            "unit quantized (full replays, for the first ranking's first units; '-' where none ran). Red bar: KL "
-            "mean with only the unit quantized, relative to the largest; blue bar: "
-            + (
-                "the unit's weight rel-L2 (dequantized vs float; llama.cpp cannot isolate layers)."
-                if s.first_ranking == "weight"
-                else "the unit's layer's own error in the isolated replay (every layer fed REF's input)."
-            )
-            + "</p>",
-            "</body></html>",
-        ]
-    )
-
-
-def write_sensitivity_html(s: Sensitivity, ref_name: str, path, force: bool = False) -> None:
-    """Written whole or not at all (the traces' atomic writer)."""
-    from pathlib import Path
-
-    from gemma4_trace.traces.atomic import atomic_output
-
-    text = render_sensitivity_html(s, ref_name)
-    with atomic_output(path, force) as tmp:
-        Path(tmp).write_text(text, encoding="utf-8")
