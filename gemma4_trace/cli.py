@@ -645,11 +645,15 @@ def export_gguf_cmd(model_dir, gguf_type, output, force):
     "-o", "--output", "out_dir", required=True, type=click.Path(), help="folder for repro.py and its .npz files"
 )
 @click.option("--force", is_flag=True, help="replace an existing repro in the folder")
+@click.option("--onnx", is_flag=True, help="also write the layer as an ONNX graph (layer.onnx; the onnx extra)")
 @debug_option
 @user_errors
-def repro(reference, candidate, at, model_dir, out_dir, force):
+def repro(reference, candidate, at, model_dir, out_dir, force, onnx):
     """Write a standalone repro (numpy + torch only) of one layer at one step."""
-    from gemma4_trace.replayer.repro import parse_site, write_repro
+    from gemma4_trace.replayer.repro import check_onnx_export, parse_site, write_repro
+
+    if onnx:
+        check_onnx_export()
 
     if at is not None:
         site = parse_site(at)
@@ -665,7 +669,24 @@ def repro(reference, candidate, at, model_dir, out_dir, force):
                 "pass --at STEP,LAYER to choose one"
             )
         site = (int(d.step), int(d.layer))
-    click.echo(one_line(write_repro(reference, candidate, out_dir, at=site, model_dir=model_dir, force=force)))
+    click.echo(
+        one_line(write_repro(reference, candidate, out_dir, at=site, model_dir=model_dir, force=force, onnx=onnx))
+    )
+
+
+def _baseline_judge(reference, baseline):
+    """For `trace precision --target baseline`: BASE checked against REF now (one line, exit 2,
+    as `trace diff --baseline` checks it), then a judge: does `trace diff --baseline BASE` of a
+    replay's trace pass?"""
+    if baseline is None:
+        return None
+    from gemma4_trace.diff import diff_traces
+    from gemma4_trace.diff.baseline import check_baseline
+    from gemma4_trace.traces.reader import TraceReader
+
+    with TraceReader(reference) as ref, TraceReader(baseline) as base:
+        check_baseline(ref, ref, base)  # REF stands in for the replays: same prompt, steps and mode
+    return lambda run: diff_traces(reference, run, None, baseline).match
 
 
 def _load_start_recipe(path):
@@ -678,7 +699,11 @@ def _load_start_recipe(path):
 
 @main.command()
 @click.argument("reference", metavar="REF.h5", type=click.Path())
-@click.option("--runtime", required=True, help="quantized static runtime: static-w8, static-w4g32 or static-w8a8")
+@click.option(
+    "--runtime",
+    required=True,
+    help="static-w8, static-w4g32, static-w8a8, or llama.cpp:TYPE (Q8_0, Q4_K_M, ...: full replays only)",
+)
 @click.option(
     "--unit",
     "granularity",
@@ -702,34 +727,54 @@ def _load_start_recipe(path):
 )
 @ref_model_option
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of text")
+@click.option("--report", type=click.Path(), default=None, help="also write a self-contained HTML report")
+@click.option("--force", is_flag=True, help="replace an existing --report file")
 @debug_option
 @user_errors
-def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_json):
+def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_json, report, force):
     """Rank quantized units by their effect: only one unit quantized, or only one kept in float."""
     import json
     from pathlib import Path
 
-    from gemma4_trace.replayer.sensitivity import Runner, format_sensitivity
+    from gemma4_trace.diff.sensitivity_html import write_sensitivity_html
+    from gemma4_trace.replayer.sensitivity import format_sensitivity, make_runner
     from gemma4_trace.replayer.sensitivity import sensitivity as run_sensitivity
 
-    runner = Runner(reference, runtime, model_dir, _load_start_recipe(recipe))
+    if report:  # before the work: never onto an input
+        check_output_path(report, force, inputs=[reference, *_model_files(model_dir), *([recipe] if recipe else [])])
+    runner = make_runner(reference, runtime, model_dir, _load_start_recipe(recipe))
     result = run_sensitivity(runner, granularity, replays)
-    text = json.dumps(result.to_json(), indent=2) if as_json else format_sensitivity(result, Path(reference).name)
+    summary = format_sensitivity(result, Path(reference).name)
+    if report:
+        write_sensitivity_html(result.to_json(), summary, Path(reference).name, report, force)
+    text = json.dumps(result.to_json(), indent=2) if as_json else summary
     click.echo("\n".join(one_line(line) for line in text.splitlines()))
 
 
 @main.command()
 @click.argument("reference", metavar="REF.h5", type=click.Path())
-@click.option("--runtime", required=True, help="quantized static runtime: static-w8, static-w4g32 or static-w8a8")
 @click.option(
-    "--target", required=True, help="e.g. 'kl_mean<=0.01 and top1>=0.98' (metrics: kl_mean, kl_p99, top1, layer_out)"
+    "--runtime",
+    required=True,
+    help="static-w8, static-w4g32, static-w8a8, or llama.cpp:TYPE (Q8_0, Q4_K_M, ...: full replays only)",
+)
+@click.option(
+    "--target",
+    required=True,
+    help="e.g. 'kl_mean<=0.01 and top1>=0.98' (metrics: kl_mean, kl_p99, top1, layer_out; "
+    "baseline: trace diff --baseline BASE of the replay passes)",
+)
+@click.option(
+    "--baseline",
+    type=click.Path(),
+    default=None,
+    help="BASE.h5 for the target's baseline (as in trace diff --baseline)",
 )
 @click.option(
     "--fallback",
-    type=click.Choice(["float", "static-w8"]),
     default="float",
     show_default=True,
-    help="the precision units kept back get",
+    help="the precision units kept back get: float, static-w8, or for llama.cpp a GGUF type (e.g. Q8_0)",
 )
 @click.option("--unit", "granularity", type=click.Choice(["layer", "module"]), default="layer", show_default=True)
 @click.option(
@@ -740,25 +785,44 @@ def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_
 @click.option("--force", is_flag=True, help="replace an existing output")
 @debug_option
 @user_errors
-def precision(reference, runtime, target, fallback, granularity, recipe, model_dir, output, force):
+def precision(reference, runtime, target, baseline, fallback, granularity, recipe, model_dir, output, force):
     """Keep the most sensitive units at a fallback precision until a target holds; write the recipe."""
-    from gemma4_trace.replayer.recipe import write_recipe
-    from gemma4_trace.replayer.sensitivity import Runner, Target, format_precision, precision_search
+    from pathlib import Path
 
-    check_output_path(output, force, inputs=[reference, *_model_files(model_dir), *([recipe] if recipe else [])])
+    from gemma4_trace.replayer.recipe import write_quantize_options, write_recipe
+    from gemma4_trace.replayer.sensitivity import (
+        Target,
+        check_target_baseline,
+        format_precision,
+        make_runner,
+        precision_search,
+    )
+
+    inputs = [reference, *_model_files(model_dir), *([recipe] if recipe else []), *([baseline] if baseline else [])]
+    check_output_path(output, force, inputs=inputs)
+    llama = runtime.startswith("llama.cpp")
+    if llama:  # the recipe as llama-quantize options goes beside it
+        check_output_path(Path(output).with_suffix(".llama-quantize.txt"), force, inputs=inputs)
     goal = Target.parse(target)
+    check_target_baseline(goal, baseline)
     if fallback == runtime:
         raise TraceToolError(f"--fallback {fallback} is the runtime itself")
     start = _load_start_recipe(recipe)
-    runner = Runner(reference, runtime, model_dir, start)
+    runner = make_runner(reference, runtime, model_dir, start, baseline=_baseline_judge(reference, baseline))
     result = precision_search(runner, goal, fallback, granularity, start)
     write_recipe(
         result.recipe,
         output,
         force,
-        comments=[f"trace precision --runtime {runtime} --target '{goal}' --fallback {fallback}"],
+        comments=[
+            f"trace precision --runtime {runtime} --target '{goal}' --fallback {fallback}"
+            + (f" --baseline {Path(baseline).name}" if baseline else "")
+        ],
     )
     click.echo(format_precision(result, output, goal, fallback, runner.replays, runner.seconds))
+    if llama:
+        options = write_quantize_options(runner, result.recipe, output, force)
+        click.echo(f"wrote {options}: the recipe as llama-quantize --tensor-type options")
 
 
 @main.command()

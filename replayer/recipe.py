@@ -11,6 +11,10 @@ A recipe is a TOML file (written by `trace precision`, read by `trace replay --r
 
 A module unit's entry wins over its layer's. Precisions: "float" or a quantized runtime's
 name (replayer/quant.py SCHEMES). Unit names and precisions are validated on read and on write.
+
+For llama.cpp, `runtime = "llama.cpp:Q4_K_M"` (a quantized GGUF type) and the precisions are
+"float" or GGUF type names ("Q8_0", ...): the units' tensors come from that type's file
+(replayer/gguf_mixed.py); `trace precision` also writes the recipe as llama-quantize options.
 """
 
 from __future__ import annotations
@@ -29,6 +33,18 @@ UNIT_RE = re.compile(r"^(layer\.(0|[1-9][0-9]{0,5})(\.(qkv|o|mlp|ple))?|ple_mode
 SCHEME_NAMES = ("static-w8", "static-w4g32", "static-w8a8")  # replayer/quant.py SCHEMES (torch-free here)
 PRECISIONS = ("float", *SCHEME_NAMES)
 MAX_RECIPE_BYTES = 1 << 20
+LLAMACPP = "llama.cpp:"
+
+
+def _gguf_types() -> tuple:
+    from .gguf_writer import GGUF_TYPES
+
+    return tuple(t for t in GGUF_TYPES if t != "F32")
+
+
+def precisions_of(runtime: str) -> tuple:
+    """The precisions a recipe over `runtime` may give a unit."""
+    return ("float", *_gguf_types()) if runtime.startswith(LLAMACPP) else PRECISIONS
 
 
 @dataclass
@@ -37,17 +53,18 @@ class Recipe:
     units: dict = field(default_factory=dict)  # unit -> precision
 
     def check(self) -> Recipe:
-        if self.runtime not in SCHEME_NAMES:
+        llama = isinstance(self.runtime, str) and self.runtime.startswith(LLAMACPP)
+        if not (self.runtime in SCHEME_NAMES or (llama and self.runtime[len(LLAMACPP) :] in _gguf_types())):
             raise TraceToolError(
-                f"recipe runtime {self.runtime!r} is not a quantized runtime ({', '.join(SCHEME_NAMES)})"
+                f"recipe runtime {self.runtime!r} is not a quantized runtime ({', '.join(SCHEME_NAMES)}, "
+                f"or llama.cpp:TYPE with TYPE one of {', '.join(_gguf_types())})"
             )
+        known = precisions_of(self.runtime)
         for unit, precision in self.units.items():
             if not isinstance(unit, str) or not UNIT_RE.match(unit):
                 raise TraceToolError(f"recipe unit {unit!r}: expected layer.N, layer.N.qkv|o|mlp|ple or ple_model_proj")
-            if precision not in PRECISIONS:
-                raise TraceToolError(
-                    f"recipe unit {unit}: unknown precision {precision!r}; known: {', '.join(PRECISIONS)}"
-                )
+            if precision not in known:
+                raise TraceToolError(f"recipe unit {unit}: unknown precision {precision!r}; known: {', '.join(known)}")
         return self
 
     def to_toml(self, comments: list[str] = ()) -> str:
@@ -97,7 +114,28 @@ def make_recipe_runtime(runtime: str, loaded, max_seq: int, recipe: Recipe):
 
     if runtime != recipe.runtime:
         raise TraceToolError(f"the recipe is for --runtime {recipe.runtime}, not {runtime}")
+    if runtime.startswith(LLAMACPP):  # llama.cpp on the recipe's mixed-precision GGUF
+        from .gguf_mixed import recipe_runtime
+
+        return recipe_runtime(loaded, max_seq, recipe)
     return make_quantized(loaded, max_seq, runtime, recipe.units)
+
+
+def write_quantize_options(runner, recipe: Recipe, recipe_path, force: bool = False) -> Path:
+    """llama.cpp: the recipe as llama-quantize options, beside the recipe (NAME.llama-quantize.txt)."""
+    from .gguf_mixed import resolve
+
+    cfg = resolve(runner.mixed, recipe.units, runner.gguf_type)
+    path = Path(recipe_path).with_suffix(".llama-quantize.txt")
+    lines = [
+        f"# {Path(recipe_path).name} ({recipe.runtime}) as llama-quantize options: each --tensor-type is a regex",
+        "# searched in the tensor names, the first match wins. Use (options without these comment lines):",
+        f"# llama-quantize OPTIONS model-f32.gguf model-mixed.gguf {runner.gguf_type}",
+        *runner.mixed.quantize_options(cfg),
+    ]
+    with atomic_output(path, force) as tmp:
+        Path(tmp).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
 
 
 def weight_bytes(rt, scheme_name: str, recipe: dict | None) -> int:

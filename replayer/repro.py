@@ -10,7 +10,10 @@ divergence by default):
 - weights.npz: that layer's weights only, float32, from the model folder REF names (or --model);
 - outputs.npz: REF's and RUN's layer_out (and REF's attn_out) at that step;
 - repro.py: needs only numpy and torch; recomputes the layer in plain float32 and prints its
-  error against REF's and RUN's outputs (exit 0 when it matches REF within its tolerance).
+  error against REF's and RUN's outputs (exit 0 when it matches REF within its tolerance);
+- with --onnx, layer.onnx: repro.py's own float recompute of the layer exported by torch's
+  ONNX exporter, the weights inside, its inputs named as in inputs.npz (outputs layer_out and
+  attn_out); repro.py also runs it with onnxruntime, when that is installed, against REF.
 
 Everything that goes from a trace into repro.py is serialised as JSON inside a Python string
 literal (repr), never pasted as code.
@@ -26,11 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
-from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError, install_hint
 from gemma4_trace.traces.reader import TraceReader
 from gemma4_trace.traces.schema import rope_kinds
 
 FILES = ("repro.py", "inputs.npz", "weights.npz", "outputs.npz")
+ONNX_FILE = "layer.onnx"
+ONNX_INPUTS = ("hidden", "positions", "mask", "k_rows", "v_rows", "cos", "sin", "per_layer_input")
+ONNX_OPSET = 18
 TOL_FLOAT32 = 1e-5  # the recompute's tolerance against a float32 REF (rel-L2)
 TOL_LOW = 2e-2  # against a REF recorded in a 16-bit dtype (the recompute runs in float32)
 TEMPLATE = Path(__file__).with_name("repro_template.py")
@@ -87,7 +93,68 @@ def _layer_weights(prov: dict, model_dir, layer: int) -> tuple[dict, dict]:
     return weights, facts
 
 
-def write_repro(ref_path, run_path, out_dir, *, at: tuple[int, int], model_dir=None, force: bool = False) -> str:
+def check_onnx_export() -> None:
+    """Refuse --onnx (one line) before any work when torch's ONNX exporter cannot run."""
+    try:
+        import onnx  # noqa: F401
+        import onnxscript  # noqa: F401  (torch's ONNX exporter needs it)
+    except ImportError as e:
+        raise TraceToolError(f"trace repro --onnx needs onnx and onnxscript: {install_hint('onnx')} ({e})") from None
+
+
+def onnx_feeds(inputs: dict) -> dict:
+    """inputs.npz's arrays as layer.onnx takes them: positions int64, mask bool, the rest float32."""
+    dtypes = {"positions": np.int64, "mask": np.bool_}
+    return {k: np.asarray(inputs[k], dtype=dtypes.get(k, np.float32)) for k in ONNX_INPUTS if k in inputs}
+
+
+def _export_layer_onnx(folder: Path, inputs: dict, weights: dict) -> None:
+    """Export repro.py's `layer` (the written file, loaded as a module) as folder/layer.onnx."""
+    import importlib.util
+
+    import torch
+
+    from .onnx_runtime import _quiet
+
+    spec = importlib.util.spec_from_file_location("_trace_repro_layer", folder / "repro.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    feeds = onnx_feeds(inputs)
+    names = list(feeds)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            for k, v in weights.items():
+                self.register_buffer("w_" + k, torch.from_numpy(np.asarray(v, dtype=np.float32)))
+
+        def forward(self, *args):
+            w = {k: getattr(self, "w_" + k) for k in weights}
+            return module.layer(dict(zip(names, args)), w, module.CONFIG)
+
+    example = tuple(torch.from_numpy(v) for v in feeds.values())
+    try:
+        with torch.no_grad(), _quiet():
+            torch.onnx.export(
+                Layer().eval(),
+                example,
+                str(folder / ONNX_FILE),
+                input_names=names,
+                output_names=["layer_out", "attn_out"],
+                opset_version=ONNX_OPSET,
+                dynamo=True,
+                external_data=False,
+                verbose=False,
+            )
+    except Exception as e:  # noqa: BLE001 - the exporter fails in many ways; one line for the user
+        raise TraceToolError(
+            f"ONNX export of the layer failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        ) from None
+
+
+def write_repro(
+    ref_path, run_path, out_dir, *, at: tuple[int, int], model_dir=None, force: bool = False, onnx: bool = False
+) -> str:
     """Write the repro folder for layer `at` = (step, layer); return a summary line.
 
     (`trace repro` without --at takes the site of the diff's first divergence: the diff library
@@ -96,9 +163,12 @@ def write_repro(ref_path, run_path, out_dir, *, at: tuple[int, int], model_dir=N
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise TraceToolError(f"{out} exists and is not a folder")
-    clash = [f for f in FILES if (out / f).exists()]
+    clash = [f for f in (*FILES, ONNX_FILE) if (out / f).exists()]
     if clash and not force:
         raise TraceToolError(f"{out / clash[0]} exists; pass --force to replace the repro in {out}")
+    if onnx:
+        check_onnx_export()
+    files = (*FILES, ONNX_FILE) if onnx else FILES
     step, layer = at
     with TraceReader(ref_path) as ref, TraceReader(run_path) as run:
         prov = dict(ref.provenance)
@@ -165,11 +235,15 @@ def write_repro(ref_path, run_path, out_dir, *, at: tuple[int, int], model_dir=N
         np.savez(tmp / "inputs.npz", **inputs)
         np.savez(tmp / "weights.npz", **weights)
         np.savez(tmp / "outputs.npz", **outputs)
-        for f in FILES:
+        if onnx:
+            _export_layer_onnx(tmp, inputs, weights)
+        elif (out / ONNX_FILE).exists():  # --force without --onnx: no stale graph of another site
+            (out / ONNX_FILE).unlink()
+        for f in files:
             os.replace(tmp / f, out / f)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    size = sum((out / f).stat().st_size for f in FILES)
+    size = sum((out / f).stat().st_size for f in files)
     kind = (
         f"{info.layer_type}, {info.kv_role}"
         + (f" (K/V of layer {src})" if src != layer else "")
@@ -177,5 +251,5 @@ def write_repro(ref_path, run_path, out_dir, *, at: tuple[int, int], model_dir=N
     )
     return (
         f"wrote {out}: layer {layer} ({kind}) at step {step}, positions {start}..{stop - 1}; "
-        f"{size} bytes in {len(FILES)} files; run: cd {out} && python repro.py"
+        f"{size} bytes in {len(files)} files; run: cd {out} && python repro.py"
     )

@@ -3,7 +3,9 @@
 Needs only numpy and torch. Recomputes the layer in plain float32 from REF's inputs
 (inputs.npz) and that layer's weights (weights.npz), then prints its error against REF's
 and RUN's recorded outputs (outputs.npz). Exit 0 when the recompute matches REF's output
-within TOLERANCE (rel-L2), 1 otherwise.
+within TOLERANCE (rel-L2), 1 otherwise. When layer.onnx is here (`trace repro --onnx`: this
+recompute as an ONNX graph, inputs named as in inputs.npz) and onnxruntime is installed, it is
+run too and must match REF within the same tolerance.
 
     python repro.py            # run from this folder
 """
@@ -89,6 +91,27 @@ def rel_l2(a, b):
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
+def onnx_check(out):
+    """layer.onnx (written by `trace repro --onnx`), run by onnxruntime when it is installed:
+    its error against REF's layer_out, else None."""
+    path = os.path.join(HERE, "layer.onnx")
+    if not os.path.exists(path):
+        return None
+    try:
+        import onnxruntime
+    except ImportError:
+        print("layer.onnx: not run (onnxruntime is not installed)")
+        return None
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    dtypes = {"positions": np.int64, "mask": np.bool_}
+    with np.load(os.path.join(HERE, "inputs.npz"), allow_pickle=False) as z:
+        feeds = {i.name: np.asarray(z[i.name], dtype=dtypes.get(i.name, np.float32)) for i in session.get_inputs()}
+    got = torch.from_numpy(session.run(["layer_out"], feeds)[0])
+    e = rel_l2(got, out["ref_layer_out"])
+    print(f"onnxruntime layer.onnx vs REF layer_out: rel-L2 {e:.3e} (tolerance {TOLERANCE:.0e})")
+    return e
+
+
 def main():
     torch.set_grad_enabled(False)
     inp, w, out = load("inputs.npz"), load("weights.npz"), load("outputs.npz")
@@ -107,7 +130,8 @@ def main():
             f"{rel_l2(got, out['run_layer_out']):.3e}"
         )
         print(f"RUN vs REF layer_out: rel-L2 {rel_l2(out['run_layer_out'], out['ref_layer_out']):.3e}")
-    ok = e_ref <= TOLERANCE
+    e_onnx = onnx_check(out)
+    ok = e_ref <= TOLERANCE and (e_onnx is None or e_onnx <= TOLERANCE)
     print("recompute matches REF" if ok else "recompute does NOT match REF")
     return 0 if ok else 1
 

@@ -68,11 +68,23 @@ class Target:
                 pos += 1
         clauses, i = [], 0
         while True:
+            # the word baseline: `trace diff --baseline BASE` of the candidate passes
+            if i < len(tokens) and tokens[i] == ("word", "baseline"):
+                clauses.append(("baseline", None, None))
+                i += 1
+                if i == len(tokens):
+                    return Target(tuple(clauses))
+                if tokens[i] != ("word", "and"):
+                    raise TraceToolError("--target: clauses are joined by 'and'")
+                i += 1
+                continue
             if i + 3 > len(tokens):
                 raise TraceToolError("--target: a clause is METRIC OP NUMBER, e.g. kl_mean<=0.01")
             (tm, metric), (to, op), (tn, num) = tokens[i : i + 3]
             if tm != "word" or metric not in METRICS:
-                raise TraceToolError(f"--target: unknown metric {metric!r}; known: {', '.join(METRICS)}")
+                raise TraceToolError(
+                    f"--target: unknown metric {metric!r}; known: {', '.join(METRICS)} (and the word baseline)"
+                )
             if to != "op" or tn != "num":
                 raise TraceToolError(f"--target: expected '{metric} OP NUMBER' with OP one of <= < >= >")
             value = float(num)
@@ -86,11 +98,15 @@ class Target:
                 raise TraceToolError("--target: clauses are joined by 'and'")
             i += 1
 
+    @property
+    def uses_baseline(self) -> bool:
+        return any(m == "baseline" for m, _, _ in self.clauses)
+
     def holds(self, metrics: dict) -> bool:
-        return all(_OPS[op](metrics[m], v) for m, op, v in self.clauses)
+        return all(metrics[m] is True if m == "baseline" else _OPS[op](metrics[m], v) for m, op, v in self.clauses)
 
     def __str__(self) -> str:
-        return " and ".join(f"{m}{op}{v:g}" for m, op, v in self.clauses)
+        return " and ".join(m if m == "baseline" else f"{m}{op}{v:g}" for m, op, v in self.clauses)
 
 
 # ----------------------------------------------------------------------------- in-process replays
@@ -172,7 +188,7 @@ class ReplayResult:
 class Runner:
     """REF read once, the model loaded once; each call builds the runtime with a recipe and replays."""
 
-    def __init__(self, ref_path, runtime: str, model_dir=None, base: Recipe | None = None):
+    def __init__(self, ref_path, runtime: str, model_dir=None, base: Recipe | None = None, baseline=None):
         from gemma4_trace.hf.model import load_for_reference
 
         from .quant import SCHEMES, resolve_precision, weight_units
@@ -185,6 +201,7 @@ class Runner:
             )
         if base is not None and base.runtime != runtime:
             raise TraceToolError(f"the recipe is for --runtime {base.runtime}, not {runtime}")
+        self.ref_path, self.baseline = ref_path, baseline
         self.ref = read_ref(ref_path)
         self.runtime = runtime
         self.loaded = load_for_reference(self.ref.provenance, model_dir, device="cpu")
@@ -230,11 +247,28 @@ class Runner:
 
         return weight_bytes(self._make(), self.runtime, cfg)
 
-    def replay(self, cfg: dict, isolate: bool = False) -> ReplayResult:
+    can_isolate = True
+    first_ranking = "isolated"  # what ranks the units before any full replay
+    bytes_label = "quantizable weight bytes"
+    note = ""
+    precisions = ("float", *SCHEME_NAMES)
+
+    def runtime_for(self, cfg: dict):
         from .quant import quantize_
 
+        return quantize_(self._make(), self.runtime, cfg, cache=self._cache)
+
+    def replay(self, cfg: dict, isolate: bool = False) -> ReplayResult:
         t0 = time.perf_counter()
-        rt = quantize_(self._make(), self.runtime, cfg, cache=self._cache)
+        rt = self.runtime_for(cfg)
+        try:
+            return self._replay(rt, isolate, t0)
+        finally:
+            close = getattr(getattr(rt, "child", None), "close", None)
+            if close is not None:  # llama.cpp: its child process ends with the replay
+                close()
+
+    def _replay(self, rt, isolate: bool, t0: float) -> ReplayResult:
         ref = self.ref
         ids = torch.tensor(ref.prompt_ids, dtype=torch.long)
         extra = {k: torch.as_tensor(v) for k, v in ref.extra.items()}
@@ -270,6 +304,132 @@ class Runner:
         }
         return ReplayResult(metrics, layer_errors, ple)
 
+    def measure(self, cfg: dict) -> dict:
+        """A full replay's METRICS, plus "baseline" (`self.baseline(trace)`: True when `trace diff
+        --baseline BASE` of the replay's trace passes; the CLI passes that judge, the diff library
+        lives above this package) when the runner has one."""
+        metrics = dict(self.replay(cfg).metrics)
+        if self.baseline is not None:
+            metrics["baseline"] = self.baseline_passes(cfg)
+        return metrics
+
+    def baseline_passes(self, cfg: dict) -> bool:
+        """Write the replay of `cfg` as a trace (a temporary file, as `trace replay` writes it)
+        and hand it to the baseline judge."""
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory(prefix="trace-precision-") as d:
+            run = Path(d) / "candidate.h5"
+            self.write_trace(cfg, run)
+            self.replays["full"] += 1
+            return bool(self.baseline(run))
+
+    def write_trace(self, cfg: dict, path) -> None:
+        """The teacher-forced replay of `cfg` written as `trace replay --recipe` writes it."""
+        from gemma4_trace.hf.model import provenance
+        from gemma4_trace.traces.header import Provenance, TraceHeader
+        from gemma4_trace.traces.layers import layer_infos_from_config
+        from gemma4_trace.traces.writer import TraceWriter
+
+        from .replay import _CheckedRuntime, _run_steps, read_reference
+
+        t0 = time.perf_counter()
+        ref = read_reference(self.ref_path)
+        rt = self.runtime_for(cfg)
+        runner = _CheckedRuntime(rt, plugin=False, vocab=self.loaded.text_config.vocab_size)
+        with TraceWriter(path, source_dtype=self.loaded.dtype, selection=ref.selection) as w:
+            w.write_header(
+                TraceHeader(
+                    Provenance.from_dict(provenance(self.loaded, runtime=rt.name, mode="teacher-forced")),
+                    ref.prompt_ids,
+                    layer_infos_from_config(self.loaded.text_config),
+                    max_new_tokens=ref.max_new_tokens,
+                    eos_token_ids=ref.eos,
+                    prompt_text=ref.prompt_text,
+                    chat_template_applied=ref.chat,
+                    extra_inputs=ref.extra,
+                )
+            )
+            try:
+                _run_steps(runner, ref, "teacher-forced", w, None)
+            finally:
+                if getattr(rt, "child", None) is not None:
+                    rt.child.close()
+        self.seconds += time.perf_counter() - t0
+
+
+class LlamaCppRunner(Runner):
+    """`--runtime llama.cpp:TYPE`: each configuration a GGUF file (replayer/gguf_mixed.py) run by
+    llama.cpp. llama.cpp cannot isolate layers: the first ranking is each unit's weight error
+    (its dequantized weights against float: no replay), every replay a full one."""
+
+    can_isolate = False
+    first_ranking = "weight"
+    bytes_label = "GGUF tensor bytes (the whole file llama.cpp loads)"
+
+    def __init__(self, ref_path, runtime: str, model_dir=None, base: Recipe | None = None, baseline=None):
+        from gemma4_trace.hf.model import load_for_reference
+
+        from .gguf_mixed import MixedFiles, resolve
+        from .gguf_writer import GGUF_TYPES
+        from .llamacpp_runtime import parse_spec
+        from .replay import default_max_seq
+
+        gguf_type = parse_spec(runtime)
+        if gguf_type is None or gguf_type == "F32":
+            raise TraceToolError(f"--runtime {runtime}: expected llama.cpp:TYPE with a quantized TYPE")
+        if base is not None and base.runtime != runtime:
+            raise TraceToolError(f"the recipe is for --runtime {base.runtime}, not {runtime}")
+        self.ref_path, self.baseline = ref_path, baseline
+        self.ref = read_ref(ref_path)
+        self.runtime, self.gguf_type = runtime, gguf_type
+        self.loaded = load_for_reference(self.ref.provenance, model_dir, device="cpu")
+        if self.loaded.dtype != "float32":
+            raise TraceToolError(
+                f"--runtime llama.cpp converts float32 checkpoints; REF was recorded in {self.loaded.dtype}"
+            )
+        self.max_seq = default_max_seq(len(self.ref.prompt_ids), len(self.ref.tokens))
+        self.mixed = MixedFiles(self.loaded, gguf_type)
+        self.modules = resolve(self.mixed, base.units if base else {}, gguf_type)
+        self.layer_of = {mu: lu for mu, (lu, _) in self.mixed.units.items()}
+        self.n_layers = len(self.loaded.text_config.layer_types)
+        self.precisions = ("float", *(t for t in GGUF_TYPES if t != "F32"))
+        self.replays = {"full": 0, "isolated": 0}
+        self.seconds = 0.0
+        self.note = (
+            f"llama.cpp cannot isolate layers: only full replays; units ranked first by their weight error "
+            f"({gguf_type} dequantized vs float, no replay)"
+        )
+
+    def runtime_for(self, cfg: dict):
+        from .llamacpp_runtime import LlamaCppRuntime
+
+        return LlamaCppRuntime(self.loaded, self.max_seq, gguf_type=self.gguf_type, user_file=self.mixed.path(cfg))
+
+    def replay(self, cfg: dict, isolate: bool = False) -> ReplayResult:
+        if isolate:
+            raise TraceToolError("llama.cpp cannot isolate layers")
+        return super().replay(cfg)
+
+    def weight_bytes(self, cfg: dict) -> int:
+        return self.mixed.tensor_bytes(cfg)
+
+    def weight_ranking(self, granularity: str) -> list:
+        errors = self.mixed.weight_errors(self.config())
+        ranked = []
+        for unit in self.units(granularity):
+            errs = [errors[m] for m in self.members(unit) if errors[m] is not None]
+            ranked.append((unit, max(errs) if errs else None))
+        ranked.sort(key=lambda ue: -1.0 if ue[1] is None else ue[1], reverse=True)
+        return ranked
+
+
+def make_runner(ref_path, runtime: str, model_dir=None, base: Recipe | None = None, baseline=None) -> Runner:
+    """The runner of a quantized static runtime, or of llama.cpp:TYPE."""
+    cls = LlamaCppRunner if runtime.startswith("llama.cpp") else Runner
+    return cls(ref_path, runtime, model_dir, base, baseline=baseline)
+
 
 def _unit_layer(unit: str) -> int | None:
     return int(unit.split(".")[1]) if unit.startswith("layer.") else None
@@ -304,13 +464,20 @@ class Sensitivity:
     units: list  # UnitSensitivity, ranked
     replays: dict = field(default_factory=dict)
     seconds: float = 0.0
+    first_ranking: str = "isolated"  # "weight" where the runtime cannot isolate (llama.cpp)
+    note: str = ""
 
     def to_json(self) -> dict:
+        ranking = [u.to_json() for u in self.units]
+        if self.first_ranking == "weight":
+            for u in ranking:
+                u["weight_rel_l2"] = u.pop("isolated_layer_out")
         return {
             "runtime": self.runtime,
             "unit": self.granularity,
             "all_quantized": self.all_quantized,
-            "ranking": [u.to_json() for u in self.units],
+            **({"note": self.note} if self.note else {}),
+            "ranking": ranking,
             "replays": dict(self.replays),
             "seconds": round(self.seconds, 2),
             "metrics": {
@@ -323,7 +490,10 @@ class Sensitivity:
 
 
 def isolated_ranking(runner: Runner, granularity: str) -> list[tuple[str, float | None]]:
-    """One isolated replay of the whole quantized configuration: units by their layer's own error."""
+    """One isolated replay of the whole quantized configuration: units by their layer's own error
+    (llama.cpp, which cannot isolate: by their weight error, no replay)."""
+    if not runner.can_isolate:
+        return runner.weight_ranking(granularity)
     iso = runner.replay(runner.config(), isolate=True)
     ranked = []
     for unit in runner.units(granularity):
@@ -359,7 +529,14 @@ def sensitivity(runner: Runner, granularity: str = "layer", replays: int = 4) ->
     measured = sorted((u for u in out if u.only_quantized), key=lambda u: u.only_quantized["kl_mean"], reverse=True)
     rest = [u for u in out if not u.only_quantized]
     return Sensitivity(
-        runner.runtime, granularity, all_q.metrics, measured + rest, dict(runner.replays), runner.seconds
+        runner.runtime,
+        granularity,
+        all_q.metrics,
+        measured + rest,
+        dict(runner.replays),
+        runner.seconds,
+        runner.first_ranking,
+        runner.note,
     )
 
 
@@ -373,8 +550,10 @@ def format_sensitivity(s: Sensitivity, ref_name: str) -> str:
         f"sensitivity of {s.runtime} by {s.granularity} on {ref_name}: {n} replays ({s.replays.get('isolated', 0)} "
         "isolated, "
         f"{s.replays.get('full', 0)} full) in {s.seconds:.1f} s",
+        *([s.note] if s.note else []),
         f"all quantized: {_metrics_text(s.all_quantized)}",
-        "rank  unit              precision     isolated  | only this unit quantized: KL mean  KL p99    top-1  "
+        f"rank  unit              precision     {'weight' if s.first_ranking == 'weight' else 'isolated':<9} "
+        "| only this unit quantized: KL mean  KL p99    top-1  "
         "layer_out "
         "| only this unit float: KL mean  KL p99    top-1",
     ]
@@ -385,9 +564,14 @@ def format_sensitivity(s: Sensitivity, ref_name: str) -> str:
             f"{_g(q.get('kl_p99')):<9} {_top1(q.get('top1')):<6} {_g(u.unit_layer_out):<9} | {'':<21}"
             f"{_g(f.get('kl_mean')):<8} {_g(f.get('kl_p99')):<9} {_top1(f.get('top1'))}".rstrip()
         )
+    first = (
+        "the unit's weight rel-L2 (dequantized vs float)"
+        if s.first_ranking == "weight"
+        else "the isolated replay's layer_out rel-L2"
+    )
     lines.append(
-        "ranked by KL mean with only the unit quantized (full replays), then by the isolated replay's "
-        "layer_out rel-L2 (units without full replays: '-')"
+        f"ranked by KL mean with only the unit quantized (full replays), then by {first} (units without full "
+        "replays: '-')"
     )
     return "\n".join(lines)
 
@@ -397,9 +581,12 @@ def _top1(x) -> str:
 
 
 def _metrics_text(m: dict) -> str:
-    return (
+    text = (
         f"KL mean {m['kl_mean']:.2e}, KL p99 {m['kl_p99']:.2e}, top-1 {m['top1']:.3f}, layer_out {m['layer_out']:.2e}"
     )
+    if "baseline" in m:
+        text += f", trace diff --baseline {'passes' if m['baseline'] else 'fails'}"
+    return text
 
 
 # ----------------------------------------------------------------------------- precision search
@@ -413,14 +600,29 @@ class PrecisionResult:
     bytes_all: int
     bytes_recipe: int
     started_from_recipe: bool = False
+    note: str = ""
+    bytes_label: str = "quantizable weight bytes"
+
+
+def check_target_baseline(target: Target, baseline) -> None:
+    """`baseline`: BASE's path, or the judge made of it (anything but None when given)."""
+    if target.uses_baseline and baseline is None:
+        raise TraceToolError("--target baseline needs --baseline BASE.h5 (the trace a replay is judged against)")
+    if baseline is not None and not target.uses_baseline:
+        raise TraceToolError("--baseline is used only by a target with the word baseline, e.g. --target baseline")
 
 
 def precision_search(
     runner: Runner, target: Target, fallback: str = "float", granularity: str = "layer", base: Recipe | None = None
 ) -> PrecisionResult:
-    if fallback not in ("float", *SCHEME_NAMES):
-        raise TraceToolError(f"--fallback must be float or a quantized runtime, got {fallback!r}")
-    before = runner.replay(runner.config()).metrics
+    if fallback not in runner.precisions:
+        raise TraceToolError(
+            f"--fallback for {runner.runtime} must be one of {', '.join(runner.precisions)}, got {fallback!r}"
+        )
+    check_target_baseline(target, runner.baseline)
+    if fallback == getattr(runner, "gguf_type", None):
+        raise TraceToolError(f"--fallback {fallback} is the runtime's own type")
+    before = runner.measure(runner.config())
     kept, cfg, after = [], runner.config(), before
     if not target.holds(before):
         order = [u for u, err in isolated_ranking(runner, granularity) if err is not None]
@@ -430,7 +632,7 @@ def precision_search(
                 continue
             kept.append(unit)
             cfg = runner.config({**{m: fallback for u in kept for m in runner.members(u)}})
-            after = runner.replay(cfg).metrics
+            after = runner.measure(cfg)
             if target.holds(after):
                 break
         else:
@@ -441,7 +643,7 @@ def precision_search(
         # prune: a unit added early may be unneeded once later ones are back; try each but the last
         for unit in list(kept[:-1]):
             trial = [u for u in kept if u != unit]
-            metrics = runner.replay(runner.config({m: fallback for u in trial for m in runner.members(u)})).metrics
+            metrics = runner.measure(runner.config({m: fallback for u in trial for m in runner.members(u)}))
             if target.holds(metrics):
                 kept, after = trial, metrics
     units = dict(base.units) if base else {}
@@ -450,7 +652,7 @@ def precision_search(
         units[u] = fallback
     recipe = Recipe(runner.runtime, units).check()
     # verification: the recipe as written, resolved like `trace replay --recipe` does
-    verified = runner.replay(_resolve(runner, recipe)).metrics
+    verified = runner.measure(_resolve(runner, recipe))
     if not target.holds(verified):
         raise TraceToolError(
             f"the recipe's verification replay misses the target ({_metrics_text(verified)}); nothing was written"
@@ -464,13 +666,14 @@ def precision_search(
         runner.weight_bytes(runner.config()),
         runner.weight_bytes(_resolve(runner, recipe)),
         base is not None,
+        runner.note,
+        runner.bytes_label,
     )
 
 
 def _resolve(runner: Runner, recipe: Recipe) -> dict:
-    from .quant import resolve_precision
-
-    return {m: resolve_precision(recipe.units, recipe.runtime, runner.layer_of[m], m) for m in runner.modules}
+    default = runner.gguf_type if isinstance(runner, LlamaCppRunner) else recipe.runtime
+    return {m: recipe.units.get(m, recipe.units.get(runner.layer_of[m], default)) for m in runner.modules}
 
 
 def format_precision(p: PrecisionResult, output, target: Target, fallback: str, replays: dict, seconds: float) -> str:
@@ -478,10 +681,11 @@ def format_precision(p: PrecisionResult, output, target: Target, fallback: str, 
     return "\n".join(
         [
             f"target {target}: reached with {len(p.kept)} unit(s) at {fallback}: {kept}",
+            *([p.note] if p.note else []),
             f"before (every unit as started: {p.recipe.runtime}{', --recipe' if p.started_from_recipe else ''}): "
             f"{_metrics_text(p.before)}",
             f"after (verified by a full replay of the recipe): {_metrics_text(p.verified)}",
-            f"quantizable weight bytes: {p.bytes_recipe} vs {p.bytes_all} before (x{p.bytes_recipe / p.bytes_all:.2f})",
+            f"{p.bytes_label}: {p.bytes_recipe} vs {p.bytes_all} before (x{p.bytes_recipe / p.bytes_all:.2f})",
             f"{sum(replays.values())} replays ({replays.get('isolated', 0)} isolated, {replays.get('full', 0)} full) "
             f"in {seconds:.1f} s",
             f"wrote {output}: trace replay REF --runtime {p.recipe.runtime} --recipe {output}",

@@ -21,7 +21,7 @@ import torch
 from gemma4_trace.recorder.golden import GOLDEN_DIR
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.replayer.repro import write_repro
-from tests.support import invoke
+from tests.support import invoke, one_line_error
 
 REF = GOLDEN_DIR / "window.h5"  # prompt 13 > sliding window 8; decode to position 35
 SITE_PACKAGES = str(Path(torch.__file__).resolve().parents[1])
@@ -140,3 +140,48 @@ def test_cli_repro_refuses_bad_sites(tmp_path, args, message):
 def test_cli_repro_of_a_match_asks_for_a_site(tmp_path):
     res = invoke("repro", str(REF), str(REF), "-o", str(tmp_path / "r"))
     assert res.exit_code == 2 and "no divergence" in res.output
+
+
+# --onnx: a sliding layer in prefill, a full layer that stores K/V in decode, a KV-sharing
+# (reusing) sliding layer in decode
+ONNX_SITES = [(0, 0, "sliding_attention"), (9, 4, "full_attention"), (17, 6, "sliding_attention")]
+
+
+@pytest.mark.parametrize("step,layer,layer_type", ONNX_SITES)
+def test_repro_onnx_layer_matches_ref_in_onnxruntime(tmp_path, step, layer, layer_type):
+    """layer.onnx, fed inputs.npz, gives REF's layer output in onnxruntime (rel-L2 < 1e-5),
+    and repro.py (without the project) runs it and prints the same check."""
+    ort = pytest.importorskip("onnxruntime")
+    from gemma4_trace.replayer.repro import onnx_feeds
+
+    out = tmp_path / "repro"
+    res = invoke("repro", str(REF), str(REF), "--at", f"{step},{layer}", "--onnx", "-o", str(out))
+    assert res.exit_code == 0, res.output
+    assert "in 5 files" in res.output and (out / "layer.onnx").is_file()
+    session = ort.InferenceSession(str(out / "layer.onnx"), providers=["CPUExecutionProvider"])
+    with np.load(out / "inputs.npz") as z:
+        inputs = {k: z[k] for k in z.files}
+    feeds = onnx_feeds(inputs)
+    assert sorted(i.name for i in session.get_inputs()) == sorted(feeds)
+    got = session.run(["layer_out"], feeds)[0]
+    with np.load(out / "outputs.npz") as z:
+        err = rel_l2(got, z["ref_layer_out"])
+    assert err < 1e-5
+    p = run_repro(out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"layer {layer} ({layer_type}" in p.stdout
+    printed = float(re.search(r"onnxruntime layer.onnx vs REF layer_out: rel-L2 (\S+)", p.stdout)[1])
+    assert printed == pytest.approx(err, rel=1e-2, abs=1e-9)
+
+
+def test_repro_onnx_refused_without_the_extra_and_stale_graph_removed(tmp_path, monkeypatch):
+    out = tmp_path / "r"
+    res = invoke("repro", str(REF), str(REF), "--at", "0,0", "-o", str(out))
+    assert res.exit_code == 0 and not (out / "layer.onnx").exists()
+    (out / "layer.onnx").write_bytes(b"stale")  # a graph of another site: --force without --onnx drops it
+    assert invoke("repro", str(REF), str(REF), "--at", "3,5", "-o", str(out), "--force").exit_code == 0
+    assert not (out / "layer.onnx").exists()
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # import onnxscript -> ImportError
+    res = invoke("repro", str(REF), str(REF), "--at", "0,0", "--onnx", "-o", str(tmp_path / "n"))
+    one_line_error(res, "trace repro --onnx needs onnx and onnxscript: install the extra [onnx]")
+    assert not (tmp_path / "n").exists()

@@ -266,3 +266,104 @@ def test_precision_by_module_prunes_what_the_target_does_not_need(tmp_path):
     replay_trace(REF, run, runtime="static-w8", recipe=load_recipe(tmp_path / "r.toml"))
     kl, _ = kl_top1(REF, run)
     assert kl == pytest.approx(res.verified["kl_mean"], rel=1e-6) and kl <= 2e-6
+
+
+@pytest.fixture(scope="module")
+def w8_base(work):
+    """BASE: the all-int8 replay, the envelope the planted int4 layer leaves."""
+    base = work / "base-w8.h5"
+    replay_trace(REF, base, runtime="static-w8")
+    return base
+
+
+def test_precision_target_baseline_keeps_the_weak_layer_and_the_diff_passes(work, weak_trace, w8_base):
+    """--target baseline: the weak configuration fails `trace diff --baseline BASE`; the recipe
+    keeps the planted layer in float and its replay passes the same diff (exit 0)."""
+    assert invoke("diff", str(REF), str(weak_trace), "--baseline", str(w8_base)).exit_code == 1
+    out = work / "baseline-recipe.toml"
+    res = invoke(
+        "precision",
+        str(REF),
+        "--runtime",
+        "static-w8",
+        "--recipe",
+        str(work / "weak.toml"),
+        "--target",
+        "baseline and top1>=0.98",
+        "--baseline",
+        str(w8_base),
+        "-o",
+        str(out),
+    )
+    assert res.exit_code == 0, res.output
+    assert f"reached with 1 unit(s) at float: layer.{LOW_LAYER}" in res.output
+    assert "trace diff --baseline fails" in res.output and "trace diff --baseline passes" in res.output
+    assert load_recipe(out) == Recipe("static-w8", {f"layer.{LOW_LAYER}": "float"})
+    run = work / "baseline-kept.h5"
+    assert invoke("replay", str(REF), "--runtime", "static-w8", "--recipe", str(out), "-o", str(run)).exit_code == 0
+    res = invoke("diff", str(REF), str(run), "--baseline", str(w8_base))
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize(
+    "target,base,message",
+    [
+        ("baseline", None, "--target baseline needs --baseline BASE.h5"),
+        ("top1>=0.9 and baseline", None, "--target baseline needs --baseline BASE.h5"),
+        ("top1>=0.9", "w8", "--baseline is used only by a target with the word baseline"),
+        ("baseline", "image", "cannot be a baseline here: traces have different prompts"),
+        ("baseline", "missing", "no such file"),
+    ],
+)
+def test_precision_target_baseline_refusals(work, w8_base, target, base, message):
+    out = work / "never-baseline.toml"
+    paths = {"w8": str(w8_base), "image": str(GOLDEN_DIR / "image.h5"), "missing": str(work / "nope.h5")}
+    args = ["precision", str(REF), "--runtime", "static-w8", "--target", target, "-o", str(out)]
+    res = invoke(*args, *(["--baseline", paths[base]] if base else []))
+    assert res.exit_code == 2 and message in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_target_parser_baseline_word():
+    t = Target.parse("baseline and kl_mean<=0.01")
+    assert t.uses_baseline and str(t) == "baseline and kl_mean<=0.01"
+    assert t.holds({"baseline": True, "kl_mean": 0.0}) and not t.holds({"baseline": False, "kl_mean": 0.0})
+    assert not Target.parse("kl_mean<=0.01").uses_baseline
+    for bad in ("baseline and", "baseline baseline", "baseline or top1>=1", "baseline<=1"):
+        with pytest.raises(TraceToolError, match="--target"):
+            Target.parse(bad)
+
+
+def test_cli_sensitivity_html_report_holds_every_unit_and_the_json_numbers(work):
+    """--report: a self-contained page whose row per unit holds the JSON's numbers (as the
+    page prints them, 4 significant digits) and a bar; an existing report needs --force."""
+    import html
+    import json
+    import re
+
+    page = work / "sens.html"
+    res = invoke(
+        "sensitivity", str(REF), "--runtime", "static-w8", "--recipe", str(work / "weak.toml"), "--replays", "2",
+        "--json", "--report", str(page),
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    out, text = json.loads(res.output), page.read_text(encoding="utf-8")
+    assert "<script" not in text and "http" not in text and "<link" not in text
+    rows = dict(re.findall(r'<tr id="([^"]+)">(.*?)</tr>', text))
+    assert list(rows) == [u["unit"] for u in out["ranking"]]  # every unit, in rank order
+    for u in out["ranking"]:
+        cells = [html.unescape(c) for c in re.findall(r"<td[^>]*>([^<]*)</td>", rows[u["unit"]])]
+        want = [u["precision"], f"{u['isolated_layer_out']:.3e}"]
+        for run in (u["only_quantized"], u["only_float"]):
+            if run is not None:
+                want += [f"{run['kl_mean']:.3e}", f"{run['kl_p99']:.3e}", f"{run['top1']:.3f}"]
+                want.append(f"{run['layer_out']:.3e}")
+        for w in want:
+            assert w in cells, (u["unit"], w, cells)
+        assert rows[u["unit"]].count("<svg") == 2
+    measured = [u for u in out["ranking"] if u["only_quantized"]]
+    assert len(measured) == 2 and all(f"{u['only_quantized']['kl_mean']:.3e}" in text for u in measured)
+    for m in ("kl_mean", "kl_p99", "layer_out"):
+        assert f"{out['all_quantized'][m]:.3e}" in text
+    again = invoke("sensitivity", str(REF), "--runtime", "static-w8", "--report", str(page))
+    assert again.exit_code == 2 and "--force" in again.output
