@@ -381,7 +381,7 @@ def _embedded_model_dir(model_name: str):
     "--recipe",
     type=click.Path(),
     default=None,
-    help="precision recipe TOML (trace precision) for a quantized static runtime",
+    help="precision recipe TOML (trace precision) for a quantized static runtime or llama.cpp:TYPE",
 )
 @click.option(
     "--gguf", "gguf_path", type=click.Path(), default=None, help="run this GGUF file in llama.cpp (extra [llamacpp])"
