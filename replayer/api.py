@@ -40,6 +40,9 @@ EXTRA_RUNTIMES = {
     "tico": "gemma4_trace.replayer.tico_runtime:make_tico",  # gemma4-trace[tico]
     "tico-quant": "gemma4_trace.replayer.tico_runtime:make_tico_quant",
     "onnx": "gemma4_trace.replayer.onnx_runtime:make_onnx",  # gemma4-trace[onnx]
+    "executorch": "gemma4_trace.replayer.executorch_runtime:make_executorch",  # gemma4-trace[executorch]
+    "executorch-int8": "gemma4_trace.replayer.executorch_runtime:make_executorch_int8",
+    "executorch-int8-reference": "gemma4_trace.replayer.executorch_runtime:make_executorch_int8_reference",
 }
 # llama.cpp[:TYPE] (gemma4-trace[llamacpp]): matched before MODULE:FACTORY, whose colon it shares
 LLAMACPP_RUNTIME = "llama.cpp"
@@ -259,6 +262,9 @@ _NEEDS = {
     "tico": ("tico",),
     "tico-quant": ("tico",),
     "onnx": ("onnxruntime", "onnx", "onnxscript"),
+    "executorch": ("executorch",),
+    "executorch-int8": ("executorch", "torchao"),
+    "executorch-int8-reference": ("executorch", "torchao"),
     LLAMACPP_RUNTIME: ("llama_cpp", "gguf"),
 }
 _EXTRA_OF = {
@@ -269,11 +275,15 @@ _EXTRA_OF = {
     "onnxscript": "onnx",
     "llama_cpp": "llamacpp",
     "gguf": "llamacpp",
+    "executorch": "executorch",
 }
 _NO_ISOLATION = (
     "tico",
     "tico-quant",
     "onnx",
+    "executorch",
+    "executorch-int8",
+    "executorch-int8-reference",
     LLAMACPP_RUNTIME,
 )  # built-ins that do not continue with the probe's tensors
 
