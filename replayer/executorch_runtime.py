@@ -24,8 +24,11 @@ content hash, the runtime, max_seq, the calibration prompt (int8) and the execut
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -51,6 +54,20 @@ def _versions() -> dict:
     except ImportError as e:
         raise TraceToolError(f"--runtime executorch needs executorch: {install_hint('executorch')} ({e})") from None
     return {"executorch": et_version.__version__, "torch": torch.__version__}
+
+
+@contextlib.contextmanager
+def _quiet_fd2():
+    """ExecuTorch's C++ start-up (cpuinfo) prints lines on file descriptor 2: keep them off the console."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _zero_caches(rt: _FunctionalKV) -> list[torch.Tensor]:
@@ -217,8 +234,9 @@ class ExecuTorchRuntime:
         art = cached_programs(self.loaded, self.mode, self.max_seq, prompt, extra, host=self.host)
         self.note = art.note
         try:
-            et = Runtime.get()
-            methods = {n: et.load_program(art.path / f"{n}.pte").load_method("forward") for n in PROGRAMS}
+            with _quiet_fd2():
+                et = Runtime.get()
+                methods = {n: et.load_program(art.path / f"{n}.pte").load_method("forward") for n in PROGRAMS}
         finally:
             art.close()  # the program is read into memory; a temporary (cache off) folder can go
         self.steps = {n: (lambda args, m=methods[n]: list(m.execute(list(args)))) for n in PROGRAMS}

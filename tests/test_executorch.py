@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 
 pytest.importorskip("executorch", reason="executorch is not installed (pip install -e '.[executorch]')")
@@ -32,15 +33,18 @@ def runs(tmp_path_factory):
     return out
 
 
-def test_float_replay_matches_reference_under_default_tolerances(runs):
+def test_float_replay_matches_reference_under_the_executorch_profile(runs):
     assert "3/3 tokens agree" in runs["executorch:summary"]
-    res = diff_traces(REF, runs["executorch"])
+    res = diff_traces(REF, runs["executorch"], tolerances_path="executorch-f32")
     assert res.match, res.to_json()["first_divergence"]
+    # under float32's defaults it is not: XNNPACK's MLP kernels add 1.2e-4 in layer 0 (the profile's reason)
+    plain = diff_traces(REF, runs["executorch"]).to_json()["first_divergence"]
+    assert (plain["layer"], plain["kind"]) == (0, "layer_out"), plain
     with TraceReader(REF) as a, TraceReader(runs["executorch"]) as b:
-        assert b.provenance["runtime"].startswith("executorch (ExecuTorch 1.5.1, XNNPACK, float32)")
-        assert {"embeddings", "final_hidden"} <= {k for k, _ in b.kinds_present()}
-        assert ("q", 3) in b.kinds_present() and ("attn_out", 7) in b.kinds_present()
-        assert a.kinds_present() <= b.kinds_present() | {(k, l) for k, l in a.kinds_present() if k == "token"}
+        assert b.provenance["runtime"].startswith("executorch (ExecuTorch 1.5.1")
+        assert "XNNPACK, float32" in b.provenance["runtime"]
+        assert sorted(b.kinds_present()) == sorted(a.kinds_present())  # every kind REF has, as program outputs
+        assert np.array_equal(a.read("q", 0).shape, b.read("q", 0).shape)
 
 
 def test_int8_three_way_kernel_error_within_quantization_baseline(runs):
