@@ -47,15 +47,22 @@ def test_float_replay_matches_reference_under_the_executorch_profile(runs):
         assert np.array_equal(a.read("q", 0).shape, b.read("q", 0).shape)
 
 
-def test_int8_three_way_kernel_error_within_quantization_baseline(runs):
+def test_int8_three_way_separates_kernel_error_from_quantization(runs):
     int8, ref8 = runs["executorch-int8"], runs["executorch-int8-reference"]
     with TraceReader(int8) as b, TraceReader(ref8) as c:
         assert "calibrated on REF's prompt" in b.provenance["runtime"]
         assert c.provenance["runtime"].startswith("executorch-int8-reference (PyTorch")
-    plain = diff_traces(REF, int8)
-    assert not plain.match  # int8 is far from float32 under the float tolerances
+        # the same converted program: before layer 0's attention the kernels agree exactly
+        for kind, layer in (("embeddings", None), ("per_layer_inputs", None), ("q", 0)):
+            assert np.array_equal(b.read(kind, layer), c.read(kind, layer)), (kind, layer)
+    plain = diff_traces(REF, int8).to_json()["first_divergence"]
+    assert (plain["step"], plain["kind"]) == (0, "embeddings"), plain  # the quantization, from the start
     res = diff_traces(REF, int8, baseline_path=ref8)
-    assert res.match, res.to_json()["first_divergence"]
+    # measured: XNNPACK's int8 kernels add error beyond the quantization in a full-attention
+    # layer (layer 4's q: 2.7e-1 against the reference's 3.7e-2, docs/runtime-executorch.md)
+    first = res.to_json()["first_divergence"]
+    assert not res.match and first["layer"] is not None and first["layer"] > 0, first
+    assert first["kind"] in ("q", "k", "v", "attn_out", "layer_out", "final_hidden"), first
 
 
 def test_second_replay_reads_the_cache_and_does_not_lower(runs, tmp_path, monkeypatch):
