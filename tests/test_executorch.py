@@ -58,8 +58,8 @@ def test_int8_three_way_separates_kernel_error_from_quantization(runs):
     plain = diff_traces(REF, int8).to_json()["first_divergence"]
     assert (plain["step"], plain["kind"]) == (0, "embeddings"), plain  # the quantization, from the start
     res = diff_traces(REF, int8, baseline_path=ref8)
-    # measured: XNNPACK's int8 kernels add error beyond the quantization in a full-attention
-    # layer (layer 4's q: 2.7e-1 against the reference's 3.7e-2, docs/runtime-executorch.md)
+    # measured: XNNPACK's int8 kernels add error beyond the quantization from layer 4 on
+    # (layer 4's q: 2.7e-1 against the reference's 3.7e-2, docs/runtime-executorch.md)
     first = res.to_json()["first_divergence"]
     assert not res.match and first["layer"] is not None and first["layer"] > 0, first
     assert first["kind"] in ("q", "k", "v", "attn_out", "layer_out", "final_hidden"), first
