@@ -205,7 +205,9 @@ class ExecuTorchRuntime:
         elif mode == "executorch-int8":
             self.name = f"executorch-int8 (ExecuTorch {versions['executorch']}, XNNPACK; {INT8_SCHEME})"
         else:
-            self.name = f"executorch-int8-reference (PyTorch {versions['torch']} on the converted PT2E program; {INT8_SCHEME})"
+            self.name = (
+                f"executorch-int8-reference (PyTorch {versions['torch']} on the converted PT2E program; {INT8_SCHEME})"
+            )
         self.host = _FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
         self.n_caches = 2 * len(self.host.owners())
         self.names = self._output_names()
@@ -293,9 +295,16 @@ def make_executorch_int8_reference(loaded, max_seq: int):
 
 
 def _export_targets(out: Path, force: bool) -> list[Path]:
-    from .onnx_runtime import _export_targets as onnx_targets  # same checks; its .onnx names are not ours
-
-    onnx_targets(out, force=True)  # the folder: made, writable
+    """Check, before the model loads, that out is (or can be made) a writable folder and that each
+    .pte file is absent or, with force, a regular file. Return the .pte paths."""
+    if out.exists() and not out.is_dir():
+        raise TraceToolError(f"output {out} exists and is not a folder; give a folder for the .pte files")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TraceToolError(f"cannot make output folder {out} ({e.strerror or type(e).__name__})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise TraceToolError(f"output folder {out} is not writable")
     targets = [out / f"{n}.pte" for n in PROGRAMS]
     for t in targets:
         if not (t.exists() or t.is_symlink()):
