@@ -513,6 +513,37 @@ def export_onnx_cmd(model_dir, max_seq, out_dir, force, cache_dir, no_cache):
     click.echo(export_command(model_dir, max_seq, out_dir, force=force))
 
 
+@main.command("export-pte")
+@model_option
+@click.option(
+    "--runtime",
+    type=click.Choice(["executorch", "executorch-int8"]),
+    default="executorch",
+    show_default=True,
+    help="float32, or PT2E int8 (XNNPACKQuantizer) calibrated on --calibrate's prompt",
+)
+@click.option(
+    "--max-seq", type=click.IntRange(2, 1_000_000), required=True, help="static sequence length of the programs"
+)
+@click.option("--calibrate", "calibrate", type=click.Path(), help="REF.h5 whose prompt calibrates executorch-int8")
+@click.option(
+    "-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False), help="folder for the .pte files"
+)
+@click.option("--force", is_flag=True, help="replace existing .pte files")
+@debug_option
+@user_errors
+def export_pte_cmd(model_dir, runtime, max_seq, calibrate, out_dir, force):
+    """Lower the static runtime's prefill and decode steps to ExecuTorch XNNPACK .pte programs (what
+    --runtime executorch runs): prefill.pte and decode.pte, both or neither."""
+    _check_model_dir(model_dir)
+    from gemma4_trace.replayer.api import check_runtime_name
+
+    check_runtime_name(runtime)  # the extra installed
+    from gemma4_trace.replayer.executorch_runtime import export_command  # torch: after the checks
+
+    click.echo(export_command(model_dir, runtime, max_seq, out_dir, force=force, calibration_ref=calibrate))
+
+
 @main.command("import")
 @click.argument("dump_dir", metavar="DUMP_DIR", type=click.Path())
 @click.option(

@@ -41,6 +41,9 @@ EXTRA_RUNTIMES = {
     "tico-quant": "gemma4_trace.replayer.tico_runtime:make_tico_quant",
     "onnx": "gemma4_trace.replayer.onnx_runtime:make_onnx",  # gemma4-trace[onnx]
     "mobius": "gemma4_trace.replayer.mobius_runtime:make_mobius",  # gemma4-trace[mobius]
+    "executorch": "gemma4_trace.replayer.executorch_runtime:make_executorch",  # gemma4-trace[executorch]
+    "executorch-int8": "gemma4_trace.replayer.executorch_runtime:make_executorch_int8",
+    "executorch-int8-reference": "gemma4_trace.replayer.executorch_runtime:make_executorch_int8_reference",
 }
 # llama.cpp[:TYPE] (gemma4-trace[llamacpp]): matched before MODULE:FACTORY, whose colon it shares
 LLAMACPP_RUNTIME = "llama.cpp"
@@ -261,6 +264,9 @@ _NEEDS = {
     "tico-quant": ("tico",),
     "onnx": ("onnxruntime", "onnx", "onnxscript"),
     "mobius": ("mobius", "onnxruntime", "onnx_ir"),
+    "executorch": ("executorch",),
+    "executorch-int8": ("executorch", "torchao"),
+    "executorch-int8-reference": ("executorch", "torchao"),
     LLAMACPP_RUNTIME: ("llama_cpp", "gguf"),
 }
 _EXTRA_OF = {
@@ -273,12 +279,16 @@ _EXTRA_OF = {
     "gguf": "llamacpp",
     "mobius": "mobius",
     "onnx_ir": "mobius",
+    "executorch": "executorch",
 }
 _NO_ISOLATION = (
     "tico",
     "tico-quant",
     "onnx",
     "mobius",
+    "executorch",
+    "executorch-int8",
+    "executorch-int8-reference",
     LLAMACPP_RUNTIME,
 )  # built-ins that do not continue with the probe's tensors
 

@@ -1,0 +1,362 @@
+"""`--runtime executorch`, `executorch-int8` and `executorch-int8-reference`: the static runtime's
+prefill and decode steps lowered to ExecuTorch's XNNPACK backend and run by `executorch.runtime`
+on CPU (extra `gemma4-trace[executorch]`).
+
+The programs are the ONNX runtime's graphs (replayer/onnx_runtime.py): pure functions of the step
+inputs and the K/V caches of the layers that own K/V, returning the logits, the updated caches and
+every canonical kind the static runtime reports, as extra outputs. The host keeps the caches
+between steps. Prefill runs over the whole padded max_seq in one program (no chunking).
+
+    executorch                  float32, every op XNNPACK takes is delegated to it
+    executorch-int8             PT2E with XNNPACKQuantizer: symmetric int8, per-channel weights,
+                                static per-tensor activations calibrated on REF's prompt (prefill on
+                                the prompt, decode on the prompt's tokens fed one at a time), lowered
+    executorch-int8-reference   the same converted PT2E program (after convert_pt2e, before
+                                lowering) run by PyTorch: its quantize/dequantize pairs simulate
+                                the int8 arithmetic; `trace diff REF INT8 --baseline INT8_REFERENCE`
+                                shows the error XNNPACK's int8 kernels add beyond the quantization
+
+The .pte programs are kept in the artifact cache (replayer/artifacts.py), keyed by the model's
+content hash, the runtime, max_seq, the calibration prompt (int8) and the executorch/torch versions.
+
+    trace export-pte [--model DIR] [--runtime executorch|executorch-int8] --max-seq 32 -o DIR
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from gemma4_trace.traces.atomic import no_space
+from gemma4_trace.traces.errors import TraceToolError, install_hint
+
+from .onnx_runtime import DECODE_INPUTS, PREFILL_INPUTS, _FunctionalKV, _Graph, _place_all, _quiet
+
+MODES = ("executorch", "executorch-int8", "executorch-int8-reference")
+PROGRAMS = ("prefill", "decode")
+INT8_SCHEME = (
+    "PT2E XNNPACKQuantizer: symmetric int8, per-channel weights, static per-tensor activations "
+    "calibrated on REF's prompt"
+)
+
+
+def _versions() -> dict:
+    try:
+        from executorch import version as et_version
+        from executorch.runtime import Runtime  # noqa: F401  (the pybindings: the part that may fail to load)
+    except ImportError as e:
+        raise TraceToolError(f"--runtime executorch needs executorch: {install_hint('executorch')} ({e})") from None
+    return {"executorch": et_version.__version__, "torch": torch.__version__}
+
+
+@contextlib.contextmanager
+def _quiet_fd2():
+    """ExecuTorch's C++ start-up (cpuinfo) prints lines on file descriptor 2: keep them off the console."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _zero_caches(rt: _FunctionalKV) -> list[torch.Tensor]:
+    return [
+        torch.zeros(1, rt.infos[i].num_kv_heads, rt.max_seq, rt.infos[i].head_dim, dtype=rt.dtype)
+        for i in rt.owners()
+        for _ in ("k", "v")
+    ]
+
+
+def _examples(rt: _FunctionalKV) -> dict:
+    """Example step inputs per program (shapes and dtypes only: every shape is fixed by max_seq)."""
+    z = torch.zeros(1, dtype=torch.long)
+    return {"prefill": rt.prepare_prefill([0], {}), "decode": (z.reshape(1, 1), z)}
+
+
+def _calibration(rt: _FunctionalKV, prompt, extra) -> dict:
+    """Calibration inputs per program from REF's prompt: the prompt's prefill, and its tokens fed
+    one at a time to decode (caches from the float decode graph), as a replay runs them."""
+    caches = _zero_caches(rt)
+    pre = [(*rt.prepare_prefill(list(prompt), extra or {}), *caches)]
+    g, dec = _Graph(rt, prefill=False).eval(), []
+    n = len(caches)
+    mm = set(rt.mm_token_ids)
+    with torch.no_grad():
+        for pos, tok in enumerate(prompt):
+            args = (torch.tensor([[rt.pad_id if int(tok) in mm else int(tok)]]), torch.tensor([pos]))
+            dec.append((*args, *caches))
+            caches = list(g(*args, *caches)[1 : 1 + n])
+    return {"prefill": pre, "decode": dec}
+
+
+def _export(rt: _FunctionalKV, name: str) -> torch.export.ExportedProgram:
+    g = _Graph(rt, prefill=name == "prefill").eval()
+    with torch.no_grad(), _quiet():
+        return torch.export.export(g, (*_examples(rt)[name], *_zero_caches(rt)), strict=False)
+
+
+def _quantized(rt: _FunctionalKV, calibration: dict) -> dict:
+    """name -> the converted PT2E GraphModule (quantize/dequantize pairs around int8 weights)."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    out = {}
+    for name in PROGRAMS:
+        quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
+        with torch.no_grad(), _quiet():
+            m = prepare_pt2e(_export(rt, name).module(), quantizer)
+            for args in calibration[name]:
+                m(*args)
+            out[name] = convert_pt2e(m)
+    return out
+
+
+def _lower(program, example: tuple) -> bytes:
+    """An ExportedProgram or a converted GraphModule -> the .pte bytes of its XNNPACK lowering."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    with torch.no_grad(), _quiet():
+        if not isinstance(program, torch.export.ExportedProgram):
+            program = torch.export.export(program, example, strict=False)
+        return to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()]).to_executorch().buffer
+
+
+def write_programs(rt: _FunctionalKV, mode: str, out_dir, calibration: dict | None = None) -> list[Path]:
+    """Write prefill.pte and decode.pte for mode (executorch or executorch-int8) into out_dir."""
+    quantized = _quantized(rt, calibration) if mode == "executorch-int8" else None
+    paths = []
+    for name in PROGRAMS:
+        example = (*_examples(rt)[name], *_zero_caches(rt))
+        try:
+            data = _lower(quantized[name] if quantized else _export(rt, name), example)
+        except Exception as e:  # noqa: BLE001 - export and lowering fail in many ways; one line for the user
+            raise TraceToolError(
+                f"lowering the {name} program to XNNPACK failed: {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else ''}"
+            ) from None
+        path = Path(out_dir) / f"{name}.pte"
+        path.write_bytes(data)
+        paths.append(path)
+    return paths
+
+
+def _prompt_digest(prompt, extra) -> str:
+    h = hashlib.sha256(json.dumps([int(t) for t in prompt]).encode())
+    for k in sorted(extra or {}):
+        t = torch.as_tensor(extra[k])
+        h.update(k.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode() + t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+def artifact_key(loaded, mode: str, max_seq: int, prompt=None, extra=None) -> dict:
+    from .artifacts import model_hash
+
+    key = {"model": model_hash(loaded.model_dir), "runtime": mode, "max_seq": int(max_seq), "prefill_chunk": None}
+    key.update(_versions())
+    if mode == "executorch-int8":
+        key["calibration"] = _prompt_digest(prompt, extra)
+    return key
+
+
+def cached_programs(loaded, mode: str, max_seq: int, prompt=None, extra=None, host=None):
+    """The artifact-cache entry (replayer/artifacts.py) holding prefill.pte and decode.pte."""
+    from .artifacts import artifact_folder
+
+    rt = host or _FunctionalKV(loaded, max_seq)
+    what = "float32" if mode == "executorch" else "int8 (PT2E, calibrated on the prompt)"
+
+    def build(folder: Path) -> None:
+        calibration = _calibration(rt, prompt, extra) if mode == "executorch-int8" else None
+        write_programs(rt, mode, folder, calibration)
+
+    return artifact_folder(
+        "executorch",
+        artifact_key(loaded, mode, max_seq, prompt, extra),
+        build,
+        what=f"lowering the prefill and decode programs to ExecuTorch XNNPACK, {what}",
+    )
+
+
+class ExecuTorchRuntime:
+    """The lowered programs run by executorch.runtime (or, for the reference, the converted PT2E
+    programs by PyTorch); the host keeps the caches. int8 programs are built at the first prefill,
+    from its prompt (the calibration data)."""
+
+    def __init__(self, loaded, max_seq: int, mode: str):
+        versions = _versions()
+        self.mode, self.loaded, self.max_seq = mode, loaded, max_seq
+        if mode == "executorch":
+            self.name = f"executorch (ExecuTorch {versions['executorch']}, XNNPACK, float32)"
+        elif mode == "executorch-int8":
+            self.name = f"executorch-int8 (ExecuTorch {versions['executorch']}, XNNPACK; {INT8_SCHEME})"
+        else:
+            self.name = (
+                f"executorch-int8-reference (PyTorch {versions['torch']} on the converted PT2E program; {INT8_SCHEME})"
+            )
+        self.host = _FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
+        self.n_caches = 2 * len(self.host.owners())
+        self.names = self._output_names()
+        self.steps = None  # name -> callable(list of tensors) -> list of tensors
+        self.note = ""
+        if mode == "executorch":
+            self._load()
+
+    def _output_names(self) -> dict:
+        """The reported kinds' names of each program's extra outputs, in order (one eager run)."""
+        names = {}
+        for name in PROGRAMS:
+            g = _Graph(self.host, prefill=name == "prefill").eval()
+            with torch.no_grad():
+                g(*_examples(self.host)[name], *_zero_caches(self.host))
+            names[name] = g.names
+        return names
+
+    def _load(self, prompt=None, extra=None) -> None:
+        if self.mode == "executorch-int8-reference":
+            mods = _quantized(self.host, _calibration(self.host, prompt, extra))
+            self.steps = {n: (lambda args, m=mods[n]: list(m(*args))) for n in PROGRAMS}
+            return
+        from executorch.runtime import Runtime
+
+        art = cached_programs(self.loaded, self.mode, self.max_seq, prompt, extra, host=self.host)
+        self.note = art.note
+        try:
+            with _quiet_fd2():
+                et = Runtime.get()
+                methods = {n: et.load_program(art.path / f"{n}.pte").load_method("forward") for n in PROGRAMS}
+        finally:
+            art.close()  # the program is read into memory; a temporary (cache off) folder can go
+        self.steps = {n: (lambda args, m=methods[n]: list(m.execute(list(args)))) for n in PROGRAMS}
+
+    def _run(self, name: str, args: tuple, probe, rows: slice):
+        outs = self.steps[name]([*args, *self.caches])
+        n, names = self.n_caches, self.names[name]
+        if len(outs) != 1 + n + len(names):
+            raise TraceToolError(
+                f"the {name} program returned {len(outs)} outputs; expected {1 + n + len(names)} "
+                "(logits, caches, reported kinds)"
+            )
+        self.caches = [t.clone() for t in outs[1 : 1 + n]]  # outputs may live in the program's planned memory
+        if probe is not None:
+            for full, value in zip(names, outs[1 + n :]):
+                layer, _, kind = full.rpartition(".")
+                probe.tensor(kind, value[rows].clone(), layer=int(layer[1:]) if layer else None)
+        return outs[0].clone()
+
+    def prefill(self, input_ids, extra_inputs, probe):
+        ids = [int(t) for t in torch.as_tensor(input_ids).reshape(-1)]
+        if self.steps is None:
+            self._load(ids, extra_inputs)
+        args = self.host.prepare_prefill(ids, extra_inputs)
+        self.caches = _zero_caches(self.host)
+        return self._run("prefill", args, probe, slice(0, len(ids)))
+
+    def decode(self, token_id, position, probe):
+        tok = self.host.pad_id if int(token_id) in self.host.mm_token_ids else int(token_id)
+        args = (torch.tensor([[tok]], dtype=torch.long), torch.tensor([position], dtype=torch.long))
+        return self._run("decode", args, probe, slice(0, 1))
+
+
+def _check(loaded, mode: str) -> None:
+    if loaded.dtype != "float32":
+        raise TraceToolError(f"--runtime {mode} runs float32 programs; REF was recorded in {loaded.dtype}")
+    if str(getattr(loaded, "device", "cpu")) != "cpu":
+        raise TraceToolError(f"--runtime {mode} runs on the CPU; drop --device")
+
+
+def make_executorch(loaded, max_seq: int):
+    _check(loaded, "executorch")
+    return ExecuTorchRuntime(loaded, max_seq, "executorch")
+
+
+def make_executorch_int8(loaded, max_seq: int):
+    _check(loaded, "executorch-int8")
+    return ExecuTorchRuntime(loaded, max_seq, "executorch-int8")
+
+
+def make_executorch_int8_reference(loaded, max_seq: int):
+    _check(loaded, "executorch-int8-reference")
+    return ExecuTorchRuntime(loaded, max_seq, "executorch-int8-reference")
+
+
+def _export_targets(out: Path, force: bool) -> list[Path]:
+    """Check, before the model loads, that out is (or can be made) a writable folder and that each
+    .pte file is absent or, with force, a regular file. Return the .pte paths."""
+    if out.exists() and not out.is_dir():
+        raise TraceToolError(f"output {out} exists and is not a folder; give a folder for the .pte files")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TraceToolError(f"cannot make output folder {out} ({e.strerror or type(e).__name__})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise TraceToolError(f"output folder {out} is not writable")
+    targets = [out / f"{n}.pte" for n in PROGRAMS]
+    for t in targets:
+        if not (t.exists() or t.is_symlink()):
+            continue
+        if t.is_symlink() or not t.is_file():
+            raise TraceToolError(f"output {t} exists and is not a regular file; remove it or choose another folder")
+        if not force:
+            raise TraceToolError(f"output {t} already exists; pass --force to replace it")
+    return targets
+
+
+def export_command(model_dir, mode: str, max_seq: int, out_dir, force: bool = False, calibration_ref=None) -> str:
+    """`trace export-pte`: write prefill.pte and decode.pte into out_dir, both or neither (the
+    artifact cache's files); return a summary line. int8 calibrates on calibration_ref's prompt."""
+    import shutil
+
+    from gemma4_trace.hf.model import load_model
+
+    if mode not in MODES[:2]:
+        raise TraceToolError(f"--runtime {mode!r}: export-pte writes executorch or executorch-int8 programs")
+    if mode == "executorch-int8" and calibration_ref is None:
+        raise TraceToolError("--runtime executorch-int8 calibrates on a trace's prompt: give --calibrate REF.h5")
+    _versions()
+    out = Path(out_dir)
+    targets = _export_targets(out, force)
+    prompt, extra = None, None
+    if calibration_ref is not None:
+        from .replay import read_reference
+
+        ref = read_reference(calibration_ref)
+        prompt, extra = ref.prompt_ids, ref.extra
+    loaded = load_model(model_dir)
+    _check(loaded, mode)
+    art = cached_programs(loaded, mode, max_seq, prompt, extra)
+    try:
+        with tempfile.TemporaryDirectory(dir=out, prefix=".pte-partial-") as tmp:
+            new, backups = Path(tmp) / "new", Path(tmp) / "old"
+            new.mkdir()
+            backups.mkdir()
+            for t in targets:
+                shutil.copyfile(art.path / t.name, new / t.name)
+            _place_all(sorted(new.iterdir()), out, backups)
+    except OSError as e:
+        what = "no space left on device" if no_space(e) else (e.strerror or type(e).__name__)
+        raise TraceToolError(f"cannot write in output folder {out} ({what}); no .pte file was changed") from None
+    finally:
+        art.close()
+    sizes = ", ".join(f"{t} ({t.stat().st_size / 2**20:.1f} MiB)" for t in targets)
+    return (
+        f"wrote {sizes}: {loaded.name}, {mode}, max_seq {max_seq}, XNNPACK, canonical kinds as extra outputs "
+        f"({art.note})"
+    )
+
+
+__all__ = ["DECODE_INPUTS", "PREFILL_INPUTS", "MODES", "ExecuTorchRuntime", "export_command"]
