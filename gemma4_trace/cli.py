@@ -301,6 +301,15 @@ def show(trace_path, show_hash, model_dir):
         click.echo(summarize(r, decoder_for(folder / "tokenizer.json" if folder else None)))
 
 
+def _configure_artifacts(cache_dir, no_cache: bool) -> None:
+    """--cache-dir / --no-cache for this command only: the defaults come back when it ends (the
+    command may run inside a longer-lived process: a test session, a notebook)."""
+    from gemma4_trace.replayer import artifacts
+
+    artifacts.configure(cache_dir, enabled=not no_cache)
+    click.get_current_context().call_on_close(artifacts.configure)
+
+
 def _check_model_dir(model_dir) -> None:
     """A --model folder's config.json, read before anything loads (no torch import)."""
     if model_dir is not None:
@@ -432,11 +441,10 @@ def replay(
 ):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""
     from gemma4_trace.progress import Progress
-    from gemma4_trace.replayer import artifacts
     from gemma4_trace.replayer.api import check_runtime_name
 
     check_runtime_name(runtime, isolate)  # cheap checks first: a typo is refused before torch or the model loads
-    artifacts.configure(cache_dir, enabled=not no_cache)  # before any runtime builds an artifact
+    _configure_artifacts(cache_dir, no_cache)  # before any runtime builds an artifact
     gguf_files = [p for p in (gguf_path, weights_from) if p]
     check_output_path(
         output, force, inputs=[reference, *_model_files(model_dir), *([recipe] if recipe else []), *gguf_files]
@@ -502,9 +510,8 @@ def replay(
 @user_errors
 def export_onnx_cmd(model_dir, max_seq, out_dir, force, cache_dir, no_cache):
     """Export the static runtime's prefill and decode steps to ONNX (what --runtime onnx runs)."""
-    from gemma4_trace.replayer import artifacts
 
-    artifacts.configure(cache_dir, enabled=not no_cache)
+    _configure_artifacts(cache_dir, no_cache)
     _check_model_dir(model_dir)
     for module in ("onnx", "onnxscript"):
         _check_installed(module, "trace export-onnx")

@@ -428,7 +428,8 @@ def run_sweep(
     `shared` (Ray only): None decides per task (the token file), False makes every task return its files,
     True makes every task write them (DIR must be the same path on every machine).
     """
-    from gemma4_trace.diff.corpus import aggregate, write_summary
+    from gemma4_trace.diff.corpus import aggregate
+    from gemma4_trace.diff.corpus_report import write_summary
 
     say = say or (lambda line: None)
     out_dir = Path(out_dir)
@@ -540,7 +541,7 @@ def _run_ray(todo, cfg, out_dir: Path, address: str, done, shared: bool | None) 
 
 
 def describe(outcome: SweepOutcome) -> str:
-    from gemma4_trace.diff.corpus import format_summary
+    from gemma4_trace.diff.corpus_report import format_summary
 
     return format_summary(outcome.summary) + (
         f"\n{outcome.done_now} prompt(s) run, {outcome.resumed} resumed, in {outcome.seconds:.1f} s"

@@ -158,7 +158,8 @@ def test_model_hash_follows_the_weights(tmp_path):
 @pytest.mark.parametrize("command", ["replay", "export-onnx"])
 def test_command_line_options_reach_the_cache(tmp_path, monkeypatch, command):
     """--cache-dir / --no-cache are set before anything is built (here the command then fails
-    on its missing input, before a model loads)."""
+    on its missing input, before a model loads), and the defaults come back when the command ends
+    (a test session or a notebook runs many commands in one process)."""
     seen = []
     monkeypatch.setattr(A, "configure", lambda cache=None, enabled=True: seen.append((cache, enabled)))
     args = (
@@ -167,8 +168,9 @@ def test_command_line_options_reach_the_cache(tmp_path, monkeypatch, command):
         else ["export-onnx", "--model", tmp_path / "no-model", "--max-seq", "16", "-o", tmp_path / "g"]
     )
     invoke(*args, "--cache-dir", tmp_path / "c", "--no-cache")
+    assert seen == [(str(tmp_path / "c"), False), (None, True)]  # set, then the defaults back
     invoke(*args)
-    assert seen == [(str(tmp_path / "c"), False), (None, True)]
+    assert seen == [(str(tmp_path / "c"), False), (None, True), (None, True), (None, True)]
 
 
 def test_an_unwritable_cache_folder_is_one_line(tmp_path):

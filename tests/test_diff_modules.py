@@ -8,13 +8,14 @@ import ast
 from pathlib import Path
 
 DIFF = Path(__file__).resolve().parents[1] / "diff"
-RENDERERS = {"report", "html", "fmt"}
+RENDERERS = {"report", "html", "fmt", "corpus_report", "sensitivity_html"}
 COMPUTE = (
     "align",
     "baseline",
     "blocks",
     "calibrate",
     "core",
+    "corpus",
     "hints",
     "isolation",
     "logits",

@@ -315,3 +315,37 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path, command):
         assert not left, left  # an interrupted diff leaves no report, not even a partial one
         interrupted += 1
     assert interrupted >= 3
+
+
+CTRL_C_IN_A_CALLBACK = """
+import signal, sys, time, weakref
+from gemma4_trace import entry
+signal.signal(signal.SIGINT, signal.default_int_handler)
+if sys.argv[1] == "hook":
+    sys.unraisablehook = entry._interrupt_again
+class A:
+    pass
+a = A()
+def callback(ref):
+    raise KeyboardInterrupt  # what a Ctrl-C arriving while the collector runs this callback does
+ref = weakref.ref(a, callback)
+try:
+    del a
+    for _ in range(2000):
+        time.sleep(0.001)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+@pytest.mark.parametrize("hook", ["hook", "python's own"])
+def test_ctrl_c_inside_a_weakref_callback_still_interrupts(hook):
+    """Python can only print and ignore an exception raised in a weakref callback or __del__: a
+    Ctrl-C landing there printed "Exception ignored ... Traceback" and was lost. The CLI's hook
+    (gemma4_trace/entry.py) delivers it again, where it unwinds."""
+    p = subprocess.run([sys.executable, "-c", CTRL_C_IN_A_CALLBACK, hook], capture_output=True, text=True, cwd=ROOT)
+    if hook == "hook":
+        assert (p.stdout, p.stderr) == ("interrupted\n", "")
+    else:  # the failure the hook exists for
+        assert p.stdout == "not interrupted\n" and "Exception ignored" in p.stderr
