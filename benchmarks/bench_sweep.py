@@ -6,7 +6,7 @@ Each configuration is one `trace sweep` in its own process over the first --prom
 shipped set (@embedded), with an empty artifact cache (so REF is recorded, not read back) and an
 empty output folder; its wall time includes starting Python, loading the model once per worker (and
 Ray's start: `ray.init(num_cpus=2)` in that process, then `--ray auto`). With --e2b, the same with
---workers 1 over --e2b-prompts token-id prompts on that checkpoint, then the projection of a
+each of the three over --e2b-prompts token-id prompts on that checkpoint, then the projection of a
 1,000-prompt E2B-size sweep over K machines (one prompt at a time per machine, the measured seconds
 per prompt; the model load paid once per machine).
 """
@@ -95,9 +95,23 @@ def main() -> None:
                 )
             )
             e2b = [str(ids), "--model", a.e2b, "--runtime", "static", "--max-new-tokens", "4"]
-            one = run("e2b-1", e2b, work)
-            print(f"E2B-shaped {a.e2b}: {a.e2b_prompts} prompts of 32 token ids, 4 new tokens, static, --workers 1")
-            print(f"  {one:.1f} s  {60 * a.e2b_prompts / one:.2f} prompts/min (load average {os.getloadavg()[0]:.1f})")
+            print(f"E2B-shaped {a.e2b}: {a.e2b_prompts} prompts of 32 token ids, 4 new tokens, static")
+            one = None
+            for label, extra, ray in (
+                ("e2b-w1", ["--workers", "1"], False),
+                ("e2b-w2", ["--workers", "2"], False),
+                ("e2b-ray", ["--ray", "auto"], True),
+            ):
+                if label.removeprefix("e2b-") in skip:
+                    continue
+                s = run(label, e2b + extra, work, ray)
+                one = s if label == "e2b-w1" else one
+                print(
+                    f"  {label:<8} {s:7.1f} s  {60 * a.e2b_prompts / s:6.2f} prompts/min "
+                    f"(load average {os.getloadavg()[0]:.1f})"
+                )
+            if one is None:
+                return
             per = one / a.e2b_prompts  # model load included: an upper bound per prompt
             print("projection, 1,000 E2B-size prompts, one prompt at a time per machine like this one:")
             for k in (1, 4, 16, 64):
