@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import html
 import json
-import os
-import tempfile
 from pathlib import Path
+
+from gemma4_trace.traces.atomic import write_bytes_atomic
 
 from .corpus import PERCENTILES, _pct
 from .fmt import sci
@@ -139,18 +139,7 @@ def render_summary_html(summary: dict) -> str:
 
 
 def _atomic_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".sweep-partial-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_bytes_atomic(path, text.encode("utf-8"), prefix=".sweep-partial-")
 
 
 def write_summary(summary: dict, out_dir) -> None:

@@ -301,6 +301,22 @@ def show(trace_path, show_hash, model_dir):
         click.echo(summarize(r, decoder_for(folder / "tokenizer.json" if folder else None)))
 
 
+def cache_options(fn):
+    """--cache-dir and --no-cache (replayer/artifacts.py), for the commands that build artifacts."""
+    fn = click.option(
+        "--no-cache",
+        is_flag=True,
+        help="build artifacts (ONNX, mobius, GGUF, ...) in a temporary folder, not in the cache",
+    )(fn)
+    return click.option(
+        "--cache-dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        help="artifact cache folder (exported ONNX graphs, GGUF files, ...) "
+        "[default: $GEMMA4_TRACE_CACHE, else ~/.cache/gemma4-trace]",
+    )(fn)
+
+
 def _configure_artifacts(cache_dir, no_cache: bool) -> None:
     """--cache-dir / --no-cache for this command only: the defaults come back when it ends (the
     command may run inside a longer-lived process: a test session, a notebook)."""
@@ -404,16 +420,7 @@ def _embedded_model_dir(model_name: str):
 @click.option(
     "--allow-config-mismatch", is_flag=True, help="replay a GGUF whose metadata differs from REF's model config"
 )
-@click.option(
-    "--cache-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="artifact cache folder (exported ONNX graphs, GGUF files, ...) "
-    "[default: $GEMMA4_TRACE_CACHE, else ~/.cache/gemma4-trace]",
-)
-@click.option(
-    "--no-cache", is_flag=True, help="build artifacts (ONNX, mobius, GGUF, ...) in a temporary folder, not in the cache"
-)
+@cache_options
 @progress_option
 @selection_options
 @user_errors
@@ -496,16 +503,7 @@ def replay(
     help="folder for prefill.onnx and decode.onnx",
 )
 @click.option("--force", is_flag=True, help="replace existing .onnx files")
-@click.option(
-    "--cache-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="artifact cache folder (exported ONNX graphs, GGUF files, ...) "
-    "[default: $GEMMA4_TRACE_CACHE, else ~/.cache/gemma4-trace]",
-)
-@click.option(
-    "--no-cache", is_flag=True, help="build artifacts (ONNX, mobius, GGUF, ...) in a temporary folder, not in the cache"
-)
+@cache_options
 @debug_option
 @user_errors
 def export_onnx_cmd(model_dir, max_seq, out_dir, force, cache_dir, no_cache):

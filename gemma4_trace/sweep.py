@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gemma4_trace.traces.atomic import write_bytes_atomic
 from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 
 SWEEP_FORMAT = 1
@@ -331,18 +332,7 @@ def _worker(cfg: Config) -> Worker:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".sweep-partial-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_bytes_atomic(path, data, prefix=".sweep-partial-")
 
 
 def store(out_dir: Path, files: dict, record: dict) -> None:

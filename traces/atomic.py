@@ -46,6 +46,23 @@ def check_output_path(path: str | os.PathLike, force: bool, inputs=()) -> Path:
     return path
 
 
+def write_bytes_atomic(path: Path, data: bytes, prefix: str = ".partial-") -> None:
+    """path holds `data` whole or keeps what it held: a private file in the same folder, renamed over
+    it (with the user's usual file mode); the private file goes on any error or interrupt."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def no_space(e: BaseException) -> bool:
     """Disk full, as the OS or HDF5 (whose messages carry the errno text) reports it."""
     return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
