@@ -33,6 +33,8 @@ from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 SWEEP_FORMAT = 1
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_PROMPTS = 100_000
+MAX_PROMPTS_BYTES = 64 << 20  # a prompts file larger than this is refused before it is read
+MAX_IMAGE_BYTES = 64 << 20
 EMBEDDED_SET = "@embedded"  # PROMPTS naming the shipped set (hf/tiny_model/sweep_prompts.jsonl)
 TOKEN_FILE = ".sweep-token"  # what a Ray task looks for to know DIR is shared storage
 
@@ -49,6 +51,11 @@ def read_prompts(path) -> list[dict]:
 
         p = embedded_model_dir() / "sweep_prompts.jsonl"
     try:
+        st = p.stat()
+        if p.is_file() and st.st_size > MAX_PROMPTS_BYTES:
+            raise TraceToolError(f"prompts file {p} is larger than {MAX_PROMPTS_BYTES >> 20} MiB")
+        if not p.is_dir() and not p.is_file():
+            raise TraceToolError(f"prompts file {p} is not a regular file")
         raw = p.read_bytes()
     except FileNotFoundError:
         raise TraceToolError(f"prompts file {p} does not exist") from None
@@ -112,10 +119,7 @@ def _json_prompt(line: str, where: str, folder: Path) -> dict:
             raise TraceToolError(f'{where}: "image" needs "text" (the processor places the image tokens)')
         if not isinstance(d["image"], str) or not d["image"]:
             raise TraceToolError(f'{where}: "image" must be a path')
-        image = folder / d["image"]
-        if not image.is_file():
-            raise TraceToolError(f"{where}: image {image} does not exist")
-        spec["image"] = str(image)
+        spec["image"] = str(_image_in(folder, d["image"], where))
     if "chat" in d:
         if not isinstance(d["chat"], bool):
             raise TraceToolError(f'{where}: "chat" must be true or false')
@@ -125,6 +129,22 @@ def _json_prompt(line: str, where: str, folder: Path) -> dict:
             raise TraceToolError(f"{where}: \"id\" must be 1-64 letters, digits, '.', '_' or '-' (a file name)")
         spec["id"] = d["id"]
     return spec
+
+
+def _image_in(folder: Path, name: str, where: str) -> Path:
+    """An image a prompts file names: a regular file inside the file's folder (after links are
+    followed), of bounded size; anything else is one line."""
+    root = folder.resolve()
+    image = (folder / name).resolve()
+    if not image.is_relative_to(root):
+        raise TraceToolError(f"{where}: image {name!r} is outside the prompts file's folder {root}")
+    if not image.exists():
+        raise TraceToolError(f"{where}: image {folder / name} does not exist")
+    if not image.is_file():
+        raise TraceToolError(f"{where}: image {folder / name} is not a regular file")
+    if image.stat().st_size > MAX_IMAGE_BYTES:
+        raise TraceToolError(f"{where}: image {folder / name} is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+    return image
 
 
 def _sha256_file(path) -> str:
