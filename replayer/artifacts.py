@@ -14,6 +14,8 @@ $XDG_CACHE_HOME/gemma4-trace (~/.cache/gemma4-trace).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -24,6 +26,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from gemma4_trace.traces.atomic import no_space
+from gemma4_trace.traces.errors import TraceToolError, one_line
 
 CACHE_ENV = "GEMMA4_TRACE_CACHE"  # overrides the cache folder (default ~/.cache/gemma4-trace)
 MANIFEST = "manifest.json"
@@ -187,3 +192,67 @@ def artifact_folder(
         raise
     verb = "rebuilt" if stale else "built"
     return Artifact(final, f"{verb} in {time.perf_counter() - t0:.1f} s" + (f" ({stale})" if stale else ""))
+
+
+# ------------------------------------------------------------------ export commands (export-onnx, export-pte)
+def check_output_folder(out: Path, names: list[str], force: bool, kind: str) -> None:
+    """Before any work: out is (or can be made) a writable folder, and each of `names` in it is
+    absent or, with force, a regular file. `kind` (".onnx", ".pte") names the files in messages."""
+    if out.exists() and not out.is_dir():
+        raise TraceToolError(f"output {out} exists and is not a folder; give a folder for the {kind} files")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TraceToolError(f"cannot make output folder {out} ({e.strerror or type(e).__name__})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise TraceToolError(f"output folder {out} is not writable")
+    for t in (out / n for n in names):
+        if not (t.exists() or t.is_symlink()):
+            continue
+        if t.is_symlink() or not t.is_file():
+            raise TraceToolError(f"output {t} exists and is not a regular file; remove it or choose another folder")
+        if not force:
+            raise TraceToolError(f"output {t} already exists; pass --force to replace it")
+
+
+def _place_all(files: list[Path], out: Path, backups: Path, kind: str) -> None:
+    """Rename every file of `files` into `out`, or none: on a failure the files already placed
+    are taken back and what they replaced is restored."""
+    done = []  # (target, its previous content moved to backups, or None)
+    try:
+        for f in files:
+            target, old = out / f.name, None
+            if target.exists() or target.is_symlink():
+                if target.is_dir() and not target.is_symlink():
+                    raise IsADirectoryError(errno.EISDIR, "is a folder", str(target))
+                old = backups / f.name
+                os.replace(target, old)
+            done.append((target, old))
+            os.replace(f, target)
+    except OSError as e:
+        for target, old in reversed(done):
+            with contextlib.suppress(OSError):
+                if old is not None:
+                    os.replace(old, target)
+                else:
+                    target.unlink()
+        what = "no space left on device" if no_space(e) else (e.strerror or type(e).__name__)
+        raise TraceToolError(
+            f"cannot write {one_line(e.filename2 or e.filename or out)} ({what}); no {kind} file was changed"
+        ) from None
+
+
+def copy_all_or_none(sources: list[Path], out: Path, kind: str) -> None:
+    """Copy `sources` into out under their names, all of them or none (copied into a private
+    folder inside out first, then renamed into place together)."""
+    try:
+        with tempfile.TemporaryDirectory(dir=out, prefix=f".{kind.lstrip('.')}-partial-") as tmp:
+            new, backups = Path(tmp) / "new", Path(tmp) / "old"
+            new.mkdir()
+            backups.mkdir()
+            for f in sources:
+                shutil.copyfile(f, new / f.name)
+            _place_all(sorted(new.iterdir()), out, backups, kind)
+    except OSError as e:  # the temporary folder could not be made or filled
+        what = "no space left on device" if no_space(e) else (e.strerror or type(e).__name__)
+        raise TraceToolError(f"cannot write in output folder {out} ({what}); no {kind} file was changed") from None

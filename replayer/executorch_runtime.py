@@ -29,15 +29,13 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from gemma4_trace.traces.atomic import no_space
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 
-from .onnx_runtime import DECODE_INPUTS, PREFILL_INPUTS, _FunctionalKV, _Graph, _place_all, _quiet
+from .onnx_runtime import DECODE_INPUTS, PREFILL_INPUTS, _FunctionalKV, _Graph, _quiet
 
 MODES = ("executorch", "executorch-int8", "executorch-int8-reference")
 PROGRAMS = ("prefill", "decode")
@@ -294,34 +292,12 @@ def make_executorch_int8_reference(loaded, max_seq: int):
     return ExecuTorchRuntime(loaded, max_seq, "executorch-int8-reference")
 
 
-def _export_targets(out: Path, force: bool) -> list[Path]:
-    """Check, before the model loads, that out is (or can be made) a writable folder and that each
-    .pte file is absent or, with force, a regular file. Return the .pte paths."""
-    if out.exists() and not out.is_dir():
-        raise TraceToolError(f"output {out} exists and is not a folder; give a folder for the .pte files")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise TraceToolError(f"cannot make output folder {out} ({e.strerror or type(e).__name__})") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise TraceToolError(f"output folder {out} is not writable")
-    targets = [out / f"{n}.pte" for n in PROGRAMS]
-    for t in targets:
-        if not (t.exists() or t.is_symlink()):
-            continue
-        if t.is_symlink() or not t.is_file():
-            raise TraceToolError(f"output {t} exists and is not a regular file; remove it or choose another folder")
-        if not force:
-            raise TraceToolError(f"output {t} already exists; pass --force to replace it")
-    return targets
-
-
 def export_command(model_dir, mode: str, max_seq: int, out_dir, force: bool = False, calibration_ref=None) -> str:
     """`trace export-pte`: write prefill.pte and decode.pte into out_dir, both or neither (the
     artifact cache's files); return a summary line. int8 calibrates on calibration_ref's prompt."""
-    import shutil
-
     from gemma4_trace.hf.model import load_model
+
+    from .artifacts import check_output_folder, copy_all_or_none
 
     if mode not in MODES[:2]:
         raise TraceToolError(f"--runtime {mode!r}: export-pte writes executorch or executorch-int8 programs")
@@ -329,7 +305,8 @@ def export_command(model_dir, mode: str, max_seq: int, out_dir, force: bool = Fa
         raise TraceToolError("--runtime executorch-int8 calibrates on a trace's prompt: give --calibrate REF.h5")
     _versions()
     out = Path(out_dir)
-    targets = _export_targets(out, force)
+    targets = [out / f"{n}.pte" for n in PROGRAMS]
+    check_output_folder(out, [t.name for t in targets], force, ".pte")
     prompt, extra = None, None
     if calibration_ref is not None:
         from .replay import read_reference
@@ -340,16 +317,7 @@ def export_command(model_dir, mode: str, max_seq: int, out_dir, force: bool = Fa
     _check(loaded, mode)
     art = cached_programs(loaded, mode, max_seq, prompt, extra)
     try:
-        with tempfile.TemporaryDirectory(dir=out, prefix=".pte-partial-") as tmp:
-            new, backups = Path(tmp) / "new", Path(tmp) / "old"
-            new.mkdir()
-            backups.mkdir()
-            for t in targets:
-                shutil.copyfile(art.path / t.name, new / t.name)
-            _place_all(sorted(new.iterdir()), out, backups)
-    except OSError as e:
-        what = "no space left on device" if no_space(e) else (e.strerror or type(e).__name__)
-        raise TraceToolError(f"cannot write in output folder {out} ({what}); no .pte file was changed") from None
+        copy_all_or_none([art.path / t.name for t in targets], out, ".pte")
     finally:
         art.close()
     sizes = ", ".join(f"{t} ({t.stat().st_size / 2**20:.1f} MiB)" for t in targets)

@@ -20,12 +20,8 @@ runs the cached graphs after checking their hashes.
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import logging
-import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -33,10 +29,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from gemma4_trace.traces.atomic import no_space
-from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
+from gemma4_trace.traces.errors import TraceToolError, install_hint
 
-from .artifacts import MANIFEST
+from .artifacts import MANIFEST, check_output_folder, copy_all_or_none
 from .runtime import StaticGemma4Runtime
 
 OPSET = 18
@@ -281,56 +276,6 @@ def make_onnx(loaded, max_seq: int):
 GRAPHS = ("prefill", "decode")
 
 
-def _export_targets(out: Path, force: bool) -> list[Path]:
-    """Check, before the model loads, that every file the export may write can be written: the
-    folder is (or can be made) a writable folder, and each graph (and its external weights)
-    is absent or, with force, a regular file. Return the graph paths."""
-    if out.exists() and not out.is_dir():
-        raise TraceToolError(f"output {out} exists and is not a folder; give a folder for the .onnx files")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise TraceToolError(f"cannot make output folder {out} ({e.strerror or type(e).__name__})") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise TraceToolError(f"output folder {out} is not writable")
-    targets = [out / f"{g}.onnx" for g in GRAPHS]
-    for t in targets + [t.with_name(t.name + ".data") for t in targets]:
-        if not (t.exists() or t.is_symlink()):
-            continue
-        if t.is_symlink() or not t.is_file():
-            raise TraceToolError(f"output {t} exists and is not a regular file; remove it or choose another folder")
-        if not force:
-            raise TraceToolError(f"output {t} already exists; pass --force to replace it")
-    return targets
-
-
-def _place_all(files: list[Path], out: Path, backups: Path) -> None:
-    """Rename every file of `files` into `out`, or none: on a failure the files already placed
-    are taken back and what they replaced is restored."""
-    done = []  # (target, its previous content moved to backups, or None)
-    try:
-        for f in files:
-            target, old = out / f.name, None
-            if target.exists() or target.is_symlink():
-                if target.is_dir() and not target.is_symlink():
-                    raise IsADirectoryError(errno.EISDIR, "is a folder", str(target))
-                old = backups / f.name
-                os.replace(target, old)
-            done.append((target, old))
-            os.replace(f, target)
-    except OSError as e:
-        for target, old in reversed(done):
-            with contextlib.suppress(OSError):
-                if old is not None:
-                    os.replace(old, target)
-                else:
-                    target.unlink()
-        what = "no space left on device" if no_space(e) else (e.strerror or type(e).__name__)
-        raise TraceToolError(
-            f"cannot write {one_line(e.filename2 or e.filename or out)} ({what}); no .onnx file was changed"
-        ) from None
-
-
 def export_command(model_dir, max_seq: int, out_dir, force: bool = False) -> str:
     """`trace export-onnx`: write prefill.onnx and decode.onnx into out_dir, both or neither (the
     artifact cache's graphs, exported into it first when absent); return a summary line. Output
@@ -338,24 +283,14 @@ def export_command(model_dir, max_seq: int, out_dir, force: bool = False) -> str
     from gemma4_trace.hf.model import load_model
 
     out = Path(out_dir)
-    targets = _export_targets(out, force)
+    targets = [out / f"{g}.onnx" for g in GRAPHS]
+    check_output_folder(out, [t.name for t in targets] + [t.name + ".data" for t in targets], force, ".onnx")
     loaded = load_model(model_dir)
-    try:
-        with tempfile.TemporaryDirectory(dir=out, prefix=".onnx-partial-") as tmp:
-            graphs, backups = Path(tmp) / "new", Path(tmp) / "old"
-            graphs.mkdir()
-            backups.mkdir()
-            art = exported(loaded, max_seq)
-            try:  # the graphs (and external weights, if any), all copied first
-                for f in sorted(art.path.iterdir()):
-                    if f.name != MANIFEST:
-                        shutil.copyfile(f, graphs / f.name)
-            finally:
-                art.close()
-            _place_all(sorted(graphs.iterdir()), out, backups)
-    except OSError as e:  # the temporary folder could not be made or filled
-        what = "no space left on device" if no_space(e) else (e.strerror or type(e).__name__)
-        raise TraceToolError(f"cannot write in output folder {out} ({what}); no .onnx file was changed") from None
+    art = exported(loaded, max_seq)
+    try:  # the graphs (and external weights, if any), all placed or none
+        copy_all_or_none([f for f in sorted(art.path.iterdir()) if f.name != MANIFEST], out, ".onnx")
+    finally:
+        art.close()
     sizes = ", ".join(f"{t} ({t.stat().st_size / 2**20:.1f} MiB)" for t in targets)
     return (
         f"wrote {sizes}: {loaded.name}, max_seq {max_seq}, opset {OPSET}, canonical kinds as extra outputs "
