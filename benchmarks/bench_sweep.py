@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,8 +38,8 @@ def subset(folder: Path, n: int) -> Path:
     out = []
     for line in lines[::step][:n]:
         d = json.loads(line)
-        if "image" in d:
-            d["image"] = str(embedded_model_dir() / d["image"])
+        if "image" in d:  # a prompts file reads images inside its own folder only
+            shutil.copyfile(embedded_model_dir() / d["image"], folder / d["image"])
         out.append(json.dumps(d))
     path = folder / "prompts.jsonl"
     path.write_text("\n".join(out) + "\n")

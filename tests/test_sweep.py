@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,14 +20,15 @@ PCTS = (99.9, 99, 95, 90, 50, 10, 5, 1, 0.1)
 
 
 def subset_file(folder: Path, ids=SUBSET) -> Path:
-    """The shipped prompts named by ids, as a JSON-lines file in folder (image paths made absolute)."""
+    """The shipped prompts named by ids, as a JSON-lines file in folder (their images copied beside
+    it: a prompts file reads images inside its own folder only)."""
     shipped = embedded_model_dir() / "sweep_prompts.jsonl"
     lines = []
     for line in shipped.read_text().splitlines():
         d = json.loads(line)
         if d["id"] in ids:
             if "image" in d:
-                d["image"] = str(embedded_model_dir() / d["image"])
+                shutil.copyfile(embedded_model_dir() / d["image"], folder / d["image"])
             lines.append(json.dumps(d))
     path = folder / "prompts.jsonl"
     path.write_text("\n".join(lines) + "\n")
