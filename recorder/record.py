@@ -358,12 +358,14 @@ HAND_OVER_BITS = True  # bf16 rows handed to the writer as 16-bit patterns (Fals
 
 def _rows(t):
     """A step's rows for the writer: bf16 as their 16-bit patterns (no upcast, half the bytes to
-    copy; the writer copies them), the rest as _np."""
+    copy, and copied once: here or by the writer), the rest as _np."""
     import torch
 
     t = t.detach()
     if t.dtype == torch.bfloat16 and HAND_OVER_BITS:
-        return Bf16Rows(t.contiguous().view(torch.int16).cpu().numpy())
+        bits = t.contiguous().view(torch.int16).cpu().numpy()
+        # a transposed view (q, K, V) or a GPU tensor was copied here: the writer need not copy it again
+        return Bf16Rows(bits, owned=bits.ctypes.data != t.data_ptr())
     return _np(t)
 
 

@@ -94,3 +94,43 @@ def test_trace_equals_one_written_through_hdf5s_filters(tmp_path, monkeypatch, s
         for n in names:
             assert np.array_equal(a[n][()], b[n][()]), n
             assert a[n].dtype == b[n].dtype and a[n].chunks == b[n].chunks, n
+
+
+def _zero_v(kind, layer, step, rows):
+    return np.zeros_like(rows) if kind == "v" else rows
+
+
+@pytest.mark.parametrize("source_dtype", ["float32", "bfloat16"])
+def test_chunks_of_zeros_are_not_written_and_read_as_zeros(tmp_path, monkeypatch, source_dtype):
+    """Rows of zeros (a kind not recorded at some steps) leave their chunks unwritten: the file has no
+    chunk for them, plain h5py and the trace reader read zeros, and the content hash is the one
+    of the same trace written through HDF5's filters (which writes every chunk)."""
+    monkeypatch.setattr(writer, "MAX_CHUNK_ROWS", 3)
+    write_trace(tmp_path / "direct.h5", new_tokens=7, source_dtype=source_dtype, edit=_zero_v)
+    monkeypatch.setattr(writer, "DIRECT_CHUNKS", False)
+    write_trace(tmp_path / "filtered.h5", new_tokens=7, source_dtype=source_dtype, edit=_zero_v)
+    with TraceReader(tmp_path / "direct.h5") as a, TraceReader(tmp_path / "filtered.h5") as b:
+        assert a.content_hash() == b.content_hash()
+    with h5py.File(tmp_path / "direct.h5") as a, h5py.File(tmp_path / "filtered.h5") as b:
+        v, q = S.tensor_path("v", 0), S.tensor_path("q", 0)
+        assert a[v].shape[0] >= 3 and a[v].id.get_num_chunks() == 0 < b[v].id.get_num_chunks()
+        assert not a[v][()].any() and a[q].id.get_num_chunks() == b[q].id.get_num_chunks() > 0
+        assert np.array_equal(a[q][()], b[q][()])
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.float32, np.int64])
+def test_per_plane_encoding_reads_back_exactly(tmp_path, dtype):
+    """The default encoding (a zlib setting per byte plane: stored noise, Huffman-coded exponents,
+    runs of zeros) is one valid zlib stream: HDF5 inflates it to the same values, and it stores noise
+    planes rather than coding them (a chunk of random bytes grows by only the stored blocks' headers)."""
+    rng = np.random.default_rng(2)
+    data = (rng.standard_normal((64, 300)) * 1000).astype(dtype)
+    chunk = writer.encode_chunk(data)
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        ds = f.create_dataset("x", shape=data.shape, dtype=dtype, chunks=data.shape, **writer.COMPRESSION)
+        ds.id.write_direct_chunk((0, 0), chunk)
+    with h5py.File(tmp_path / "d.h5", "r") as f:
+        assert np.array_equal(f["x"][()], data)
+    noise = rng.integers(0, 2**16, size=(64, 300), dtype=np.uint16)
+    assert len(writer.encode_chunk(noise)) <= noise.nbytes * 1.01
+    assert len(zlib.decompress(writer.encode_chunk(noise)[:-4])) == noise.nbytes

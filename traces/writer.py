@@ -40,30 +40,85 @@ THREADED = True  # writes on the writer thread (False: on the caller's thread, a
 BF16_BITS = True  # bfloat16 values stored as their 16-bit patterns (False: as float32, as before)
 QUEUE_BYTES = 256 << 20  # rows handed to the writer thread and not yet written: the model thread waits beyond this
 COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True, fletcher32=True)
-DIRECT_CHUNKS = True  # whole chunks encoded here, Z_RLE (False: HDF5's gzip 1 on any row block, as before)
+DIRECT_CHUNKS = True  # whole chunks encoded here (False: HDF5's gzip 1 on any row block, as before)
 
 
 def fletcher32(data: bytes) -> int:
     """HDF5's Fletcher-32 (H5_checksum_fletcher32): sums of big-endian 16-bit words folded mod 65535
-    (a zero byte pads an odd length); its reductions keep a non-zero sum in 1..65535."""
+    (a zero byte pads an odd length); its reductions keep a non-zero sum in 1..65535.
+
+    Sum 1 adds the words, sum 2 each word times its count of words from the end (n - i). Both are
+    added per block of 2**16 words in float64, where every partial sum is an integer below 2**53
+    (so exact), and the blocks combined as Python integers."""
     if len(data) % 2:
         data += b"\0"
-    w = np.frombuffer(data, dtype=">u2").astype(np.uint64)
+    w = np.frombuffer(data, dtype=">u2")
     if not w.any():
         return 0
+    n, block = w.size, 1 << 16
+    blocks = np.zeros(-(-n // block) * block, np.float64)
+    blocks[:n] = w
+    blocks = blocks.reshape(-1, block)
+    sums = blocks.sum(axis=1)  # per block: below 2**32
+    weighted = blocks @ np.arange(block, dtype=np.float64)  # per block, the sum of j * w_j: below 2**48
+    total2 = sum((n - b * block) * int(s) - int(j) for b, (s, j) in enumerate(zip(sums, weighted)))
     fold = lambda total: (total - 1) % 65535 + 1  # noqa: E731
-    sum1 = fold(int(w.sum()))
-    sum2 = fold(int((w * np.arange(w.size, 0, -1, dtype=np.uint64)).sum()))
-    return (sum2 << 16) | sum1
+    return (fold(total2) << 16) | fold(int(sums.sum()))
 
 
-def encode_chunk(chunk: np.ndarray, strategy: int = zlib.Z_RLE) -> bytes:
-    """One chunk as COMPRESSION's filters store it: shuffle, zlib stream (level 1), Fletcher-32
-    (little-endian) appended. With zlib's default strategy the bytes equal HDF5's own."""
+STORED_ENTROPY = 7.5  # bits per byte: a byte plane at least this random is stored, not Huffman-coded
+PLANES = None  # encode_chunk's default: a zlib setting per byte plane
+
+
+def _plane_setting(plane: np.ndarray) -> tuple[int, int]:
+    """zlib (level, strategy) for one shuffled byte plane, from the byte entropy of a sample. Noise
+    (activations' low mantissa bytes) is stored: Huffman codes would save at most 1/16 of it and cost
+    as much time as the rest of the chunk. The rest (exponent bytes: skewed values; zero rows: runs)
+    gets Huffman codes and runs, no string search (Z_RLE)."""
+    sample = plane[:: max(1, plane.size // 4096)]
+    p = np.bincount(sample, minlength=256)
+    p = p[p > 0] / sample.size
+    entropy = float(-(p * np.log2(p)).sum())
+    if entropy >= STORED_ENTROPY:
+        return 0, zlib.Z_DEFAULT_STRATEGY
+    return 1, zlib.Z_RLE
+
+
+def _deflate_planes(raw: bytes, itemsize: int) -> bytes:
+    """One zlib stream over the shuffled chunk `raw`, each run of byte planes with the same setting
+    deflated by a compressor of its own. The pieces are byte-aligned (Z_SYNC_FLUSH; only the last
+    ends with a final block) and none refers back into another, so together they are one valid
+    deflate stream: any zlib inflates it, HDF5's gzip filter included, Adler-32 checked."""
+    n = len(raw) // itemsize
+    planes = np.frombuffer(raw, np.uint8).reshape(itemsize, n)
+    settings = [_plane_setting(planes[i]) for i in range(itemsize)]
+    view = memoryview(raw)
+    out = [b"\x78\x01"]  # the zlib header: deflate, 32 KiB window, fastest level (0x7801 % 31 == 0)
+    first = 0
+    for last in range(itemsize):
+        if last + 1 < itemsize and settings[last + 1] == settings[first]:
+            continue
+        level, strategy = settings[first]
+        z = zlib.compressobj(level, zlib.DEFLATED, -15, 8, strategy)
+        out.append(z.compress(view[first * n : (last + 1) * n]))
+        out.append(z.flush(zlib.Z_FINISH if last + 1 == itemsize else zlib.Z_SYNC_FLUSH))
+        first = last + 1
+    out.append(zlib.adler32(raw).to_bytes(4, "big"))
+    return b"".join(out)
+
+
+def encode_chunk(chunk: np.ndarray, strategy: int | None = PLANES) -> bytes:
+    """One chunk as COMPRESSION's filters store it: shuffle, a zlib stream, Fletcher-32
+    (little-endian) appended. By default each byte plane gets its own zlib setting
+    (_plane_setting); given one `strategy`, the chunk is one zlib stream at level 1, and with
+    zlib's default strategy its bytes equal HDF5's own."""
     a = np.ascontiguousarray(chunk)
     raw = a.view(np.uint8).reshape(-1, a.dtype.itemsize).T.tobytes()
-    z = zlib.compressobj(1, zlib.DEFLATED, 15, 8, strategy)
-    body = z.compress(raw) + z.flush()
+    if strategy is PLANES:
+        body = _deflate_planes(raw, a.dtype.itemsize)
+    else:
+        z = zlib.compressobj(1, zlib.DEFLATED, 15, 8, strategy)
+        body = z.compress(raw) + z.flush()
     return body + fletcher32(body).to_bytes(4, "little")
 
 
@@ -81,10 +136,13 @@ def fixed_text(text: str | list[str]) -> np.ndarray:
 class Bf16Rows:
     """bfloat16 values handed over as their 16-bit patterns (a uint16 array), so that the
     producer neither upcasts them to float32 nor copies twice as many bytes:
-    `w.add(kind, Bf16Rows(t.view(torch.int16).numpy().view(np.uint16)))`. The writer copies them."""
+    `w.add(kind, Bf16Rows(t.view(torch.int16).numpy().view(np.uint16)))`. The writer copies them,
+    unless `owned`: the bits are a copy made for the writer alone (nothing else holds or changes it),
+    kept as they are."""
 
-    def __init__(self, bits: np.ndarray):
+    def __init__(self, bits: np.ndarray, owned: bool = False):
         self.bits = np.asarray(bits).view(np.uint16)
+        self.owned = owned
 
 
 def _to_array(value, source_dtype: str | None) -> tuple[np.ndarray, str]:
@@ -138,14 +196,15 @@ class _Series:
         self.ds = None
         self.carry: np.ndarray | None = None  # stored rows short of a whole chunk (direct chunk writes)
 
-    def append(self, block: np.ndarray) -> list[np.ndarray] | None:
-        """Take a copy of `block`; return the pending blocks to write once they fill a chunk."""
+    def append(self, block: np.ndarray, copy: bool = True) -> list[np.ndarray] | None:
+        """Take a copy of `block` (`copy=False`: `block` itself, a copy no one else holds); return
+        the pending blocks to write once they fill a chunk."""
         if block.shape[1:] != self.row_shape:
             if not (self.grow_last and block.ndim == 2):
                 raise ValueError(f"{self.path}: row shape {block.shape[1:]} != {self.row_shape} of earlier rows")
         # a copy: a view would keep the caller's whole buffer alive (a KV cache, say) and see
         # later in-place writes to it
-        self.pending.append(np.array(block, copy=True))
+        self.pending.append(np.array(block, copy=True) if copy else block)
         self.pending_rows += block.shape[0]
         self.accepted += block.shape[0]
         return self.take() if self.pending_rows >= self.chunk_rows else None
@@ -201,7 +260,8 @@ class _Series:
             if chunk.shape[0] < self.chunk_rows:  # the last chunk: HDF5 stores it whole, padded
                 pad = [(0, self.chunk_rows - chunk.shape[0])] + [(0, 0)] * len(self.row_shape)
                 chunk = np.pad(chunk, pad)
-            self.ds.id.write_direct_chunk((n + a, *zeros), encode_chunk(chunk))
+            if chunk.any():  # a chunk of zeros (rows not recorded) is not written: HDF5 reads it as its fill value, 0
+                self.ds.id.write_direct_chunk((n + a, *zeros), encode_chunk(chunk))
         self.carry = rows[whole:] if not final and whole < rows.shape[0] else None
         self.rows = n + end
 
@@ -464,12 +524,15 @@ class TraceWriter:
         if not self.keeps(kind, layer):
             return
         arr, src = _to_array(value, source_dtype or self.source_dtype)
+        owned = isinstance(value, Bf16Rows) and value.owned  # else the caller's buffer: copied
         start, stop = self._steps[-1]
         absent = []
         if positions is not None:
             arr, absent = _spread_rows(kind, layer, arr, positions, start, stop, spec.index)
+            owned = True
         if self.selection is not None and not self.selection.keeps_step(kind, self.step):
             arr, absent = np.zeros_like(arr), [(0, stop - start)]  # a step left out: zero rows, flagged absent
+            owned = True
         if spec.index == "step":
             arr = arr.reshape(1, *arr.shape)
         elif arr.shape[0] != stop - start:
@@ -481,7 +544,7 @@ class TraceWriter:
         if series.accepted != expected_rows:
             raise ValueError(f"{kind} layer {layer}: rows out of order at step {self.step}")
         series.absent += [(start + a, start + b) for a, b in absent]
-        blocks = series.append(arr)
+        blocks = series.append(arr, copy=not owned)
         if blocks is not None:
             self._writes.submit(series, blocks)
 
