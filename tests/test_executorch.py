@@ -166,4 +166,4 @@ def test_chunked_prefill_runs_the_program_once_per_chunk_and_matches_the_referen
     with TraceReader(runs["ref"]) as a, TraceReader(out) as b:  # every prompt row, stitched by position
         for kind, layer in (("q", 0), ("k", 1), ("layer_out", 2), ("final_hidden", None)):
             assert b.read(kind, layer).shape == a.read(kind, layer).shape, (kind, layer)
-            assert np.allclose(b.read(kind, layer), a.read(kind, layer), rtol=0, atol=5e-3), (kind, layer)
+            assert np.allclose(b.read(kind, layer), a.read(kind, layer), rtol=1e-2, atol=1e-2), (kind, layer)
