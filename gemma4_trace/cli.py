@@ -396,7 +396,7 @@ def _embedded_model_dir(model_name: str):
     "--prefill-chunk",
     type=click.IntRange(0, 1_000_000),
     default=None,
-    help="static runtime: prefill in chunks of N rows, shapes (N, max_seq); 0 = one step over max_seq "
+    help="static and executorch runtimes: prefill in chunks of N rows, shapes (N, max_seq); 0 = one step over max_seq "
     "[default: 256 when max_seq >= 1024, else 0]",
 )
 @click.option("-o", "--output", required=True, type=click.Path(), help="trace file to write")
@@ -532,12 +532,19 @@ def export_onnx_cmd(model_dir, max_seq, out_dir, force, cache_dir, no_cache):
 )
 @click.option("--calibrate", "calibrate", type=click.Path(), help="REF.h5 whose prompt calibrates executorch-int8")
 @click.option(
+    "--prefill-chunk",
+    type=click.IntRange(0, 1_000_000),
+    default=None,
+    help="a prefill program over N rows (run once per chunk), as replay's --prefill-chunk; 0 = over max_seq "
+    "[default: 256 when max_seq >= 1024, else 0]",
+)
+@click.option(
     "-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False), help="folder for the .pte files"
 )
 @click.option("--force", is_flag=True, help="replace existing .pte files")
 @debug_option
 @user_errors
-def export_pte_cmd(model_dir, runtime, max_seq, calibrate, out_dir, force):
+def export_pte_cmd(model_dir, runtime, max_seq, calibrate, prefill_chunk, out_dir, force):
     """Lower the static runtime's prefill and decode steps to ExecuTorch XNNPACK .pte programs (what
     --runtime executorch runs): prefill.pte and decode.pte, both or neither."""
     _check_model_dir(model_dir)
@@ -546,7 +553,11 @@ def export_pte_cmd(model_dir, runtime, max_seq, calibrate, out_dir, force):
     check_runtime_name(runtime)  # the extra installed
     from gemma4_trace.replayer.executorch_runtime import export_command  # torch: after the checks
 
-    click.echo(export_command(model_dir, runtime, max_seq, out_dir, force=force, calibration_ref=calibrate))
+    click.echo(
+        export_command(
+            model_dir, runtime, max_seq, out_dir, force=force, calibration_ref=calibrate, prefill_chunk=prefill_chunk
+        )
+    )
 
 
 @main.command("import")

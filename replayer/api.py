@@ -292,6 +292,18 @@ _NO_ISOLATION = (
     LLAMACPP_RUNTIME,
 )  # built-ins that do not continue with the probe's tensors
 
+_TEXT_ONLY = ("mobius",)  # built-ins whose graphs take token ids only (no image inputs)
+
+
+def check_runtime_inputs(spec: str, extra: dict) -> None:
+    """Refuse, before the model loads or any graph is built, REF's image inputs for a built-in
+    that takes token ids only (a runtime factory is given the model, never REF's inputs)."""
+    if spec in _TEXT_ONLY and extra:
+        raise TraceToolError(
+            f"--runtime {spec} runs a text decoder, which takes token ids only; "
+            "REF's prompt has an image: replay a text prompt"
+        )
+
 
 def check_runtime_name(spec: str, isolate: bool = False) -> None:
     """Refuse, before any model loads, a --runtime that cannot work: an unknown name (a typo,

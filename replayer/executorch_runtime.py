@@ -5,7 +5,11 @@ on CPU (extra `gemma4-trace[executorch]`).
 The programs are the ONNX runtime's graphs (replayer/onnx_runtime.py): pure functions of the step
 inputs and the K/V caches of the layers that own K/V, returning the logits, the updated caches and
 every canonical kind the static runtime reports, as extra outputs. The host keeps the caches
-between steps. Prefill runs over the whole padded max_seq in one program (no chunking).
+between steps. The prefill program is the static runtime's prefill chunk (`prefill_chunk_step`):
+N prompt rows from a start position (an input), shapes (N, max_seq), run once per chunk of the
+static runtime's plan (replayer/runtime.py: chunk_plan) and its rows stitched by position into
+the probe; N follows `--prefill-chunk` as the static runtime's does (resolve_prefill_chunk: by
+default the whole padded max_seq, one run, below max_seq 1024).
 
     executorch                  float32, every op XNNPACK takes is delegated to it
     executorch-int8             PT2E with XNNPACKQuantizer: symmetric int8, per-channel weights,
@@ -17,9 +21,10 @@ between steps. Prefill runs over the whole padded max_seq in one program (no chu
                                 shows the error XNNPACK's int8 kernels add beyond the quantization
 
 The .pte programs are kept in the artifact cache (replayer/artifacts.py), keyed by the model's
-content hash, the runtime, max_seq, the calibration prompt (int8) and the executorch/torch versions.
+content hash, the runtime, max_seq, the prefill chunk, the calibration prompt (int8) and the
+executorch/torch versions.
 
-    trace export-pte [--model DIR] [--runtime executorch|executorch-int8] --max-seq 32 -o DIR
+    trace export-pte [--model DIR] [--runtime executorch|executorch-int8] --max-seq 32 [--prefill-chunk N] -o DIR
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ import torch
 
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 
-from .onnx_runtime import DECODE_INPUTS, PREFILL_INPUTS, _FunctionalKV, _Graph, _quiet
+from .onnx_runtime import DECODE_INPUTS, PREFILL_INPUTS, _FunctionalKV, _Graph, _ListProbe, _quiet
+from .runtime import _ChunkProbe, chunk_plan, resolve_prefill_chunk
 
 MODES = ("executorch", "executorch-int8", "executorch-int8-reference")
 PROGRAMS = ("prefill", "decode")
+FORMAT = 2  # bump when the programs' inputs or outputs change meaning (the cache key holds it)
+PREFILL_CHUNK_INPUTS = (*PREFILL_INPUTS, "start")
 INT8_SCHEME = (
     "PT2E XNNPACKQuantizer: symmetric int8, per-channel weights, static per-tensor activations "
     "calibrated on REF's prompt"
@@ -76,19 +84,63 @@ def _zero_caches(rt: _FunctionalKV) -> list[torch.Tensor]:
     ]
 
 
+class _PrefillChunk(_Graph):
+    """The prefill program: (PREFILL_CHUNK_INPUTS..., caches...) -> (logits, caches..., reported
+    kinds...). The step inputs are prefill_chunk_step's N rows of prepare_prefill's tensors, the
+    whole block_ids and n_valid, and `start` () long, the position of the first row; N = max_seq
+    is the whole padded prompt in one run."""
+
+    def __init__(self, rt: _FunctionalKV):
+        super().__init__(rt, prefill=True)
+
+    def forward(self, *args):
+        rt, n = self.rt, len(PREFILL_CHUNK_INPUTS)
+        (*rows, start), caches = args[:n], args[n:]
+        rt._kv = {i: (caches[2 * j], caches[2 * j + 1]) for j, i in enumerate(rt.owners())}
+        probe = _ListProbe()
+        input_pos = start + torch.arange(rows[0].shape[1], device=start.device)
+        logits = rt.prefill_chunk_step(*rows, input_pos, probe=probe)
+        self.names = probe.names
+        return (logits, *(t for i in rt.owners() for t in rt._kv[i]), *probe.values)
+
+
+def _graph(rt: _FunctionalKV, name: str) -> _Graph:
+    return (_PrefillChunk(rt) if name == "prefill" else _Graph(rt, prefill=False)).eval()
+
+
+def _chunk_args(rt: _FunctionalKV, args: tuple, c0: int) -> tuple:
+    """prepare_prefill's tensors -> the prefill program's step inputs for its rows from position c0."""
+    ids, ple_ids, mm_embeds, mm_slots, block_ids, n_valid = args
+    rows = slice(c0, c0 + (rt.prefill_chunk or rt.max_seq))
+    return (ids[:, rows], ple_ids[:, rows], mm_embeds[:, rows], mm_slots[:, rows], block_ids, n_valid, torch.tensor(c0))
+
+
+def _plan(rt: _FunctionalKV, args: tuple, T: int) -> list[tuple[int, slice]]:
+    """The prefill program's runs for a T-token prompt: [(first position, its rows that are reported)]."""
+    N = rt.prefill_chunk or rt.max_seq
+    return chunk_plan(T, N, rt.max_seq, args[4].cpu() if rt.bidir_vision else None)
+
+
 def _examples(rt: _FunctionalKV) -> dict:
-    """Example step inputs per program (shapes and dtypes only: every shape is fixed by max_seq)."""
+    """Example step inputs per program (shapes and dtypes only: every shape is fixed by max_seq
+    and the host's prefill_chunk)."""
     z = torch.zeros(1, dtype=torch.long)
-    return {"prefill": rt.prepare_prefill([0], {}), "decode": (z.reshape(1, 1), z)}
+    return {"prefill": _chunk_args(rt, rt.prepare_prefill([0], {}), 0), "decode": (z.reshape(1, 1), z)}
 
 
 def _calibration(rt: _FunctionalKV, prompt, extra) -> dict:
-    """Calibration inputs per program from REF's prompt: the prompt's prefill, and its tokens fed
-    one at a time to decode (caches from the float decode graph), as a replay runs them."""
+    """Calibration inputs per program from REF's prompt: the prompt's prefill chunks (caches from
+    the float prefill program, chunk by chunk), and its tokens fed one at a time to decode (caches
+    from the float decode graph), as a replay runs them."""
     caches = _zero_caches(rt)
-    pre = [(*rt.prepare_prefill(list(prompt), extra or {}), *caches)]
-    g, dec = _Graph(rt, prefill=False).eval(), []
     n = len(caches)
+    args, g, pre = rt.prepare_prefill(list(prompt), extra or {}), _graph(rt, "prefill"), []
+    with torch.no_grad():
+        for c0, _ in _plan(rt, args, len(prompt)):
+            pre.append((*_chunk_args(rt, args, c0), *caches))
+            caches = list(g(*pre[-1])[1 : 1 + n])
+    caches = _zero_caches(rt)
+    g, dec = _graph(rt, "decode"), []
     mm = set(rt.mm_token_ids)
     with torch.no_grad():
         for pos, tok in enumerate(prompt):
@@ -99,7 +151,7 @@ def _calibration(rt: _FunctionalKV, prompt, extra) -> dict:
 
 
 def _export(rt: _FunctionalKV, name: str) -> torch.export.ExportedProgram:
-    g = _Graph(rt, prefill=name == "prefill").eval()
+    g = _graph(rt, name)
     with torch.no_grad(), _quiet():
         return torch.export.export(g, (*_examples(rt)[name], *_zero_caches(rt)), strict=False)
 
@@ -135,7 +187,8 @@ def _lower(program, example: tuple) -> bytes:
 
 
 def write_programs(rt: _FunctionalKV, mode: str, out_dir, calibration: dict | None = None) -> list[Path]:
-    """Write prefill.pte and decode.pte for mode (executorch or executorch-int8) into out_dir."""
+    """Write prefill.pte and decode.pte for mode (executorch or executorch-int8) into out_dir; the
+    prefill program takes rt.prefill_chunk rows (None: the whole max_seq)."""
     quantized = _quantized(rt, calibration) if mode == "executorch-int8" else None
     paths = []
     for name in PROGRAMS:
@@ -161,22 +214,31 @@ def _prompt_digest(prompt, extra) -> str:
     return h.hexdigest()[:24]
 
 
-def artifact_key(loaded, mode: str, max_seq: int, prompt=None, extra=None) -> dict:
+def artifact_key(loaded, mode: str, max_seq: int, prompt=None, extra=None, prefill_chunk: int | None = None) -> dict:
+    """What the programs depend on; prefill_chunk as resolve_prefill_chunk gives it (None: whole max_seq)."""
     from .artifacts import model_hash
 
-    key = {"model": model_hash(loaded.model_dir), "runtime": mode, "max_seq": int(max_seq), "prefill_chunk": None}
+    key = {
+        "format": FORMAT,
+        "model": model_hash(loaded.model_dir),
+        "runtime": mode,
+        "max_seq": int(max_seq),
+        "prefill_chunk": None if prefill_chunk is None else int(prefill_chunk),
+    }
     key.update(_versions())
     if mode == "executorch-int8":
         key["calibration"] = _prompt_digest(prompt, extra)
     return key
 
 
-def cached_programs(loaded, mode: str, max_seq: int, prompt=None, extra=None, host=None):
-    """The artifact-cache entry (replayer/artifacts.py) holding prefill.pte and decode.pte."""
+def cached_programs(loaded, mode: str, max_seq: int, prompt=None, extra=None, host=None, prefill_chunk=None):
+    """The artifact-cache entry (replayer/artifacts.py) holding prefill.pte and decode.pte; the
+    prefill program takes host.prefill_chunk rows (without a host: prefill_chunk)."""
     from .artifacts import artifact_folder
 
-    rt = host or _FunctionalKV(loaded, max_seq)
+    rt = host or _FunctionalKV(loaded, max_seq, prefill_chunk)
     what = "float32" if mode == "executorch" else "int8 (PT2E, calibrated on the prompt)"
+    rows = f"{rt.prefill_chunk}-row chunk" if rt.prefill_chunk else f"max_seq {max_seq}"
 
     def build(folder: Path) -> None:
         calibration = _calibration(rt, prompt, extra) if mode == "executorch-int8" else None
@@ -184,9 +246,9 @@ def cached_programs(loaded, mode: str, max_seq: int, prompt=None, extra=None, ho
 
     return artifact_folder(
         "executorch",
-        artifact_key(loaded, mode, max_seq, prompt, extra),
+        artifact_key(loaded, mode, max_seq, prompt, extra, rt.prefill_chunk),
         build,
-        what=f"lowering the prefill and decode programs to ExecuTorch XNNPACK, {what}",
+        what=f"lowering the prefill ({rows}) and decode programs to ExecuTorch XNNPACK, {what}",
     )
 
 
@@ -211,14 +273,13 @@ class ExecuTorchRuntime:
         self.names = self._output_names()
         self.steps = None  # name -> callable(list of tensors) -> list of tensors
         self.note = ""
-        if mode == "executorch":
-            self._load()
+        self.prefill_chunk = resolve_prefill_chunk(None, max_seq)  # replay sets --prefill-chunk's; built at prefill
 
     def _output_names(self) -> dict:
         """The reported kinds' names of each program's extra outputs, in order (one eager run)."""
         names = {}
         for name in PROGRAMS:
-            g = _Graph(self.host, prefill=name == "prefill").eval()
+            g = _graph(self.host, name)
             with torch.no_grad():
                 g(*_examples(self.host)[name], *_zero_caches(self.host))
             names[name] = g.names
@@ -256,13 +317,31 @@ class ExecuTorchRuntime:
                 probe.tensor(kind, value[rows].clone(), layer=int(layer[1:]) if layer else None)
         return outs[0].clone()
 
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Rows per run of the prefill program (None: the whole max_seq); the host's, which the
+        programs are exported from. Setting another drops programs built for the old one."""
+        return self.host.prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, rows: int | None) -> None:
+        if rows != self.host.prefill_chunk:
+            self.host.prefill_chunk, self.steps = rows, None
+
     def prefill(self, input_ids, extra_inputs, probe):
+        """The prefill program once per chunk of the plan (_plan), the caches carried from one run
+        to the next; each run's new rows go to the probe, stitched by position (_ChunkProbe)."""
         ids = [int(t) for t in torch.as_tensor(input_ids).reshape(-1)]
         if self.steps is None:
             self._load(ids, extra_inputs)
         args = self.host.prepare_prefill(ids, extra_inputs)
         self.caches = _zero_caches(self.host)
-        return self._run("prefill", args, probe, slice(0, len(ids)))
+        chunks = _ChunkProbe(probe) if probe is not None else None
+        for c0, rows in _plan(self.host, args, len(ids)):
+            logits = self._run("prefill", _chunk_args(self.host, args, c0), chunks, rows)
+        if chunks is not None:
+            chunks.flush()
+        return logits  # the last run holds position T - 1
 
     def decode(self, token_id, position, probe):
         tok = self.host.pad_id if int(token_id) in self.host.mm_token_ids else int(token_id)
@@ -292,9 +371,12 @@ def make_executorch_int8_reference(loaded, max_seq: int):
     return ExecuTorchRuntime(loaded, max_seq, "executorch-int8-reference")
 
 
-def export_command(model_dir, mode: str, max_seq: int, out_dir, force: bool = False, calibration_ref=None) -> str:
+def export_command(
+    model_dir, mode: str, max_seq: int, out_dir, force: bool = False, calibration_ref=None, prefill_chunk=None
+) -> str:
     """`trace export-pte`: write prefill.pte and decode.pte into out_dir, both or neither (the
-    artifact cache's files); return a summary line. int8 calibrates on calibration_ref's prompt."""
+    artifact cache's files); return a summary line. int8 calibrates on calibration_ref's prompt.
+    prefill_chunk: --prefill-chunk N, resolved as a replay resolves it (resolve_prefill_chunk)."""
     from gemma4_trace.hf.model import load_model
 
     from .artifacts import check_output_folder, copy_all_or_none
@@ -303,6 +385,7 @@ def export_command(model_dir, mode: str, max_seq: int, out_dir, force: bool = Fa
         raise TraceToolError(f"--runtime {mode!r}: export-pte writes executorch or executorch-int8 programs")
     if mode == "executorch-int8" and calibration_ref is None:
         raise TraceToolError("--runtime executorch-int8 calibrates on a trace's prompt: give --calibrate REF.h5")
+    chunk = resolve_prefill_chunk(prefill_chunk, max_seq)
     _versions()
     out = Path(out_dir)
     targets = [out / f"{n}.pte" for n in PROGRAMS]
@@ -315,14 +398,15 @@ def export_command(model_dir, mode: str, max_seq: int, out_dir, force: bool = Fa
         prompt, extra = ref.prompt_ids, ref.extra
     loaded = load_model(model_dir)
     _check(loaded, mode)
-    art = cached_programs(loaded, mode, max_seq, prompt, extra)
+    art = cached_programs(loaded, mode, max_seq, prompt, extra, prefill_chunk=chunk)
     try:
         copy_all_or_none([art.path / t.name for t in targets], out, ".pte")
     finally:
         art.close()
     sizes = ", ".join(f"{t} ({t.stat().st_size / 2**20:.1f} MiB)" for t in targets)
     return (
-        f"wrote {sizes}: {loaded.name}, {mode}, max_seq {max_seq}, XNNPACK, canonical kinds as extra outputs "
+        f"wrote {sizes}: {loaded.name}, {mode}, max_seq {max_seq}{f', prefill chunk {chunk}' if chunk else ''}, "
+        "XNNPACK, canonical kinds as extra outputs "
         f"({art.note})"
     )
 

@@ -70,6 +70,10 @@ class _FunctionalKV(StaticGemma4Runtime):
         kc, vc = self._kv[i]
         if valid is None:
             kc, vc = kc.index_copy(2, input_pos, k_t), vc.index_copy(2, input_pos, v_t)
+        elif k_t.shape[2] < kc.shape[2]:  # a prefill chunk (ExecuTorch): its rows at input_pos, padding rows zero
+            keep = valid[None, None, :, None]
+            kc = kc.index_copy(2, input_pos, torch.where(keep, k_t, torch.zeros_like(k_t)))
+            vc = vc.index_copy(2, input_pos, torch.where(keep, v_t, torch.zeros_like(v_t)))
         else:  # prefill rewrites the whole cache; padding rows are zero
             keep = valid[None, None, :, None]
             kc, vc = torch.where(keep, k_t, torch.zeros_like(k_t)), torch.where(keep, v_t, torch.zeros_like(v_t))

@@ -16,7 +16,16 @@ from gemma4_trace.traces.layers import layer_infos_from_config
 from gemma4_trace.traces.reader import TraceReader
 from gemma4_trace.traces.writer import TraceWriter
 
-from .api import ReportError, WriterProbe, as_logits, failure_site, make_runtime, plugin_roots, progress_words
+from .api import (
+    ReportError,
+    WriterProbe,
+    as_logits,
+    check_runtime_inputs,
+    failure_site,
+    make_runtime,
+    plugin_roots,
+    progress_words,
+)
 from .isolate import IsolatingProbe, check_supports_isolation
 from .runtime import resolve_prefill_chunk
 
@@ -113,6 +122,7 @@ def replay_trace(
         runtime = check_gguf_options(runtime, gguf, weights_from, isolate, recipe)
         header = read_header(gguf if gguf is not None else weights_from)  # malformed: refused before the model loads
     ref = read_reference(reference)
+    check_runtime_inputs(runtime, ref.extra)  # an image for a text-only runtime: before the model loads
     T, n_new = len(ref.prompt_ids), ref.max_new_tokens
     max_seq = default_max_seq(T, n_new) if max_seq is None else max_seq
     if T + n_new > max_seq:
