@@ -131,10 +131,20 @@ def _examples(rt: _FunctionalKV) -> dict:
 def _calibration(rt: _FunctionalKV, prompt, extra) -> dict:
     """Calibration inputs per program from REF's prompt: the prompt's prefill chunks (caches from
     the float prefill program, chunk by chunk), and its tokens fed one at a time to decode (caches
-    from the float decode graph), as a replay runs them."""
+    from the float decode graph), as a replay runs them.
+
+    The prefill rows past the prompt hold the prompt's tokens again, not padding: the observers see
+    every row a program computes, and a pad row (a zero embedding, whose input norm scales by
+    1/sqrt(eps)) would set activation ranges that round the prompt's rows to zero. Those rows stay
+    outside n_valid, so they write no cache and the replay never reports them."""
     caches = _zero_caches(rt)
     n = len(caches)
     args, g, pre = rt.prepare_prefill(list(prompt), extra or {}), _graph(rt, "prefill"), []
+    T = len(prompt)
+    ids, ple_ids = args[0].clone(), args[1].clone()
+    again = torch.arange(ids.shape[1] - T) % T
+    ids[:, T:], ple_ids[:, T:] = ids[:, again], ple_ids[:, again]
+    args = (ids, ple_ids, *args[2:])
     with torch.no_grad():
         for c0, _ in _plan(rt, args, len(prompt)):
             pre.append((*_chunk_args(rt, args, c0), *caches))

@@ -69,13 +69,14 @@ def test_int8_three_way_separates_kernel_error_from_quantization(runs):
     with TraceReader(int8) as b, TraceReader(ref8) as c:
         assert "calibrated on REF's prompt" in b.provenance["runtime"]
         assert c.provenance["runtime"].startswith("executorch-int8-reference (PyTorch")
-        # the same converted program: in the prefill, up to the first layer, the kernels agree exactly
-        # (layer 0's q is not compared: in the PT2E program it is zero, its input norm's 1/rms
-        # quantized to a range set by the padding rows' 1/sqrt(eps), and XNNPACK's chunk program
-        # does not round it to zero everywhere)
+        # the same converted program: in the prefill, up to the first layer's q, the kernels agree exactly
         n = len(PROMPT.split(","))
-        for kind, layer in (("embeddings", None), ("per_layer_inputs", None)):
+        for kind, layer in (("embeddings", None), ("per_layer_inputs", None), ("q", 0)):
             assert np.array_equal(b.read(kind, layer)[:n], c.read(kind, layer)[:n]), (kind, layer)
+        # calibrated on the prompt's rows (not padding): layer 0's q is int8-close to REF, not rounded to 0
+        with TraceReader(ref) as a:
+            q, want = c.read("q", 0)[:n], a.read("q", 0)[:n]
+            assert 1e-3 < np.linalg.norm(q - want) / np.linalg.norm(want) < 0.1
     plain = diff_traces(ref, int8).to_json()["first_divergence"]
     assert (plain["step"], plain["kind"]) == (0, "embeddings"), plain  # the quantization, from the start
     res = diff_traces(ref, int8, baseline_path=ref8)
