@@ -62,6 +62,11 @@ class LoadedModel:
         return self.model.config.get_text_config()
 
     @property
+    def has_weights(self) -> bool:
+        """False for a model built without its weights (load_model(weights=False))."""
+        return not any(p.is_meta for p in self.model.parameters())
+
+    @property
     def tokenizer(self):
         return getattr(self.processor, "tokenizer", self.processor)
 
@@ -117,12 +122,16 @@ def load_model(
     device_map: str | dict | None = None,
     max_memory: dict | None = None,
     offload_folder=None,
+    weights: bool = True,
 ) -> LoadedModel:
     """Load a Gemma 4 checkpoint folder; raise TraceToolError (one line) on anything wrong.
 
     device_map ("auto" or an explicit map) places the model with accelerate (extra [big]) over
     the GPUs, the CPU (max_memory {device: size}) and disk (offload_folder), for a model larger
     than one device; then `device` is where its inputs go (the embeddings' device).
+    `weights=False`: the model is built on the meta device from its config (shapes, no values,
+    no memory), for a runtime that never computes with HF's weights (llama.cpp on a cached or a
+    user's GGUF); `has_weights` says which.
     """
     path, name = resolve_model_dir(model_dir)
     data = read_config_json(path)
@@ -132,7 +141,7 @@ def load_model(
         raise TraceToolError(f"--dtype must be one of {', '.join(DTYPES)}")
     # a config can claim any size (10^6 layers): refuse what cannot fit before building it
     memory.check_config(data, f"{path}/config.json")
-    if device_map is None:  # a device map offloads what does not fit: that is its point
+    if device_map is None and weights:  # a device map offloads what does not fit: that is its point
         LIM.check_fits(memory.model_bytes(data, 2 if dtype == "bfloat16" else 4), f"the model in {path}")
     else:
         try:
@@ -150,6 +159,14 @@ def load_model(
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     cls = Gemma4ForConditionalGeneration if data["model_type"] == "gemma4" else Gemma4ForCausalLM
+    if not weights:
+        try:
+            config = cls.config_class.from_pretrained(path, local_files_only=True)
+            with torch.device("meta"):
+                model = cls._from_config(config, dtype=getattr(torch, dtype))
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+            raise TraceToolError(f"cannot load {path}: {one_line(e, 300)}") from None
+        return LoadedModel(model.eval(), _load_processor(path), name, path, dtype, device)
     placement = (
         {} if device_map is None else dict(device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
     )
@@ -308,8 +325,9 @@ def config_differences(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def load_for_reference(prov: dict, model_dir=None, device: str = "cpu") -> LoadedModel:
-    """Load the model a trace was recorded with (its dtype), checking the config hash.
+def load_for_reference(prov: dict, model_dir=None, device: str = "cpu", weights: bool = True) -> LoadedModel:
+    """Load the model a trace was recorded with (its dtype), checking the config hash;
+    `weights=False` builds it without its weights (load_model).
 
     `model_dir` None means the embedded model, which only fits traces recorded from it:
     a trace stores the model's folder name, never its path.
@@ -318,7 +336,7 @@ def load_for_reference(prov: dict, model_dir=None, device: str = "cpu") -> Loade
         raise TraceToolError(
             f"the reference was recorded with model {prov['model_name']!r}; pass its folder with --model"
         )
-    lm = load_model(model_dir, dtype=prov["dtype"], device=device)
+    lm = load_model(model_dir, dtype=prov["dtype"], device=device, weights=weights)
     cfg = config_dict(lm.config)
     if config_sha256(cfg) != prov["model_config_sha256"]:
         try:

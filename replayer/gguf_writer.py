@@ -304,5 +304,15 @@ def converted_f32(loaded, cache=None) -> tuple[Path, bool]:
     if path.is_file():
         return path, False
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_f32(loaded, path)
+    write_f32(with_weights(loaded), path)
     return path, True
+
+
+def with_weights(loaded):
+    """`loaded`, or the same checkpoint loaded with its weights if it was built without them
+    (a replay on llama.cpp loads them only to convert)."""
+    if loaded.has_weights:
+        return loaded
+    from gemma4_trace.hf.model import load_model
+
+    return load_model(loaded.model_dir, dtype=loaded.dtype, device=loaded.device)

@@ -289,7 +289,7 @@ def export_command(model_dir, gguf_type: str, output, force: bool = False) -> st
     check_output_path(output, force)
     if gguf_type != "F32":
         check_installed()
-    loaded = load_model(model_dir)
+    loaded = load_model(model_dir, weights=False)  # the weights are loaded only if it must convert
     src, note = gguf_file(loaded, gguf_type)
     out = Path(output)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")

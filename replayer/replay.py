@@ -79,6 +79,12 @@ def default_max_seq(prompt_len: int, max_new_tokens: int) -> int:
     return -(-n // 8) * 8
 
 
+def _llamacpp_type(runtime: str) -> bool:
+    from .llamacpp_runtime import RUNTIME
+
+    return runtime == RUNTIME or runtime.startswith(RUNTIME + ":")
+
+
 def replay_trace(
     reference,
     output,
@@ -133,7 +139,10 @@ def replay_trace(
     if selection is not None:
         selection.check(len(json_layers(ref.provenance)), n_new)
     _phase(progress, "loading the model")
-    loaded = load_for_reference(ref.provenance, model_dir, device=device)
+    # llama.cpp never computes with HF's weights: the model is built without them (a bf16 checkpoint
+    # would take 4 bytes per parameter in float32), loaded only if a GGUF must be converted
+    weightless = gguf is not None or (weights_from is None and recipe is None and _llamacpp_type(runtime))
+    loaded = load_for_reference(ref.provenance, model_dir, device=device, weights=not weightless)
     limit = getattr(loaded.text_config, "max_position_embeddings", None)
     if limit is not None and max_seq > limit:
         raise TraceToolError(f"--max-seq {max_seq} exceeds the model's {limit} positions (max_position_embeddings)")

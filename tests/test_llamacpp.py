@@ -433,3 +433,26 @@ def test_no_cache_converts_into_a_folder_removed_after_the_replay(tmp_path):
     assert res.exit_code == 0, res.output
     assert run.is_file() and not (cache / "gguf").exists()
     assert set(glob.glob(f"{tempfile.gettempdir()}/gemma4-trace-gguf-*")) == before
+
+
+def test_hf_weights_are_loaded_only_to_convert(tmp_path, monkeypatch):
+    """llama.cpp never computes with HF's weights: a replay builds the model without them (a bf16
+    checkpoint would take 4 bytes per parameter in float32: 18.5 GB for E2B) and loads them only
+    when the GGUF is not cached, to convert it."""
+    from gemma4_trace.hf import model as hf_model
+
+    monkeypatch.setenv(GW.CACHE_ENV, str(tmp_path / "cache"))
+    real, loads = hf_model.load_model, []
+
+    def spy(*args, **kwargs):
+        loads.append(kwargs.get("weights", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_model, "load_model", spy)
+    ref = golden_path("short")
+    for run in ("first", "second"):
+        replay_trace(ref, tmp_path / f"{run}.h5", runtime="llama.cpp")
+    assert loads == [False, True, False]  # the first replay converts: weights then; the second has none
+    assert diff_traces(tmp_path / "first.h5", tmp_path / "second.h5").match
+    loaded = real(weights=False)
+    assert not loaded.has_weights and all(p.is_meta for p in loaded.model.parameters())
