@@ -46,6 +46,10 @@ from gemma4_trace.traces.errors import TraceToolError
 MAX_REPLY = 1 << 34  # bytes in one reply from a child (a step's tensors); more is no reply of ours
 CRASH_ENV = "GEMMA4_TRACE_TEST_NATIVE_CRASH"  # tests: PHASE -> SIGSEGV in the child at that phase
 ENGINES = ("onnxruntime", "executorch")
+# the SessionOptions of --runtime onnx and mobius, as their sessions were made in-process; threads are
+# onnxruntime's default (intra-op: one per physical core): the same in the child, which inherits the
+# parent's environment and CPU affinity
+ORT_SESSION = {"log_severity_level": 3}
 
 
 def send_msg(stream, msg) -> None:
@@ -72,15 +76,22 @@ def signal_words(rc: int) -> str:
     return f"exit status {rc}"
 
 
-def _shut(proc: subprocess.Popen, log) -> None:
-    """End the child (its stdin closed: it exits; one that does not is killed) and reap it."""
+def _shut(proc: subprocess.Popen, log, graceful: bool) -> None:
+    """End the child and reap it: graceful, its stdin closed (it exits; one that does not is
+    killed); else killed at once (an idle engine has nothing to finish, and a Python with torch
+    loaded takes most of a second to exit)."""
     if proc.poll() is None:
         try:
+            if not graceful:
+                raise OSError
             proc.stdin.close()
             proc.wait(timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             proc.kill()
             proc.wait()
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+    proc.stdout.close()
     log.close()
 
 
@@ -89,9 +100,10 @@ class Child:
 
     `label` names the runtime in errors ("llama.cpp (F32)", "onnx (onnxruntime 1.32.0)"). The
     child's stderr goes to a log, whose last line a crash message quotes. The child ends with
-    close(), or when this object is collected, or with the parent (its stdin closes)."""
+    close(), or when this object is collected, or with the parent (its stdin closes); `graceful`
+    says whether close() lets it exit by itself or kills it."""
 
-    def __init__(self, label: str, module: str, args=(), env=None):
+    def __init__(self, label: str, module: str, args=(), env=None, graceful: bool = True):
         self.label = label
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
@@ -101,7 +113,7 @@ class Child:
             stderr=self.log,
             env={**os.environ, **(env or {})},
         )
-        self._finalizer = weakref.finalize(self, _shut, self.proc, self.log)
+        self._finalizer = weakref.finalize(self, _shut, self.proc, self.log, graceful)
 
     def send(self, *msg) -> None:
         try:
@@ -152,7 +164,7 @@ class Engine(Child):
 
     def __init__(self, label: str, engine: str):
         assert engine in ENGINES, engine
-        super().__init__(label, __name__, (engine,))
+        super().__init__(label, __name__, (engine,), graceful=False)
 
     def load(self, paths: dict, options: dict | None = None) -> dict:
         """{name: artifact path} -> {name: (inputs [(name, shape)], outputs [name])} (onnxruntime;

@@ -32,7 +32,7 @@ from torch import nn
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 
 from .artifacts import MANIFEST, check_output_folder, copy_all_or_none
-from .native_child import Engine
+from .native_child import ORT_SESSION, Engine
 from .runtime import StaticGemma4Runtime
 
 OPSET = 18
@@ -227,12 +227,13 @@ class OnnxRuntime:
             self.host = _FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
             art = exported(loaded, max_seq)
             try:
-                self.outputs = {g: outs for g, (_, outs) in self.engine.load(_graph_files(art.path), SESSION).items()}
+                meta = self.engine.load({g: art.path / f"{g}.onnx" for g in GRAPHS}, ORT_SESSION)
             finally:
                 art.close()  # a session holds its graph in memory; a temporary folder (cache off) goes now
         except BaseException:
             self.engine.close()
             raise
+        self.outputs = {g: outs for g, (_, outs) in meta.items()}
         self.artifact_note = art.note
         self.caches = {
             n: np.zeros(
@@ -282,13 +283,6 @@ def make_onnx(loaded, max_seq: int):
 
 
 GRAPHS = ("prefill", "decode")
-# onnxruntime's session options, as the sessions were made in-process; threads are onnxruntime's
-# default (intra-op: one per physical core), the same in the child, which inherits the environment
-SESSION = {"log_severity_level": 3}
-
-
-def _graph_files(folder: Path) -> dict:
-    return {g: folder / f"{g}.onnx" for g in GRAPHS}
 
 
 def export_command(model_dir, max_seq: int, out_dir, force: bool = False) -> str:
