@@ -238,6 +238,7 @@ def main() -> int:
     import resource
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash is reported by the parent, not dumped
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends this child
     # the replies get stdout's pipe on a descriptor of their own; fd 1 becomes stderr, so that
     # nothing the engines' C++ code prints can land in the reply stream
     out = os.fdopen(os.dup(1), "wb")
