@@ -29,17 +29,16 @@ executorch/torch versions.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 
+from .native_child import Engine
 from .onnx_runtime import DECODE_INPUTS, PREFILL_INPUTS, _FunctionalKV, _Graph, _ListProbe, _quiet
 from .runtime import _ChunkProbe, chunk_plan, resolve_prefill_chunk
 
@@ -60,20 +59,6 @@ def _versions() -> dict:
     except ImportError as e:
         raise TraceToolError(f"--runtime executorch needs executorch: {install_hint('executorch')} ({e})") from None
     return {"executorch": et_version.__version__, "torch": torch.__version__}
-
-
-@contextlib.contextmanager
-def _quiet_fd2():
-    """ExecuTorch's C++ start-up (cpuinfo) prints lines on file descriptor 2: keep them off the console."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def _zero_caches(rt: _FunctionalKV) -> list[torch.Tensor]:
@@ -262,12 +247,20 @@ def cached_programs(loaded, mode: str, max_seq: int, prompt=None, extra=None, ho
     )
 
 
+def _in_child(engine: Engine, name: str, args: list, phase: str) -> list[torch.Tensor]:
+    """Program `name` run by the ExecuTorch child on args (tensors in, tensors out)."""
+    return [torch.from_numpy(a) for a in engine.run(name, [t.numpy() for t in args], phase)]
+
+
 class ExecuTorchRuntime:
     """The lowered programs run by executorch.runtime (or, for the reference, the converted PT2E
     programs by PyTorch); the host keeps the caches. int8 programs are built at the first prefill,
     from its prompt (the calibration data)."""
 
     def __init__(self, loaded, max_seq: int, mode: str):
+        # the lowered programs run in a child process (replayer/native_child.py), started first: its
+        # imports (torch, executorch) overlap this process's; a crash in ExecuTorch is then one line
+        self.engine = None if mode == "executorch-int8-reference" else Engine(mode, "executorch")
         versions = _versions()
         self.mode, self.loaded, self.max_seq = mode, loaded, max_seq
         if mode == "executorch":
@@ -296,24 +289,32 @@ class ExecuTorchRuntime:
         return names
 
     def _load(self, prompt=None, extra=None) -> None:
-        if self.mode == "executorch-int8-reference":
+        """self.steps: name -> callable(list of tensors, phase) -> list of tensors."""
+        if self.mode == "executorch-int8-reference":  # PyTorch, in this process
             mods = _quantized(self.host, _calibration(self.host, prompt, extra))
-            self.steps = {n: (lambda args, m=mods[n]: list(m(*args))) for n in PROGRAMS}
+            self.steps = {n: (lambda args, phase, m=mods[n]: list(m(*args))) for n in PROGRAMS}
             return
-        from executorch.runtime import Runtime
-
-        art = cached_programs(self.loaded, self.mode, self.max_seq, prompt, extra, host=self.host)
-        self.note = art.note
+        engine = self.engine
+        engine.label = f"{self.mode} (ExecuTorch {_versions()['executorch']}, XNNPACK)"  # how errors name it
         try:
-            with _quiet_fd2():
-                et = Runtime.get()
-                methods = {n: et.load_program(art.path / f"{n}.pte").load_method("forward") for n in PROGRAMS}
-        finally:
-            art.close()  # the program is read into memory; a temporary (cache off) folder can go
-        self.steps = {n: (lambda args, m=methods[n]: list(m.execute(list(args)))) for n in PROGRAMS}
+            art = cached_programs(self.loaded, self.mode, self.max_seq, prompt, extra, host=self.host)
+            self.note = art.note
+            try:
+                engine.load({n: art.path / f"{n}.pte" for n in PROGRAMS})
+            finally:
+                art.close()  # the program is read into memory; a temporary (cache off) folder can go
+        except BaseException:
+            engine.close()
+            raise
+        self.steps = {n: partial(_in_child, engine, n) for n in PROGRAMS}
 
     def _run(self, name: str, args: tuple, probe, rows: slice):
-        outs = self.steps[name]([*args, *self.caches])
+        if name == "prefill":
+            self.decodes, phase = 0, "prefill"
+        else:
+            self.decodes += 1  # prefill comes first and sets it
+            phase = f"decode step {self.decodes}"
+        outs = self.steps[name]([*args, *self.caches], phase)
         n, names = self.n_caches, self.names[name]
         if len(outs) != 1 + n + len(names):
             raise TraceToolError(

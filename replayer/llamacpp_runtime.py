@@ -26,12 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import pickle
 import shutil
-import signal
-import struct
-import subprocess
-import sys
 import tempfile
 import time
 from importlib.resources import files
@@ -44,10 +39,10 @@ from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 
 from . import gguf_writer as GW
+from . import native_child
 from .artifacts import caching
 
 RUNTIME = "llama.cpp"
-MAX_REPLY = 1 << 34  # bytes in one reply from the child (a tensor of one step); more is no reply of ours
 # the llama.cpp float tolerance profile (docs/runtime-llamacpp.md): `trace diff --tolerances` it
 PROFILE_F32 = Path(str(files("gemma4_trace.diff") / "profiles" / "llamacpp-f32.toml"))
 
@@ -68,78 +63,24 @@ def check_installed() -> None:
             raise TraceToolError(f"--runtime llama.cpp needs {what}: {install_hint('llamacpp')}")
 
 
-def _signal_words(rc: int) -> str:
-    if rc < 0:
-        try:
-            return f"killed by {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"killed by signal {-rc}"
-    return f"exit status {rc}"
-
-
-class Child:
-    """The llama.cpp child process and its reply stream."""
+class Child(native_child.Child):
+    """The llama.cpp child process (replayer/_llamacpp_child.py) and its reply stream; a crash
+    names the last kind reported."""
 
     def __init__(self, label: str):
-        self.label = label  # "llama.cpp (Q4_K_M)": how errors name the runtime
-        self.log = tempfile.TemporaryFile()
-        env = {**os.environ, "GGML_NO_BACKTRACE": "1"}  # ggml's abort message, not a debugger's backtrace
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gemma4_trace.replayer._llamacpp_child"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            env=env,
-        )
+        # ggml's abort message, not a debugger's backtrace
+        super().__init__(label, "gemma4_trace.replayer._llamacpp_child", env={"GGML_NO_BACKTRACE": "1"})
         self.last: tuple[str, int | None] | None = None
 
-    def send(self, *msg) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            self.proc.stdin.write(struct.pack("<Q", len(data)) + data)
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass  # it died: the next receive says how
-
-    def receive(self, phase: str):
-        head = self.proc.stdout.read(8)
-        if len(head) == 8:
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_REPLY:
-                self.proc.kill()
-                raise TraceToolError(f"{self.label} sent a malformed reply in {phase} {self.progress()}")
-            body = self.proc.stdout.read(n)
-            if len(body) == n:
-                msg = pickle.loads(body)
-                if msg[0] == "error":
-                    raise TraceToolError(f"{self.label} failed in {phase}: {msg[1]}")
-                if msg[0] == "tensor":
-                    self.last = (msg[1], msg[2])
-                return msg
-        rc = self.proc.wait()
-        raise TraceToolError(f"{self.label} crashed in {phase} {self.progress()}: {_signal_words(rc)}{self._said()}")
-
-    def _said(self) -> str:
-        """The last line the child wrote to stderr (ggml's abort message, say), if any."""
-        self.log.seek(0)
-        lines = [ln.strip() for ln in self.log.read()[-4096:].decode(errors="replace").splitlines() if ln.strip()]
-        return f" ({lines[-1][:200]})" if lines else ""
+    def seen(self, msg) -> None:
+        if msg[0] == "tensor":
+            self.last = (msg[1], msg[2])
 
     def progress(self) -> str:
         if self.last is None:
             return "before reporting anything"
         kind, layer = self.last
         return f"after {kind}" if layer is None else f"after layer {layer} {kind}"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def gguf_file(loaded, gguf_type: str, cache=None, child: Child | None = None) -> tuple[Path, str]:

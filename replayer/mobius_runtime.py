@@ -49,6 +49,8 @@ import torch
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 from gemma4_trace.traces.layers import layer_infos_from_config
 
+from .native_child import ORT_SESSION, Engine
+
 MOBIUS_VERSION = "0.1.0"  # the release tested; the extra [mobius] pins it
 FORMAT = 1  # bump when the promoted outputs or the saved files change (the cache key holds it)
 TAPS = "taps.json"  # output name -> [kind, layer]
@@ -196,24 +198,27 @@ class MobiusRuntime:
             lambda folder: build(loaded.model_dir, folder),
             what=f"building mobius's ONNX Gemma 4 for {loaded.name}",
         )
+        # the session runs in a child process (replayer/native_child.py): a crash in onnxruntime is one line
+        self.engine = Engine(f"mobius (onnxruntime {ort.__version__})", "onnxruntime")
         try:
             taps = json.loads((art.path / TAPS).read_text())
-            opts = ort.SessionOptions()
-            opts.log_severity_level = 3
-            self.sess = ort.InferenceSession(str(art.path / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+            inputs, self.outputs = self.engine.load({"model": art.path / "model.onnx"}, ORT_SESSION)["model"]
+        except BaseException:
+            self.engine.close()
+            raise
         finally:
             art.close()
         self.taps = {n: (k, layer) for n, (k, layer) in taps.items()}
-        self.inputs = {i.name: i for i in self.sess.get_inputs()}
-        self.outputs = [o.name for o in self.sess.get_outputs()]
+        self.inputs = dict(inputs)  # name -> shape
+        self.decodes = 0  # decode steps since the prefill: the phase a crash names
         self.infos = layer_infos_from_config(loaded.text_config)
         self.past: dict[str, np.ndarray] = {}
 
     def _empty_past(self) -> dict[str, np.ndarray]:
         past = {}
-        for name, i in self.inputs.items():
+        for name, shape in self.inputs.items():
             if name.startswith("past_key_values."):
-                heads, dim = i.shape[1], i.shape[3]
+                heads, dim = shape[1], shape[3]
                 past[name] = np.zeros((1, heads, 0, dim), dtype=np.float32)
         return past
 
@@ -225,7 +230,12 @@ class MobiusRuntime:
             "position_ids": np.arange(first_pos, first_pos + T, dtype=np.int64)[None],
             **self.past,
         }
-        outs = dict(zip(self.outputs, self.sess.run(None, feeds)))
+        if first_pos == 0:
+            self.decodes, phase = 0, "prefill"
+        else:
+            self.decodes += 1
+            phase = f"decode step {self.decodes}"
+        outs = dict(zip(self.outputs, self.engine.run("model", feeds, phase)))
         self.past = {
             n.replace("present.", "past_key_values.", 1): v for n, v in outs.items() if n.startswith("present.")
         }

@@ -32,6 +32,7 @@ from torch import nn
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 
 from .artifacts import MANIFEST, check_output_folder, copy_all_or_none
+from .native_child import ORT_SESSION, Engine
 from .runtime import StaticGemma4Runtime
 
 OPSET = 18
@@ -224,17 +225,19 @@ class OnnxRuntime:
         ort = _import_ort()
         self.name = f"onnx (onnxruntime {ort.__version__}, CPU)"
         self.max_seq = max_seq
-        self.host = _FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
-        art = exported(loaded, max_seq)
+        # the sessions run in a child process (replayer/native_child.py): a crash in onnxruntime is one line
+        self.engine = Engine(f"onnx (onnxruntime {ort.__version__})", "onnxruntime")
         try:
-            opts = ort.SessionOptions()
-            opts.log_severity_level = 3
-            self.sessions = [
-                ort.InferenceSession(str(art.path / f"{g}.onnx"), opts, providers=["CPUExecutionProvider"])
-                for g in GRAPHS
-            ]
-        finally:
-            art.close()  # a session holds its graph in memory; a temporary folder (cache off) goes now
+            self.host = _FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
+            art = exported(loaded, max_seq)
+            try:
+                meta = self.engine.load({g: art.path / f"{g}.onnx" for g in GRAPHS}, ORT_SESSION)
+            finally:
+                art.close()  # a session holds its graph in memory; a temporary folder (cache off) goes now
+        except BaseException:
+            self.engine.close()
+            raise
+        self.outputs = {g: outs for g, (_, outs) in meta.items()}
         self.artifact_note = art.note
         self.caches = {
             n: np.zeros(
@@ -244,11 +247,17 @@ class OnnxRuntime:
             for n in _cache_names(self.host)
         }
         self.T = 0
+        self.decodes = 0  # decode steps since the prefill: the phase a crash names
 
-    def _run(self, sess, feeds: dict, probe, rows: slice):
+    def _run(self, graph: str, feeds: dict, probe, rows: slice):
+        if graph == "prefill":
+            self.decodes, phase = 0, "prefill"
+        else:
+            self.decodes += 1
+            phase = f"decode step {self.decodes}"
         feeds = {**feeds, **self.caches}
-        names = [o.name for o in sess.get_outputs()]
-        outs = dict(zip(names, sess.run(None, feeds)))
+        names = self.outputs[graph]
+        outs = dict(zip(names, self.engine.run(graph, feeds, phase)))
         for n in self.caches:
             self.caches[n] = outs[f"{n}_out"]
         if probe is not None:
@@ -263,12 +272,12 @@ class OnnxRuntime:
         args = self.host.prepare_prefill(input_ids, extra_inputs)
         self.T = len(input_ids)
         feeds = {n: a.cpu().numpy() for n, a in zip(PREFILL_INPUTS, args)}
-        return self._run(self.sessions[0], feeds, probe, slice(0, self.T))
+        return self._run("prefill", feeds, probe, slice(0, self.T))
 
     def decode(self, token_id, position, probe):
         tok = self.host.pad_id if int(token_id) in self.host.mm_token_ids else int(token_id)
         feeds = {"token": np.array([[tok]], dtype=np.int64), "input_pos": np.array([position], dtype=np.int64)}
-        return self._run(self.sessions[1], feeds, probe, slice(0, 1))
+        return self._run("decode", feeds, probe, slice(0, 1))
 
 
 def make_onnx(loaded, max_seq: int):
