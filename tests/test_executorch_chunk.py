@@ -52,7 +52,7 @@ def _eager(loaded, max_seq: int, chunk: int | None):
     rt.runs = []
 
     def step(name):
-        def run(args):
+        def run(args, phase=None):
             rt.runs.append(name)
             with torch.no_grad():
                 return list(ET._graph(rt.host, name)(*args))
