@@ -16,7 +16,8 @@ What llama.cpp's Gemma 4 loader reads, and how an HF checkpoint maps onto it:
 - `final_logit_softcapping`; tied embeddings: no `output` tensor (llama.cpp reuses token_embd).
 
 HF Linear weights (out, in) are written as they are: GGUF lists dims innermost first, so
-(out, in) is ggml's {in, out}, the layout llama.cpp multiplies with. The file is always F32;
+(out, in) is ggml's {in, out}, the layout llama.cpp multiplies with. The file is always F32,
+each tensor upcast in row blocks as it is written (the model stays in the dtype it was loaded in);
 other types are made from it with llama.cpp's own `llama_model_quantize` (in the child
 process, replayer/_llamacpp_child.py). Converted files are cached by content.
 """
@@ -267,6 +268,26 @@ def _vocab(w, loaded) -> None:
     w.add_add_space_prefix(False)
 
 
+BLOCK_BYTES = 64 << 20  # float32 bytes upcast at a time while a tensor is written
+
+
+class _RowBlocks:
+    """A model tensor as the gguf writer writes it (`nbytes`, `tofile`), upcast to float32 a block
+    of rows at a time: the writer never holds a float32 copy of the model (E2B's per-layer
+    embedding table alone is 9.4 GB in float32)."""
+
+    def __init__(self, t):
+        self.t = t.detach()
+        self.shape = tuple(self.t.shape)
+        self.nbytes = self.t.numel() * 4
+
+    def tofile(self, f) -> None:
+        row = max(1, self.t[0].numel() if self.t.dim() > 1 else 1)
+        step = max(1, BLOCK_BYTES // (4 * row))
+        for a in range(0, self.shape[0], step):
+            np.ascontiguousarray(_np(self.t[a : a + step])).tofile(f)
+
+
 def write_f32(loaded, path, mutate=None, metadata=None) -> None:
     """Write `loaded`'s text decoder to `path` as an F32 GGUF (atomically: a temporary file
     beside it, renamed when complete). Faults for tests: `mutate(name, array) -> array` changes
@@ -282,11 +303,21 @@ def write_f32(loaded, path, mutate=None, metadata=None) -> None:
         for key, value in (metadata or {}).items():
             old = w.kv_data[0][key]  # only keys the writer wrote: a typo is a KeyError
             w.kv_data[0][key] = gguf.GGUFValue(value, old.type, old.sub_type)
-        for name, arr in tensors(loaded):
-            w.add_tensor(name, mutate(name, arr) if mutate else arr)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        if mutate is not None:  # faults for tests (small models): every tensor in memory, shapes may change
+            for name, arr in tensors(loaded):
+                w.add_tensor(name, mutate(name, arr))
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        else:  # streamed: each tensor upcast to float32 in row blocks as it is written
+            items = [(name, t if isinstance(t, np.ndarray) else _RowBlocks(t)) for name, t in sources(loaded)]
+            for name, t in items:
+                w.add_tensor_info(name, tuple(t.shape), np.dtype(np.float32), t.nbytes)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            for _, t in items:
+                w.write_tensor_data(t)
         w.close()
         mask = os.umask(0)
         os.umask(mask)
@@ -313,6 +344,9 @@ def with_weights(loaded):
     (a replay on llama.cpp loads them only to convert)."""
     if loaded.has_weights:
         return loaded
-    from gemma4_trace.hf.model import load_model
+    from gemma4_trace.hf.model import load_model, read_config_json
 
-    return load_model(loaded.model_dir, dtype=loaded.dtype, device=loaded.device)
+    # in the dtype the checkpoint stores (bf16 for E2B: half the memory; the writer upcasts as it writes)
+    cfg = read_config_json(Path(loaded.model_dir))
+    stored = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return load_model(loaded.model_dir, dtype="bfloat16" if stored == "bfloat16" else "float32", device=loaded.device)

@@ -456,3 +456,22 @@ def test_hf_weights_are_loaded_only_to_convert(tmp_path, monkeypatch):
     assert diff_traces(tmp_path / "first.h5", tmp_path / "second.h5").match
     loaded = real(weights=False)
     assert not loaded.has_weights and all(p.is_meta for p in loaded.model.parameters())
+
+
+def test_streamed_conversion_of_a_bf16_checkpoint_equals_the_in_memory_float32_one(tmp_path, monkeypatch):
+    """The writer streams each tensor, upcast to float32 a block of rows at a time, and a bf16
+    checkpoint's weights are loaded in bf16 to convert (half the memory of float32): the file is
+    byte for byte the one written from the same checkpoint loaded in float32, every tensor in memory."""
+    import shutil
+
+    from gemma4_trace.hf.model import load_model
+
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(embedded_model_dir(), bf16)
+    load_model(bf16, dtype="bfloat16").model.save_pretrained(bf16)  # the weights (and config) now bf16
+    monkeypatch.setattr(GW, "BLOCK_BYTES", 4096)  # many row blocks per tensor
+    loaded = GW.with_weights(load_model(bf16, weights=False))
+    assert loaded.dtype == "bfloat16" and loaded.has_weights
+    GW.write_f32(loaded, tmp_path / "streamed.gguf")
+    GW.write_f32(load_model(bf16, dtype="float32"), tmp_path / "in-memory.gguf", mutate=lambda name, a: a)
+    assert (tmp_path / "streamed.gguf").read_bytes() == (tmp_path / "in-memory.gguf").read_bytes()
