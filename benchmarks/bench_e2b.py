@@ -14,7 +14,8 @@ beside every ratio, so that figures from two machines can be compared. Steps:
   generate   plain HF generate() (bf16), the same greedy settings as the recorder
   record     trace record (bf16)                      -> BASE.h5   (HF bf16)
   record-last  trace record --shared-kv-prefill last  -> LAST.h5   (generate()'s prefill shortcut)
-  replay     trace replay BASE (static runtime, bf16) -> RUN.h5
+  replay     trace replay BASE (static runtime, bf16) -> RUN.h5   (the whole command: model load included,
+             so replay / record sets it against the record's model load + recording)
   diff       trace diff BASE RUN
   ref        trace record (float32, same weights)     -> REF.h5    (skipped without --f32)
   three-way  trace diff REF RUN --baseline BASE, and rel-L2 of prefill layer_out vs REF
@@ -279,7 +280,14 @@ def main() -> None:
             f"{r['out'].strip().splitlines()[-1] if r['out'].strip() else ''}",
         )
         if "record" in rows:
-            print(f"replay / record = {r['seconds'] / rows['record']['seconds']:.2f}x ({speed})", flush=True)
+            # like with like: the replay command's time includes loading the model and reading REF,
+            # so it is set against the record's model load + recording (both in their processes)
+            rec = rows["record"]["load_s"] + rows["record"]["seconds"]
+            print(
+                f"replay / record = {r['seconds'] / rec:.2f}x (the replay command, model load included, over "
+                f"the record's model load + recording: {r['seconds']:.1f} / {rec:.1f} s; {speed})",
+                flush=True,
+            )
     if "diff" not in skip:
         r = run_child("cli", "diff", base, run)
         show("diff", r, f"exit {r['exit']}: {r['out'].strip().splitlines()[0] if r['out'].strip() else ''}")
