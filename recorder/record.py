@@ -31,7 +31,7 @@ from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces.atomic import check_output_path
 from gemma4_trace.traces.errors import TraceToolError, one_line
 from gemma4_trace.traces.schema import LAYER_KIND_NAMES, rope_kinds
-from gemma4_trace.traces.writer import Bf16Rows
+from gemma4_trace.traces.writer import Bf16Rows, spare_core
 
 
 @dataclass
@@ -412,7 +412,8 @@ def record_loaded(
         f"recording {prompt_len} prompt tokens + {max_new_tokens} new tokens",
     )
 
-    with TraceWriter(output, force=force, source_dtype=lm.dtype, selection=selection) as w:
+    threaded = spare_core(str(lm.device), torch.get_num_threads())  # a writer thread only where it has a core
+    with TraceWriter(output, force=force, source_dtype=lm.dtype, selection=selection, threaded=threaded) as w:
         w.write_header(
             TraceHeader(
                 Provenance.from_dict(

@@ -14,7 +14,7 @@ from gemma4_trace.traces.errors import TraceToolError, one_line
 from gemma4_trace.traces.header import Provenance, TraceHeader
 from gemma4_trace.traces.layers import layer_infos_from_config
 from gemma4_trace.traces.reader import TraceReader
-from gemma4_trace.traces.writer import TraceWriter
+from gemma4_trace.traces.writer import TraceWriter, spare_core
 
 from .api import (
     ReportError,
@@ -168,7 +168,12 @@ def replay_trace(
     t0 = time.perf_counter()
     recorded_mode = "isolated" if isolate else mode
     with contextlib.ExitStack() as stack:
-        w = stack.enter_context(TraceWriter(output, force=force, source_dtype=loaded.dtype, selection=selection))
+        import torch
+
+        threaded = spare_core(device, torch.get_num_threads())  # a writer thread only where it has a core
+        w = stack.enter_context(
+            TraceWriter(output, force=force, source_dtype=loaded.dtype, selection=selection, threaded=threaded)
+        )
         w.write_header(
             TraceHeader(
                 Provenance.from_dict(provenance(loaded, runtime=rt.name, mode=recorded_mode)),

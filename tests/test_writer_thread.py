@@ -48,6 +48,7 @@ def test_rows_are_written_on_the_writer_thread(tmp_path, monkeypatch):
 def test_disk_full_in_the_writer_thread_is_one_line_and_no_file(tmp_path, monkeypatch):
     """`trace record` on a real model: ENOSPC raised in the writer thread reads as it always did."""
     seen = _failing_write(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    monkeypatch.setattr(writer.os, "sched_getaffinity", lambda pid: set(range(64)))  # a core for the thread
     out = tmp_path / "t.h5"
     res = invoke("record", "--input-ids", "2,17,5", "--max-new-tokens", "6", "-o", str(out))
     lines = [l for l in res.output.splitlines() if l.strip()]
@@ -121,3 +122,25 @@ def test_model_thread_waits_only_while_the_queue_is_full():
         s.release.set()
         q.close()
     assert not q.thread.is_alive()
+
+
+def test_a_writer_thread_only_where_it_has_a_core(tmp_path, monkeypatch):
+    """On a GPU, or with a CPU core the model's threads leave free, the writes go to the writer
+    thread; when the model's threads take every core they run on the model's thread, between its
+    steps (a thread would stall one of the model's threads: docs/benchmarks.md)."""
+    import torch
+
+    monkeypatch.setattr(writer.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert writer.spare_core("cuda", 2) and writer.spare_core("cpu", 1) and not writer.spare_core("cpu", 2)
+    threads = torch.get_num_threads()
+    try:
+        for n, expected in ((2, "MainThread"), (1, "trace-writer")):
+            torch.set_num_threads(n)
+            seen = _failing_write(monkeypatch, RuntimeError("unused"), after=10**9)
+            res = invoke("record", "--input-ids", "2,17,5", "--max-new-tokens", "2", "-o", str(tmp_path / f"{n}.h5"))
+            assert res.exit_code == 0, res.output
+            assert seen and {t.name for t in seen} == {expected}, (n, {t.name for t in seen})
+    finally:
+        torch.set_num_threads(threads)
+    with TraceReader(tmp_path / "1.h5") as a, TraceReader(tmp_path / "2.h5") as b:
+        assert a.content_hash() == b.content_hash()

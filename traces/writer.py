@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import os
 import threading
 import zlib
 from pathlib import Path
@@ -36,7 +37,7 @@ CHUNK_BYTES = 1 << 20  # target uncompressed chunk size
 MAX_CHUNK_ROWS = 256
 MASK_CHUNK_ROWS, MASK_CHUNK_KEYS = 256, 1024  # bool: 256 KiB per chunk
 # measured one at a time in docs/benchmarks.md (benchmarks/bench_writer.py switches them off)
-THREADED = True  # writes on the writer thread (False: on the caller's thread, as before)
+THREADED = True  # writes on a writer thread where it has a core (spare_core); False: never, as before
 BF16_BITS = True  # bfloat16 values stored as their 16-bit patterns (False: as float32, as before)
 QUEUE_BYTES = 256 << 20  # rows handed to the writer thread and not yet written: the model thread waits beyond this
 COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True, fletcher32=True)
@@ -300,6 +301,21 @@ class _Series:
             self.write([_bf16_to_float32(old)])
 
 
+def spare_core(device: str, compute_threads: int) -> bool:
+    """Does a writer thread have a core of its own? Yes when the model runs on a GPU or leaves a CPU
+    core free. When the model's threads take every core, the thread's encoding stalls one of them
+    while it runs (a parallel op waits for its slowest thread): on the 2-core machine of
+    docs/benchmarks.md a full-size E2B record-last took 12.1 s with the thread and 11.5 s with the
+    writes between the model's steps on its own thread (medians of 4 alternating runs)."""
+    if device != "cpu":
+        return True
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return cores > compute_threads
+
+
 class _Writes:
     """The writer thread: runs the HDF5 writes handed to it, in order, off the model's thread.
 
@@ -307,7 +323,7 @@ class _Writes:
     queued. The first error raised in the writer thread is raised again in the model thread at
     its next hand-over (or at the end): the same exception, so it reads as it always did."""
 
-    def __init__(self, max_bytes: int = QUEUE_BYTES):
+    def __init__(self, max_bytes: int = QUEUE_BYTES, threaded: bool = True):
         self.max_bytes = max_bytes
         self.jobs: collections.deque = collections.deque()
         self.queued = 0  # bytes of the blocks queued and not yet written
@@ -316,7 +332,7 @@ class _Writes:
         self.error: BaseException | None = None
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="trace-writer", daemon=True)
-        self.threaded = THREADED
+        self.threaded = THREADED and threaded
         if self.threaded:
             self.thread.start()
 
@@ -419,8 +435,11 @@ class TraceWriter:
     The file appears at `path` only when the `with` block ends without an exception.
     """
 
-    def __init__(self, path: str | Path, force: bool = False, source_dtype: str | None = None, selection=None):
+    def __init__(
+        self, path: str | Path, force: bool = False, source_dtype: str | None = None, selection=None, threaded=True
+    ):
         self.path = Path(path)
+        self.threaded = threaded  # a writer thread (spare_core says when it pays); False: the caller's thread
         self.selection = selection  # traces.selection.Selection: what to keep (None: everything)
         self.force = force
         self.source_dtype = source_dtype
@@ -439,7 +458,7 @@ class TraceWriter:
         tmp = self._ctx.__enter__()
         # no chunk cache: rows are written in chunk-sized blocks, once, so caching only costs memory
         self.f = h5py.File(tmp, "w", track_order=True, rdcc_nbytes=0)
-        self._writes = _Writes()
+        self._writes = _Writes(threaded=self.threaded)
         return self
 
     def __exit__(self, exc_type, exc, tb):
