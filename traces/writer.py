@@ -306,7 +306,8 @@ def spare_core(device: str, compute_threads: int) -> bool:
     core free. When the model's threads take every core, the thread's encoding stalls one of them
     while it runs (a parallel op waits for its slowest thread): on the 2-core machine of
     docs/benchmarks.md a full-size E2B record-last took 12.1 s with the thread and 11.5 s with the
-    writes between the model's steps on its own thread (medians of 4 alternating runs)."""
+    writes between the model's steps on its own thread (medians of 4 alternating runs), a full
+    record 14.9 s and 14.4 s (3 runs). `trace record` asks; `trace replay` keeps the thread."""
     if device != "cpu":
         return True
     try:
