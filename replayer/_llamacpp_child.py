@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import pickle
 import re
-import struct
 import sys
 
 import numpy as np
+
+from gemma4_trace.replayer.native_child import recv_msg as _recv
+from gemma4_trace.replayer.native_child import send_msg as _send
 
 # ggml node names (set by the gemma4 graph's `cb(tensor, name, layer)`) -> canonical kinds
 GLOBAL_NAMES = {"inp_scaled": "embeddings", "inp_per_layer": "per_layer_inputs", "h_nextn": "final_hidden"}
@@ -66,20 +67,6 @@ class _Tensor(ctypes.Structure):
         ("data", ctypes.c_void_p),
         ("name", ctypes.c_char * 64),
     ]
-
-
-def _send(out, msg) -> None:
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    out.write(struct.pack("<Q", len(data)) + data)
-    out.flush()
-
-
-def _recv(inp):
-    head = inp.read(8)
-    if len(head) < 8:
-        return None
-    (n,) = struct.unpack("<Q", head)
-    return pickle.loads(inp.read(n))
 
 
 def _ggml_lib(llama_cpp):
