@@ -141,8 +141,9 @@ def load_model(
         raise TraceToolError(f"--dtype must be one of {', '.join(DTYPES)}")
     # a config can claim any size (10^6 layers): refuse what cannot fit before building it
     memory.check_config(data, f"{path}/config.json")
-    if device_map is None and weights:  # a device map offloads what does not fit: that is its point
-        LIM.check_fits(memory.model_bytes(data, 2 if dtype == "bfloat16" else 4), f"the model in {path}")
+    if device_map is None:  # a device map offloads what does not fit: that is its point
+        if weights:  # (a model built without its weights takes no memory)
+            LIM.check_fits(memory.model_bytes(data, 2 if dtype == "bfloat16" else 4), f"the model in {path}")
     else:
         try:
             import accelerate  # noqa: F401

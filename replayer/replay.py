@@ -79,10 +79,10 @@ def default_max_seq(prompt_len: int, max_new_tokens: int) -> int:
     return -(-n // 8) * 8
 
 
-def _llamacpp_type(runtime: str) -> bool:
-    from .llamacpp_runtime import RUNTIME
+def _runs_on_llamacpp(runtime: str) -> bool:
+    from .llamacpp_runtime import parse_spec
 
-    return runtime == RUNTIME or runtime.startswith(RUNTIME + ":")
+    return parse_spec(runtime) is not None
 
 
 def replay_trace(
@@ -141,7 +141,7 @@ def replay_trace(
     _phase(progress, "loading the model")
     # llama.cpp never computes with HF's weights: the model is built without them (a bf16 checkpoint
     # would take 4 bytes per parameter in float32), loaded only if a GGUF must be converted
-    weightless = gguf is not None or (weights_from is None and recipe is None and _llamacpp_type(runtime))
+    weightless = gguf is not None or (weights_from is None and recipe is None and _runs_on_llamacpp(runtime))
     loaded = load_for_reference(ref.provenance, model_dir, device=device, weights=not weightless)
     limit = getattr(loaded.text_config, "max_position_embeddings", None)
     if limit is not None and max_seq > limit:

@@ -475,3 +475,14 @@ def test_streamed_conversion_of_a_bf16_checkpoint_equals_the_in_memory_float32_o
     GW.write_f32(loaded, tmp_path / "streamed.gguf")
     GW.write_f32(load_model(bf16, dtype="float32"), tmp_path / "in-memory.gguf", mutate=lambda name, a: a)
     assert (tmp_path / "streamed.gguf").read_bytes() == (tmp_path / "in-memory.gguf").read_bytes()
+
+
+def test_a_model_without_weights_needs_no_accelerate(monkeypatch):
+    """Building the model without its weights takes the plain path (no device map): it neither
+    checks memory nor asks for accelerate (extra [big]), which a llama.cpp user may not have."""
+    import sys
+
+    from gemma4_trace.hf.model import load_model
+
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # import accelerate raises ImportError
+    assert not load_model(weights=False).has_weights
