@@ -22,7 +22,9 @@ default the whole padded max_seq, one run, below max_seq 1024).
 
 The .pte programs are kept in the artifact cache (replayer/artifacts.py), keyed by the model's
 content hash, the runtime, max_seq, the prefill chunk, the calibration prompt (int8) and the
-executorch/torch versions.
+executorch/torch versions; so are the converted int8 programs before lowering (torch.export's
+.pt2), which executorch-int8 lowers and executorch-int8-reference runs: whichever of the two
+replays comes second does not quantize again.
 
     trace export-pte [--model DIR] [--runtime executorch|executorch-int8] --max-seq 32 [--prefill-chunk N] -o DIR
 """
@@ -44,6 +46,7 @@ from .runtime import _ChunkProbe, chunk_plan, resolve_prefill_chunk
 
 MODES = ("executorch", "executorch-int8", "executorch-int8-reference")
 PROGRAMS = ("prefill", "decode")
+PT2E = "executorch-int8-pt2e"  # the artifact-cache entry of the converted (not yet lowered) int8 programs
 FORMAT = 2  # bump when the programs' inputs or outputs change meaning (the cache key holds it)
 PREFILL_CHUNK_INPUTS = (*PREFILL_INPUTS, "start")
 INT8_SCHEME = (
@@ -152,7 +155,7 @@ def _export(rt: _FunctionalKV, name: str) -> torch.export.ExportedProgram:
 
 
 def _quantized(rt: _FunctionalKV, calibration: dict) -> dict:
-    """name -> the converted PT2E GraphModule (quantize/dequantize pairs around int8 weights)."""
+    """name -> the converted PT2E program (quantize/dequantize pairs around int8 weights), exported."""
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer,
         get_symmetric_quantization_config,
@@ -166,30 +169,57 @@ def _quantized(rt: _FunctionalKV, calibration: dict) -> dict:
             m = prepare_pt2e(_export(rt, name).module(), quantizer)
             for args in calibration[name]:
                 m(*args)
-            out[name] = convert_pt2e(m)
+            example = (*_examples(rt)[name], *_zero_caches(rt))
+            out[name] = torch.export.export(convert_pt2e(m), example, strict=False)
     return out
 
 
-def _lower(program, example: tuple) -> bytes:
-    """An ExportedProgram or a converted GraphModule -> the .pte bytes of its XNNPACK lowering."""
+def converted_programs(loaded, max_seq: int, prompt, extra, host: _FunctionalKV):
+    """The artifact-cache entry holding the converted PT2E programs (prefill.pt2, decode.pt2,
+    torch.export's format): what executorch-int8 lowers and executorch-int8-reference runs, so
+    the second of the two replays of one REF does not quantize again."""
+    from .artifacts import artifact_folder
+
+    def build(folder: Path) -> None:
+        programs = _quantized(host, _calibration(host, prompt, extra))
+        for name in PROGRAMS:
+            torch.export.save(programs[name], Path(folder) / f"{name}.pt2")
+
+    return artifact_folder(
+        "executorch",
+        artifact_key(loaded, PT2E, max_seq, prompt, extra, host.prefill_chunk),
+        build,
+        what="quantizing the prefill and decode programs (PT2E, calibrated on the prompt)",
+    )
+
+
+def _load_converted(loaded, max_seq: int, prompt, extra, host: _FunctionalKV) -> dict:
+    """name -> the converted ExportedProgram, from the artifact cache (built there first if needed)."""
+    art = converted_programs(loaded, max_seq, prompt, extra, host)
+    try:
+        with _quiet():
+            return {n: torch.export.load(art.path / f"{n}.pt2") for n in PROGRAMS}
+    finally:
+        art.close()
+
+
+def _lower(program: torch.export.ExportedProgram) -> bytes:
+    """An ExportedProgram -> the .pte bytes of its XNNPACK lowering."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
     with torch.no_grad(), _quiet():
-        if not isinstance(program, torch.export.ExportedProgram):
-            program = torch.export.export(program, example, strict=False)
         return to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()]).to_executorch().buffer
 
 
-def write_programs(rt: _FunctionalKV, mode: str, out_dir, calibration: dict | None = None) -> list[Path]:
-    """Write prefill.pte and decode.pte for mode (executorch or executorch-int8) into out_dir; the
-    prefill program takes rt.prefill_chunk rows (None: the whole max_seq)."""
-    quantized = _quantized(rt, calibration) if mode == "executorch-int8" else None
+def write_programs(rt: _FunctionalKV, out_dir, quantized: dict | None = None) -> list[Path]:
+    """Write prefill.pte and decode.pte into out_dir: the float programs, or the converted
+    `quantized` ones (executorch-int8); the prefill program takes rt.prefill_chunk rows (None: the
+    whole max_seq)."""
     paths = []
     for name in PROGRAMS:
-        example = (*_examples(rt)[name], *_zero_caches(rt))
         try:
-            data = _lower(quantized[name] if quantized else _export(rt, name), example)
+            data = _lower(quantized[name] if quantized else _export(rt, name))
         except Exception as e:  # noqa: BLE001 - export and lowering fail in many ways; one line for the user
             raise TraceToolError(
                 f"lowering the {name} program to XNNPACK failed: {type(e).__name__}: "
@@ -221,7 +251,7 @@ def artifact_key(loaded, mode: str, max_seq: int, prompt=None, extra=None, prefi
         "prefill_chunk": None if prefill_chunk is None else int(prefill_chunk),
     }
     key.update(_versions())
-    if mode == "executorch-int8":
+    if mode in ("executorch-int8", PT2E):
         key["calibration"] = _prompt_digest(prompt, extra)
     return key
 
@@ -236,8 +266,8 @@ def cached_programs(loaded, mode: str, max_seq: int, prompt=None, extra=None, ho
     rows = f"{rt.prefill_chunk}-row chunk" if rt.prefill_chunk else f"max_seq {max_seq}"
 
     def build(folder: Path) -> None:
-        calibration = _calibration(rt, prompt, extra) if mode == "executorch-int8" else None
-        write_programs(rt, mode, folder, calibration)
+        quantized = _load_converted(loaded, max_seq, prompt, extra, rt) if mode == "executorch-int8" else None
+        write_programs(rt, folder, quantized)
 
     return artifact_folder(
         "executorch",
@@ -291,7 +321,8 @@ class ExecuTorchRuntime:
     def _load(self, prompt=None, extra=None) -> None:
         """self.steps: name -> callable(list of tensors, phase) -> list of tensors."""
         if self.mode == "executorch-int8-reference":  # PyTorch, in this process
-            mods = _quantized(self.host, _calibration(self.host, prompt, extra))
+            progs = _load_converted(self.loaded, self.max_seq, prompt, extra, self.host)
+            mods = {n: progs[n].module() for n in PROGRAMS}
             self.steps = {n: (lambda args, phase, m=mods[n]: list(m(*args))) for n in PROGRAMS}
             return
         engine = self.engine
