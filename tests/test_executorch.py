@@ -41,11 +41,15 @@ def runs(tmp_path_factory):
     res = invoke("record", "--model", model, "--input-ids", PROMPT, "--max-new-tokens", "3", "-o", ref)
     assert res.exit_code == 0, res.output
     out = {"model": model, "ref": ref}
-    for name in ("executorch", "executorch-int8", "executorch-int8-reference"):
-        out[name] = d / f"{name}.h5"
-        out[name + ":summary"] = replay_trace(
-            ref, out[name], model_dir=model, runtime=name, max_seq=MAX_SEQ, prefill_chunk=CHUNK
-        )
+    quantized, real = [], ET._quantized
+    with pytest.MonkeyPatch.context() as mp:  # which replays quantize (the reference reads int8's .pt2 entry)
+        mp.setattr(ET, "_quantized", lambda *a, **k: quantized.append(name) or real(*a, **k))
+        for name in ("executorch", "executorch-int8", "executorch-int8-reference"):
+            out[name] = d / f"{name}.h5"
+            out[name + ":summary"] = replay_trace(
+                ref, out[name], model_dir=model, runtime=name, max_seq=MAX_SEQ, prefill_chunk=CHUNK
+            )
+    out["quantized by"] = quantized
     return out
 
 
@@ -87,6 +91,10 @@ def test_int8_three_way_separates_kernel_error_from_quantization(runs):
     first = res.to_json()["first_divergence"]
     assert not res.match and first["layer"] is not None, first
     assert first["kind"] in ("q", "k", "v", "attn_out", "layer_out", "final_hidden"), first
+
+
+def test_the_reference_runs_the_programs_the_int8_replay_converted(runs):
+    assert runs["quantized by"] == ["executorch-int8"]  # once, not again for executorch-int8-reference
 
 
 def test_second_replay_reads_the_cache_and_does_not_lower(runs, tmp_path, monkeypatch):

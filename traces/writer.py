@@ -9,10 +9,9 @@ values are stored as their 16-bit patterns (schema.STORAGE_BF16).
 Row datasets are written one whole chunk at a time, each chunk encoded here (`encode_chunk`) and
 handed to HDF5 as it is stored (H5Dwrite_chunk): the same byte shuffle, deflate stream and
 Fletcher-32 checksum HDF5's own filters declare and undo on read, so any HDF5 reader reads the
-file, but deflated with zlib's Z_RLE strategy (Huffman codes and runs of one byte, no search for
-repeated strings: the shuffled byte planes of activations have runs, such as the zero low halves
-of bf16 values held in float32, but no repeated strings worth the search) and never compressed
-twice (a chunk filled in two writes is read back, inflated and deflated again by HDF5).
+file, but deflated plane by plane: noise planes (low mantissa bytes) stored, the rest by ISA-L's
+fastest deflate (python-isal), and never compressed twice (a chunk filled in two writes is read
+back, inflated and deflated again by HDF5). The stream is plain deflate: readers need only h5py.
 """
 
 from __future__ import annotations
@@ -68,58 +67,74 @@ def fletcher32(data: bytes) -> int:
 
 
 STORED_ENTROPY = 7.5  # bits per byte: a byte plane at least this random is stored, not Huffman-coded
-PLANES = None  # encode_chunk's default: a zlib setting per byte plane
+PLANES = None  # encode_chunk's default: a deflate setting per byte plane
+STORED, CODED = 0, 1  # _plane_setting's answers
 
 
-def _plane_setting(plane: np.ndarray) -> tuple[int, int]:
-    """zlib (level, strategy) for one shuffled byte plane, from the byte entropy of a sample. Noise
+def _plane_setting(plane: np.ndarray) -> int:
+    """STORED or CODED for one shuffled byte plane, from the byte entropy of a sample. Noise
     (activations' low mantissa bytes) is stored: Huffman codes would save at most 1/16 of it and cost
     as much time as the rest of the chunk. The rest (exponent bytes: skewed values; zero rows: runs)
-    gets Huffman codes and runs, no string search (Z_RLE)."""
+    is coded by ISA-L's fastest deflate (Huffman codes and short matches)."""
     sample = plane[:: max(1, plane.size // 4096)]
     p = np.bincount(sample, minlength=256)
     p = p[p > 0] / sample.size
     entropy = float(-(p * np.log2(p)).sum())
-    if entropy >= STORED_ENTROPY:
-        return 0, zlib.Z_DEFAULT_STRATEGY
-    return 1, zlib.Z_RLE
+    return STORED if entropy >= STORED_ENTROPY else CODED
 
 
-def _deflate_planes(raw: bytes, itemsize: int) -> bytes:
-    """One zlib stream over the shuffled chunk `raw`, each run of byte planes with the same setting
-    deflated by a compressor of its own. The pieces are byte-aligned (Z_SYNC_FLUSH; only the last
-    ends with a final block) and none refers back into another, so together they are one valid
-    deflate stream: any zlib inflates it, HDF5's gzip filter included, Adler-32 checked."""
-    n = len(raw) // itemsize
-    planes = np.frombuffer(raw, np.uint8).reshape(itemsize, n)
+def _compressor(setting: int):
+    """A raw deflate compressor (no header): zlib's stored blocks, or ISA-L's level 1, which codes the
+    exponent planes of a full-size E2B trace 3.5x as fast as zlib's Z_RLE for 15% more bytes."""
+    if setting == STORED:
+        return zlib.compressobj(0, zlib.DEFLATED, -15)
+    from isal import isal_zlib  # imported here: reading a trace needs only h5py and numpy
+
+    return isal_zlib.compressobj(1, isal_zlib.DEFLATED, -15)
+
+
+def _shuffle(a: np.ndarray) -> np.ndarray:
+    """HDF5's shuffle filter: (itemsize, n) bytes, plane i holding byte i of every value."""
+    values = a.view(np.uint8).reshape(-1, a.dtype.itemsize)
+    planes = np.empty((a.dtype.itemsize, values.shape[0]), np.uint8)
+    for i in range(a.dtype.itemsize):
+        planes[i] = values[:, i]
+    return planes
+
+
+def _deflate_planes(planes: np.ndarray) -> bytes:
+    """One zlib stream over the shuffled chunk `planes` (_shuffle), each run of byte planes with the
+    same setting deflated by a compressor of its own. The pieces are byte-aligned (Z_SYNC_FLUSH;
+    only the last ends with a final block) and none refers back into another, so together they are
+    one valid deflate stream: any zlib inflates it, HDF5's gzip filter included, Adler-32 checked."""
+    from isal import isal_zlib
+
+    itemsize = planes.shape[0]
     settings = [_plane_setting(planes[i]) for i in range(itemsize)]
-    view = memoryview(raw)
     out = [b"\x78\x01"]  # the zlib header: deflate, 32 KiB window, fastest level (0x7801 % 31 == 0)
     first = 0
     for last in range(itemsize):
         if last + 1 < itemsize and settings[last + 1] == settings[first]:
             continue
-        level, strategy = settings[first]
-        z = zlib.compressobj(level, zlib.DEFLATED, -15, 8, strategy)
-        out.append(z.compress(view[first * n : (last + 1) * n]))
+        z = _compressor(settings[first])
+        out.append(z.compress(planes[first : last + 1]))
         out.append(z.flush(zlib.Z_FINISH if last + 1 == itemsize else zlib.Z_SYNC_FLUSH))
         first = last + 1
-    out.append(zlib.adler32(raw).to_bytes(4, "big"))
+    out.append(isal_zlib.adler32(planes).to_bytes(4, "big"))  # zlib's value, 5x as fast
     return b"".join(out)
 
 
 def encode_chunk(chunk: np.ndarray, strategy: int | None = PLANES) -> bytes:
     """One chunk as COMPRESSION's filters store it: shuffle, a zlib stream, Fletcher-32
-    (little-endian) appended. By default each byte plane gets its own zlib setting
-    (_plane_setting); given one `strategy`, the chunk is one zlib stream at level 1, and with
+    (little-endian) appended. By default each byte plane gets its own deflate setting
+    (_plane_setting); given one zlib `strategy`, the chunk is one zlib stream at level 1, and with
     zlib's default strategy its bytes equal HDF5's own."""
-    a = np.ascontiguousarray(chunk)
-    raw = a.view(np.uint8).reshape(-1, a.dtype.itemsize).T.tobytes()
+    planes = _shuffle(np.ascontiguousarray(chunk))
     if strategy is PLANES:
-        body = _deflate_planes(raw, a.dtype.itemsize)
+        body = _deflate_planes(planes)
     else:
         z = zlib.compressobj(1, zlib.DEFLATED, 15, 8, strategy)
-        body = z.compress(raw) + z.flush()
+        body = z.compress(planes) + z.flush()
     return body + fletcher32(body).to_bytes(4, "little")
 
 
