@@ -30,7 +30,7 @@ SETTINGS = {
     "gzip1": dict(compression="gzip", compression_opts=1, shuffle=False),
     "gzip4+shuffle": dict(compression="gzip", compression_opts=4, shuffle=True),
     "none": dict(),
-    # gzip1+shuffle as declared, each whole chunk encoded by the writer (zlib Z_RLE)
+    # gzip1+shuffle as declared, each whole chunk encoded by the writer (per byte plane: stored or ISA-L deflate)
     # (traces/writer.py encode_chunk, DIRECT_CHUNKS); bool masks keep HDF5's own gzip
     "writer chunks": "direct",
 }

@@ -9,7 +9,9 @@ its timed part and its own peak RSS (VmHWM). Traces go to --work (kept). Before 
 checkpoint's files are read once (into the page cache), so that the first command does not
 pay the disk reads the others skip; and the machine's matmul speed (GFLOP/s of one E2B-sized
 linear, the MLP's up projection over the prompt, in bf16 and float32) is measured and printed
-beside every ratio, so that figures from two machines can be compared. Steps:
+beside every ratio, so that figures from two machines can be compared. `--rounds N` runs
+generate, record and record-last N times, alternating, and prints each ratio's median (the
+machine's speed drifts between processes by as much as the changes measured). Steps:
 
   generate   plain HF generate() (bf16), the same greedy settings as the recorder
   record     trace record (bf16)                      -> BASE.h5   (HF bf16)
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -179,6 +182,45 @@ def available_gib() -> float:
     return 0.0
 
 
+def one_round(a, rows: dict, ratios: dict, show, speed: str, base: str, first: bool) -> None:
+    """generate(), record and record-last once each, in that order; their ratios appended to `ratios`."""
+    T, n, skip, work = a.prompt_len, a.new_tokens, set(a.skip.split(",")), Path(a.work)
+    if "generate" not in skip:
+        show("generate", run_child("generate", a.bf16, "bfloat16", T, n))
+
+    def ratio(r: dict) -> float:
+        return r["seconds"] / rows["generate"]["seconds"]
+
+    if "record" not in skip:
+        r = run_child("record", a.bf16, "bfloat16", T, n, base)
+        show("record", r, f"trace {os.path.getsize(base) / 2**20:.1f} MiB")
+        if "generate" in rows:
+            ratios["record"].append(ratio(r))
+            print(
+                f"record / generate = {ratio(r):.2f}x (timed parts; {speed}); "
+                f"tokens equal: {r['tokens'] == rows['generate']['tokens']}",
+                flush=True,
+            )
+    if "record-last" not in skip:
+        last = str(work / "LAST.h5")
+        r = run_child("record", a.bf16, "bfloat16", T, n, last, "last")
+        show("record-last", r, f"trace {os.path.getsize(last) / 2**20:.1f} MiB")
+        if "generate" in rows:
+            ratios["record-last"].append(ratio(r))
+            print(
+                f"record --shared-kv-prefill last / generate = {ratio(r):.2f}x "
+                f"(timed parts; {speed}); tokens equal: {r['tokens'] == rows['generate']['tokens']}",
+                flush=True,
+            )
+        if first and Path(base).exists():
+            d = run_child("cli", "diff", base, last)
+            print(
+                f"  trace diff BASE LAST: exit {d['exit']}: "
+                f"{d['out'].strip().splitlines()[0] if d['out'].strip() else ''}",
+                flush=True,
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bf16", required=False)
@@ -189,6 +231,12 @@ def main() -> None:
         "--ref-prompt-len", type=int, default=None, help="a shorter prompt for the float32 REF (default: the same)"
     )
     ap.add_argument("--work", default="/tmp/e2b/run")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="generate, record and record-last this many times, alternating (the machine's speed drifts)",
+    )
     ap.add_argument(
         "--skip", default="", help="comma-separated steps to skip (generate,record,record-last,replay,diff,ref)"
     )
@@ -243,34 +291,19 @@ def main() -> None:
     mm = run_child("matmul", T)["gflops"]
     speed = f"matmul {mm['bfloat16']:.0f} GFLOP/s bf16, {mm['float32']:.0f} GFLOP/s float32"
     print(f"{speed} (one ({T}, 1536) x (1536 -> 6144) linear, best of 5)", flush=True)
-    if "generate" not in skip:
-        show("generate", run_child("generate", a.bf16, "bfloat16", T, n))
-    if "record" not in skip:
-        r = run_child("record", a.bf16, "bfloat16", T, n, base)
-        show("record", r, f"trace {os.path.getsize(base) / 2**20:.1f} MiB")
-        if "generate" in rows:
-            print(
-                f"record / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x (timed parts; {speed}); "
-                f"tokens equal: {r['tokens'] == rows['generate']['tokens']}",
-                flush=True,
-            )
-    if "record-last" not in skip:
-        last = str(work / "LAST.h5")
-        r = run_child("record", a.bf16, "bfloat16", T, n, last, "last")
-        show("record-last", r, f"trace {os.path.getsize(last) / 2**20:.1f} MiB")
-        if "generate" in rows:
-            print(
-                f"record --shared-kv-prefill last / generate = {r['seconds'] / rows['generate']['seconds']:.2f}x "
-                f"(timed parts; {speed}); tokens equal: {r['tokens'] == rows['generate']['tokens']}",
-                flush=True,
-            )
-        if Path(base).exists():
-            d = run_child("cli", "diff", base, last)
-            print(
-                f"  trace diff BASE LAST: exit {d['exit']}: "
-                f"{d['out'].strip().splitlines()[0] if d['out'].strip() else ''}",
-                flush=True,
-            )
+    ratios: dict = {"record": [], "record-last": []}
+    for k in range(a.rounds):
+        if a.rounds > 1:
+            print(f"round {k + 1} of {a.rounds}", flush=True)
+        one_round(a, rows, ratios, show, speed, base, k == 0)
+    if a.rounds > 1:
+        for name, rs in ratios.items():
+            if rs:
+                print(
+                    f"{name} / generate over {len(rs)} rounds: median {statistics.median(rs):.2f}x "
+                    f"(each round: {', '.join(f'{r:.2f}' for r in rs)})",
+                    flush=True,
+                )
     if "replay" not in skip:
         r = run_child("cli", "replay", base, "--model", a.bf16, "-o", run, "--force")
         show(
