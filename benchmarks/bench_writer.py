@@ -6,8 +6,8 @@ On the E2B-shaped model (benchmarks/e2b_shaped.py) in bfloat16, loaded once: pla
 then `trace record` with the trace writer as it was (writes on the model's thread, bf16 values
 stored as float32), with the writer thread, with the writer thread and bf16 values in 16
 bits (traces/writer.py THREADED, BF16_BITS), and with bf16 rows handed over as 16-bit patterns
-(recorder/record.py HAND_OVER_BITS), and with whole chunks encoded by the writer (per byte plane: stored or ISA-L deflate)
-(traces/writer.py DIRECT_CHUNKS). Each timing is the median of --repeats runs, the
+(recorder/record.py HAND_OVER_BITS), and with whole chunks encoded by the writer (per byte
+plane: stored or ISA-L deflate; traces/writer.py DIRECT_CHUNKS). Each timing is the median of --repeats runs, the
 variants alternating; the trace size is printed beside each.
 """
 
