@@ -181,7 +181,13 @@ def converted_programs(loaded, max_seq: int, prompt, extra, host: _FunctionalKV)
     from .artifacts import artifact_folder
 
     def build(folder: Path) -> None:
-        programs = _quantized(host, _calibration(host, prompt, extra))
+        try:
+            programs = _quantized(host, _calibration(host, prompt, extra))
+        except Exception as e:  # noqa: BLE001 - quantization and export fail in many ways; one line for the user
+            raise TraceToolError(
+                f"quantizing the programs (PT2E) failed: {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else ''}"
+            ) from None
         for name in PROGRAMS:
             torch.export.save(programs[name], Path(folder) / f"{name}.pt2")
 

@@ -151,3 +151,17 @@ def test_export_pte_refuses_a_bad_prefill_chunk_in_one_line(tmp_path, value, wor
     r = invoke("export-pte", "--max-seq", "16", "--prefill-chunk", value, "-o", tmp_path / "p")
     one_line_error(r, "--prefill-chunk", words)
     assert not (tmp_path / "p").exists()
+
+
+def test_a_failed_quantization_is_one_line_and_leaves_no_output(tmp_path, monkeypatch):
+    def fail(*a, **k):
+        raise RuntimeError("the exporter's own message\nand its second line")
+
+    monkeypatch.setattr(ET, "_quantized", fail)
+    out = tmp_path / "o.h5"
+    r = invoke("replay", golden_path("short"), "--runtime", "executorch-int8-reference", "-o", out)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    said = r.stderr.splitlines()  # the progress line, then the error
+    assert said[0].startswith("quantizing the prefill and decode programs (PT2E"), said
+    assert said[1:] == ["error: quantizing the programs (PT2E) failed: RuntimeError: the exporter's own message"]
+    assert not any(tmp_path.iterdir())  # no output, partial or whole
