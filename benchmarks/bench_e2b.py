@@ -188,30 +188,24 @@ def one_round(a, rows: dict, ratios: dict, show, speed: str, base: str, first: b
     if "generate" not in skip:
         show("generate", run_child("generate", a.bf16, "bfloat16", T, n))
 
-    def ratio(r: dict) -> float:
-        return r["seconds"] / rows["generate"]["seconds"]
+    def ratio(r: dict, name: str, label: str) -> None:
+        if "generate" in rows:
+            ratios[name].append(r["seconds"] / rows["generate"]["seconds"])
+            print(
+                f"{label} / generate = {ratios[name][-1]:.2f}x (timed parts; {speed}); "
+                f"tokens equal: {r['tokens'] == rows['generate']['tokens']}",
+                flush=True,
+            )
 
     if "record" not in skip:
         r = run_child("record", a.bf16, "bfloat16", T, n, base)
         show("record", r, f"trace {os.path.getsize(base) / 2**20:.1f} MiB")
-        if "generate" in rows:
-            ratios["record"].append(ratio(r))
-            print(
-                f"record / generate = {ratio(r):.2f}x (timed parts; {speed}); "
-                f"tokens equal: {r['tokens'] == rows['generate']['tokens']}",
-                flush=True,
-            )
+        ratio(r, "record", "record")
     if "record-last" not in skip:
         last = str(work / "LAST.h5")
         r = run_child("record", a.bf16, "bfloat16", T, n, last, "last")
         show("record-last", r, f"trace {os.path.getsize(last) / 2**20:.1f} MiB")
-        if "generate" in rows:
-            ratios["record-last"].append(ratio(r))
-            print(
-                f"record --shared-kv-prefill last / generate = {ratio(r):.2f}x "
-                f"(timed parts; {speed}); tokens equal: {r['tokens'] == rows['generate']['tokens']}",
-                flush=True,
-            )
+        ratio(r, "record-last", "record --shared-kv-prefill last")
         if first and Path(base).exists():
             d = run_child("cli", "diff", base, last)
             print(

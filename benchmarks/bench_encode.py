@@ -45,17 +45,15 @@ def chunks_of(path: str) -> list[np.ndarray]:
     return out
 
 
+def _zlib_compressor(setting: int):
+    if setting == writer.STORED:
+        return zlib.compressobj(0, zlib.DEFLATED, -15)
+    return zlib.compressobj(1, zlib.DEFLATED, -15, 8, zlib.Z_RLE)
+
+
 def zlib_rle(chunk: np.ndarray) -> bytes:
     """The writer before ISA-L: noise planes stored, the rest zlib Z_RLE, one stream."""
-    planes = writer._shuffle(chunk)
-    out = [b"\x78\x01"]
-    for i in range(planes.shape[0]):
-        stored = writer._plane_setting(planes[i]) == writer.STORED
-        strategy = zlib.Z_DEFAULT_STRATEGY if stored else zlib.Z_RLE
-        z = zlib.compressobj(0 if stored else 1, zlib.DEFLATED, -15, 8, strategy)
-        out += [z.compress(planes[i]), z.flush(zlib.Z_FINISH if i + 1 == planes.shape[0] else zlib.Z_SYNC_FLUSH)]
-    out.append(zlib.adler32(planes).to_bytes(4, "big"))
-    body = b"".join(out)
+    body = writer._deflate_planes(writer._shuffle(chunk), _zlib_compressor)
     return body + writer.fletcher32(body).to_bytes(4, "little")
 
 

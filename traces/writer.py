@@ -102,11 +102,12 @@ def _shuffle(a: np.ndarray) -> np.ndarray:
     return planes
 
 
-def _deflate_planes(planes: np.ndarray) -> bytes:
+def _deflate_planes(planes: np.ndarray, compressor=_compressor) -> bytes:
     """One zlib stream over the shuffled chunk `planes` (_shuffle), each run of byte planes with the
-    same setting deflated by a compressor of its own. The pieces are byte-aligned (Z_SYNC_FLUSH;
-    only the last ends with a final block) and none refers back into another, so together they are
-    one valid deflate stream: any zlib inflates it, HDF5's gzip filter included, Adler-32 checked."""
+    same setting deflated by a raw deflate compressor of its own (`compressor(setting)`). The pieces
+    are byte-aligned (Z_SYNC_FLUSH; only the last ends with a final block) and none refers back into
+    another, so together they are one valid deflate stream: any zlib inflates it, HDF5's gzip filter
+    included, Adler-32 checked."""
     from isal import isal_zlib
 
     itemsize = planes.shape[0]
@@ -116,7 +117,7 @@ def _deflate_planes(planes: np.ndarray) -> bytes:
     for last in range(itemsize):
         if last + 1 < itemsize and settings[last + 1] == settings[first]:
             continue
-        z = _compressor(settings[first])
+        z = compressor(settings[first])
         out.append(z.compress(planes[first : last + 1]))
         out.append(z.flush(zlib.Z_FINISH if last + 1 == itemsize else zlib.Z_SYNC_FLUSH))
         first = last + 1
