@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 OUT ?= out
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-fast bench clean
 
 # the demo needs torch and the project alone
 $(BIN)/.installed: pyproject.toml
@@ -12,11 +12,10 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $@
 
-# the tests add every extra: test tools, torchao, TICO, ONNX Runtime, accelerate, llama.cpp, ExecuTorch,
-# mobius-onnx, Ray
+# the tests add every extra of pyproject.toml (scripts/extras.py lists them)
 # (llama-cpp-python builds from its sdist: about 4 minutes on 2 idle cores the first time; pip caches the wheel)
 $(BIN)/.installed-extras: $(BIN)/.installed
-	$(BIN)/pip install -q -e ".[test,quant,tico,onnx,big,llamacpp,executorch,mobius,cluster]"
+	$(BIN)/pip install -q -e ".[$$($(BIN)/python scripts/extras.py)]"
 	touch $@
 
 # record HF on the embedded tiny model, replay the static runtime, diff the two
@@ -31,6 +30,10 @@ test: $(BIN)/.installed-extras
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -n auto
+
+# the inner loop: every test but those marked slow (the adapters that export or lower, docs, sweeps, fuzzing)
+test-fast: $(BIN)/.installed-extras
+	$(BIN)/python -m pytest -q -n auto -m "not slow"
 
 clean:
 	rm -rf $(OUT)

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import h5py  # noqa: E402
 import numpy as np  # noqa: E402
 
+from gemma4_trace.traces import chunks as C  # noqa: E402
 from gemma4_trace.traces import writer as W  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
 
@@ -31,7 +32,7 @@ SETTINGS = {
     "gzip4+shuffle": dict(compression="gzip", compression_opts=4, shuffle=True),
     "none": dict(),
     # gzip1+shuffle as declared, each whole chunk encoded by the writer (per byte plane: stored or ISA-L deflate)
-    # (traces/writer.py encode_chunk, DIRECT_CHUNKS); bool masks keep HDF5's own gzip
+    # (traces/chunks.py encode_chunk); bool masks keep HDF5's own gzip
     "writer chunks": "direct",
 }
 
@@ -57,7 +58,7 @@ def write_all(tensors, storage: str, setting: dict, path: Path) -> tuple[dict, d
                 for a in range(0, data.shape[0], chunks[0]):
                     part = data[a : a + chunks[0]]
                     part = np.pad(part, [(0, chunks[0] - part.shape[0])] + [(0, 0)] * (data.ndim - 1))
-                    ds.id.write_direct_chunk((a,) + (0,) * (data.ndim - 1), W.encode_chunk(part))
+                    ds.id.write_direct_chunk((a,) + (0,) * (data.ndim - 1), C.encode_chunk(part))
             else:
                 opts = W.COMPRESSION if setting == "direct" else dict(fletcher32=True, **setting)
                 ds = f.create_dataset(name, data=data, chunks=chunks, **opts)

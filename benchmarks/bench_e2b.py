@@ -246,14 +246,15 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-        if os.environ.get("BENCH_WRITER_BEFORE"):  # the trace writer as it was before issue 20's changes
-            from gemma4_trace.recorder import record
-            from gemma4_trace.traces import writer
+        import contextlib
 
-            writer.THREADED = writer.BF16_BITS = record.HAND_OVER_BITS = writer.DIRECT_CHUNKS = False
+        from benchmarks.writer_variants import before
+
         fn = {"generate": child_generate, "record": child_record, "cli": child_cli, "matmul": child_matmul}[a.child]
         args = json.loads(a.child_args)
-        res = fn(args) if a.child == "cli" else fn(*args)
+        old = os.environ.get("BENCH_WRITER_BEFORE")  # the trace writer as it was before issue 20's changes
+        with before(False, False, False, False) if old else contextlib.nullcontext():
+            res = fn(args) if a.child == "cli" else fn(*args)
         res["peak_mib"] = peak_mib()
         print("RESULT " + json.dumps(res), flush=True)
         return

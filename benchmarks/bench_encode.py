@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gemma4_trace.traces import writer  # noqa: E402
+from gemma4_trace.traces import chunks  # noqa: E402
 
 
 def chunks_of(path: str) -> list[np.ndarray]:
@@ -46,15 +46,15 @@ def chunks_of(path: str) -> list[np.ndarray]:
 
 
 def _zlib_compressor(setting: int):
-    if setting == writer.STORED:
+    if setting == chunks.STORED:
         return zlib.compressobj(0, zlib.DEFLATED, -15)
     return zlib.compressobj(1, zlib.DEFLATED, -15, 8, zlib.Z_RLE)
 
 
 def zlib_rle(chunk: np.ndarray) -> bytes:
     """The writer before ISA-L: noise planes stored, the rest zlib Z_RLE, one stream."""
-    body = writer._deflate_planes(writer._shuffle(chunk), _zlib_compressor)
-    return body + writer.fletcher32(body).to_bytes(4, "little")
+    body = chunks._deflate_planes(chunks._shuffle(chunk), _zlib_compressor)
+    return body + chunks.fletcher32(body).to_bytes(4, "little")
 
 
 def main() -> None:
@@ -67,8 +67,8 @@ def main() -> None:
     print(f"{a.trace}: {len(chunks)} stored chunks, {raw:.1f} MiB of values")
     ways = {
         "zlib Z_RLE per plane (before)": zlib_rle,
-        "encode_chunk (ISA-L level 1 per plane)": writer.encode_chunk,
-        "one zlib level-1 stream (HDF5's gzip 1)": lambda c: writer.encode_chunk(c, zlib.Z_DEFAULT_STRATEGY),
+        "encode_chunk (ISA-L level 1 per plane)": chunks.encode_chunk,
+        "one zlib level-1 stream (HDF5's gzip 1)": lambda c: chunks.encode_chunk(c, zlib.Z_DEFAULT_STRATEGY),
     }
     for name, fn in ways.items():
         best = float("inf")
@@ -77,7 +77,7 @@ def main() -> None:
             out = [fn(c) for c in chunks]
             best = min(best, time.perf_counter() - t0)
         for c, o in zip(chunks[:50], out[:50]):  # every way is a zlib stream of the shuffled bytes
-            assert zlib.decompress(o[:-4]) == writer._shuffle(c).tobytes()
+            assert zlib.decompress(o[:-4]) == chunks._shuffle(c).tobytes()
         print(f"{name:42s} {best:6.3f} s  {sum(len(o) for o in out) / 2**20:7.1f} MiB", flush=True)
 
 

@@ -8,7 +8,7 @@ Every measured command runs in a fresh process of its own (one at a time), with 
 in --work (empty at the start, so the first export really converts):
 
   record      trace record --input-ids (a seeded random prompt) --max-new-tokens  -> REF.h5 (not in the table)
-  convert     trace export-gguf --type F32     the project's writer (its own "converted in" time, and the wall time)
+  convert     trace export-gguf --type F32     the project's writer (its own "built in" time, and the wall time)
   quantize    trace export-gguf --type Q4_K_M  llama.cpp's llama_model_quantize on the cached F32 file
   replay      trace replay REF --runtime llama.cpp:Q4_K_M (teacher-forced): wall time, peak RSS of
               the trace process and of its llama.cpp child (getrusage of each: SELF and CHILDREN)
@@ -95,7 +95,7 @@ def child_speed(gguf_path: str, ids: list[int], n_new: int) -> dict:
 
     import llama_cpp as L
 
-    from gemma4_trace.replayer import _llamacpp_child as C
+    from gemma4_trace.replayer.runtimes.llamacpp import engine as C
 
     quiet = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda *a: None)
     L.llama_log_set(quiet, None)
@@ -105,11 +105,14 @@ def child_speed(gguf_path: str, ids: list[int], n_new: int) -> dict:
     model = L.llama_model_load_from_file(gguf_path.encode(), mp)
     vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     sink = open(os.devnull, "wb")  # noqa: SIM115 - lives as long as the process
+    from gemma4_trace.replayer.child import send_msg
+
+    send = lambda kind, layer, arr: send_msg(sink, ("tensor", kind, layer, arr))  # noqa: E731  (as the child sends)
     threads = max(1, min(4, os.cpu_count() or 1))
     n_ctx = len(ids) + n_new
     result = {"threads": threads}
     # a first pass pages the file in (the weights are memory-mapped): not timed
-    for label, capture in (("warm-up", None), ("plain", None), ("capture", C.Capture(C._ggml_lib(L), sink))):
+    for label, capture in (("warm-up", None), ("plain", None), ("capture", C.Capture(C._ggml_lib(L), send))):
         cp = L.llama_context_default_params()
         cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx
         cp.n_seq_max = 1
@@ -195,7 +198,7 @@ def main() -> None:
     rows = [
         (
             "F32 GGUF: convert (writer)",
-            f"{_seconds(conv['out'], 'converted'):.1f} s",
+            f"{_seconds(conv['out'], 'built'):.1f} s",
             f"wall {conv['wall']:.1f} s with model load, peak RSS {conv['rss']:.0f} MiB",
         ),
         ("F32 GGUF: size", f"{f32.stat().st_size / mib:.0f} MiB", ""),

@@ -5,9 +5,9 @@
 On the E2B-shaped model (benchmarks/e2b_shaped.py) in bfloat16, loaded once: plain generate(),
 then `trace record` with the trace writer as it was (writes on the model's thread, bf16 values
 stored as float32), with the writer thread, with the writer thread and bf16 values in 16
-bits (traces/writer.py THREADED, BF16_BITS), and with bf16 rows handed over as 16-bit patterns
-(recorder/record.py HAND_OVER_BITS), and with whole chunks encoded by the writer (per byte
-plane: stored or ISA-L deflate; traces/writer.py DIRECT_CHUNKS). Each timing is the median of --repeats runs, the
+bits, and with bf16 rows handed over as 16-bit patterns, and with whole chunks encoded by the
+writer (per byte plane: stored or ISA-L deflate); the earlier paths are benchmarks/writer_variants.py's
+(production code keeps only the current one). Each timing is the median of --repeats runs, the
 variants alternating; the trace size is printed beside each.
 """
 
@@ -27,12 +27,11 @@ import torch  # noqa: E402
 
 from benchmarks import e2b_shaped  # noqa: E402
 from benchmarks.bench_record import plain_generate  # noqa: E402
+from benchmarks.writer_variants import before  # noqa: E402
 from gemma4_trace.hf.model import load_model  # noqa: E402
-from gemma4_trace.recorder import record  # noqa: E402
 from gemma4_trace.recorder.record import PromptInputs, record_loaded  # noqa: E402
-from gemma4_trace.traces import writer  # noqa: E402
 
-VARIANTS = {  # name: (writer.THREADED, writer.BF16_BITS, record.HAND_OVER_BITS, writer.DIRECT_CHUNKS)
+VARIANTS = {  # name: writer_variants.before's (threaded, bits, hand_over, direct)
     "record (before: writes on the model thread, float32)": (False, False, False, False),
     "record + writer thread": (True, False, False, False),
     "record + writer thread + bf16 in 16 bits": (True, True, False, False),
@@ -62,19 +61,18 @@ def main():
             plain_generate(lm, ids, args.steps)
             times["generate()"].append(time.perf_counter() - t0)
             for name, (threaded, bits, hand_over, direct) in VARIANTS.items():
-                writer.THREADED, writer.BF16_BITS, record.HAND_OVER_BITS = threaded, bits, hand_over
-                writer.DIRECT_CHUNKS = direct
                 out = tmp / "t.h5"
-                t0 = time.perf_counter()
-                record_loaded(
-                    lm,
-                    PromptInputs(ids),
-                    out,
-                    max_new_tokens=args.steps,
-                    force=True,
-                    shared_kv_prefill=args.shared_kv_prefill,
-                )
-                times.setdefault(name, []).append(time.perf_counter() - t0)
+                with before(threaded, bits, hand_over, direct):
+                    t0 = time.perf_counter()
+                    record_loaded(
+                        lm,
+                        PromptInputs(ids),
+                        out,
+                        max_new_tokens=args.steps,
+                        force=True,
+                        shared_kv_prefill=args.shared_kv_prefill,
+                    )
+                    times.setdefault(name, []).append(time.perf_counter() - t0)
                 sizes[name] = out.stat().st_size
         g = statistics.median(times["generate()"])
         print(

@@ -20,7 +20,7 @@ import numpy as np
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
 
-from .metrics import ranges_text
+from .metrics import ranges_text, rel_l2_of_sums
 from .result import DiffResult, Divergence, Hint
 
 MAX_ROWS = 64  # rows past the first divergence a signature reads (masks, RoPE, logits, PLE)
@@ -131,10 +131,8 @@ class _Site:
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """rel-L2 of each row of b against the same row of a (inf where a is zero and b is not)."""
-    num = np.sqrt(np.sum((b - a) ** 2, axis=-1))
-    den = np.sqrt(np.sum(a**2, axis=-1))
-    return np.where(num == 0, 0.0, num / np.where(den == 0, 0.0, den))
+    """rel-L2 of each vector (the last axis) of b against the same vector of a (diff/metrics.py's rule)."""
+    return rel_l2_of_sums(np.sum((b - a) ** 2, axis=-1), np.sum(a**2, axis=-1), 0.0)
 
 
 def _keys(row: np.ndarray) -> set[int]:

@@ -13,20 +13,9 @@ from .fmt import fmt, sci
 from .metrics import METRIC, PRIMARY, THRESHOLD_METRICS
 from .report import format_text, growth_summary, logits_text, token_summary
 from .result import DiffResult, Divergence, Growth, IsolationRanking, LogitMetrics, TensorSummary, TokenInfo
+from .svg import CSS, LogPlot, svg
 
 MAX_COLS = 400  # heatmap steps are binned (max) beyond this
-CSS = """
-body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:24px;color:#1d2330;max-width:1200px}
-h1{font-size:20px;margin:0 0 12px}h2{font-size:16px;margin:24px 0 8px;border-bottom:1px solid #dde}
-.verdict{padding:10px 14px;border-radius:6px;font-family:ui-monospace,monospace;font-size:13px;white-space:pre-wrap}
-.bad{background:#fdecea;border:1px solid #f5a39b}.good{background:#e8f6ec;border:1px solid #8fd19e}
-table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #dde;padding:2px 6px;text-align:right}
-th{background:#f3f4f8}td.l{text-align:left}tr.x td{background:#fdecea}tr.nc td,td.nc{color:#777;background:#f1f1f1}
-pre{background:#f6f7f9;padding:10px;font-size:12px;overflow-x:auto}
-.legend{font-size:12px;color:#555}svg text{font-family:system-ui,sans-serif}
-"""
-
-
 # the heatmap's colours: cool below the limit (1 = the tolerance, or BASE's envelope), warm above,
 # each side log-linear over its decades of the scale
 COOL = ("#2b4c9b", "#4f86c6", "#8fc1de", "#d7ecf0")  # far under .. just under the limit
@@ -104,62 +93,6 @@ class _Scale:
         return out
 
 
-def _svg(width, height, body: list[str] | str = "", role: bool = True) -> str:
-    """An inline SVG element (every plot of the report is one)."""
-    return (
-        f'<svg width="{width}" height="{height}"'
-        + (' role="img">' if role else ">")
-        + (body if isinstance(body, str) else "".join(body))
-        + "</svg>"
-    )
-
-
-class _LogPlot:
-    """The frame of a plot with a log-scale y axis over points 0..n-1 (error vs layer, KL vs
-    step): decades spanning the values, coordinates, grid lines, polylines."""
-
-    def __init__(
-        self, values: list[float], n: int, width: int, height: int, left: int, top: int, bottom: int, right: int
-    ):
-        lo, hi = math.floor(math.log10(min(values))), math.ceil(math.log10(max(values)))
-        self.lo, self.hi = lo, max(hi, lo + 1)
-        self.n, self.width, self.height = n, width, height
-        self.left, self.top, self.bottom, self.right = left, top, bottom, right
-
-    def x(self, i: float) -> float:
-        return self.left + (self.width - self.left - self.right) * (i / max(1, self.n - 1))
-
-    def y(self, v: float) -> float:  # values below the lowest decade sit on it
-        span = self.height - self.top - self.bottom
-        return self.top + span * (self.hi - math.log10(max(v, 10.0**self.lo))) / (self.hi - self.lo)
-
-    def hline(self, v: float, stroke: str, extra: str = "") -> str:
-        y = f"{self.y(v):.1f}"
-        return f'<line x1="{self.left}" x2="{self.width - self.right}" y1="{y}" y2="{y}" stroke="{stroke}"{extra}'
-
-    def grid(self, stroke: str, label_first: bool = False) -> list[str]:
-        """A line and a label "1eN" at each decade."""
-        out = []
-        every = max(1, math.ceil((self.hi - self.lo) / 10))  # at most ~10 labels: they must not overlap
-        for e in range(self.lo, self.hi + 1):
-            line = self.hline(10.0**e, stroke) + "/>"
-            label = (
-                f'<text x="{self.left - 6}" y="{self.y(10.0**e) + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>'
-                if (e - self.lo) % every == 0
-                else ""
-            )
-            out.append(label + line if label_first else line + label)
-        return out
-
-    @staticmethod
-    def polyline(points: list[tuple[float, float]], color: str, width: str) -> str:
-        return (
-            f'<polyline fill="none" stroke="{color}" stroke-width="{width}" points="'
-            + " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
-            + '"/>'
-        )
-
-
 def _heatmap_rows(growth: Growth) -> list[tuple[str, str, tuple, list, list]]:
     """(label, what it holds, key into growth.base, rel-L2 per step, tolerance per step) per row:
     the tensors before the layers, each layer's output, the tensors after the layers."""
@@ -207,26 +140,7 @@ def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None
         return "<p>no layer outputs compared</p>"
     rows = _heatmap_rows(growth)
     n_steps = len(growth.steps)
-    base = growth.base or {}
-
-    def ratio(key, v, t, s):
-        if v is None or not t:
-            return None
-        limit = t if factor is None else max(t, factor * ((base.get(key) or [0.0] * n_steps)[s] or 0.0))
-        return v / limit if limit > 0 else math.inf
-
-    bin_ = max(1, math.ceil(n_steps / MAX_COLS))
-    cols = math.ceil(n_steps / bin_)
-    cells = []  # (row, col, worst ratio, value, steps text)
-    for ri, (_, _, key, vals, tols) in enumerate(rows):
-        for c in range(cols):
-            s0, s1 = c * bin_, min(n_steps, (c + 1) * bin_)
-            rs = [r for r in (ratio(key, vals[s], tols[s], s) for s in range(s0, s1)) if r is not None]
-            vs = [vals[s] for s in range(s0, s1) if vals[s] is not None]
-            worst = None if not rs else (math.inf if any(not math.isfinite(r) for r in rs) else max(rs))
-            cells.append(
-                (ri, c, worst, max(vs) if vs else None, f"step {s0}" if s1 - s0 == 1 else f"steps {s0}-{s1 - 1}")
-            )
+    cells, bin_, cols = _heatmap_cells(rows, growth, factor)
     scale = _Scale([cell[2] for cell in cells])
     cw = max(3, min(28, 1000 // cols))
     ch = max(8, min(22, 600 // len(rows)))
@@ -257,25 +171,9 @@ def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None
         if worst is None:  # hatched: a diagonal across the neutral grey
             out.append(_hatch(left + c * cw, ys[ri], cw, ch))
     if div is not None and div.step < n_steps:
-        ri, c = _div_row(div, len(growth.layers)), div.step // bin_
-        x, y = left + c * cw, ys[ri]
-        own = _own_ratio(div, factor)
-        if own is not None and rows[ri][2][0] != div.kind:  # a row coloured by another tensor: the divergent row's
-            out.append(
-                f'<rect x="{x}" y="{y}" width="{cw}" height="{ch}" fill="{scale.color(own)}"><title>'
-                f"{html.escape(div.kind)}, step {div.step} (the first divergence's row): "
-                f"x{sci(own)} of the {limit}</title></rect>"
-            )
-        where = div.kind + (f" of layer {div.layer}" if div.layer is not None else "")
-        out.append(
-            f'<g class="first-div" data-row="{html.escape(rows[ri][0])}" data-step="{div.step}">'
-            f'<rect x="{x - 1}" y="{y - 1}" width="{cw + 2}" height="{ch + 2}" fill="none" stroke="#000" '
-            f'stroke-width="3"/><rect x="{x + 1}" y="{y + 1}" width="{cw - 2}" height="{ch - 2}" fill="none" '
-            f'stroke="#fff" stroke-width="1"/>'
-            f'<text x="{left + cols * cw + 8}" y="{y + ch * 0.75:.1f}" font-size="11" font-weight="bold">'
-            f"&#9664; first divergence: {html.escape(where)}, step {div.step}</text>"
-            f"<title>first divergence: {html.escape(where)}, step {div.step}</title></g>"
-        )
+        ri = _div_row(div, len(growth.layers))
+        x, text_x = left + (div.step // bin_) * cw, left + cols * cw + 8
+        out += _first_divergence_mark(div, rows[ri], (x, ys[ri], cw, ch), text_x, factor, scale)
     for c in range(0, cols, max(1, cols // 10)):
         out.append(
             f'<text x="{left + c * cw + cw / 2:.1f}" y="{top - 6}" font-size="10" text-anchor="middle">'
@@ -289,7 +187,60 @@ def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None
         f"log scale</text>"
     )
     out += scale.legend(left, y0 + 10, min(420, max(240, cols * cw)), limit)
-    return _svg(w, h, out)
+    return svg(w, h, out)
+
+
+def _heatmap_cells(rows, growth: Growth, factor: float | None) -> tuple[list, int, int]:
+    """The heatmap's cells [(row, column, worst ratio to the limit, worst rel-L2, steps text)], the
+    steps binned into one column (beyond MAX_COLS steps) and the number of columns."""
+    n_steps = len(growth.steps)
+    base = growth.base or {}
+
+    def ratio(key, v, t, s):
+        if v is None or not t:
+            return None
+        limit = t if factor is None else max(t, factor * ((base.get(key) or [0.0] * n_steps)[s] or 0.0))
+        return v / limit if limit > 0 else math.inf
+
+    bin_ = max(1, math.ceil(n_steps / MAX_COLS))
+    cols = math.ceil(n_steps / bin_)
+    cells = []
+    for ri, (_, _, key, vals, tols) in enumerate(rows):
+        for c in range(cols):
+            s0, s1 = c * bin_, min(n_steps, (c + 1) * bin_)
+            rs = [r for r in (ratio(key, vals[s], tols[s], s) for s in range(s0, s1)) if r is not None]
+            vs = [vals[s] for s in range(s0, s1) if vals[s] is not None]
+            worst = None if not rs else (math.inf if any(not math.isfinite(r) for r in rs) else max(rs))
+            cells.append(
+                (ri, c, worst, max(vs) if vs else None, f"step {s0}" if s1 - s0 == 1 else f"steps {s0}-{s1 - 1}")
+            )
+    return cells, bin_, cols
+
+
+def _first_divergence_mark(div: Divergence, row, cell: tuple, text_x, factor, scale) -> list[str]:
+    """The first divergence's cell (x, y, width, height), outlined, and its label at text_x (in its
+    own tensor's colour when the row is coloured by another)."""
+    x, y, cw, ch = cell
+    limit = "tolerance" if factor is None else "envelope"
+    out = []
+    own = _own_ratio(div, factor)
+    if own is not None and row[2][0] != div.kind:  # a row coloured by another tensor: the divergent row's
+        out.append(
+            f'<rect x="{x}" y="{y}" width="{cw}" height="{ch}" fill="{scale.color(own)}"><title>'
+            f"{html.escape(div.kind)}, step {div.step} (the first divergence's row): "
+            f"x{sci(own)} of the {limit}</title></rect>"
+        )
+    where = div.kind + (f" of layer {div.layer}" if div.layer is not None else "")
+    out.append(
+        f'<g class="first-div" data-row="{html.escape(row[0])}" data-step="{div.step}">'
+        f'<rect x="{x - 1}" y="{y - 1}" width="{cw + 2}" height="{ch + 2}" fill="none" stroke="#000" '
+        f'stroke-width="3"/><rect x="{x + 1}" y="{y + 1}" width="{cw - 2}" height="{ch - 2}" fill="none" '
+        f'stroke="#fff" stroke-width="1"/>'
+        f'<text x="{text_x}" y="{y + ch * 0.75:.1f}" font-size="11" font-weight="bold">'
+        f"&#9664; first divergence: {html.escape(where)}, step {div.step}</text>"
+        f"<title>first divergence: {html.escape(where)}, step {div.step}</title></g>"
+    )
+    return out
 
 
 def _curves(growth: Growth, div: Divergence | None) -> str:
@@ -308,7 +259,7 @@ def _curves(growth: Growth, div: Divergence | None) -> str:
     vals += thr[:1]
     if not vals:
         return "<p>all layer outputs identical (rel-L2 = 0)</p>"
-    p = _LogPlot(vals, len(layers), width=700, height=260, left=60, top=14, bottom=36, right=150)
+    p = LogPlot(vals, len(layers), width=700, height=260, left=60, top=14, bottom=36, right=150)
     W, H, L, T, B = p.width, p.height, p.left, p.top, p.bottom
     out = p.grid("#e3e3e8")
     if thr:
@@ -327,7 +278,7 @@ def _curves(growth: Growth, div: Divergence | None) -> str:
             f'<rect x="{W - 140}" y="{T + k * 18}" width="12" height="4" fill="{color}"/>'
             f'<text x="{W - 122}" y="{T + k * 18 + 6}" font-size="11">{html.escape(name)}</text>'
         )
-    return _svg(W, H, out)
+    return svg(W, H, out)
 
 
 def _ranking(r: IsolationRanking) -> str:
@@ -335,7 +286,7 @@ def _ranking(r: IsolationRanking) -> str:
     rows = []
     for rank, e in enumerate(r.ranking, 1):
         width = int(300 * e.rel_l2 / top) if top > 0 else 0
-        bar = _svg(width + 2, 10, f'<rect width="{width}" height="10" fill="#c0392b"/>', role=False)
+        bar = svg(width + 2, 10, f'<rect width="{width}" height="10" fill="#c0392b"/>', role=False)
         rows.append(
             f"<tr><td>{rank}</td><td>L{e.layer}</td><td>{html.escape(sci(e.rel_l2))}</td>"
             f"<td>{e.step}</td><td>{html.escape(sci(e.threshold))}</td><td class=l>{bar}</td></tr>"
@@ -355,7 +306,7 @@ def _logits_plot(m: LogitMetrics) -> str:
     if not pos:
         return "<p>KL is 0 at every step</p>"
     n = len(kl)
-    p = _LogPlot(pos, n, width=900, height=220, left=60, top=10, bottom=30, right=10)
+    p = LogPlot(pos, n, width=900, height=220, left=60, top=10, bottom=30, right=10)
     out = p.grid("#eee", label_first=True)
     out.append(p.polyline([(p.x(i), p.y(v)) for i, v in enumerate(kl) if v is not None], "#2c6fbb", "1.5"))
     for i, (v, t1) in enumerate(zip(kl, m.top1)):
@@ -366,7 +317,7 @@ def _logits_plot(m: LogitMetrics) -> str:
                 f"<title>step {i}: KL {sci(v)}, top-5 overlap {m.top5[i]:.2f}, drop {sci(m.drop[i])}</title></circle>"
             )
     out.append(f'<text x="{p.left}" y="{p.height - 8}" font-size="11">step 0 .. {n - 1} (red: top-1 differs)</text>')
-    return _svg(p.width, p.height, out)
+    return svg(p.width, p.height, out)
 
 
 def _token_table(tokens: TokenInfo, limit: int = 300) -> str:

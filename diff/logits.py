@@ -18,6 +18,7 @@ import math
 import numpy as np
 
 from .blocks import paired_blocks
+from .metrics import kl_rows, log_softmax
 from .result import LogitMetrics, LogitSummary
 
 TOP_K = 5
@@ -29,12 +30,9 @@ def step_metrics(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, ...]:
     b = b.astype(np.float64)
     ok = np.isfinite(a).all(axis=1) & np.isfinite(b).all(axis=1)
     a, b = np.where(ok[:, None], a, 0.0), np.where(ok[:, None], b, 0.0)
-    la = a - a.max(axis=1, keepdims=True)
-    la -= np.log(np.exp(la).sum(axis=1, keepdims=True))  # log p
-    lb = b - b.max(axis=1, keepdims=True)
-    lb -= np.log(np.exp(lb).sum(axis=1, keepdims=True))  # log q
+    la, lb = log_softmax(a), log_softmax(b)  # log p, log q
     p = np.exp(la)
-    kl = np.maximum((p * (la - lb)).sum(axis=1), 0.0)  # >= 0; rounding can give -1e-17
+    kl = kl_rows(la, lb)
     ta, tb = a.argmax(axis=1), b.argmax(axis=1)
     top1 = (ta == tb).astype(np.float64)
     k = min(TOP_K, a.shape[1])

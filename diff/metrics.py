@@ -100,8 +100,7 @@ class RowStats:
         self.nonfinite = bad
         self.nd, self.na = nd, na
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            denom = np.maximum(np.sqrt(na), floor * math.sqrt(max(m, 1)))
-            self.rel_l2 = np.where(nd == 0, 0.0, np.sqrt(nd) / np.where(denom > 0, denom, 1e-300))
+            self.rel_l2 = rel_l2_of_sums(nd, na, floor * math.sqrt(max(m, 1)))
             norm = np.sqrt(na * nb)
             self.cosine = np.where(
                 norm > 0, ab / np.where(norm > 0, norm, 1.0), np.where((na == 0) & (nb == 0), 1.0, 0.0)
@@ -120,6 +119,35 @@ class RowStats:
         )
         fails = checks.any(axis=0) & ~skip
         return fails, np.argmax(checks, axis=0)
+
+
+def rel_l2_of_sums(nd: np.ndarray, na: np.ndarray, floor_norm) -> np.ndarray:
+    """rel-L2 from per-row sums: sqrt(nd) / max(sqrt(na), floor_norm), nd = |RUN - REF|^2 and
+    na = |REF|^2 of a row. The one zero rule: 0 for identical rows whatever REF's norm, and a row
+    whose REF norm and floor are 0 divides by 1e-300 (a huge value, never a pass)."""
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        denom = np.maximum(np.sqrt(na), floor_norm)
+        return np.where(nd == 0, 0.0, np.sqrt(nd) / np.where(denom > 0, denom, 1e-300))
+
+
+def rel_l2_rows(ref: np.ndarray, run: np.ndarray, floor: float = 0.0) -> np.ndarray:
+    """Per-row rel-L2 of RUN against REF (rows: the first axis), as `trace diff` computes it with
+    an l2_floor of `floor` (inf where a row is not finite)."""
+    n = ref.shape[0]
+    return RowStats(np.asarray(ref, dtype=np.float32), np.asarray(run, dtype=np.float32), np.full(n, floor)).rel_l2
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """log of the softmax of each row (the last axis), in float64."""
+    x = np.asarray(x, dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def kl_rows(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
+    """KL(P || Q) = sum p (log p - log q) of each row, in nats, from log-probabilities (>= 0: a
+    rounding's -1e-17 is 0)."""
+    return np.maximum((np.exp(log_p) * (log_p - log_q)).sum(axis=-1), 0.0)
 
 
 def element_detail(a_row: np.ndarray, b_row: np.ndarray, metric: str, tol: dict) -> dict:

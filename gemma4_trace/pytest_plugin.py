@@ -101,7 +101,7 @@ def _default_golden_dir(config=None) -> Path:
 
 
 def _replay_modes() -> tuple:
-    from gemma4_trace.replayer.replay import MODES
+    from gemma4_trace.replayer.core import MODES
 
     return MODES
 
@@ -182,7 +182,8 @@ class GoldenChecker:
         """Replay every golden through `runtime` in `modes` (default: every replay mode)
         and assert each matches; return the diff results."""
         from gemma4_trace.diff import diff_traces, format_text
-        from gemma4_trace.replayer.replay import MODES, replay_trace
+        from gemma4_trace.replayer.core import MODES
+        from gemma4_trace.replayer.replay import replay_trace
 
         results, failures = [], []
         for p in self.paths:

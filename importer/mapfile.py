@@ -214,6 +214,31 @@ def load_map(path) -> dict:
     )
 
 
+def _axes(t: dict, kind: str, spec, per_position: bool, where: str) -> list:
+    """An entry's axes (the canonical row axes, with 'pos' and '_' where the file has them), checked."""
+    canon = row_axes(kind)
+    default_axes = canon if (per_position or (spec.index == "step")) else ("pos",) + canon
+    axes = t.get("axes", list(default_axes))
+    if not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
+        fail(f"{where}: axes must be a list of axis names, got {one_line(repr(axes), 80)}")
+    named = [a for a in axes if a != "_"]
+    allowed = set(canon) | {"pos"}
+    bad = [a for a in named if a not in allowed]
+    if bad:
+        fail(
+            f"{where}: axis {one_line(repr(bad[0]), 40)} is not one of {', '.join(sorted(allowed))} "
+            "or '_' (a size-1 axis)"
+        )
+    if len(set(named)) != len(named):
+        fail(f"{where}: axes {axes} name an axis twice")
+    missing = [a for a in canon if a not in named]
+    if missing:
+        fail(f"{where}: axes {axes} lack {missing[0]!r} ({kind} rows have axes {list(canon)})")
+    if "pos" not in named and spec.index == "position" and not per_position:
+        fail(f"{where}: axes {axes} lack 'pos' (a file per step holds the step's rows; or use {{position}} in file)")
+    return axes
+
+
 def _entry(t: dict, where: str) -> Entry:
     unknown = sorted(set(t) - ENTRY_KEYS)
     if unknown:
@@ -265,26 +290,7 @@ def _entry(t: dict, where: str) -> Entry:
     per_position = "position" in {name for _lit, name, _spec, _conv in _fields(file) if name}
     if per_position and spec.index == "step":
         fail(f"{where}: {{position}} in file is for position-indexed kinds; {kind} has one row per step")
-    canon = row_axes(kind)
-    default_axes = canon if (per_position or (spec.index == "step")) else ("pos",) + canon
-    axes = t.get("axes", list(default_axes))
-    if not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
-        fail(f"{where}: axes must be a list of axis names, got {one_line(repr(axes), 80)}")
-    named = [a for a in axes if a != "_"]
-    allowed = set(canon) | {"pos"}
-    bad = [a for a in named if a not in allowed]
-    if bad:
-        fail(
-            f"{where}: axis {one_line(repr(bad[0]), 40)} is not one of {', '.join(sorted(allowed))} "
-            "or '_' (a size-1 axis)"
-        )
-    if len(set(named)) != len(named):
-        fail(f"{where}: axes {axes} name an axis twice")
-    missing = [a for a in canon if a not in named]
-    if missing:
-        fail(f"{where}: axes {axes} lack {missing[0]!r} ({kind} rows have axes {list(canon)})")
-    if "pos" not in named and spec.index == "position" and not per_position:
-        fail(f"{where}: axes {axes} lack 'pos' (a file per step holds the step's rows; or use {{position}} in file)")
+    axes = _axes(t, kind, spec, per_position, where)
     if shape is not None and len(shape) != len(axes):
         fail(f"{where}: shape {shape} has {len(shape)} sizes for {len(axes)} axes {axes}")
     rows = t.get("rows", "step")

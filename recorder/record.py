@@ -78,7 +78,7 @@ def record_trace(
         prompt = DEMO_IMAGE_PROMPT if images else DEMO_PROMPT  # the embedded model's demo
     if images and prompt is None:
         raise TraceToolError("--image needs --prompt (the processor places the image tokens)")
-    pil_images = [_open_image(p) for p in images]
+    pil_images = [open_image(p) for p in images]
     _phase(progress, "loading the model")
     lm = load_model(
         model_dir,
@@ -106,7 +106,7 @@ def record_trace(
     return f"wrote {output}: {len(inputs.input_ids)} prompt tokens, {len(tokens)} generated{text}"
 
 
-def _open_image(path: str):
+def open_image(path: str):
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -353,16 +353,13 @@ class _StepRecorder:
         self.pending_token_step = False
 
 
-HAND_OVER_BITS = True  # bf16 rows handed to the writer as 16-bit patterns (False: upcast to float32, as before)
-
-
 def _rows(t):
     """A step's rows for the writer: bf16 as their 16-bit patterns (no upcast, half the bytes to
     copy, and copied once: here or by the writer), the rest as _np."""
     import torch
 
     t = t.detach()
-    if t.dtype == torch.bfloat16 and HAND_OVER_BITS:
+    if t.dtype == torch.bfloat16:
         bits = t.contiguous().view(torch.int16).cpu().numpy()
         # a transposed view (q, K, V) or a GPU tensor was copied here: the writer need not copy it again
         return Bf16Rows(bits, owned=bits.ctypes.data != t.data_ptr())
@@ -388,10 +385,7 @@ def record_loaded(
 ) -> list[int]:
     """Run greedy generate() with hooks and write the trace; return the generated ids."""
     import torch
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.gemma4 import modeling_gemma4
 
-    model = lm.model
     ids = torch.tensor([inputs.input_ids], device=lm.device)
     extra = {k: v.to(lm.device) if hasattr(v, "to") else v for k, v in inputs.extra.items()}
     eos = eos_ids(lm)
@@ -404,8 +398,7 @@ def record_loaded(
         raise TraceToolError(f"--shared-kv-prefill must be all or last, got {shared_kv_prefill!r}")
     # HF slices only a prefill of 2+ positions (and not under flash / flex attention, GPU only)
     shortcut = shared_kv_prefill == "last" and any(li.kv_role == "reuses" for li in layers) and prompt_len > 1
-    impl = model.config._attn_implementation or "eager"
-    original = ALL_ATTENTION_FUNCTIONS.get(impl, modeling_gemma4.eager_attention_forward)
+    impl = lm.model.config._attn_implementation or "eager"
     streamer = _ProgressStreamer(max_new_tokens, progress) if progress is not None else None
     LIM.check_fits(
         generation_bytes(lm.text_config, prompt_len, prompt_len + max_new_tokens, 2 if lm.dtype == "bfloat16" else 4),
@@ -433,32 +426,44 @@ def record_loaded(
             )
         )
         rec = _StepRecorder(lm, w, prompt_len, shortcut)
-        with contextlib.ExitStack() as stack:
-            rec.install(stack)
-            ALL_ATTENTION_FUNCTIONS[impl] = rec.attention(original)
-            stack.callback(ALL_ATTENTION_FUNCTIONS._local_mapping.pop, impl, None)
-            with torch.no_grad():
-                out = model.generate(
-                    ids,
-                    **extra,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    num_beams=1,
-                    eos_token_id=eos,
-                    pad_token_id=lm.text_config.pad_token_id,
-                    # an index tensor (not the int generate() uses) keeps all positions in KV-reusing layers
-                    logits_to_keep=1 if shortcut else torch.tensor([-1], device=lm.device),
-                    streamer=streamer,
-                    top_k=None,
-                    top_p=None,
-                    temperature=None,
-                )
+        out = _generate(lm, rec, ids, extra, max_new_tokens, eos, shortcut, streamer)
         generated = out[0, prompt_len:].tolist()
         if rec.pending_token_step:
             rec._finish_step(generated[-1])
         if rec.n_steps != len(generated):
             raise RuntimeError(f"recorded {rec.n_steps} steps for {len(generated)} generated tokens")
     return generated
+
+
+def _generate(lm: LoadedModel, rec, ids, extra: dict, max_new_tokens: int, eos, shortcut: bool, streamer):
+    """HF's greedy generate() with the recorder's hooks and attention function installed (and
+    removed again, however it ends); returns generate()'s output ids."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.gemma4 import modeling_gemma4
+
+    impl = lm.model.config._attn_implementation or "eager"
+    original = ALL_ATTENTION_FUNCTIONS.get(impl, modeling_gemma4.eager_attention_forward)
+    with contextlib.ExitStack() as stack:
+        rec.install(stack)
+        ALL_ATTENTION_FUNCTIONS[impl] = rec.attention(original)
+        stack.callback(ALL_ATTENTION_FUNCTIONS._local_mapping.pop, impl, None)
+        with torch.no_grad():
+            return lm.model.generate(
+                ids,
+                **extra,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                num_beams=1,
+                eos_token_id=eos,
+                pad_token_id=lm.text_config.pad_token_id,
+                # an index tensor (not the int generate() uses) keeps all positions in KV-reusing layers
+                logits_to_keep=1 if shortcut else torch.tensor([-1], device=lm.device),
+                streamer=streamer,
+                top_k=None,
+                top_p=None,
+                temperature=None,
+            )
 
 
 def _phase(progress, what: str) -> None:

@@ -19,6 +19,13 @@ positions of the rows reported, when a runtime has only some of a step's rows) o
 `probe` may be None, and then nothing may be computed for it. The driver makes one runtime per
 replay; a plug-in's exception becomes one line naming its file:line and the step's last
 report (`--debug` prints the chain). See docs/runtime-api.md.
+
+Optional members, read by the driver through `Capabilities.of(rt)` (the `Runtime` base below
+declares them; a plug-in need not subclass it):
+
+    supports_isolation: bool = False      # continues with the tensors the probe returns (--isolate)
+    supports_prefill_chunk: bool = False  # has a settable `prefill_chunk` (--prefill-chunk)
+    close() -> None                       # called once when the replay ends, however it ends
 """
 
 from __future__ import annotations
@@ -27,26 +34,53 @@ import importlib
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 
 from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces import schema as S
-from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
+from gemma4_trace.traces.errors import TraceToolError, one_line
 
 REQUIRED_METHODS = ("prefill", "decode")
 DRIVER_KINDS = ("logits", "token")  # written by the replay driver, never by a runtime
-QUANTIZED_RUNTIMES = ("static-w8", "static-w4g32", "static-w8a8")  # built in, need torchao
-# built-in names of runtimes whose code needs an optional extra (imported only when named)
-EXTRA_RUNTIMES = {
-    "tico": "gemma4_trace.replayer.tico_runtime:make_tico",  # gemma4-trace[tico]
-    "tico-quant": "gemma4_trace.replayer.tico_runtime:make_tico_quant",
-    "onnx": "gemma4_trace.replayer.onnx_runtime:make_onnx",  # gemma4-trace[onnx]
-    "mobius": "gemma4_trace.replayer.mobius_runtime:make_mobius",  # gemma4-trace[mobius]
-    "executorch": "gemma4_trace.replayer.executorch_runtime:make_executorch",  # gemma4-trace[executorch]
-    "executorch-int8": "gemma4_trace.replayer.executorch_runtime:make_executorch_int8",
-    "executorch-int8-reference": "gemma4_trace.replayer.executorch_runtime:make_executorch_int8_reference",
-}
-# llama.cpp[:TYPE] (gemma4-trace[llamacpp]): matched before MODULE:FACTORY, whose colon it shares
-LLAMACPP_RUNTIME = "llama.cpp"
+
+
+class Runtime:
+    """Base of the built-in runtimes: the contract's optional members with their defaults. A
+    runtime is a context manager: leaving the block closes it."""
+
+    name = "runtime"
+    supports_isolation = False
+    supports_prefill_chunk = False
+
+    def close(self) -> None:
+        """Release what the runtime holds beyond memory (a child process, a temporary folder)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a runtime object says it can do (the contract's optional members, read once)."""
+
+    isolation: bool
+    prefill_chunk: bool
+
+    @staticmethod
+    def of(rt) -> Capabilities:
+        return Capabilities(
+            getattr(rt, "supports_isolation", False) is True, getattr(rt, "supports_prefill_chunk", False) is True
+        )
+
+
+def close_runtime(rt) -> None:
+    """rt.close() where the runtime has one (a plug-in may not)."""
+    close = getattr(rt, "close", None)
+    if callable(close):
+        close()
 
 
 class ReportError(TraceToolError):
@@ -127,7 +161,8 @@ class WriterProbe:
         self.last = None
 
 
-_DRIVER_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay.py")}
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_DRIVER_FILES = {os.path.join(_HERE, f) for f in ("api.py", "core.py", "replay.py")}  # no plug-in's frames
 
 
 def report(probe, kind: str, value, layer: int | None = None, positions=None):
@@ -144,9 +179,9 @@ def report(probe, kind: str, value, layer: int | None = None, positions=None):
     return value if got is None else got
 
 
-def progress_words(probe) -> str:
-    """What a runtime had reported in the step when it failed: "after layer 4 q"."""
-    last = getattr(probe, "last", None)
+def progress_words(last: tuple[str, int | None] | None) -> str:
+    """What a runtime had reported in the step when it failed (a probe's or a child's `last`):
+    "after layer 4 q", "before reporting anything"."""
     if last is None:
         return "before reporting anything"
     kind, layer = last
@@ -225,11 +260,6 @@ def as_logits(value, vocab: int, name: str, what: str):
 def load_factory(spec: str):
     """Import MODULE:FACTORY (only now, when named) and return the factory callable."""
     module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise TraceToolError(
-            f"--runtime {spec!r}: expected 'static', {', '.join(QUANTIZED_RUNTIMES + tuple(EXTRA_RUNTIMES))}, "
-            f"{LLAMACPP_RUNTIME}[:TYPE] or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)"
-        )
     # like `python -m`: a module in the current folder is found without installing it
     cwd = os.getcwd()
     added = cwd not in sys.path
@@ -255,117 +285,6 @@ def load_factory(spec: str):
     return factory
 
 
-# what a built-in runtime needs installed (module names: importlib.util.find_spec) and how to get it
-_NEEDS = {
-    "static-w8": ("torchao",),
-    "static-w4g32": ("torchao",),
-    "static-w8a8": ("torchao",),
-    "tico": ("tico",),
-    "tico-quant": ("tico",),
-    "onnx": ("onnxruntime", "onnx", "onnxscript"),
-    "mobius": ("mobius", "onnxruntime", "onnx_ir"),
-    "executorch": ("executorch",),
-    "executorch-int8": ("executorch", "torchao"),
-    "executorch-int8-reference": ("executorch", "torchao"),
-    LLAMACPP_RUNTIME: ("llama_cpp", "gguf"),
-}
-_EXTRA_OF = {
-    "torchao": "quant",
-    "tico": "tico",
-    "onnxruntime": "onnx",
-    "onnx": "onnx",
-    "onnxscript": "onnx",
-    "llama_cpp": "llamacpp",
-    "gguf": "llamacpp",
-    "mobius": "mobius",
-    "onnx_ir": "mobius",
-    "executorch": "executorch",
-}
-_NO_ISOLATION = (
-    "tico",
-    "tico-quant",
-    "onnx",
-    "mobius",
-    "executorch",
-    "executorch-int8",
-    "executorch-int8-reference",
-    LLAMACPP_RUNTIME,
-)  # built-ins that do not continue with the probe's tensors
-
-_TEXT_ONLY = ("mobius",)  # built-ins whose graphs take token ids only (no image inputs)
-
-
-def check_runtime_inputs(spec: str, extra: dict) -> None:
-    """Refuse, before the model loads or any graph is built, REF's image inputs for a built-in
-    that takes token ids only (a runtime factory is given the model, never REF's inputs)."""
-    if spec in _TEXT_ONLY and extra:
-        raise TraceToolError(
-            f"--runtime {spec} runs a text decoder, which takes token ids only; "
-            "REF's prompt has an image: replay a text prompt"
-        )
-
-
-def check_runtime_name(spec: str, isolate: bool = False) -> None:
-    """Refuse, before any model loads, a --runtime that cannot work: an unknown name (a typo,
-    with the nearest built-in), a MODULE:FACTORY of bad syntax or whose top-level module is not
-    found, a built-in whose extra is not installed, --isolate with a built-in that does not
-    support it. Nothing is imported (a plug-in's own checks run when it is loaded)."""
-    import difflib
-    import importlib.util
-
-    names = ("static", *QUANTIZED_RUNTIMES, *EXTRA_RUNTIMES, LLAMACPP_RUNTIME)
-    if spec == LLAMACPP_RUNTIME or spec.startswith(LLAMACPP_RUNTIME + ":"):
-        from .gguf_writer import check_type  # numpy only
-
-        if ":" in spec:
-            check_type(spec.partition(":")[2])
-        spec = LLAMACPP_RUNTIME
-    if spec in names:
-        missing = [m for m in _NEEDS.get(spec, ()) if importlib.util.find_spec(m) is None]
-        if missing:
-            extra = _EXTRA_OF.get(missing[0], "")
-            raise TraceToolError(
-                f"--runtime {spec} needs {', '.join(missing)}, which is not installed"
-                + (f": {install_hint(extra)}" if extra else "")
-            )
-        if isolate and spec in _NO_ISOLATION:
-            raise TraceToolError(
-                f"runtime {spec} does not support --isolate (it does not continue with the tensors "
-                "the probe returns); the static runtimes do"
-            )
-        return
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        near = difflib.get_close_matches(spec, names, n=1)
-        raise TraceToolError(
-            f"--runtime {spec!r} is not a runtime"
-            + (f" (did you mean {near[0]!r}?)" if near else "")
-            + f": expected {', '.join(names)} or MODULE:FACTORY (e.g. my_pkg.rt:make_runtime)"
-        )
-    if not all(part.isidentifier() for part in module_name.split(".")) or not attr.isidentifier():
-        raise TraceToolError(
-            f"--runtime {spec!r}: MODULE:FACTORY needs a dotted module name and a function name "
-            "(e.g. my_pkg.rt:make_runtime)"
-        )
-    top = module_name.split(".")[0]
-    cwd = os.getcwd()  # found like load_factory finds it: the current folder first
-    added = cwd not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        found = importlib.util.find_spec(top) is not None
-    except (ImportError, ValueError):
-        found = False
-    finally:
-        if added:
-            sys.path.remove(cwd)
-    if not found:
-        raise TraceToolError(
-            f"cannot import runtime plug-in module {module_name!r} (--runtime {spec!r}): no module "
-            f"{top!r} is installed or in the current folder"
-        )
-
-
 def check_runtime(rt, where: str):
     """Raise TraceToolError naming what a runtime object lacks."""
     missing = [m for m in REQUIRED_METHODS if not callable(getattr(rt, m, None))]
@@ -375,38 +294,3 @@ def check_runtime(rt, where: str):
     if missing:
         raise TraceToolError(f"runtime plug-in {where} returned {type(rt).__name__}, which lacks {', '.join(missing)}")
     return rt
-
-
-def make_runtime(spec: str, loaded, max_seq: int):
-    """'static' or MODULE:FACTORY -> a runtime object that follows the API."""
-    if spec == "static" or spec in QUANTIZED_RUNTIMES:  # refuse what cannot fit before allocating it
-        dtype_bytes = 2 if "16" in str(getattr(loaded, "dtype", "float32")) else 4
-        from .runtime import memory_estimate
-
-        LIM.check_fits(
-            memory_estimate(loaded.text_config, max_seq, dtype_bytes), f"the static runtime for max_seq {max_seq}"
-        )
-    if spec == "static":
-        from .runtime import StaticGemma4Runtime
-
-        return StaticGemma4Runtime(loaded, max_seq)
-    if spec in QUANTIZED_RUNTIMES:  # the static runtime with quantized weights (replayer/quant.py)
-        from .quant import make_quantized
-
-        return make_quantized(loaded, max_seq, spec)
-    if spec == LLAMACPP_RUNTIME or spec.startswith(LLAMACPP_RUNTIME + ":"):
-        from .llamacpp_runtime import make_llamacpp, parse_spec
-
-        return check_runtime(make_llamacpp(parse_spec(spec))(loaded, max_seq), spec)
-    spec = EXTRA_RUNTIMES.get(spec, spec)
-    factory = load_factory(spec)
-    try:
-        rt = factory(loaded, max_seq)
-    except TraceToolError:
-        raise
-    except (Exception, SystemExit) as e:  # sys.exit() in a plug-in must not end the replay as a success
-        raise TraceToolError(
-            f"runtime plug-in {spec} failed to start{failure_site(e, plugin_roots(spec))}: "
-            f"{type(e).__name__}: {one_line(e, 200)}"
-        ) from e  # --debug prints the chain
-    return check_runtime(rt, spec)

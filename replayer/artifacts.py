@@ -29,6 +29,7 @@ from pathlib import Path
 
 from gemma4_trace.traces.atomic import no_space
 from gemma4_trace.traces.errors import TraceToolError, one_line
+from gemma4_trace.traces.inputs import sha256_file
 
 CACHE_ENV = "GEMMA4_TRACE_CACHE"  # overrides the cache folder (default ~/.cache/gemma4-trace)
 MANIFEST = "manifest.json"
@@ -57,12 +58,11 @@ def cache_dir(override=None) -> Path:
     return Path(base) / "gemma4-trace"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+def code_digest(*names: str) -> str:
+    """A short hash of the replayer's own source files `names` (relative to replayer/): a cache key
+    part, so a change to the code an artifact is built from builds it again."""
+    here = Path(__file__).resolve().parent
+    return hashlib.sha256(b"".join((here / n).read_bytes() for n in names)).hexdigest()[:16]
 
 
 def model_hash(model_dir) -> str:
@@ -76,7 +76,7 @@ def model_hash(model_dir) -> str:
     )
     h = hashlib.sha256()
     for n in names:
-        h.update(n.encode() + b"\0" + _sha256(d / n).encode())
+        h.update(n.encode() + b"\0" + sha256_file(d / n).encode())
     return h.hexdigest()
 
 
@@ -96,7 +96,7 @@ def _files(folder: Path) -> dict[str, Path]:
 
 
 def _write_manifest(folder: Path, key: dict) -> None:
-    files = {n: {"size": p.stat().st_size, "sha256": _sha256(p)} for n, p in _files(folder).items()}
+    files = {n: {"size": p.stat().st_size, "sha256": sha256_file(p)} for n, p in _files(folder).items()}
     (folder / MANIFEST).write_text(json.dumps({"key": key, "files": files}, indent=1, sort_keys=True, default=str))
 
 
@@ -115,7 +115,7 @@ def verify(folder: Path, key: dict) -> str | None:
         return "its files differ from its manifest"
     for name, p in files.items():
         want = listed[name]
-        if not isinstance(want, dict) or p.stat().st_size != want.get("size") or _sha256(p) != want.get("sha256"):
+        if not isinstance(want, dict) or p.stat().st_size != want.get("size") or sha256_file(p) != want.get("sha256"):
             return f"{name} fails its hash check"
     return None
 
@@ -162,36 +162,67 @@ def artifact_folder(
         return Artifact(tmp, f"built in {time.perf_counter() - t0:.1f} s, not cached", temporary=True)
     root = cache_dir(cache) / kind
     final = root / key_digest(key)
-    stale = None
-    if final.exists():
-        stale = verify(final, key)
-        if stale is None:
-            return Artifact(final, "cached")
+    stale = _usable(final, key)
+    if stale is None:
+        return Artifact(final, "cached")
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".partial"))
     except OSError as e:
-        from gemma4_trace.traces.errors import TraceToolError  # torch-free
-
         raise TraceToolError(
             f"cannot write in the artifact cache {root} ({e.strerror or type(e).__name__}); "
             "choose another folder with --cache-dir DIR, or pass --no-cache"
         ) from None
     try:
         if what and say:
-            say(f"{what}{f'; the cached copy was stale: {stale}' if stale else ''}")
+            say(f"{what}{f'; the cached copy was stale: {stale}' if stale != ABSENT else ''}")
         build(tmp)
         _write_manifest(tmp, key)
-        if final.exists() or final.is_symlink():
-            old = root / f".{final.name}.{os.getpid()}.stale"
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)
+        won = _publish(tmp, final, key)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    verb = "rebuilt" if stale else "built"
-    return Artifact(final, f"{verb} in {time.perf_counter() - t0:.1f} s" + (f" ({stale})" if stale else ""))
+    verb = "rebuilt" if stale != ABSENT else "built"
+    note = f"{verb} in {time.perf_counter() - t0:.1f} s" + (f" ({stale})" if stale != ABSENT else "")
+    return Artifact(final, note if won else "cached (built meanwhile by another process)")
+
+
+ABSENT = "absent"
+
+
+def _usable(final: Path, key: dict) -> str | None:
+    """None when `final` is an intact entry for key; else why not (ABSENT when there is none)."""
+    if final.is_symlink():
+        return "the entry is a link"
+    if not final.exists():
+        return ABSENT
+    return verify(final, key)
+
+
+def _publish(tmp: Path, final: Path, key: dict) -> bool:
+    """Rename the built entry into place; False when another process published an intact one first
+    (ours is then dropped: the winner's is the one in use). A stale or linked entry is moved aside
+    first, never deleted under a reader that holds an intact one."""
+    for _ in range(3):
+        try:
+            os.rename(tmp, final)  # fails on an existing non-empty folder: never replaces a winner's entry
+            return True
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+        if _usable(final, key) is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        old = final.parent / f".{final.name}.{os.getpid()}.{time.monotonic_ns()}.stale"
+        try:
+            os.replace(final, old)
+        except FileNotFoundError:
+            continue
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+    raise TraceToolError(f"cannot place the artifact {final} in the cache (it keeps changing); pass --no-cache")
 
 
 # ------------------------------------------------------------------ export commands (export-onnx, export-pte)

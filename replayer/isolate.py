@@ -8,7 +8,8 @@ final norm's after the last). So each recorded layer output carries only that la
 error, not the drift accumulated above it, and `trace diff` ranks layers by it.
 
 A runtime opts in with `supports_isolation = True` (it must continue with what the probe
-returns); `--isolate` on one that does not is refused. Tokens are REF's (teacher-forced).
+returns); `--isolate` on one that does not is refused (replayer/core.py). Tokens are REF's
+(teacher-forced).
 """
 
 from __future__ import annotations
@@ -19,14 +20,6 @@ from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
 
 from .api import WriterProbe
-
-
-def check_supports_isolation(rt) -> None:
-    if getattr(rt, "supports_isolation", False) is not True:
-        raise TraceToolError(
-            f"runtime {rt.name} does not support --isolate: it must continue with the tensor "
-            "probe.tensor() returns and set supports_isolation = True (docs/runtime-api.md)"
-        )
 
 
 class IsolatingProbe(WriterProbe):

@@ -18,7 +18,7 @@ experts' einsum path (decode) and per-expert slices take float activations.
 
 A recipe maps units (weight_units: `layer.N`, `layer.N.qkv|o|mlp|ple`, `ple_model_proj`) to a
 precision ("float" or a SCHEMES name); `trace precision` writes one, `trace replay --recipe`
-runs it (replayer/recipe.py).
+runs it (analysis/recipe.py).
 """
 
 from __future__ import annotations
@@ -236,3 +236,11 @@ def make_quantized(loaded, max_seq: int, scheme_name: str, recipe: dict | None =
     from .runtime import StaticGemma4Runtime
 
     return quantize_(StaticGemma4Runtime(loaded, max_seq), scheme_name, recipe)
+
+
+def create(loaded, max_seq: int, choice):
+    """`--runtime static-w8 | static-w4g32 | static-w8a8` (replayer/runtimes/registry.py)."""
+    from .ops import check_fits
+
+    check_fits(loaded, max_seq)
+    return make_quantized(loaded, max_seq, choice.name)

@@ -2,18 +2,18 @@
 
     trace replay REF.h5 --runtime tests.plugin_runtime:make_exported -o RUN.h5
 
-`make_exported` runs the torch.export'ed prefill and decode graphs of the static runtime:
-the graphs have no probe, so it reports the tensors it can see from outside the graph
-(the input embeddings and the RoPE rows) and the driver writes logits and tokens.
-`make_no_softcap` is a deliberately wrong runtime (final soft-cap dropped, bug class 6)
-for diff tests. `make_incomplete` does not follow the API (no decode).
+`make_exported` runs the torch.export'ed prefill and decode graphs of the static runtime (the step
+graphs of gemma4_trace.replayer.functional, K/V caches in and out, kept here between steps): it
+reports the tensors it can see from outside the graphs (the input embeddings and the RoPE rows)
+and the driver writes logits and tokens. `make_no_softcap` is a deliberately wrong runtime (final
+soft-cap dropped, bug class 6) for diff tests. `make_incomplete` does not follow the API (no decode).
 """
 
 from __future__ import annotations
 
 import torch
 
-from gemma4_trace.replayer.export import export_decode, export_prefill
+from gemma4_trace.replayer import functional as F
 from gemma4_trace.replayer.runtime import StaticGemma4Runtime
 from gemma4_trace.traces.schema import rope_kinds
 
@@ -22,10 +22,9 @@ class ExportedRuntime:
     name = "exported-static"
 
     def __init__(self, loaded, max_seq: int):
-        self.rt = StaticGemma4Runtime(loaded, max_seq)
-        self.max_seq = max_seq
-        self.decode_step = export_decode(self.rt).module()
-        self.prefill_graph = None
+        self.rt = F.FunctionalKV(loaded, max_seq)
+        self.steps = {step: F.export_step(self.rt, step).module() for step in F.STEPS}
+        self.caches = None
 
     def _report(self, rows, probe) -> None:
         ids, positions = rows
@@ -38,20 +37,24 @@ class ExportedRuntime:
             probe.tensor(cos_kind, getattr(rt, f"cos_{t}")[positions])
             probe.tensor(sin_kind, getattr(rt, f"sin_{t}")[positions])
 
+    def _run(self, step: str, args) -> torch.Tensor:
+        n = len(F.zero_caches(self.rt))
+        with torch.no_grad():
+            out = self.steps[step](*args, *self.caches)
+        self.caches = list(out[1 : 1 + n])  # the updated K/V caches: the next step's input
+        return out[0]
+
     def prefill(self, input_ids, extra_inputs, probe):
         args = self.rt.prepare_prefill(input_ids, extra_inputs)
-        if self.prefill_graph is None:
-            self.prefill_graph = export_prefill(self.rt, input_ids, extra_inputs).module()
         T = len(input_ids)
         if not extra_inputs:  # text-only: embeddings are the scaled token rows
             self._report((args[0][0, :T], torch.arange(T)), probe)
-        with torch.no_grad():
-            return self.prefill_graph(*args)
+        self.caches = F.zero_caches(self.rt)
+        return self._run("prefill", args)
 
     def decode(self, token_id, position, probe):
         self._report((torch.tensor([token_id]), torch.tensor([position])), probe)
-        with torch.no_grad():
-            return self.decode_step(torch.tensor([[token_id]]), torch.tensor([position]))
+        return self._run("decode", (torch.tensor([[token_id]]), torch.tensor([position])))
 
 
 class NoSoftcapRuntime(StaticGemma4Runtime):

@@ -61,3 +61,25 @@ def site_of(d, *fields) -> tuple:
     """The values of `fields` (default step, layer, kind, position) of a divergence, row or rule:
     a dict (the JSON) or an object (the typed result)."""
     return tuple(d[f] if isinstance(d, dict) else getattr(d, f) for f in fields or SITE)
+
+
+def plant_gguf(model_dir=None, write=None, **how):
+    """Put a GGUF in the artifact cache (GEMMA4_TRACE_CACHE) as the F32 conversion of the model
+    (the embedded one by default), where a replay takes it: written by the project's writer with
+    `how` (write_f32's mutate= / metadata=: a fault planted on purpose), or by write(path). The
+    entry is a real one (its manifest holds the file's hash), so it is used, not rebuilt. Returns
+    the file's path."""
+    from gemma4_trace.hf.model import load_model
+    from gemma4_trace.replayer.artifacts import artifact_folder
+    from gemma4_trace.replayer.runtimes.llamacpp import gguf_writer as GW
+    from gemma4_trace.replayer.runtimes.llamacpp.runtime import GGUF_NAME, conversion_key
+
+    loaded = load_model(model_dir)
+    art = artifact_folder(
+        "gguf",
+        conversion_key(loaded, "F32"),
+        lambda folder: write(folder / GGUF_NAME) if write else GW.write_f32(loaded, folder / GGUF_NAME, **how),
+        say=None,
+    )
+    assert art.note != "cached", "plant into an empty cache: this one already holds the conversion"
+    return art.path / GGUF_NAME

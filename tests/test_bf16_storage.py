@@ -139,12 +139,13 @@ def test_storage_attribute_on_float32_refused(runs, tmp_path):
 
 def test_bf16_rows_stored_as_float32_when_asked(runs, tmp_path, monkeypatch):
     """The recorder hands bf16 rows over as bit patterns (writer.Bf16Rows); with 16-bit storage
-    switched off (as before) the writer widens them: the same values, stored as float32."""
-    from gemma4_trace.traces import writer
+    switched off (the benchmarks' "before", benchmarks/writer_variants.py) the writer widens them:
+    the same values, stored as float32."""
+    from benchmarks.writer_variants import before
 
-    monkeypatch.setattr(writer, "BF16_BITS", False)
     old = tmp_path / "f32-storage.h5"
-    record_trace(output=old, max_new_tokens=4, dtype="bfloat16")
+    with before(bits=False):
+        record_trace(output=old, max_new_tokens=4, dtype="bfloat16")
     with h5py.File(old, "r") as f:
         assert f["tensors/L00/q"].dtype == np.float32 and S.ATTR_STORAGE not in f["tensors/L00/q"].attrs
     with TraceReader(old) as a, TraceReader(runs[2]) as b:

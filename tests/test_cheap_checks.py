@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from gemma4_trace.recorder import golden
-from tests.support import invoke
+from tests.support import invoke, one_line_error
 
 REF = str(golden.golden_path("short"))
 
@@ -33,12 +33,9 @@ def no_model(monkeypatch):
 
 
 def _refused(args, needle, tmp_path):
-    r = invoke(*args, "-o", str(tmp_path / "out.h5"))
-    assert r.exit_code == 2, r.output
-    lines = r.output.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.output
-    assert not (tmp_path / "out.h5").exists()
-    return lines[0]
+    """`trace ARGS -o OUT`: the shared check of a refusal (tests/support.py), nothing written at OUT."""
+    out = tmp_path / "out.h5"
+    return one_line_error(invoke(*args, "-o", out), needle, out=out)
 
 
 def test_a_typo_in_runtime_is_refused_before_the_model_loads(no_model, tmp_path):
@@ -85,7 +82,7 @@ def test_a_missing_extra_is_named_before_the_model_loads(no_model, monkeypatch, 
     _refused(["replay", REF, "--runtime", "tico-quant"], "needs tico", tmp_path)
     _refused(["record", "--device-map", "auto"], "--device-map needs accelerate, which is not installed", tmp_path)
     r = invoke("export-onnx", "--max-seq", "16", "-o", str(tmp_path / "g"))
-    assert r.exit_code == 2 and "trace export-onnx needs onnxscript" in r.output, r.output
+    assert r.exit_code == 2 and "trace export-onnx needs onnxruntime, onnxscript" in r.output, r.output
     assert no_model == []
 
 

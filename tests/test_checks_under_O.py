@@ -7,6 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the model checks again under python -O; make test-fast skips it
+
 EDITS = {  # what the checkpoint gets wrong -> the line that refuses it
     "del text.layers[-1]": "HF model has 7 layers, config says 8",
     "text.layers[0].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(1))": (
@@ -20,6 +24,7 @@ import json, sys, torch
 from gemma4_trace.hf.model import load_model
 from gemma4_trace.replayer.runtime import StaticGemma4Runtime
 from gemma4_trace.traces.errors import TraceToolError
+
 out = {}
 for edit in json.loads(sys.argv[1]):
     lm = load_model()

@@ -9,8 +9,9 @@ import torch
 from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.hf.model import load_model
 from gemma4_trace.recorder import golden
-from gemma4_trace.replayer.replay import replay_trace, resolve_prefill_chunk
-from gemma4_trace.replayer.runtime import StaticGemma4Runtime, chunk_plan
+from gemma4_trace.replayer.ops import chunk_plan, resolve_prefill_chunk
+from gemma4_trace.replayer.replay import replay_trace
+from gemma4_trace.replayer.runtime import StaticGemma4Runtime
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
 from tests.support import invoke, one_line_error

@@ -12,6 +12,8 @@ from gemma4_trace.traces import TraceReader
 from tests import tiny_models
 from tests.support import invoke, one_line_error
 
+pytestmark = pytest.mark.slow  # records interrupted by signals in subprocesses; make test-fast skips it
+
 
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):

@@ -8,14 +8,13 @@ import ast
 from pathlib import Path
 
 DIFF = Path(__file__).resolve().parents[1] / "diff"
-RENDERERS = {"report", "html", "fmt", "corpus_report", "sensitivity_html"}
+RENDERERS = {"report", "html", "fmt", "svg"}
 COMPUTE = (
     "align",
     "baseline",
     "blocks",
     "calibrate",
     "core",
-    "corpus",
     "hints",
     "isolation",
     "logits",

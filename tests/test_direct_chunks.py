@@ -1,4 +1,4 @@
-"""Whole chunks encoded by the writer (traces/writer.py encode_chunk, DIRECT_CHUNKS): the bytes
+"""Whole chunks encoded by the writer (traces/writer.py encode_chunk): the bytes
 HDF5's own filters would store (byte-identical under zlib's default strategy), read back by
 plain h5py, Fletcher-32 still catching a flipped byte, and a trace equal, value for value, to
 one written through HDF5's filters."""
@@ -11,8 +11,9 @@ import h5py
 import numpy as np
 import pytest
 
+from benchmarks.writer_variants import before
+from gemma4_trace.traces import chunks, writer
 from gemma4_trace.traces import schema as S
-from gemma4_trace.traces import writer
 from gemma4_trace.traces.reader import TraceReader
 from tests.synth import write_trace
 
@@ -29,7 +30,7 @@ def test_encoded_chunk_equals_hdf5s_own_bytes(tmp_path, dtype):
     ds = _filtered(tmp_path, data)
     mask, stored = ds.id.read_direct_chunk((0, 0))
     ds.file.close()
-    assert mask == 0 and writer.encode_chunk(data, zlib.Z_DEFAULT_STRATEGY) == stored
+    assert mask == 0 and chunks.encode_chunk(data, zlib.Z_DEFAULT_STRATEGY) == stored
 
 
 def test_fletcher32_matches_hdf5_on_odd_and_zero_data(tmp_path):
@@ -39,7 +40,7 @@ def test_fletcher32_matches_hdf5_on_odd_and_zero_data(tmp_path):
         with h5py.File(tmp_path / "f.h5", "w") as f:
             ds = f.create_dataset("x", data=data, chunks=data.shape, fletcher32=True)
             stored = ds.id.read_direct_chunk((0,))[1]
-        assert stored[:-4] == raw and int.from_bytes(stored[-4:], "little") == writer.fletcher32(raw)
+        assert stored[:-4] == raw and int.from_bytes(stored[-4:], "little") == chunks.fletcher32(raw)
 
 
 def test_direct_chunks_read_back_by_plain_h5py(tmp_path):
@@ -50,14 +51,14 @@ def test_direct_chunks_read_back_by_plain_h5py(tmp_path):
         for a in range(0, 150, 64):
             chunk = np.zeros((64, 64), np.float32)
             chunk[: min(64, 150 - a)] = rows[a : a + 64]
-            ds.id.write_direct_chunk((a, 0), writer.encode_chunk(chunk))
+            ds.id.write_direct_chunk((a, 0), chunks.encode_chunk(chunk))
     with h5py.File(tmp_path / "d.h5", "r") as f:
         assert np.array_equal(f["x"][()], rows)
 
 
 def test_a_flipped_byte_fails_the_checksum(tmp_path):
     chunk = np.arange(4096, dtype=np.float32).reshape(64, 64)
-    blob = bytearray(writer.encode_chunk(chunk))
+    blob = bytearray(chunks.encode_chunk(chunk))
     blob[len(blob) // 2] ^= 0x10
     with h5py.File(tmp_path / "d.h5", "w") as f:
         ds = f.create_dataset("x", shape=(64, 64), dtype=np.float32, chunks=(64, 64), **writer.COMPRESSION)
@@ -81,8 +82,8 @@ def test_trace_equals_one_written_through_hdf5s_filters(tmp_path, monkeypatch, s
     a last part chunk) written both ways hold the same values and the same content hash."""
     monkeypatch.setattr(writer, "MAX_CHUNK_ROWS", 3)
     write_trace(tmp_path / "direct.h5", new_tokens=7, source_dtype=source_dtype, edit=edit)
-    monkeypatch.setattr(writer, "DIRECT_CHUNKS", False)
-    write_trace(tmp_path / "filtered.h5", new_tokens=7, source_dtype=source_dtype, edit=edit)
+    with before(direct=False):  # HDF5's own filters on every row block (the benchmarks' "before")
+        write_trace(tmp_path / "filtered.h5", new_tokens=7, source_dtype=source_dtype, edit=edit)
     with TraceReader(tmp_path / "direct.h5") as a, TraceReader(tmp_path / "filtered.h5") as b:
         assert a.content_hash() == b.content_hash()
         if edit and source_dtype == "bfloat16":
@@ -107,8 +108,8 @@ def test_chunks_of_zeros_are_not_written_and_read_as_zeros(tmp_path, monkeypatch
     of the same trace written through HDF5's filters (which writes every chunk)."""
     monkeypatch.setattr(writer, "MAX_CHUNK_ROWS", 3)
     write_trace(tmp_path / "direct.h5", new_tokens=7, source_dtype=source_dtype, edit=_zero_v)
-    monkeypatch.setattr(writer, "DIRECT_CHUNKS", False)
-    write_trace(tmp_path / "filtered.h5", new_tokens=7, source_dtype=source_dtype, edit=_zero_v)
+    with before(direct=False):
+        write_trace(tmp_path / "filtered.h5", new_tokens=7, source_dtype=source_dtype, edit=_zero_v)
     with TraceReader(tmp_path / "direct.h5") as a, TraceReader(tmp_path / "filtered.h5") as b:
         assert a.content_hash() == b.content_hash()
     with h5py.File(tmp_path / "direct.h5") as a, h5py.File(tmp_path / "filtered.h5") as b:
@@ -126,7 +127,7 @@ def test_per_plane_encoding_reads_back_exactly(tmp_path, dtype):
     only the stored blocks' headers)."""
     rng = np.random.default_rng(2)
     data = (rng.standard_normal((64, 300)) * 1000).astype(dtype)
-    chunk = writer.encode_chunk(data)
+    chunk = chunks.encode_chunk(data)
     assert len(chunk) < 0.9 * data.nbytes
     with h5py.File(tmp_path / "d.h5", "w") as f:
         ds = f.create_dataset("x", shape=data.shape, dtype=dtype, chunks=data.shape, **writer.COMPRESSION)
@@ -134,5 +135,5 @@ def test_per_plane_encoding_reads_back_exactly(tmp_path, dtype):
     with h5py.File(tmp_path / "d.h5", "r") as f:
         assert np.array_equal(f["x"][()], data)
     noise = rng.integers(0, 2**16, size=(64, 300), dtype=np.uint16)
-    assert len(writer.encode_chunk(noise)) <= noise.nbytes * 1.01
-    assert len(zlib.decompress(writer.encode_chunk(noise)[:-4])) == noise.nbytes
+    assert len(chunks.encode_chunk(noise)) <= noise.nbytes * 1.01
+    assert len(zlib.decompress(chunks.encode_chunk(noise)[:-4])) == noise.nbytes

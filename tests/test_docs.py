@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs every documented command; make test-fast skips it
+
 ROOT = Path(__file__).resolve().parents[1]
 LINKED = ("traces", "tests", "hf", "benchmarks", "scripts", "docs")
 COMMAND_WORDS = ("trace", "make", "python", "pytest", "pip", "printf", "cd")
@@ -320,3 +322,11 @@ def test_every_block_that_runs_parses_into_commands():
     errors = [b[3] for _, b in blocks if isinstance(b[3], str)]
     assert not errors, "\n".join(errors)
     assert sum(len(b[3]) for _, b in blocks) >= 40  # README and the docs show this many commands
+
+
+def test_the_readme_lists_every_doc():
+    """README.md's Documentation section names every page of docs/."""
+    readme = (ROOT / "README.md").read_text()
+    listed = readme[readme.index("## Documentation") :]
+    missing = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"docs/{p.name}" not in listed]
+    assert not missing, missing

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # hundreds of hostile inputs; make test-fast skips it
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_traces.py"
 CASES, SEED = 150, 2024
 

@@ -4,6 +4,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # hundreds of hostile inputs; make test-fast skips it
+
 
 def _fuzzer():
     spec = importlib.util.spec_from_file_location(

@@ -11,6 +11,8 @@ from gemma4_trace.recorder import golden
 from gemma4_trace.recorder.record import rerecord_trace
 from gemma4_trace.traces import TraceReader
 
+pytestmark = pytest.mark.slow  # the pytest plug-in replaying every golden; make test-fast skips it
+
 
 def test_goldens_are_small_and_hashed():
     assert set(golden.recorded_hashes()) == set(golden.GOLDENS)

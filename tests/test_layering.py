@@ -1,6 +1,7 @@
 """Dependencies run one way (docs/design.md, "Layout"), checked on the source, not by convention.
 
-    traces  <-  hf, diff, importer  <-  recorder (traces, hf), replayer (traces, hf)  <-  gemma4_trace (CLI, plug-in)
+    traces  <-  hf, diff, importer  <-  recorder (traces, hf), replayer (traces, hf)
+            <-  analysis (all of them)  <-  gemma4_trace (CLI, plug-in)
 
 Every import statement of every module is read with `ast` (also those inside functions,
 which a runtime check of sys.modules would miss), resolved to its absolute name and
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LIBRARIES = ("traces", "hf", "diff", "recorder", "replayer", "importer")  # folders installed as gemma4_trace.<name>
+LIBRARIES = ("traces", "hf", "diff", "recorder", "replayer", "importer", "analysis")  # installed as gemma4_trace.<name>
 # which library packages each may import (itself included)
 MAY_IMPORT = {
     "traces": {"traces"},
@@ -27,6 +28,7 @@ MAY_IMPORT = {
     "recorder": {"recorder", "hf", "traces"},
     "replayer": {"replayer", "hf", "traces"},
     "importer": {"importer", "traces"},
+    "analysis": {"analysis", "diff", "replayer", "recorder", "hf", "traces"},
 }
 NO_TORCH = (
     "traces",
@@ -35,6 +37,8 @@ NO_TORCH = (
 )  # `trace diff` / `trace show` / `trace import` run where no model is installed
 CLI_MODULES = (
     "gemma4_trace.cli",
+    "gemma4_trace.commands",
+    "gemma4_trace.options",
     "gemma4_trace.progress",
     "gemma4_trace.show",
     "gemma4_trace.pytest_plugin",

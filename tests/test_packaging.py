@@ -22,7 +22,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SOURCES = ("pyproject.toml", "README.md", "gemma4_trace", "traces", "diff", "recorder", "replayer", "hf", "importer")
+SOURCES = (
+    "pyproject.toml",
+    "README.md",
+    "gemma4_trace",
+    "traces",
+    "diff",
+    "recorder",
+    "replayer",
+    "hf",
+    "importer",
+    "analysis",
+)
+
+pytestmark = pytest.mark.slow  # pip installs and subprocess pytest runs; make test-fast skips it
 
 
 def _env() -> dict:
@@ -65,7 +78,7 @@ def test_pip_install_puts_only_gemma4_trace_into_site_packages(tmp_path):
     assert top and all(name.startswith("gemma4_trace") for name in top), top
     assert any(name.endswith(".dist-info") for name in top), top
     pkg = target / "gemma4_trace"
-    for sub in ("traces", "diff", "recorder", "replayer", "hf", "importer"):
+    for sub in ("traces", "diff", "recorder", "replayer", "replayer/runtimes", "hf", "importer", "analysis"):
         assert (pkg / sub / "__init__.py").is_file(), sub
     assert sorted(p.name for p in (pkg / "hf" / "tiny_model").iterdir()) == sorted(  # package data travels
         p.name for p in (ROOT / "hf" / "tiny_model").iterdir()

@@ -24,6 +24,8 @@ from tests.quant_bugs import BUGS, LOW_LAYER, WEIGHT_SCHEMES, runtime_spec
 from tests.support import site_of
 from tests.test_bug_zoo import FIRST_ROPE_KIND, Facts
 
+pytestmark = pytest.mark.slow  # every quantized bug of the zoo replayed and diffed; make test-fast skips it
+
 pytest.importorskip("torchao")
 
 MODELS = ("embedded", "k_eq_v", "moe")

@@ -134,11 +134,11 @@ def test_recording_twice_gives_the_same_content_hash(tmp_path):
 @pytest.fixture(scope="module")
 def image_recording(tmp_path_factory):
     from gemma4_trace.hf.model import DEMO_IMAGE, DEMO_IMAGE_PROMPT
-    from gemma4_trace.recorder.record import _open_image, prepare_inputs
+    from gemma4_trace.recorder.record import open_image, prepare_inputs
 
     d = tmp_path_factory.mktemp("image")
     lm = load_model(None)
-    inputs = prepare_inputs(lm, DEMO_IMAGE_PROMPT, None, [_open_image(DEMO_IMAGE)], chat=True)
+    inputs = prepare_inputs(lm, DEMO_IMAGE_PROMPT, None, [open_image(DEMO_IMAGE)], chat=True)
     record_loaded(lm, inputs, d / "t.h5", max_new_tokens=12)
     with TraceReader(d / "t.h5") as r:
         yield lm, inputs, r

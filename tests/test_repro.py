@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from gemma4_trace.analysis.repro import write_repro
 from gemma4_trace.recorder.golden import GOLDEN_DIR
 from gemma4_trace.replayer.replay import replay_trace
-from gemma4_trace.replayer.repro import write_repro
 from tests.support import invoke, one_line_error
 
 REF = GOLDEN_DIR / "window.h5"  # prompt 13 > sliding window 8; decode to position 35
@@ -152,7 +152,7 @@ def test_repro_onnx_layer_matches_ref_in_onnxruntime(tmp_path, step, layer, laye
     """layer.onnx, fed inputs.npz, gives REF's layer output in onnxruntime (rel-L2 < 1e-5),
     and repro.py (without the project) runs it and prints the same check."""
     ort = pytest.importorskip("onnxruntime")
-    from gemma4_trace.replayer.repro import onnx_feeds
+    from gemma4_trace.analysis.repro import onnx_feeds
 
     out = tmp_path / "repro"
     res = invoke("repro", str(REF), str(REF), "--at", f"{step},{layer}", "--onnx", "-o", str(out))

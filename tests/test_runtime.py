@@ -215,28 +215,27 @@ def test_probe_none_reports_nothing_and_same_logits(models):
     assert ("k", 4) not in p.d and ("k", 2) in p.d  # layer 4 reuses layer 2's K/V
 
 
-def test_exported_decode_matches_eager(models):
-    from gemma4_trace.replayer.export import export_decode, export_prefill
+def test_exported_steps_match_eager(models):
+    """The step graphs the ONNX and ExecuTorch runtimes lower (replayer/functional.py), through
+    torch.export: the eager runtime's logits and K/V caches, bit for bit."""
+    from gemma4_trace.replayer import functional as F
 
-    rt = StaticGemma4Runtime(models("moe"), max_seq=16)
+    loaded = models("moe")
+    rt, fn = StaticGemma4Runtime(loaded, max_seq=16), F.FunctionalKV(loaded, 16)
     ids = [2, 5, 9, 17, 33]
-    step = export_decode(rt).module()
-    prefill = export_prefill(rt, ids).module()
+    prefill, decode = (F.export_step(fn, step).module() for step in F.STEPS)
+    n = len(F.zero_caches(fn))
+    owners = [L for L in rt.layers if L.owns_kv]
     eager = rt.prefill(ids)
     with torch.no_grad():
-        exported = prefill(*rt.prepare_prefill(ids, {}))
-    assert torch.equal(eager, exported)
+        out = prefill(*fn.prepare_prefill(ids, {}), *F.zero_caches(fn))
+    assert torch.equal(eager, out[0])
     tok = int(eager.argmax())
     for pos in range(5, 9):
-        owners = [L for L in rt.layers if L.owns_kv]
-        before = [(L.k_cache.clone(), L.v_cache.clone()) for L in owners]
+        caches = list(out[1 : 1 + n])
+        assert all(torch.equal(caches[2 * j], L.k_cache) for j, L in enumerate(owners)), f"position {pos}"
         want = rt.decode(tok, pos)
-        want_cache = [L.k_cache.clone() for L in owners]
-        for (k, v), L in zip(before, owners):
-            L.k_cache.copy_(k)
-            L.v_cache.copy_(v)
         with torch.no_grad():
-            got = step(torch.tensor([[tok]]), torch.tensor([pos]))
-        assert torch.equal(got, want), f"position {pos}"
-        assert all(torch.equal(w, L.k_cache) for w, L in zip(want_cache, owners))
-        tok = int(got.argmax())
+            out = decode(torch.tensor([[tok]]), torch.tensor([pos]), *caches)
+        assert torch.equal(out[0], want), f"position {pos}"
+        tok = int(want.argmax())

@@ -11,10 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gemma4_trace.analysis.precision import Target
+from gemma4_trace.analysis.recipe import Recipe, load_recipe, recipe_factory
+from gemma4_trace.analysis.runner import Runner
+from gemma4_trace.analysis.sensitivity import sensitivity
 from gemma4_trace.recorder.golden import GOLDEN_DIR
-from gemma4_trace.replayer.recipe import Recipe, load_recipe
 from gemma4_trace.replayer.replay import replay_trace
-from gemma4_trace.replayer.sensitivity import Runner, Target, sensitivity
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
 from tests.quant_bugs import LOW_LAYER, runtime_spec
@@ -239,7 +241,7 @@ def test_w8a8_recipe_with_every_unit_float_is_the_float_runtime(tmp_path):
     p = tmp_path / "float.toml"
     p.write_text(Recipe("static-w8a8", units).to_toml())
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
-    replay_trace(REF, a, runtime="static-w8a8", recipe=load_recipe(p))
+    replay_trace(REF, a, runtime="static-w8a8", make=recipe_factory("static-w8a8", load_recipe(p)))
     replay_trace(REF, b, runtime="static")
     with TraceReader(a) as x, TraceReader(b) as y:
         np.testing.assert_array_equal(x.read("logits"), y.read("logits"))
@@ -249,8 +251,8 @@ def test_w8a8_recipe_with_every_unit_float_is_the_float_runtime(tmp_path):
 def test_precision_by_module_prunes_what_the_target_does_not_need(tmp_path):
     """By module: the weak layer's modules tie in the isolated ranking and go back in order;
     pruning keeps only those the target needs, all of the weak layer; a replay verifies."""
-    from gemma4_trace.replayer.recipe import write_recipe
-    from gemma4_trace.replayer.sensitivity import precision_search
+    from gemma4_trace.analysis.precision import precision_search
+    from gemma4_trace.analysis.recipe import write_recipe
 
     p = tmp_path / "weak.toml"
     p.write_text(WEAK)
@@ -263,7 +265,7 @@ def test_precision_by_module_prunes_what_the_target_does_not_need(tmp_path):
     assert res.bytes_all < res.bytes_recipe
     write_recipe(res.recipe, tmp_path / "r.toml")
     run = tmp_path / "run.h5"
-    replay_trace(REF, run, runtime="static-w8", recipe=load_recipe(tmp_path / "r.toml"))
+    replay_trace(REF, run, runtime="static-w8", make=recipe_factory("static-w8", load_recipe(tmp_path / "r.toml")))
     kl, _ = kl_top1(REF, run)
     assert kl == pytest.approx(res.verified["kl_mean"], rel=1e-6) and kl <= 2e-6
 

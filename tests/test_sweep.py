@@ -15,6 +15,8 @@ from gemma4_trace.hf.model import embedded_model_dir
 from gemma4_trace.traces.reader import TraceReader
 from tests.support import invoke, one_line_error
 
+pytestmark = pytest.mark.slow  # a record, replays and a diff per prompt; make test-fast skips it
+
 SUBSET = ("short-00", "long-01", "ids-03", "raw-04")  # chat, past the window, token ids, raw text
 PCTS = (99.9, 99, 95, 90, 50, 10, 5, 1, 0.1)
 

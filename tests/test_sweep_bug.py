@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.quant_bugs import LOW_LAYER, runtime_spec
 from tests.support import invoke
 from tests.test_sweep import subset_file
+
+pytestmark = pytest.mark.slow  # a record, replays and a diff per prompt; make test-fast skips it
 
 IDS = ("long-02", "ids-02", "image-00")  # past the window, token ids, an image
 

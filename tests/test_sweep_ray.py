@@ -10,6 +10,8 @@ import pytest
 from tests.support import invoke
 from tests.test_sweep import subset_file
 
+pytestmark = pytest.mark.slow  # a record, replays and a diff per prompt; make test-fast skips it
+
 ray = pytest.importorskip("ray")
 
 IDS = ("short-01", "ids-01")

@@ -136,7 +136,7 @@ def test_replay_with_a_huge_max_new_tokens_refused_before_allocating(tmp_path):
 
 def test_static_runtime_estimate(monkeypatch):
     """The estimate itself (the replay tests above may stop first at the tiny model's 2048 positions)."""
-    from gemma4_trace.replayer.runtime import memory_estimate
+    from gemma4_trace.replayer.ops import memory_estimate
     from gemma4_trace.traces import limits as LIM
     from gemma4_trace.traces.errors import TraceToolError
 

@@ -2,7 +2,7 @@
 
 A trace is untrusted input (docs/robustness.md, "Threat model"). Opening one checks that
 the file is a regular file and an HDF5 file, then its whole structure before any tensor
-data is read (traces/validate.py: object tree, storage, attributes, header, per-layer
+data is read (traces/validate.py and objects.py: object tree, storage, attributes, header, per-layer
 metadata, steps, every tensor's place, dtype, rank, rows and width, declared bytes). A
 file that fails raises TraceCorruptError (or TraceFileError when it is no trace at all):
 one line naming the file, what is wrong and what to do. Tensor data is read later, on
@@ -28,18 +28,8 @@ from . import limits as LIM
 from . import schema as S
 from .errors import TraceToolError, interrupted, one_line
 from .header import Provenance, TraceHeader
-from .validate import (
-    ADVICE,
-    READ_ERRORS,
-    Checked,
-    Validator,
-    attr_text,
-    corrupt,
-    corrupt_data,
-    file_error,
-    nbytes,
-    read_small,
-)
+from .objects import ADVICE, READ_ERRORS, Checked, attr_text, corrupt, corrupt_data, file_error, nbytes, read_small
+from .validate import Validator
 
 HASH_BLOCK_BYTES = 64 << 20  # content_hash reads a dataset this many bytes at a time
 

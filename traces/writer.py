@@ -6,7 +6,7 @@ compressed and written on a writer thread (`_Writes`), off the caller's (the mod
 the caller waits only while QUEUE_BYTES are queued, and at the end of the trace. bfloat16
 values are stored as their 16-bit patterns (schema.STORAGE_BF16).
 
-Row datasets are written one whole chunk at a time, each chunk encoded here (`encode_chunk`) and
+Row datasets are written one whole chunk at a time, each chunk encoded (chunks.py `encode_chunk`) and
 handed to HDF5 as it is stored (H5Dwrite_chunk): the same byte shuffle, deflate stream and
 Fletcher-32 checksum HDF5's own filters declare and undo on read, so any HDF5 reader reads the
 file, but deflated plane by plane: noise planes (low mantissa bytes) stored, the rest by ISA-L's
@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import threading
-import zlib
 from pathlib import Path
 
 import h5py
@@ -29,114 +28,15 @@ import numpy as np
 
 from . import schema as S
 from .atomic import atomic_output
+from .chunks import encode_chunk
 from .header import TraceHeader
 from .layers import LayerInfo
 
 CHUNK_BYTES = 1 << 20  # target uncompressed chunk size
 MAX_CHUNK_ROWS = 256
 MASK_CHUNK_ROWS, MASK_CHUNK_KEYS = 256, 1024  # bool: 256 KiB per chunk
-# measured one at a time in docs/benchmarks.md (benchmarks/bench_writer.py switches them off)
-THREADED = True  # writes on a writer thread where it has a core (spare_core); False: never, as before
-BF16_BITS = True  # bfloat16 values stored as their 16-bit patterns (False: as float32, as before)
 QUEUE_BYTES = 256 << 20  # rows handed to the writer thread and not yet written: the model thread waits beyond this
 COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True, fletcher32=True)
-DIRECT_CHUNKS = True  # whole chunks encoded here (False: HDF5's gzip 1 on any row block, as before)
-
-
-def fletcher32(data: bytes) -> int:
-    """HDF5's Fletcher-32 (H5_checksum_fletcher32): sums of big-endian 16-bit words folded mod 65535
-    (a zero byte pads an odd length); its reductions keep a non-zero sum in 1..65535.
-
-    Sum 1 adds the words, sum 2 each word times its count of words from the end (n - i). Both are
-    added per block of 2**16 words in float64, where every partial sum is an integer below 2**53
-    (so exact), and the blocks combined as Python integers."""
-    if len(data) % 2:
-        data += b"\0"
-    w = np.frombuffer(data, dtype=">u2")
-    if not w.any():
-        return 0
-    n, block = w.size, 1 << 16
-    blocks = np.zeros(-(-n // block) * block, np.float64)
-    blocks[:n] = w
-    blocks = blocks.reshape(-1, block)
-    sums = blocks.sum(axis=1)  # per block: below 2**32
-    weighted = blocks @ np.arange(block, dtype=np.float64)  # per block, the sum of j * w_j: below 2**48
-    total2 = sum((n - b * block) * int(s) - int(j) for b, (s, j) in enumerate(zip(sums, weighted)))
-    fold = lambda total: (total - 1) % 65535 + 1  # noqa: E731
-    return (fold(total2) << 16) | fold(int(sums.sum()))
-
-
-STORED_ENTROPY = 7.5  # bits per byte: a byte plane at least this random is stored, not Huffman-coded
-PLANES = None  # encode_chunk's default: a deflate setting per byte plane
-STORED, CODED = 0, 1  # _plane_setting's answers
-
-
-def _plane_setting(plane: np.ndarray) -> int:
-    """STORED or CODED for one shuffled byte plane, from the byte entropy of a sample. Noise
-    (activations' low mantissa bytes) is stored: Huffman codes would save at most 1/16 of it and cost
-    as much time as the rest of the chunk. The rest (exponent bytes: skewed values; zero rows: runs)
-    is coded by ISA-L's fastest deflate (Huffman codes and short matches)."""
-    sample = plane[:: max(1, plane.size // 4096)]
-    p = np.bincount(sample, minlength=256)
-    p = p[p > 0] / sample.size
-    entropy = float(-(p * np.log2(p)).sum())
-    return STORED if entropy >= STORED_ENTROPY else CODED
-
-
-def _compressor(setting: int):
-    """A raw deflate compressor (no header): zlib's stored blocks, or ISA-L's level 1, which codes the
-    exponent planes of a full-size E2B trace 3.5x as fast as zlib's Z_RLE for 15% more bytes."""
-    if setting == STORED:
-        return zlib.compressobj(0, zlib.DEFLATED, -15)
-    from isal import isal_zlib  # imported here: reading a trace needs only h5py and numpy
-
-    return isal_zlib.compressobj(1, isal_zlib.DEFLATED, -15)
-
-
-def _shuffle(a: np.ndarray) -> np.ndarray:
-    """HDF5's shuffle filter: (itemsize, n) bytes, plane i holding byte i of every value."""
-    values = a.view(np.uint8).reshape(-1, a.dtype.itemsize)
-    planes = np.empty((a.dtype.itemsize, values.shape[0]), np.uint8)
-    for i in range(a.dtype.itemsize):
-        planes[i] = values[:, i]
-    return planes
-
-
-def _deflate_planes(planes: np.ndarray, compressor=_compressor) -> bytes:
-    """One zlib stream over the shuffled chunk `planes` (_shuffle), each run of byte planes with the
-    same setting deflated by a raw deflate compressor of its own (`compressor(setting)`). The pieces
-    are byte-aligned (Z_SYNC_FLUSH; only the last ends with a final block) and none refers back into
-    another, so together they are one valid deflate stream: any zlib inflates it, HDF5's gzip filter
-    included, Adler-32 checked."""
-    from isal import isal_zlib
-
-    itemsize = planes.shape[0]
-    settings = [_plane_setting(planes[i]) for i in range(itemsize)]
-    out = [b"\x78\x01"]  # the zlib header: deflate, 32 KiB window, fastest level (0x7801 % 31 == 0)
-    first = 0
-    for last in range(itemsize):
-        if last + 1 < itemsize and settings[last + 1] == settings[first]:
-            continue
-        z = compressor(settings[first])
-        out.append(z.compress(planes[first : last + 1]))
-        out.append(z.flush(zlib.Z_FINISH if last + 1 == itemsize else zlib.Z_SYNC_FLUSH))
-        first = last + 1
-    out.append(isal_zlib.adler32(planes).to_bytes(4, "big"))  # zlib's value, 5x as fast
-    return b"".join(out)
-
-
-def encode_chunk(chunk: np.ndarray, strategy: int | None = PLANES) -> bytes:
-    """One chunk as COMPRESSION's filters store it: shuffle, a zlib stream, Fletcher-32
-    (little-endian) appended. By default each byte plane gets its own deflate setting
-    (_plane_setting); given one zlib `strategy`, the chunk is one zlib stream at level 1, and with
-    zlib's default strategy its bytes equal HDF5's own."""
-    planes = _shuffle(np.ascontiguousarray(chunk))
-    if strategy is PLANES:
-        body = _deflate_planes(planes)
-    else:
-        z = zlib.compressobj(1, zlib.DEFLATED, 15, 8, strategy)
-        body = z.compress(planes) + z.flush()
-    return body + fletcher32(body).to_bytes(4, "little")
 
 
 def fixed_text(text: str | list[str]) -> np.ndarray:
@@ -206,7 +106,7 @@ class _Series:
         self.absent: list[tuple[int, int]] = []  # [start, stop) row ranges a runtime did not report
         # bfloat16 values are stored as their 16-bit patterns, as long as every value written is one
         bits = np.dtype(dtype) == np.uint16  # Bf16Rows
-        self.bf16 = BF16_BITS and source_dtype == "bfloat16" and (bits or np.dtype(dtype) == np.float32)
+        self.bf16 = source_dtype == "bfloat16" and (bits or np.dtype(dtype) == np.float32)
         # chunks of the same rows however the values are handed over or stored
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * (4 if bits else np.dtype(dtype).itemsize))
         self.chunk_rows = int(max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // row_bytes)))
@@ -261,7 +161,7 @@ class _Series:
             self.row_shape = (self.ds.shape[1],)
 
     def _direct(self, stored: np.ndarray) -> bool:
-        return DIRECT_CHUNKS and not self.grow_last and stored.dtype.itemsize > 1 and stored.dtype.kind in "uif"
+        return not self.grow_last and stored.dtype.itemsize > 1 and stored.dtype.kind in "uif"
 
     def _write_chunks(self, final: bool) -> None:
         """Write the carried rows' whole chunks (and with `final`, the rest as a zero-padded chunk)."""
@@ -349,7 +249,7 @@ class _Writes:
         self.error: BaseException | None = None
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="trace-writer", daemon=True)
-        self.threaded = THREADED and threaded
+        self.threaded = threaded
         if self.threaded:
             self.thread.start()
 

@@ -1,0 +1,70 @@
+"""`trace diff` (the first divergence between two traces) and `trace calibrate` (tolerances from
+known-good runs)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from gemma4_trace import options as O
+from gemma4_trace.traces.atomic import check_output_path
+from gemma4_trace.traces.errors import one_line
+
+from . import EXIT_DIVERGENCE, echo_lines, tokenizer_folder, user_errors
+
+
+@click.command("diff")
+@click.argument("reference", metavar="REF.h5", type=click.Path())
+@click.argument("candidate", metavar="RUN.h5", type=click.Path())
+@O.tolerances
+@O.as_json("print the JSON report instead of text")
+@O.report
+@O.force("an existing --report file")
+@O.model("tokenizer")
+@O.baseline()
+@O.baseline_factor
+@click.option(
+    "--full",
+    is_flag=True,
+    help="compare every row of every tensor, also after the first divergence (the whole error map)",
+)
+@O.debug
+@user_errors
+def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir, baseline, baseline_factor, full):
+    """Find the first divergence between two traces (exit 1 if they diverge)."""
+    import json
+    from pathlib import Path
+
+    from gemma4_trace.diff import diff_traces, format_text, write_html
+    from gemma4_trace.hf.model import decoder_for
+
+    if report:  # before the work: never onto an input, a device or a FIFO
+        check_output_path(
+            report, force, inputs=[reference, candidate, tolerances, model_dir and Path(model_dir) / "tokenizer.json"]
+        )
+    result = diff_traces(reference, candidate, tolerances, baseline, baseline_factor, full=full)
+    folder = tokenizer_folder(model_dir, result.reference.model_name)
+    decode = decoder_for(folder / "tokenizer.json" if folder else None)
+    if decode is not None:
+        result.tokens.reference_text = decode(result.tokens.reference)
+        result.tokens.candidate_text = decode(result.tokens.candidate)
+    if report:
+        write_html(result, report, force=force)
+    echo_lines(json.dumps(result.to_json(), indent=2) if as_json else format_text(result))
+    sys.exit(0 if result.match else EXIT_DIVERGENCE)
+
+
+@click.command()
+@click.argument("reference", metavar="REF.h5", type=click.Path())
+@click.argument("bases", metavar="BASE.h5...", nargs=-1, required=True, type=click.Path())
+@O.output("tolerances TOML file to write")
+@O.margin
+@O.force()
+@O.debug
+@user_errors
+def calibrate(reference, bases, output, margin, force):
+    """Write tolerances from known-good runs: `trace diff REF BASE --tolerances` then matches."""
+    from gemma4_trace.diff.calibrate import write_calibration
+
+    click.echo(one_line(write_calibration(reference, list(bases), output, margin=margin, force=force)))  # names OUT

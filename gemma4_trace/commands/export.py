@@ -1,0 +1,88 @@
+"""`trace export-onnx`, `export-pte` and `export-gguf`: the artifacts a runtime runs (the
+registry's `export` column), written where the user wants them, from the artifact cache."""
+
+from __future__ import annotations
+
+import click
+
+from gemma4_trace import options as O
+from gemma4_trace.replayer.runtimes.registry import RUNTIMES, check_available, check_export, exporter, parse_runtime
+
+from . import check_model_dir, configure_artifacts, user_errors
+
+PTE = [s.name for s in RUNTIMES if s.export == "export-pte" and not s.name.endswith("-reference")]
+
+
+@click.command("export-onnx")
+@O.model()
+@O.max_seq(required=True, help="static sequence length of the graphs")
+@O.output("folder for prefill.onnx and decode.onnx", dest="out_dir", folder=True)
+@O.force("existing .onnx files")
+@O.cache
+@O.debug
+@user_errors
+def export_onnx_cmd(model_dir, max_seq, out_dir, force, cache_dir, no_cache):
+    """Export the static runtime's prefill and decode steps to ONNX (what --runtime onnx runs)."""
+    configure_artifacts(cache_dir, no_cache)
+    check_model_dir(model_dir)
+    check_export("export-onnx")
+    from gemma4_trace.replayer.runtimes.onnx import export_command  # torch: after the checks
+
+    click.echo(export_command(model_dir, max_seq, out_dir, force=force))
+
+
+@click.command("export-pte")
+@O.model()
+@O.runtime("float32, or PT2E int8 (XNNPACKQuantizer) calibrated on --calibrate's prompt", choices=PTE, default=PTE[0])
+@O.max_seq(required=True, help="static sequence length of the programs")
+@click.option("--calibrate", "calibrate", type=click.Path(), help="REF.h5 whose prompt calibrates executorch-int8")
+@O.prefill_chunk("a prefill program over N rows (run once per chunk), as replay's --prefill-chunk")
+@O.output("folder for the .pte files", dest="out_dir", folder=True)
+@O.force("existing .pte files")
+@O.cache
+@O.debug
+@user_errors
+def export_pte_cmd(model_dir, runtime, max_seq, calibrate, prefill_chunk, out_dir, force, cache_dir, no_cache):
+    """Lower the static runtime's prefill and decode steps to ExecuTorch XNNPACK .pte programs (what
+    --runtime executorch runs): prefill.pte and decode.pte, both or neither."""
+    configure_artifacts(cache_dir, no_cache)
+    check_model_dir(model_dir)
+    check_available(runtime)  # the extra installed
+    prompt = None
+    if calibrate is not None:
+        from gemma4_trace.replayer.core import read_reference
+
+        ref = read_reference(calibrate)
+        prompt = (ref.prompt_ids, ref.extra)
+    from gemma4_trace.replayer.runtimes.executorch import export_command  # torch: after the checks
+
+    click.echo(
+        export_command(
+            model_dir, runtime, max_seq, out_dir, force=force, calibration_prompt=prompt, prefill_chunk=prefill_chunk
+        )
+    )
+
+
+@click.command("export-gguf")
+@O.model()
+@click.option(
+    "--type",
+    "gguf_type",
+    default="F32",
+    show_default=True,
+    help=f"{', '.join(exporter('export-gguf').types)} (all but F32 need the llamacpp extra)",
+)
+@O.output("GGUF file to write", file=True)
+@O.force()
+@O.cache
+@O.debug
+@user_errors
+def export_gguf_cmd(model_dir, gguf_type, output, force, cache_dir, no_cache):
+    """Convert the checkpoint to GGUF (what --runtime llama.cpp:TYPE runs), cached by content."""
+    configure_artifacts(cache_dir, no_cache)
+    check_model_dir(model_dir)
+    choice = parse_runtime(f"{exporter('export-gguf').name}:{gguf_type}")  # an unknown type is one line
+    check_export("export-gguf")
+    from gemma4_trace.replayer.runtimes.llamacpp.runtime import export_command
+
+    click.echo(export_command(model_dir, choice.type, output, force=force))

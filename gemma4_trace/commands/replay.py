@@ -1,0 +1,81 @@
+"""`trace replay`: run a static-shape runtime on REF's inputs and write a candidate trace."""
+
+from __future__ import annotations
+
+import click
+
+from gemma4_trace import options as O
+from gemma4_trace.traces.atomic import check_output_path
+
+from . import check_model_dir, configure_artifacts, load_recipe, model_files, selection_of, user_errors, with_progress
+
+
+@click.command()
+@click.argument("reference", metavar="REF.h5", type=click.Path())
+@O.model("ref")
+@O.runtime()
+@O.max_seq()
+@click.option(
+    "--teacher-forcing/--free-running", default=True, show_default=True, help="feed REF's tokens, or the runtime's own"
+)
+@click.option(
+    "--isolate", is_flag=True, help="feed every layer REF's input: each layer's error is its own (teacher-forced)"
+)
+@O.device("where the model and the static runtime run")
+@O.prefill_chunk("static and executorch runtimes: prefill in chunks of N rows, shapes (N, max_seq)")
+@O.output("trace file to write")
+@O.force()
+@O.debug
+@O.recipe("precision recipe TOML (trace precision) for a quantized static runtime or llama.cpp:TYPE")
+@click.option(
+    "--gguf", "gguf_path", type=click.Path(), default=None, help="run this GGUF file in llama.cpp (extra [llamacpp])"
+)
+@click.option(
+    "--weights-from",
+    type=click.Path(),
+    default=None,
+    help="static runtime on this GGUF's weights, dequantized (extra [llamacpp])",
+)
+@click.option(
+    "--allow-config-mismatch", is_flag=True, help="replay a GGUF whose metadata differs from REF's model config"
+)
+@O.cache
+@O.progress()
+@O.selection
+@user_errors
+def replay(
+    reference, model_dir, runtime, teacher_forcing, isolate, output, force, layers, kinds, steps, progress, **kw
+):
+    """Run a static-shape runtime on REF's inputs and write a candidate trace."""
+    from gemma4_trace.replayer.runtimes.registry import check_available, parse_runtime
+
+    choice = check_available(parse_runtime(runtime), isolate)  # a typo is refused before torch or the model loads
+    configure_artifacts(kw.pop("cache_dir"), kw.pop("no_cache"))  # before any runtime builds an artifact
+    recipe, gguf, weights_from = kw.pop("recipe"), kw.pop("gguf_path"), kw.pop("weights_from")
+    inputs = [reference, *model_files(model_dir), *[p for p in (recipe, gguf, weights_from) if p]]
+    check_output_path(output, force, inputs=inputs)
+    check_model_dir(model_dir)
+    make = None
+    if recipe is not None:
+        from gemma4_trace.analysis.recipe import recipe_factory
+
+        make = recipe_factory(runtime, load_recipe(recipe))
+    from gemma4_trace.replayer.replay import replay_trace  # torch: after the checks
+
+    with_progress(  # the summary names the runtime, which a plug-in chose: printed as one safe line
+        "replaying",
+        progress,
+        replay_trace,
+        reference,
+        output,
+        model_dir=model_dir,
+        runtime=choice,
+        mode="teacher-forced" if teacher_forcing else "free-running",
+        force=force,
+        isolate=isolate,
+        selection=selection_of(layers, kinds, steps),
+        make=make,
+        gguf=gguf,
+        weights_from=weights_from,
+        **kw,
+    )

@@ -1,0 +1,97 @@
+"""`trace sweep`: record, replay and diff every prompt of a set, with statistics over all."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from gemma4_trace import options as O
+from gemma4_trace.traces.errors import TraceToolError, one_line
+
+from . import EXIT_DIVERGENCE, EXIT_INTERRUPTED, check_model_dir, configure_artifacts, echo_lines, fail, user_errors
+
+
+@click.command()
+@click.argument("prompts_path", metavar="PROMPTS", type=click.Path())
+@O.runtime("the runtime to judge (as `trace replay --runtime`)", required=True)
+@click.option(
+    "--baseline-runtime",
+    default=None,
+    help="a trusted runtime also replayed on every prompt; RUN diverges only outside its error envelope",
+)
+@O.model()
+@O.max_new_tokens
+@O.no_chat("text prompts as raw text, without the chat template")
+@click.option("--workers", type=click.IntRange(1, 1024), default=1, show_default=True, help="processes on this machine")
+@click.option(
+    "--ray",
+    "ray_address",
+    default=None,
+    help="one Ray task per prompt: 'auto' (the running cluster) or its ADDRESS (extra [cluster])",
+)
+@click.option(
+    "--shared-dir/--no-shared-dir",
+    "shared_dir",
+    default=None,
+    help="with --ray: tasks write DIR themselves, or return their files to be written here "
+    "[default: each task checks whether it sees DIR]",
+)
+@click.option(
+    "--keep-traces", is_flag=True, help="also keep each prompt's REF, RUN (and BASE) traces under DIR/prompts"
+)
+@O.tolerances
+@O.baseline_factor
+@O.output("folder for the results", dest="out_dir")
+@O.progress("a line on stderr per finished prompt [default: only on a terminal]")
+@O.cache
+@O.debug
+@user_errors
+def sweep(prompts_path, runtime, baseline_runtime, model_dir, no_chat, workers, ray_address, out_dir, progress, **kw):
+    """Record, replay and diff every prompt of a set; KL, top-1 and perplexity statistics over all (exit 1 if any
+    prompt diverges)."""
+    from pathlib import Path
+
+    from gemma4_trace.analysis import sweep as S
+    from gemma4_trace.analysis.prompts import read_prompts
+    from gemma4_trace.diff.baseline import check_factor
+    from gemma4_trace.diff.tolerances import load_tolerances
+    from gemma4_trace.replayer.runtimes.registry import check_available
+
+    configure_artifacts(kw.pop("cache_dir"), kw.pop("no_cache"))
+    prompts = read_prompts(prompts_path)  # cheap checks first: nothing heavy loads before they pass
+    for rt in (runtime, baseline_runtime):
+        if rt is not None:
+            check_available(rt)
+    if ray_address is not None:
+        if workers != 1:
+            raise TraceToolError("give --workers or --ray, not both")
+        S.check_ray()
+    check_model_dir(model_dir)
+    load_tolerances(kw["tolerances"])
+    if baseline_runtime is not None:
+        check_factor(kw["baseline_factor"])
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise TraceToolError(f"output {out} is a file; give a folder")
+    cfg = S.configure(
+        model_dir,
+        runtime,
+        baseline_runtime,
+        kw["max_new_tokens"],
+        not no_chat,
+        kw["tolerances"],
+        kw["baseline_factor"],
+        kw["keep_traces"],
+    )
+    loud = progress if progress is not None else sys.stderr.isatty()
+    say = (lambda line: click.echo(one_line(line), err=True)) if loud else None
+    try:
+        outcome = S.run_sweep(
+            prompts, cfg, out, workers=workers, ray_address=ray_address, say=say, shared=kw["shared_dir"]
+        )
+    except KeyboardInterrupt:
+        done = len(list((out / "prompts").glob("*.json"))) if (out / "prompts").is_dir() else 0
+        fail(f"interrupted; {done} finished prompt(s) kept in {out}/prompts (run again to resume)", EXIT_INTERRUPTED)
+    echo_lines(S.describe(outcome))
+    sys.exit(EXIT_DIVERGENCE if outcome.summary.diverging else 0)

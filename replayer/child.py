@@ -1,0 +1,311 @@
+"""Native engines in a child process: a crash inside one becomes one line, not a dead replay.
+
+ONNX Runtime (`--runtime onnx`, `mobius`), ExecuTorch (`executorch`, `executorch-int8`) and
+llama.cpp are C/C++ code: a fault in them (segfault, abort) ends the process they run in. Each
+runs in a child process of its own, driven over a pipe, so the replay can name the failure in one
+line (runtime, phase, the last kind the engine reported, signal), exit 2 and leave no trace behind:
+
+    error: onnx (onnxruntime 1.32.0) crashed in decode step 2: killed by SIGSEGV
+
+One protocol for every engine: length-prefixed pickles (protocol 5) over stdin/stdout. The parent
+sends (command, *arguments, phase); the child answers with any number of ("tensor", kind, layer,
+array) messages (an engine that streams what it computes, as llama.cpp's eval callback does) and
+then one reply: the command's result, or ("error", line) for a failure the engine reports.
+
+Parent side: `Child` (the process and its stream) and `ChildRuntime`, the base of the runtimes
+whose engine runs there (one phase counter, output sites turned into probe calls in one place,
+`close()`). Child side (`python -m gemma4_trace.replayer.child MODULE:CLASS`): an engine class
+`Engine(emit)` with `handle(command, *arguments) -> reply`; `emit(kind, layer, array)` streams a
+tensor. OrtEngine (sessions of .onnx files, CPU) and ExecuTorchEngine (the `forward` of .pte
+programs) are here; llama.cpp's is replayer/runtimes/llamacpp/engine.py. An engine runs as it
+would in-process (the child inherits the environment and CPU affinity), so results are
+bit-identical.
+
+Tests only: GEMMA4_TRACE_TEST_NATIVE_CRASH=PHASE makes the child kill itself with SIGSEGV when it
+is asked to work in PHASE ("loading", "prefill", "decode step 2"); =KIND or KIND@LAYER makes it
+abort right after streaming that tensor (tests/runtimes/test_native_child.py shows both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import weakref
+
+from gemma4_trace.traces.errors import TraceToolError
+
+from .api import Runtime, progress_words
+
+MAX_REPLY = 1 << 34  # bytes in one message from a child (a step's tensors); more is no message of ours
+CRASH_ENV = "GEMMA4_TRACE_TEST_NATIVE_CRASH"  # tests: PHASE -> SIGSEGV at that phase; KIND[@LAYER] -> abort after it
+ORT_ENGINE = "gemma4_trace.replayer.child:OrtEngine"
+EXECUTORCH_ENGINE = "gemma4_trace.replayer.child:ExecuTorchEngine"
+# the SessionOptions of --runtime onnx and mobius; threads are onnxruntime's default (intra-op: one per
+# physical core), the same in the child, which inherits the parent's environment and CPU affinity
+ORT_SESSION = {"log_severity_level": 3}
+
+
+class EngineError(Exception):
+    """An engine's own refusal (a file it cannot load): its message is the whole error line."""
+
+    whole_line = True  # read by attribute: in the child this module is also __main__, a second copy
+
+
+def send_msg(stream, msg) -> None:
+    data = pickle.dumps(msg, protocol=5)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def recv_msg(stream):
+    """The next message, or None at the end of the stream."""
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack("<Q", head)
+    return pickle.loads(stream.read(n))
+
+
+def signal_words(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit status {rc}"
+
+
+def _shut(proc: subprocess.Popen, log) -> None:
+    """End the child and reap it. It is idle whenever the parent closes it (every command is
+    answered before the next is sent), so it is killed at once: a Python with torch loaded takes
+    most of a second to exit by itself."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for stream in (proc.stdin, proc.stdout, log):
+        with contextlib.suppress(OSError):
+            stream.close()
+
+
+class Child:
+    """A child process running ENGINE ("module:Class"), its messages read as they come.
+
+    `label` names the runtime in errors ("llama.cpp (F32)", "onnx (onnxruntime 1.32.0)"); an engine
+    that `streams` its tensors as it computes them has a crash message say the last one it sent
+    ("after layer 3 attn_out", "before reporting anything"). The child's stderr goes to a log, whose
+    last line a crash message quotes. The child ends with close(), when this object is collected,
+    or with the parent (its stdin closes)."""
+
+    def __init__(self, label: str, engine: str, env=None, streams: bool = False):
+        self.label, self.streams = label, streams
+        self.last: tuple[str, int | None] | None = None  # the last tensor streamed in this call
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, engine],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env={**os.environ, **(env or {})},
+        )
+        self._finalizer = weakref.finalize(self, _shut, self.proc, self.log)
+
+    def call(self, command: str, *args, phase: str, tensor=None):
+        """Send (command, *args, phase) and return the reply (a tuple); each streamed tensor on the
+        way is handed to tensor(kind, layer, array). A failure is one TraceToolError line."""
+        self.last = None
+        try:
+            send_msg(self.proc.stdin, (command, *args, phase))
+        except (BrokenPipeError, OSError):
+            pass  # it died: the receive says how
+        while True:
+            msg = self._receive(phase)
+            if msg[0] != "tensor":
+                return msg
+            self.last = (msg[1], msg[2])
+            if tensor is not None:
+                tensor(*msg[1:])
+
+    def _receive(self, phase: str):
+        head = self.proc.stdout.read(8)
+        if len(head) == 8:
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_REPLY:
+                self.proc.kill()
+                raise TraceToolError(f"{self.label} sent a malformed reply in {phase}{self._where()}")
+            body = self.proc.stdout.read(n)
+            if len(body) == n:
+                msg = pickle.loads(body)
+                if msg[0] == "error":
+                    raise TraceToolError(f"{self.label} failed in {phase}: {msg[1]}")
+                return msg
+        rc = self.proc.wait()
+        raise TraceToolError(f"{self.label} crashed in {phase}{self._where()}: {signal_words(rc)}{self._said()}")
+
+    def _where(self) -> str:
+        return f" {progress_words(self.last)}" if self.streams else ""
+
+    def _said(self) -> str:
+        """The last line the child wrote to stderr (an abort message, say), if any."""
+        self.log.seek(0)
+        lines = [ln.strip() for ln in self.log.read()[-4096:].decode(errors="replace").splitlines() if ln.strip()]
+        return f" ({lines[-1][:200]})" if lines else ""
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+class ChildRuntime(Runtime):
+    """Base of the runtimes whose engine runs in a child process (the runtime contract, docs/runtime-api.md).
+
+    Subclasses call `start(label, engine)` (or not, for a mode that runs in-process), name each
+    step's phase with `phase(prefill)` and report an engine's outputs with `report`. `close()` ends
+    the child; a replay calls it, and so does leaving a `with` block."""
+
+    name = "child"
+    child: Child | None = None
+    decodes = 0  # decode steps since the prefill: the phase a crash names
+
+    def start(self, label: str, engine: str, env=None, streams: bool = False) -> Child:
+        self.child = Child(label, engine, env, streams)
+        return self.child
+
+    def phase(self, prefill: bool) -> str:
+        """The next step's phase: "prefill", then "decode step 1", "decode step 2", ..."""
+        self.decodes = 0 if prefill else self.decodes + 1
+        return "prefill" if prefill else f"decode step {self.decodes}"
+
+    @staticmethod
+    def report(probe, sites, rows: slice | None = None) -> None:
+        """Hand ((kind, layer), array) pairs to the probe as torch tensors (their `rows`, if given)."""
+        if probe is None:
+            return
+        import torch
+
+        for (kind, layer), value in sites:
+            value = value if rows is None else value[rows]
+            probe.tensor(kind, value if isinstance(value, torch.Tensor) else torch.from_numpy(value), layer=layer)
+
+    def close(self) -> None:
+        if self.child is not None:
+            self.child.close()
+
+
+# ---------------------------------------------------------------- the child
+@contextlib.contextmanager
+def quiet_fd2():
+    """The engines' C++ start-up prints lines on file descriptor 2 (cpuinfo, torchao's optional
+    kernels): keep them out of the log, whose last line a crash message quotes."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class OrtEngine:
+    """("load", {name: path}, options) -> ("ready", {name: (inputs [(name, shape)], outputs [name])});
+    ("run", name, {input: array}) -> ("outputs", [array, ...]) in the session's output order."""
+
+    def __init__(self, emit):
+        import onnxruntime
+
+        self.ort, self.sessions = onnxruntime, {}
+
+    def handle(self, command: str, *args):
+        if command == "load":
+            paths, options = args
+            opts = self.ort.SessionOptions()
+            for k, v in options.items():
+                setattr(opts, k, v)
+            meta = {}
+            for name, path in paths.items():
+                s = self.sessions[name] = self.ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+                meta[name] = ([(i.name, list(i.shape)) for i in s.get_inputs()], [o.name for o in s.get_outputs()])
+            return ("ready", meta)
+        name, inputs = args
+        return ("outputs", self.sessions[name].run(None, inputs))
+
+
+class ExecuTorchEngine:
+    """("load", {name: path}, options) -> ("ready", {name: ([], [])}); ("run", name, [array]) ->
+    ("outputs", [array, ...]): the `forward` method of each .pte program."""
+
+    def __init__(self, emit):
+        with quiet_fd2():
+            import torch
+            from executorch.runtime import Runtime
+
+            self.torch, self.et = torch, Runtime.get()
+        self.methods = {}
+
+    def handle(self, command: str, *args):
+        if command == "load":
+            paths, _ = args
+            with quiet_fd2():
+                for name, path in paths.items():
+                    self.methods[name] = self.et.load_program(path).load_method("forward")
+            return ("ready", {name: ([], []) for name in paths})
+        name, inputs = args
+        outs = self.methods[name].execute([self.torch.from_numpy(a) for a in inputs])
+        return ("outputs", [t.numpy() for t in outs])  # pickled at once: before the next run reuses the memory
+
+
+def _crash_here(at: str | None, phase: str | None = None, kind: str | None = None, layer=None) -> None:
+    """The test hook (module docstring): SIGSEGV when asked to work in phase `at`; abort after
+    streaming kind `at` ("KIND" or "KIND@LAYER")."""
+    if at is None:
+        return
+    if phase is not None and phase == at:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if kind is not None and at in (kind, f"{kind}@{layer}"):
+        os.abort()
+
+
+def main() -> int:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash is reported by the parent, not dumped
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends this child
+    # the replies get stdout's pipe on a descriptor of their own; fd 1 becomes stderr, so that
+    # nothing the engines' C/C++ code prints can land in the reply stream
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    inp = sys.stdin.buffer
+    crash_at = os.environ.get(CRASH_ENV)
+
+    def emit(kind: str, layer, array) -> None:
+        send_msg(out, ("tensor", kind, layer, array))
+        _crash_here(crash_at, kind=kind, layer=layer)
+
+    module, _, cls = sys.argv[1].partition(":")
+    engine = getattr(importlib.import_module(module), cls)(emit)  # imported before the first command
+    while True:
+        msg = recv_msg(inp)
+        if msg is None:
+            return 0
+        command, *args, phase = msg
+        _crash_here(crash_at, phase=phase)
+        try:
+            reply = engine.handle(command, *args)
+        except Exception as e:  # noqa: BLE001 - the engine's own error, one line for the parent
+            text = " ".join(str(e).split())[:300]
+            if not getattr(e, "whole_line", False):
+                text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+            reply = ("error", text)
+        send_msg(out, reply)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

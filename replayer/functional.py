@@ -1,0 +1,177 @@
+"""The static runtime as pure functions of tensors: what the ONNX and ExecuTorch runtimes lower.
+
+A step graph is one step as a function, (step inputs..., K/V caches...) -> (logits, updated
+caches..., reported kinds...): the caches of the layers that own K/V are inputs and outputs (no
+in-place buffer writes; the host keeps them between steps, as an NPU runtime's host code would),
+and every canonical kind the static runtime reports through its probe becomes an extra output,
+named `<kind>` or `L07.<kind>` (output_site reads a name back). The prefill graph runs N prompt
+rows from a start position (the static runtime's prefill chunk; N = max_seq: the whole padded
+prompt in one run), the decode graph one token.
+
+    rt = FunctionalKV(loaded, max_seq)
+    prog = export_step(rt, "decode")        # torch.export.ExportedProgram, static shapes
+    logits, *rest = prog.module()(*step_inputs(rt, "decode"), *zero_caches(rt))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+
+import torch
+from torch import nn
+
+from .runtime import StaticGemma4Runtime, chunk_plan
+
+PREFILL_INPUTS = ("ids", "ple_ids", "mm_embeds", "mm_slots", "block_ids", "n_valid")
+PREFILL_CHUNK_INPUTS = (*PREFILL_INPUTS, "start")
+DECODE_INPUTS = ("token", "input_pos")
+STEPS = ("prefill", "decode")
+
+
+class ListProbe:
+    """Collects the probe's reports while a graph is traced: each becomes a graph output."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.values: list[torch.Tensor] = []
+
+    def tensor(self, kind, value, layer=None):
+        self.names.append(output_name(kind, layer))
+        self.values.append(value)
+
+
+def output_name(kind: str, layer: int | None) -> str:
+    return kind if layer is None else f"L{layer:02d}.{kind}"
+
+
+def output_site(name: str) -> tuple[str, int | None]:
+    """An extra output's name -> (kind, layer): "L07.q" -> ("q", 7), "embeddings" -> ("embeddings", None)."""
+    layer, _, kind = name.rpartition(".")
+    return kind, int(layer[1:]) if layer else None
+
+
+class FunctionalKV(StaticGemma4Runtime):
+    """The static runtime with its KV caches passed in and returned (no in-place buffer writes)."""
+
+    def owners(self) -> list[int]:
+        return [i for i, info in enumerate(self.infos) if info.kv_role != "reuses"]
+
+    def _write_kv(self, i, k_t, v_t, input_pos, valid):
+        kc, vc = self._kv[i]
+        if valid is None:
+            kc, vc = kc.index_copy(2, input_pos, k_t), vc.index_copy(2, input_pos, v_t)
+        elif k_t.shape[2] < kc.shape[2]:  # a prefill chunk: its rows at input_pos, padding rows zero
+            keep = valid[None, None, :, None]
+            kc = kc.index_copy(2, input_pos, torch.where(keep, k_t, torch.zeros_like(k_t)))
+            vc = vc.index_copy(2, input_pos, torch.where(keep, v_t, torch.zeros_like(v_t)))
+        else:  # prefill rewrites the whole cache; padding rows are zero
+            keep = valid[None, None, :, None]
+            kc, vc = torch.where(keep, k_t, torch.zeros_like(k_t)), torch.where(keep, v_t, torch.zeros_like(v_t))
+        self._kv[i] = (kc, vc)
+
+    def _read_kv(self, i, input_pos):
+        return self._kv[self.infos[i].kv_source]
+
+
+def zero_caches(rt: FunctionalKV) -> list[torch.Tensor]:
+    """Empty K/V caches in the graphs' order: (k, v) of each owning layer, (1, kv_heads, max_seq, head_dim)."""
+    return [
+        torch.zeros(1, rt.infos[i].num_kv_heads, rt.max_seq, rt.infos[i].head_dim, dtype=rt.dtype)
+        for i in rt.owners()
+        for _ in ("k", "v")
+    ]
+
+
+def cache_names(rt: FunctionalKV) -> list[str]:
+    return [f"L{i:02d}.{c}_cache" for i in rt.owners() for c in ("k", "v")]
+
+
+class StepGraph(nn.Module):
+    """One step as a function: (step inputs..., caches...) -> (logits, caches..., reported kinds...).
+    `chunked`: the prefill takes PREFILL_CHUNK_INPUTS (N rows from `start`), else PREFILL_INPUTS
+    over the whole padded max_seq. `names` holds the reported kinds' output names after a call."""
+
+    def __init__(self, rt: FunctionalKV, step: str, chunked: bool = False):
+        super().__init__()
+        self.rt, self.step, self.chunked, self.names = rt, step, chunked, None
+
+    def forward(self, *args):
+        rt = self.rt
+        if self.step == "decode":
+            inputs = DECODE_INPUTS
+        else:
+            inputs = PREFILL_CHUNK_INPUTS if self.chunked else PREFILL_INPUTS
+        step, caches = args[: len(inputs)], args[len(inputs) :]
+        rt._kv = {i: (caches[2 * j], caches[2 * j + 1]) for j, i in enumerate(rt.owners())}
+        probe = ListProbe()
+        if self.step == "decode":
+            logits = rt.decode_step(*step, probe=probe)
+        elif self.chunked:
+            *rows, start = step
+            input_pos = start + torch.arange(rows[0].shape[1], device=start.device)
+            logits = rt.prefill_chunk_step(*rows, input_pos, probe=probe)
+        else:
+            logits = rt.prefill_step(*step, probe=probe)
+        self.names = probe.names
+        return (logits, *(t for i in rt.owners() for t in rt._kv[i]), *probe.values)
+
+
+def graph(rt: FunctionalKV, step: str, chunked: bool = False) -> StepGraph:
+    return StepGraph(rt, step, chunked).eval()
+
+
+def chunk_inputs(rt: FunctionalKV, args: tuple, c0: int) -> tuple:
+    """prepare_prefill's tensors -> the chunked prefill graph's step inputs for its rows from position c0."""
+    ids, ple_ids, mm_embeds, mm_slots, block_ids, n_valid = args
+    rows = slice(c0, c0 + (rt.prefill_chunk or rt.max_seq))
+    return (ids[:, rows], ple_ids[:, rows], mm_embeds[:, rows], mm_slots[:, rows], block_ids, n_valid, torch.tensor(c0))
+
+
+def prefill_plan(rt: FunctionalKV, args: tuple, T: int) -> list[tuple[int, slice]]:
+    """The chunked prefill graph's runs for a T-token prompt: [(first position, its rows that are reported)]."""
+    N = rt.prefill_chunk or rt.max_seq
+    return chunk_plan(T, N, rt.max_seq, args[4].cpu() if rt.bidir_vision else None)
+
+
+def step_inputs(rt: FunctionalKV, step: str, chunked: bool = False) -> tuple:
+    """Example step inputs (shapes and dtypes only: every shape is fixed by max_seq and the prefill chunk)."""
+    dev = rt.embed.device
+    if step == "decode":
+        return torch.zeros(1, 1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev)
+    args = rt.prepare_prefill([0], {})
+    return chunk_inputs(rt, args, 0) if chunked else args
+
+
+def output_names(rt: FunctionalKV, step: str, chunked: bool = False) -> list[str]:
+    """The reported kinds' output names of a step graph, in order (one eager run)."""
+    g = graph(rt, step, chunked)
+    with torch.no_grad():
+        g(*step_inputs(rt, step, chunked), *zero_caches(rt))
+    return g.names
+
+
+def export_step(rt: FunctionalKV, step: str, chunked: bool = False) -> torch.export.ExportedProgram:
+    """torch.export of a step graph with static shapes."""
+    with torch.no_grad(), quiet():
+        return torch.export.export(
+            graph(rt, step, chunked), (*step_inputs(rt, step, chunked), *zero_caches(rt)), strict=False
+        )
+
+
+@contextlib.contextmanager
+def quiet():
+    """Exporters print pages of warnings and progress for a successful export: keep them off the console."""
+    logging.disable(logging.WARNING)
+    try:
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(logging.NOTSET)

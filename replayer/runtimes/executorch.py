@@ -1,0 +1,356 @@
+"""`--runtime executorch`, `executorch-int8` and `executorch-int8-reference`: the static runtime's
+prefill and decode steps lowered to ExecuTorch's XNNPACK backend and run by `executorch.runtime`
+on CPU (extra `gemma4-trace[executorch]`).
+
+The programs are the step graphs of replayer/functional.py: pure functions of the step inputs and
+the K/V caches of the layers that own K/V, returning the logits, the updated caches and every
+canonical kind the static runtime reports, as extra outputs. The host keeps the caches between
+steps. The prefill program is the chunked prefill graph (`prefill_chunk_step`): N prompt rows from
+a start position (an input), shapes (N, max_seq), run once per chunk of the static runtime's plan
+(replayer/runtime.py: chunk_plan) and its rows stitched by position into the probe; N follows
+`--prefill-chunk` as the static runtime's does (resolve_prefill_chunk: by default the whole padded
+max_seq, one run, below max_seq 1024).
+
+    executorch                  float32, every op XNNPACK takes is delegated to it
+    executorch-int8             PT2E with XNNPACKQuantizer: symmetric int8, per-channel weights,
+                                static per-tensor activations calibrated on REF's prompt (prefill on
+                                the prompt, decode on the prompt's tokens fed one at a time), lowered
+    executorch-int8-reference   the same converted PT2E program (after convert_pt2e, before
+                                lowering) run by PyTorch: its quantize/dequantize pairs simulate
+                                the int8 arithmetic; `trace diff REF INT8 --baseline INT8_REFERENCE`
+                                shows the error XNNPACK's int8 kernels add beyond the quantization
+
+The .pte programs are kept in the artifact cache (replayer/artifacts.py), keyed by the model's
+content hash, the runtime, max_seq, the prefill chunk, the calibration prompt (int8), the
+executorch/torch versions and the lowered code; so are the converted int8 programs before lowering
+(torch.export's .pt2), which executorch-int8 lowers and executorch-int8-reference runs: whichever
+of the two replays comes second does not quantize again.
+
+    trace export-pte [--model DIR] [--runtime executorch|executorch-int8] --max-seq 32 [--prefill-chunk N] -o DIR
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from gemma4_trace.traces.errors import TraceToolError, install_hint
+
+from .. import functional as F
+from ..artifacts import artifact_folder, check_output_folder, code_digest, copy_all_or_none, model_hash
+from ..child import EXECUTORCH_ENGINE, ChildRuntime
+from ..ops import ChunkProbe, resolve_prefill_chunk
+
+MODES = ("executorch", "executorch-int8", "executorch-int8-reference")
+PROGRAMS = F.STEPS
+PT2E = "executorch-int8-pt2e"  # the artifact-cache entry of the converted (not yet lowered) int8 programs
+FORMAT = 2  # bump when the programs' inputs or outputs change meaning (the cache key holds it)
+INT8_SCHEME = (
+    "PT2E XNNPACKQuantizer: symmetric int8, per-channel weights, static per-tensor activations "
+    "calibrated on REF's prompt"
+)
+
+
+def _versions() -> dict:
+    try:
+        from executorch import version as et_version
+        from executorch.runtime import Runtime  # noqa: F401  (the pybindings: the part that may fail to load)
+    except ImportError as e:
+        raise TraceToolError(f"--runtime executorch needs executorch: {install_hint('executorch')} ({e})") from None
+    return {"executorch": et_version.__version__, "torch": torch.__version__}
+
+
+def _graph(rt: F.FunctionalKV, name: str) -> F.StepGraph:
+    return F.graph(rt, name, chunked=True)  # the prefill program always takes a chunk of rows
+
+
+def _calibration(rt: F.FunctionalKV, prompt, extra) -> dict:
+    """Calibration inputs per program from REF's prompt: the prompt's prefill chunks (caches from
+    the float prefill program, chunk by chunk), and its tokens fed one at a time to decode (caches
+    from the float decode graph), as a replay runs them.
+
+    The prefill rows past the prompt hold the prompt's tokens again, not padding: the observers see
+    every row a program computes, and a pad row (a zero embedding, whose input norm scales by
+    1/sqrt(eps)) would set activation ranges that round the prompt's rows to zero. Those rows stay
+    outside n_valid, so they write no cache and the replay never reports them."""
+    caches = F.zero_caches(rt)
+    n = len(caches)
+    args, g, pre = rt.prepare_prefill(list(prompt), extra or {}), _graph(rt, "prefill"), []
+    T = len(prompt)
+    ids, ple_ids = args[0].clone(), args[1].clone()
+    again = torch.arange(ids.shape[1] - T) % T
+    ids[:, T:], ple_ids[:, T:] = ids[:, again], ple_ids[:, again]
+    args = (ids, ple_ids, *args[2:])
+    with torch.no_grad():
+        for c0, _ in F.prefill_plan(rt, args, len(prompt)):
+            pre.append((*F.chunk_inputs(rt, args, c0), *caches))
+            caches = list(g(*pre[-1])[1 : 1 + n])
+    caches = F.zero_caches(rt)
+    g, dec = _graph(rt, "decode"), []
+    mm = set(rt.mm_token_ids)
+    with torch.no_grad():
+        for pos, tok in enumerate(prompt):
+            args = (torch.tensor([[rt.pad_id if int(tok) in mm else int(tok)]]), torch.tensor([pos]))
+            dec.append((*args, *caches))
+            caches = list(g(*args, *caches)[1 : 1 + n])
+    return {"prefill": pre, "decode": dec}
+
+
+def _quantized(rt: F.FunctionalKV, calibration: dict) -> dict:
+    """name -> the converted PT2E program (quantize/dequantize pairs around int8 weights), exported."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    out = {}
+    for name in PROGRAMS:
+        quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
+        with torch.no_grad(), F.quiet():
+            m = prepare_pt2e(F.export_step(rt, name, chunked=True).module(), quantizer)
+            for args in calibration[name]:
+                m(*args)
+            example = (*F.step_inputs(rt, name, chunked=True), *F.zero_caches(rt))
+            out[name] = torch.export.export(convert_pt2e(m), example, strict=False)
+    return out
+
+
+def _one_line(what: str, e: Exception) -> TraceToolError:
+    return TraceToolError(f"{what} failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+
+
+def converted_programs(loaded, max_seq: int, prompt, extra, host: F.FunctionalKV):
+    """The artifact-cache entry holding the converted PT2E programs (prefill.pt2, decode.pt2,
+    torch.export's format): what executorch-int8 lowers and executorch-int8-reference runs, so
+    the second of the two replays of one REF does not quantize again."""
+
+    def build(folder: Path) -> None:
+        try:
+            programs = _quantized(host, _calibration(host, prompt, extra))
+        except Exception as e:  # noqa: BLE001 - quantization and export fail in many ways; one line for the user
+            raise _one_line("quantizing the programs (PT2E)", e) from None
+        for name in PROGRAMS:
+            torch.export.save(programs[name], Path(folder) / f"{name}.pt2")
+
+    return artifact_folder(
+        "executorch",
+        artifact_key(loaded, PT2E, max_seq, prompt, extra, host.prefill_chunk),
+        build,
+        what="quantizing the prefill and decode programs (PT2E, calibrated on the prompt)",
+    )
+
+
+def _load_converted(loaded, max_seq: int, prompt, extra, host: F.FunctionalKV) -> dict:
+    """name -> the converted ExportedProgram, from the artifact cache (built there first if needed)."""
+    art = converted_programs(loaded, max_seq, prompt, extra, host)
+    try:
+        with F.quiet():
+            return {n: torch.export.load(art.path / f"{n}.pt2") for n in PROGRAMS}
+    finally:
+        art.close()
+
+
+def _lower(program: torch.export.ExportedProgram) -> bytes:
+    """An ExportedProgram -> the .pte bytes of its XNNPACK lowering."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    with torch.no_grad(), F.quiet():
+        return to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()]).to_executorch().buffer
+
+
+def write_programs(rt: F.FunctionalKV, out_dir, quantized: dict | None = None) -> list[Path]:
+    """Write prefill.pte and decode.pte into out_dir: the float programs, or the converted
+    `quantized` ones (executorch-int8); the prefill program takes rt.prefill_chunk rows (None: the
+    whole max_seq)."""
+    paths = []
+    for name in PROGRAMS:
+        try:
+            data = _lower(quantized[name] if quantized else F.export_step(rt, name, chunked=True))
+        except Exception as e:  # noqa: BLE001 - export and lowering fail in many ways; one line for the user
+            raise _one_line(f"lowering the {name} program to XNNPACK", e) from None
+        path = Path(out_dir) / f"{name}.pte"
+        path.write_bytes(data)
+        paths.append(path)
+    return paths
+
+
+def _prompt_digest(prompt, extra) -> str:
+    h = hashlib.sha256(json.dumps([int(t) for t in prompt]).encode())
+    for k in sorted(extra or {}):
+        t = torch.as_tensor(extra[k])
+        h.update(k.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode() + t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+def artifact_key(loaded, mode: str, max_seq: int, prompt=None, extra=None, prefill_chunk: int | None = None) -> dict:
+    """What the programs depend on; prefill_chunk as resolve_prefill_chunk gives it (None: whole max_seq)."""
+    key = {
+        "format": FORMAT,
+        "model": model_hash(loaded.model_dir),
+        "runtime": mode,
+        "max_seq": int(max_seq),
+        "prefill_chunk": None if prefill_chunk is None else int(prefill_chunk),
+        "code": code_digest("runtime.py", "ops.py", "functional.py", "runtimes/executorch.py"),
+    }
+    key.update(_versions())
+    if mode in ("executorch-int8", PT2E):
+        key["calibration"] = _prompt_digest(prompt, extra)
+    return key
+
+
+def cached_programs(loaded, mode: str, max_seq: int, prompt=None, extra=None, host=None, prefill_chunk=None):
+    """The artifact-cache entry (replayer/artifacts.py) holding prefill.pte and decode.pte; the
+    prefill program takes host.prefill_chunk rows (without a host: prefill_chunk)."""
+    rt = host or F.FunctionalKV(loaded, max_seq, prefill_chunk)
+    what = "float32" if mode == "executorch" else "int8 (PT2E, calibrated on the prompt)"
+    rows = f"{rt.prefill_chunk}-row chunk" if rt.prefill_chunk else f"max_seq {max_seq}"
+
+    def build(folder: Path) -> None:
+        quantized = _load_converted(loaded, max_seq, prompt, extra, rt) if mode == "executorch-int8" else None
+        write_programs(rt, folder, quantized)
+
+    return artifact_folder(
+        "executorch",
+        artifact_key(loaded, mode, max_seq, prompt, extra, rt.prefill_chunk),
+        build,
+        what=f"lowering the prefill ({rows}) and decode programs to ExecuTorch XNNPACK, {what}",
+    )
+
+
+def _in_child(child, name: str, args: list, phase: str) -> list[torch.Tensor]:
+    """Program `name` run by the ExecuTorch child on args (tensors in, tensors out)."""
+    return [torch.from_numpy(a) for a in child.call("run", name, [t.numpy() for t in args], phase=phase)[1]]
+
+
+class ExecuTorchRuntime(ChildRuntime):
+    """The lowered programs run by executorch.runtime in the child process (or, for the reference, the
+    converted PT2E programs by PyTorch in this one); the host keeps the caches. The programs are built
+    at the first prefill: int8's from its prompt (the calibration data)."""
+
+    supports_prefill_chunk = True  # the driver sets prefill_chunk (--prefill-chunk)
+
+    def __init__(self, loaded, max_seq: int, mode: str):
+        versions = _versions()
+        if mode != "executorch-int8-reference":
+            # started first: its imports (torch, executorch) overlap this process's
+            self.start(f"{mode} (ExecuTorch {versions['executorch']}, XNNPACK)", EXECUTORCH_ENGINE)
+        self.mode, self.loaded, self.max_seq = mode, loaded, max_seq
+        if mode == "executorch":
+            self.name = f"executorch (ExecuTorch {versions['executorch']}, XNNPACK, float32)"
+        elif mode == "executorch-int8":
+            self.name = f"executorch-int8 (ExecuTorch {versions['executorch']}, XNNPACK; {INT8_SCHEME})"
+        else:
+            self.name = (
+                f"executorch-int8-reference (PyTorch {versions['torch']} on the converted PT2E program; {INT8_SCHEME})"
+            )
+        self.host = F.FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
+        self.n_caches = 2 * len(self.host.owners())
+        self.names = {name: F.output_names(self.host, name, chunked=True) for name in PROGRAMS}
+        self.steps = None  # name -> callable(list of tensors, phase) -> list of tensors
+        self.note = ""
+        self.prefill_chunk = resolve_prefill_chunk(None, max_seq)  # replay sets --prefill-chunk's; built at prefill
+
+    def _load(self, prompt=None, extra=None) -> None:
+        if self.mode == "executorch-int8-reference":  # PyTorch, in this process
+            progs = _load_converted(self.loaded, self.max_seq, prompt, extra, self.host)
+            mods = {n: progs[n].module() for n in PROGRAMS}
+            self.steps = {n: (lambda args, phase, m=mods[n]: list(m(*args))) for n in PROGRAMS}
+            return
+        try:
+            art = cached_programs(self.loaded, self.mode, self.max_seq, prompt, extra, host=self.host)
+            self.note = art.note
+            try:
+                self.child.call("load", {n: str(art.path / f"{n}.pte") for n in PROGRAMS}, {}, phase="loading")
+            finally:
+                art.close()  # the program is read into memory; a temporary (cache off) folder can go
+        except BaseException:
+            self.close()
+            raise
+        self.steps = {n: partial(_in_child, self.child, n) for n in PROGRAMS}
+
+    def _run(self, name: str, args: tuple, probe, rows: slice):
+        outs = self.steps[name]([*args, *self.caches], self.phase(name == "prefill"))
+        n, names = self.n_caches, self.names[name]
+        if len(outs) != 1 + n + len(names):
+            raise TraceToolError(
+                f"the {name} program returned {len(outs)} outputs; expected {1 + n + len(names)} "
+                "(logits, caches, reported kinds)"
+            )
+        self.caches = [t.clone() for t in outs[1 : 1 + n]]  # outputs may live in the program's planned memory
+        self.report(probe, ((F.output_site(full), value[rows].clone()) for full, value in zip(names, outs[1 + n :])))
+        return outs[0].clone()
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Rows per run of the prefill program (None: the whole max_seq); the host's, which the
+        programs are exported from. Setting another drops programs built for the old one."""
+        return self.host.prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, rows: int | None) -> None:
+        if rows != self.host.prefill_chunk:
+            self.host.prefill_chunk, self.steps = rows, None
+
+    def prefill(self, input_ids, extra_inputs, probe):
+        """The prefill program once per chunk of the plan, the caches carried from one run to the
+        next; each run's new rows go to the probe, stitched by position (ChunkProbe)."""
+        ids = [int(t) for t in torch.as_tensor(input_ids).reshape(-1)]
+        if self.steps is None:
+            self._load(ids, extra_inputs)
+        args = self.host.prepare_prefill(ids, extra_inputs)
+        self.caches = F.zero_caches(self.host)
+        chunks = ChunkProbe(probe) if probe is not None else None
+        for c0, rows in F.prefill_plan(self.host, args, len(ids)):
+            logits = self._run("prefill", F.chunk_inputs(self.host, args, c0), chunks, rows)
+        if chunks is not None:
+            chunks.flush()
+        return logits  # the last run holds position T - 1
+
+    def decode(self, token_id, position, probe):
+        tok = self.host.pad_id if int(token_id) in self.host.mm_token_ids else int(token_id)
+        args = (torch.tensor([[tok]], dtype=torch.long), torch.tensor([position], dtype=torch.long))
+        return self._run("decode", args, probe, slice(0, 1))
+
+
+def create(loaded, max_seq: int, choice):
+    return ExecuTorchRuntime(loaded, max_seq, choice.name)
+
+
+def export_command(
+    model_dir, mode: str, max_seq: int, out_dir, force: bool = False, calibration_prompt=None, prefill_chunk=None
+) -> str:
+    """`trace export-pte`: write prefill.pte and decode.pte into out_dir, both or neither (the
+    artifact cache's files); return a summary line. int8 calibrates on calibration_prompt
+    ((prompt ids, extra inputs) of a REF). prefill_chunk: --prefill-chunk N, resolved as a replay
+    resolves it (resolve_prefill_chunk)."""
+    from gemma4_trace.hf.model import load_model
+
+    if mode not in MODES[:2]:
+        raise TraceToolError(f"--runtime {mode!r}: export-pte writes executorch or executorch-int8 programs")
+    if mode == "executorch-int8" and calibration_prompt is None:
+        raise TraceToolError("--runtime executorch-int8 calibrates on a trace's prompt: give --calibrate REF.h5")
+    chunk = resolve_prefill_chunk(prefill_chunk, max_seq)
+    out = Path(out_dir)
+    targets = [out / f"{n}.pte" for n in PROGRAMS]
+    check_output_folder(out, [t.name for t in targets], force, ".pte")
+    prompt, extra = calibration_prompt or (None, None)
+    loaded = load_model(model_dir)
+    if loaded.dtype != "float32":
+        raise TraceToolError(f"--runtime {mode} runs in float32; the model was loaded in {loaded.dtype}")
+    art = cached_programs(loaded, mode, max_seq, prompt, extra, prefill_chunk=chunk)
+    try:
+        copy_all_or_none([art.path / t.name for t in targets], out, ".pte")
+    finally:
+        art.close()
+    sizes = ", ".join(f"{t} ({t.stat().st_size / 2**20:.1f} MiB)" for t in targets)
+    return (
+        f"wrote {sizes}: {loaded.name}, {mode}, max_seq {max_seq}{f', prefill chunk {chunk}' if chunk else ''}, "
+        "XNNPACK, canonical kinds as extra outputs "
+        f"({art.note})"
+    )

@@ -1,0 +1,241 @@
+"""`--runtime mobius`: mobius-onnx's own ONNX Gemma 4, run by ONNX Runtime on CPU (extra
+`gemma4-trace[mobius]`).
+
+mobius-onnx (a pure-Python package of the ONNX Runtime project) builds a Gemma 4 decoder as an
+ONNX graph from the checkpoint's config and weights with its own components, not by tracing
+PyTorch: an independent implementation to replay REF against. This adapter builds mobius's text
+decoder (its `gemma4_text` registration) in float32 with its default graph optimizations, and
+promotes graph values to outputs so the trace gets per-layer tensors:
+
+    kind              the mobius graph value (node names: model/...)
+    embeddings        model/embed_tokens/Mul (the scaled token embedding)
+    per_layer_inputs  model/Mul after model/Add: (projection + per-layer embedding) * 2**-0.5
+    q, k, v           inputs 0, 1, 2 of each layer's Attention node (q after q_norm and RoPE);
+                      k and v only for the layers that own a cache (a KV-sharing layer's K/V
+                      inputs are its source layer's cache)
+    attn_out          model/layers.N/self_attn/o_proj/MatMul
+    layer_out         the last node of model/layers.N/ (the layer scalar's Mul)
+    final_hidden      model/norm/RMSNormalization
+
+`mask` and the RoPE tables are not captured (mobius builds its attention bias and applies RoPE
+inside fused nodes): `trace diff` compares the kinds both traces hold and names the others.
+Prefill runs the prompt with an empty KV cache; each decode step feeds the returned `present.*`
+caches back (teacher-forced by the driver). The built graph is kept in the artifact cache
+(replayer/artifacts.py), keyed by the model's content hash, the builder's versions and this code.
+
+Config shims (ours, for transformers 5.24's Gemma 4 config; mobius 0.1.0 reads older fields):
+- transformers 5.24 keeps head_dim per layer (`per_layer_config`); reading the global
+  `config.head_dim`, as mobius does, raises AmbiguousGlobalPerLayerAttributeError. We set
+  `allow_global_per_layer_attribute_access` on the loaded config: the global value is the
+  sliding layers' head_dim, which is what mobius wants there.
+- mobius takes the full-attention layers' head_dim from `global_head_dim`, which 5.24 leaves
+  None (it is in `per_layer_config[i].head_dim`): we set it from the full-attention layers'
+  per-layer value (all equal, else refused).
+
+A prompt with an image is refused: mobius's text decoder takes token ids only (its vision
+encoder is another graph this adapter does not run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.layers import layer_infos_from_config
+
+from ..artifacts import artifact_folder, code_digest, model_hash
+from ..child import ORT_ENGINE, ORT_SESSION, ChildRuntime
+from ..functional import quiet
+
+MOBIUS_VERSION = "0.1.0"  # the release tested; the extra [mobius] pins it
+FORMAT = 1  # bump when the promoted outputs or the saved files change (the cache key holds it)
+TAPS = "taps.json"  # output name -> [kind, layer]
+NOT_CAPTURED = ("mask", "rope_cos_sliding", "rope_sin_sliding", "rope_cos_full", "rope_sin_full")
+
+
+def hf_config(model_dir):
+    """The checkpoint's transformers config with the two shims mobius 0.1.0 needs (module docstring)."""
+    import transformers
+
+    top = transformers.AutoConfig.from_pretrained(str(model_dir))
+    text = top.get_text_config()
+    for c in {id(top): top, id(text): text}.values():
+        if hasattr(c, "allow_global_per_layer_attribute_access"):
+            c.allow_global_per_layer_attribute_access = True
+    if getattr(text, "global_head_dim", None) is None:
+        per_layer = getattr(text, "per_layer_config", None)
+        full = [i for i, t in enumerate(text.layer_types) if t == "full_attention"]
+        dims = {getattr(per_layer[i], "head_dim", None) if per_layer is not None else None for i in full}
+        dims.discard(None)
+        if len(dims) > 1:
+            raise TraceToolError(f"--runtime mobius: full-attention layers have different head_dims {sorted(dims)}")
+        text.global_head_dim = dims.pop() if dims else text.head_dim
+    return top, text
+
+
+def _promote(graph, n_layers: int) -> dict[str, tuple[str, int | None]]:
+    """Make the values of the module docstring's table graph outputs; return {output name: (kind, layer)}."""
+    nodes = list(graph)
+    taps: dict[str, tuple[str, int | None]] = {}
+    values = {}
+
+    def first(pred):
+        return next((n for n in nodes if pred(n)), None)
+
+    def tap(value, kind, layer=None):
+        if value is None or value.name is None:
+            return
+        taps[value.name], values[value.name] = (kind, layer), value
+
+    emb = first(lambda n: n.name.startswith("model/embed_tokens/") and n.op_type == "Mul")
+    tap(emb and emb.outputs[0], "embeddings")
+    ple = first(
+        lambda n: (
+            n.name.startswith("model/Mul_node_")
+            and any(
+                i is not None and i.producer() is not None and i.producer().name.startswith("model/Add_node_")
+                for i in n.inputs
+            )
+        )
+    )
+    tap(ple and ple.outputs[0], "per_layer_inputs")
+    for i in range(n_layers):
+        pre = f"model/layers.{i}/"
+        attn = first(lambda n, pre=pre: n.name.startswith(pre + "self_attn/") and n.op_type == "Attention")
+        if attn is not None:
+            tap(attn.inputs[0], "q", i)
+            if len(attn.outputs) > 1:  # writes a present cache: K/V of its own
+                tap(attn.inputs[1], "k", i)
+                tap(attn.inputs[2], "v", i)
+        o = first(lambda n, pre=pre: n.name.startswith(pre + "self_attn/o_proj/") and n.op_type == "MatMul")
+        tap(o and o.outputs[0], "attn_out", i)
+        top = [n for n in nodes if n.name.startswith(pre) and "/" not in n.name[len(pre) :]]
+        tap(top[-1].outputs[0] if top else None, "layer_out", i)
+    norm = first(lambda n: n.name.startswith("model/norm/"))
+    tap(norm and norm.outputs[0], "final_hidden")
+    missing = [f"layer_out L{i}" for i in range(n_layers) if ("layer_out", i) not in taps.values()]
+    if missing or ("embeddings", None) not in taps.values():
+        raise TraceToolError(
+            "--runtime mobius: the mobius graph does not have the expected node names "
+            f"(mobius-onnx {MOBIUS_VERSION} is the release this adapter knows); "
+            f"missing: {', '.join(missing) or 'embeddings'}"
+        )
+    outputs = {v.name for v in graph.outputs}
+    graph.outputs.extend(v for name, v in values.items() if name not in outputs)
+    return taps
+
+
+def build(model_dir, folder: Path) -> None:
+    """mobius's float32 text decoder of the checkpoint, with the promoted outputs, saved in folder
+    (model.onnx, its weights, taps.json)."""
+    import onnx_ir as ir
+    from mobius._builder import build_from_module
+    from mobius._config_resolver import _config_from_hf, _default_task_for_model
+    from mobius._registry import registry
+    from mobius._weight_loading import _download_weights
+
+    top, text = hf_config(model_dir)
+    cls = registry.get("gemma4_text")
+    with quiet():
+        cfg = _config_from_hf(text, parent_config=top, module_class=cls)
+        cfg = dataclasses.replace(cfg, dtype=ir.DataType.FLOAT)
+        module = cls(cfg)
+        pkg = build_from_module(module, cfg, _default_task_for_model("gemma4_text"))
+        state = module.preprocess_weights(_download_weights(str(model_dir)))
+        pkg.apply_weights(state, prefix_map=getattr(module, "weight_prefix_map", None))
+        taps = _promote(pkg["model"].graph, int(text.num_hidden_layers))
+        pkg.save(str(folder))
+    (folder / TAPS).write_text(json.dumps({n: list(kl) for n, kl in taps.items()}, indent=1, sort_keys=True))
+
+
+def cache_key(loaded) -> dict:
+    from importlib.metadata import version
+
+    return {
+        "format": FORMAT,
+        "model": model_hash(loaded.model_dir),
+        "mobius": version("mobius-onnx"),
+        "onnx_ir": version("onnx-ir"),
+        "onnxscript": version("onnxscript"),
+        "transformers": version("transformers"),
+        "code": code_digest("runtimes/mobius.py"),
+    }
+
+
+class MobiusRuntime(ChildRuntime):
+    """mobius's graph run by onnxruntime on CPU (in the child process); the host keeps the present.* caches."""
+
+    def __init__(self, loaded, max_seq: int):
+        from importlib.metadata import version
+
+        import onnxruntime as ort
+
+        self.name = f"mobius (mobius-onnx {version('mobius-onnx')}, onnxruntime {ort.__version__}, CPU)"
+        art = artifact_folder(
+            "mobius",
+            cache_key(loaded),
+            lambda folder: build(loaded.model_dir, folder),
+            what=f"building mobius's ONNX Gemma 4 for {loaded.name}",
+        )
+        child = self.start(f"mobius (onnxruntime {ort.__version__})", ORT_ENGINE)
+        try:
+            taps = json.loads((art.path / TAPS).read_text())
+            inputs, self.outputs = child.call(
+                "load", {"model": str(art.path / "model.onnx")}, ORT_SESSION, phase="loading"
+            )[1]["model"]
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            art.close()
+        self.taps = {n: (k, layer) for n, (k, layer) in taps.items()}
+        self.inputs = dict(inputs)  # name -> shape
+        self.infos = layer_infos_from_config(loaded.text_config)
+        self.past: dict[str, np.ndarray] = {}
+
+    def _empty_past(self) -> dict[str, np.ndarray]:
+        past = {}
+        for name, shape in self.inputs.items():
+            if name.startswith("past_key_values."):
+                heads, dim = shape[1], shape[3]
+                past[name] = np.zeros((1, heads, 0, dim), dtype=np.float32)
+        return past
+
+    def _run(self, ids: list[int], first_pos: int, probe) -> torch.Tensor:
+        T = len(ids)
+        feeds = {
+            "input_ids": np.array([ids], dtype=np.int64),
+            "attention_mask": np.ones((1, first_pos + T), dtype=np.int64),
+            "position_ids": np.arange(first_pos, first_pos + T, dtype=np.int64)[None],
+            **self.past,
+        }
+        outs = dict(zip(self.outputs, self.child.call("run", "model", feeds, phase=self.phase(first_pos == 0))[1]))
+        self.past = {
+            n.replace("present.", "past_key_values.", 1): v for n, v in outs.items() if n.startswith("present.")
+        }
+        self.report(probe, (((k, layer), self._rows(k, layer, outs[n], T)) for n, (k, layer) in self.taps.items()))
+        return torch.from_numpy(outs["logits"][0, -1])
+
+    def _rows(self, kind: str, layer, x: np.ndarray, T: int) -> np.ndarray:
+        """A promoted value as (T, ...) rows in our layout: q/k/v (T, heads * head_dim) split into heads."""
+        x = x[0]  # batch 1
+        if kind in ("q", "k", "v"):
+            info = self.infos[layer]
+            x = x.reshape(T, info.num_heads if kind == "q" else info.num_kv_heads, info.head_dim)
+        return np.ascontiguousarray(x)
+
+    def prefill(self, input_ids, extra_inputs, probe):
+        self.past = self._empty_past()
+        return self._run([int(t) for t in input_ids], 0, probe)
+
+    def decode(self, token_id, position, probe):
+        return self._run([int(token_id)], int(position), probe)
+
+
+def create(loaded, max_seq: int, choice=None):
+    return MobiusRuntime(loaded, max_seq)

@@ -1,0 +1,176 @@
+"""`--runtime onnx`: the static runtime's prefill and decode steps exported to ONNX, run by
+onnxruntime on CPU (extra `gemma4-trace[onnx]`).
+
+Each step is one ONNX graph with static shapes (max_seq): the step graphs of
+replayer/functional.py (K/V caches in and out, every canonical kind an extra output named
+`<kind>` or `L07.<kind>`), so a replay sees what the exported graph computed, with
+onnxruntime's kernels. The vision tower is not exported: its soft tokens are computed on the
+host by HF, as in the static runtime, and fed to the prefill graph.
+
+    trace export-onnx [--model DIR] --max-seq 32 -o DIR    # writes prefill.onnx, decode.onnx
+    trace replay REF.h5 --runtime onnx -o RUN.h5
+
+The exported graphs are kept in the artifact cache (replayer/artifacts.py), keyed by the model's
+content hash, max_seq, the exporter's versions and the exported code; a later replay of the same
+model runs the cached graphs after checking their hashes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gemma4_trace.traces.errors import TraceToolError, install_hint
+
+from .. import functional as F
+from ..artifacts import MANIFEST, artifact_folder, check_output_folder, code_digest, copy_all_or_none, model_hash
+from ..child import ORT_ENGINE, ORT_SESSION, ChildRuntime
+
+OPSET = 18
+FORMAT = 1  # bump when the graphs' inputs or outputs change meaning (the cache key holds it)
+GRAPHS = F.STEPS
+
+
+def export_onnx(loaded, max_seq: int, out_dir) -> tuple[Path, Path]:
+    """Write prefill.onnx and decode.onnx for `loaded` at `max_seq`; return their paths."""
+    try:
+        import onnx  # noqa: F401
+        import onnxscript  # noqa: F401  (torch's ONNX exporter needs it)
+    except ImportError as e:
+        raise TraceToolError(f"exporting ONNX needs onnx and onnxscript: {install_hint('onnx')} ({e})") from None
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise TraceToolError(f"output folder {out} does not exist")
+    rt = F.FunctionalKV(loaded, max_seq)
+    caches = F.zero_caches(rt)
+    # protobuf caps a file at 2 GiB: a real checkpoint's weights go to <graph>.onnx.data beside it
+    external = sum(b.numel() * b.element_size() for b in rt.buffers()) > 1 << 30
+    inputs = {"prefill": F.PREFILL_INPUTS, "decode": F.DECODE_INPUTS}
+    paths = []
+    for name in GRAPHS:
+        g, example = F.graph(rt, name), F.step_inputs(rt, name)
+        with torch.no_grad(), F.quiet():
+            g(*example, *caches)  # learn the reported kinds' names (the order is fixed by the code)
+            path = out / f"{name}.onnx"
+            try:
+                torch.onnx.export(
+                    g,
+                    (*example, *caches),
+                    str(path),
+                    input_names=[*inputs[name], *F.cache_names(rt)],
+                    output_names=["logits", *(f"{c}_out" for c in F.cache_names(rt)), *g.names],
+                    opset_version=OPSET,
+                    dynamo=True,
+                    external_data=external,
+                    verbose=False,
+                    optimize=False,
+                )  # onnxruntime optimizes at load; 2x faster export
+            except Exception as e:  # noqa: BLE001 - the exporter fails in many ways; one line for the user
+                raise TraceToolError(
+                    f"ONNX export of the {name} step failed: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:200] if str(e) else ''}"
+                ) from None
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def cache_key(loaded, max_seq: int) -> dict:
+    """What the exported graphs depend on: the checkpoint's bytes, the shapes, the exporter's
+    versions and the code that is exported (a change to it exports again)."""
+    from importlib.metadata import version
+
+    return {
+        "format": FORMAT,
+        "model": model_hash(loaded.model_dir),
+        "dtype": str(loaded.dtype),
+        "max_seq": int(max_seq),
+        "opset": OPSET,
+        "torch": torch.__version__,
+        "onnx": version("onnx"),
+        "onnxscript": version("onnxscript"),
+        "code": code_digest("runtime.py", "ops.py", "functional.py"),
+    }
+
+
+def exported(loaded, max_seq: int):
+    """The artifact (replayer/artifacts.py) holding prefill.onnx and decode.onnx for `loaded` at
+    `max_seq`: the cached graphs after their hash check, else exported now (one line on stderr)."""
+    return artifact_folder(
+        "onnx",
+        cache_key(loaded, max_seq),
+        lambda folder: export_onnx(loaded, max_seq, folder),
+        what=f"exporting ONNX (prefill and decode, max_seq {max_seq}) for {loaded.name}",
+    )
+
+
+class OnnxRuntime(ChildRuntime):
+    """The exported graphs run by onnxruntime on CPU (in the child process); the host keeps the caches."""
+
+    def __init__(self, loaded, max_seq: int):
+        import onnxruntime as ort
+
+        self.name = f"onnx (onnxruntime {ort.__version__}, CPU)"
+        child = self.start(f"onnx (onnxruntime {ort.__version__})", ORT_ENGINE)
+        try:
+            self.host = F.FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
+            art = exported(loaded, max_seq)
+            try:
+                paths = {g: str(art.path / f"{g}.onnx") for g in GRAPHS}
+                meta = child.call("load", paths, ORT_SESSION, phase="loading")[1]
+            finally:
+                art.close()  # a session holds its graph in memory; a temporary folder (cache off) goes now
+        except BaseException:
+            self.close()
+            raise
+        self.outputs = {g: outs for g, (_, outs) in meta.items()}
+        self.artifact_note = art.note
+        self.caches = {n: c.numpy() for n, c in zip(F.cache_names(self.host), F.zero_caches(self.host))}
+
+    def _run(self, graph: str, feeds: dict, probe, rows: slice):
+        names = self.outputs[graph]
+        outs = dict(
+            zip(names, self.child.call("run", graph, {**feeds, **self.caches}, phase=self.phase(graph == "prefill"))[1])
+        )
+        for n in self.caches:
+            self.caches[n] = outs[f"{n}_out"]
+        kinds = [n for n in names if n != "logits" and not n.endswith("_cache_out")]
+        self.report(probe, ((F.output_site(n), outs[n]) for n in kinds), rows)
+        return torch.from_numpy(outs["logits"])
+
+    def prefill(self, input_ids, extra_inputs, probe):
+        args = self.host.prepare_prefill(input_ids, extra_inputs)
+        feeds = {n: a.cpu().numpy() for n, a in zip(F.PREFILL_INPUTS, args)}
+        return self._run("prefill", feeds, probe, slice(0, len(input_ids)))
+
+    def decode(self, token_id, position, probe):
+        tok = self.host.pad_id if int(token_id) in self.host.mm_token_ids else int(token_id)
+        feeds = {"token": np.array([[tok]], dtype=np.int64), "input_pos": np.array([position], dtype=np.int64)}
+        return self._run("decode", feeds, probe, slice(0, 1))
+
+
+def create(loaded, max_seq: int, choice=None):
+    return OnnxRuntime(loaded, max_seq)
+
+
+def export_command(model_dir, max_seq: int, out_dir, force: bool = False) -> str:
+    """`trace export-onnx`: write prefill.onnx and decode.onnx into out_dir, both or neither (the
+    artifact cache's graphs, exported into it first when absent); return a summary line. Output
+    paths are checked before the model loads."""
+    from gemma4_trace.hf.model import load_model
+
+    out = Path(out_dir)
+    targets = [out / f"{g}.onnx" for g in GRAPHS]
+    check_output_folder(out, [t.name for t in targets] + [t.name + ".data" for t in targets], force, ".onnx")
+    loaded = load_model(model_dir)
+    art = exported(loaded, max_seq)
+    try:  # the graphs (and external weights, if any), all placed or none
+        copy_all_or_none([f for f in sorted(art.path.iterdir()) if f.name != MANIFEST], out, ".onnx")
+    finally:
+        art.close()
+    sizes = ", ".join(f"{t} ({t.stat().st_size / 2**20:.1f} MiB)" for t in targets)
+    return (
+        f"wrote {sizes}: {loaded.name}, max_seq {max_seq}, opset {OPSET}, canonical kinds as extra outputs "
+        f"({'from the artifact cache' if art.note == 'cached' else art.note})"
+    )

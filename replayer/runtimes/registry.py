@@ -1,0 +1,372 @@
+"""The built-in runtimes: one `RuntimeSpec` row each, and `--runtime TEXT` parsed once.
+
+Everything that asks "which runtimes exist" or "does this one support X" reads this table: the
+`--runtime` help, the README's runtime table (tests/test_registry.py checks that they agree),
+the early refusals (an unknown name, a missing extra, `--isolate`, an image for a text-only
+runtime, a bfloat16 REF for a float32-only one, `--device cuda` for a CPU-only one) and the
+replay driver. A row names its factory as "module:function" and nothing here imports torch, so
+the command line reads the table before anything heavy loads. A built-in factory is
+
+    create(loaded: LoadedModel, max_seq: int, choice: RuntimeChoice) -> runtime
+
+(the plug-in contract, docs/runtime-api.md, plus the parsed choice). Adding a runtime: its
+module under replayer/runtimes/, its row here, its pyproject extra, its docs page.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+
+from gemma4_trace.traces.errors import TraceToolError, install_hint
+
+ALL_KINDS = "all kinds"
+RT = "gemma4_trace.replayer.runtimes"  # where the adapters live
+# llama.cpp's own type names of the GGUF files a replay can run (replayer/runtimes/llamacpp/gguf_writer.py
+# maps them to llama_ftype values); F32 is what the project's writer converts to
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M")
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """What one built-in runtime is, needs and can do."""
+
+    name: str  # the --runtime name ("llama.cpp"; with `types`, "llama.cpp:Q8_0" too)
+    # (third_party below: an adapter to another project's engine, whose failures are one line naming
+    # the adapter's code, as a plug-in's are; the project's own runtimes' failures are its bugs)
+    factory: str  # "module:function", imported only when the runtime is made
+    what: str  # what runs (the README table's second column)
+    precision: str
+    extra: str | None = None  # the pip extra that installs what it needs
+    needs: tuple[str, ...] = ()  # importable modules it needs (checked with importlib.util.find_spec)
+    types: tuple[str, ...] = ()  # ":TYPE" suffixes it takes; the first is the default
+    isolation: bool = False  # continues with the tensors the probe returns (--isolate)
+    text_only: bool = False  # takes token ids only: an image prompt is refused before the model loads
+    float32_only: bool = False  # a bfloat16 REF is refused before the model loads
+    cpu_only: bool = False  # --device cuda is refused before the model loads
+    weightless: bool = False  # never computes with HF's weights: the model is built without them
+    not_captured: tuple[str, ...] = ()  # canonical kinds it cannot expose (absent, never zeros)
+    profile: str | None = None  # its float tolerance profile (diff/profiles/NAME.toml), where its kernels need one
+    export: str | None = None  # the command that writes its artifacts
+    artifacts: str = ""  # what it builds (kept in the artifact cache)
+    doc: str | None = None  # its docs page
+    recipe: bool = False  # a quantized runtime a precision recipe (trace precision) can vary
+    baseline: str | None = None  # the runtime whose trace is its natural --baseline
+    third_party: bool = True  # False: the project's own runtime (static and its quantized variants)
+
+    def kinds_text(self) -> str:
+        return ALL_KINDS if not self.not_captured else "all but " + " and ".join(_kind_words(self.not_captured))
+
+
+def _kind_words(kinds: tuple[str, ...]) -> list[str]:
+    """Kind names for people: the four RoPE tables are "RoPE"."""
+    words = []
+    for k in kinds:
+        w = "RoPE" if k.startswith("rope_") else k
+        if w not in words:
+            words.append(w)
+    return words
+
+
+ROPE_KINDS = ("rope_cos_sliding", "rope_sin_sliding", "rope_cos_full", "rope_sin_full")
+_QUANT = dict(extra="quant", needs=("torchao",), isolation=True, recipe=True, third_party=False)
+_EXECUTORCH = dict(extra="executorch", needs=("executorch",), float32_only=True, cpu_only=True, export="export-pte")
+
+RUNTIMES: tuple[RuntimeSpec, ...] = (
+    RuntimeSpec(
+        "static",
+        "gemma4_trace.replayer.runtime:create",
+        "the project's static-shape PyTorch Gemma 4 (fixed max_seq, preallocated KV, chunked prefill)",
+        "REF's dtype (float32 or bfloat16)",
+        isolation=True,
+        third_party=False,
+    ),
+    *(
+        RuntimeSpec(
+            name,
+            "gemma4_trace.replayer.quant:create",
+            f"the static runtime with quantize-dequantized Linear weights ({scheme})",
+            "quantized (simulated)",
+            doc="docs/quantized.md",
+            **_QUANT,
+        )
+        for name, scheme in (
+            ("static-w8", "int8"),
+            ("static-w4g32", "int4 in groups of 32"),
+            ("static-w8a8", "int8 weights and dynamic int8 activations"),
+        )
+    ),
+    RuntimeSpec(
+        "tico",
+        f"{RT}.tico:create",
+        "TICO's own static Gemma 4 runtime (its PTQ wrappers)",
+        "float",
+        extra="tico",
+        needs=("tico",),
+        doc="docs/runtime-tico.md",
+    ),
+    RuntimeSpec(
+        "tico-quant",
+        f"{RT}.tico:create",
+        "the same in TICO's fake-quant mode (int16), calibrated on REF's prompt",
+        "quantized (simulated)",
+        extra="tico",
+        needs=("tico",),
+        doc="docs/runtime-tico.md",
+    ),
+    RuntimeSpec(
+        "onnx",
+        f"{RT}.onnx:create",
+        "the static runtime's steps exported to ONNX, run by onnxruntime (CPU)",
+        "float32",
+        extra="onnx",
+        needs=("onnxruntime", "onnx", "onnxscript"),
+        float32_only=True,
+        export="export-onnx",
+        artifacts="prefill/decode .onnx",
+        doc="docs/runtime-onnx.md",
+    ),
+    RuntimeSpec(
+        "llama.cpp",
+        f"{RT}.llamacpp.runtime:create",
+        "llama.cpp on the project's GGUF conversion, TYPE `F32` (default) ... `Q3_K_M`",
+        "float (F32, F16, BF16) or quantized (llama.cpp's kernels)",
+        extra="llamacpp",
+        needs=("llama_cpp", "gguf"),
+        types=GGUF_TYPES,
+        text_only=True,
+        float32_only=True,
+        weightless=True,
+        not_captured=ROPE_KINDS,
+        profile="llamacpp-f32",
+        export="export-gguf",
+        artifacts=".gguf files",
+        doc="docs/runtime-llamacpp.md",
+        recipe=True,
+        baseline="static --weights-from",
+    ),
+    RuntimeSpec(
+        "executorch",
+        f"{RT}.executorch:create",
+        "the static runtime's steps lowered to ExecuTorch's XNNPACK backend, run by `executorch.runtime`",
+        "float32",
+        profile="executorch-f32",
+        artifacts=".pte programs",
+        doc="docs/runtime-executorch.md",
+        **_EXECUTORCH,
+    ),
+    RuntimeSpec(
+        "executorch-int8",
+        f"{RT}.executorch:create",
+        "the same, PT2E int8 (XNNPACKQuantizer) calibrated on REF's prompt, XNNPACK's int8 kernels",
+        "quantized",
+        artifacts=".pte programs",
+        doc="docs/runtime-executorch.md",
+        baseline="executorch-int8-reference",
+        **_EXECUTORCH,
+    ),
+    RuntimeSpec(
+        "executorch-int8-reference",
+        f"{RT}.executorch:create",
+        "that converted PT2E int8 program run by PyTorch before lowering (its `--baseline`)",
+        "quantized (simulated)",
+        artifacts="converted .pt2 programs",
+        doc="docs/runtime-executorch.md",
+        **_EXECUTORCH,
+    ),
+    RuntimeSpec(
+        "mobius",
+        f"{RT}.mobius:create",
+        "mobius-onnx's own ONNX Gemma 4 text decoder (not traced from PyTorch), run by onnxruntime (CPU)",
+        "float32",
+        extra="mobius",
+        needs=("mobius", "onnxruntime", "onnx_ir"),
+        text_only=True,
+        float32_only=True,
+        not_captured=("mask", *ROPE_KINDS),
+        artifacts="model.onnx",
+        doc="docs/runtime-mobius.md",
+    ),
+)
+BY_NAME = {s.name: s for s in RUNTIMES}
+PLUGIN = "MODULE:FACTORY"
+
+
+@dataclass(frozen=True)
+class RuntimeChoice:
+    """`--runtime TEXT` parsed: a built-in (its row, and its type where it takes one) or a plug-in."""
+
+    text: str
+    spec: RuntimeSpec | None = None  # None: a plug-in
+    type: str | None = None  # the ":TYPE" of a runtime with types (its default when not given)
+
+    @property
+    def name(self) -> str:
+        """The built-in's name, or the plug-in's MODULE:FACTORY."""
+        return self.spec.name if self.spec is not None else self.text
+
+    @property
+    def plugin(self) -> bool:
+        return self.spec is None
+
+    @property
+    def gguf(self) -> bool:
+        """A runtime on GGUF files of a type (llama.cpp:TYPE): its precision recipes are mixed GGUF files."""
+        return self.spec is not None and bool(self.spec.types)
+
+    @property
+    def foreign_code(self) -> str | None:
+        """What a failure inside the runtime names (a plug-in's MODULE:FACTORY, a third-party
+        adapter's name); None for the project's own runtimes, whose failures are its bugs."""
+        return self.text if self.spec is None or self.spec.third_party else None
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def names_text() -> str:
+    """Every built-in name, for help and errors: "static, static-w8, ..., llama.cpp[:TYPE], ..."."""
+    return ", ".join(s.name + ("[:TYPE]" if s.types else "") for s in RUNTIMES)
+
+
+def parse_runtime(text) -> RuntimeChoice:
+    """`--runtime TEXT` -> a RuntimeChoice, or one line saying what is wrong with it: an unknown
+    name (with the nearest built-in), an unknown type, a MODULE:FACTORY of bad syntax. Nothing is
+    imported or looked up (check_available does that)."""
+    if isinstance(text, RuntimeChoice):
+        return text
+    text = str(text)
+    name, sep, rest = text.partition(":")
+    spec = BY_NAME.get(text) or (BY_NAME.get(name) if sep else None)
+    if spec is not None and (spec.name == text or spec.types):
+        if not spec.types:
+            return RuntimeChoice(text, spec)
+        gguf_type = rest if sep else spec.types[0]
+        if gguf_type not in spec.types:
+            raise TraceToolError(f"unknown GGUF type {gguf_type!r}; expected one of {', '.join(spec.types)}")
+        return RuntimeChoice(text, spec, gguf_type)
+    if not sep:
+        near = difflib.get_close_matches(text, list(BY_NAME), n=1)
+        raise TraceToolError(
+            f"--runtime {text!r} is not a runtime"
+            + (f" (did you mean {near[0]!r}?)" if near else "")
+            + f": expected {', '.join(BY_NAME)} or {PLUGIN} (e.g. my_pkg.rt:make_runtime)"
+        )
+    if not all(part.isidentifier() for part in name.split(".")) or not rest.isidentifier():
+        raise TraceToolError(
+            f"--runtime {text!r}: {PLUGIN} needs a dotted module name and a function name (e.g. my_pkg.rt:make_runtime)"
+        )
+    return RuntimeChoice(text)
+
+
+def check_available(choice, isolate: bool = False) -> RuntimeChoice:
+    """Refuse, before any model loads, a runtime that cannot run here: a built-in whose extra is not
+    installed, --isolate where it cannot work, a plug-in whose top-level module is not found. Nothing
+    is imported (a plug-in's own checks run when it is loaded)."""
+    choice = parse_runtime(choice)
+    spec = choice.spec
+    if spec is None:
+        _check_plugin_module(choice.text)
+        return choice
+    missing = [m for m in spec.needs if importlib.util.find_spec(m) is None]
+    if missing:
+        raise TraceToolError(
+            f"--runtime {spec.name} needs {', '.join(missing)}, which is not installed: {install_hint(spec.extra)}"
+        )
+    if isolate and not spec.isolation:
+        raise TraceToolError(
+            f"runtime {spec.name} does not support --isolate (it does not continue with the tensors "
+            "the probe returns); the static runtimes do"
+        )
+    return choice
+
+
+def check_inputs(choice: RuntimeChoice, *, dtype: str | None = None, extra=None, device: str | None = None) -> None:
+    """Refuse, before the model loads, a REF this runtime cannot replay: an image for a text-only
+    runtime, a bfloat16 REF for a float32-only one, a GPU for a CPU-only one."""
+    spec = choice.spec
+    if spec is None:
+        return
+    if spec.text_only and extra:
+        raise TraceToolError(
+            f"--runtime {spec.name} runs a text decoder, which takes token ids only; "
+            "REF's prompt has an image: replay a text prompt"
+        )
+    if spec.float32_only and dtype is not None and dtype != "float32":
+        raise TraceToolError(f"--runtime {spec.name} runs in float32; REF was recorded in {dtype}")
+    if spec.cpu_only and device not in (None, "cpu"):
+        raise TraceToolError(f"--runtime {spec.name} runs on the CPU; drop --device")
+
+
+def _check_plugin_module(text: str) -> None:
+    module_name = text.partition(":")[0]
+    top = module_name.split(".")[0]
+    cwd = os.getcwd()  # found as the replay will import it: the current folder first
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    finally:
+        if added:
+            sys.path.remove(cwd)
+    if not found:
+        raise TraceToolError(
+            f"cannot import runtime plug-in module {module_name!r} (--runtime {text!r}): no module "
+            f"{top!r} is installed or in the current folder"
+        )
+
+
+def exporter(command: str) -> RuntimeSpec:
+    """The runtime whose artifacts `trace COMMAND` writes (its row's `export`)."""
+    return next(s for s in RUNTIMES if s.export == command)
+
+
+def check_export(command: str) -> RuntimeSpec:
+    """Refuse `trace COMMAND` (an export) in one line when what its runtime needs is not installed."""
+    spec = exporter(command)
+    missing = [m for m in spec.needs if importlib.util.find_spec(m) is None]
+    if missing:
+        raise TraceToolError(
+            f"trace {command} needs {', '.join(missing)}, which is not installed: {install_hint(spec.extra)}"
+        )
+    return spec
+
+
+def quantized_names() -> list[str]:
+    """The runtimes a precision recipe can vary, as --runtime takes them (llama.cpp:TYPE, quantized types)."""
+    out = []
+    for s in RUNTIMES:
+        if s.recipe:
+            out += [f"{s.name}:{t}" for t in s.types if t.startswith("Q")] if s.types else [s.name]
+    return out
+
+
+def help_text() -> str:
+    """The `--runtime` help of `trace replay`."""
+    return f"{names_text()}, or {PLUGIN} of a plug-in runtime (see the README's runtime table)"
+
+
+def markdown_table() -> str:
+    """The README's table of built-in runtimes (tests/test_registry.py keeps the README equal to it)."""
+    lines = [
+        "| `--runtime` | what runs | precision | kinds captured | `--isolate` | extra; built artifacts (cached) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in RUNTIMES:
+        name = f"`{s.name}[:TYPE]`" if s.types else f"`{s.name}`"
+        what = s.what + (f", {s.doc}" if s.doc else "")
+        extra = "none" if s.extra is None else f"`{s.extra}`" + (f"; {s.artifacts}" if s.artifacts else "")
+        lines.append(
+            f"| {name} | {what} | {s.precision} | {s.kinds_text()} | {'yes' if s.isolation else 'no'} | {extra} |"
+        )
+    lines.append(
+        f"| `{PLUGIN}` | your runtime (plug-in), docs/runtime-api.md | yours | what it reports | "
+        "when it continues with the tensors the probe returns | yours |"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""A user's GGUF as input (extra gemma4-trace[llamacpp]): `trace replay REF --gguf FILE` (llama.cpp
+on the file, its metadata checked against REF's config first), `--runtime static --weights-from
+FILE.gguf` (the static runtime on the file's dequantized weights, the baseline of a three-way
+diff), and the bounded header reader that refuses malformed files in one line."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llamacpp]')")
+
+from gemma4_trace.diff import diff_traces  # noqa: E402
+from gemma4_trace.diff.tolerances import resolve_tolerances  # noqa: E402
+from gemma4_trace.recorder.golden import golden_path  # noqa: E402
+from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
+from gemma4_trace.replayer.runtimes.llamacpp import gguf_writer as GW  # noqa: E402
+from gemma4_trace.traces.reader import TraceReader  # noqa: E402
+from tests.support import invoke, one_line_error  # noqa: E402
+
+pytestmark = pytest.mark.slow  # exports, lowers or converts programs; make test-fast skips it
+
+PROFILE = str(resolve_tolerances("llamacpp-f32"))
+KINDS = ("embeddings", "per_layer_inputs", "q", "k", "v", "attn_out", "layer_out", "final_hidden", "logits")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """`trace export-gguf` of the embedded tiny model: F32 and Q8_0."""
+    d = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for t in ("F32", "Q8_0"):
+        out[t] = d / f"tiny-{t.lower()}.gguf"
+        res = invoke("export-gguf", "--type", t, "-o", out[t])
+        assert res.exit_code == 0, res.output
+    return out
+
+
+def _tensors(path):
+    with TraceReader(path) as r:
+        return {(k, layer): r.read(k, layer) for k, layer in r.kinds_present() if k in KINDS}
+
+
+def test_exported_file_replays_like_the_runtime(tmp_path, exported):
+    """--gguf of the file `trace export-gguf` wrote: the same tensors as --runtime llama.cpp (the
+    same file, the same kernels), and a match under the llama.cpp profile."""
+    ref, run, own = golden_path("short"), tmp_path / "user.h5", tmp_path / "own.h5"
+    res = invoke("replay", ref, "--gguf", exported["F32"], "-o", run)
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith(f"wrote {run}: llama.cpp:tiny-f32.gguf (F32) (llama-cpp-python 0.3.36, CPU) runtime")
+    assert "3/3 tokens agree" in res.stdout
+    replay_trace(ref, own, runtime="llama.cpp")
+    a, b = _tensors(run), _tensors(own)
+    assert a.keys() == b.keys() and len(a) > 30
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key
+    assert diff_traces(ref, run, PROFILE).match
+
+
+def test_mismatched_metadata_is_refused_in_one_line_and_allowed_on_request(tmp_path):
+    from gemma4_trace.hf.model import load_model
+
+    path = tmp_path / "edited.gguf"
+    GW.write_f32(
+        load_model(None),
+        path,
+        metadata={"gemma4.attention.sliding_window": 9, "gemma4.final_logit_softcapping": 15.0},
+    )
+    ref, run = golden_path("short"), tmp_path / "run.h5"
+    res = invoke("replay", ref, "--gguf", path, "-o", run)
+    assert one_line_error(res, out=run) == (
+        f"error: {path} does not match REF's model config: sliding window 9 (REF 8); final logit softcap 15 "
+        "(REF 30) (--allow-config-mismatch replays it anyway)"
+    )
+    res = invoke("replay", ref, "--gguf", path, "--allow-config-mismatch", "-o", run)
+    assert res.exit_code == 0, res.output
+    note = "config differs from REF: sliding window 9 (REF 8), final logit softcap 15 (REF 30)"
+    assert note in res.stdout
+    with TraceReader(run) as r:
+        assert note in r.provenance["runtime"]
+    # the allowed differences act: the window of 9 first shows at layer 0's attention mask, position 8
+    first = diff_traces(ref, run, PROFILE).to_json()["first_divergence"]
+    assert (first["layer"], first["kind"], first["position"]) == (0, "mask", 8), first
+
+
+def test_gguf_of_another_model_is_refused_naming_the_differences(tmp_path):
+    from tests import tiny_models
+
+    model = tiny_models.build(tmp_path / "model", num_kv_shared_layers=2)
+    path = tmp_path / "other.gguf"
+    assert invoke("export-gguf", "--model", model, "-o", path).exit_code == 0
+    run = tmp_path / "run.h5"
+    line = one_line_error(invoke("replay", golden_path("short"), "--gguf", path, "-o", run), out=run)
+    assert line.startswith(
+        f"error: {path} does not match REF's model config: layers 7 (REF 8); hidden width 32 (REF 64);"
+    )
+    for words in (
+        "sliding window 4 (REF 8)",
+        "KV-shared layers 2 (REF 3)",
+        "per-layer-input width 4 (REF",
+        "vocab 128",
+    ):
+        assert words in line, (words, line)
+    # the same check guards --weights-from
+    res = invoke("replay", golden_path("short"), "--weights-from", path, "-o", run)
+    assert one_line_error(res, out=run).startswith(f"error: {path} does not match REF's model config: layers 7")
+    # allowed, the static runtime still needs every weight of REF's model, each of its shape
+    res = invoke("replay", golden_path("short"), "--weights-from", path, "--allow-config-mismatch", "-o", run)
+    assert one_line_error(res, out=run).startswith(f"error: {path} does not fit REF's model: it lacks blk.7."), res
+
+
+def _edit(data: bytes, at: int, fmt: str, value) -> bytes:
+    b = bytearray(data)
+    b[at : at + struct.calcsize(fmt)] = struct.pack("<" + fmt, value)
+    return bytes(b)
+
+
+def _after(data: bytes, name: bytes) -> int:
+    """The byte after a key's or tensor's name in the header."""
+    i = data.index(struct.pack("<Q", len(name)) + name)
+    return i + 8 + len(name)
+
+
+LIES = {
+    "empty": lambda d: b"",
+    "not GGUF": lambda d: b"GGML" + d[4:],
+    "truncated in the header": lambda d: d[:200],
+    "truncated in the data": lambda d: d[: len(d) - 1000],
+    "tensor count 2^62": lambda d: _edit(d, 8, "Q", 1 << 62),
+    "key count 2^40": lambda d: _edit(d, 16, "Q", 1 << 40),
+    "first key's name 2^62 bytes": lambda d: _edit(d, 24, "Q", 1 << 62),
+    "array of 2^61 items": lambda d: _edit(d, _after(d, b"gemma4.attention.sliding_window_pattern") + 8, "Q", 1 << 61),
+    "tensor dim 2^40": lambda d: _edit(d, _after(d, b"token_embd.weight") + 4, "Q", 1 << 40),
+    "tensor offset 2^60": lambda d: _edit(d, _after(d, b"token_embd.weight") + 4 + 16 + 4, "Q", 1 << 60),
+    "tensor of unknown type": lambda d: _edit(d, _after(d, b"token_embd.weight") + 4 + 16, "I", 999),
+}
+
+
+@pytest.mark.parametrize("lie", LIES)
+@pytest.mark.parametrize("option", ["--gguf", "--weights-from"])
+def test_malformed_gguf_is_refused_in_one_line(tmp_path, exported, lie, option):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(LIES[lie](exported["F32"].read_bytes()))
+    run = tmp_path / "run.h5"
+    line = one_line_error(invoke("replay", golden_path("short"), option, path, "-o", run), out=run)
+    assert line.startswith(f"error: {path}: not a valid GGUF file: "), line
+
+
+def test_weights_from_an_f32_export_reproduces_the_static_runtime(tmp_path, exported):
+    ref, plain, loaded = golden_path("short"), tmp_path / "static.h5", tmp_path / "from-f32.h5"
+    replay_trace(ref, plain)
+    summary = replay_trace(ref, loaded, weights_from=exported["F32"])
+    assert "static (weights from tiny-f32.gguf, F32, dequantized) runtime" in summary
+    a, b = _tensors(plain), _tensors(loaded)
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-6, atol=1e-6, err_msg=str(key))
+    assert diff_traces(plain, loaded).match
+
+
+def test_q8_0_three_way_diff_is_a_match(tmp_path, exported):
+    """REF (HF float32), RUN (llama.cpp on the Q8_0 file), BASE (the static runtime on the same
+    file's dequantized weights): llama.cpp's kernels add nothing beyond its weights' rounding."""
+    ref, run, base = golden_path("short"), tmp_path / "q8.h5", tmp_path / "base.h5"
+    assert invoke("replay", ref, "--gguf", exported["Q8_0"], "-o", run).exit_code == 0
+    summary = replay_trace(ref, base, weights_from=exported["Q8_0"])
+    assert "weights from tiny-q8_0.gguf, Q8_0, dequantized" in summary
+    # both really differ from REF: the rounded weights (BASE leaves the float32 tolerance at once)
+    assert not diff_traces(ref, base).match
+    assert not diff_traces(ref, run, PROFILE).match
+    res = diff_traces(ref, run, PROFILE, baseline_path=base)
+    assert res.match, res.to_json()["first_divergence"]
+    # and BASE is no stand-in for any run: the F32 static runtime is no envelope for Q8_0
+    static = tmp_path / "static.h5"
+    replay_trace(ref, static)
+    assert not diff_traces(ref, run, PROFILE, baseline_path=static).match
+
+
+def test_weights_from_needs_the_static_runtime(tmp_path, exported):
+    run = tmp_path / "r.h5"
+    res = invoke("replay", golden_path("short"), "--runtime", "llama.cpp", "--weights-from", exported["F32"], "-o", run)
+    one_line_error(
+        res, "--weights-from runs the static runtime on the file's weights; not --runtime llama.cpp", out=run
+    )
+    res = invoke(
+        "replay", golden_path("short"), "--gguf", exported["F32"], "--weights-from", exported["F32"], "-o", run
+    )
+    one_line_error(res, "give one", out=run)
