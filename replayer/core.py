@@ -94,22 +94,30 @@ def default_max_seq(prompt_len: int, max_new_tokens: int) -> int:
 
 def make_runtime(choice: RuntimeChoice, loaded, max_seq: int):
     """A runtime object that follows the API: a built-in's factory (its registry row), or a
-    plug-in's MODULE:FACTORY (imported now). A plug-in's failure to start is one line."""
+    plug-in's MODULE:FACTORY (imported now). A plug-in's or a third-party adapter's failure to
+    start is one line naming where in its code it failed."""
     if choice.spec is not None:
-        check_available(choice)
-        module, _, function = choice.spec.factory.partition(":")
         import importlib
 
-        return check_runtime(getattr(importlib.import_module(module), function)(loaded, max_seq, choice), choice.text)
-    factory = load_factory(choice.text)
+        check_available(choice)
+        module, _, function = choice.spec.factory.partition(":")
+        factory, args, where = (
+            getattr(importlib.import_module(module), function),
+            (loaded, max_seq, choice),
+            choice.spec.factory,
+        )
+    else:
+        factory, args, where = load_factory(choice.text), (loaded, max_seq), choice.text
+    if choice.foreign_code is None:  # the project's own runtime: a failure is a bug of ours
+        return check_runtime(factory(*args), choice.text)
     try:
-        rt = factory(loaded, max_seq)
+        rt = factory(*args)
     except TraceToolError:
         raise
     except (Exception, SystemExit) as e:  # sys.exit() in a plug-in must not end the replay as a success
+        what = f"runtime plug-in {choice.text}" if choice.plugin else f"runtime {choice.text}"
         raise TraceToolError(
-            f"runtime plug-in {choice.text} failed to start{failure_site(e, plugin_roots(choice.text))}: "
-            f"{type(e).__name__}: {one_line(e, 200)}"
+            f"{what} failed to start{failure_site(e, plugin_roots(where))}: {type(e).__name__}: {one_line(e, 200)}"
         ) from e  # --debug prints the chain
     return check_runtime(rt, choice.text)
 

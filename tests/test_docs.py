@@ -325,8 +325,11 @@ def test_every_block_that_runs_parses_into_commands():
 
 
 def test_the_readme_lists_every_doc():
-    """README.md's Documentation section names every page of docs/."""
+    """README.md's Documentation section names every page of docs/, a runtime's page through the
+    runtime table (the registry's row links it)."""
+    from gemma4_trace.replayer.runtimes.registry import RUNTIMES
+
     readme = (ROOT / "README.md").read_text()
-    listed = readme[readme.index("## Documentation") :]
+    listed = readme[readme.index("## Documentation") :] + " ".join(s.doc for s in RUNTIMES if s.doc)
     missing = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"docs/{p.name}" not in listed]
     assert not missing, missing

@@ -104,3 +104,19 @@ def test_the_limits_of_a_runtime_are_refused_from_its_row():
             else:
                 R.check_inputs(choice, **kw)
     R.check_inputs(R.parse_runtime("my_pkg.rt:make"), extra=image, dtype="bfloat16", device="cuda")  # yours
+
+
+def test_a_third_party_adapter_that_fails_to_start_is_one_line_naming_its_code(tmp_path, monkeypatch):
+    """An adapter over another project's engine fails like a plug-in: one line naming where."""
+    pytest.importorskip("onnxruntime")
+    from gemma4_trace.recorder.golden import golden_path
+    from tests.support import one_line_error
+
+    def broken(loaded, max_seq):
+        raise RuntimeError("no session today")
+
+    monkeypatch.setattr("gemma4_trace.replayer.runtimes.onnx.OnnxRuntime", broken)
+    out = tmp_path / "run.h5"
+    line = one_line_error(invoke("replay", golden_path("short"), "--runtime", "onnx", "-o", out), out=out)
+    assert line.startswith("error: runtime onnx failed to start at ") and "RuntimeError: no session today" in line
+    assert "replayer/runtimes/onnx.py:" in line, line  # the adapter's line that failed
