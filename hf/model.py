@@ -225,8 +225,10 @@ def _load_processor(path: Path):
                 return _processor_without_torchvision(path)
         if has_tok:
             return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, TypeError, ImportError) as e:
-        raise TraceToolError(f"cannot load the tokenizer/processor in {path}: {one_line(e, 200)}") from None
+    except Exception as e:  # noqa: BLE001 - a damaged tokenizer file fails in transformers' many ways (KeyError: ...)
+        raise TraceToolError(
+            f"cannot load the tokenizer/processor in {path}: {type(e).__name__}: {one_line(e, 200)}"
+        ) from None
     return None
 
 

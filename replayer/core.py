@@ -109,7 +109,7 @@ def make_runtime(choice: RuntimeChoice, loaded, max_seq: int):
     else:
         factory, args, where = load_factory(choice.text), (loaded, max_seq), choice.text
     if choice.foreign_code is None:  # the project's own runtime: a failure is a bug of ours
-        return check_runtime(factory(*args), choice.text)
+        return factory(*args)
     try:
         rt = factory(*args)
     except TraceToolError:
@@ -119,7 +119,9 @@ def make_runtime(choice: RuntimeChoice, loaded, max_seq: int):
         raise TraceToolError(
             f"{what} failed to start{failure_site(e, plugin_roots(where))}: {type(e).__name__}: {one_line(e, 200)}"
         ) from e  # --debug prints the chain
-    return check_runtime(rt, choice.text)
+    # a plug-in is checked for the contract's members; a built-in's name may wait for --prefill-chunk
+    # (the LiteRT runtimes export, and know what their graph lacks, when first asked)
+    return check_runtime(rt, choice.text) if choice.plugin else rt
 
 
 class CheckedRuntime:

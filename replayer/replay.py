@@ -14,7 +14,9 @@ from gemma4_trace.hf.model import load_for_reference
 from gemma4_trace.traces.atomic import check_output_path
 from gemma4_trace.traces.errors import TraceToolError
 
+from .api import Capabilities, close_runtime
 from .core import MODES, default_max_seq, make_runtime, read_reference, replay_loaded
+from .ops import resolve_prefill_chunk
 from .runtimes.registry import check_available, check_inputs, parse_runtime
 
 
@@ -64,6 +66,13 @@ def replay_trace(
         raise TraceToolError(f"--max-seq {max_seq} exceeds the model's {limit} positions (max_position_embeddings)")
     _phase(progress, f"preparing the {choice.text} runtime")  # an export or a lowering, where the runtime has one
     rt = _make(choice, loaded, max_seq, make, header, allow_config_mismatch, weights_from is not None)
+    try:
+        if Capabilities.of(rt).prefill_chunk and not isolate:
+            rt.prefill_chunk = resolve_prefill_chunk(prefill_chunk, max_seq)
+        getattr(rt, "name", None)  # a runtime that builds when first asked (the LiteRT ones) builds in this phase
+    except BaseException:
+        close_runtime(rt)
+        raise
     _phase(progress, "running the steps")
     outcome = replay_loaded(
         loaded,

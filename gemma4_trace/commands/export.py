@@ -11,6 +11,7 @@ from gemma4_trace.replayer.runtimes.registry import RUNTIMES, check_available, c
 from . import check_model_dir, configure_artifacts, user_errors
 
 PTE = [s.name for s in RUNTIMES if s.export == "export-pte" and not s.name.endswith("-reference")]
+LITERT = [s.name for s in RUNTIMES if s.export == "export-litert"]
 
 
 @click.command("export-onnx")
@@ -86,3 +87,24 @@ def export_gguf_cmd(model_dir, gguf_type, output, force, cache_dir, no_cache):
     from gemma4_trace.replayer.runtimes.llamacpp.runtime import export_command
 
     click.echo(export_command(model_dir, choice.type, output, force=force))
+
+
+@click.command("export-litert")
+@O.model()
+@O.runtime("float32, a litert-quantizer recipe, or its dequantized baseline", choices=LITERT, default=LITERT[0])
+@O.max_seq(required=True, help="the longest prompt + generation served (the cache length, in whole prefill chunks)")
+@O.prefill_chunk("rows of the prefill signature (prefill_N), as replay's --prefill-chunk")
+@O.output("folder for the .tflite files (and model.litertlm)", dest="out_dir", folder=True)
+@O.force("existing .tflite files")
+@O.cache
+@O.debug
+@user_errors
+def export_litert_cmd(model_dir, runtime, max_seq, prefill_chunk, out_dir, force, cache_dir, no_cache):
+    """Export the checkpoint with litert-torch's Gemma 4 path (what --runtime litert* runs):
+    embedder.tflite, per_layer_embedder.tflite, model.tflite (and model.litertlm for litert)."""
+    configure_artifacts(cache_dir, no_cache)
+    check_model_dir(model_dir)
+    check_available(runtime)
+    from gemma4_trace.replayer.runtimes.litert.export import export_command
+
+    click.echo(export_command(model_dir, runtime, max_seq, out_dir, force=force, prefill_chunk=prefill_chunk))

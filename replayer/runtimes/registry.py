@@ -191,6 +191,54 @@ RUNTIMES: tuple[RuntimeSpec, ...] = (
         doc="docs/runtime-mobius.md",
     ),
 )
+_LITERT = dict(
+    extra="litert",
+    needs=("litert_torch", "ai_edge_litert", "litert_quantizer"),
+    text_only=True,
+    float32_only=True,
+    cpu_only=True,
+    weightless=True,
+    export="export-litert",
+    doc="docs/runtime-litert.md",
+)
+_LITERT_QUANT = {
+    "litert-int8": "litert-quantizer's `dynamic_wi8_afp32` (int8 weights, dynamic int8 activations)",
+    "litert-wi8": "litert-quantizer's `weight_only_wi8_afp32` (int8 weights, float activations)",
+    "litert-int4": "litert-quantizer's `dynamic_wi4_afp32` (int4 weights, dynamic int8 activations)",
+}
+RUNTIMES += (
+    RuntimeSpec(
+        "litert",
+        f"{RT}.litert.runtime:create",
+        "REF's checkpoint exported by litert-torch's Gemma 4 path, run by ai-edge-litert (XNNPACK, CPU)",
+        "float32",
+        artifacts=".tflite files, .litertlm",
+        **_LITERT,
+    ),
+    *(
+        RuntimeSpec(
+            name,
+            f"{RT}.litert.runtime:create",
+            f"the same, model.tflite quantized with {recipe}",
+            "quantized",
+            artifacts="quantized model.tflite",
+            baseline=f"{name}-dq",
+            **_LITERT,
+        )
+        for name, recipe in _LITERT_QUANT.items()
+    ),
+    *(
+        RuntimeSpec(
+            f"{name}-dq",
+            f"{RT}.litert.runtime:create",
+            f"the float model.tflite with {name}'s quantized weights dequantized into it (its `--baseline`)",
+            "quantized weights, float32 kernels",
+            artifacts="model.tflite",
+            **_LITERT,
+        )
+        for name in _LITERT_QUANT
+    ),
+)
 BY_NAME = {s.name: s for s in RUNTIMES}
 PLUGIN = "MODULE:FACTORY"
 

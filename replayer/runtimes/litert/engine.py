@@ -1,0 +1,59 @@
+"""The child side of `--runtime litert*` (replayer/child.py's protocol): ai-edge-litert's
+interpreter on the exported .tflite files.
+
+    ("load", {name: path}, keep)  -> ("ready", {name: {signature: (inputs {name: (shape, dtype)}, outputs [name])}})
+                                     keep: the names whose interpreter keeps every op's output
+                                     (experimental_preserve_all_tensors: XNNPACK then runs op by op)
+    ("run", name, signature, {input: array}, taps [(tensor, kind, layer)])
+                                  -> one streamed ("tensor", kind, layer, array) per tap, then
+                                     ("outputs", {output: array})
+
+A file the interpreter refuses is one line (EngineError); a crash inside it kills this process
+only, and the parent names it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gemma4_trace.replayer.child import EngineError, quiet_fd2
+
+
+class LiteRTEngine:
+    def __init__(self, emit):
+        with quiet_fd2():
+            from ai_edge_litert.interpreter import Interpreter
+
+        self.Interpreter, self.emit = Interpreter, emit
+        self.models, self.runners = {}, {}
+
+    def handle(self, command: str, *args):
+        if command == "load":
+            return self._load(*args)
+        name, sig, inputs, taps = args
+        runner = self.runners[(name, sig)]
+        outs = runner(**inputs)
+        sg = runner._subgraph_index
+        for index, kind, layer in taps:
+            self.emit(kind, layer, np.array(self.models[name].get_tensor(index, sg)))
+        return ("outputs", {k: np.array(v) for k, v in outs.items()})
+
+    def _load(self, paths: dict, keep):
+        meta = {}
+        for name, path in paths.items():
+            try:
+                with quiet_fd2():
+                    m = self.Interpreter(model_path=path, experimental_preserve_all_tensors=name in keep)
+                sigs = m.get_signature_list()
+            except Exception as e:  # noqa: BLE001 - the interpreter's refusal of a file, one line
+                raise EngineError(f"{path}: LiteRT cannot load it ({' '.join(str(e).split())[:160]})") from None
+            self.models[name] = m
+            meta[name] = {}
+            for sig in sigs:
+                r = self.runners[(name, sig)] = m.get_signature_runner(sig)
+                ins = {
+                    k: (tuple(int(d) for d in v["shape"]), np.dtype(v["dtype"]).name)
+                    for k, v in r.get_input_details().items()
+                }
+                meta[name][sig] = (ins, list(r.get_output_details()))
+        return ("ready", meta)

@@ -1,0 +1,317 @@
+"""REF's checkpoint as LiteRT files: litert-torch's Gemma 4 export, litert-quantizer's recipes, and
+the dequantized baselines, each kept in the artifact cache (replayer/artifacts.py).
+
+    export      python -m litert_torch.generative.export_hf MODEL OUT --prefill_lengths=P
+                --cache_length=S --externalize_embedder=True --k_ts_idx=2 --v_ts_idx=3 ...
+                -> embedder.tflite, per_layer_embedder.tflite, model.tflite, model.litertlm
+    quantize    litert-quantizer's recipe on model.tflite (the embedders stay float32)
+    dequantize  the float model.tflite with each quantized weight written back into it as
+                float32 (scale * (q - zero_point), per channel): the same graph and float
+                kernels, the quantized weights; the `--baseline` of a quantized replay
+
+Both tools run in a child process (their imports pull TensorFlow; a failure is one line). The
+export refuses Gemma 4 without --externalize_embedder and imports TensorFlow Lite's schema module
+(`tensorflow.lite.python.schema_py_generated`), which the [litert] extra installs with
+tensorflow-cpu; litert-torch does not depend on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import numpy as np
+
+from gemma4_trace.traces.errors import TraceToolError, install_hint
+
+from ...artifacts import artifact_folder, code_digest, model_hash
+from ...child import signal_words
+
+FORMAT = 1  # bump when the files' layout or the export flags change meaning (the cache key holds it)
+FILES = ("embedder.tflite", "per_layer_embedder.tflite", "model.tflite")
+BUNDLE = "model.litertlm"
+K_AXIS, V_AXIS = 2, 3  # the cache axis that holds positions: K (1, KV, S, D), V transposed (1, KV, D, S)
+# --runtime name -> litert-quantizer's recipe (litert_quantizer.recipe.NAME())
+RECIPES = {
+    "litert-int8": "dynamic_wi8_afp32",
+    "litert-wi8": "weight_only_wi8_afp32",
+    "litert-int4": "dynamic_wi4_afp32",
+}
+PACKAGES = ("litert-torch", "ai-edge-litert", "litert-quantizer", "tensorflow-cpu")
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "GLOG_minloglevel": "3", "TQDM_DISABLE": "1"}
+
+
+def versions() -> dict:
+    """The releases the files depend on; one line when the [litert] extra is not installed."""
+    out = {}
+    for p in PACKAGES:
+        try:
+            out[p] = version(p)
+        except PackageNotFoundError:
+            raise TraceToolError(f"--runtime litert needs {p}: {install_hint('litert')}") from None
+    return out
+
+
+def cache_length(max_seq: int, prefill: int) -> int:
+    """The export's cache length: max_seq rounded up to whole prefill chunks, so that every chunk's
+    rows (a prefill writes all P of them, padding included) fit in the cache."""
+    return -(-int(max_seq) // int(prefill)) * int(prefill)
+
+
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b")
+
+
+def _run_tool(args: list[str], what: str, cwd=None) -> None:
+    """A tool in a child process; its failure is one line: the exception it ended with (else its
+    last line on stderr)."""
+    with tempfile.TemporaryFile() as log:
+        rc = subprocess.run(
+            args, stdout=subprocess.DEVNULL, stderr=log, cwd=cwd, env={**os.environ, **QUIET}
+        ).returncode
+        if rc == 0:
+            return
+        log.seek(0)
+        lines = [ln.strip() for ln in log.read()[-65536:].decode(errors="replace").splitlines() if ln.strip()]
+    why = next((ln for ln in reversed(lines) if EXCEPTION_LINE.match(ln)), lines[-1] if lines else "")
+    raise TraceToolError(f"{what} failed ({signal_words(rc)}): {why[:240]}")
+
+
+def check_checkpoint(model_dir) -> None:
+    """Refuse, before the export starts, a checkpoint litert-torch's Gemma 4 path cannot take:
+    it bundles the tokenizer into model.litertlm, and it exports Gemma4ForConditionalGeneration
+    checkpoints (a text-only Gemma4ForCausalLM one fails inside it: "LiteRTGemma4TextModel does
+    not support setting experts implementation")."""
+    d = Path(model_dir)
+    if not any((d / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
+        raise TraceToolError(
+            f"litert-torch's export bundles the tokenizer into model.litertlm: {d} has no tokenizer.json "
+            "or tokenizer.model"
+        )
+    try:
+        arch = json.loads((d / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        arch = []
+    if "Gemma4ForCausalLM" in arch:
+        raise TraceToolError(
+            f"{d} is a Gemma4ForCausalLM checkpoint; litert-torch {version('litert-torch')}'s Gemma 4 export takes "
+            "Gemma4ForConditionalGeneration ones (as Google ships E2B/E4B)"
+        )
+
+
+def export_key(loaded, max_seq: int, prefill: int) -> dict:
+    return {
+        "format": FORMAT,
+        "model": model_hash(loaded.model_dir),
+        "prefill": int(prefill),
+        "cache_length": cache_length(max_seq, prefill),
+        "axes": [K_AXIS, V_AXIS],
+        **versions(),
+    }
+
+
+def exported(loaded, max_seq: int, prefill: int):
+    """The artifact holding the float export (FILES and BUNDLE) of `loaded` for max_seq and P."""
+    S = cache_length(max_seq, prefill)
+
+    check_checkpoint(loaded.model_dir)
+
+    def build(folder: Path) -> None:
+        work = folder / "work"
+        work.mkdir()
+        _run_tool(
+            [
+                sys.executable,
+                "-m",
+                "litert_torch.generative.export_hf",
+                str(Path(loaded.model_dir).resolve()),
+                str(work),
+                f"--prefill_lengths={int(prefill)}",
+                f"--cache_length={S}",
+                "--quantization_recipe=none",
+                "--externalize_embedder=True",
+                f"--k_ts_idx={K_AXIS}",
+                f"--v_ts_idx={V_AXIS}",
+                "--keep_temporary_files=True",
+            ],
+            "litert-torch's Gemma 4 export (litert_torch.generative.export_hf)",
+            cwd=work,
+        )
+        for name in (*FILES, BUNDLE):
+            if not (work / name).is_file():
+                raise TraceToolError(
+                    f"litert-torch's export wrote no {name} (another release lays its files out otherwise)"
+                )
+            (work / name).rename(folder / name)
+        shutil.rmtree(work)
+
+    return artifact_folder(
+        "litert",
+        export_key(loaded, max_seq, prefill),
+        build,
+        what=f"exporting {loaded.name} with litert-torch (prefill {prefill}, cache {S}, float32)",
+    )
+
+
+def quantized(loaded, max_seq: int, prefill: int, mode: str):
+    """The artifact holding model.tflite quantized with mode's recipe (RECIPES), or, for a
+    "-dq" mode, the float model.tflite with that recipe's weights dequantized into it."""
+    base = mode.removesuffix("-dq")
+    recipe = RECIPES[base]
+    dq = mode.endswith("-dq")
+    key = {
+        **export_key(loaded, max_seq, prefill),
+        "recipe": recipe,
+        "dequantized": dq,
+        "code": code_digest("runtimes/litert/export.py"),
+    }
+
+    def build(folder: Path) -> None:
+        src = exported(loaded, max_seq, prefill)
+        try:
+            if dq:
+                q = quantized(loaded, max_seq, prefill, base)
+                try:
+                    n = dequantize_into(src.path / "model.tflite", q.path / "model.tflite", folder / "model.tflite")
+                finally:
+                    q.close()
+                if n == 0:
+                    raise TraceToolError(f"the {recipe} model holds no quantized weight to dequantize")
+            else:
+                _run_tool(
+                    [sys.executable, "-m", __name__, "quantize", str(src.path / "model.tflite"), str(folder), recipe],
+                    f"litert-quantizer ({recipe})",
+                )
+        finally:
+            src.close()
+
+    what = (
+        f"writing {recipe}'s dequantized weights into the float model.tflite"
+        if dq
+        else f"quantizing model.tflite with litert-quantizer's {recipe}"
+    )
+    return artifact_folder("litert", key, build, what=what)
+
+
+# ------------------------------------------------------------------ dequantized weights
+def _buffer_bytes(model, buf: bytearray, index: int) -> memoryview:
+    """Buffer `index`'s bytes in the file: inline, or at (offset, size) past the flatbuffer."""
+    b = model.Buffers(index)
+    if b.Offset() > 1:
+        lo, hi = int(b.Offset()), int(b.Offset()) + int(b.Size())
+        if hi > len(buf):
+            raise ValueError(f"buffer {index} lies past the end of the file")
+        return memoryview(buf)[lo:hi]
+    if b.DataLength() == 0:
+        return memoryview(b"")
+    start = b._tab.Vector(b._tab.Offset(4))
+    return memoryview(buf)[start : start + b.DataLength()]
+
+
+INT8, INT4, FLOAT32 = 9, 17, 0  # TensorType values of the schema
+
+
+def _dequantized(t, raw: memoryview) -> np.ndarray:
+    """A quantized weight tensor's values as float32: scale * (q - zero_point) along its channel axis."""
+    shape = tuple(int(d) for d in t.ShapeAsNumpy())
+    n = int(np.prod(shape))
+    if t.Type() == INT8:
+        q = np.frombuffer(raw, np.int8, count=n).astype(np.float32)
+    elif t.Type() == INT4:  # two per byte, the first in the low nibble
+        packed = np.frombuffer(raw, np.uint8, count=(n + 1) // 2)
+        nib = np.stack([packed & 0xF, packed >> 4], axis=1).reshape(-1)[:n].astype(np.int8)
+        q = np.where(nib > 7, nib - 16, nib).astype(np.float32)
+    else:
+        raise ValueError(f"weight type {t.Type()} is not int8 or int4")
+    qp = t.Quantization()
+    scale, zero = qp.ScaleAsNumpy().astype(np.float32), qp.ZeroPointAsNumpy().astype(np.float32)
+    axis = int(qp.QuantizedDimension())
+    q = q.reshape(shape)
+    view = [1] * len(shape)
+    if scale.size > 1:
+        view[axis] = scale.size
+    return ((q - zero.reshape(view)) * scale.reshape(view)).astype(np.float32)
+
+
+def dequantize_into(float_path, quant_path, out_path) -> int:
+    """Write float_path with every weight that quant_path holds quantized replaced by its
+    dequantized values (tensors matched by subgraph and index: the quantizer keeps both and
+    appends what it adds); return how many buffers were written."""
+    from ai_edge_litert import schema_py_generated as fb
+
+    fbuf, qbuf = bytearray(Path(float_path).read_bytes()), bytearray(Path(quant_path).read_bytes())
+    fm, qm = fb.Model.GetRootAsModel(fbuf, 0), fb.Model.GetRootAsModel(qbuf, 0)
+    done: dict[int, int] = {}
+    for s in range(min(fm.SubgraphsLength(), qm.SubgraphsLength())):
+        fg, qg = fm.Subgraphs(s), qm.Subgraphs(s)
+        for i in range(min(fg.TensorsLength(), qg.TensorsLength())):
+            ft, qt = fg.Tensors(i), qg.Tensors(i)
+            if qt.Type() not in (INT8, INT4) or ft.Type() != FLOAT32 or qt.Buffer() == 0:
+                continue
+            if ft.Name() != qt.Name() or list(ft.ShapeAsNumpy()) != list(qt.ShapeAsNumpy()):
+                raise TraceToolError(f"{quant_path}: tensor {i} of subgraph {s} is not the float model's tensor {i}")
+            values = _dequantized(qt, _buffer_bytes(qm, qbuf, qt.Buffer()))
+            target = _buffer_bytes(fm, fbuf, ft.Buffer())
+            if len(target) != values.nbytes:
+                raise TraceToolError(
+                    f"{float_path}: buffer {ft.Buffer()} does not hold a float32 tensor of {values.shape}"
+                )
+            if done.setdefault(ft.Buffer(), qt.Buffer()) != qt.Buffer():
+                raise TraceToolError(f"{quant_path}: float buffer {ft.Buffer()} maps to two quantized weights")
+            target[:] = values.astype("<f4").tobytes()
+    Path(out_path).write_bytes(bytes(fbuf))
+    return len(done)
+
+
+def _quantize(src: str, out_dir: str, recipe: str) -> None:
+    """The child's work: litert-quantizer's recipe on src, written to out_dir/model.tflite."""
+    from litert_quantizer import quantizer as Q
+    from litert_quantizer import recipe as R
+
+    q = Q.Quantizer(src)
+    q.load_quantization_recipe(getattr(R, recipe)())
+    q.quantize().export_model(str(Path(out_dir) / "model.tflite"), overwrite=True)
+
+
+if __name__ == "__main__":
+    command, *args = sys.argv[1:]
+    if command == "quantize":
+        _quantize(*args)
+
+
+def export_command(model_dir, mode: str, max_seq: int, out_dir, force: bool = False, prefill_chunk=None) -> str:
+    """`trace export-litert`: the files `--runtime MODE` runs, copied from the artifact cache into
+    out_dir, all or none; return a summary line."""
+    from gemma4_trace.hf.model import load_model
+
+    from ...artifacts import check_output_folder, copy_all_or_none
+    from ...ops import resolve_prefill_chunk
+
+    if mode != "litert" and mode not in RECIPES and mode.removesuffix("-dq") not in RECIPES:
+        raise TraceToolError(
+            f"--runtime {mode!r}: export-litert writes litert, {', '.join(RECIPES)} or their -dq files"
+        )
+    out = Path(out_dir)
+    names = [*FILES, BUNDLE] if mode == "litert" else list(FILES)
+    check_output_folder(out, names, force, ".tflite")
+    P = resolve_prefill_chunk(prefill_chunk, max_seq) or int(max_seq)
+    loaded = load_model(model_dir, weights=False)
+    base = exported(loaded, max_seq, P)
+    arts = [base] + ([] if mode == "litert" else [quantized(loaded, max_seq, P, mode)])
+    try:
+        sources = [(arts[-1] if n == "model.tflite" else base).path / n for n in names]
+        copy_all_or_none(sources, out, ".tflite")
+    finally:
+        for a in arts:
+            a.close()
+    sizes = ", ".join(f"{n} ({(out / n).stat().st_size / 2**20:.1f} MiB)" for n in names)
+    return (
+        f"wrote {sizes} into {out}: {loaded.name}, {mode}, prefill {P}, cache {cache_length(max_seq, P)} "
+        f"({arts[-1].note})"
+    )

@@ -1,0 +1,288 @@
+"""What a LiteRT .tflite graph computes, read from the file with LiteRT's own flatbuffer schema
+(`ai_edge_litert.schema_py_generated`), and which of its tensors are the canonical kinds.
+
+litert-torch keeps the torch module path in each tensor's name (`.../Gemma4TextDecoderLayer_3/
+.../Gemma4TextAttention_self_attn/...Linear_o_proj;2`, parts of fused ops joined by ';'), so a
+tensor's layer and module are read from its name, and its place in the data flow from the
+operators. For each signature (prefill_N, decode) the taps are:
+
+    q             the RoPE sum (an ADD output of shape (1, n, heads, head_dim)) in layer i's
+                  attention that writes no cache (k's RoPE sum writes the cache)
+    attn_out      o_proj's last output (1, n, hidden)
+    layer_out     the last output of layer i's own scope (1, n, hidden) (its scalar included)
+    per_layer_inputs  the last (1, n, layers, ple) tensor of the language model's own scope
+    final_hidden  the final norm's output (1, n, hidden) (decode only: the prefill graph ends at the caches)
+    mask          the operand added to layer i's attention scores before the SOFTMAX (additive)
+    rope tables   COS / SIN outputs of the rotary embedding, (1, n, head_dim); the layer type is
+                  that of the layers whose ops consume the table
+    k, v          not taps: the rows the step wrote into the cache outputs (`kv_cache_k_j`, `_v_j`)
+
+A graph whose names do not give every layer's layer_out is refused in one line (another
+litert-torch release names its modules otherwise). Nothing here runs the graph.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.schema import rope_kinds
+
+LAYER = re.compile(r"Gemma4TextDecoderLayer_(\d+)(?:/|$)")
+
+
+@dataclass
+class Tensor:
+    index: int
+    name: str
+    shape: tuple
+
+    def parts(self) -> list[str]:
+        """The module path of each op fused into this tensor (the name's ';'-separated parts)."""
+        return [p.strip() for p in self.name.split(";")]
+
+    def layer(self) -> int | None:
+        m = LAYER.search(self.parts()[0])
+        return int(m.group(1)) if m else None
+
+    def scope(self) -> str:
+        """The innermost module of the tensor's first part ("Gemma4RMSNorm_v_norm", "Linear_o_proj")."""
+        return self.parts()[0].rsplit("/", 1)[-1].rsplit(".", 1)[-1]
+
+
+@dataclass
+class Signature:
+    """One signature's subgraph: tensors, operators in order, and named inputs and outputs."""
+
+    key: str
+    subgraph: int
+    tensors: list[Tensor]
+    ops: list[tuple[str, list[int], list[int]]]  # (opcode name, inputs, outputs) in execution order
+    inputs: dict = field(default_factory=dict)  # name -> tensor index
+    outputs: dict = field(default_factory=dict)
+    producer: dict = field(default_factory=dict)  # tensor index -> op position
+    consumers: dict = field(default_factory=dict)  # tensor index -> [op positions]
+
+    def op_of(self, t: int) -> str | None:
+        k = self.producer.get(t)
+        return None if k is None else self.ops[k][0]
+
+    def fed_ops(self, t: int) -> list[str]:
+        return [self.ops[k][0] for k in self.consumers.get(t, [])]
+
+
+class _Budget:
+    """Bytes a parse may read: the file's vectors, counted as they are read. A well-formed file's
+    vectors do not overlap, so they add up to less than the file; a hostile one can point every
+    entry at one long vector, and is refused before the parse turns quadratic."""
+
+    def __init__(self, size: int):
+        self.left = 4 * size + (1 << 20)
+
+    def take(self, count: int, width: int = 4) -> int:
+        self.left -= max(int(count), 0) * width
+        if self.left < 0:
+            raise ValueError("its vectors add up to more than the file")
+        return int(count)
+
+
+def read(path) -> dict[str, Signature]:
+    """Every signature of a .tflite file."""
+    from ai_edge_litert import schema_py_generated as fb
+
+    buf = Path(path).read_bytes()
+    budget = _Budget(len(buf))
+    try:
+        if len(buf) < 8 or not fb.Model.ModelBufferHasIdentifier(buf, 0):
+            raise ValueError("no TFL3 identifier")
+        model = fb.Model.GetRootAsModel(buf, 0)
+        opnames = {v: k for k, v in vars(fb.BuiltinOperator).items() if not k.startswith("_")}
+        codes = []
+        for i in range(budget.take(model.OperatorCodesLength())):
+            c = model.OperatorCodes(i)
+            codes.append(opnames.get(max(c.BuiltinCode(), c.DeprecatedBuiltinCode()), "CUSTOM"))
+        out = {}
+        for s in range(budget.take(model.SignatureDefsLength())):
+            sd = model.SignatureDefs(s)
+            sg = model.Subgraphs(sd.SubgraphIndex())
+            tensors = []
+            for i in range(budget.take(sg.TensorsLength())):
+                t = sg.Tensors(i)
+                name = t.Name() or b""
+                budget.take(len(name), 1)
+                shape = tuple(int(d) for d in t.ShapeAsNumpy()) if budget.take(t.ShapeLength()) else ()
+                tensors.append(Tensor(i, name.decode(errors="replace"), shape))
+            ops = []
+            for k in range(budget.take(sg.OperatorsLength())):
+                op = sg.Operators(k)
+                ins = [int(i) for i in op.InputsAsNumpy()] if budget.take(op.InputsLength()) else []
+                outs = [int(i) for i in op.OutputsAsNumpy()] if budget.take(op.OutputsLength()) else []
+                if not all(-1 <= i < len(tensors) for i in ins + outs) or op.OpcodeIndex() >= len(codes):
+                    raise ValueError(f"operator {k} names a tensor or an opcode that does not exist")
+                ops.append((codes[op.OpcodeIndex()], ins, outs))
+            sig = Signature(sd.SignatureKey().decode(errors="replace"), sd.SubgraphIndex(), tensors, ops)
+            n_in, n_out = budget.take(sd.InputsLength()), budget.take(sd.OutputsLength())
+            sig.inputs = {sd.Inputs(i).Name().decode(errors="replace"): sd.Inputs(i).TensorIndex() for i in range(n_in)}
+            sig.outputs = {
+                sd.Outputs(i).Name().decode(errors="replace"): sd.Outputs(i).TensorIndex() for i in range(n_out)
+            }
+            if not all(0 <= t < len(tensors) for t in [*sig.inputs.values(), *sig.outputs.values()]):
+                raise ValueError(f"signature {sig.key} names a tensor that does not exist")
+            for k, (_, ins, outs) in enumerate(ops):
+                for t in outs:
+                    sig.producer[t] = k
+                for t in ins:
+                    if t >= 0:
+                        sig.consumers.setdefault(t, []).append(k)
+            out[sig.key] = sig
+    except Exception as e:  # noqa: BLE001 - a file that is no .tflite fails in flatbuffers' own ways
+        why = str(e) if isinstance(e, ValueError) and str(e) else type(e).__name__
+        raise TraceToolError(f"{path}: not a LiteRT model ({why[:120]})") from None
+    return out
+
+
+@dataclass(frozen=True)
+class Tap:
+    index: int  # the tensor, in the signature's subgraph
+    kind: str
+    layer: int | None
+
+
+def taps(sig: Signature, infos, hidden: int, ple: tuple | None) -> list[Tap]:
+    """The canonical kinds' tensors of one signature (module docstring). `infos`: the model's
+    LayerInfo list (traces/layers.py); `ple`: (layers, per-layer width) or None."""
+    heads = {i: (x.num_heads, x.num_kv_heads, x.head_dim) for i, x in enumerate(infos)}
+    produced = sorted(sig.producer, key=lambda t: sig.producer[t])  # tensors in the order they are computed
+    by_layer: dict[int, list[Tensor]] = {}
+    own: list[Tensor] = []  # the language model's own scope (outside the layers)
+    for t in produced:
+        x = sig.tensors[t]
+        layer = x.layer()
+        if layer is not None and 0 <= layer < len(infos):
+            by_layer.setdefault(layer, []).append(x)
+        elif x.scope().endswith("language_model"):
+            own.append(x)
+    out = []
+    for i, xs in sorted(by_layer.items()):
+        out += _layer_taps(sig, i, xs, hidden, heads[i])
+    if ple is not None:
+        cands = [x for x in own if len(x.shape) == 4 and x.shape[0] == 1 and x.shape[2:] == ple]
+        if cands:
+            out.append(Tap(cands[-1].index, "per_layer_inputs", None))
+    norms = [x for x in produced if sig.tensors[x].scope() == "Gemma4RMSNorm_norm"]
+    norms = [x for x in norms if len(sig.tensors[x].shape) == 3 and sig.tensors[x].shape[-1] == hidden]
+    if norms:
+        out.append(Tap(norms[-1], "final_hidden", None))
+    return out + _rope_taps(sig, produced, infos)
+
+
+def _layer_taps(sig: Signature, i: int, xs: list[Tensor], hidden: int, dims: tuple) -> list[Tap]:
+    H, _, D = dims
+    out = []
+    rope_sums = [x for x in xs if len(x.shape) == 4 and x.shape[2:] == (H, D) and _is_rope_sum(sig, x.index)]
+    q = [x for x in rope_sums if "DYNAMIC_UPDATE_SLICE" not in _reach(sig, x.index, 2)]
+    if q:
+        out.append(Tap(q[-1].index, "q", i))
+    o = [x for x in xs if "Linear_o_proj" in x.parts()[0] and x.shape[-1] == hidden and len(x.shape) == 3]
+    if o:
+        out.append(Tap(o[-1].index, "attn_out", i))
+    top = [x for x in xs if re.fullmatch(r".*Gemma4TextDecoderLayer_\d+", x.parts()[0]) and x.shape[-1] == hidden]
+    if top:
+        out.append(Tap(top[-1].index, "layer_out", i))
+    m = _mask_operand(sig, xs)
+    if m is not None:
+        out.append(Tap(m.index, "mask", i))
+    return out
+
+
+def _is_rope_sum(sig: Signature, t: int) -> bool:
+    """t = x * cos + rotate_half(x) * sin: an ADD of two MUL outputs."""
+    k = sig.producer.get(t)
+    if k is None or sig.ops[k][0] != "ADD":
+        return False
+    return all(sig.op_of(i) == "MUL" for i in sig.ops[k][1])
+
+
+def _mask_operand(sig: Signature, xs: list[Tensor]) -> Tensor | None:
+    """The mask added to layer i's attention scores: the ADD feeding the SOFTMAX, its operand that
+    is not the scores' BATCH_MATMUL."""
+    for x in xs:
+        if sig.op_of(x.index) == "ADD" and "SOFTMAX" in sig.fed_ops(x.index):
+            operands = [i for i in sig.ops[sig.producer[x.index]][1] if sig.op_of(i) != "BATCH_MATMUL"]
+            if len(operands) == 1:
+                return sig.tensors[operands[0]]
+    return None
+
+
+def _reach(sig: Signature, t: int, hops: int) -> set[str]:
+    """The op names within `hops` operators downstream of tensor t."""
+    seen, frontier = set(), [t]
+    for _ in range(hops):
+        nxt = []
+        for x in frontier:
+            for k in sig.consumers.get(x, []):
+                name, _, outs = sig.ops[k]
+                seen.add(name)
+                nxt += outs
+        frontier = nxt
+    return seen
+
+
+def _rope_taps(sig: Signature, produced: list[int], infos) -> list[Tap]:
+    """COS and SIN outputs of the rotary embedding; each table's layer type is that of the layers
+    its values reach (within a few ops); a table no layer reads, or that layers of both types
+    read, is left out."""
+    out, seen = [], set()
+    for t in produced:
+        op = sig.op_of(t)
+        if op not in ("COS", "SIN") or "rotary_emb" not in sig.tensors[t].name:
+            continue
+        types = {infos[i].layer_type for i in _reached_layers(sig, t, 4) if 0 <= i < len(infos)}
+        if len(types) != 1:
+            continue
+        kind = rope_kinds(types.pop())[0 if op == "COS" else 1]
+        if kind not in seen:
+            seen.add(kind)
+            out.append(Tap(t, kind, None))
+    return out
+
+
+def _reached_layers(sig: Signature, t: int, hops: int) -> set[int]:
+    """The layers of the tensors within `hops` operators downstream of tensor t."""
+    layers, frontier = set(), [t]
+    for _ in range(hops):
+        nxt = []
+        for x in frontier:
+            for k in sig.consumers.get(x, []):
+                for o in sig.ops[k][2]:
+                    layer = sig.tensors[o].layer()
+                    if layer is not None:
+                        layers.add(layer)
+                    else:
+                        nxt.append(o)
+        frontier = nxt
+    return layers
+
+
+def cache_layers(sig: Signature, infos) -> dict[int, int]:
+    """kv_cache_k_j -> the layer j-th of the layers that write a cache (their order in the model)."""
+    owners = [i for i, info in enumerate(infos) if info.kv_role != "reuses"]
+    caches = sorted(int(k.rsplit("_", 1)[1]) for k in sig.inputs if k.startswith("kv_cache_k_"))
+    if len(caches) != len(owners):
+        raise TraceToolError(
+            f"the LiteRT graph has {len(caches)} K/V caches; the model has {len(owners)} layers that write K/V"
+        )
+    return {j: owners[j] for j in caches}
+
+
+def layers_present(taps_: list[Tap]) -> set[int]:
+    return {t.layer for t in taps_ if t.kind == "layer_out"}
+
+
+def rows(x: np.ndarray) -> np.ndarray:
+    """A tapped tensor (1, n, ...) as its rows (n, ...)."""
+    return np.ascontiguousarray(x[0])

@@ -1,0 +1,264 @@
+"""`--runtime litert` and its quantized variants (REF's checkpoint exported by litert-torch's Gemma 4
+path, run by ai-edge-litert) and `trace export-litert` (extra gemma4-trace[litert]).
+
+The export costs about 40 s for the embedded 8-layer model, once per content (the suite's artifact
+cache keeps it), so every replay here uses one export: max_seq 16, prefill chunks of 3 rows (a
+7-row prefill: chunks 0-2, 3-5 and 6 with two pad rows), the quantized models from it in seconds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ai_edge_litert", reason="ai-edge-litert is not installed (pip install -e '.[litert]')")
+pytest.importorskip("litert_torch", reason="litert-torch is not installed (pip install -e '.[litert]')")
+
+from gemma4_trace.diff import diff_traces  # noqa: E402
+from gemma4_trace.recorder.golden import golden_path  # noqa: E402
+from gemma4_trace.replayer.runtimes.litert import export as E  # noqa: E402
+from gemma4_trace.replayer.runtimes.litert import graph as G  # noqa: E402
+from gemma4_trace.traces.errors import TraceToolError  # noqa: E402
+from gemma4_trace.traces.reader import TraceReader  # noqa: E402
+from tests.support import invoke, one_line_error  # noqa: E402
+
+pytestmark = pytest.mark.slow  # exports, lowers or converts programs; make test-fast skips it
+
+PROMPT = "2,17,33,40,51,60,71,80"  # 8 tokens: 7 through the prefill signature, the last through decode
+MAX_SEQ, CHUNK = 16, 3
+MODES = ("litert", "litert-int8", "litert-int8-dq", "litert-wi8", "litert-wi8-dq", "litert-int4")
+
+
+def _replay(ref, out, runtime, *more, env=None):
+    return invoke(
+        "replay", ref, "--runtime", runtime, "--max-seq", MAX_SEQ, "--prefill-chunk", CHUNK, "-o", out, *more, env=env
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("litert")
+    ref = d / "ref.h5"
+    r = invoke("record", "--input-ids", PROMPT, "--max-new-tokens", "4", "-o", ref)
+    assert r.exit_code == 0, r.output
+    out = {"ref": ref, "dir": d}
+    for mode in MODES:
+        out[mode] = d / f"{mode}.h5"
+        r = _replay(ref, out[mode], mode)
+        assert r.exit_code == 0, r.output
+        out[mode + ":summary"] = r.stdout
+    r = _replay(ref, d / "free.h5", "litert", "--free-running")
+    assert r.exit_code == 0, r.output
+    out["free"] = d / "free.h5"
+    return out
+
+
+def test_float_replay_captures_every_kind_and_finds_the_missing_soft_cap(runs):
+    """litert-torch 0.10.0's decode signature returns lm_head(hidden) without Gemma 4's final
+    logit soft-cap (docs/upstream/litert-torch-softcap.md): everything before the logits
+    matches HF at float32's defaults, the logits do not, and the hint names the cap."""
+    ref, run = runs["ref"], runs["litert"]
+    res = diff_traces(ref, run)
+    first = res.to_json()["first_divergence"]
+    assert (first["step"], first["kind"], first["position"]) == (0, "logits", 7), first
+    assert res.to_json()["hint"]["name"] == "final logit soft-cap missing", res.to_json()["hint"]
+    with TraceReader(ref) as a, TraceReader(run) as b:
+        assert sorted(b.kinds_present()) == sorted(a.kinds_present())
+        runtime = b.provenance["runtime"]
+        assert runtime.startswith("litert (litert-torch 0.10.0, ai-edge-litert 2.3.0") and "float32" in runtime
+        assert f"prefill {CHUNK}, cache 18" in runtime and "from decode steps" in runtime
+        cfg = a.model_config
+        cap = float(cfg.get("text_config", cfg)["final_logit_softcapping"])
+        got, want = b.read("logits"), a.read("logits")  # (steps, vocab)
+        assert np.abs(got - want).max(axis=1).min() > 1e-2  # the raw lm_head at every step
+        assert np.abs(cap * np.tanh(got / cap) - want).max() < 1e-4  # ... one tanh away from REF's
+        assert np.array_equal(got.argmax(axis=1), want.argmax(axis=1))  # greedy text hides it
+        # the prefill rows of the layers pruned from the prefill graph (from decode steps) are all there
+        last = len(a.layers) - 1
+        assert b.read("layer_out", last).shape == a.read("layer_out", last).shape
+    assert "4/4 tokens agree" in runs["litert:summary"]
+
+
+def test_free_running_replay_generates_the_reference_tokens(runs):
+    with TraceReader(runs["ref"]) as a, TraceReader(runs["free"]) as b:
+        assert b.mode == "free-running"
+        assert list(b.tokens()) == list(a.tokens())
+
+
+def test_quantized_replays_diverge_from_hf_and_not_from_their_dequantized_baseline(runs):
+    ref = runs["ref"]
+    for mode in ("litert-int8", "litert-wi8", "litert-int4"):
+        with TraceReader(runs[mode]) as b:
+            assert E.RECIPES[mode] in b.provenance["runtime"]
+        first = diff_traces(ref, runs[mode]).to_json()["first_divergence"]
+        assert first is not None and first["kind"] != "logits", (mode, first)  # quantization error comes first
+    # int8 against its baseline (the same graph, the quantized weights in float32): nothing beyond the noise
+    res = diff_traces(ref, runs["litert-int8"], baseline_path=runs["litert-int8-dq"])
+    assert res.match, res.to_json()["first_divergence"]
+    # weight-only int8 runs float kernels on the same weights: its baseline is nearly the same numbers
+    with TraceReader(runs["litert-wi8"]) as b, TraceReader(runs["litert-wi8-dq"]) as c:
+        for layer in range(len(b.layers)):
+            x, y = b.read("layer_out", layer), c.read("layer_out", layer)
+            assert np.linalg.norm(x - y) <= 1e-4 * np.linalg.norm(y), layer
+        assert "dequantized into it" in c.provenance["runtime"]
+
+
+def test_dequantized_weights_are_the_quantized_ones(tmp_path):
+    """dequantize_into writes scale * (q - zero_point) of every quantized weight into the float file."""
+    from ai_edge_litert import schema_py_generated as fb
+
+    from gemma4_trace.hf.model import load_model
+
+    loaded = load_model(weights=False)
+    base, q = E.exported(loaded, MAX_SEQ, CHUNK), E.quantized(loaded, MAX_SEQ, CHUNK, "litert-int4")
+    n = E.dequantize_into(base.path / "model.tflite", q.path / "model.tflite", tmp_path / "dq.tflite")
+    assert n > 0
+    fbuf, qbuf = bytearray((tmp_path / "dq.tflite").read_bytes()), bytearray((q.path / "model.tflite").read_bytes())
+    fm, qm = fb.Model.GetRootAsModel(fbuf, 0), fb.Model.GetRootAsModel(qbuf, 0)
+    g, h = fm.Subgraphs(0), qm.Subgraphs(0)
+    checked = 0
+    for i in range(h.TensorsLength()):
+        t = h.Tensors(i)
+        if t.Type() != E.INT4:
+            continue
+        want = E._dequantized(t, E._buffer_bytes(qm, qbuf, t.Buffer()))
+        got = np.frombuffer(E._buffer_bytes(fm, fbuf, g.Tensors(i).Buffer()), "<f4").reshape(want.shape)
+        assert np.array_equal(got, want)
+        assert len(np.unique(got[0])) <= 16  # int4: at most 16 levels per channel
+        checked += 1
+    assert checked > 0
+
+
+def test_the_graph_rules_find_every_layer_in_decode_and_the_first_layers_in_prefill():
+    from gemma4_trace.hf.model import load_model
+    from gemma4_trace.traces.layers import layer_infos_from_config
+
+    loaded = load_model(weights=False)
+    cfg = loaded.text_config
+    infos = layer_infos_from_config(cfg)
+    art = E.exported(loaded, MAX_SEQ, CHUNK)
+    sigs = G.read(art.path / "model.tflite")
+    ple = (len(infos), cfg.hidden_size_per_layer_input)
+    decode = G.taps(sigs["decode"], infos, cfg.hidden_size, ple)
+    prefill = G.taps(sigs[f"prefill_{CHUNK}"], infos, cfg.hidden_size, ple)
+    assert G.layers_present(decode) == set(range(len(infos)))
+    assert G.layers_present(prefill) < set(range(len(infos)))  # pruned: what feeds no cache output
+    kinds = {(t.kind, t.layer) for t in decode}
+    for i in range(len(infos)):
+        assert {("q", i), ("attn_out", i), ("layer_out", i), ("mask", i)} <= kinds, i
+    assert {("per_layer_inputs", None), ("final_hidden", None)} <= kinds
+    assert {k for k, layer in kinds if k.startswith("rope_")} == {
+        "rope_cos_sliding",
+        "rope_sin_sliding",
+        "rope_cos_full",
+        "rope_sin_full",
+    }
+    assert len(G.cache_layers(sigs["decode"], infos)) == sum(x.kv_role != "reuses" for x in infos)
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda b: b"not a flatbuffer at all", "not a LiteRT model (no TFL3 identifier)"),
+        (lambda b: b[: len(b) // 3], "not a LiteRT model"),
+        (lambda b: b[:4] + b"TFL3" + b"\xff" * 64, "not a LiteRT model"),
+    ],
+    ids=["garbage", "truncated", "hostile"],
+)
+def test_a_file_that_is_no_litert_model_is_one_line(tmp_path, damage, words):
+    from gemma4_trace.hf.model import load_model
+
+    art = E.exported(load_model(weights=False), MAX_SEQ, CHUNK)
+    bad = tmp_path / "model.tflite"
+    bad.write_bytes(damage((art.path / "model.tflite").read_bytes()))
+    with pytest.raises(TraceToolError) as e:
+        G.read(bad)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_vector_budget_refuses_a_quadratic_file():
+    budget = G._Budget(100)
+    budget.take(50)
+    with pytest.raises(ValueError, match="more than the file"):
+        budget.take(10**6)
+
+
+def test_the_interpreter_refusing_a_file_is_one_line(tmp_path):
+    from gemma4_trace.replayer.child import Child
+    from gemma4_trace.replayer.runtimes.litert.runtime import ENGINE
+
+    bad = tmp_path / "model.tflite"
+    bad.write_bytes(b"TFL3" * 64)
+    child = Child("litert (test)", ENGINE)
+    try:
+        with pytest.raises(TraceToolError) as e:
+            child.call("load", {"model": str(bad)}, ["model"], phase="loading")
+    finally:
+        child.close()
+    line = str(e.value)
+    assert line.startswith("litert (test) failed in loading: ") and "LiteRT cannot load it" in line, line
+
+
+def test_a_crash_in_the_interpreter_is_one_line_and_leaves_no_trace(runs, tmp_path):
+    out = tmp_path / "crash.h5"
+    r = _replay(runs["ref"], out, "litert", env={"GEMMA4_TRACE_TEST_NATIVE_CRASH": "decode step 2"})
+    one_line_error(r, "litert (ai-edge-litert 2.3.0) crashed in decode step 2: killed by SIGSEGV", out=out)
+
+
+def test_export_litert_writes_the_files_the_replay_ran(runs, tmp_path):
+    out = tmp_path / "files"
+    r = invoke("export-litert", "--max-seq", MAX_SEQ, "--prefill-chunk", CHUNK, "-o", out)
+    assert r.exit_code == 0, r.output
+    assert "model.litertlm" in r.stdout and "from the artifact cache" not in r.stdout
+    assert sorted(p.name for p in out.iterdir()) == sorted([*E.FILES, E.BUNDLE])
+    assert set(G.read(out / "model.tflite")) == {f"prefill_{CHUNK}", "decode"}
+    r = invoke("export-litert", "--runtime", "litert-int8", "--max-seq", MAX_SEQ, "--prefill-chunk", CHUNK, "-o", out)
+    one_line_error(r, "exist")  # the float files are there: --force replaces them
+    r = invoke(
+        "export-litert",
+        "--runtime",
+        "litert-int8",
+        "--max-seq",
+        MAX_SEQ,
+        "--prefill-chunk",
+        CHUNK,
+        "-o",
+        out,
+        "--force",
+    )
+    assert r.exit_code == 0, r.output
+    assert G.read(out / "model.tflite")  # the quantized graph, still a LiteRT model
+
+
+def test_checkpoints_the_export_cannot_take_are_refused_before_it_runs(tmp_path):
+    from tests import tiny_models
+
+    model = tiny_models.build(
+        tmp_path / "causal",
+        num_hidden_layers=2,
+        layer_types=[tiny_models.S, tiny_models.F],
+        num_kv_shared_layers=0,
+        use_double_wide_mlp=False,
+    )
+    r = invoke("export-litert", "--model", model, "--max-seq", 8, "-o", tmp_path / "o")
+    one_line_error(r, "has no tokenizer.json or tokenizer.model")
+    (model / "tokenizer.json").write_text("{}")  # damaged: transformers fails with a KeyError
+    r = invoke("export-litert", "--model", model, "--max-seq", 8, "-o", tmp_path / "o")
+    one_line_error(r, "cannot load the tokenizer/processor in", "KeyError")
+    from gemma4_trace.hf.model import resolve_model_dir
+
+    embedded = resolve_model_dir(None)[0]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).write_bytes((embedded / name).read_bytes())
+    r = invoke("export-litert", "--model", model, "--max-seq", 8, "-o", tmp_path / "o")
+    one_line_error(r, "is a Gemma4ForCausalLM checkpoint", "takes Gemma4ForConditionalGeneration")
+
+
+def test_text_only_and_float32_only_refusals_come_before_any_export(tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("exported before refusing")
+
+    monkeypatch.setattr(E, "exported", refuse)
+    r = invoke("replay", golden_path("image"), "--runtime", "litert", "-o", tmp_path / "o.h5")
+    one_line_error(r, "--runtime litert runs a text decoder", out=tmp_path / "o.h5")
+    r = invoke("replay", golden_path("short"), "--runtime", "litert-int8", "--isolate", "-o", tmp_path / "o.h5")
+    one_line_error(r, "does not support --isolate", out=tmp_path / "o.h5")
