@@ -175,3 +175,37 @@ def quiet():
             yield
     finally:
         logging.disable(logging.NOTSET)
+
+
+PT2_OUTPUTS = "gemma4_trace_outputs.json"  # the .pt2's extra file: its outputs' names (diff/node_data.py reads it)
+
+
+def export_pt2_command(model_dir, max_seq: int, out_dir, force: bool = False) -> str:
+    """`trace export-pt2`: the static runtime's prefill and decode steps as torch.export programs
+    (prefill.pt2, decode.pt2; what Model Explorer opens and `trace diff --node-data --graph`
+    overlays), each with the names of its outputs ("logits", the caches, the reported kinds)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from gemma4_trace.hf.model import load_model
+
+    from .artifacts import check_output_folder, copy_all_or_none
+
+    out = Path(out_dir)
+    names = [f"{s}.pt2" for s in STEPS]
+    check_output_folder(out, names, force, ".pt2")
+    loaded = load_model(model_dir)
+    rt = FunctionalKV(loaded, max_seq)
+    with tempfile.TemporaryDirectory() as tmp:
+        for step in STEPS:
+            outputs = ["logits", *cache_names(rt), *output_names(rt, step)]
+            with quiet():
+                torch.export.save(
+                    export_step(rt, step),
+                    str(Path(tmp) / f"{step}.pt2"),
+                    extra_files={PT2_OUTPUTS: json.dumps(outputs)},
+                )
+        copy_all_or_none([Path(tmp) / n for n in names], out, ".pt2")
+    sizes = ", ".join(f"{n} ({(out / n).stat().st_size / 2**20:.1f} MiB)" for n in names)
+    return f"wrote {sizes} into {out}: {loaded.name}, the static runtime's steps at max_seq {max_seq}"

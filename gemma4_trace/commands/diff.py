@@ -9,7 +9,7 @@ import click
 
 from gemma4_trace import options as O
 from gemma4_trace.traces.atomic import check_output_path
-from gemma4_trace.traces.errors import one_line
+from gemma4_trace.traces.errors import TraceToolError, one_line
 
 from . import EXIT_DIVERGENCE, echo_lines, tokenizer_folder, user_errors
 
@@ -29,9 +29,33 @@ from . import EXIT_DIVERGENCE, echo_lines, tokenizer_folder, user_errors
     is_flag=True,
     help="compare every row of every tensor, also after the first divergence (the whole error map)",
 )
+@click.option(
+    "--node-data",
+    type=click.Path(),
+    help="write a Model Explorer node-data overlay (JSON) of the error per kind on --graph's nodes",
+)
+@click.option(
+    "--graph",
+    "graph_path",
+    type=click.Path(),
+    help="the graph --node-data is for: a LiteRT .tflite (trace export-litert) or a .pt2 (trace export-pt2)",
+)
 @O.debug
 @user_errors
-def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir, baseline, baseline_factor, full):
+def diff_cmd(
+    reference,
+    candidate,
+    tolerances,
+    as_json,
+    report,
+    force,
+    model_dir,
+    baseline,
+    baseline_factor,
+    full,
+    node_data,
+    graph_path,
+):
     """Find the first divergence between two traces (exit 1 if they diverge)."""
     import json
     from pathlib import Path
@@ -39,6 +63,10 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
     from gemma4_trace.diff import diff_traces, format_text, write_html
     from gemma4_trace.hf.model import decoder_for
 
+    if (node_data is None) != (graph_path is None):
+        raise TraceToolError("--node-data FILE.json and --graph MODEL go together")
+    if node_data:
+        check_output_path(node_data, force, inputs=[reference, candidate, graph_path])
     if report:  # before the work: never onto an input, a device or a FIFO
         check_output_path(
             report, force, inputs=[reference, candidate, tolerances, model_dir and Path(model_dir) / "tokenizer.json"]
@@ -51,6 +79,10 @@ def diff_cmd(reference, candidate, tolerances, as_json, report, force, model_dir
         result.tokens.candidate_text = decode(result.tokens.candidate)
     if report:
         write_html(result, report, force=force)
+    if node_data:
+        from gemma4_trace.diff.node_data import write_node_data
+
+        write_node_data(result, graph_path, node_data, force=force)
     echo_lines(json.dumps(result.to_json(), indent=2) if as_json else format_text(result))
     sys.exit(0 if result.match else EXIT_DIVERGENCE)
 

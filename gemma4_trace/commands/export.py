@@ -108,3 +108,19 @@ def export_litert_cmd(model_dir, runtime, max_seq, prefill_chunk, out_dir, force
     from gemma4_trace.replayer.runtimes.litert.export import export_command
 
     click.echo(export_command(model_dir, runtime, max_seq, out_dir, force=force, prefill_chunk=prefill_chunk))
+
+
+@click.command("export-pt2")
+@O.model()
+@O.max_seq(required=True, help="static sequence length of the programs")
+@O.output("folder for prefill.pt2 and decode.pt2", dest="out_dir", folder=True)
+@O.force("existing .pt2 files")
+@O.debug
+@user_errors
+def export_pt2_cmd(model_dir, max_seq, out_dir, force):
+    """Save the static runtime's prefill and decode steps as torch.export programs (.pt2): the graphs
+    Model Explorer opens and `trace diff --node-data FILE --graph decode.pt2` colors."""
+    check_model_dir(model_dir)
+    from gemma4_trace.replayer.functional import export_pt2_command
+
+    click.echo(export_pt2_command(model_dir, max_seq, out_dir, force=force))

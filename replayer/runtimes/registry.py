@@ -238,6 +238,15 @@ RUNTIMES += (
         )
         for name in _LITERT_QUANT
     ),
+    RuntimeSpec(
+        "litert-convert",
+        f"{RT}.litert.convert:create",
+        "transformers' own Gemma 4 forward converted by `litert_torch.convert`, run by ai-edge-litert "
+        "(whole sequence per step)",
+        "float32",
+        artifacts="converted .tflite",
+        **{**_LITERT, "export": None},
+    ),
 )
 BY_NAME = {s.name: s for s in RUNTIMES}
 PLUGIN = "MODULE:FACTORY"

@@ -262,3 +262,134 @@ def test_text_only_and_float32_only_refusals_come_before_any_export(tmp_path, mo
     one_line_error(r, "--runtime litert runs a text decoder", out=tmp_path / "o.h5")
     r = invoke("replay", golden_path("short"), "--runtime", "litert-int8", "--isolate", "-o", tmp_path / "o.h5")
     one_line_error(r, "does not support --isolate", out=tmp_path / "o.h5")
+
+
+def test_litert_convert_of_hf_forward_finds_the_gqa_lowering_bug(runs, tmp_path):
+    """litert_torch.convert of transformers' own forward (docs/upstream/litert-torch-gqa-transpose.md):
+    q, K, V and the mask of layer 0 match HF; its attention output does not, from the first
+    position with two keys (position 0 attends to one key: softmax makes any score 1)."""
+    out = tmp_path / "conv.h5"
+    r = invoke("replay", runs["ref"], "--runtime", "litert-convert", "--max-seq", MAX_SEQ, "-o", out)
+    assert r.exit_code == 0, r.output
+    res = diff_traces(runs["ref"], out).to_json()
+    first = res["first_divergence"]
+    assert (first["step"], first["layer"], first["kind"], first["position"]) == (0, 0, "attn_out", 1), first
+    assert first["value"] > 0.1
+    with TraceReader(runs["ref"]) as a, TraceReader(out) as b:
+        assert "litert_torch.convert" in b.provenance["runtime"]
+        assert sorted(b.kinds_present()) == sorted(a.kinds_present())
+        for kind in ("q", "k", "v"):
+            x, y = a.read(kind, 0), b.read(kind, 0)
+            assert np.linalg.norm(x - y) <= 1e-5 * np.linalg.norm(x), kind
+        x, y = a.read("mask", 0), b.read("mask", 0)  # REF's rows end at its last position, RUN's at max_seq
+        assert np.array_equal(x, y[:, : x.shape[1]]) and not y[:, x.shape[1] :].any()
+
+
+def test_the_minimal_repro_of_the_gqa_lowering_bug_still_fails():
+    """Pinned: litert-torch 0.10.0 converts `q @ k.expand(...).transpose(2, 3)` (one KV head
+    broadcast to the query heads, then its last two axes swapped) without error and computes
+    q @ k, the transpose lost. When this fails, the bug is fixed upstream: update
+    docs/upstream/litert-torch-gqa-transpose.md and the LiteRT docs."""
+    import subprocess
+    import sys
+
+    code = """
+import contextlib, io, numpy as np, torch, litert_torch
+from ai_edge_litert.interpreter import Interpreter
+class Scores(torch.nn.Module):
+    def forward(self, q, k):
+        return q @ k.expand(1, 2, 8, 8).transpose(2, 3)
+torch.manual_seed(0)
+q, k = torch.randn(1, 2, 8, 8), torch.randn(1, 1, 8, 8)
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    litert_torch.convert(Scores().eval(), (q, k)).export("scores.tflite")
+run = Interpreter(model_path="scores.tflite").get_signature_runner()
+got = list(run(args_0=q.numpy(), args_1=k.numpy()).values())[0]
+print(float(np.abs(got - (q @ k.expand(1, 2, 8, 8).transpose(2, 3)).numpy()).max()),
+      float(np.abs(got - (q @ k.expand(1, 2, 8, 8)).numpy()).max()))
+"""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        r = subprocess.run([sys.executable, "-c", code], cwd=d, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    wrong, untransposed = (float(x) for x in r.stdout.split()[-2:])
+    assert wrong > 1.0 and untransposed == 0.0, r.stdout
+
+
+def _graph_names(graph) -> set[str]:
+    """Every node id and output tensor name of a Model Explorer graph (its adapters' dataclasses or dicts)."""
+    nodes = graph["nodes"] if isinstance(graph, dict) else graph.nodes
+    names = set()
+    for n in nodes:
+        n = n if isinstance(n, dict) else vars(n)
+        names.add(n["id"])
+        for md in n["outputsMetadata"]:
+            for a in md["attrs"] if isinstance(md, dict) else md.attrs:
+                a = a if isinstance(a, dict) else vars(a)
+                if a["key"] == "tensor_name":
+                    names.add(a["value"])
+    return names
+
+
+def _load_node_data(path):
+    """The overlay read with Model Explorer's own dataclasses (dacite, as its runner reads its JSON)."""
+    import json
+
+    import dacite
+    from model_explorer.node_data_builder import GraphNodeData, ModelNodeData
+
+    data = json.loads(path.read_text())
+    return ModelNodeData(graphsData={k: dacite.from_dict(GraphNodeData, v) for k, v in data.items()})
+
+
+def test_node_data_overlays_the_litert_graph_and_the_static_runtimes(runs, tmp_path):
+    from model_explorer.builtin_pytorch_exportedprogram_adapter import BuiltinPytorchExportedProgramAdapter
+    from model_explorer.builtin_tflite_flatbuffer_adapter import BuiltinTfliteFlatbufferAdapter
+
+    files = tmp_path / "files"
+    r = invoke("export-litert", "--max-seq", MAX_SEQ, "--prefill-chunk", CHUNK, "-o", files)
+    assert r.exit_code == 0, r.output
+    nd = tmp_path / "litert.json"
+    r = invoke("diff", runs["ref"], runs["litert"], "--node-data", nd, "--graph", files / "model.tflite")
+    assert r.exit_code == 1, r.output
+    data = _load_node_data(nd)
+    assert set(data.graphsData) == {f"prefill_{CHUNK}", "decode"}
+    graphs = {
+        g.id if hasattr(g, "id") else g["id"]: g
+        for g in BuiltinTfliteFlatbufferAdapter().convert(str(files / "model.tflite"), {})["graphCollections"][0].graphs
+    }
+    for gid, g in data.graphsData.items():
+        assert set(g.results) <= _graph_names(graphs[gid]), gid  # every key names a node of Model Explorer's graph
+    red = [k for k, v in data.graphsData["decode"].results.items() if v.bgColor]
+    assert len(red) == 1 and data.graphsData["decode"].results[red[0]].value > 1  # the logits: the first divergence
+    assert all(v.value <= 1 for k, v in data.graphsData["decode"].results.items() if k not in red)
+
+    # the static runtime's step graph, as torch.export saved it
+    pt2 = tmp_path / "pt2"
+    r = invoke("export-pt2", "--max-seq", MAX_SEQ, "-o", pt2)
+    assert r.exit_code == 0, r.output
+    static = tmp_path / "static.h5"
+    assert invoke("replay", runs["ref"], "--max-seq", MAX_SEQ, "-o", static).exit_code == 0
+    nd2 = tmp_path / "static.json"
+    r = invoke("diff", runs["ref"], static, "--node-data", nd2, "--graph", pt2 / "decode.pt2")
+    assert r.exit_code == 0, r.output
+    (graph,) = BuiltinPytorchExportedProgramAdapter().convert(
+        str(pt2 / "decode.pt2"), {"const_element_count_limit": 16}
+    )["graphs"]
+    data = _load_node_data(nd2)
+    with TraceReader(static) as b:
+        kinds = [k for k, _ in b.kinds_present() if k != "token"]  # every kind, logits included (the token has no node)
+        assert len(data.graphsData["graph"].results) == len(kinds)
+    assert set(data.graphsData["graph"].results) <= _graph_names(graph)
+
+
+def test_node_data_bad_input_is_one_line(runs, tmp_path):
+    nd = tmp_path / "o.json"
+    r = invoke("diff", runs["ref"], runs["litert"], "--node-data", nd)
+    one_line_error(r, "--node-data FILE.json and --graph MODEL go together", out=nd)
+    for name, data in (("model.onnx", b"x"), ("model.tflite", b"garbage"), ("decode.pt2", b"PK\x03\x04junk")):
+        bad = tmp_path / name
+        bad.write_bytes(data)
+        r = invoke("diff", runs["ref"], runs["litert"], "--node-data", nd, "--graph", bad)
+        one_line_error(r, str(bad), out=nd)

@@ -1,0 +1,137 @@
+"""`trace diff --node-data FILE.json --graph MODEL`: the diff as a Google Model Explorer node-data
+overlay (the `ModelNodeData` JSON of ai-edge-model-explorer's node_data_builder), so the graph
+shows where the error enters.
+
+    {GRAPH_ID: {"name": ..., "results": {NODE_KEY: {"value": v, "bgColor": ...}}, "thresholds": [...]}}
+
+Each canonical kind the diff compared gets one value on the node that computes it: its worst
+error over the compared rows divided by its tolerance (1 is the tolerance; a mask or token
+mismatch counts as 1000), colored by thresholds; the first divergence's node is red whatever its
+value. The graph names the nodes:
+
+    .tflite   a LiteRT model (`trace export-litert`, litert-torch's export): one graph per
+              signature (`prefill_N`, `decode`), keys are tensor names (Model Explorer matches
+              them to a node's output `tensor_name`); the kinds are found by the rules of
+              replayer/runtimes/litert/graph.py, K and V on the cache outputs
+    .pt2      the static runtime's step graph as torch.export saved it (`trace export-pt2`):
+              graph "graph", keys are the FX node names of the program's outputs
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gemma4_trace.traces.atomic import atomic_output, check_output_path
+from gemma4_trace.traces.errors import TraceToolError
+
+MISMATCH = 1000.0  # a mask or token difference, in units of "tolerance"
+THRESHOLDS = [
+    {"value": 1.0, "bgColor": "#c8e6c9"},  # within tolerance
+    {"value": 10.0, "bgColor": "#fff59d"},
+    {"value": 100.0, "bgColor": "#ffcc80"},
+    {"value": 1e30, "bgColor": "#ef9a9a"},
+]
+FIRST = "#e53935"
+
+
+def kind_values(result_json: dict) -> dict[tuple[str, int | None], float]:
+    """(kind, layer) -> worst error / tolerance, for every tensor the diff compared."""
+    out = {}
+    for t in result_json.get("tensors", []):
+        key = (t["kind"], t.get("layer"))
+        if t.get("max_rel_l2") is not None and t.get("threshold"):
+            out[key] = float(t["max_rel_l2"]) / float(t["threshold"])
+        elif t.get("rows_compared"):
+            out[key] = 0.0 if t.get("status") == "ok" else MISMATCH
+    return out
+
+
+def _tflite_keys(path: Path, ref) -> dict[str, dict[tuple[str, int | None], str]]:
+    from gemma4_trace.replayer.runtimes.litert import graph as G
+
+    cfg = ref.model_config
+    text = cfg.get("text_config", cfg)
+    ple = int(text.get("hidden_size_per_layer_input") or 0)
+    infos = list(ref.layers)
+    out = {}
+    for key, sig in G.read(path).items():
+        names = {}
+        for tap in G.taps(sig, infos, int(text["hidden_size"]), (len(infos), ple) if ple else None):
+            names[(tap.kind, tap.layer)] = sig.tensors[tap.index].name
+        if any(k.startswith("kv_cache_") for k in sig.outputs):
+            for j, layer in G.cache_layers(sig, infos).items():
+                for kind in ("k", "v"):
+                    names[(kind, layer)] = sig.tensors[sig.outputs[f"kv_cache_{kind}_{j}"]].name
+        if "logits" in sig.outputs:
+            names[("logits", None)] = sig.tensors[sig.outputs["logits"]].name
+        out[key] = names
+    return out
+
+
+def _pt2_keys(path: Path) -> dict[str, dict[tuple[str, int | None], str]]:
+    import torch
+
+    from gemma4_trace.replayer.functional import PT2_OUTPUTS, output_site
+
+    extra = {PT2_OUTPUTS: ""}
+    try:
+        ep = torch.export.load(str(path), extra_files=extra)
+        names = json.loads(extra[PT2_OUTPUTS] or "null")
+    except Exception as e:  # noqa: BLE001 - a damaged archive fails in torch's many ways
+        raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote ({type(e).__name__})") from None
+    specs = ep.graph_signature.output_specs
+    if not isinstance(names, list) or len(names) != len(specs):
+        raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote (no list of its outputs)")
+    keys = {}
+    for name, spec in zip(names, specs):
+        if name.endswith("_cache"):
+            continue
+        keys[("logits", None) if name == "logits" else output_site(name)] = spec.arg.name
+    return {"graph": keys}
+
+
+def node_data(result_json: dict, ref, graph_path) -> dict:
+    """The ModelNodeData JSON (a dict) of a diff over the graph at graph_path."""
+    path = Path(graph_path)
+    if not path.is_file():
+        raise TraceToolError(f"--graph {path}: no such file")
+    if path.suffix == ".tflite":
+        graphs = _tflite_keys(path, ref)
+    elif path.suffix == ".pt2":
+        graphs = _pt2_keys(path)
+    else:
+        raise TraceToolError(f"--graph {path}: expected a .tflite (LiteRT) or a .pt2 (trace export-pt2) file")
+    values = kind_values(result_json)
+    first = result_json.get("first_divergence") or {}
+    first_key = (first.get("kind"), first.get("layer")) if first else None
+    out = {}
+    for graph_id, keys in graphs.items():
+        results = {}
+        for site, node in keys.items():
+            if site in values:
+                r = {"value": values[site]}
+                if site == first_key:
+                    r["bgColor"] = FIRST
+                results[node] = r
+        if results:
+            out[graph_id] = {
+                "name": "gemma4-trace: worst error / tolerance",
+                "results": results,
+                "thresholds": THRESHOLDS,
+            }
+    if not out:
+        raise TraceToolError(f"--graph {path}: none of its nodes is a kind the diff compared")
+    return out
+
+
+def write_node_data(result, graph_path, out_path, force: bool = False) -> Path:
+    """Write the overlay with the traces' atomic writer (complete or absent)."""
+    from gemma4_trace.traces.reader import TraceReader
+
+    check_output_path(out_path, force, inputs=(result.reference.path, result.candidate.path, graph_path))
+    with TraceReader(result.reference.path) as ref:
+        data = node_data(result.to_json(), ref, graph_path)
+    with atomic_output(out_path, force) as tmp:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+    return Path(out_path)
