@@ -144,6 +144,9 @@ class _Differ:
             self._offer(tokens.divergence)
         present_ref = set(ref.kinds_present())
         present_run = set(run.kinds_present())
+        # a RUN of tokens alone (an engine that exposes no logits, api.TokenOnly) is compared by its
+        # tokens; a RUN with tensors but no logits lost them, and that is a divergence
+        tokens_only = not any(S.KIND_BY_NAME[k].dtype != "int" for k, _ in present_run)
         for kind, layer in self.seq:
             if S.KIND_BY_NAME[kind].dtype == "int":  # chosen tokens: compared above
                 continue
@@ -153,7 +156,7 @@ class _Differ:
             if a != b:
                 where = "REF" if a else "RUN"
                 self.skipped.append(Skipped(kind, layer, f"only in {where}"))
-                if kind == "logits":
+                if kind == "logits" and not (a and tokens_only):
                     self._offer(
                         Divergence(
                             0,

@@ -10,6 +10,7 @@ and the runtime it returns has
     prefill(input_ids, extra_inputs, probe) -> logits            # input_ids (T,) long tensor,
                                                                  # extra_inputs {name: tensor}, logits (vocab,)
     decode(token_id: int, position: int, probe) -> logits        # one token at `position`, logits (vocab,)
+                                                                 # (or TokenOnly(token): no logits exposed)
 
 `max_seq` is the static length to build for; the driver guarantees prompt + max_new_tokens
 <= max_seq and never reads a `max_seq` back from the runtime. The runtime reports
@@ -81,6 +82,15 @@ def close_runtime(rt) -> None:
     close = getattr(rt, "close", None)
     if callable(close):
         close()
+
+
+@dataclass(frozen=True)
+class TokenOnly:
+    """What a runtime that exposes no logits returns from prefill/decode: the token it chose (an
+    engine that takes text and gives text, as LiteRT-LM's). The step then holds no logits; the
+    diff compares the tokens and lists the logits as not compared."""
+
+    token: int
 
 
 class ReportError(TraceToolError):

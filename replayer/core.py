@@ -28,6 +28,7 @@ from gemma4_trace.traces.writer import TraceWriter
 from .api import (
     Capabilities,
     ReportError,
+    TokenOnly,
     WriterProbe,
     as_logits,
     check_runtime,
@@ -159,6 +160,12 @@ class CheckedRuntime:
                 f"runtime {self.rt.name} failed in {what}{failure_site(e, self.roots)} "
                 f"{progress_words(getattr(args[-1], 'last', None))}: {type(e).__name__}: {one_line(e, 200)}"
             ) from e
+        if isinstance(logits, TokenOnly):
+            if not 0 <= int(logits.token) < self.vocab:
+                raise TraceToolError(
+                    f"runtime {self.rt.name} chose token {logits.token} in {what}: not in the vocabulary"
+                )
+            return logits
         return as_logits(logits, self.vocab, self.rt.name, what)
 
 
@@ -188,8 +195,11 @@ def run_steps(runner: CheckedRuntime, ref: Reference, mode: str, sink, probe, pr
             position = T + step - 1
             sink.begin_step(range(position, position + 1))
             logits = runner.decode(step, fed, position, probe)
-        token = int(torch.argmax(logits))
-        sink.add("logits", logits.float().cpu().numpy(), source_dtype=str(logits.dtype).removeprefix("torch."))
+        if isinstance(logits, TokenOnly):  # an engine without logits: the step holds its token alone
+            token = int(logits.token)
+        else:
+            token = int(torch.argmax(logits))
+            sink.add("logits", logits.float().cpu().numpy(), source_dtype=str(logits.dtype).removeprefix("torch."))
         sink.add("token", token)
         sink.end_step()
         tokens.append(token)

@@ -38,6 +38,7 @@ def replay_trace(
     gguf=None,
     weights_from=None,
     allow_config_mismatch: bool = False,
+    litertlm=None,
 ) -> str:
     """Replay REF's inputs through a runtime and write the candidate trace; return a summary line.
 
@@ -50,10 +51,13 @@ def replay_trace(
     analysis/recipe.py). `gguf`: a user's GGUF file run by llama.cpp; `weights_from`: a GGUF
     whose dequantized weights the static runtime runs on; either is checked against REF's config
     first, differences refused unless `allow_config_mismatch` (runtimes/llamacpp/gguf_reader.py).
+    `litertlm`: a user's .litertlm bundle run by `--runtime litert-lm` (runtimes/litert/lm.py).
     """
     choice, header, ref, max_seq, selection = _check(
         reference, output, runtime, mode, force, isolate, max_seq, selection, device, make, gguf, weights_from
     )
+    if litertlm is not None and choice.name != "litert-lm":
+        raise TraceToolError(f"--litertlm FILE is run by --runtime litert-lm, not {choice.name}")
     _phase(progress, "loading the model")
     # a runtime that never computes with HF's weights (llama.cpp) gets the model built without them
     # (a bf16 checkpoint would take 4 bytes per parameter in float32), loaded only to convert a GGUF
@@ -65,7 +69,12 @@ def replay_trace(
     if limit is not None and max_seq > limit:
         raise TraceToolError(f"--max-seq {max_seq} exceeds the model's {limit} positions (max_position_embeddings)")
     _phase(progress, f"preparing the {choice.text} runtime")  # an export or a lowering, where the runtime has one
-    rt = _make(choice, loaded, max_seq, make, header, allow_config_mismatch, weights_from is not None)
+    if litertlm is not None:
+        from .runtimes.litert.lm import LiteRTLM
+
+        rt = LiteRTLM(loaded, max_seq, litertlm)
+    else:
+        rt = _make(choice, loaded, max_seq, make, header, allow_config_mismatch, weights_from is not None)
     try:
         if Capabilities.of(rt).prefill_chunk and not isolate:
             rt.prefill_chunk = resolve_prefill_chunk(prefill_chunk, max_seq)

@@ -39,6 +39,9 @@ from . import check_model_dir, configure_artifacts, load_recipe, model_files, se
 @click.option(
     "--allow-config-mismatch", is_flag=True, help="replay a GGUF whose metadata differs from REF's model config"
 )
+@click.option(
+    "--litertlm", type=click.Path(), default=None, help="run this .litertlm bundle in LiteRT-LM (--runtime litert-lm)"
+)
 @O.cache
 @O.progress()
 @O.selection
@@ -52,7 +55,7 @@ def replay(
     choice = check_available(parse_runtime(runtime), isolate)  # a typo is refused before torch or the model loads
     configure_artifacts(kw.pop("cache_dir"), kw.pop("no_cache"))  # before any runtime builds an artifact
     recipe, gguf, weights_from = kw.pop("recipe"), kw.pop("gguf_path"), kw.pop("weights_from")
-    inputs = [reference, *model_files(model_dir), *[p for p in (recipe, gguf, weights_from) if p]]
+    inputs = [reference, *model_files(model_dir), *[p for p in (recipe, gguf, weights_from, kw["litertlm"]) if p]]
     check_output_path(output, force, inputs=inputs)
     check_model_dir(model_dir)
     make = None

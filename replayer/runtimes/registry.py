@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 
 from gemma4_trace.traces.errors import TraceToolError, install_hint
+from gemma4_trace.traces.schema import KIND_NAMES
 
 ALL_KINDS = "all kinds"
 RT = "gemma4_trace.replayer.runtimes"  # where the adapters live
@@ -58,7 +59,11 @@ class RuntimeSpec:
     third_party: bool = True  # False: the project's own runtime (static and its quantized variants)
 
     def kinds_text(self) -> str:
-        return ALL_KINDS if not self.not_captured else "all but " + " and ".join(_kind_words(self.not_captured))
+        if not self.not_captured:
+            return ALL_KINDS
+        if set(self.not_captured) >= set(KIND_NAMES) - {"token"}:
+            return "tokens only"
+        return "all but " + " and ".join(_kind_words(self.not_captured))
 
 
 def _kind_words(kinds: tuple[str, ...]) -> list[str]:
@@ -237,6 +242,22 @@ RUNTIMES += (
             **_LITERT,
         )
         for name in _LITERT_QUANT
+    ),
+    RuntimeSpec(
+        "litert-lm",
+        f"{RT}.litert.lm:create",
+        "LiteRT-LM's engine (CPU, greedy) on the .litertlm litert-torch exports from REF's checkpoint, or "
+        "`--litertlm FILE`; text in and out",
+        "float32 (or the file's)",
+        extra="litert",
+        needs=("litert_lm", "litert_torch"),
+        text_only=True,
+        float32_only=True,
+        cpu_only=True,
+        weightless=True,
+        not_captured=tuple(k for k in KIND_NAMES if k != "token"),
+        artifacts=".litertlm",
+        doc="docs/runtime-litert.md",
     ),
     RuntimeSpec(
         "litert-convert",

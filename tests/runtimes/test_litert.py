@@ -393,3 +393,43 @@ def test_node_data_bad_input_is_one_line(runs, tmp_path):
         bad.write_bytes(data)
         r = invoke("diff", runs["ref"], runs["litert"], "--node-data", nd, "--graph", bad)
         one_line_error(r, str(bad), out=nd)
+
+
+def test_litert_lm_replays_tokens_only_and_the_diff_compares_them(runs, tmp_path):
+    """LiteRT-LM takes text and gives text: the trace holds its tokens alone, the diff compares
+    them and lists everything else as not compared (a RUN with tensors but no logits still diverges)."""
+    ref = tmp_path / "text.h5"  # a text prompt: LiteRT-LM reads text (REF's ids must be what its tokenizer makes)
+    r = invoke("record", "--prompt", "Once upon a time", "--no-chat", "--max-new-tokens", 4, "-o", ref)
+    assert r.exit_code == 0, r.output
+    for mode in ("--teacher-forcing", "--free-running"):
+        out = tmp_path / f"lm{mode}.h5"
+        r = _replay(ref, out, "litert-lm", mode)  # the litert replays' export: LiteRT-LM runs its .litertlm
+        assert r.exit_code == 0, r.output
+        with TraceReader(ref) as a, TraceReader(out) as b:
+            assert b.kinds_present() == [("token", None)]
+            assert list(b.tokens()) == list(a.tokens())
+            assert "tokens only" in b.provenance["runtime"]
+        res = diff_traces(ref, out).to_json()
+        assert res["match"] and res["first_divergence"] is None
+        assert {"kind": "logits", "layer": None, "reason": "only in REF"} in [
+            {k: s[k] for k in ("kind", "layer", "reason")} for s in res["skipped"]
+        ]
+
+
+def test_litert_lm_bad_files_are_one_line(runs, tmp_path):
+    from gemma4_trace.hf.model import load_model
+
+    art = E.exported(load_model(weights=False), MAX_SEQ, CHUNK)
+    good = (art.path / E.BUNDLE).read_bytes()
+    out = tmp_path / "o.h5"
+    r = invoke("replay", runs["ref"], "--runtime", "litert", "--litertlm", art.path / E.BUNDLE, "-o", out)
+    one_line_error(r, "--litertlm FILE is run by --runtime litert-lm, not litert", out=out)
+    r = invoke("replay", runs["ref"], "--runtime", "litert-lm", "--litertlm", tmp_path / "none.litertlm", "-o", out)
+    one_line_error(r, "none.litertlm", out=out)
+    # REF's prompt is token ids that are no text LiteRT-LM's tokenizer makes: refused, not guessed
+    r = _replay(runs["ref"], out, "litert-lm")
+    one_line_error(r, "LiteRT-LM's tokenizer reads the context back as", out=out)
+    for name, data in (("garbage.litertlm", b"not a bundle" * 100), ("truncated.litertlm", good[: len(good) // 2])):
+        (tmp_path / name).write_bytes(data)
+        r = invoke("replay", runs["ref"], "--runtime", "litert-lm", "--litertlm", tmp_path / name, "-o", out)
+        one_line_error(r, "litert-lm (LiteRT-LM 0.18.1)", out=out)

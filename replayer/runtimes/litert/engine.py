@@ -57,3 +57,57 @@ class LiteRTEngine:
                 }
                 meta[name][sig] = (ins, list(r.get_output_details()))
         return ("ready", meta)
+
+
+class LiteRTLMEngine:
+    """LiteRT-LM's `Engine` (CPU) on a .litertlm bundle: text in, text out.
+
+    ("load", path, max_tokens) -> ("ready", {"bos": id, "eos": [[ids]]})
+    ("next", context_ids)      -> ("token", id): a new session prefilled with the context (as the
+                                  text LiteRT-LM's tokenizer turns back into exactly these ids),
+                                  one greedy token decoded, and that token's text turned back
+                                  into its one id; anything else is refused in one line.
+    """
+
+    def __init__(self, emit):
+        with quiet_fd2():
+            import litert_lm
+
+        self.lm, self.engine = litert_lm, None
+
+    def handle(self, command: str, *args):
+        if command == "load":
+            path, max_tokens = args
+            try:
+                with quiet_fd2():
+                    self.engine = self.lm.Engine(
+                        path, backend=self.lm.interfaces.Backend.CPU(), max_num_tokens=int(max_tokens)
+                    )
+            except Exception as e:  # noqa: BLE001 - the engine's refusal of a file, one line
+                raise EngineError(f"{path}: LiteRT-LM cannot load it ({' '.join(str(e).split())[:160]})") from None
+            return ("ready", {"bos": self.engine.bos_token_id, "eos": self.engine.eos_token_ids})
+        (context,) = args
+        e = self.engine
+        text = e.detokenize(list(context))
+        again = e.tokenize(text)
+        if list(again) != list(context):
+            raise EngineError(
+                f"LiteRT-LM's tokenizer reads the context back as {len(again)} other ids "
+                f"(first difference at {_first_difference(again, context)}): it takes text, and this text is ambiguous"
+            )
+        greedy = self.lm.interfaces.SamplerConfig(top_k=1, temperature=0.0)
+        with quiet_fd2():
+            s = e.create_session(apply_prompt_template=False, sampler_config=greedy, max_output_tokens=1)
+            try:
+                s.run_prefill([text])
+                out = s.run_decode().texts
+            finally:
+                s.close()
+        ids = e.tokenize(out[0]) if out else []
+        if len(ids) != 1:
+            raise EngineError(f"LiteRT-LM decoded {out[:1]!r}, which is {len(ids)} tokens, not one")
+        return ("token", int(ids[0]))
+
+
+def _first_difference(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
