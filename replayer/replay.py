@@ -69,12 +69,7 @@ def replay_trace(
     if limit is not None and max_seq > limit:
         raise TraceToolError(f"--max-seq {max_seq} exceeds the model's {limit} positions (max_position_embeddings)")
     _phase(progress, f"preparing the {choice.text} runtime")  # an export or a lowering, where the runtime has one
-    if litertlm is not None:
-        from .runtimes.litert.lm import LiteRTLM
-
-        rt = LiteRTLM(loaded, max_seq, litertlm)
-    else:
-        rt = _make(choice, loaded, max_seq, make, header, allow_config_mismatch, weights_from is not None)
+    rt = _make(choice, loaded, max_seq, make, header, allow_config_mismatch, weights_from is not None, litertlm)
     try:
         if Capabilities.of(rt).prefill_chunk and not isolate:
             rt.prefill_chunk = resolve_prefill_chunk(prefill_chunk, max_seq)
@@ -137,8 +132,13 @@ def _check(reference, output, runtime, mode, force, isolate, max_seq, selection,
     return choice, header, ref, max_seq, selection
 
 
-def _make(choice, loaded, max_seq: int, make, header, allow_config_mismatch: bool, weights_from: bool):
-    """The runtime object: a GGUF's (--gguf / --weights-from), a recipe's (`make`) or the registry's."""
+def _make(choice, loaded, max_seq: int, make, header, allow_config_mismatch: bool, weights_from: bool, litertlm):
+    """The runtime object: a GGUF's (--gguf / --weights-from), a .litertlm's, a recipe's (`make`) or
+    the registry's."""
+    if litertlm is not None:
+        from .runtimes.litert.lm import LiteRTLM
+
+        return LiteRTLM(loaded, max_seq, litertlm)
     if header is not None:
         from .runtimes.llamacpp.runtime import gguf_runtime
 

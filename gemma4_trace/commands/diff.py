@@ -80,7 +80,7 @@ def diff_cmd(
     if report:
         write_html(result, report, force=force)
     if node_data:
-        from gemma4_trace.diff.node_data import write_node_data
+        from gemma4_trace.replayer.node_data import write_node_data
 
         write_node_data(result, graph_path, node_data, force=force)
     echo_lines(json.dumps(result.to_json(), indent=2) if as_json else format_text(result))

@@ -433,3 +433,28 @@ def test_litert_lm_bad_files_are_one_line(runs, tmp_path):
         (tmp_path / name).write_bytes(data)
         r = invoke("replay", runs["ref"], "--runtime", "litert-lm", "--litertlm", tmp_path / name, "-o", out)
         one_line_error(r, "litert-lm (LiteRT-LM 0.18.1)", out=out)
+
+
+def test_the_docs_quote_the_lines_these_replays_print(runs, tmp_path):
+    """docs/runtime-litert.md, docs/bug-zoo.md and docs/upstream/ quote the first lines of
+    `trace diff` for the two litert-torch bugs: these replays (the docs' REF and settings) print them."""
+    from pathlib import Path
+
+    from gemma4_trace.diff import format_text
+
+    root = Path(__file__).resolve().parents[2]
+    docs = {p: p.read_text() for p in (root / "docs/runtime-litert.md", root / "docs/bug-zoo.md")}
+    upstream = {p: p.read_text() for p in (root / "docs/upstream").glob("litert-*.md")}
+    conv = tmp_path / "conv.h5"
+    assert invoke("replay", runs["ref"], "--runtime", "litert-convert", "--max-seq", MAX_SEQ, "-o", conv).exit_code == 0
+    for run, keep in ((runs["litert"], ("first divergence", "looks like")), (conv, ("first divergence",))):
+        lines = [
+            ln.strip() for ln in format_text(diff_traces(runs["ref"], run)).splitlines() if ln.strip().startswith(keep)
+        ]
+        assert lines
+        for line in lines:
+            for path, text in docs.items():
+                assert line in text, (path.name, line)
+            assert any(line in text for text in upstream.values()), line
+    int8 = format_text(diff_traces(runs["ref"], runs["litert-int8"])).splitlines()[0]
+    assert int8 in docs[root / "docs/runtime-litert.md"]

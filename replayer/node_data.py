@@ -1,6 +1,6 @@
 """`trace diff --node-data FILE.json --graph MODEL`: the diff as a Google Model Explorer node-data
 overlay (the `ModelNodeData` JSON of ai-edge-model-explorer's node_data_builder), so the graph
-shows where the error enters.
+shows where the error enters. It lives beside the runtimes whose graphs it reads (diff/ reads none).
 
     {GRAPH_ID: {"name": ..., "results": {NODE_KEY: {"value": v, "bgColor": ...}}, "thresholds": [...]}}
 
@@ -48,7 +48,7 @@ def kind_values(result_json: dict) -> dict[tuple[str, int | None], float]:
 
 
 def _tflite_keys(path: Path, ref) -> dict[str, dict[tuple[str, int | None], str]]:
-    from gemma4_trace.replayer.runtimes.litert import graph as G
+    from .runtimes.litert import graph as G
 
     cfg = ref.model_config
     text = cfg.get("text_config", cfg)
@@ -72,7 +72,7 @@ def _tflite_keys(path: Path, ref) -> dict[str, dict[tuple[str, int | None], str]
 def _pt2_keys(path: Path) -> dict[str, dict[tuple[str, int | None], str]]:
     import torch
 
-    from gemma4_trace.replayer.functional import PT2_OUTPUTS, output_site
+    from .functional import PT2_OUTPUTS, output_site
 
     extra = {PT2_OUTPUTS: ""}
     try:

@@ -1,0 +1,129 @@
+"""LiteRT at E2B width: litert-torch's export, a float32 and an int8 replay, and what the diff finds.
+
+    python benchmarks/bench_litert_e2b.py /tmp/litert-e2b --prompt 32 --new 8
+
+Builds (once) an E2B-shaped Gemma4ForConditionalGeneration checkpoint in WORK/model (every E2B
+text width, 10 layers [S,S,S,S,F] x 2 with the last 5 reusing K/V, vocabulary 16,384, float32; a
+one-layer vision tower, as litert-torch's Gemma 4 path exports ConditionalGeneration checkpoints;
+the embedded model's tokenizer, which the export bundles), records REF on a seeded random prompt,
+then runs each command in a fresh process with the artifact cache in WORK/cache, empty at the start:
+
+  export        trace export-litert --max-seq (prompt + new)   litert-torch's export (wall, peak RSS
+                of the trace process and of its export child)
+  quantize      trace export-litert --runtime litert-int8      litert-quantizer on the cached export
+  replay        trace replay REF --runtime litert / litert-int8 / litert-int8-dq (teacher-forced):
+                wall time with start-up, peak RSS of the trace process and of its LiteRT child
+  diff          trace diff REF RUN (and INT8 --baseline INT8_DQ): the first line
+
+The table is printed at the end. On a busy machine every time is a bound, not a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_llamacpp_e2b import cli  # noqa: E402  (a trace command in a fresh process, its peak RSS)
+from benchmarks.e2b_shaped import E2B_TEXT  # noqa: E402
+
+VISION = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=32,
+    patch_size=16,
+    pooling_kernel_size=2,
+    position_embedding_size=64,
+)
+
+
+def build(out: Path) -> Path:
+    """The E2B-shaped ConditionalGeneration checkpoint with the embedded model's tokenizer, once."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from gemma4_trace.hf.model import resolve_model_dir
+
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(0)
+    cfg = Gemma4Config(text_config=dict(E2B_TEXT), vision_config=VISION, audio_config=None)
+    model = Gemma4ForConditionalGeneration(cfg)
+    model.generation_config.eos_token_id = [1]
+    model.save_pretrained(out, safe_serialization=True)
+    embedded = resolve_model_dir(None)[0]
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (embedded / name).exists():
+            shutil.copyfile(embedded / name, out / name)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("work", type=Path)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=8)
+    a = ap.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
+    model = build(a.work / "model")
+    cache = a.work / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    env = {**os.environ, "GEMMA4_TRACE_CACHE": str(cache)}
+    rng = random.Random(0)
+    ids = ",".join(str(rng.randrange(10, 600)) for _ in range(a.prompt))
+    ref = a.work / "ref.h5"
+    cli(env, "record", "--model", model, "--input-ids", ids, "--max-new-tokens", a.new, "-o", ref, "--force")
+    max_seq = a.prompt + a.new
+    rows = []
+    for mode in ("litert", "litert-int8"):
+        r = cli(
+            env,
+            "export-litert",
+            "--model",
+            model,
+            "--runtime",
+            mode,
+            "--max-seq",
+            max_seq,
+            "-o",
+            a.work / mode,
+            "--force",
+        )
+        rows.append((f"export-litert --runtime {mode}", r))
+    runs = {}
+    for mode in ("litert", "litert-int8", "litert-int8-dq"):
+        runs[mode] = a.work / f"{mode}.h5"
+        r = cli(env, "replay", ref, "--model", model, "--runtime", mode, "-o", runs[mode], "--force")
+        rows.append((f"replay --runtime {mode}", r))
+    diffs = []
+    for name, extra in (("litert", ()), ("litert-int8", ()), ("litert-int8", ("--baseline", runs["litert-int8-dq"]))):
+        import subprocess
+
+        p = subprocess.run(
+            [sys.executable, "-m", "gemma4_trace", "diff", ref, runs[name], *extra],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        diffs.append((name + (" --baseline litert-int8-dq" if extra else ""), p.stdout.splitlines()[:1]))
+    print(f"\n{'command':46s} {'wall s':>8s} {'peak RSS MiB':>13s} {'child MiB':>10s}")
+    for name, r in rows:
+        print(f"{name:46s} {r['wall']:8.1f} {r['rss']:13.0f} {r['child_rss']:10.0f}")
+    for name, r in rows:
+        print(f"  {name}: {r['out'].splitlines()[-1][:240] if r['out'] else ''}")
+    for name, lines in diffs:
+        print(f"diff REF {name}: {lines[0] if lines else ''}")
+
+
+if __name__ == "__main__":
+    main()
