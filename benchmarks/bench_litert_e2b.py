@@ -24,6 +24,7 @@ import argparse
 import os
 import random
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -72,9 +73,15 @@ def main() -> None:
     ap.add_argument("work", type=Path)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=8)
+    ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    model = build(a.work / "model")
+    model = a.work / "model"
+    if a.build_only:
+        build(model)
+        return
+    # built in a child: a process's peak RSS counts what it inherits at fork, so this one stays small
+    subprocess.run([sys.executable, __file__, str(a.work), "--build-only"], check=True)
     cache = a.work / "cache"
     shutil.rmtree(cache, ignore_errors=True)
     env = {**os.environ, "GEMMA4_TRACE_CACHE": str(cache)}
@@ -106,8 +113,6 @@ def main() -> None:
         rows.append((f"replay --runtime {mode}", r))
     diffs = []
     for name, extra in (("litert", ()), ("litert-int8", ()), ("litert-int8", ("--baseline", runs["litert-int8-dq"]))):
-        import subprocess
-
         p = subprocess.run(
             [sys.executable, "-m", "gemma4_trace", "diff", ref, runs[name], *extra],
             capture_output=True,

@@ -217,6 +217,7 @@ RUNTIMES += (
         f"{RT}.litert.runtime:create",
         "REF's checkpoint exported by litert-torch's Gemma 4 path, run by ai-edge-litert (XNNPACK, CPU)",
         "float32",
+        profile="litert-f32",
         artifacts=".tflite files, .litertlm",
         **_LITERT,
     ),

@@ -76,6 +76,9 @@ def test_float_replay_captures_every_kind_and_finds_the_missing_soft_cap(runs):
         last = len(a.layers) - 1
         assert b.read("layer_out", last).shape == a.read("layer_out", last).shape
     assert "4/4 tokens agree" in runs["litert:summary"]
+    # the E2B-width float profile (diff/profiles/litert-f32.toml) still flags the missing cap here
+    first = diff_traces(ref, run, tolerances_path="litert-f32").to_json()["first_divergence"]
+    assert (first["kind"], first["position"]) == ("logits", 7), first
 
 
 def test_free_running_replay_generates_the_reference_tokens(runs):
@@ -314,7 +317,7 @@ print(float(np.abs(got - (q @ k.expand(1, 2, 8, 8).transpose(2, 3)).numpy()).max
         r = subprocess.run([sys.executable, "-c", code], cwd=d, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     wrong, untransposed = (float(x) for x in r.stdout.split()[-2:])
-    assert wrong > 1.0 and untransposed == 0.0, r.stdout
+    assert wrong > 1.0 and untransposed < 1e-5, r.stdout  # the transpose dropped; the rest float rounding
 
 
 def _graph_names(graph) -> set[str]:
@@ -452,9 +455,16 @@ def test_the_docs_quote_the_lines_these_replays_print(runs, tmp_path):
             ln.strip() for ln in format_text(diff_traces(runs["ref"], run)).splitlines() if ln.strip().startswith(keep)
         ]
         assert lines
-        for line in lines:
+        for line in map(_rounding_masked, lines):
             for path, text in docs.items():
-                assert line in text, (path.name, line)
-            assert any(line in text for text in upstream.values()), line
+                assert line in _rounding_masked(text), (path.name, line)
+            assert any(line in _rounding_masked(text) for text in upstream.values()), line
     int8 = format_text(diff_traces(runs["ref"], runs["litert-int8"])).splitlines()[0]
     assert int8 in docs[root / "docs/runtime-litert.md"]
+
+
+def _rounding_masked(text: str) -> str:
+    """Figures of float32 rounding size (below 1e-5: they move with the CPU XNNPACK runs on) as "~0"."""
+    import re
+
+    return re.sub(r"\b\d(\.\d+)?e-(0?[6-9]|[1-9]\d)\b", "~0", text)

@@ -23,9 +23,10 @@ litert-torch release names its modules otherwise). Nothing here runs the graph.
 
 from __future__ import annotations
 
+import mmap
+import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -94,7 +95,19 @@ def read(path) -> dict[str, Signature]:
     """Every signature of a .tflite file."""
     from ai_edge_litert import schema_py_generated as fb
 
-    buf = Path(path).read_bytes()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        # mapped, not read: only the flatbuffer's tables are touched, not the weights (a 2 GiB model
+        # read whole would be 2 GiB of this process's memory)
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    try:
+        return _read(path, buf, fb)
+    finally:
+        if isinstance(buf, mmap.mmap):
+            buf.close()
+
+
+def _read(path, buf, fb) -> dict[str, Signature]:
     budget = _Budget(len(buf))
     try:
         if len(buf) < 8 or not fb.Model.ModelBufferHasIdentifier(buf, 0):
