@@ -12,7 +12,14 @@ from gemma4_trace import options as O
 
 from .commands import EXIT_INTERRUPTED, fail
 from .commands.diff import calibrate, diff_cmd
-from .commands.export import export_gguf_cmd, export_litert_cmd, export_onnx_cmd, export_pt2_cmd, export_pte_cmd
+from .commands.export import (
+    export_gguf_cmd,
+    export_litert_cmd,
+    export_onnx_cmd,
+    export_openvino_cmd,
+    export_pt2_cmd,
+    export_pte_cmd,
+)
 from .commands.import_dump import import_cmd
 from .commands.precision import precision
 from .commands.record import record
@@ -57,6 +64,7 @@ for command in (
     calibrate,
     export_gguf_cmd,
     export_litert_cmd,
+    export_openvino_cmd,
     export_pt2_cmd,
     repro,
     sensitivity,

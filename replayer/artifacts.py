@@ -277,7 +277,8 @@ def copy_all_or_none(sources: list[Path], out: Path, kind: str) -> None:
     """Copy `sources` into out under their names, all of them or none (copied into a private
     folder inside out first, then renamed into place together)."""
     try:
-        with tempfile.TemporaryDirectory(dir=out, prefix=f".{kind.lstrip('.')}-partial-") as tmp:
+        tag = "".join(c if c.isalnum() else "-" for c in kind.lstrip("."))  # ".xml/.bin" -> "xml--bin"
+        with tempfile.TemporaryDirectory(dir=out, prefix=f".{tag}-partial-") as tmp:
             new, backups = Path(tmp) / "new", Path(tmp) / "old"
             new.mkdir()
             backups.mkdir()

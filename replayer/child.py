@@ -16,8 +16,9 @@ Parent side: `Child` (the process and its stream) and `ChildRuntime`, the base o
 whose engine runs there (one phase counter, output sites turned into probe calls in one place,
 `close()`). Child side (`python -m gemma4_trace.replayer.child MODULE:CLASS`): an engine class
 `Engine(emit)` with `handle(command, *arguments) -> reply`; `emit(kind, layer, array)` streams a
-tensor. OrtEngine (sessions of .onnx files, CPU) and ExecuTorchEngine (the `forward` of .pte
-programs) are here; llama.cpp's is replayer/runtimes/llamacpp/engine.py. An engine runs as it
+tensor. OrtEngine (sessions of .onnx files, CPU), ExecuTorchEngine (the `forward` of .pte
+programs) and OpenVINOEngine (OpenVINO IR compiled for the CPU) are here; llama.cpp's is
+replayer/runtimes/llamacpp/engine.py, LiteRT's replayer/runtimes/litert/engine.py. An engine runs as it
 would in-process (the child inherits the environment and CPU affinity), so results are
 bit-identical.
 
@@ -47,6 +48,7 @@ MAX_REPLY = 1 << 34  # bytes in one message from a child (a step's tensors); mor
 CRASH_ENV = "GEMMA4_TRACE_TEST_NATIVE_CRASH"  # tests: PHASE -> SIGSEGV at that phase; KIND[@LAYER] -> abort after it
 ORT_ENGINE = "gemma4_trace.replayer.child:OrtEngine"
 EXECUTORCH_ENGINE = "gemma4_trace.replayer.child:ExecuTorchEngine"
+OPENVINO_ENGINE = "gemma4_trace.replayer.child:OpenVINOEngine"
 # the SessionOptions of --runtime onnx and mobius; threads are onnxruntime's default (intra-op: one per
 # physical core), the same in the child, which inherits the parent's environment and CPU affinity
 ORT_SESSION = {"log_severity_level": 3}
@@ -259,6 +261,38 @@ class ExecuTorchEngine:
         name, inputs = args
         outs = self.methods[name].execute([self.torch.from_numpy(a) for a in inputs])
         return ("outputs", [t.numpy() for t in outs])  # pickled at once: before the next run reuses the memory
+
+
+class OpenVINOEngine:
+    """OrtEngine's protocol over OpenVINO IR files (.xml beside its .bin) compiled for the CPU plugin
+    with `options` as its configuration (replayer/runtimes/openvino.py: float32 inference precision)."""
+
+    def __init__(self, emit):
+        import numpy
+
+        with quiet_fd2():
+            import openvino
+
+        self.np, self.core, self.compiled = numpy, openvino.Core(), {}
+
+    def handle(self, command: str, *args):
+        if command == "load":
+            paths, options = args
+            meta = {}
+            for name, path in paths.items():
+                try:
+                    model = self.core.read_model(path)
+                    self.compiled[name] = self.core.compile_model(model, "CPU", options)
+                except Exception as e:  # noqa: BLE001 - the plugin's refusal of a file, one line
+                    why = " ".join(str(e).split())[:160]
+                    raise EngineError(f"{path}: OpenVINO cannot compile it ({why})") from None
+                # the names as the file gives them (compiling adds internal names to some outputs)
+                ins = [(i.get_any_name(), str(i.get_partial_shape())) for i in model.inputs]
+                meta[name] = (ins, [o.get_any_name() for o in model.outputs])
+            return ("ready", meta)
+        name, inputs = args
+        res = self.compiled[name](inputs)
+        return ("outputs", [self.np.array(v) for v in res.to_tuple()])  # copies: the request reuses its memory
 
 
 def _crash_here(at: str | None, phase: str | None = None, kind: str | None = None, layer=None) -> None:

@@ -1,5 +1,6 @@
-"""`trace export-onnx`, `export-pte` and `export-gguf`: the artifacts a runtime runs (the
-registry's `export` column), written where the user wants them, from the artifact cache."""
+"""`trace export-onnx`, `export-pte`, `export-gguf`, `export-litert`, `export-openvino` and
+`export-pt2`: the artifacts a runtime runs (the registry's `export` column), written where the
+user wants them, from the artifact cache."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from . import check_model_dir, configure_artifacts, user_errors
 
 PTE = [s.name for s in RUNTIMES if s.export == "export-pte" and not s.name.endswith("-reference")]
 LITERT = [s.name for s in RUNTIMES if s.export == "export-litert"]
+OPENVINO = [s.name for s in RUNTIMES if s.export == "export-openvino"]
 
 
 @click.command("export-onnx")
@@ -108,6 +110,26 @@ def export_litert_cmd(model_dir, runtime, max_seq, prefill_chunk, out_dir, force
     from gemma4_trace.replayer.runtimes.litert.export import export_command
 
     click.echo(export_command(model_dir, runtime, max_seq, out_dir, force=force, prefill_chunk=prefill_chunk))
+
+
+@click.command("export-openvino")
+@O.model()
+@O.runtime("float32, NNCF weight compression, or its dequantized baseline", choices=OPENVINO, default=OPENVINO[0])
+@O.max_seq(required=True, help="static sequence length of the graphs")
+@O.output("folder for prefill.xml/.bin and decode.xml/.bin", dest="out_dir", folder=True)
+@O.force("existing .xml/.bin files")
+@O.cache
+@O.debug
+@user_errors
+def export_openvino_cmd(model_dir, runtime, max_seq, out_dir, force, cache_dir, no_cache):
+    """Convert the static runtime's prefill and decode steps to OpenVINO IR (what --runtime openvino*
+    runs): prefill.xml/.bin and decode.xml/.bin, all or none."""
+    configure_artifacts(cache_dir, no_cache)
+    check_model_dir(model_dir)
+    check_available(runtime)
+    from gemma4_trace.replayer.runtimes.openvino import export_command
+
+    click.echo(export_command(model_dir, runtime, max_seq, out_dir, force=force))
 
 
 @click.command("export-pt2")

@@ -105,22 +105,23 @@ def exported(loaded, max_seq: int):
     )
 
 
-class OnnxRuntime(ChildRuntime):
-    """The exported graphs run by onnxruntime on CPU (in the child process); the host keeps the caches."""
+class StepGraphRuntime(ChildRuntime):
+    """The step graphs of replayer/functional.py run by an engine in the child process (the
+    replayer/child.py protocol of OrtEngine: "load" {graph: path}, "run" graph {input: array} ->
+    outputs in the graph's order); the host keeps the caches between steps."""
 
-    def __init__(self, loaded, max_seq: int):
-        import onnxruntime as ort
-
-        self.name = f"onnx (onnxruntime {ort.__version__}, CPU)"
-        child = self.start(f"onnx (onnxruntime {ort.__version__})", ORT_ENGINE)
+    def load_graphs(self, label: str, engine: str, loaded, max_seq: int, artifact, suffix: str, options) -> None:
+        """Start the child, build the host's prefill inputs, take the graphs from `artifact()` (an
+        artifact-cache entry holding prefill<suffix> and decode<suffix>) and load them."""
+        child = self.start(label, engine)
         try:
             self.host = F.FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
-            art = exported(loaded, max_seq)
+            art = artifact()
             try:
-                paths = {g: str(art.path / f"{g}.onnx") for g in GRAPHS}
-                meta = child.call("load", paths, ORT_SESSION, phase="loading")[1]
+                paths = {g: str(art.path / f"{g}{suffix}") for g in GRAPHS}
+                meta = child.call("load", paths, options, phase="loading")[1]
             finally:
-                art.close()  # a session holds its graph in memory; a temporary folder (cache off) goes now
+                art.close()  # a loaded graph is in memory; a temporary folder (cache off) goes now
         except BaseException:
             self.close()
             raise
@@ -148,6 +149,17 @@ class OnnxRuntime(ChildRuntime):
         tok = self.host.pad_id if int(token_id) in self.host.mm_token_ids else int(token_id)
         feeds = {"token": np.array([[tok]], dtype=np.int64), "input_pos": np.array([position], dtype=np.int64)}
         return self._run("decode", feeds, probe, slice(0, 1))
+
+
+class OnnxRuntime(StepGraphRuntime):
+    """The exported graphs run by onnxruntime on CPU (in the child process)."""
+
+    def __init__(self, loaded, max_seq: int):
+        import onnxruntime as ort
+
+        self.name = f"onnx (onnxruntime {ort.__version__}, CPU)"
+        label = f"onnx (onnxruntime {ort.__version__})"
+        self.load_graphs(label, ORT_ENGINE, loaded, max_seq, lambda: exported(loaded, max_seq), ".onnx", ORT_SESSION)
 
 
 def create(loaded, max_seq: int, choice=None):

@@ -270,6 +270,50 @@ RUNTIMES += (
         **{**_LITERT, "export": None},
     ),
 )
+_OPENVINO = dict(
+    extra="openvino",
+    float32_only=True,
+    cpu_only=True,
+    export="export-openvino",
+    doc="docs/runtime-openvino.md",
+)
+_OPENVINO_QUANT = {"openvino-int8": "INT8_ASYM", "openvino-int4": "INT4_SYM in groups of 32"}
+RUNTIMES += (
+    RuntimeSpec(
+        "openvino",
+        f"{RT}.openvino:create",
+        "the static runtime's steps converted to OpenVINO IR, compiled for OpenVINO's CPU plugin (f32)",
+        "float32",
+        needs=("openvino",),
+        artifacts="prefill/decode IR (.xml, .bin)",
+        **_OPENVINO,
+    ),
+    *(
+        RuntimeSpec(
+            name,
+            f"{RT}.openvino:create",
+            f"the same IR with NNCF weight compression {scheme}, the CPU plugin's compressed-weight kernels",
+            "quantized weights, activations dynamically int8 in those kernels",
+            needs=("openvino", "nncf"),
+            artifacts="compressed IR",
+            baseline=f"{name}-dq",
+            **_OPENVINO,
+        )
+        for name, scheme in _OPENVINO_QUANT.items()
+    ),
+    *(
+        RuntimeSpec(
+            f"{name}-dq",
+            f"{RT}.openvino:create",
+            f"{name}'s IR with its weight decompression folded into float32 weights (its `--baseline`)",
+            "quantized weights, float32 kernels",
+            needs=("openvino", "nncf"),
+            artifacts="folded IR",
+            **_OPENVINO,
+        )
+        for name in _OPENVINO_QUANT
+    ),
+)
 BY_NAME = {s.name: s for s in RUNTIMES}
 PLUGIN = "MODULE:FACTORY"
 
