@@ -64,7 +64,8 @@ def main() -> None:
         rows.append((f"export-openvino --runtime {mode}", r))
     for mode in MODES:
         runs[mode] = a.work / f"{mode}.h5"
-        r = cli(env, "replay", ref, "--model", model, "--runtime", mode, "--max-seq", max_seq, "-o", runs[mode], "--force")
+        args = ("--model", model, "--runtime", mode, "--max-seq", max_seq, "-o", runs[mode], "--force")
+        r = cli(env, "replay", ref, *args)
         rows.append((f"replay --runtime {mode}", r))
     diffs = []
     for name, against in (
