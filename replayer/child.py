@@ -270,6 +270,7 @@ class OpenVINOEngine:
     def __init__(self, emit):
         import numpy
 
+        sys.modules.setdefault("openvino_telemetry", None)  # no usage telemetry (replayer/runtimes/openvino.py)
         with quiet_fd2():
             import openvino
 

@@ -31,6 +31,7 @@ max_seq, the mode, the converter's versions and the converted code.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from gemma4_trace.traces.errors import TraceToolError, install_hint
@@ -53,12 +54,21 @@ SCHEME = {
 
 
 def _modules():
+    no_telemetry()
     try:
         import openvino
 
         return openvino
     except ImportError as e:
         raise TraceToolError(f"--runtime openvino needs openvino: {install_hint('openvino')} ({e})") from None
+
+
+def no_telemetry() -> None:
+    """OpenVINO's converter and NNCF send usage telemetry over the network unless a consent file in
+    ~/intel says no, from a process they fork per event (left behind, hung, when the network is
+    unreachable). A replay sends nothing: openvino_telemetry is made unimportable, which both take
+    as "no telemetry" (their stubs)."""
+    sys.modules.setdefault("openvino_telemetry", None)
 
 
 def convert(loaded, max_seq: int, out: Path) -> None:

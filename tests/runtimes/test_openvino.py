@@ -173,3 +173,21 @@ def test_refusals_come_before_any_conversion(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nncf" else real(name, *a))
     r = invoke("replay", golden_path("short"), "--runtime", "openvino-int8", "-o", out)
     one_line_error(r, "needs nncf, which is not installed", "[openvino]", out=out)
+
+
+def test_no_usage_telemetry_is_sent(runs, tmp_path):
+    """OpenVINO's converter and NNCF send usage telemetry unless told not to: a replay that
+    converts and compresses (a fresh cache) imports openvino_telemetry nowhere."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from gemma4_trace.entry import main; sys.argv = ['trace'] + sys.argv[1:]\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('telemetry', sys.modules.get('openvino_telemetry'))"
+    )
+    out = tmp_path / "o.h5"
+    args = ["replay", str(runs["ref"]), "--runtime", "openvino-int8", "--no-cache", "-o", str(out)]
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600)
+    assert out.exists(), r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "telemetry None", r.stdout
