@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ class RuntimeSpec:
     precision: str
     extra: str | None = None  # the pip extra that installs what it needs
     needs: tuple[str, ...] = ()  # importable modules it needs (checked with importlib.util.find_spec)
+    tools: tuple[tuple[str, str], ...] = ()  # (program on PATH it needs, how to install it)
     types: tuple[str, ...] = ()  # ":TYPE" suffixes it takes; the first is the default
     isolation: bool = False  # continues with the tensors the probe returns (--isolate)
     text_only: bool = False  # takes token ids only: an image prompt is refused before the model loads
@@ -314,6 +316,47 @@ RUNTIMES += (
         for name in _OPENVINO_QUANT
     ),
 )
+_MLX = dict(
+    extra="mlx",
+    needs=("mlx", "mlx_lm"),
+    text_only=True,
+    float32_only=True,
+    cpu_only=True,
+    weightless=True,
+    not_captured=("mask", *ROPE_KINDS),
+    tools=(("g++", "MLX compiles its CPU kernels with it; install it (Debian/Ubuntu: apt install g++)"),),
+    doc="docs/runtime-mlx.md",
+)
+RUNTIMES += (
+    RuntimeSpec(
+        "mlx",
+        f"{RT}.mlx:create",
+        "REF's checkpoint loaded by mlx-lm, run through its own Gemma 4 modules and caches (MLX, CPU)",
+        "float32",
+        **_MLX,
+    ),
+    *(
+        RuntimeSpec(
+            f"mlx-q{bits}",
+            f"{RT}.mlx:create",
+            f"the same, quantized by mlx-lm's quantize_model ({bits}-bit affine, group size 64)",
+            "quantized",
+            baseline=f"mlx-q{bits}-dq",
+            **_MLX,
+        )
+        for bits in (8, 4)
+    ),
+    *(
+        RuntimeSpec(
+            f"mlx-q{bits}-dq",
+            f"{RT}.mlx:create",
+            f"mlx-q{bits}'s weights dequantized into float32 layers (its `--baseline`)",
+            "quantized weights, float32 kernels",
+            **_MLX,
+        )
+        for bits in (8, 4)
+    ),
+)
 BY_NAME = {s.name: s for s in RUNTIMES}
 PLUGIN = "MODULE:FACTORY"
 
@@ -399,6 +442,9 @@ def check_available(choice, isolate: bool = False) -> RuntimeChoice:
         raise TraceToolError(
             f"--runtime {spec.name} needs {', '.join(missing)}, which is not installed: {install_hint(spec.extra)}"
         )
+    for program, how in spec.tools:
+        if shutil.which(program) is None:
+            raise TraceToolError(f"--runtime {spec.name} needs {program}, which is not on PATH: {how}")
     if isolate and not spec.isolation:
         raise TraceToolError(
             f"runtime {spec.name} does not support --isolate (it does not continue with the tensors "

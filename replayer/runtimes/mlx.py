@@ -1,0 +1,260 @@
+"""`--runtime mlx`, `mlx-q8`, `mlx-q4` and their `-dq` baselines: REF's checkpoint loaded by
+mlx-lm (Apple's MLX; on Linux its CPU backend) and run through mlx-lm's own Gemma 4 modules and
+caches, in the child process (extra `gemma4-trace[mlx]`).
+
+mlx-lm's `models/gemma4_text.py` is an implementation of Gemma 4 independent of PyTorch (PLE, KV
+sharing, proportional RoPE, the double-wide MLP, v_norm, layer_scalar, the soft-cap). The replay
+feeds the prompt in one call and each later token in one call through mlx-lm's `KVCache` /
+`RotatingKVCache` (teacher-forced or `--free-running`), and taps mlx-lm's modules in the child:
+
+    embeddings        layer 0's input (the scaled token embeddings)
+    per_layer_inputs  the result of the model's per-layer input projection
+    q, k              the outputs of each attention's RoPE call (k only where the layer owns K/V)
+    v                 the output of v_norm (the rows handed to the cache)
+    attn_out          o_proj's output;  layer_out: each decoder layer's output
+    final_hidden      the final norm's output
+
+Not compared: the mask (mlx-lm builds it for its ring-buffer layout, or passes "causal") and the
+RoPE tables (computed inside `mx.fast.rope`).
+
+    mlx-q8, mlx-q4   mlx-lm's own `quantize_model` (affine, group size 64, its default), with its
+                     own rule for what stays float (a matrix whose input width is no multiple of
+                     64, e.g. the embedded model's 8-wide per-layer projection)
+    mlx-qN-dq        that quantized model with every quantized weight dequantized back into a
+                     float32 Linear / Embedding: the same weights in float kernels (its --baseline)
+
+Two config fixes: mlx-lm 0.32.2 reads a transformers-5.24 Gemma 4 config wrongly in two places
+(docs/upstream/mlx-lm-gemma4-config.md); the checkpoint is loaded from a folder holding a fixed
+copy of config.json beside links to its weights, and each fix is said once on stderr and in the
+provenance.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from gemma4_trace.traces.errors import TraceToolError
+
+from ..child import ChildRuntime, EngineError, quiet_fd2
+
+ENGINE = "gemma4_trace.replayer.runtimes.mlx:MLXEngine"
+GROUP = 64  # mlx-lm's default group size for affine quantization
+MODES = {"mlx": None, "mlx-q8": 8, "mlx-q4": 4}
+
+
+# ------------------------------------------------------------------ the config mlx-lm can read
+def fixed_config(cfg: dict) -> tuple[dict, list[str]]:
+    """A copy of a transformers-5.24 Gemma 4 config that mlx-lm 0.32.2 reads as transformers does,
+    and one phrase per fix made. Refuses (one line) what no fix makes mlx-lm read right."""
+    cfg = json.loads(json.dumps(cfg))
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    fixes = []
+    vocab = text.get("vocab_size")
+    if text is not cfg and vocab is not None and cfg.get("vocab_size") != vocab:
+        # mlx-lm's gemma4 ModelArgs copies its own top-level vocab_size (default 262144) over text_config's
+        cfg["vocab_size"] = vocab
+        fixes.append(f"top-level vocab_size set to text_config's {vocab}")
+    types = text.get("layer_types") or []
+    per_layer = text.get("per_layer_config") or {}
+    full = {int(i): v for i, v in per_layer.items() if int(i) < len(types) and types[int(i)] == "full_attention"}
+    if any(types[int(i)] != "full_attention" for i in per_layer if int(i) < len(types)):
+        raise TraceToolError("mlx-lm cannot load this checkpoint: per_layer_config overrides a sliding layer")
+    dims = {v.get("head_dim") for v in full.values()} - {None}
+    if len(dims) > 1:
+        raise TraceToolError(f"mlx-lm cannot load this checkpoint: full layers of head_dim {sorted(dims)}")
+    if dims and text.get("global_head_dim") != (dim := dims.pop()):
+        # mlx-lm takes full layers' head_dim from global_head_dim (default 512); 5.24 writes per_layer_config
+        text["global_head_dim"] = dim
+        fixes.append(f"global_head_dim set to the full layers' head_dim {dim} (from per_layer_config)")
+    kv = {v.get("num_key_value_heads") for v in full.values()} - {None}
+    if kv and text.get("num_global_key_value_heads") != (n := kv.pop()):
+        text["num_global_key_value_heads"] = n
+        fixes.append(f"num_global_key_value_heads set to {n} (from per_layer_config)")
+    return cfg, fixes
+
+
+def staged_checkpoint(model_dir: Path) -> tuple[Path, list[str]]:
+    """A temporary folder mlx-lm loads: the fixed config.json and links to the weight files."""
+    cfg, fixes = fixed_config(json.loads((model_dir / "config.json").read_text()))
+    folder = Path(tempfile.mkdtemp(prefix="gemma4-trace-mlx-"))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    for f in model_dir.iterdir():
+        if f.suffix == ".safetensors" or f.name.endswith(".safetensors.index.json"):
+            (folder / f.name).symlink_to(f.resolve())
+    return folder, fixes
+
+
+# ------------------------------------------------------------------ the child
+class MLXEngine:
+    """("load", folder, bits, dequantize) -> ("ready", info); ("step", [token ids], position) ->
+    the step's kinds streamed as ("tensor", kind, layer, array), then ("logits", array)."""
+
+    def __init__(self, emit):
+        self.emit = emit
+        try:
+            with quiet_fd2():
+                import mlx.core as mx
+                import mlx.nn as nn
+                import mlx_lm.utils as U
+        except (ImportError, OSError) as e:  # plain `mlx` on Linux has no CPU backend (libmlx.so)
+            raise SystemExit(f"mlx cannot be imported ({e}); install the CPU build: pip install 'mlx[cpu]'") from None
+        self.mx, self.nn, self.U = mx, nn, U
+        self.seen: list = []
+
+    def handle(self, command: str, *args):
+        if command == "load":
+            return self._load(*args)
+        ids, position = args
+        if position != self.offset:
+            raise EngineError(f"asked for position {position} with {self.offset} positions in mlx-lm's cache")
+        mx = self.mx
+        self.seen, self.rope_calls = [], {}
+        logits = self.model(mx.array([ids]), cache=self.cache)[0, -1]
+        mx.eval(logits, *(v for _, _, v in self.seen))
+        self.offset += len(ids)
+        for kind, layer, value in self.seen:
+            self.emit(kind, layer, np.array(value.astype(mx.float32)))
+        return ("logits", np.array(logits.astype(mx.float32)))
+
+    def _load(self, folder: str, bits, dequantize: bool):
+        model, config = self.U.load_model(Path(folder))
+        info = {"quantized": 0, "kept": 0}
+        if bits is not None:
+            with quiet_fd2():  # quantize_model prints its bits per weight
+                model, _ = self.U.quantize_model(model, config, GROUP, bits)
+            info["quantized"] = sum(hasattr(m, "scales") for _, m in model.named_modules())
+            info["kept"] = sum(isinstance(m, self.nn.Linear) for _, m in model.named_modules())
+            if dequantize:
+                self._dequantize(model)
+        self.model, self.cache, self.offset = model, model.make_cache(), 0
+        self._tap(model)
+        return ("ready", info)
+
+    def _dequantize(self, model) -> None:
+        """Every quantized Linear / Embedding back to a float32 one holding its dequantized weight."""
+        mx, nn = self.mx, self.nn
+        from mlx.utils import tree_map_with_path
+
+        def back(path, m):
+            if not hasattr(m, "scales"):
+                return m
+            w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits).astype(mx.float32)
+            if isinstance(m, nn.QuantizedEmbedding):
+                f = nn.Embedding(*w.shape)
+            else:
+                f = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+                if "bias" in m:
+                    f.bias = m.bias
+            f.weight = w
+            return f
+
+        model.update_modules(tree_map_with_path(back, model.leaf_modules(), is_leaf=nn.Module.is_module))
+
+    def _tap(self, model) -> None:
+        """Wrap mlx-lm's modules so that each step records what they compute (self.seen)."""
+        nn = self.nn
+        lm = model.language_model.model if hasattr(model, "language_model") else model.model
+        engine = self
+
+        class Tap(nn.Module):
+            def __init__(self, inner, record):
+                super().__init__()
+                self.inner = inner
+                self.record = record
+
+            def __call__(self, *a, **k):
+                out = self.inner(*a, **k)
+                self.record(a, out)
+                return out
+
+        def put(kind, layer, value):
+            engine.seen.append((kind, layer, value))
+
+        project = lm._project_per_layer_inputs
+        if lm.hidden_size_per_layer_input:
+
+            def per_layer(*a, **k):
+                out = project(*a, **k)
+                put("per_layer_inputs", None, out[0])
+                return out
+
+            lm._project_per_layer_inputs = per_layer
+        for i, layer in enumerate(lm.layers):
+            attn = layer.self_attn
+
+            def rope(a, out, i=i, owns=attn.has_kv):
+                n = engine.rope_calls[i] = engine.rope_calls.get(i, 0) + 1
+                kind = "k" if owns and n == 1 else "q"
+                put(kind, i, out[0].transpose(1, 0, 2))
+
+            attn.rope = Tap(attn.rope, rope)
+            if attn.has_kv:
+                attn.v_norm = Tap(attn.v_norm, lambda a, out, i=i: put("v", i, out[0]))
+            attn.o_proj = Tap(attn.o_proj, lambda a, out, i=i: put("attn_out", i, out[0]))
+
+            def layer_out(a, out, i=i):
+                if i == 0:
+                    put("embeddings", None, a[0][0])
+                put("layer_out", i, out[0][0])
+
+            lm.layers[i] = Tap(layer, layer_out)
+            lm.layers[i].layer_type = layer.layer_type  # read by mlx-lm's mask builder
+        lm.norm = Tap(lm.norm, lambda a, out: put("final_hidden", None, out[0]))
+
+
+# ------------------------------------------------------------------ the parent
+class MLXRuntime(ChildRuntime):
+    """mlx-lm's Gemma 4 in the child; the host feeds token ids and hands the tapped kinds to the probe."""
+
+    def __init__(self, loaded, max_seq: int, mode: str):
+        from importlib.metadata import version
+
+        self.folder, fixes = staged_checkpoint(Path(loaded.model_dir))
+        base = mode.removesuffix("-dq")
+        v = {p: version(p) for p in ("mlx", "mlx-lm")}
+        label = f"{mode} (mlx {v['mlx']}, mlx-lm {v['mlx-lm']})"
+        what = "float32" if base == "mlx" else f"mlx-lm's quantize_model: {MODES[base]}-bit affine, group size {GROUP}"
+        if mode.endswith("-dq"):
+            what += ", dequantized into float32 weights"
+        said = f"; config.json fixed for mlx-lm: {'; '.join(fixes)}" if fixes else ""
+        print(
+            f"{mode}: loading with mlx-lm (MLX compiles its CPU kernels with g++ on first use){said}", file=sys.stderr
+        )
+        child = self.start(label, ENGINE, streams=True)
+        try:
+            info = child.call("load", str(self.folder), MODES[base], mode.endswith("-dq"), phase="loading")[1]
+        except BaseException:
+            self.close()
+            raise
+        kept = f"; {info['quantized']} layers quantized, {info['kept']} kept float" if MODES[base] else ""
+        fixed = f"; config fixed: {'; '.join(fixes)}" if fixes else ""
+        self.name = f"{label[:-1]}, CPU; {what}{kept}{fixed})"
+
+    def _step(self, ids: list[int], position: int, probe, prefill: bool):
+        def tensor(kind, layer, array):
+            self.report(probe, [((kind, layer), array)])
+
+        reply = self.child.call("step", ids, position, phase=self.phase(prefill), tensor=tensor)
+        import torch
+
+        return torch.from_numpy(reply[1])
+
+    def prefill(self, input_ids, extra_inputs, probe):
+        return self._step([int(t) for t in input_ids], 0, probe, True)
+
+    def decode(self, token_id, position, probe):
+        return self._step([int(token_id)], int(position), probe, False)
+
+    def close(self) -> None:
+        super().close()
+        shutil.rmtree(getattr(self, "folder", ""), ignore_errors=True)
+
+
+def create(loaded, max_seq: int, choice):
+    return MLXRuntime(loaded, max_seq, choice.name)

@@ -1,0 +1,172 @@
+"""`--runtime mlx` and its quantized variants (REF's checkpoint loaded by mlx-lm, run through its own
+Gemma 4 modules and caches on MLX's CPU backend, in the child; extra gemma4-trace[mlx])."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install -e '.[mlx]')")
+
+from gemma4_trace.diff import diff_traces  # noqa: E402
+from gemma4_trace.recorder.golden import golden_path  # noqa: E402
+from gemma4_trace.replayer.runtimes import mlx as M  # noqa: E402
+from gemma4_trace.traces.errors import TraceToolError  # noqa: E402
+from gemma4_trace.traces.reader import TraceReader  # noqa: E402
+from tests.support import invoke, one_line_error  # noqa: E402
+
+pytestmark = pytest.mark.slow  # loads a second engine per replay; make test-fast skips it
+
+MODES = ("mlx", "mlx-q8", "mlx-q8-dq", "mlx-q4", "mlx-q4-dq")
+NOT_CAPTURED = {"mask", "rope_cos_sliding", "rope_sin_sliding", "rope_cos_full", "rope_sin_full"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mlx")
+    out = {"ref": golden_path("window"), "dir": d}  # 24 steps: past the sliding window (mlx-lm's ring buffer)
+    for mode in MODES:
+        out[mode] = d / f"{mode}.h5"
+        r = invoke("replay", out["ref"], "--runtime", mode, "-o", out[mode])
+        assert r.exit_code == 0, r.output
+        out[mode + ":run"] = r
+    r = invoke("replay", out["ref"], "--runtime", "mlx", "--free-running", "-o", d / "free.h5")
+    assert r.exit_code == 0, r.output
+    out["free"] = d / "free.h5"
+    return out
+
+
+def test_float_replay_matches_hf_with_every_kind_mlx_lm_exposes(runs):
+    ref, run = runs["ref"], runs["mlx"]
+    res = diff_traces(ref, run)
+    assert res.match, res.to_json()["first_divergence"]
+    r = runs["mlx:run"]
+    assert "24/24 tokens agree" in r.stdout
+    # the two config fixes, said once each on stderr and kept in the provenance
+    said = [ln for ln in r.stderr.splitlines() if "config.json fixed for mlx-lm" in ln]
+    assert len(said) == 1, r.stderr
+    assert "top-level vocab_size set to text_config's 680" in said[0]
+    assert "global_head_dim set to the full layers' head_dim 32" in said[0]
+    with TraceReader(ref) as a, TraceReader(run) as b:
+        runtime = b.provenance["runtime"]
+        assert runtime.startswith("mlx (mlx 0.32.4, mlx-lm 0.32.2, CPU; float32; config fixed: ")
+        missing = {k for k, _ in a.kinds_present()} - {k for k, _ in b.kinds_present()}
+        assert missing == NOT_CAPTURED
+        worst, differ = 0.0, 0
+        for kind, layer in b.kinds_present():
+            x, y = a.read(kind, layer), b.read(kind, layer)
+            assert x.shape == y.shape, (kind, layer)
+            if x.dtype.kind != "f":
+                continue
+            x, y = x.reshape(len(x), -1).astype(np.float64), y.reshape(len(y), -1)
+            rel = np.linalg.norm(x - y, axis=1) / np.maximum(np.linalg.norm(x, axis=1), 1e-30)
+            worst, differ = max(worst, rel.max()), differ + bool(rel.max() > 0)
+        # MLX's CPU kernels are not torch's: real, float32-sized differences in most tensors
+        assert differ >= 10 and 1e-8 < worst < 1e-5, (differ, worst)
+
+
+def test_free_running_generates_the_reference_tokens(runs):
+    with TraceReader(runs["ref"]) as a, TraceReader(runs["free"]) as b:
+        assert b.mode == "free-running"
+        assert list(b.tokens()) == list(a.tokens())
+
+
+def test_quantized_replays_diverge_from_hf_and_stay_within_their_baseline(runs):
+    ref = runs["ref"]
+    for bits in (8, 4):
+        mode = f"mlx-q{bits}"
+        with TraceReader(runs[mode]) as b, TraceReader(runs[mode + "-dq"]) as c:
+            assert f"{bits}-bit affine, group size 64;" in b.provenance["runtime"]
+            assert "dequantized into float32 weights" in c.provenance["runtime"]
+            assert "layers quantized, 8 kept float" in b.provenance["runtime"]  # 8-wide inputs stay float
+        first = diff_traces(ref, runs[mode]).to_json()["first_divergence"]
+        assert first is not None and first["kind"] == "embeddings", (mode, first)  # the quantized table
+        res = diff_traces(ref, runs[mode], baseline_path=runs[mode + "-dq"])
+        assert res.match, (mode, res.to_json()["first_divergence"])
+        # the quantized kernels against the same weights in float kernels: rounding-sized
+        res = diff_traces(runs[mode + "-dq"], runs[mode])
+        assert res.match, (mode, res.to_json()["first_divergence"])
+
+
+def test_the_config_fixes_and_what_no_fix_can_make_readable():
+    cfg = json.loads((golden_path("short").parents[2] / "hf/tiny_model/config.json").read_text())
+    fixed, fixes = M.fixed_config(cfg)
+    assert fixed["vocab_size"] == 680 and fixed["text_config"]["global_head_dim"] == 32 and len(fixes) == 2
+    assert cfg.get("vocab_size") is None  # the original is not touched
+    again, none = M.fixed_config(fixed)
+    assert again == fixed and none == []
+    bad = json.loads(json.dumps(cfg))
+    bad["text_config"]["per_layer_config"]["0"] = {"head_dim": 32}  # layer 0 is sliding
+    with pytest.raises(TraceToolError, match="overrides a sliding layer"):
+        M.fixed_config(bad)
+
+
+def test_refusals_come_before_any_model_loads(tmp_path, monkeypatch):
+    out = tmp_path / "o.h5"
+    r = invoke("replay", golden_path("image"), "--runtime", "mlx", "-o", out)
+    one_line_error(r, "--runtime mlx runs a text decoder", out=out)
+    r = invoke("replay", golden_path("short"), "--runtime", "mlx-q4", "--isolate", "-o", out)
+    one_line_error(r, "does not support --isolate", out=out)
+    import shutil
+
+    real = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "g++" else real(name, *a, **k))
+    monkeypatch.setattr("gemma4_trace.hf.model.load_model", _no_model_load)
+    r = invoke("replay", golden_path("short"), "--runtime", "mlx", "-o", out)
+    one_line_error(r, "--runtime mlx needs g++, which is not on PATH", "apt install g++", out=out)
+
+
+def _no_model_load(*a, **k):
+    raise AssertionError("the model was loaded before the refusal")
+
+
+def test_a_crash_in_mlx_is_one_line_and_leaves_no_trace(tmp_path):
+    out = tmp_path / "crash.h5"
+    crash = {"GEMMA4_TRACE_TEST_NATIVE_CRASH": "attn_out@3"}
+    r = invoke("replay", golden_path("short"), "--runtime", "mlx", "-o", out, env=crash)
+    # the loading line (what was fixed), then the one error line
+    loading, error = r.stderr.splitlines()[-2:]
+    assert r.exit_code == 2 and "Traceback" not in r.stderr and not out.exists(), r.stderr
+    assert loading.startswith("mlx: loading with mlx-lm"), r.stderr
+    assert error.startswith("error: mlx (mlx 0.32.4, mlx-lm 0.32.2) crashed in prefill after layer 3 attn_out: ")
+    assert "SIGABRT" in error, error
+
+
+def test_mlx_lm_still_misreads_the_two_config_fields(tmp_path):
+    """docs/upstream/mlx-lm-gemma4-config.md: the unpatched checkpoint fails on the vocabulary,
+    with vocab_size patched on the full layers' head_dim; both patched, it loads."""
+    import shutil
+    import subprocess
+    import sys
+
+    from gemma4_trace.hf.model import resolve_model_dir
+
+    embedded = resolve_model_dir(None)[0]
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(embedded / name, tmp_path / name)
+    code = """
+import sys
+from pathlib import Path
+from mlx_lm.utils import load_model
+try:
+    load_model(Path(sys.argv[1]))
+    print("loaded")
+except ValueError as e:
+    print(e)
+"""
+
+    def load():
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+        return r.stdout.strip().splitlines()[-1]
+
+    cfg = json.loads((embedded / "config.json").read_text())
+    assert load() == (
+        "Expected shape (262144, 64) but received shape (680, 64) for parameter "
+        "language_model.model.embed_tokens.weight"
+    )
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "vocab_size": 680}))
+    assert load().startswith("Expected shape (2048, 64) but received shape (128, 64) for parameter ")
+    (tmp_path / "config.json").write_text(json.dumps(M.fixed_config(cfg)[0]))
+    assert load() == "loaded"
