@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_llamacpp_e2b import cli  # noqa: E402  (a trace command in a fresh process, its peak RSS)
+from benchmarks.bench_llamacpp_e2b import cli, diff_first_line, print_table  # noqa: E402  (a trace command in a fresh process)
 from benchmarks.e2b_shaped import E2B_TEXT  # noqa: E402
 
 VISION = dict(
@@ -111,23 +111,11 @@ def main() -> None:
         runs[mode] = a.work / f"{mode}.h5"
         r = cli(env, "replay", ref, "--model", model, "--runtime", mode, "-o", runs[mode], "--force")
         rows.append((f"replay --runtime {mode}", r))
-    diffs = []
-    for name, extra in (("litert", ()), ("litert-int8", ()), ("litert-int8", ("--baseline", runs["litert-int8-dq"]))):
-        p = subprocess.run(
-            [sys.executable, "-m", "gemma4_trace", "diff", ref, runs[name], *extra],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        diffs.append((name + (" --baseline litert-int8-dq" if extra else ""), p.stdout.splitlines()[:1]))
-    print(f"\n{'command':46s} {'wall s':>8s} {'peak RSS MiB':>13s} {'child MiB':>10s}")
-    for name, r in rows:
-        print(f"{name:46s} {r['wall']:8.1f} {r['rss']:13.0f} {r['child_rss']:10.0f}")
-    for name, r in rows:
-        print(f"  {name}: {r['out'].splitlines()[-1][:240] if r['out'] else ''}")
-    for name, lines in diffs:
-        print(f"diff REF {name}: {lines[0] if lines else ''}")
+    diffs = [
+        (name + (" --baseline litert-int8-dq" if more else ""), diff_first_line(env, ref, runs[name], *more))
+        for name, more in (("litert", ()), ("litert-int8", ()), ("litert-int8", ("--baseline", runs["litert-int8-dq"])))
+    ]
+    print_table(rows, diffs)
 
 
 if __name__ == "__main__":

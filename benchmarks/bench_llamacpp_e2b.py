@@ -62,6 +62,26 @@ def cli(env, *args) -> dict:
     return dict(wall=wall, out=p.stdout.strip(), rss=self_kb / 1024, child_rss=children_kb / 1024)
 
 
+def diff_first_line(env, ref, run, *more) -> str:
+    """The first line `trace diff REF RUN [more]` prints (its verdict or first divergence)."""
+    p = subprocess.run(
+        [PY, "-m", "gemma4_trace", "diff", ref, run, *more], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    return (p.stdout.splitlines() or [""])[0]
+
+
+def print_table(rows, diffs) -> None:
+    """The command table (wall time, peak RSS of the trace process and of its child), each
+    command's last output line, then each diff's first line."""
+    print(f"\n{'command':46s} {'wall s':>8s} {'peak RSS MiB':>13s} {'child MiB':>10s}")
+    for name, r in rows:
+        print(f"{name:46s} {r['wall']:8.1f} {r['rss']:13.0f} {r['child_rss']:10.0f}")
+    for name, r in rows:
+        print(f"  {name}: {r['out'].splitlines()[-1][:240] if r['out'] else ''}")
+    for name, line in diffs:
+        print(f"diff REF {name}: {line}")
+
+
 def _seconds(note: str, word: str) -> float:
     m = re.search(rf"{word} in ([0-9.]+) s", note)
     return float(m.group(1)) if m else float("nan")

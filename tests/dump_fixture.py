@@ -9,7 +9,8 @@ run; `trace import DUMP --reference REF --map DUMP/map.toml` must give the same 
     GEMMA4_TRACE_DUMP_DIR=/tmp/dump trace replay REF.h5 --runtime tests.dump_fixture:make_dumper -o RUN.h5
 
 $GEMMA4_TRACE_DUMP_BUG="LAYER:STEP" perturbs the v rows that layer writes at that step
-(+1e-2) in the dump only: a planted bug that trace diff must localise exactly.
+(+5e-3 at channel 0 rising to +1.5e-2 at the last) in the dump only: a planted bug that trace
+diff must localise exactly.
 """
 
 from __future__ import annotations
@@ -185,8 +186,8 @@ class Dumper(StaticGemma4Runtime):
                 cache[:, :, start : start + n] = a.transpose(1, 2, 0)
                 np.save(d / f"layer{layer:02d}_kcache_t.npy", cache)
             elif kind == "v":
-                if self.bug == (layer, self.step):
-                    a = a + 1e-2
+                if self.bug == (layer, self.step):  # 5e-3 at channel 0 to 1.5e-2 at the last: one worst channel
+                    a = a + np.linspace(5e-3, 1.5e-2, a.shape[-1], dtype=np.float32)
                 np.save(d / f"layer{layer:02d}_v.npy", padded(a))
             elif kind == "attn_out":
                 a.astype("<f4").tofile(d / f"layer{layer:02d}_attn.raw")

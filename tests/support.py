@@ -83,3 +83,22 @@ def plant_gguf(model_dir=None, write=None, **how):
     )
     assert art.note != "cached", "plant into an empty cache: this one already holds the conversion"
     return art.path / GGUF_NAME
+
+
+def float_differences(a, b) -> tuple[float, int]:
+    """Two open TraceReaders, over the (kind, layer) pairs b holds: the worst per-row rel-L2 of
+    b's float tensors against a's and how many of them differ at all; masks and tokens must be
+    equal, every shape the same."""
+    import numpy as np
+
+    worst, differ = 0.0, 0
+    for kind, layer in b.kinds_present():
+        x, y = a.read(kind, layer), b.read(kind, layer)
+        assert x.shape == y.shape, (kind, layer)
+        if x.dtype.kind != "f":
+            assert np.array_equal(x, y), (kind, layer)
+            continue
+        x, y = x.reshape(len(x), -1).astype(np.float64), y.reshape(len(y), -1)
+        rel = np.linalg.norm(x - y, axis=1) / np.maximum(np.linalg.norm(x, axis=1), 1e-30)
+        worst, differ = max(worst, rel.max()), differ + bool(rel.max() > 0)
+    return worst, differ

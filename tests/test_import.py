@@ -80,7 +80,7 @@ def test_round_trip_equals_direct_replay(dumped, tmp_path):
 
 
 def test_planted_bug_is_localised(tmp_path):
-    dump = _dump(tmp_path, bug="1:2")  # layer 1's v rows written at decode step 2, +1e-2
+    dump = _dump(tmp_path, bug="1:2")  # layer 1's v rows written at decode step 2, +5e-3 to 1.5e-2
     out = tmp_path / "imp.h5"
     import_dump(dump, GOLDEN, dump / "map.toml", out)
     fd = diff_traces(GOLDEN, out).to_json()["first_divergence"]

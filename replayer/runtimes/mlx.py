@@ -46,6 +46,7 @@ from ..child import ChildRuntime, EngineError, quiet_fd2
 ENGINE = "gemma4_trace.replayer.runtimes.mlx:MLXEngine"
 GROUP = 64  # mlx-lm's default group size for affine quantization
 MODES = {"mlx": None, "mlx-q8": 8, "mlx-q4": 4}
+MLX_DEFAULTS = {"vocab_size": 262144, "global_head_dim": 512}  # mlx-lm 0.32.2's ModelArgs defaults
 
 
 # ------------------------------------------------------------------ the config mlx-lm can read
@@ -56,7 +57,7 @@ def fixed_config(cfg: dict) -> tuple[dict, list[str]]:
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     fixes = []
     vocab = text.get("vocab_size")
-    if text is not cfg and vocab is not None and cfg.get("vocab_size") != vocab:
+    if text is not cfg and vocab is not None and cfg.get("vocab_size", MLX_DEFAULTS["vocab_size"]) != vocab:
         # mlx-lm's gemma4 ModelArgs copies its own top-level vocab_size (default 262144) over text_config's
         cfg["vocab_size"] = vocab
         fixes.append(f"top-level vocab_size set to text_config's {vocab}")
@@ -68,7 +69,7 @@ def fixed_config(cfg: dict) -> tuple[dict, list[str]]:
     dims = {v.get("head_dim") for v in full.values()} - {None}
     if len(dims) > 1:
         raise TraceToolError(f"mlx-lm cannot load this checkpoint: full layers of head_dim {sorted(dims)}")
-    if dims and text.get("global_head_dim") != (dim := dims.pop()):
+    if dims and text.get("global_head_dim", MLX_DEFAULTS["global_head_dim"]) != (dim := dims.pop()):
         # mlx-lm takes full layers' head_dim from global_head_dim (default 512); 5.24 writes per_layer_config
         text["global_head_dim"] = dim
         fixes.append(f"global_head_dim set to the full layers' head_dim {dim} (from per_layer_config)")

@@ -287,6 +287,7 @@ RUNTIMES += (
         "the static runtime's steps converted to OpenVINO IR, compiled for OpenVINO's CPU plugin (f32)",
         "float32",
         needs=("openvino",),
+        profile="openvino-f32",
         artifacts="prefill/decode IR (.xml, .bin)",
         **_OPENVINO,
     ),

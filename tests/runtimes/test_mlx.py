@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install -e '.[mlx]')")
@@ -15,7 +14,7 @@ from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer.runtimes import mlx as M  # noqa: E402
 from gemma4_trace.traces.errors import TraceToolError  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests.support import invoke, one_line_error  # noqa: E402
+from tests.support import float_differences, invoke, one_line_error  # noqa: E402
 
 pytestmark = pytest.mark.slow  # loads a second engine per replay; make test-fast skips it
 
@@ -54,15 +53,7 @@ def test_float_replay_matches_hf_with_every_kind_mlx_lm_exposes(runs):
         assert runtime.startswith("mlx (mlx 0.32.4, mlx-lm 0.32.2, CPU; float32; config fixed: ")
         missing = {k for k, _ in a.kinds_present()} - {k for k, _ in b.kinds_present()}
         assert missing == NOT_CAPTURED
-        worst, differ = 0.0, 0
-        for kind, layer in b.kinds_present():
-            x, y = a.read(kind, layer), b.read(kind, layer)
-            assert x.shape == y.shape, (kind, layer)
-            if x.dtype.kind != "f":
-                continue
-            x, y = x.reshape(len(x), -1).astype(np.float64), y.reshape(len(y), -1)
-            rel = np.linalg.norm(x - y, axis=1) / np.maximum(np.linalg.norm(x, axis=1), 1e-30)
-            worst, differ = max(worst, rel.max()), differ + bool(rel.max() > 0)
+        worst, differ = float_differences(a, b)
         # MLX's CPU kernels are not torch's: real, float32-sized differences in most tensors
         assert differ >= 10 and 1e-8 < worst < 1e-5, (differ, worst)
 

@@ -15,7 +15,7 @@ from gemma4_trace.diff import diff_traces  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests.support import invoke, one_line_error  # noqa: E402
+from tests.support import float_differences, invoke, one_line_error  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, lowers or converts programs; make test-fast skips it
 
@@ -29,15 +29,7 @@ def test_onnx_matches_reference_with_kernel_sized_differences(tmp_path):
     with TraceReader(static) as a, TraceReader(run) as b:
         assert b.provenance["runtime"].startswith("onnx (onnxruntime 1.32.0")
         assert b.kinds_present() == a.kinds_present()  # every kind of the static runtime, as graph outputs
-        worst, differ = 0.0, 0
-        for kind, layer in a.kinds_present():
-            x, y = a.read(kind, layer), b.read(kind, layer)
-            if x.dtype.kind != "f":
-                assert np.array_equal(x, y), (kind, layer)  # masks and tokens exactly
-                continue
-            x, y = x.reshape(len(x), -1).astype(np.float64), y.reshape(len(y), -1)
-            rel = np.linalg.norm(x - y, axis=1) / np.maximum(np.linalg.norm(x, axis=1), 1e-30)
-            worst, differ = max(worst, rel.max()), differ + bool(rel.max() > 0)
+        worst, differ = float_differences(a, b)
         # onnxruntime's kernels are not torch's: real, float32-sized differences
         assert differ >= 10 and 1e-8 < worst < 1e-5, (differ, worst)
 
