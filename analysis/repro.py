@@ -22,7 +22,6 @@ literal (repr), never pasted as code.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gemma4_trace.replayer.artifacts import check_output_folder, copy_all_or_none
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 from gemma4_trace.traces.reader import TraceReader
 from gemma4_trace.traces.schema import rope_kinds
@@ -183,13 +183,12 @@ def write_repro(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise TraceToolError(f"{out} exists and is not a folder")
-    clash = [f for f in (*FILES, ONNX_FILE) if (out / f).exists()]
-    if clash and not force:
-        raise TraceToolError(f"{out / clash[0]} exists; pass --force to replace the repro in {out}")
     if onnx:
         check_onnx_export()
     step, layer = first_divergence_site(ref_path, run_path) if at is None else at
     site = _read_site(ref_path, run_path, step, layer, model_dir)
+    # every target absent or (--force) a regular file, and none of them REF or RUN, whatever its name
+    check_output_folder(out, [*FILES, ONNX_FILE], force, "repro", inputs=[ref_path, run_path])
     _place(out, site, onnx)
     files = (*FILES, ONNX_FILE) if onnx else FILES
     size = sum((out / f).stat().st_size for f in files)
@@ -287,16 +286,15 @@ def _place(out: Path, site: _Site, onnx: bool) -> None:
     )
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".repro-", dir=out))
-    try:  # every file complete before any lands in DIR
+    try:  # every file complete before any lands in DIR, then all of them placed or none
         (tmp / "repro.py").write_text(source, encoding="utf-8")
         np.savez(tmp / "inputs.npz", **site.inputs)
         np.savez(tmp / "weights.npz", **site.weights)
         np.savez(tmp / "outputs.npz", **site.outputs)
         if onnx:
             _export_layer_onnx(tmp, site.inputs, site.weights)
-        elif (out / ONNX_FILE).exists():  # --force without --onnx: no stale graph of another site
+        copy_all_or_none([tmp / f for f in files], out, "repro")
+        if not onnx and (out / ONNX_FILE).is_file():  # --force without --onnx: no stale graph of another site
             (out / ONNX_FILE).unlink()
-        for f in files:
-            os.replace(tmp / f, out / f)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

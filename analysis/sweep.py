@@ -16,6 +16,7 @@ Module level imports no torch: the command line checks its input before anything
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -224,6 +225,20 @@ def _worker(cfg: Config) -> Worker:
         _WORKER.clear()
         w = _WORKER[key] = Worker(cfg)
     return w
+
+
+def check_not_written(prompts_path: Path, out: Path) -> None:
+    """Refuse an output folder where the sweep would replace its own prompts file: DIR/summary.json,
+    DIR/summary.html or a file under DIR/prompts (names compared after links, and by inode)."""
+    from gemma4_trace.replayer.artifacts import same_file
+
+    hit = any(same_file(prompts_path, out / n) for n in ("summary.json", "summary.html"))
+    with contextlib.suppress(OSError, ValueError):
+        hit = hit or prompts_path.resolve().is_relative_to((out / "prompts").resolve())
+    if hit:
+        raise TraceToolError(
+            f"output folder {out} would replace the prompts file {prompts_path}; write the sweep to another folder"
+        )
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

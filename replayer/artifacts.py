@@ -226,9 +226,32 @@ def _publish(tmp: Path, final: Path, key: dict) -> bool:
 
 
 # ------------------------------------------------------------------ export commands (export-onnx, export-pte)
-def check_output_folder(out: Path, names: list[str], force: bool, kind: str) -> None:
+def model_folder_files(model_dir) -> list[Path]:
+    """The regular files of a model folder (the embedded one for None): what a command that loads
+    the model reads, so that none of its outputs may replace them."""
+    if model_dir is None:
+        from gemma4_trace.hf.model import embedded_model_dir
+
+        model_dir = embedded_model_dir()
+    try:
+        return [p for p in Path(model_dir).iterdir() if p.is_file()]
+    except OSError:
+        return []
+
+
+def same_file(a, b) -> bool:
+    """Whether two paths name one file (device and inode: whatever the names, links followed)."""
+    try:
+        x, y = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
+
+
+def check_output_folder(out: Path, names: list[str], force: bool, kind: str, inputs=()) -> None:
     """Before any work: out is (or can be made) a writable folder, and each of `names` in it is
-    absent or, with force, a regular file. `kind` (".onnx", ".pte") names the files in messages."""
+    absent or, with force, a regular file that is none of the command's `inputs` (a model folder's
+    files, say). `kind` (".onnx", ".pte") names the files in messages."""
     if out.exists() and not out.is_dir():
         raise TraceToolError(f"output {out} exists and is not a folder; give a folder for the {kind} files")
     try:
@@ -240,6 +263,9 @@ def check_output_folder(out: Path, names: list[str], force: bool, kind: str) -> 
     for t in (out / n for n in names):
         if not (t.exists() or t.is_symlink()):
             continue
+        src = next((i for i in inputs if same_file(t, i)), None)
+        if src is not None:
+            raise TraceToolError(f"output {t} is the input {src}; write the output to another folder")
         if t.is_symlink() or not t.is_file():
             raise TraceToolError(f"output {t} exists and is not a regular file; remove it or choose another folder")
         if not force:

@@ -190,11 +190,11 @@ def export_pt2_command(model_dir, max_seq: int, out_dir, force: bool = False) ->
 
     from gemma4_trace.hf.model import load_model
 
-    from .artifacts import check_output_folder, copy_all_or_none
+    from .artifacts import check_output_folder, copy_all_or_none, model_folder_files
 
     out = Path(out_dir)
     names = [f"{s}.pt2" for s in STEPS]
-    check_output_folder(out, names, force, ".pt2")
+    check_output_folder(out, names, force, ".pt2", inputs=model_folder_files(model_dir))
     loaded = load_model(model_dir)
     rt = FunctionalKV(loaded, max_seq)
     with tempfile.TemporaryDirectory() as tmp:

@@ -26,8 +26,10 @@ except ModuleNotFoundError:  # Python 3.10
 MAX_KEY_DOTS = 64  # dotted-key parts on one line; the formats' own keys are a few deep
 
 
-def read_bytes(path, what: str, limit: int) -> bytes:
-    """The bytes of a regular file of at most `limit` bytes; anything else is one line naming `what`."""
+def open_regular(path, what: str):
+    """`path` opened for reading when it is a regular file, else one line naming `what`: opened
+    without blocking (a FIFO with no writer would hang a plain open) and checked on the open
+    descriptor, so the file read is the file checked. Returns a binary file object (blocking)."""
     name = one_line(str(path), 200)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
@@ -37,11 +39,20 @@ def read_bytes(path, what: str, limit: int) -> bytes:
         raise TraceToolError(f"{what} {name}: not a regular file (a folder)") from None
     except OSError as e:
         raise TraceToolError(f"{what} {name}: cannot open ({e.strerror or type(e).__name__})") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a device, FIFO or socket"
-            raise TraceToolError(f"{what} {name}: not a regular file ({kind})")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a device, FIFO or socket"
+        raise TraceToolError(f"{what} {name}: not a regular file ({kind})")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_bytes(path, what: str, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes; anything else is one line naming `what`."""
+    name = one_line(str(path), 200)
+    with open_regular(path, what) as f:
+        st = os.fstat(f.fileno())
         if st.st_size > limit:
             raise TraceToolError(f"{what} {name}: {st.st_size} bytes, more than the {limit} allowed")
         try:

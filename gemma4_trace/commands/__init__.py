@@ -116,14 +116,9 @@ def check_installed(module: str, what: str) -> None:
 
 def model_files(model_dir) -> list:
     """The files of a model folder (the embedded one by default): inputs an output must not replace."""
-    from pathlib import Path
+    from gemma4_trace.replayer.artifacts import model_folder_files
 
-    from gemma4_trace.hf.model import embedded_model_dir
-
-    try:
-        return [p for p in Path(model_dir or embedded_model_dir()).iterdir() if p.is_file()]
-    except OSError:
-        return []
+    return model_folder_files(model_dir)
 
 
 def tokenizer_folder(model_dir, model_name: str):

@@ -74,6 +74,7 @@ def sweep(prompts_path, runtime, baseline_runtime, model_dir, no_chat, workers, 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise TraceToolError(f"output {out} is a file; give a folder")
+    S.check_not_written(Path(prompts_path), out)
     cfg = S.configure(
         model_dir,
         runtime,

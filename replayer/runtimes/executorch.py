@@ -41,7 +41,14 @@ import torch
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 
 from .. import functional as F
-from ..artifacts import artifact_folder, check_output_folder, code_digest, copy_all_or_none, model_hash
+from ..artifacts import (
+    artifact_folder,
+    check_output_folder,
+    code_digest,
+    copy_all_or_none,
+    model_folder_files,
+    model_hash,
+)
 from ..child import EXECUTORCH_ENGINE, ChildRuntime
 from ..ops import ChunkProbe, resolve_prefill_chunk
 
@@ -338,7 +345,7 @@ def export_command(
     chunk = resolve_prefill_chunk(prefill_chunk, max_seq)
     out = Path(out_dir)
     targets = [out / f"{n}.pte" for n in PROGRAMS]
-    check_output_folder(out, [t.name for t in targets], force, ".pte")
+    check_output_folder(out, [t.name for t in targets], force, ".pte", inputs=model_folder_files(model_dir))
     prompt, extra = calibration_prompt or (None, None)
     loaded = load_model(model_dir)
     if loaded.dtype != "float32":

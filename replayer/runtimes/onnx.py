@@ -25,7 +25,15 @@ import torch
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 
 from .. import functional as F
-from ..artifacts import MANIFEST, artifact_folder, check_output_folder, code_digest, copy_all_or_none, model_hash
+from ..artifacts import (
+    MANIFEST,
+    artifact_folder,
+    check_output_folder,
+    code_digest,
+    copy_all_or_none,
+    model_folder_files,
+    model_hash,
+)
 from ..child import ORT_ENGINE, ORT_SESSION, ChildRuntime
 
 OPSET = 18
@@ -174,7 +182,8 @@ def export_command(model_dir, max_seq: int, out_dir, force: bool = False) -> str
 
     out = Path(out_dir)
     targets = [out / f"{g}.onnx" for g in GRAPHS]
-    check_output_folder(out, [t.name for t in targets] + [t.name + ".data" for t in targets], force, ".onnx")
+    names = [t.name for t in targets] + [t.name + ".data" for t in targets]
+    check_output_folder(out, names, force, ".onnx", inputs=model_folder_files(model_dir))
     loaded = load_model(model_dir)
     art = exported(loaded, max_seq)
     try:  # the graphs (and external weights, if any), all placed or none

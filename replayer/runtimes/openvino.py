@@ -37,7 +37,15 @@ from pathlib import Path
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 
 from .. import functional as F
-from ..artifacts import MANIFEST, artifact_folder, check_output_folder, code_digest, copy_all_or_none, model_hash
+from ..artifacts import (
+    MANIFEST,
+    artifact_folder,
+    check_output_folder,
+    code_digest,
+    copy_all_or_none,
+    model_folder_files,
+    model_hash,
+)
 from ..child import OPENVINO_ENGINE
 from .onnx import StepGraphRuntime
 
@@ -233,7 +241,7 @@ def export_command(model_dir, mode: str, max_seq: int, out_dir, force: bool = Fa
 
     out = Path(out_dir)
     names = [f"{g}.{ext}" for g in F.STEPS for ext in ("xml", "bin")]
-    check_output_folder(out, names, force, ".xml/.bin")
+    check_output_folder(out, names, force, ".xml/.bin", inputs=model_folder_files(model_dir))
     loaded = load_model(model_dir)
     art = ir(loaded, max_seq, mode)
     try:

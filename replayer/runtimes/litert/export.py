@@ -290,7 +290,7 @@ def export_command(model_dir, mode: str, max_seq: int, out_dir, force: bool = Fa
     out_dir, all or none; return a summary line."""
     from gemma4_trace.hf.model import load_model
 
-    from ...artifacts import check_output_folder, copy_all_or_none
+    from ...artifacts import check_output_folder, copy_all_or_none, model_folder_files
     from ...ops import resolve_prefill_chunk
 
     if mode != "litert" and mode not in RECIPES and mode.removesuffix("-dq") not in RECIPES:
@@ -299,7 +299,7 @@ def export_command(model_dir, mode: str, max_seq: int, out_dir, force: bool = Fa
         )
     out = Path(out_dir)
     names = [*FILES, BUNDLE] if mode == "litert" else list(FILES)
-    check_output_folder(out, names, force, ".tflite")
+    check_output_folder(out, names, force, ".tflite", inputs=model_folder_files(model_dir))
     P = resolve_prefill_chunk(prefill_chunk, max_seq) or int(max_seq)
     loaded = load_model(model_dir, weights=False)
     base = exported(loaded, max_seq, P)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from gemma4_trace.traces.errors import TraceToolError, install_hint
+from gemma4_trace.traces.inputs import open_regular
 
 from . import gguf_writer as GW
 
@@ -180,12 +182,8 @@ def check_gguf_options(runtime: str, gguf, weights_from, isolate: bool, recipe) 
 def read_header(path) -> Header:
     """The file's header, metadata and tensor table, every size checked (module docstring)."""
     path = Path(path)
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise TraceToolError(f"cannot read GGUF file {path}: {e.strerror or e}") from None
-    with f:
-        size = path.stat().st_size
+    with open_regular(path, "GGUF file") as f:  # a FIFO, device or folder is refused before a byte is read
+        size = os.fstat(f.fileno()).st_size
         if size < 24:
             raise MalformedGGUF(f"{path}: not a valid GGUF file: {size} bytes, shorter than a GGUF header")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:

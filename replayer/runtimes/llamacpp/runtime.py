@@ -37,7 +37,7 @@ import torch
 
 from gemma4_trace.traces import schema as S
 
-from ...artifacts import artifact_folder, code_digest, model_hash
+from ...artifacts import artifact_folder, code_digest, model_folder_files, model_hash
 from ...child import ChildRuntime
 from . import gguf_writer as GW
 
@@ -179,7 +179,7 @@ def export_command(model_dir, gguf_type: str, output, force: bool = False) -> st
     from gemma4_trace.hf.model import load_model
     from gemma4_trace.traces.atomic import check_output_path
 
-    check_output_path(output, force)
+    check_output_path(output, force, inputs=model_folder_files(model_dir))
     loaded = load_model(model_dir, weights=False)  # the weights are loaded only if it must convert
     art = gguf_artifact(loaded, gguf_type)
     out = Path(output)

@@ -1,0 +1,97 @@
+"""Trust, fourth round (issue 33): special files on the GGUF inputs, and no output that replaces one
+of the command's own inputs (a checkpoint file, the prompts file, REF), `--force` or not."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from gemma4_trace.recorder.golden import golden_path
+from tests.support import invoke, one_line_error
+
+REF = golden_path("short")
+
+
+def _model(tmp_path):
+    from gemma4_trace.hf.model import resolve_model_dir
+
+    m = tmp_path / "model"
+    shutil.copytree(resolve_model_dir(None)[0], m)
+    return m
+
+
+@pytest.mark.parametrize("option", [["--runtime", "llama.cpp", "--gguf"], ["--weights-from"]])
+@pytest.mark.parametrize("special", ["fifo", "folder", "/dev/zero"])
+def test_a_gguf_input_that_is_no_regular_file_is_one_line_without_reading(tmp_path, option, special):
+    pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+    if option[-1] == "--gguf":
+        pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    path = {"fifo": tmp_path / "fifo", "folder": tmp_path, "/dev/zero": "/dev/zero"}[special]
+    if special == "fifo":
+        os.mkfifo(path)  # a plain open would wait for a writer forever
+    out = tmp_path / "o.h5"
+    r = invoke("replay", REF, *option, path, "-o", out)
+    kind = "a folder" if special == "folder" else "a device, FIFO or socket"
+    one_line_error(r, "GGUF file", f"not a regular file ({kind})", out=out)
+
+
+def test_export_gguf_never_replaces_the_checkpoint_it_reads(tmp_path):
+    pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+    m = _model(tmp_path)
+    before = (m / "model.safetensors").read_bytes()
+    r = invoke("export-gguf", "--model", m, "-o", m / "model.safetensors", "--force")
+    one_line_error(r, "is the input", "model.safetensors")
+    os.symlink(m / "config.json", tmp_path / "link.gguf")  # another name for a checkpoint file
+    r = invoke("export-gguf", "--model", m, "-o", tmp_path / "link.gguf", "--force")
+    one_line_error(r, "is the input", "config.json")
+    assert (m / "model.safetensors").read_bytes() == before
+
+
+def test_an_export_folder_never_replaces_a_checkpoint_file(tmp_path, monkeypatch):
+    """A target that is a hard link to a checkpoint file is that file: refused before the model loads."""
+    m = _model(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    os.link(m / "config.json", out / "decode.pt2")
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the output paths were checked")
+
+    monkeypatch.setattr("gemma4_trace.hf.model.load_model", refuse)
+    r = invoke("export-pt2", "--model", m, "--max-seq", "8", "-o", out, "--force")
+    one_line_error(r, "decode.pt2 is the input", "config.json")
+
+
+@pytest.mark.parametrize("where", ["summary.json", "summary.html", "prompts/mine.txt", "link"])
+def test_a_sweep_never_writes_over_its_prompts_file(tmp_path, where):
+    out = tmp_path / "s"
+    (out / "prompts").mkdir(parents=True)
+    prompts = out / where if where != "link" else tmp_path / "link.txt"
+    if where == "link":
+        (out / "summary.json").write_text("Hello!\n")
+        os.symlink(out / "summary.json", prompts)
+    else:
+        prompts.write_text("Hello!\n")
+    r = invoke("sweep", prompts, "--runtime", "static", "--max-new-tokens", "2", "-o", out)
+    one_line_error(r, "would replace the prompts file")
+    assert prompts.read_text() == "Hello!\n"
+
+
+def test_a_repro_never_replaces_ref_and_a_folder_target_is_one_line(tmp_path):
+    d = tmp_path / "r"
+    d.mkdir()
+    ref = d / "inputs.npz"  # REF under the name a repro writes
+    shutil.copyfile(REF, ref)
+    run = tmp_path / "bug.h5"
+    assert invoke("replay", ref, "--runtime", "tests.bug_zoo:make_no_softcap", "-o", run).exit_code == 0
+    before = ref.read_bytes()
+    r = invoke("repro", ref, run, "--at", "0,1", "-o", d, "--force")
+    one_line_error(r, "inputs.npz is the input")
+    assert ref.read_bytes() == before and sorted(p.name for p in d.iterdir()) == ["inputs.npz"]
+    other = tmp_path / "o"
+    (other / "weights.npz").mkdir(parents=True)
+    r = invoke("repro", ref, run, "--at", "0,1", "-o", other, "--force")
+    one_line_error(r, "weights.npz exists and is not a regular file")
+    assert sorted(p.name for p in other.iterdir()) == ["weights.npz"]  # nothing of the repro placed
