@@ -10,7 +10,7 @@ from pathlib import Path
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.inputs import read_text, sha256_file
 
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # whole id (fullmatch: "$" would take a final newline)
 MAX_PROMPTS = 100_000
 MAX_PROMPTS_BYTES = 64 << 20  # a prompts file larger than this is refused before it is read
 MAX_IMAGE_BYTES = 64 << 20
@@ -86,7 +86,7 @@ def _json_prompt(line: str, where: str, folder: Path) -> dict:
             raise TraceToolError(f'{where}: "chat" must be true or false')
         spec["chat"] = d["chat"]
     if "id" in d:
-        if not isinstance(d["id"], str) or not ID_RE.match(d["id"]):
+        if not isinstance(d["id"], str) or not ID_RE.fullmatch(d["id"]):
             raise TraceToolError(f"{where}: \"id\" must be 1-64 letters, digits, '.', '_' or '-' (a file name)")
         spec["id"] = d["id"]
     return spec

@@ -31,12 +31,13 @@ from gemma4_trace.replayer import artifacts
 from gemma4_trace.replayer.artifacts import cache_dir, key_digest, model_hash
 from gemma4_trace.traces.atomic import write_bytes_atomic
 from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
-from gemma4_trace.traces.inputs import sha256_file
+from gemma4_trace.traces.inputs import read_text, sha256_file
 
 from .corpus import SweepSummary
 from .prompts import prompt_key
 
 SWEEP_FORMAT = 1
+MAX_RECORD_BYTES = 64 << 20  # a prompt's record: its verdict and per-position KL (a few KiB per 100 tokens)
 TOKEN_FILE = ".sweep-token"  # what a Ray task looks for to know DIR is shared storage
 
 
@@ -109,9 +110,11 @@ def configure(
 def finished(out_dir: Path, spec: dict, cfg: Config) -> dict | None:
     """The prompt's record from an earlier run with the same settings and prompt, else None."""
     path = out_dir / "prompts" / f"{spec['id']}.json"
-    try:
-        rec = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    if not path.exists():
+        return None
+    try:  # bounded; a FIFO or a device in its place is not a record (and is not read)
+        rec = json.loads(read_text(path, "prompt record", MAX_RECORD_BYTES))
+    except (OSError, ValueError, TraceToolError):
         return None
     if not isinstance(rec, dict) or rec.get("settings") != cfg.settings:
         return None

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from gemma4_trace.traces.atomic import no_space
 from gemma4_trace.traces.errors import TraceToolError, one_line
-from gemma4_trace.traces.inputs import sha256_file
+from gemma4_trace.traces.inputs import read_text, sha256_file
 
 CACHE_ENV = "GEMMA4_TRACE_CACHE"  # overrides the cache folder (default ~/.cache/gemma4-trace)
 MANIFEST = "manifest.json"
@@ -95,6 +95,9 @@ def _files(folder: Path) -> dict[str, Path]:
     return out
 
 
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest lists a few files: name, size, sha256
+
+
 def _write_manifest(folder: Path, key: dict) -> None:
     files = {n: {"size": p.stat().st_size, "sha256": sha256_file(p)} for n, p in _files(folder).items()}
     (folder / MANIFEST).write_text(json.dumps({"key": key, "files": files}, indent=1, sort_keys=True, default=str))
@@ -102,11 +105,11 @@ def _write_manifest(folder: Path, key: dict) -> None:
 
 def verify(folder: Path, key: dict) -> str | None:
     """None when folder is an intact entry for key, else why not (one phrase)."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
+    try:  # bounded, and a FIFO or device in its place is refused unread
+        manifest = json.loads(read_text(folder / MANIFEST, "manifest", MAX_MANIFEST_BYTES))
         files = _files(folder)
-    except (OSError, ValueError) as e:
-        return f"unreadable ({e})"
+    except (OSError, ValueError, TraceToolError) as e:
+        return f"unreadable ({one_line(e, 200)})"
     listed = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(listed, dict) or json.loads(json.dumps(key, default=str)) != manifest.get("key"):
         return "its manifest does not describe this artifact"

@@ -95,3 +95,53 @@ def test_a_repro_never_replaces_ref_and_a_folder_target_is_one_line(tmp_path):
     r = invoke("repro", ref, run, "--at", "0,1", "-o", other, "--force")
     one_line_error(r, "weights.npz exists and is not a regular file")
     assert sorted(p.name for p in other.iterdir()) == ["weights.npz"]  # nothing of the repro placed
+
+
+def test_a_gguf_with_a_tail_after_its_last_tensor_is_refused(tmp_path):
+    """llama.cpp maps the whole file: bytes past the last tensor's data (a sparse 1 TiB tail made
+    the child touch 22 GB) are refused in the header check, before any engine starts."""
+    pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+    g = tmp_path / "m.gguf"
+    assert invoke("export-gguf", "-o", g).exit_code == 0
+    out = tmp_path / "o.h5"
+    assert invoke("replay", REF, "--weights-from", g, "-o", out).exit_code == 0  # the file as written: fine
+    with open(g, "ab") as f:
+        f.truncate(g.stat().st_size + (1 << 30))  # a sparse GiB after the data
+    r = invoke("replay", REF, "--weights-from", g, "-o", tmp_path / "o2.h5")
+    one_line_error(r, "bytes after its last tensor's data", out=tmp_path / "o2.h5")
+
+
+def test_a_cache_entry_whose_manifest_is_a_fifo_is_rebuilt_not_read(tmp_path):
+    pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+    cache = tmp_path / "cache"
+    assert invoke("export-gguf", "--cache-dir", cache, "-o", tmp_path / "a.gguf").exit_code == 0
+    (entry,) = (cache / "gguf").iterdir()
+    (entry / "manifest.json").unlink()
+    os.mkfifo(entry / "manifest.json")  # reading it would wait for a writer forever
+    r = invoke("export-gguf", "--cache-dir", cache, "-o", tmp_path / "b.gguf")
+    assert r.exit_code == 0, r.output
+    assert "the cached copy was stale: unreadable (manifest" in r.stderr and "not a regular file" in r.stderr
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+
+
+def test_a_sweep_record_that_is_a_fifo_is_run_again_not_read(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello!\n")
+    out = tmp_path / "s"
+    (out / "prompts").mkdir(parents=True)
+    os.mkfifo(out / "prompts" / "line00001.json")
+    r = invoke("sweep", prompts, "--runtime", "static", "--max-new-tokens", "2", "-o", out)
+    assert r.exit_code == 0, r.output
+    assert "1 prompt(s) run, 0 resumed" in r.stdout
+    assert (out / "prompts" / "line00001.json").is_file()
+
+
+@pytest.mark.parametrize("bad", ["abc\n", "abc\r", "a\x1bb", "ab\u2028"])
+def test_a_prompt_id_with_a_control_character_is_refused(tmp_path, bad):
+    import json
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": bad, "text": "Hello!"}) + "\n")
+    r = invoke("sweep", prompts, "--runtime", "static", "-o", tmp_path / "s")
+    one_line_error(r, "id")
+    assert not (tmp_path / "s").exists()

@@ -245,6 +245,9 @@ def _parse(c: _Cursor, size: int) -> Header:
     for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
         if start < end:
             c.fail(f"tensors {a!r} and {b!r} overlap")
+    end = max((e for _, e, _ in ranges), default=data_start)
+    if size > -(-end // align) * align:  # llama.cpp maps the whole file: a tail would be read for nothing
+        c.fail(f"it has {size - end} bytes after its last tensor's data (which ends at byte {end})")
     return h
 
 
