@@ -138,8 +138,9 @@ def write_quantize_options(runner, recipe: Recipe, recipe_path, force: bool = Fa
 
     cfg = resolve(runner.mixed, recipe.units, runner.gguf_type)
     path = Path(recipe_path).with_suffix(".llama-quantize.txt")
+    name = one_line(Path(recipe_path).name)  # a newline or ESC in the name stays inside the comment
     lines = [
-        f"# {Path(recipe_path).name} ({recipe.runtime}) as llama-quantize options: each --tensor-type is a regex",
+        f"# {name} ({recipe.runtime}) as llama-quantize options: each --tensor-type is a regex",
         "# searched in the tensor names, the first match wins. Use (options without these comment lines):",
         f"# llama-quantize OPTIONS model-f32.gguf model-mixed.gguf {runner.gguf_type}",
         *runner.mixed.quantize_options(cfg),

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from gemma4_trace.replayer.artifacts import check_output_folder, copy_all_or_none
-from gemma4_trace.traces.errors import TraceToolError, install_hint
+from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 from gemma4_trace.traces.reader import TraceReader
 from gemma4_trace.traces.schema import rope_kinds
 
@@ -249,8 +249,8 @@ def _read_site(ref_path, run_path, step: int, layer: int, model_dir) -> _Site:
             "head_dim": int(info.head_dim),
             "positions": [start, stop - 1],
             "tolerance": TOL_LOW if low else TOL_FLOAT32,
-            "ref_runtime": str(prov.get("runtime", "")),
-            "run_runtime": str(run.provenance.get("runtime", "")),
+            "ref_runtime": one_line(str(prov.get("runtime", "")), 200),  # trace text: printed by repro.py, escaped
+            "run_runtime": one_line(str(run.provenance.get("runtime", "")), 200),
             **facts,
         }
     return _Site(inputs, weights, outputs, config)
