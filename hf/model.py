@@ -13,6 +13,8 @@ from importlib.metadata import version
 from importlib.resources import files
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 
@@ -180,7 +182,7 @@ def load_model(
             trust_remote_code=False,
             **placement,
         )
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, SafetensorError) as e:  # a damaged file, say
         raise TraceToolError(f"cannot load {path}: {one_line(e, 300)}") from None
     if device_map is None:
         model.to(device)

@@ -126,6 +126,10 @@ def prepare_inputs(lm: LoadedModel, prompt, input_ids, images, chat: bool) -> Pr
         if bad:
             raise TraceToolError(f"--input-ids {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return PromptInputs(list(input_ids))
+    try:  # invalid UTF-8 on the command line, or a lone surrogate in a JSON prompt: no text a tokenizer takes
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise TraceToolError(f"the prompt is not valid Unicode text ({one_line(prompt, 60)})") from None
     if images and not lm.multimodal:
         raise TraceToolError(f"{lm.model_dir} is a text-only model; it cannot take --image")
     if lm.processor is None:

@@ -145,3 +145,32 @@ def test_a_prompt_id_with_a_control_character_is_refused(tmp_path, bad):
     r = invoke("sweep", prompts, "--runtime", "static", "-o", tmp_path / "s")
     one_line_error(r, "id")
     assert not (tmp_path / "s").exists()
+
+
+def test_inputs_that_were_internal_errors_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMA4_TRACE_MEMORY_LIMIT", "1e400")
+    r = invoke("record", "--input-ids", "2,17", "--max-new-tokens", "1", "-o", tmp_path / "a.h5")
+    one_line_error(r, "GEMMA4_TRACE_MEMORY_LIMIT='1e400': expected bytes", out=tmp_path / "a.h5")
+    monkeypatch.delenv("GEMMA4_TRACE_MEMORY_LIMIT")
+    # invalid UTF-8 on the command line arrives as lone surrogates
+    r = invoke("record", "--prompt", "\udcff\udcfe", "--max-new-tokens", "1", "-o", tmp_path / "b.h5")
+    one_line_error(r, "the prompt is not valid Unicode text", out=tmp_path / "b.h5")
+    m = _model(tmp_path)
+    with open(m / "model.safetensors", "r+b") as f:
+        f.truncate(100_000)
+    r = invoke("record", "--model", m, "--input-ids", "2,17", "--max-new-tokens", "1", "-o", tmp_path / "c.h5")
+    one_line_error(r, "cannot load", "incomplete metadata", out=tmp_path / "c.h5")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello!\n")
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "prompts").write_text("")
+    r = invoke("sweep", prompts, "--runtime", "static", "--max-new-tokens", "1", "-o", tmp_path / "s")
+    one_line_error(r, "prompts is not a folder")
+
+
+def test_a_bad_llama_cpp_ubatch_is_one_line(tmp_path, monkeypatch):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    monkeypatch.setenv("GEMMA4_TRACE_LLAMACPP_UBATCH", "0")
+    out = tmp_path / "o.h5"
+    r = invoke("replay", REF, "--runtime", "llama.cpp", "-o", out)
+    one_line_error(r, "GEMMA4_TRACE_LLAMACPP_UBATCH='0': expected a whole number from 1 to 65536", out=out)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 
-from .errors import TraceToolError
+from .errors import TraceToolError, one_line
 from .schema import KINDS
 
 MAX_LAYERS = 512
@@ -52,9 +52,12 @@ def memory_limit() -> int | None:
     if text:
         scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:].upper(), 1)
         try:
-            return int(float(text[:-1] if scale > 1 else text) * scale)
+            value = float(text[:-1] if scale > 1 else text) * scale
+            if not 0 < value < 1 << 62:  # inf, nan, a negative or absurd size: no limit anyone meant
+                raise ValueError(text)
+            return int(value)
         except ValueError:
-            raise TraceToolError(f"{MEMORY_ENV}={text!r}: expected bytes such as 8G or 512M") from None
+            raise TraceToolError(f"{MEMORY_ENV}={one_line(text, 40)!r}: expected bytes such as 8G or 512M") from None
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:

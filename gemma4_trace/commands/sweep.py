@@ -75,6 +75,8 @@ def sweep(prompts_path, runtime, baseline_runtime, model_dir, no_chat, workers, 
     if out.exists() and not out.is_dir():
         raise TraceToolError(f"output {out} is a file; give a folder")
     S.check_not_written(Path(prompts_path), out)
+    if (out / "prompts").exists() and not (out / "prompts").is_dir():
+        raise TraceToolError(f"{out / 'prompts'} is not a folder; the sweep keeps each prompt's files there")
     cfg = S.configure(
         model_dir,
         runtime,

@@ -43,6 +43,15 @@ FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 UBATCH_ENV = "GEMMA4_TRACE_LLAMACPP_UBATCH"  # llama.cpp's n_ubatch (default 512, its own default)
 
 
+def ubatch() -> int:
+    """llama.cpp's n_ubatch from UBATCH_ENV: a whole number from 1 to 65536 (a test knob; 0 or junk
+    would reach llama.cpp unchecked)."""
+    text = os.environ.get(UBATCH_ENV, "512").strip()
+    if not (text.isdigit() and 1 <= int(text) <= 65536):
+        raise EngineError(f"{UBATCH_ENV}={text[:40]!r}: expected a whole number from 1 to 65536")
+    return int(text)
+
+
 class _Tensor(ctypes.Structure):
     """The head of ggml's `struct ggml_tensor` (ggml.h), up to its name."""
 
@@ -212,7 +221,7 @@ class LlamaCppEngine:
         cp.n_ctx = n_ctx
         cp.n_batch = n_ctx
         # a prompt longer than a ubatch runs as several graphs; the parent stitches their rows in order
-        cp.n_ubatch = min(n_ctx, int(os.environ.get(UBATCH_ENV, "512")))
+        cp.n_ubatch = min(n_ctx, ubatch())
         cp.n_seq_max = 1
         cp.flash_attn_type = FLASH_ATTN.get(os.environ.get(FLASH_ATTN_ENV, "auto"), -1)
         cp.n_threads = cp.n_threads_batch = self.threads
