@@ -134,6 +134,7 @@ def prepare_inputs(lm: LoadedModel, prompt, input_ids, images, chat: bool) -> Pr
         raise TraceToolError(f"{lm.model_dir} is a text-only model; it cannot take --image")
     if lm.processor is None:
         raise TraceToolError(f"{lm.model_dir} has no tokenizer; give the prompt as --input-ids")
+    check_prompt_bytes(lm, prompt)
     if images and not hasattr(lm.processor, "image_processor"):
         raise TraceToolError(f"{lm.model_dir} has no image processor; it cannot take --image")
     use_chat = chat and getattr(lm.processor, "chat_template", None) is not None
@@ -163,6 +164,25 @@ def prepare_inputs(lm: LoadedModel, prompt, input_ids, images, chat: bool) -> Pr
     if not ids:
         raise TraceToolError("the prompt tokenizes to no tokens")
     return PromptInputs(ids, {k: v for k, v in enc.items() if v is not None}, prompt, use_chat)
+
+
+def check_prompt_bytes(lm: LoadedModel, prompt: str) -> None:
+    """Refuse, before tokenizing (a 10 MB line took minutes and gigabytes), a prompt too long for
+    any tokenization of it to fit the model's positions: no token is longer than the vocabulary's
+    longest, so the text needs at least bytes / longest tokens."""
+    limit = getattr(lm.text_config, "max_position_embeddings", None)
+    size = len(prompt.encode("utf-8"))
+    if limit is None or size <= limit:  # fewer bytes than positions: it fits whatever the tokens
+        return
+    try:
+        longest = max(len(t.encode("utf-8")) for t in lm.tokenizer.get_vocab())
+    except (AttributeError, TypeError, ValueError):
+        return  # no vocabulary to bound by: the token count decides after tokenizing
+    if size > limit * max(longest, 1):
+        raise TraceToolError(
+            f"the prompt is {size} bytes: at least {-(-size // longest)} tokens (no token of the vocabulary is "
+            f"longer than {longest} bytes), more than the model's {limit} positions (max_position_embeddings)"
+        )
 
 
 def check_positions(text_config, prompt_len: int, max_new_tokens: int) -> None:

@@ -174,3 +174,12 @@ def test_a_bad_llama_cpp_ubatch_is_one_line(tmp_path, monkeypatch):
     out = tmp_path / "o.h5"
     r = invoke("replay", REF, "--runtime", "llama.cpp", "-o", out)
     one_line_error(r, "GEMMA4_TRACE_LLAMACPP_UBATCH='0': expected a whole number from 1 to 65536", out=out)
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(tmp_path):
+    """The embedded model: 2048 positions, no token longer than 16 bytes; a 10 MB line took minutes
+    in the tokenizer before the token count refused it (whose line says "the prompt has N tokens")."""
+    r = invoke("record", "--prompt", "a" * (2048 * 16 + 1), "--max-new-tokens", "1", "-o", tmp_path / "a.h5")
+    one_line_error(r, "the prompt is 32769 bytes: at least 2049 tokens", "2048 positions", out=tmp_path / "a.h5")
+    r = invoke("record", "--prompt", "a" * 2048 * 16, "--max-new-tokens", "1", "-o", tmp_path / "b.h5")
+    one_line_error(r, "the prompt has", "tokens, more than the model's 2048 positions", out=tmp_path / "b.h5")
