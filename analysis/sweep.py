@@ -395,11 +395,27 @@ def _run_pool(todo, cfg, out_dir: Path, workers: int, done) -> None:
     pool.shutdown()
 
 
-def check_ray() -> None:
+RAY_CONNECT_S = 10.0  # how long a --ray HOST:PORT may take to accept a connection
+
+
+def check_ray(address: str | None = None) -> None:
+    """ray installed, and a --ray HOST:PORT (or ray://HOST:PORT) that accepts a TCP connection within
+    RAY_CONNECT_S: ray.init waits on an address where nothing answers for minutes, printing warnings.
+    "auto" and "local" are left to Ray."""
     import importlib.util
+    import socket
 
     if importlib.util.find_spec("ray") is None:
         raise TraceToolError(f"--ray needs ray, which is not installed: {install_hint('cluster')}")
+    host, sep, port = (address or "").removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=RAY_CONNECT_S):
+            pass
+    except (OSError, OverflowError, ValueError) as e:
+        why = getattr(e, "strerror", None) or ("timed out" if isinstance(e, TimeoutError) else type(e).__name__)
+        raise TraceToolError(f"--ray {one_line(address, 200)}: no Ray cluster answers there ({why})") from None
 
 
 def _run_ray(todo, cfg, out_dir: Path, address: str, done, shared: bool | None) -> None:

@@ -183,3 +183,17 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(tmp
     one_line_error(r, "the prompt is 32769 bytes: at least 2049 tokens", "2048 positions", out=tmp_path / "a.h5")
     r = invoke("record", "--prompt", "a" * 2048 * 16, "--max-new-tokens", "1", "-o", tmp_path / "b.h5")
     one_line_error(r, "the prompt has", "tokens, more than the model's 2048 positions", out=tmp_path / "b.h5")
+
+
+def test_a_ray_address_where_nothing_answers_is_one_line_at_once(tmp_path):
+    pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[cluster]')")
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello!\n")
+    r = invoke("sweep", prompts, "--runtime", "static", "--ray", f"127.0.0.1:{port}", "-o", tmp_path / "s")
+    one_line_error(r, f"--ray 127.0.0.1:{port}: no Ray cluster answers there")
+    assert not (tmp_path / "s").exists()

@@ -66,7 +66,7 @@ def sweep(prompts_path, runtime, baseline_runtime, model_dir, no_chat, workers, 
     if ray_address is not None:
         if workers != 1:
             raise TraceToolError("give --workers or --ray, not both")
-        S.check_ray()
+        S.check_ray(ray_address)
     check_model_dir(model_dir)
     load_tolerances(kw["tolerances"])
     if baseline_runtime is not None:
