@@ -258,6 +258,9 @@ def store(out_dir: Path, files: dict, record: dict) -> None:
             os.close(fd)
             try:
                 shutil.copyfile(data, tmp)
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it private: the mode of every other file
                 os.replace(tmp, folder / name)
             except BaseException:
                 if os.path.exists(tmp):

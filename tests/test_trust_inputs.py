@@ -197,3 +197,14 @@ def test_a_ray_address_where_nothing_answers_is_one_line_at_once(tmp_path):
     r = invoke("sweep", prompts, "--runtime", "static", "--ray", f"127.0.0.1:{port}", "-o", tmp_path / "s")
     one_line_error(r, f"--ray 127.0.0.1:{port}: no Ray cluster answers there")
     assert not (tmp_path / "s").exists()
+
+
+def test_a_sweeps_files_all_get_the_users_usual_mode(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello!\n")
+    out = tmp_path / "s"
+    assert invoke("sweep", prompts, "--runtime", "static", "--max-new-tokens", "1", "-o", out).exit_code == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [*out.iterdir(), *(out / "prompts").iterdir()] if p.is_file()}
+    assert "line00001.html" in modes and set(modes.values()) == {0o666 & ~umask}, modes
