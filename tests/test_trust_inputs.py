@@ -208,3 +208,30 @@ def test_a_sweeps_files_all_get_the_users_usual_mode(tmp_path):
     os.umask(umask)
     modes = {p.name: p.stat().st_mode & 0o777 for p in [*out.iterdir(), *(out / "prompts").iterdir()] if p.is_file()}
     assert "line00001.html" in modes and set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def _gguf_with_one_key(path, key: bytes, vtype: int, payload: bytes) -> None:
+    import struct
+
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", vtype)
+    path.write_bytes(head + payload)
+
+
+def test_gguf_metadata_is_bounded_before_it_is_parsed(tmp_path):
+    """An array of 2^24 empty strings took 76 s to parse; a 64 MiB architecture name made a 67 MB
+    error line."""
+    import struct
+
+    pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+    from gemma4_trace.replayer.runtimes.llamacpp import gguf_reader as R
+
+    g = tmp_path / "a.gguf"
+    _gguf_with_one_key(g, b"x", 9, struct.pack("<IQ", 8, (1 << 24)) + bytes(64))  # ARRAY of STRING
+    r = invoke("replay", REF, "--weights-from", g, "-o", tmp_path / "o.h5")
+    one_line_error(r, f"claims {1 << 24} items (at most {R.MAX_ARRAY})")
+    name = b"general.architecture"
+    big = b"q" * (1 << 20)
+    _gguf_with_one_key(g, name, 8, struct.pack("<Q", len(big)) + big)  # STRING
+    r = invoke("replay", REF, "--weights-from", g, "-o", tmp_path / "o.h5")
+    line = one_line_error(r, "architecture 'qqqq")
+    assert len(line) < 600, len(line)

@@ -33,10 +33,11 @@ from . import gguf_writer as GW
 MAX_KEYS = 1 << 16  # metadata keys (a real Gemma 4 file has about 50)
 MAX_TENSORS = 1 << 16  # tensors (E2B has about 600)
 MAX_KEY_LEN = 1 << 16  # bytes of a key or tensor name
-MAX_STRING = 1 << 26  # bytes of one string value (a chat template is some 10 KiB)
+MAX_STRING = 1 << 24  # bytes of one string value (a chat template is some 10 KiB)
 MAX_NAME = 64  # ggml's GGML_MAX_NAME, with its terminating zero: names of 63 bytes at most
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
-MAX_ARRAY = 1 << 24  # items of one array value (a vocabulary has some 262144)
+MAX_ARRAY = 1 << 22  # items of one array value (a vocabulary has some 262144)
+MAX_ITEMS = 1 << 23  # items of all array values together (a real file: about 4 x 262144); bounds the parse time
 KEEP_ARRAY = 1 << 12  # numeric arrays up to this many items are kept; longer ones only counted
 VERSIONS = (2, 3)
 # GGUF value types (gguf.GGUFValueType): struct format of the fixed-size ones
@@ -100,6 +101,7 @@ class _Cursor:
 
     def __init__(self, buf, path: Path):
         self.buf, self.pos, self.path = buf, 0, path
+        self.items = 0  # array items read so far (MAX_ITEMS)
 
     def fail(self, what: str):
         what = what if len(what) <= 300 else what[:300] + "..."  # a name can be 64 KiB long
@@ -137,6 +139,9 @@ class _Cursor:
         count = self.scalar("Q", f"the length of {what}")
         if count > MAX_ARRAY:
             self.fail(f"{what} claims {count} items (at most {MAX_ARRAY})")
+        self.items += count
+        if self.items > MAX_ITEMS:
+            self.fail(f"its arrays hold more than {MAX_ITEMS} items together (at {what})")
         if item in SCALARS:
             size = struct.calcsize(SCALARS[item])
             if count > (len(self.buf) - self.pos) // size:
@@ -313,7 +318,7 @@ def config_differences(header: Header, loaded) -> list[str]:
     """Each way the file's metadata differs from what the project's writer would write for
     REF's model, in words: ["layers 6 (REF 8)", "sliding window 9 (REF 8)", ...]."""
     if header.arch != "gemma4":
-        return [f"architecture {header.arch!r} (REF 'gemma4')"]
+        return [f"architecture {header.arch[:40]!r}{'...' if len(header.arch) > 40 else ''} (REF 'gemma4')"]
     want = GW.expected_metadata(loaded)
     n_layers = int(want["gemma4.block_count"])
     out = []
