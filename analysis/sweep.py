@@ -144,7 +144,6 @@ class Worker:
     def reference(self, spec: dict) -> Path:
         """REF from the cache, recorded (and cached) when absent or unreadable."""
         from gemma4_trace.recorder.record import open_image, prepare_inputs, record_loaded
-        from gemma4_trace.replayer.core import read_reference
 
         key = {
             "model": self.cfg.settings["model"],
@@ -153,20 +152,18 @@ class Worker:
             "recorder": self.cfg.settings["version"],
         }
         path = self.ref_cache / f"{key_digest(key)}.h5"
-        if path.is_file():
-            try:
-                read_reference(path)
-                return path
-            except TraceToolError:
-                pass  # damaged: record it again
+        stamp = path.with_suffix(".sha256")  # the REF's content hash, written when it was recorded
         images = [open_image(spec["image"])] if "image" in spec else []
         inputs = prepare_inputs(
             self.lm, spec.get("text"), spec.get("input_ids"), images, spec.get("chat", self.cfg.chat)
         )
+        if path.is_file() and not path.is_symlink() and _cached_ref_holds(path, stamp, inputs, self.cfg):
+            return path
         self.ref_cache.mkdir(parents=True, exist_ok=True)
         part = self.ref_cache / f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.h5"
         try:
             record_loaded(self.lm, inputs, part, max_new_tokens=self.cfg.max_new_tokens, force=True)
+            _write_atomic(stamp, sha256_file(part).encode())
             os.replace(part, path)  # atomic: a racing worker's identical REF or ours
         finally:
             if part.exists():
@@ -228,6 +225,30 @@ def _worker(cfg: Config) -> Worker:
         _WORKER.clear()
         w = _WORKER[key] = Worker(cfg)
     return w
+
+
+def _cached_ref_holds(path: Path, stamp: Path, inputs, cfg) -> bool:
+    """A cached REF is used only when its bytes hash to the stamp written when it was recorded and
+    it holds this prompt (token ids and processor inputs) and this run's max_new_tokens: a damaged,
+    swapped or replaced REF is recorded again, never read for another prompt's numbers."""
+    import numpy as np
+
+    from gemma4_trace.replayer.core import read_reference
+
+    try:
+        want = read_text(stamp, "REF stamp", 128).strip()
+        if sha256_file(path) != want:
+            return False
+        ref = read_reference(path)
+    except (OSError, TraceToolError):
+        return False
+    extra = {k: np.asarray(v) for k, v in (inputs.extra or {}).items()}
+    return (
+        ref.prompt_ids == list(inputs.input_ids)
+        and ref.max_new_tokens == cfg.max_new_tokens
+        and set(ref.extra) == set(extra)
+        and all(np.array_equal(np.asarray(ref.extra[k]), extra[k]) for k in extra)
+    )
 
 
 def check_not_written(prompts_path: Path, out: Path) -> None:

@@ -235,3 +235,35 @@ def test_gguf_metadata_is_bounded_before_it_is_parsed(tmp_path):
     r = invoke("replay", REF, "--weights-from", g, "-o", tmp_path / "o.h5")
     line = one_line_error(r, "architecture 'qqqq")
     assert len(line) < 600, len(line)
+
+
+def test_swapped_or_edited_cached_sweep_refs_are_recorded_again(tmp_path):
+    """Two prompts' cached REFs swapped (or one edited) gave each prompt the other's numbers with
+    exit 0; now each cached REF must hash to its stamp and hold its own prompt."""
+    import json
+
+    cache = tmp_path / "cache"
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello!\nName a color.\n")
+    args = ("sweep", prompts, "--runtime", "static", "--max-new-tokens", "2", "--cache-dir", cache)
+    assert invoke(*args, "-o", tmp_path / "a").exit_code == 0
+    refs = sorted((cache / "sweep-ref").glob("*.h5"))
+    assert len(refs) == 2 and all(r.with_suffix(".sha256").is_file() for r in refs)
+    a, b = (r.read_bytes() for r in refs)
+    from gemma4_trace.traces.inputs import sha256_file
+
+    refs[0].write_bytes(b)  # swapped, with stamps that match the swapped files: the prompt check tells
+    refs[1].write_bytes(a)
+    for r in refs:
+        r.with_suffix(".sha256").write_text(sha256_file(r))
+    assert invoke(*args, "-o", tmp_path / "b").exit_code == 0
+    assert refs[0].read_bytes() != b and refs[1].read_bytes() != a  # both recorded again, not used
+    # an edited REF under its old stamp: the hash check tells
+    with open(refs[0], "r+b") as f:
+        f.seek(-64, 2)
+        f.write(bytes(64))
+    assert invoke(*args, "-o", tmp_path / "c").exit_code == 0
+    for p in ("line00001", "line00002"):
+        x, y, z = (json.loads((tmp_path / d / "prompts" / f"{p}.json").read_text()) for d in "abc")
+        assert x["positions"] == y["positions"] == z["positions"], p  # each prompt's own positions
+        assert x["kl_mean"] == y["kl_mean"] == z["kl_mean"] and x["tokens"] == y["tokens"] == z["tokens"], p
