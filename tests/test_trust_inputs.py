@@ -267,3 +267,27 @@ def test_swapped_or_edited_cached_sweep_refs_are_recorded_again(tmp_path):
         x, y, z = (json.loads((tmp_path / d / "prompts" / f"{p}.json").read_text()) for d in "abc")
         assert x["positions"] == y["positions"] == z["positions"], p  # each prompt's own positions
         assert x["kl_mean"] == y["kl_mean"] == z["kl_mean"] and x["tokens"] == y["tokens"] == z["tokens"], p
+
+
+def _retype_tensor(path, name: bytes, ggml_type: int) -> None:
+    """Rewrite one tensor's type field in a GGUF header (name, n_dims, dims, then the type)."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, ggml_type)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("ggml_type,name", [(24, "I8"), (25, "I16"), (26, "I32")])  # F64 overlaps: refused before
+def test_a_weight_of_an_integer_or_double_type_is_refused_even_when_mismatches_are_allowed(tmp_path, ggml_type, name):
+    """Such weights crashed llama.cpp's child; they are no config mismatch to allow."""
+    pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+    g = tmp_path / "m.gguf"
+    assert invoke("export-gguf", "-o", g).exit_code == 0
+    _retype_tensor(g, b"blk.0.attn_q.weight", ggml_type)
+    for more in ((), ("--allow-config-mismatch",)):
+        out = tmp_path / "o.h5"
+        r = invoke("replay", REF, "--weights-from", g, *more, "-o", out)
+        one_line_error(r, f"tensor 'blk.0.attn_q.weight' has type {name}", out=out)

@@ -336,6 +336,11 @@ def config_differences(header: Header, loaded) -> list[str]:
             out.append(
                 f"{words} {'absent' if got is None else _words(got)} (REF {'absent' if exp is None else _words(exp)})"
             )
+    experts = header.metadata.get("gemma4.expert_count")
+    want_experts = want.get("gemma4.expert_count")
+    if experts not in (None, 0) or want_experts not in (None, 0):
+        if not _same(experts or 0, want_experts or 0):  # a mixture of experts where REF has none, or the reverse
+            out.append(f"experts {_words(experts or 0)} (REF {_words(want_experts or 0)})")
     out += _rope_freqs_difference(header, loaded)
     embd = header.tensors.get("token_embd.weight")
     vocab = int(loaded.text_config.vocab_size)
@@ -363,8 +368,24 @@ def _rope_freqs_difference(header: Header, loaded) -> list[str]:
     return []
 
 
+# ggml's integer and double types (GGML_TYPE_I8 ... GGML_TYPE_F64): no weight of a model has them, and
+# llama.cpp's matrix kernels have no path for them (an I8, I32 or F64 weight crashed its child)
+NOT_WEIGHT_TYPES = {24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64"}
+
+
+def check_weight_types(header: Header) -> None:
+    """Refuse, in one line, a tensor of a type llama.cpp does not compute with."""
+    for t in header.tensors.values():
+        if t.type in NOT_WEIGHT_TYPES:
+            raise TraceToolError(
+                f"{header.path}: tensor {t.name[:64]!r} has type {NOT_WEIGHT_TYPES[t.type]}, which no Gemma 4 "
+                "weight has and llama.cpp does not compute with"
+            )
+
+
 def check_config(header: Header, loaded, allow: bool) -> list[str]:
     """The differences (config_differences); refused in one line unless `allow`."""
+    check_weight_types(header)  # not a mismatch to allow: these types reach unsafe paths in llama.cpp
     diffs = config_differences(header, loaded)
     if diffs and not allow:
         raise TraceToolError(
