@@ -334,6 +334,7 @@ RUNTIMES += (
         f"{RT}.mlx:create",
         "REF's checkpoint loaded by mlx-lm, run through its own Gemma 4 modules and caches (MLX, CPU)",
         "float32",
+        profile="mlx-f32",
         **_MLX,
     ),
     *(
