@@ -177,8 +177,8 @@ class MLXEngine:
         def put(kind, layer, value):
             engine.seen.append((kind, layer, value))
 
-        project = lm._project_per_layer_inputs
         if lm.hidden_size_per_layer_input:
+            project = lm._project_per_layer_inputs
 
             def per_layer(*a, **k):
                 out = project(*a, **k)
