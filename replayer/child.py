@@ -33,6 +33,8 @@ import contextlib
 import importlib
 import os
 import pickle
+import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -42,6 +44,7 @@ import weakref
 
 from gemma4_trace.traces.errors import TraceToolError
 
+from . import confine
 from .api import Runtime, progress_words
 
 MAX_REPLY = 1 << 34  # bytes in one message from a child (a step's tensors); more is no message of ours
@@ -75,6 +78,15 @@ def recv_msg(stream):
     return pickle.loads(stream.read(n))
 
 
+_DIRS = re.compile(r"(?<![\w.])/(?:[^\s/:'\"()]+/)+")
+
+
+def strip_dirs(text: str) -> str:
+    """`text` with every absolute path cut to its last part: an engine's message names its own
+    source file or a cache path (`/tmp/pip-install-x/.../ggml.c:1234`), not where they lie."""
+    return _DIRS.sub("", text)
+
+
 def signal_words(rc: int) -> str:
     if rc < 0:
         try:
@@ -84,7 +96,7 @@ def signal_words(rc: int) -> str:
     return f"exit status {rc}"
 
 
-def _shut(proc: subprocess.Popen, log) -> None:
+def _shut(proc: subprocess.Popen, log, folder: str) -> None:
     """End the child and reap it. It is idle whenever the parent closes it (every command is
     answered before the next is sent), so it is killed at once: a Python with torch loaded takes
     most of a second to exit by itself."""
@@ -94,6 +106,7 @@ def _shut(proc: subprocess.Popen, log) -> None:
     for stream in (proc.stdin, proc.stdout, log):
         with contextlib.suppress(OSError):
             stream.close()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 class Child:
@@ -105,18 +118,26 @@ class Child:
     last line a crash message quotes. The child ends with close(), when this object is collected,
     or with the parent (its stdin closes)."""
 
-    def __init__(self, label: str, engine: str, env=None, streams: bool = False):
+    def __init__(self, label: str, engine: str, env=None, streams: bool = False, pass_fds=()):
         self.label, self.streams = label, streams
         self.last: tuple[str, int | None] | None = None  # the last tensor streamed in this call
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, engine],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            env={**os.environ, **(env or {})},
-        )
-        self._finalizer = weakref.finalize(self, _shut, self.proc, self.log)
+        self.folder = tempfile.mkdtemp(prefix="gemma4-trace-child-")  # the one place it may write (confine.py)
+        try:
+            limits = confine.child_env(self.folder)
+            self.log = tempfile.TemporaryFile()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, engine],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.log,
+                env={**os.environ, **limits, **(env or {})},
+                pass_fds=tuple(pass_fds),
+            )
+        except BaseException:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
+        self._finalizer = weakref.finalize(self, _shut, self.proc, self.log, self.folder)
+        self.watch = confine.MemoryWatch(self.proc)
 
     def call(self, command: str, *args, phase: str, tensor=None):
         """Send (command, *args, phase) and return the reply (a tuple); each streamed tensor on the
@@ -148,7 +169,8 @@ class Child:
                     raise TraceToolError(f"{self.label} failed in {phase}: {msg[1]}")
                 return msg
         rc = self.proc.wait()
-        raise TraceToolError(f"{self.label} crashed in {phase}{self._where()}: {signal_words(rc)}{self._said()}")
+        said = self.watch.why() or confine.signal_note(rc) or self._said()
+        raise TraceToolError(f"{self.label} crashed in {phase}{self._where()}: {signal_words(rc)}{said}")
 
     def _where(self) -> str:
         return f" {progress_words(self.last)}" if self.streams else ""
@@ -157,7 +179,7 @@ class Child:
         """The last line the child wrote to stderr (an abort message, say), if any."""
         self.log.seek(0)
         lines = [ln.strip() for ln in self.log.read()[-4096:].decode(errors="replace").splitlines() if ln.strip()]
-        return f" ({lines[-1][:200]})" if lines else ""
+        return f" ({strip_dirs(lines[-1])[:200]})" if lines else ""
 
     def close(self) -> None:
         self._finalizer()
@@ -174,8 +196,8 @@ class ChildRuntime(Runtime):
     child: Child | None = None
     decodes = 0  # decode steps since the prefill: the phase a crash names
 
-    def start(self, label: str, engine: str, env=None, streams: bool = False) -> Child:
-        self.child = Child(label, engine, env, streams)
+    def start(self, label: str, engine: str, env=None, streams: bool = False, pass_fds=()) -> Child:
+        self.child = Child(label, engine, env, streams, pass_fds)
         return self.child
 
     def phase(self, prefill: bool) -> str:
@@ -308,9 +330,7 @@ def _crash_here(at: str | None, phase: str | None = None, kind: str | None = Non
 
 
 def main() -> int:
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash is reported by the parent, not dumped
+    confine.confine_self()  # before any engine's code is loaded (confine.py: what it does and does not)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends this child
     # the replies get stdout's pipe on a descriptor of their own; fd 1 becomes stderr, so that
     # nothing the engines' C/C++ code prints can land in the reply stream
@@ -335,7 +355,7 @@ def main() -> int:
         try:
             reply = engine.handle(command, *args)
         except Exception as e:  # noqa: BLE001 - the engine's own error, one line for the parent
-            text = " ".join(str(e).split())[:300]
+            text = strip_dirs(" ".join(str(e).split()))[:300]
             if not getattr(e, "whole_line", False):
                 text = f"{type(e).__name__}: {text}" if text else type(e).__name__
             reply = ("error", text)

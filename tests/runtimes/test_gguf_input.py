@@ -189,3 +189,42 @@ def test_weights_from_needs_the_static_runtime(tmp_path, exported):
         "replay", golden_path("short"), "--gguf", exported["F32"], "--weights-from", exported["F32"], "-o", run
     )
     one_line_error(res, "give one", out=run)
+
+
+def test_the_file_run_is_the_file_checked(tmp_path, exported, monkeypatch):
+    """The header is read once, from a descriptor that llama.cpp then reads too: a file swapped in
+    under the checked one's name after the check does not run; one rewritten in place is refused."""
+    import os
+    import shutil
+
+    from gemma4_trace.replayer.runtimes.llamacpp import gguf_reader as GR
+
+    user, other = tmp_path / "user.gguf", tmp_path / "other.gguf"
+    shutil.copyfile(exported["F32"], user)
+    shutil.copyfile(exported["Q8_0"], other)
+    real = GR.read_header
+
+    def swap_after_check(path):
+        header = real(path)
+        os.replace(other, user)  # the name now holds the Q8_0 file
+        return header
+
+    monkeypatch.setattr(GR, "read_header", swap_after_check)
+    ref, run, own = golden_path("short"), tmp_path / "run.h5", tmp_path / "own.h5"
+    res = invoke("replay", ref, "--gguf", user, "-o", run)
+    assert res.exit_code == 0, res.output
+    replay_trace(ref, own, runtime="llama.cpp")
+    a, b = _tensors(run), _tensors(own)
+    assert all(np.array_equal(a[k], b[k]) for k in b)  # the F32 file ran, not the Q8_0 swapped in
+
+    def rewrite_after_check(path):
+        header = real(path)
+        with open(path, "ab") as fh:
+            fh.write(b"\0" * 64)
+        return header
+
+    shutil.copyfile(exported["F32"], user)
+    monkeypatch.setattr(GR, "read_header", rewrite_after_check)
+    res = invoke("replay", ref, "--gguf", user, "-o", tmp_path / "no.h5")
+    line = one_line_error(res, out=tmp_path / "no.h5")
+    assert line == f"error: {user}: the file changed after its header was checked"

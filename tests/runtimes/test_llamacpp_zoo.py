@@ -39,11 +39,11 @@ REFUSED = {
 def test_conversion_fault_llamacpp_refuses_is_one_line(tmp_path, monkeypatch, fault):
     how, reason = REFUSED[fault]
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    path = plant_gguf(**how)
+    plant_gguf(**how)
     run = tmp_path / "run.h5"
     res = invoke("replay", str(golden_path("short")), "--runtime", "llama.cpp", "-o", str(run))
     assert one_line_error(res, out=run) == (
-        f"error: llama.cpp (F32) failed in loading {path}: llama.cpp could not load the GGUF file ({reason})"
+        f"error: llama.cpp (F32) failed in loading the GGUF file: llama.cpp could not load the GGUF file ({reason})"
     )
     assert not run.exists()
 

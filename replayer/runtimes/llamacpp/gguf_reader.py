@@ -20,12 +20,13 @@ import math
 import mmap
 import os
 import struct
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from gemma4_trace.traces.errors import TraceToolError, install_hint
+from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 from gemma4_trace.traces.inputs import open_regular
 
 from . import gguf_writer as GW
@@ -77,6 +78,16 @@ class Header:
     version: int
     metadata: dict = field(default_factory=dict)
     tensors: dict = field(default_factory=dict)  # name -> TensorInfo, file order
+    fd: int | None = None  # the descriptor the header was read from, kept open: what runs is what was checked
+    stamp: tuple = ()  # (size, mtime_ns) when it was checked
+
+    def descriptor(self) -> int:
+        """The checked file's open descriptor, refused when the file changed since (rewritten in place:
+        a file swapped in under its name is no matter, the descriptor still reads the checked one)."""
+        st = os.fstat(self.fd)
+        if (st.st_size, st.st_mtime_ns) != self.stamp:
+            raise TraceToolError(f"{one_line(self.path, 200)}: the file changed after its header was checked")
+        return self.fd
 
     @property
     def arch(self) -> str:
@@ -105,7 +116,7 @@ class _Cursor:
 
     def fail(self, what: str):
         what = what if len(what) <= 300 else what[:300] + "..."  # a name can be 64 KiB long
-        raise MalformedGGUF(f"{self.path}: not a valid GGUF file: {what}")
+        raise MalformedGGUF(f"{one_line(self.path, 200)}: not a valid GGUF file: {one_line(what)}")
 
     def skip(self, n: int, what: str) -> None:
         if n < 0 or n > len(self.buf) - self.pos:
@@ -188,11 +199,16 @@ def read_header(path) -> Header:
     """The file's header, metadata and tensor table, every size checked (module docstring)."""
     path = Path(path)
     with open_regular(path, "GGUF file") as f:  # a FIFO, device or folder is refused before a byte is read
-        size = os.fstat(f.fileno()).st_size
-        if size < 24:
-            raise MalformedGGUF(f"{path}: not a valid GGUF file: {size} bytes, shorter than a GGUF header")
+        st = os.fstat(f.fileno())
+        if st.st_size < 24:
+            short = f"{st.st_size} bytes, shorter than a GGUF header"
+            raise MalformedGGUF(f"{one_line(path, 200)}: not a valid GGUF file: {short}")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse(_Cursor(buf, path), size)
+            header = _parse(_Cursor(buf, path), st.st_size)
+        # every later reader (the dequantizer, llama.cpp in its child) reads this descriptor, not the name
+        header.fd, header.stamp = os.dup(f.fileno()), (st.st_size, st.st_mtime_ns)
+        weakref.finalize(header, os.close, header.fd)
+        return header
 
 
 def _parse(c: _Cursor, size: int) -> Header:
@@ -400,7 +416,7 @@ def dequantized(header: Header, info: TensorInfo) -> np.ndarray:
     """One tensor's values as float32 in numpy order, dequantized by the gguf library."""
     gguf = GW.gguf_module()
     qtype = gguf.GGMLQuantizationType(info.type)
-    with open(header.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    with mmap.mmap(header.descriptor(), 0, access=mmap.ACCESS_READ) as buf:
         if info.offset + info.nbytes > len(buf):  # the file changed since its header was read
             raise MalformedGGUF(f"{header.path}: not a valid GGUF file: tensor {info.name!r} lies outside the file")
         raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset).copy()

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from gemma4_trace.traces import schema as S
+from gemma4_trace.traces.errors import one_line
 
 from ...artifacts import artifact_folder, code_digest, model_folder_files, model_hash
 from ...child import ChildRuntime
@@ -89,8 +90,10 @@ def gguf_artifact(loaded, gguf_type: str, quantizer: ChildRuntime | None = None)
         own = quantizer is None
         worker = start_child(f"{RUNTIME} ({gguf_type})") if own else quantizer
         try:
-            src, dst = str(f32.path / GGUF_NAME), str(folder / GGUF_NAME)
+            # the child writes only in its own folder (replayer/confine.py); the file is moved from there
+            src, dst = str(f32.path / GGUF_NAME), os.path.join(worker.child.folder, GGUF_NAME)
             worker.child.call("quantize", src, dst, GW.GGUF_TYPES[gguf_type], phase=f"quantizing to {gguf_type}")
+            shutil.move(dst, folder / GGUF_NAME)
         finally:
             f32.close()
             if own:
@@ -102,12 +105,15 @@ def gguf_artifact(loaded, gguf_type: str, quantizer: ChildRuntime | None = None)
 class LlamaCppRuntime(ChildRuntime):
     """The runtime API (replayer/api.py) over a llama.cpp child process."""
 
-    def __init__(self, loaded, max_seq: int, gguf_type: str = "F32", user_file=None, notes=()):
-        """`user_file`: a user's GGUF (its header checked, gguf_reader.py), run as it is;
-        `notes`: what the runtime's name adds (the config differences a replay allowed)."""
+    def __init__(self, loaded, max_seq: int, gguf_type: str = "F32", user_file=None, notes=(), header=None):
+        """`user_file`: a GGUF file run as it is (a sensitivity search's mixed file); `header`: a
+        user's GGUF, its header checked (gguf_reader.py), which the child reads through the checked
+        descriptor; `notes`: what the runtime's name adds (the config differences a replay allowed)."""
         self.gguf_type = gguf_type
-        label = f"{RUNTIME} ({gguf_type if user_file is None else Path(user_file).name})"
-        child = self.start(label, ENGINE, env=ENV, streams=True)
+        user_file = header.path if header is not None else user_file
+        label = f"{RUNTIME} ({gguf_type if user_file is None else one_line(Path(user_file).name, 100)})"
+        fds = (header.descriptor(),) if header is not None else ()
+        child = self.start(label, ENGINE, env=ENV, streams=True, pass_fds=fds)
         self.artifact = None
         try:
             if user_file is None:
@@ -115,11 +121,12 @@ class LlamaCppRuntime(ChildRuntime):
                 self.path, self.note = self.artifact.path / GGUF_NAME, self.artifact.note
             else:
                 self.path, self.note = Path(user_file), "a user's file"
-            self.vocab = child.call("load", str(self.path), int(max_seq), phase=f"loading {self.path}")[2]
+            path = f"/proc/self/fd/{fds[0]}" if fds else str(self.path)  # the child's copy of the descriptor
+            self.vocab = child.call("load", path, int(max_seq), phase="loading the GGUF file")[2]
         except BaseException:
             self.close()
             raise
-        what = gguf_type if user_file is None else f"{Path(user_file).name} ({gguf_type})"
+        what = gguf_type if user_file is None else f"{one_line(Path(user_file).name, 100)} ({gguf_type})"
         more = "".join(f"; {n}" for n in notes)
         self.name = f"llama.cpp:{what} (llama-cpp-python {_version()}, CPU{more})"
 
@@ -171,7 +178,7 @@ def gguf_runtime(loaded, max_seq: int, header, allow_config_mismatch: bool, weig
         more = "".join(f"; {n}" for n in notes)
         rt.name = f"{rt.name} (weights from {header.path.name}, {header.type_name()}, dequantized{more})"
         return rt
-    return LlamaCppRuntime(loaded, max_seq, header.type_name(), user_file=header.path, notes=notes)
+    return LlamaCppRuntime(loaded, max_seq, header.type_name(), notes=notes, header=header)
 
 
 def export_command(model_dir, gguf_type: str, output, force: bool = False) -> str:

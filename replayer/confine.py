@@ -1,0 +1,180 @@
+"""What confines a native engine's child process (replayer/child.py), both sides.
+
+A GGUF file, an ONNX or .pte program, a .tflite graph is read by C/C++ code that trusts it; the
+child that runs it is held to:
+
+- **no core dump** (RLIMIT_CORE 0): a crash is the parent's one line, not a file;
+- **an address-space limit** (RLIMIT_AS): GEMMA4_TRACE_CHILD_ADDRESS_SPACE (e.g. 64G), by default
+  four times the machine's memory and at least 64 GiB: the engines reserve large ranges they
+  never touch (XNNPACK, ONNX Runtime's arenas) and llama.cpp maps its whole file, so the limit
+  stops a runaway mapping or allocation, not ordinary use;
+- **a memory limit on what it really uses**: the parent watches the child's anonymous and shared
+  memory (RssAnon + RssShmem of /proc/PID/status, not the file pages a mapping may evict) and kills
+  it past GEMMA4_TRACE_MEMORY_LIMIT, or past the MemAvailable the machine had when it started;
+- **a CPU-time limit** (RLIMIT_CPU): GEMMA4_TRACE_CHILD_CPU_SECONDS, 8 hours by default;
+- **writes only to its own temporary folder** (TMPDIR points there; the parent removes it with the
+  child) and to /dev (/dev/null, /dev/shm), and **no TCP** at all, by Landlock (Linux 5.13 and
+  later, TCP from 6.7; `landlock()` returns the ABI version it applied, 0 where the kernel has none,
+  and then nothing but the limits above holds).
+
+Not confined: what the child reads (it must read the model and its own Python), signals, other
+processes it could see, and system calls: there is no seccomp filter.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import signal
+import threading
+import time
+
+from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.limits import fmt_bytes, memory_limit
+
+AS_ENV = "GEMMA4_TRACE_CHILD_ADDRESS_SPACE"
+CPU_ENV = "GEMMA4_TRACE_CHILD_CPU_SECONDS"
+WRITABLE_ENV = "GEMMA4_TRACE_CHILD_WRITABLE"  # set by the parent: the child's own folder
+DEFAULT_CPU_SECONDS = 8 * 3600
+MIN_ADDRESS_SPACE = 64 << 30
+POLL_SECONDS = 0.2
+
+
+def _size(name: str, text: str) -> int:
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:].upper(), 1)
+    try:
+        value = float(text[:-1] if scale > 1 else text) * scale
+        if not 0 < value < 1 << 62:
+            raise ValueError(text)
+        return int(value)
+    except ValueError:
+        raise TraceToolError(f"{name}={text[:40]!r}: expected a positive number such as 64G") from None
+
+
+def _mem_total() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def child_env(folder: str) -> dict[str, str]:
+    """The environment a child starts with (checked here, in the parent: a bad value is one line)."""
+    space = os.environ.get(AS_ENV, "").strip()
+    cpu = os.environ.get(CPU_ENV, "").strip()
+    return {
+        AS_ENV: str(_size(AS_ENV, space) if space else max(MIN_ADDRESS_SPACE, 4 * _mem_total())),
+        CPU_ENV: str(_size(CPU_ENV, cpu) if cpu else DEFAULT_CPU_SECONDS),
+        WRITABLE_ENV: folder,
+        "TMPDIR": folder,
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+
+
+# ------------------------------------------------------------------ the child's side
+_FS_WRITE = {1: 0b1_1111_1111_0010, 2: 1 << 13, 3: 1 << 14}  # rights by the ABI that added them
+_DEV_RIGHTS = (1 << 1) | (1 << 14)  # WRITE_FILE, TRUNCATE: /dev/null and the like opened for writing
+_NET_TCP = 0b11  # BIND_TCP, CONNECT_TCP (ABI 4)
+_SYS_CREATE, _SYS_ADD_RULE, _SYS_RESTRICT = 444, 445, 446  # one number on every architecture
+PR_SET_NO_NEW_PRIVS = 38
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def landlock(writable: list[str]) -> int:
+    """Allow file writes only beneath `writable` (and /dev), and no TCP; the ABI version applied, or 0."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+    abi = syscall(_SYS_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # LANDLOCK_CREATE_RULESET_VERSION
+    if abi < 1:
+        return 0
+    fs = sum(bits for version, bits in _FS_WRITE.items() if abi >= version)
+    attr = (ctypes.c_uint64 * 2)(fs, _NET_TCP if abi >= 4 else 0)
+    ruleset = syscall(_SYS_CREATE, ctypes.byref(attr), ctypes.c_size_t(16 if abi >= 4 else 8), ctypes.c_uint32(0))
+    if ruleset < 0:
+        return 0
+    try:
+        rules = [(p, fs) for p in writable] + [("/dev", _DEV_RIGHTS & fs), ("/dev/shm", fs)]
+        for path, rights in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_DIRECTORY)
+            except OSError:
+                continue
+            try:
+                rule = _PathBeneath(rights, fd)
+                syscall(_SYS_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(1), ctypes.byref(rule), ctypes.c_uint32(0))
+            finally:
+                os.close(fd)
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            return 0
+        if syscall(_SYS_RESTRICT, ctypes.c_int(ruleset), ctypes.c_uint32(0)) != 0:
+            return 0
+        return int(abi)
+    finally:
+        os.close(ruleset)
+
+
+def confine_self() -> int:
+    """In the child, before any engine is imported: the limits, then Landlock (its ABI, or 0)."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash is reported by the parent, not dumped
+    if os.environ.get(AS_ENV):
+        space = int(os.environ[AS_ENV])
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (space if hard < 0 else min(space, hard), hard))
+    if os.environ.get(CPU_ENV):
+        cpu = int(os.environ[CPU_ENV])
+        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu if hard < 0 else min(cpu, hard), hard))
+    folder = os.environ.get(WRITABLE_ENV)
+    return landlock([folder]) if folder else 0
+
+
+# ------------------------------------------------------------------ the parent's side
+def _used(pid: int) -> int | None:
+    """The child's anonymous plus shared resident memory in bytes; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            fields = dict(line.split(":", 1) for line in fh if ":" in line)
+        return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem") if k in fields)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+class MemoryWatch:
+    """Kill `proc` once its memory passes `limit` bytes (memory_limit() when the watch starts); `why()`
+    is the words a crash message adds when it did."""
+
+    def __init__(self, proc, limit: int | None = None):
+        self.proc, self.limit, self.fired = proc, limit if limit is not None else memory_limit(), False
+        if self.limit is not None and os.path.exists(f"/proc/{proc.pid}"):
+            threading.Thread(target=self._run, name="child-memory-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while self.proc.poll() is None:
+            used = _used(self.proc.pid)
+            if used is not None and used > self.limit:
+                self.fired = True
+                self.proc.send_signal(signal.SIGKILL)
+                return
+            time.sleep(POLL_SECONDS)
+
+    def why(self) -> str:
+        if not self.fired:
+            return ""
+        return f" (it used more than the {fmt_bytes(self.limit)} of memory it may; GEMMA4_TRACE_MEMORY_LIMIT sets that)"
+
+
+def signal_note(rc: int) -> str:
+    """What a limit's signal means, for a crash message."""
+    if rc == -signal.SIGXCPU:
+        return f" (its CPU-time limit; {CPU_ENV} sets it)"
+    return ""
