@@ -101,6 +101,39 @@ def prompt_record(ref_path, run_path, base_path, result) -> dict:
     return jsonable(rec)
 
 
+def _num(x, none: bool = True) -> bool:
+    return (x is None and none) or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+
+def _positions_ok(pos) -> bool:
+    if not isinstance(pos, dict) or not all(isinstance(k, str) and isinstance(v, list) for k, v in pos.items()):
+        return False
+    lengths = {len(v) for v in pos.values()}
+    return len(lengths) <= 1 and all(_num(x) for v in pos.values() for x in v)
+
+
+def record_ok(rec: dict) -> bool:
+    """Whether a prompt record read back from DIR/prompts has the shape prompt_record writes (a
+    record edited or damaged by hand is not used; the prompt runs again)."""
+    d = rec.get("first_divergence")
+    site_ok = d is None or (
+        isinstance(d, dict)
+        and isinstance(d.get("step"), int)
+        and all(d.get(k) is None or isinstance(d.get(k), int) for k in ("layer", "position"))
+        and all(isinstance(d.get(k), str) for k in ("kind", "metric", "sentence"))
+    )
+    return (
+        site_ok
+        and isinstance(rec.get("match"), bool)
+        and isinstance(rec.get("run_runtime"), str)
+        and isinstance(rec.get("tokens"), int)
+        and all(_num(rec.get(k)) for k in ("kl_mean", "kl_max", "top1"))
+        and _positions_ok(rec.get("positions"))
+        and ("base_positions" not in rec or _positions_ok(rec["base_positions"]))
+        and isinstance(rec.get("report", ""), str)
+    )
+
+
 # ------------------------------------------------------------------ over the set
 def _column(records: list[dict], key: str, name: str) -> np.ndarray:
     vals = [x for r in records for x in (r.get(key) or {}).get(name, [])]

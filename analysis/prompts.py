@@ -12,7 +12,9 @@ from gemma4_trace.traces.inputs import read_text, sha256_file
 
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # whole id (fullmatch: "$" would take a final newline)
 MAX_PROMPTS = 100_000
-MAX_PROMPTS_BYTES = 64 << 20  # a prompts file larger than this is refused before it is read
+MAX_PROMPTS_BYTES = (
+    16 << 20
+)  # a prompts file larger than this is refused before it is read (100,000 prompts of 160 bytes)
 MAX_IMAGE_BYTES = 64 << 20
 EMBEDDED_SET = "@embedded"  # PROMPTS naming the shipped set (hf/tiny_model/sweep_prompts.jsonl)
 

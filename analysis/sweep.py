@@ -21,6 +21,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -33,7 +34,7 @@ from gemma4_trace.traces.atomic import write_bytes_atomic
 from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 from gemma4_trace.traces.inputs import read_text, sha256_file
 
-from .corpus import SweepSummary
+from .corpus import SweepSummary, record_ok
 from .prompts import prompt_key
 
 SWEEP_FORMAT = 1
@@ -116,9 +117,9 @@ def finished(out_dir: Path, spec: dict, cfg: Config) -> dict | None:
         rec = json.loads(read_text(path, "prompt record", MAX_RECORD_BYTES))
     except (OSError, ValueError, TraceToolError):
         return None
-    if not isinstance(rec, dict) or rec.get("settings") != cfg.settings:
+    if not isinstance(rec, dict) or rec.get("settings") != cfg.settings or not record_ok(rec):
         return None
-    if rec.get("prompt") != prompt_key(spec, cfg.chat):
+    if rec.get("prompt") != prompt_key(spec, cfg.chat) or rec.get("id") != spec["id"]:
         return None
     return rec
 
@@ -265,6 +266,28 @@ def check_not_written(prompts_path: Path, out: Path) -> None:
         )
 
 
+SUMMARY_FILES = ("summary.json", "summary.html")
+
+
+def check_summary(out: Path, force: bool) -> None:
+    """DIR/summary.json and summary.html are replaced when they are an earlier sweep's (a summary.json
+    this command wrote, beside it) or with --force; anything else in their place is refused in one line,
+    and a link, folder or special file even with --force."""
+    present = [out / n for n in SUMMARY_FILES if os.path.lexists(out / n)]
+    for p in present:
+        if p.is_symlink() or not p.is_file():
+            raise TraceToolError(f"{p} exists and is not a regular file; the sweep does not replace it")
+    if not present or force:
+        return
+    try:
+        d = json.loads(read_text(out / "summary.json", "sweep summary", MAX_RECORD_BYTES))
+        ours = isinstance(d, dict) and {"settings", "worst_first", "prompts"} <= d.keys()
+    except (OSError, ValueError, TraceToolError):
+        ours = False
+    if not ours:
+        raise TraceToolError(f"{present[0]} exists and is not an earlier sweep's summary (pass --force to replace it)")
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     write_bytes_atomic(path, data, prefix=".sweep-partial-")
 
@@ -327,9 +350,19 @@ def _read_token(out_dir: Path) -> str | None:
 
 
 def _init_pool(threads: int) -> None:
+    """A pool worker: Ctrl-C is the driver's (it ends the workers with SIGTERM), and SIGTERM ends the
+    prompt at hand through its `finally` blocks, so no temporary folder or partial REF is left."""
     import torch
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _terminated)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked while the driver started it
     torch.set_num_threads(threads)
+
+
+def _terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process outright
+    raise SystemExit(128 + signum)
 
 
 # ------------------------------------------------------------------ the driver
@@ -410,13 +443,33 @@ def _run_pool(todo, cfg, out_dir: Path, workers: int, done) -> None:
         initargs=(threads,),
     )
     try:
-        futures = {pool.submit(process_prompt, cfg, spec, str(out_dir)): spec for spec in todo}
+        # the workers start with Ctrl-C blocked (a mask is inherited): the driver's alone to handle
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            futures = {pool.submit(process_prompt, cfg, spec, str(out_dir)): spec for spec in todo}
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for fut in cf.as_completed(futures):
             done(futures[fut], fut.result())
     except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
+        _stop_pool(pool)
         raise
     pool.shutdown()
+
+
+def _stop_pool(pool, grace: float = 30.0) -> None:
+    """End the workers' prompts (SIGTERM: their clean-up runs), then the pool; SIGKILL after `grace` s."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        with contextlib.suppress(OSError, ValueError):
+            p.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)  # the workers get their stop once their prompts ended
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 RAY_CONNECT_S = 10.0  # how long a --ray HOST:PORT may take to accept a connection

@@ -291,3 +291,120 @@ def test_a_weight_of_an_integer_or_double_type_is_refused_even_when_mismatches_a
         out = tmp_path / "o.h5"
         r = invoke("replay", REF, "--weights-from", g, *more, "-o", out)
         one_line_error(r, f"tensor 'blk.0.attn_q.weight' has type {name}", out=out)
+
+
+def test_a_summary_the_sweep_did_not_write_is_replaced_only_with_force(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello!\n")
+    out = tmp_path / "s"
+    out.mkdir()
+    (out / "summary.json").write_text('{"mine": 1}\n')
+    args = ("sweep", prompts, "--runtime", "static", "--max-new-tokens", "2", "-o", out)
+    one_line_error(invoke(*args), "summary.json exists and is not an earlier sweep's summary (pass --force")
+    assert (out / "summary.json").read_text() == '{"mine": 1}\n' and not (out / "prompts").exists()
+    assert invoke(*args, "--force").exit_code == 0
+    assert invoke(*args).exit_code == 0  # its own summary now: a rerun replaces it without --force
+    (out / "summary.html").unlink()
+    (out / "summary.html").mkdir()
+    one_line_error(invoke(*args, "--force"), "summary.html exists and is not a regular file")
+
+
+def test_a_resumed_record_with_wrong_types_is_run_again(tmp_path):
+    import json
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello!\n")
+    out = tmp_path / "s"
+    args = ("sweep", prompts, "--runtime", "static", "--max-new-tokens", "2", "-o", out)
+    assert invoke(*args).exit_code == 0
+    rec_path = out / "prompts" / "line00001.json"
+    good = json.loads(rec_path.read_text())
+    edits = {
+        "kl_mean": "big",
+        "match": 1,
+        "tokens": None,
+        "positions": {"kl": ["x"]},
+        "first_divergence": {"step": "0"},
+        "id": "other",
+    }
+    for key, value in edits.items():
+        rec_path.write_text(json.dumps({**good, key: value}))
+        r = invoke(*args)
+        assert r.exit_code == 0 and "1 prompt(s) run, 0 resumed" in r.stdout, (key, r.output)
+        assert json.loads(rec_path.read_text()) == good, key
+
+
+def test_a_prompts_file_over_16_mib_is_refused_unread(tmp_path):
+    prompts = tmp_path / "p.txt"
+    with open(prompts, "wb") as f:
+        f.truncate((16 << 20) + 1)  # sparse: a read would be quick; the size alone refuses it
+    one_line_error(invoke("sweep", prompts, "--runtime", "static", "-o", tmp_path / "s"), "more than the 16777216")
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_two_workers_is_one_line_and_leaves_nothing_half_done(tmp_path):
+    """SIGINT to the whole process group (a terminal's Ctrl-C) while two workers record: one line,
+    exit 130, no worker's temporary folder, no partial REF in the cache."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [2] + [100 + i] * 30}) + "\n" for i in range(6)))
+    tmp, cache = tmp_path / "tmp", tmp_path / "cache"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "GEMMA4_TRACE_CACHE": str(cache)}
+    cmd = [sys.executable, "-m", "gemma4_trace", "sweep", str(prompts), "--runtime", "static"]
+    cmd += ["--max-new-tokens", "8", "--workers", "2", "-o", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list((cache / "sweep-ref").glob(".*.h5")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)  # until a worker is recording a REF
+    assert proc.poll() is None, proc.communicate()
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    lines = err.decode().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted; "), lines
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith("gemma4-")]
+    assert not list((cache / "sweep-ref").glob(".*"))
+
+
+@pytest.mark.parametrize("option", [["--runtime", "static"], ["--runtime", "llama.cpp"]])
+def test_memory_running_out_under_ulimit_v_is_one_line(tmp_path, option):
+    """Under `ulimit -v` torch's libraries cannot be mapped (ImportError) or a C extension fails an
+    allocation without an exception (SystemError): both were 'internal error'."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (400 << 20, 400 << 20))
+
+    out = tmp_path / "o.h5"
+    cmd = [sys.executable, "-m", "gemma4_trace", "replay", str(REF), *option, "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=limit, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == "error: out of memory (under an address-space limit of 400 MiB, `ulimit -v`)"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("swap", ["folder", "link"])
+def test_a_cached_gguf_that_is_a_folder_or_a_link_is_rebuilt(tmp_path, monkeypatch, swap):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    monkeypatch.setenv("GEMMA4_TRACE_CACHE", str(tmp_path / "cache"))
+    assert invoke("replay", REF, "--runtime", "llama.cpp", "-o", tmp_path / "a.h5").exit_code == 0
+    (entry,) = (tmp_path / "cache" / "gguf").iterdir()
+    good = (entry / "model.gguf").read_bytes()
+    (entry / "model.gguf").unlink()
+    if swap == "folder":
+        (entry / "model.gguf").mkdir()
+    else:
+        (tmp_path / "elsewhere.gguf").write_bytes(good)
+        (entry / "model.gguf").symlink_to(tmp_path / "elsewhere.gguf")
+    r = invoke("replay", REF, "--runtime", "llama.cpp", "-o", tmp_path / "b.h5")
+    assert r.exit_code == 0, r.output
+    path = entry / "model.gguf"
+    assert path.is_file() and not path.is_symlink() and path.read_bytes() == good

@@ -38,6 +38,30 @@ def debug_enabled() -> bool:
     return O.debug_requested() or os.environ.get("GEMMA4_TRACE_DEBUG", "") not in ("", "0")
 
 
+def _address_limit() -> str:
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft == resource.RLIM_INFINITY:
+        return ""
+    return f" (under an address-space limit of {soft >> 20} MiB, `ulimit -v`)"
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is memory running out in disguise: ENOMEM from a mapping, a shared library that
+    cannot be mapped, or a C extension failing an allocation without saying so under `ulimit -v`."""
+    import errno
+    import resource
+
+    if isinstance(e, OSError) and e.errno == errno.ENOMEM:
+        return True
+    text = str(e)
+    if isinstance(e, ImportError) and ("failed to map segment" in text or "Cannot allocate memory" in text):
+        return True
+    limited = resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
+    return isinstance(e, SystemError) and "without exception set" in text and limited
+
+
 def user_errors(fn):
     """Map library exceptions to exit codes and one-line messages: never a traceback."""
 
@@ -58,10 +82,12 @@ def user_errors(fn):
         except KeyboardInterrupt:
             fail("interrupted; nothing was written", EXIT_INTERRUPTED)
         except MemoryError:
-            fail("out of memory")
+            fail("out of memory" + _address_limit())
         except Exception as e:  # a bug of ours: still one line, the traceback on request
             if interrupted(e):  # Ctrl-C inside C code (h5py) can arrive wrapped in another exception
                 fail("interrupted; nothing was written", EXIT_INTERRUPTED)
+            if out_of_memory(e):
+                fail("out of memory" + _address_limit())
             if debug_enabled():
                 raise
             fail(

@@ -43,6 +43,7 @@ from . import EXIT_DIVERGENCE, EXIT_INTERRUPTED, check_model_dir, configure_arti
 @O.tolerances
 @O.baseline_factor
 @O.output("folder for the results", dest="out_dir")
+@O.force("a summary.json / summary.html in DIR that is not an earlier sweep's")
 @O.progress("a line on stderr per finished prompt [default: only on a terminal]")
 @O.cache
 @O.debug
@@ -75,6 +76,7 @@ def sweep(prompts_path, runtime, baseline_runtime, model_dir, no_chat, workers, 
     if out.exists() and not out.is_dir():
         raise TraceToolError(f"output {out} is a file; give a folder")
     S.check_not_written(Path(prompts_path), out)
+    S.check_summary(out, kw["force"])
     if (out / "prompts").exists() and not (out / "prompts").is_dir():
         raise TraceToolError(f"{out / 'prompts'} is not a folder; the sweep keeps each prompt's files there")
     cfg = S.configure(

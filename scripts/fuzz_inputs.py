@@ -1,0 +1,256 @@
+"""Fuzz the inputs that are not traces: GGUF files, recipes and sweep prompt files (docs/robustness.md).
+
+Each case is a seeded mutation of a valid input, run through the command that reads it, in-process
+through click's CliRunner with GEMMA4_TRACE_DEBUG=1 (a bug of ours escapes as an exception):
+
+- `gguf`: the tiny model exported by `trace export-gguf`, its header region changed (one to three
+  fields of 1, 2, 4 or 8 bytes set to edge values or random bytes), truncated, or given a tail; run
+  by `trace replay GOLDEN --weights-from FILE` and (every other case, with llama-cpp-python
+  installed) `trace replay GOLDEN --gguf FILE`, llama.cpp in its confined child;
+- `recipe`: a valid recipe with its text mutated (keys, values, types, nesting, long or odd
+  strings, bytes); run by `trace replay GOLDEN --runtime static-w8 --recipe FILE`;
+- `prompts`: a small JSON-lines prompt set with lines mutated (wrong types, control characters,
+  invalid UTF-8, long lines, odd ids, images outside the folder); run by `trace sweep FILE
+  --runtime static --max-new-tokens 1`.
+
+A failure is an exception other than SystemExit, an exit code outside 0/1/2, exit 2 without
+exactly one `error: ...` line, 'internal error', a traceback, or a case past `--timeout`.
+
+    python scripts/fuzz_inputs.py --cases 300 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import shutil
+import signal
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+EDGE = [0, 1, 2, 3, 7, 8, 255, 256, 0x7FFF, 0xFFFF, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63, 2**64 - 1]
+CLASSES = ("gguf", "recipe", "prompts")
+
+
+class Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise Timeout
+
+
+# ------------------------------------------------------------------ GGUF
+def gguf_case(rng: random.Random, good: bytes, header_end: int) -> tuple[bytes, str]:
+    data = bytearray(good)
+    how = rng.choice(["fields", "fields", "fields", "truncate", "tail", "count"])
+    if how == "truncate":
+        n = rng.randrange(0, len(data))
+        return bytes(data[:n]), f"truncated to {n} bytes"
+    if how == "tail":
+        n = rng.choice([1, 31, 32, 4096, 1 << 20])
+        return bytes(data) + os.urandom(n), f"{n} bytes appended"
+    if how == "count":
+        at = rng.choice([8, 16])  # the tensor count, the key count
+        v = rng.choice(EDGE)
+        struct.pack_into("<Q", data, at, v)
+        return bytes(data), f"{'tensor' if at == 8 else 'key'} count {v}"
+    what = []
+    for _ in range(rng.randint(1, 3)):
+        width = rng.choice([1, 2, 4, 8])
+        at = rng.randrange(24, header_end - width)
+        if rng.random() < 0.7:
+            v = rng.choice(EDGE) % (1 << (8 * width))
+            data[at : at + width] = v.to_bytes(width, "little")
+            what.append(f"{width} bytes at {at} = {v}")
+        else:
+            data[at : at + width] = os.urandom(width)
+            what.append(f"{width} random bytes at {at}")
+    return bytes(data), "; ".join(what)
+
+
+# ------------------------------------------------------------------ recipes
+RECIPE = 'runtime = "static-w8"\n\n[units]\n"layer.1" = "static-w4g32"\n"layer.2.mlp" = "float"\n'
+ODD = ["", "\x00", "\x1b[31m", "\n", "é", "\ud800", "a" * 70000, "layer.99999999999", "..", "1e400", "[[x]]"]
+
+
+def recipe_case(rng: random.Random) -> tuple[bytes, str]:
+    lines = RECIPE.splitlines()
+    how = rng.choice(["valid", "value", "key", "runtime", "nest", "bytes", "table", "many", "array"])
+    if how == "valid":  # a recipe that runs: units and precisions drawn from the valid ones
+        part = ["", ".qkv", ".o", ".mlp", ".ple"]
+        prec = ["float", "static-w8", "static-w4g32", "static-w8a8"]
+        lines = lines[:3] + [f'"layer.{rng.randrange(8)}{rng.choice(part)}" = "{rng.choice(prec)}"' for _ in range(3)]
+        lines = list(dict.fromkeys(lines))  # a unit named twice would be invalid TOML
+    elif how == "value":
+        i = rng.choice([3, 4])
+        key = lines[i].split("=")[0]
+        lines[i] = (
+            key + "= " + rng.choice(["1", "true", "[1, 2]", "{a = 1}", json.dumps(rng.choice(ODD)), '"w8"', "nan"])
+        )
+    elif how == "key":
+        lines[3] = json.dumps(rng.choice(ODD)) + ' = "float"'
+    elif how == "runtime":
+        lines[0] = "runtime = " + rng.choice(
+            ["1", '"static"', '"llama.cpp:Q9_9"', '"static-w8a8"', json.dumps(rng.choice(ODD)), '["static-w8"]']
+        )
+    elif how == "nest":
+        depth = rng.choice([10, 100, 1000, 5000])
+        lines.append("x = " + "[" * depth + "]" * depth)
+    elif how == "table":
+        lines.append("[" + ".".join(["a"] * rng.choice([2, 50, 5000])) + "]")
+    elif how == "many":
+        lines += [f'"layer.{i}" = "float"' for i in range(rng.choice([100, 20000]))]
+    elif how == "array":
+        lines.append("[[units]]")
+    text = "\n".join(lines) + "\n"
+    if how == "bytes":
+        raw = bytearray(text.encode())
+        for _ in range(rng.randint(1, 4)):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        return bytes(raw), "random bytes"
+    return text.encode("utf-8", "surrogatepass"), how
+
+
+# ------------------------------------------------------------------ prompt files
+PROMPTS = [{"id": "a", "text": "Hello!"}, {"id": "b", "input_ids": [2, 100, 101]}]
+
+
+def prompts_case(rng: random.Random) -> tuple[bytes, str]:
+    rows: list = [dict(p) for p in PROMPTS]
+    how = rng.choice(["type", "id", "text", "ids", "image", "line", "extra", "chat"])
+    r = rows[rng.randrange(2)]
+    if how == "type":
+        k = rng.choice(["id", "text", "input_ids", "image", "chat"])
+        r[k] = rng.choice([1, 1.5, None, True, [], {}, ["x"], [[1]], "x"])
+    elif how == "id":
+        r["id"] = rng.choice(ODD + ["a/b", "../x", "a" * 300, "con", "a\u2028b", "a b"])
+    elif how == "text":
+        r["text"] = rng.choice(ODD + ["x" * rng.choice([10_000, 1_000_000])])
+    elif how == "ids":
+        r["input_ids"] = rng.choice([[], [-1], [2**40], [2] * 100_000, [1.5], ["2"]])
+        r.pop("text", None)
+    elif how == "image":
+        r["image"] = rng.choice(["/etc/passwd", "../x.png", "missing.png", "", ".", "/dev/zero"])
+    elif how == "extra":
+        r[rng.choice(["txt", "", "\x00"])] = 1
+    elif how == "chat":
+        r["chat"] = rng.choice(["yes", 2, None])
+    text = "\n".join(json.dumps(x) for x in rows) + "\n"
+    if how == "line":
+        raw = bytearray(text.encode())
+        for _ in range(rng.randint(1, 4)):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        return bytes(raw), "random bytes"
+    return text.encode("utf-8", "surrogatepass"), how
+
+
+# ------------------------------------------------------------------ the run
+def judge(res, timed_out: bool) -> str | None:
+    """Why a command's result is a failure, or None."""
+    if timed_out:
+        return "timeout"
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        return f"exception {type(res.exception).__name__}: {str(res.exception)[:200]}"
+    if res.exit_code not in (0, 1, 2):
+        return f"exit code {res.exit_code}"
+    err = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    if "internal error" in res.output or "Traceback" in res.output:
+        return "internal error or traceback: " + res.output[-300:]
+    if res.exit_code == 2 and len(err) != 1:
+        return f"exit 2 with {len(err)} error lines"
+    return None
+
+
+def run(cases: int, seed: int, classes=CLASSES, timeout: float = 60.0, say=print) -> dict:
+    from click.testing import CliRunner
+
+    from gemma4_trace.cli import main
+    from gemma4_trace.recorder.golden import golden_path
+    from gemma4_trace.replayer.runtimes.llamacpp import gguf_reader as GR
+
+    os.environ["GEMMA4_TRACE_DEBUG"] = "1"
+    runner = CliRunner()
+    ref = str(golden_path("short"))
+    work = Path(tempfile.mkdtemp(prefix="fuzz-inputs-"))
+    os.environ.setdefault("GEMMA4_TRACE_CACHE", str(work / "cache"))
+    good = work / "good.gguf"
+    res = runner.invoke(main, ["export-gguf", "-o", str(good)])
+    assert res.exit_code == 0, res.output
+    header = GR.read_header(good)
+    header_end = min(t.offset for t in header.tensors.values())
+    llama = importlib.util.find_spec("llama_cpp") is not None
+    rng = random.Random(seed)
+    counts = {c: {"cases": 0, "exit": {0: 0, 1: 0, 2: 0}, "failures": []} for c in classes}
+    old = signal.signal(signal.SIGALRM, _alarm)
+    t0 = time.perf_counter()
+    try:
+        for n in range(cases):
+            cls = classes[n % len(classes)]
+            case_rng = random.Random(rng.getrandbits(64))
+            folder = work / f"case{n}"
+            folder.mkdir()
+            if cls == "gguf":
+                data, what = gguf_case(case_rng, good.read_bytes(), header_end)
+                path = folder / "in.gguf"
+                how = ["--gguf"] if llama and n % 2 else ["--weights-from"]  # llama.cpp reads it, or gguf's dequantizer
+                args = ["replay", ref, *how, str(path), "-o", str(folder / "o.h5")]
+            elif cls == "recipe":
+                data, what = recipe_case(case_rng)
+                path = folder / "r.toml"
+                args = ["replay", ref, "--runtime", "static-w8", "--recipe", str(path), "-o", str(folder / "o.h5")]
+            else:
+                data, what = prompts_case(case_rng)
+                path = folder / "p.jsonl"
+                args = ["sweep", str(path), "--runtime", "static", "--max-new-tokens", "1", "-o", str(folder / "s")]
+            path.write_bytes(data)
+            timed_out = False
+            signal.setitimer(signal.ITIMER_REAL, timeout)
+            try:
+                res = runner.invoke(main, args, catch_exceptions=True)
+            except Timeout:
+                timed_out, res = True, None
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            why = judge(res, timed_out) if res is not None or timed_out else None
+            c = counts[cls]
+            c["cases"] += 1
+            if res is not None and res.exit_code in c["exit"]:
+                c["exit"][res.exit_code] += 1
+            if why is not None:
+                c["failures"].append(f"case {n} ({what}): {why}")
+                say(f"FAIL {cls} case {n} ({what}): {why}")
+    finally:
+        signal.signal(signal.SIGALRM, old)
+        shutil.rmtree(work, ignore_errors=True)
+    counts["seconds"] = time.perf_counter() - t0
+    return counts
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", type=int, default=90)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--only", choices=CLASSES, default=None)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    a = ap.parse_args(argv)
+    counts = run(a.cases, a.seed, (a.only,) if a.only else CLASSES, a.timeout)
+    failed = 0
+    for cls in CLASSES:
+        if cls in counts:
+            c = counts[cls]
+            failed += len(c["failures"])
+            ex = "  ".join(f"exit {k}: {v}" for k, v in c["exit"].items())
+            print(f"{cls:8} {c['cases']:4} cases  {ex}  failures: {len(c['failures'])}")
+    print(f"{a.cases} cases in {counts['seconds']:.1f} s; failures: {failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
