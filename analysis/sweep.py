@@ -392,6 +392,7 @@ def run_sweep(
     from .sweep_report import write_summary
 
     say = say or (lambda line: None)
+    artifacts.cache_write(Path(cfg.cache) / "sweep-ref")  # a cache that cannot be written: one line, before work
     out_dir = Path(out_dir)
     (out_dir / "prompts").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -168,14 +168,7 @@ def artifact_folder(
     stale = _usable(final, key)
     if stale is None:
         return Artifact(final, "cached")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".partial"))
-    except OSError as e:
-        raise TraceToolError(
-            f"cannot write in the artifact cache {root} ({e.strerror or type(e).__name__}); "
-            "choose another folder with --cache-dir DIR, or pass --no-cache"
-        ) from None
+    tmp = Path(cache_write(root, lambda: tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".partial")))
     try:
         if what and say:
             say(f"{what}{f'; the cached copy was stale: {stale}' if stale != ABSENT else ''}")
@@ -191,6 +184,18 @@ def artifact_folder(
 
 
 ABSENT = "absent"
+
+
+def cache_write(root: Path, make=None):
+    """Make the cache folder `root` (and call make() there); a folder that cannot be written is one line."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return make() if make is not None else root
+    except OSError as e:
+        raise TraceToolError(
+            f"cannot write in the artifact cache {root} ({e.strerror or type(e).__name__}); "
+            "choose another folder with --cache-dir DIR, or pass --no-cache"
+        ) from None
 
 
 def _usable(final: Path, key: dict) -> str | None:

@@ -408,3 +408,10 @@ def test_a_cached_gguf_that_is_a_folder_or_a_link_is_rebuilt(tmp_path, monkeypat
     assert r.exit_code == 0, r.output
     path = entry / "model.gguf"
     assert path.is_file() and not path.is_symlink() and path.read_bytes() == good
+
+
+def test_a_sweep_with_a_cache_it_cannot_write_is_one_line(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello!\n")
+    r = invoke("sweep", prompts, "--runtime", "static", "--cache-dir", "/dev/null/x", "-o", tmp_path / "s")
+    one_line_error(r, "cannot write in the artifact cache /dev/null/x/sweep-ref (Not a directory)")
