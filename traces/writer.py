@@ -32,6 +32,12 @@ from .chunks import encode_chunk
 from .header import TraceHeader
 from .layers import LayerInfo
 
+# h5py serialises its calls with one lock, but not every low-level one takes it (H5Dwrite_chunk in
+# h5py 3.14 does not): the writer thread takes it around that call, or HDF5, which is not thread-safe,
+# is entered from two threads at once (seen as "ring type mismatch" and H5Dwrite_chunk errors while
+# the model thread creates datasets)
+HDF5_LOCK = getattr(h5py._objects, "phil", None) or threading.RLock()
+
 CHUNK_BYTES = 1 << 20  # target uncompressed chunk size
 MAX_CHUNK_ROWS = 256
 MASK_CHUNK_ROWS, MASK_CHUNK_KEYS = 256, 1024  # bool: 256 KiB per chunk
@@ -178,7 +184,9 @@ class _Series:
                 pad = [(0, self.chunk_rows - chunk.shape[0])] + [(0, 0)] * len(self.row_shape)
                 chunk = np.pad(chunk, pad)
             if chunk.any():  # a chunk of zeros (rows not recorded) is not written: HDF5 reads it as its fill value, 0
-                self.ds.id.write_direct_chunk((n + a, *zeros), encode_chunk(chunk))
+                data = encode_chunk(chunk)  # outside the lock: the work the writer thread is for
+                with HDF5_LOCK:
+                    self.ds.id.write_direct_chunk((n + a, *zeros), data)
         self.carry = rows[whole:] if not final and whole < rows.shape[0] else None
         self.rows = n + end
 
