@@ -54,6 +54,9 @@ class LoadedModel:
     model_dir: Path
     dtype: str
     device: str
+    # the weights serve one runtime only (`trace replay`): a runtime may free what it has
+    # converted (the quantized static runtimes free each float weight once quantized)
+    single_use: bool = False
 
     @property
     def config(self):

@@ -68,6 +68,7 @@ def replay_trace(
     limit = getattr(loaded.text_config, "max_position_embeddings", None)
     if limit is not None and max_seq > limit:
         raise TraceToolError(f"--max-seq {max_seq} exceeds the model's {limit} positions (max_position_embeddings)")
+    loaded.single_use = True  # this replay is the model's only user
     _phase(progress, f"preparing the {choice.text} runtime")  # an export or a lowering, where the runtime has one
     rt = _make(choice, loaded, max_seq, make, header, allow_config_mismatch, weights_from is not None, litertlm)
     try:

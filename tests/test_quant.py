@@ -7,6 +7,8 @@ errors read straight from the traces.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import tomllib
@@ -14,9 +16,17 @@ import torch
 
 from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.diff.calibrate import calibrate, round_up
-from gemma4_trace.replayer.quant import SCHEMES, quantize_activation, quantize_weight
+from gemma4_trace.replayer.quant import (
+    SCHEMES,
+    QuantizedWeight,
+    hold_quantized,
+    make_quantized,
+    quantize_activation,
+    quantize_weight,
+)
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.reader import TraceReader
+from tests import tiny_models
 from tests.bug_zoo import reference_path
 from tests.support import invoke, one_line_error, site_of
 
@@ -47,6 +57,87 @@ def test_weight_quantization_is_the_textbook_formula(bits, group):
         levels = max(len(np.unique(r)) for r in got[:, c0 : c0 + g])
         assert levels <= 2**bits
     assert not np.array_equal(got, w.numpy())
+
+
+def torchao_fake_quant(w: torch.Tensor, bits: int, group: int | None) -> torch.Tensor:
+    """torchao's own quantize-dequantize of the zero-padded rows: what a held weight must equal."""
+    from torchao.quantization import quant_primitives as qp
+
+    k = w.shape[-1]
+    g = k if group is None else group
+    rows = torch.nn.functional.pad(w.reshape(-1, k).float(), (0, (-k) % g))
+    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    s, z = qp.choose_qparams_affine(rows, qp.MappingType.SYMMETRIC, (1, g), torch.int8, lo, hi)
+    q = qp.quantize_affine(rows, (1, g), s, z, torch.int8, lo, hi)
+    out = qp.dequantize_affine(q, (1, g), s, z, torch.int8, lo, hi, output_dtype=torch.float32)
+    return out[:, :k].reshape(w.shape).to(w.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32)])
+def test_a_held_weight_is_torchaos_values_bit_for_bit(bits, group, dtype):
+    gen = torch.Generator().manual_seed(2)
+    experts = torch.randn(3, 24, 80, generator=gen).to(dtype)  # (experts, out, in), 80: a short last group
+    held = hold_quantized(experts, bits, group)
+    want = torchao_fake_quant(experts, bits, group)
+    assert isinstance(held, QuantizedWeight) and held.q.dtype == torch.int8 and held.scale.dtype == torch.float32
+    assert (held.shape, held.dtype, held.dim(), held.numel()) == (experts.shape, dtype, 3, experts.numel())
+    bits_of = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(held.dequantize().view(bits_of), want.view(bits_of))
+    x = torch.randn(5, 80, generator=gen).to(dtype)
+    assert torch.equal(torch.nn.functional.linear(x, held[1]), torch.nn.functional.linear(x, want[1]))
+    assert torch.equal(held[torch.tensor([2, 0])], want[torch.tensor([2, 0])])  # an expert slice: only its rows
+    v = torch.randn(2, 80, generator=gen).to(dtype)
+    pick = torch.tensor([0, 2])
+    assert torch.equal(torch.einsum("khi,ki->kh", held[pick], v), torch.einsum("khi,ki->kh", want[pick], v))
+    assert torch.equal(held.sum(), want.sum())  # any other torch function sees the dequantized values
+
+
+def _mapping_rss_kb(address: int) -> int:
+    """Resident kB of the mapping (/proc/self/smaps) holding `address`."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_a_replays_quantized_runtime_holds_each_weight_once(tmp_path):
+    """`trace replay` owns its model (single_use): each float weight's memory is freed once
+    quantized (checkpoint pages mapped in place are dropped, read back from the file if touched);
+    the logits are those of a runtime that keeps the float weights."""
+    from gemma4_trace.hf.model import load_model
+
+    model = tiny_models.build(tmp_path / "m", "moe")
+    ids = [2, 10, 11, 12, 13, 14]
+    kept = make_quantized(load_model(model), 16, "static-w8a8")
+    owned = load_model(model)
+    owned.single_use = True
+    hf = owned.model.model.layers[0]
+    q_proj = hf.self_attn.q_proj.weight
+    values = q_proj.detach().clone()
+    quantized = [p for n, p in owned.model.named_parameters() if n.endswith(("_proj.weight", "_proj"))]
+    assert len(quantized) > 10
+    address = q_proj.untyped_storage().data_ptr()
+    for p in owned.model.parameters():
+        p.detach().sum()  # every page resident, as after a float replay
+    before = _mapping_rss_kb(address)
+    freed = make_quantized(owned, 16, "static-w8a8")
+    after = _mapping_rss_kb(address)
+    whole_pages = sum(p.numel() * p.element_size() // 4096 for p in quantized) * 4  # kB
+    assert before - after >= whole_pages // 2 > 0, (before, after, whole_pages)
+    assert torch.equal(q_proj.detach(), values)  # dropped pages read back from the file
+    assert hf.input_layernorm.weight.untyped_storage().nbytes() > 0
+    for L in freed.layers:
+        assert all(isinstance(L._buffers[n], QuantizedWeight) for n in ("q_proj", "o_proj", "gate_proj", "down_proj"))
+    with torch.no_grad():
+        assert torch.equal(kept.prefill(ids), freed.prefill(ids))
+        assert torch.equal(kept.decode(5, len(ids)), freed.decode(5, len(ids)))
 
 
 def test_activation_quantization_is_per_token_int8():
