@@ -7,17 +7,60 @@ preparing a runtime (an export or lowering), generating. It never imports this m
 On a terminal one line is redrawn in place (a ticking clock during a phase, a bar over the
 steps); otherwise (a redirected log, or `--no-progress`) plain lines, one per phase with its
 time, no carriage returns, written when the command succeeds (a failure stays one line: the
-error). The step count is the steps really run: a run
-that stops at end of sequence ends at its own count, not at --max-new-tokens.
+error). A log is never silent for long, though: a phase that runs past HEARTBEAT seconds is
+written as it goes, then again with its elapsed time every HEARTBEAT seconds, and from then on
+every line is written when it happens (`heartbeat` does the same for a command without phases:
+a sweep, a search). The step count is the steps really run: a run that stops at end of sequence
+ends at its own count, not at --max-new-tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import threading
 import time
 
 TICK = 0.5  # seconds between redraws of a phase's clock on a terminal
+
+
+def heartbeat_seconds() -> float:
+    """Seconds between the lines a long phase writes to a log (GEMMA4_TRACE_HEARTBEAT_S, default 30)."""
+    try:
+        v = float(os.environ.get("GEMMA4_TRACE_HEARTBEAT_S", "30"))
+    except ValueError:
+        return 30.0
+    return v if 0.01 <= v <= 3600 else 30.0
+
+
+def _is_terminal(stream) -> bool:
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+@contextlib.contextmanager
+def heartbeat(label: str, what: str, status=None, stream=None):
+    """While the block runs, off a terminal: `label: what ... [status(), ]N s` every
+    heartbeat_seconds(); on a terminal nothing (the command draws its own progress there)."""
+    stream = stream if stream is not None else sys.stderr
+    if _is_terminal(stream):
+        yield
+        return
+    stop, t0, every = threading.Event(), time.monotonic(), heartbeat_seconds()
+
+    def beat():
+        while not stop.wait(every):
+            extra = status() if status is not None else ""
+            stream.write(f"{label}: {what} ... {extra + ', ' if extra else ''}{time.monotonic() - t0:.0f} s\n")
+            stream.flush()
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 class Progress:
@@ -26,7 +69,7 @@ class Progress:
         stream is a terminal (None)."""
         self.stream = stream if stream is not None else sys.stderr
         if enabled is None:
-            enabled = bool(getattr(self.stream, "isatty", lambda: False)())
+            enabled = _is_terminal(self.stream)
         self.live, self.label, self.width = enabled, label, width
         self.what: str | None = None  # the current phase
         self.t0 = time.monotonic()
@@ -34,6 +77,7 @@ class Progress:
         self.steps_t0: float | None = None
         self.drawn = False  # a live line is on screen (needs a newline before anything else)
         self.held: list[str] = []  # plain lines, written on success
+        self.streaming = False  # plain lines written as they happen (a phase ran past the heartbeat)
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.ticker: threading.Thread | None = None
@@ -46,15 +90,30 @@ class Progress:
             self.what, self.t0 = what, time.monotonic()
             if self.live:
                 self._draw(f"{self.label}: {what} ...")
-                self.stop.clear()
-                self.ticker = threading.Thread(target=self._tick, daemon=True)
-                self.ticker.start()
+            self.stop.clear()
+            self.ticker = threading.Thread(target=self._tick if self.live else self._beat, daemon=True)
+            self.ticker.start()
 
     def _tick(self) -> None:
         while not self.stop.wait(TICK):
             with self.lock:
                 if self.what is not None and not self.done:
                     self._draw(f"{self.label}: {self.what} ... {time.monotonic() - self.t0:.0f} s")
+
+    def _beat(self) -> None:
+        """Plain lines: a phase past the heartbeat is written with its elapsed time (the lines held
+        so far first), and every line after it as it happens."""
+        while not self.stop.wait(heartbeat_seconds()):
+            with self.lock:
+                if self.what is None:
+                    continue
+                if not self.streaming:
+                    self.streaming = True
+                    self.stream.write("".join(line + "\n" for line in self.held))
+                    self.held = []
+                steps = f"{self.done}/{self.total} steps, " if self.total else ""
+                self.stream.write(f"{self.label}: {self.what} ... {steps}{time.monotonic() - self.t0:.0f} s\n")
+                self.stream.flush()
 
     def _end_phase(self) -> None:
         self.stop.set()
@@ -93,7 +152,11 @@ class Progress:
 
     def _line(self, text: str) -> None:
         if not self.live:
-            self.held.append(text)
+            if self.streaming:
+                self.stream.write(text + "\n")
+                self.stream.flush()
+            else:
+                self.held.append(text)
             return
         self._draw(text)
         self.stream.write("\n")

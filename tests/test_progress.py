@@ -6,8 +6,9 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+import time
 
-from gemma4_trace.progress import Progress
+from gemma4_trace.progress import Progress, heartbeat
 
 
 class _Terminal(io.StringIO):
@@ -41,6 +42,51 @@ def test_a_terminal_gets_a_line_redrawn_in_place():
     assert "\r" in out and "[" + "#" * 25 in out and "40/48" in out
     assert out.endswith("\n") and out.count("\n") == 2  # each phase ends on its own line
     assert "generating: 40 steps (ended at end of sequence, before 48)" in out
+
+
+def test_a_log_is_never_silent_past_the_heartbeat(monkeypatch):
+    """Off a terminal, a phase past GEMMA4_TRACE_HEARTBEAT_S is written as it runs (the lines held
+    before it first), with its elapsed time and steps, and every line after it when it happens."""
+    monkeypatch.setenv("GEMMA4_TRACE_HEARTBEAT_S", "0.05")
+    log = io.StringIO()
+    p = Progress("replaying", stream=log)
+    p.phase("loading the model")  # short: held
+    p.phase("lowering")
+    assert log.getvalue() == ""  # nothing yet: a short command's log is unchanged
+    time.sleep(0.3)
+    lines = log.getvalue().splitlines()
+    assert lines[0].startswith("replaying: loading the model: ") and lines[0].endswith(" s")
+    assert len(lines) >= 3 and all(x.startswith("replaying: lowering ... ") for x in lines[1:]), lines
+    p.phase("running the steps")  # from now on written as it happens
+    assert log.getvalue().splitlines()[-1].startswith("replaying: lowering: ")
+    p(2, 8)
+    time.sleep(0.2)
+    assert "replaying: running the steps ... 2/8 steps, " in log.getvalue()
+    p.close()
+    assert log.getvalue().splitlines()[-1].startswith("replaying: running the steps: 2 steps")
+    assert "\r" not in log.getvalue()
+    term = _Terminal()  # a terminal: only its own redrawn line, no heartbeat lines
+    p = Progress("replaying", stream=term)
+    p.phase("lowering")
+    time.sleep(0.2)
+    p.close()
+    assert " ... 0 s\n" not in term.getvalue() and term.getvalue().count("\n") == 1
+
+
+def test_a_command_without_phases_beats_off_a_terminal_only(monkeypatch):
+    monkeypatch.setenv("GEMMA4_TRACE_HEARTBEAT_S", "0.05")
+    log, term = io.StringIO(), _Terminal()
+    for stream in (log, term):
+        with heartbeat("trace sweep", "running the prompts", lambda: "3 of 9 prompts done", stream=stream):
+            time.sleep(0.3)
+    lines = log.getvalue().splitlines()
+    assert len(lines) >= 3 and all(
+        x.startswith("trace sweep: running the prompts ... 3 of 9 prompts done, ") for x in lines
+    )
+    assert term.getvalue() == ""
+    n = len(lines)
+    time.sleep(0.2)
+    assert len(log.getvalue().splitlines()) == n  # the beat ends with the block
 
 
 def test_the_option_forces_either_way():

@@ -114,6 +114,14 @@ def with_progress(label: str, progress, fn, *args, **kwargs):
     click.echo(one_line(summary))
 
 
+def beating(label: str, what: str, status=None):
+    """A heartbeat line on stderr every 30 s of a long piece of work, off a terminal only
+    (gemma4_trace/progress.py heartbeat)."""
+    from gemma4_trace.progress import heartbeat
+
+    return heartbeat(label, what, status)
+
+
 def configure_artifacts(cache_dir, no_cache: bool) -> None:
     """--cache-dir / --no-cache for this command only: the defaults come back when it ends (the
     command may run inside a longer-lived process: a test session, a notebook)."""

@@ -9,7 +9,7 @@ import click
 from gemma4_trace import options as O
 from gemma4_trace.replayer.runtimes.registry import RUNTIMES, check_available, check_export, exporter, parse_runtime
 
-from . import check_model_dir, configure_artifacts, user_errors
+from . import beating, check_model_dir, configure_artifacts, user_errors
 
 PTE = [s.name for s in RUNTIMES if s.export == "export-pte" and not s.name.endswith("-reference")]
 LITERT = [s.name for s in RUNTIMES if s.export == "export-litert"]
@@ -31,7 +31,9 @@ def export_onnx_cmd(model_dir, max_seq, out_dir, force, cache_dir, no_cache):
     check_export("export-onnx")
     from gemma4_trace.replayer.runtimes.onnx import export_command  # torch: after the checks
 
-    click.echo(export_command(model_dir, max_seq, out_dir, force=force))
+    with beating("trace export-onnx", "exporting the ONNX graphs"):
+        text = export_command(model_dir, max_seq, out_dir, force=force)
+    click.echo(text)
 
 
 @click.command("export-pte")
@@ -59,11 +61,11 @@ def export_pte_cmd(model_dir, runtime, max_seq, calibrate, prefill_chunk, out_di
         prompt = (ref.prompt_ids, ref.extra)
     from gemma4_trace.replayer.runtimes.executorch import export_command  # torch: after the checks
 
-    click.echo(
-        export_command(
+    with beating("trace export-pte", "lowering the programs"):
+        text = export_command(
             model_dir, runtime, max_seq, out_dir, force=force, calibration_prompt=prompt, prefill_chunk=prefill_chunk
         )
-    )
+    click.echo(text)
 
 
 @click.command("export-gguf")
@@ -88,7 +90,9 @@ def export_gguf_cmd(model_dir, gguf_type, output, force, cache_dir, no_cache):
     check_export("export-gguf")
     from gemma4_trace.replayer.runtimes.llamacpp.runtime import export_command
 
-    click.echo(export_command(model_dir, choice.type, output, force=force))
+    with beating("trace export-gguf", "converting (and quantizing) the GGUF file"):
+        text = export_command(model_dir, choice.type, output, force=force)
+    click.echo(text)
 
 
 @click.command("export-litert")
@@ -109,7 +113,9 @@ def export_litert_cmd(model_dir, runtime, max_seq, prefill_chunk, out_dir, force
     check_available(runtime)
     from gemma4_trace.replayer.runtimes.litert.export import export_command
 
-    click.echo(export_command(model_dir, runtime, max_seq, out_dir, force=force, prefill_chunk=prefill_chunk))
+    with beating("trace export-litert", "converting the LiteRT models"):
+        text = export_command(model_dir, runtime, max_seq, out_dir, force=force, prefill_chunk=prefill_chunk)
+    click.echo(text)
 
 
 @click.command("export-openvino")
@@ -129,7 +135,9 @@ def export_openvino_cmd(model_dir, runtime, max_seq, out_dir, force, cache_dir, 
     check_available(runtime)
     from gemma4_trace.replayer.runtimes.openvino import export_command
 
-    click.echo(export_command(model_dir, runtime, max_seq, out_dir, force=force))
+    with beating("trace export-openvino", "converting the OpenVINO IR"):
+        text = export_command(model_dir, runtime, max_seq, out_dir, force=force)
+    click.echo(text)
 
 
 @click.command("export-pt2")
@@ -145,4 +153,6 @@ def export_pt2_cmd(model_dir, max_seq, out_dir, force):
     check_model_dir(model_dir)
     from gemma4_trace.replayer.functional import export_pt2_command
 
-    click.echo(export_pt2_command(model_dir, max_seq, out_dir, force=force))
+    with beating("trace export-pt2", "exporting the programs"):
+        text = export_pt2_command(model_dir, max_seq, out_dir, force=force)
+    click.echo(text)

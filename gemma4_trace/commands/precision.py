@@ -7,7 +7,7 @@ import click
 from gemma4_trace import options as O
 from gemma4_trace.traces.atomic import check_output_path
 
-from . import configure_artifacts, load_recipe, model_files, user_errors
+from . import beating, configure_artifacts, load_recipe, model_files, user_errors
 
 
 @click.command()
@@ -44,4 +44,6 @@ def precision(reference, runtime, target, baseline, fallback, granularity, recip
         check_output_path(path, force, inputs=inputs)
     plan = P.Plan.check(reference, runtime, target, baseline, fallback, output, force)
     start = load_recipe(recipe)
-    click.echo(P.run(plan, granularity, start, model_dir))
+    with beating("trace precision", "searching for the recipe"):
+        text = P.run(plan, granularity, start, model_dir)
+    click.echo(text)

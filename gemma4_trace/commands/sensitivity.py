@@ -7,7 +7,7 @@ import click
 from gemma4_trace import options as O
 from gemma4_trace.traces.atomic import check_output_path
 
-from . import configure_artifacts, echo_lines, load_recipe, model_files, user_errors
+from . import beating, configure_artifacts, echo_lines, load_recipe, model_files, user_errors
 
 
 @click.command()
@@ -44,7 +44,8 @@ def sensitivity(reference, runtime, granularity, recipe, replays, model_dir, as_
         check_output_path(report, force, inputs=[reference, *model_files(model_dir), *([recipe] if recipe else [])])
     runner = make_runner(reference, runtime, model_dir, load_recipe(recipe))
     try:
-        result = run_sensitivity(runner, granularity, replays)
+        with beating("trace sensitivity", "replaying with one unit changed at a time"):
+            result = run_sensitivity(runner, granularity, replays)
     finally:
         runner.close()
     summary = format_sensitivity(result, Path(reference).name)
