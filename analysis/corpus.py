@@ -234,6 +234,8 @@ class SweepSummary:
     histogram: list[DivergenceCount] = field(default_factory=list)
     worst_first: list[PromptRank] = field(default_factory=list)
     base: dict | None = None
+    failed: list[dict] = field(default_factory=list)  # {id, line, reason}: prompts that did not run to the end
+    skipped: list[dict] = field(default_factory=list)  # {id, line, reason}: left out by --skip-unsupported
 
     def to_json(self) -> dict:
         out = {
@@ -243,14 +245,19 @@ class SweepSummary:
             "run": self.run,
             "first_divergence_histogram": [h.to_json() for h in self.histogram],
             "worst_first": [w.to_json() for w in self.worst_first],
+            "failed": self.failed,
+            "skipped": self.skipped,
         }
         if self.base is not None:
             out["base"] = self.base
         return out
 
 
-def aggregate(records: list[dict], settings: dict) -> SweepSummary:
-    """The sweep's summary from its prompts' records (their JSON), in the prompt file's order."""
+def aggregate(
+    records: list[dict], settings: dict, failed: list[dict] | None = None, skipped: list[dict] | None = None
+) -> SweepSummary:
+    """The sweep's summary from its prompts' records (their JSON), in the prompt file's order; the
+    statistics are over the prompts that ran, `failed` and `skipped` ({id, line, reason}) listed."""
     hist: dict[tuple, int] = {}
     for r in records:
         d = r.get("first_divergence")
@@ -280,4 +287,6 @@ def aggregate(records: list[dict], settings: dict) -> SweepSummary:
             for r in ranked
         ],
         base=_stats_of(records, "base_positions") if settings.get("baseline_runtime") else None,
+        failed=list(failed or []),
+        skipped=list(skipped or []),
     )

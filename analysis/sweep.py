@@ -326,8 +326,8 @@ def process_prompt(cfg: Config, spec: dict, out_dir: str | None, token: str | No
     shared = out_dir is not None and (
         token is None or _read_token(Path(out_dir)) == token
     )  # a Ray task on another machine does not see the driver's DIR
+    worker = _worker(cfg)  # a model that does not load ends the sweep: no prompt could run
     try:
-        worker = _worker(cfg)
         with tempfile.TemporaryDirectory(prefix="gemma4-sweep-") as tmp:
             got = worker.run(spec, Path(tmp))
             return _deliver(got, out_dir, shared)
@@ -374,6 +374,19 @@ class SweepOutcome:
     seconds: float
 
 
+def unsupported(prompts: list[dict], runtimes) -> list[dict]:
+    """The prompts a runtime of the sweep cannot run, known from its registry row before anything
+    runs (an image for a text decoder): [{id, line, reason}]. A plug-in's limits are not known: its
+    failures are recorded as the prompts run."""
+    from gemma4_trace.replayer.runtimes.registry import parse_runtime
+
+    text_only = [rt for rt in runtimes if rt is not None and getattr(parse_runtime(rt).spec, "text_only", False)]
+    if not text_only:
+        return []
+    why = f"--runtime {text_only[0]} runs a text decoder; the prompt has an image"
+    return [{"id": s["id"], "line": s["line"], "reason": why} for s in prompts if "image" in s]
+
+
 def run_sweep(
     prompts: list[dict],
     cfg: Config,
@@ -382,11 +395,16 @@ def run_sweep(
     ray_address: str | None = None,
     say=None,
     shared: bool | None = None,
+    skipped: list[dict] | None = None,
 ) -> SweepOutcome:
     """Every prompt not finished yet, then the aggregates (DIR/summary.json, DIR/summary.html).
 
-    `shared` (Ray only): None decides per task (the token file), False makes every task return its files,
-    True makes every task write them (DIR must be the same path on every machine).
+    A prompt that fails (a one-line error: the runtime cannot run it, an image that does not open)
+    is recorded as failed with its reason and the sweep goes on; nothing of it is written under
+    DIR/prompts, so a re-run tries it again. `skipped` ({id, line, reason}): prompts left out before
+    the sweep (--skip-unsupported), listed in the summary. `shared` (Ray only): None decides per task
+    (the token file), False makes every task return its files, True makes every task write them (DIR
+    must be the same path on every machine).
     """
     from .corpus import aggregate
     from .sweep_report import write_summary
@@ -408,13 +426,20 @@ def run_sweep(
     if resumed:
         say(f"resuming: {resumed} of {len(prompts)} prompts already done in {out_dir}")
 
+    failed: dict[str, dict] = {}
+
     def done(spec, got):
+        if isinstance(got, PromptFailed):
+            reason = str(got).removeprefix(f"prompt {spec['id']} (line {spec['line']}): ")
+            failed[spec["id"]] = {"id": spec["id"], "line": spec["line"], "reason": reason}
+            say(f"[{len(records) + len(failed)}/{len(prompts)}] {spec['id']}: FAILED: {reason}")
+            return
         if got["files"] is not None:
             store(out_dir, got["files"], got["record"])
         records[spec["id"]] = json.loads(json.dumps(got["record"]))  # as a resumed one reads back
         rec = got["record"]
         say(
-            f"[{len(records)}/{len(prompts)}] {spec['id']}: "
+            f"[{len(records) + len(failed)}/{len(prompts)}] {spec['id']}: "
             + ("match" if rec["match"] else "DIVERGES")
             + f", KL mean {rec['kl_mean']:.3g}"
         )
@@ -424,10 +449,11 @@ def run_sweep(
             _run_ray(todo, cfg, out_dir, ray_address, done, shared)
         elif workers <= 1:
             for spec in todo:
-                done(spec, process_prompt(cfg, spec, str(out_dir)))
+                done(spec, _outcome(lambda spec=spec: process_prompt(cfg, spec, str(out_dir))))
         else:
             _run_pool(todo, cfg, out_dir, workers, done)
-    summary = aggregate([records[s["id"]] for s in prompts], cfg.settings)
+    ran = [records[s["id"]] for s in prompts if s["id"] in records]
+    summary = aggregate(ran, cfg.settings, [failed[s["id"]] for s in prompts if s["id"] in failed], skipped)
     write_summary(summary, out_dir)
     return SweepOutcome(summary, len(todo), resumed, time.perf_counter() - t0)
 
@@ -451,7 +477,7 @@ def _run_pool(todo, cfg, out_dir: Path, workers: int, done) -> None:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for fut in cf.as_completed(futures):
-            done(futures[fut], fut.result())
+            done(futures[fut], _outcome(fut.result))
     except BaseException:
         _stop_pool(pool)
         raise
@@ -522,9 +548,11 @@ def _run_ray(todo, cfg, out_dir: Path, address: str, done, shared: bool | None) 
                     got = ray.get(r)
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None)  # the task's own exception
-                    if isinstance(cause, TraceToolError):
+                    if not isinstance(cause, TraceToolError):
+                        raise
+                    if not isinstance(cause, PromptFailed):
                         raise TraceToolError(str(cause)) from None
-                    raise
+                    got = cause
                 done(refs[r], got)
     except BaseException:
         for r in refs:
@@ -536,6 +564,14 @@ def _run_ray(todo, cfg, out_dir: Path, address: str, done, shared: bool | None) 
             ray.shutdown()
 
 
+def _outcome(run):
+    """run()'s result, or the PromptFailed it raised."""
+    try:
+        return run()
+    except PromptFailed as e:
+        return e
+
+
 def describe(outcome: SweepOutcome) -> str:
     from .sweep_report import format_summary
 
@@ -544,5 +580,9 @@ def describe(outcome: SweepOutcome) -> str:
     )
 
 
-def failing_prompt(spec: dict, e: Exception) -> TraceToolError:
-    return TraceToolError(f"prompt {spec['id']} (line {spec['line']}): {one_line(e, 300)}")
+class PromptFailed(TraceToolError):
+    """One prompt could not run (its one-line reason): the sweep records it and goes on."""
+
+
+def failing_prompt(spec: dict, e: Exception) -> PromptFailed:
+    return PromptFailed(f"prompt {spec['id']} (line {spec['line']}): {one_line(e, 300)}")

@@ -54,36 +54,64 @@ def format_summary(summary: SweepSummary, worst: int = 10) -> str:
         lines.append("first divergences (layer, kind): prompts")
         for h in summary.histogram:
             lines.append(f"  {'-' if h.layer is None else h.layer:>5} {h.kind:<18} {h.prompts}")
-    lines.append(f"worst prompts (of {summary.prompts}):")
+    if worst and summary.worst_first:
+        lines.append(f"worst prompts (of {summary.prompts}):")
     for w in summary.worst_first[:worst]:
         lines.append(
             f"  {w.id}: {'match' if w.match else 'DIVERGES at ' + _site(w.first_divergence)}, "
             f"KL mean {sci(w.kl_mean)}, max {sci(w.kl_max)} ({w.report})"
         )
-    n = summary.diverging
-    lines.append(
-        f"verdict: {n} of {summary.prompts} prompts diverge (exit 1)"
-        if n
-        else f"verdict: all {summary.prompts} prompts match (exit 0)"
-    )
+    for title, items in (("failed to run", summary.failed), ("skipped (--skip-unsupported)", summary.skipped)):
+        if items and worst:  # the HTML page (worst=0) has them in tables of their own
+            lines.append(f"{title} ({len(items)}):")
+            lines += [f"  {f['id']} (line {f['line']}): {f['reason']}" for f in items[: max(worst, 10)]]
+            if len(items) > max(worst, 10):
+                lines.append(f"  ... and {len(items) - max(worst, 10)} more (summary.json lists them all)")
+    lines.append(verdict_line(summary))
     return "\n".join(lines)
 
 
-def _percentile_plot(s: dict) -> str:
-    """KL at each percentile on a log scale (the distribution's shape across the set)."""
-    pct = s["kl"]["percentiles"]
-    vals = [pct[percentile_key(q)] for q in reversed(PERCENTILES)]  # 0.1 .. 99.9
-    pos = [v for v in vals if v > 0]
+def verdict_line(summary: SweepSummary) -> str:
+    n, failed, skipped = summary.diverging, len(summary.failed), len(summary.skipped)
+    more = (f", {failed} failed to run" if failed else "") + (f", {skipped} skipped" if skipped else "")
+    if n:
+        return f"verdict: {n} of {summary.prompts} prompts diverge{more} (exit 1)"
+    if failed:
+        return f"verdict: {summary.prompts} prompts match{more} (exit 1)"
+    return f"verdict: all {summary.prompts} prompts match{more} (exit 0)"
+
+
+def exit_code(summary: SweepSummary) -> int:
+    """1 when a prompt diverges or failed to run, else 0."""
+    return 1 if summary.diverging or summary.failed else 0
+
+
+def _percentile_plot(series: list[tuple[str, dict, str]]) -> str:
+    """KL at each percentile on a log scale (the distribution's shape across the set), one line per
+    (name, statistics, colour): RUN, and BASE beside it when the sweep has one."""
+    qs = list(reversed(PERCENTILES))  # 0.1 .. 99.9
+    lines = [(name, [s["kl"]["percentiles"][percentile_key(q)] for q in qs], colour) for name, s, colour in series]
+    pos = [v for _, vals, _ in lines for v in vals if v > 0]
     if not pos:
         return "<p>KL is 0 at every position</p>"
-    p = LogPlot(pos, len(vals), width=640, height=220, left=60, top=10, bottom=40, right=20)
+    p = LogPlot(pos, len(qs), width=640, height=220, left=60, top=10, bottom=40, right=20)
     out = p.grid("#eee", label_first=True)
-    out.append(p.polyline([(p.x(i), p.y(v)) for i, v in enumerate(vals)], "#2c6fbb", "1.5"))
-    for i, (q, v) in enumerate(zip(reversed(PERCENTILES), vals)):
-        out.append(
-            f'<circle cx="{p.x(i):.1f}" cy="{p.y(v):.1f}" r="3" fill="#2c6fbb"><title>p{q:g}: {sci(v)}</title></circle>'
-            f'<text x="{p.x(i):.1f}" y="{p.height - 22}" font-size="10" text-anchor="middle">p{q:g}</text>'
-        )
+    for i, q in enumerate(qs):
+        out.append(f'<text x="{p.x(i):.1f}" y="{p.height - 22}" font-size="10" text-anchor="middle">p{q:g}</text>')
+    for k, (name, vals, colour) in enumerate(lines):
+        shown = [(i, v) for i, v in enumerate(vals) if v > 0]  # a KL of 0 has no place on a log scale
+        out.append(p.polyline([(p.x(i), p.y(v)) for i, v in shown], colour, "1.5"))
+        for i, v in shown:
+            out.append(
+                f'<circle cx="{p.x(i):.1f}" cy="{p.y(v):.1f}" r="3" fill="{colour}">'
+                f"<title>{name} p{qs[i]:g}: {sci(v)}</title></circle>"
+            )
+        if len(lines) > 1:  # the legend
+            x = p.left + 10 + 90 * k
+            out.append(
+                f'<rect x="{x}" y="{p.height - 12}" width="12" height="4" fill="{colour}"/>'
+                f'<text x="{x + 16}" y="{p.height - 8}" font-size="11">{name}</text>'
+            )
     return svg(p.width, p.height, out)
 
 
@@ -108,7 +136,7 @@ def _histogram_plot(hist: list[DivergenceCount]) -> str:
 
 def render_summary_html(summary: SweepSummary) -> str:
     e = html.escape
-    n = summary.diverging
+    n = summary.diverging or len(summary.failed)
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -117,13 +145,18 @@ def render_summary_html(summary: SweepSummary) -> str:
         f"<h1>trace sweep: {summary.prompts} prompts, runtime {e(str(summary.settings['runtime']))}</h1>",
         f'<div class="verdict {"bad" if n else "good"}">{e(format_summary(summary, worst=0))}</div>',
     ]
+    series = [("RUN", summary.run, "#2c6fbb")]
+    if summary.base is not None and summary.base.get("positions"):
+        series.append(("BASE", summary.base, "#888888"))
     if summary.run.get("positions"):
-        parts += ["<h2>KL(REF||RUN) percentiles over every token position</h2>", _percentile_plot(summary.run)]
-    parts += ["<h2>First divergence by (layer, kind)</h2>", _histogram_plot(summary.histogram)]
-    parts.append(
-        "<h2>Prompts, worst first</h2><table><tr><th>prompt</th><th>verdict</th><th>first divergence</th>"
-        "<th>KL mean</th><th>KL max</th><th>top-1</th></tr>"
-    )
+        title = "KL(REF||RUN)" + (" and KL(REF||BASE)" if len(series) > 1 else "")
+        parts += [f"<h2>{title} percentiles over every token position</h2>", _percentile_plot(series)]
+    if summary.worst_first:
+        parts += ["<h2>First divergence by (layer, kind)</h2>", _histogram_plot(summary.histogram)]
+        parts.append(
+            "<h2>Prompts, worst first</h2><table><tr><th>prompt</th><th>verdict</th><th>first divergence</th>"
+            "<th>KL mean</th><th>KL max</th><th>top-1</th></tr>"
+        )
     for w in summary.worst_first:
         parts.append(
             f'<tr><td class="l"><a href="{e(w.report)}">{e(w.id)}</a></td>'
@@ -131,10 +164,31 @@ def render_summary_html(summary: SweepSummary) -> str:
             f"<td>{sci(w.kl_mean)}</td><td>{sci(w.kl_max)}</td>"
             f"<td>{'-' if w.top1 is None else format(w.top1, '.3f')}</td></tr>"
         )
-    parts += ["</table>", "<h2>Settings</h2><table>"]
-    parts += [f'<tr><th class="l">{e(k)}</th><td class="l">{e(str(v))}</td></tr>' for k, v in summary.settings.items()]
+    if summary.worst_first:
+        parts.append("</table>")
+    for title, items in (("Failed to run", summary.failed), ("Skipped (--skip-unsupported)", summary.skipped)):
+        if items:
+            parts.append(f"<h2>{title}</h2><table><tr><th>prompt</th><th>line</th><th>reason</th></tr>")
+            parts += [
+                f'<tr><td class="l">{e(f["id"])}</td><td>{f["line"]}</td><td class="l">{e(f["reason"])}</td></tr>'
+                for f in items
+            ]
+            parts.append("</table>")
+    parts.append("<h2>Settings</h2><table>")
+    parts += [
+        f'<tr><th class="l">{e(k)}</th><td class="l">{e(_setting(v))}</td></tr>' for k, v in summary.settings.items()
+    ]
     parts += ["</table>", "</body></html>"]
     return "\n".join(parts)
+
+
+def _setting(v) -> str:
+    """A setting as a reader writes it: none, yes / no, numbers and text as they are."""
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return str(v)
 
 
 def _atomic_text(path: Path, text: str) -> None:

@@ -143,22 +143,41 @@ def test_bad_prompt_files_are_refused_in_one_line(tmp_path, content, needles):
     assert not out.exists()
 
 
-def test_a_prompt_that_fails_is_named(tmp_path):
+def test_a_prompt_that_fails_is_recorded_and_the_rest_summarised(tmp_path):
     p = tmp_path / "p.jsonl"
     p.write_text('{"id": "fine", "input_ids": [2, 100]}\n{"id": "huge", "input_ids": [2, 99999]}\n')
-    r = invoke(
-        "sweep",
-        p,
-        "--runtime",
-        "static",
-        "--max-new-tokens",
-        2,
-        "-o",
-        tmp_path / "out",
-        env={"GEMMA4_TRACE_CACHE": str(tmp_path / "cache")},
-    )
-    one_line_error(r, "prompt huge (line 2)", "99999")
-    assert (tmp_path / "out" / "prompts" / "fine.json").is_file()  # the finished prompt stays usable
+    out = tmp_path / "out"
+    args = ["sweep", p, "--runtime", "static", "--max-new-tokens", 2, "-o", out]
+    r = invoke(*args, env={"GEMMA4_TRACE_CACHE": str(tmp_path / "cache")})
+    assert r.exit_code == 1, r.output  # a prompt that did not run is not a pass
+    assert "failed to run (1):\n  huge (line 2): " in r.stdout and "99999" in r.stdout, r.output
+    assert "verdict: 1 prompts match, 1 failed to run (exit 1)" in r.stdout, r.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["prompts"] == 1 and [f["id"] for f in summary["failed"]] == ["huge"] and summary["skipped"] == []
+    assert "99999" in summary["failed"][0]["reason"]
+    assert (out / "prompts" / "fine.json").is_file() and not (out / "prompts" / "huge.json").exists()
+    page = (out / "summary.html").read_text()
+    assert "Failed to run" in page and "99999" in page
+    r = invoke(*args, env={"GEMMA4_TRACE_CACHE": str(tmp_path / "cache")})  # a rerun tries it again
+    assert r.exit_code == 1 and "1 prompt(s) run, 1 resumed" in r.stdout, r.output
+
+
+def test_prompts_a_text_decoder_cannot_run_are_refused_up_front_or_skipped(tmp_path):
+    shipped = [json.loads(x) for x in (embedded_model_dir() / "sweep_prompts.jsonl").read_text().splitlines()]
+    images = [d["id"] for d in shipped if "image" in d]
+    assert images, "the shipped set has image prompts"
+    p = subset_file(tmp_path, ("short-00", images[0]))
+    out = tmp_path / "out"
+    env = {"GEMMA4_TRACE_CACHE": str(tmp_path / "cache")}
+    r = invoke("sweep", p, "--runtime", "mobius", "--max-new-tokens", 2, "-o", out, env=env)
+    one_line_error(r, "1 of 2 prompts cannot run", "runs a text decoder", images[0], "--skip-unsupported")
+    assert not out.exists()  # refused before anything ran
+    r = invoke("sweep", p, "--runtime", "mobius", "--max-new-tokens", 2, "--skip-unsupported", "-o", out, env=env)
+    assert r.exit_code in (0, 1), r.output
+    assert f"skipped (--skip-unsupported) (1):\n  {images[0]} (line " in r.stdout, r.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["prompts"] == 1 and [s["id"] for s in summary["skipped"]] == [images[0]]
+    assert [w["id"] for w in summary["worst_first"]] == ["short-00"]
 
 
 def test_usage_refusals(tmp_path):

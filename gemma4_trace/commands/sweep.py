@@ -9,7 +9,16 @@ import click
 from gemma4_trace import options as O
 from gemma4_trace.traces.errors import TraceToolError, one_line
 
-from . import EXIT_DIVERGENCE, EXIT_INTERRUPTED, check_model_dir, configure_artifacts, echo_lines, fail, user_errors
+from . import (
+    EXIT_DIVERGENCE,
+    EXIT_INTERRUPTED,
+    beating,
+    check_model_dir,
+    configure_artifacts,
+    echo_lines,
+    fail,
+    user_errors,
+)
 
 
 @click.command()
@@ -40,6 +49,12 @@ from . import EXIT_DIVERGENCE, EXIT_INTERRUPTED, check_model_dir, configure_arti
 @click.option(
     "--keep-traces", is_flag=True, help="also keep each prompt's REF, RUN (and BASE) traces under DIR/prompts"
 )
+@click.option(
+    "--skip-unsupported",
+    is_flag=True,
+    help="leave out the prompts the runtime cannot run (an image for a text decoder), listed as skipped "
+    "[default: refuse the sweep, naming them]",
+)
 @O.tolerances
 @O.baseline_factor
 @O.output("folder for the results", dest="out_dir")
@@ -55,6 +70,7 @@ def sweep(prompts_path, runtime, baseline_runtime, model_dir, no_chat, workers, 
 
     from gemma4_trace.analysis import sweep as S
     from gemma4_trace.analysis.prompts import read_prompts
+    from gemma4_trace.analysis.sweep_report import exit_code
     from gemma4_trace.diff.baseline import check_factor
     from gemma4_trace.diff.tolerances import load_tolerances
     from gemma4_trace.replayer.runtimes.registry import check_available
@@ -68,6 +84,17 @@ def sweep(prompts_path, runtime, baseline_runtime, model_dir, no_chat, workers, 
         if workers != 1:
             raise TraceToolError("give --workers or --ray, not both")
         S.check_ray(ray_address)
+    skipped = S.unsupported(prompts, (runtime, baseline_runtime))
+    if skipped and not kw["skip_unsupported"]:
+        ids = ", ".join(s["id"] for s in skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        raise TraceToolError(
+            f"{len(skipped)} of {len(prompts)} prompts cannot run ({skipped[0]['reason']}): {ids}; "
+            "pass --skip-unsupported to sweep the rest"
+        )
+    if len(skipped) == len(prompts):
+        raise TraceToolError(f"no prompt of {prompts_path} can run: {skipped[0]['reason']}")
+    left_out = {s["id"] for s in skipped}
+    prompts = [p for p in prompts if p["id"] not in left_out]
     check_model_dir(model_dir)
     load_tolerances(kw["tolerances"])
     if baseline_runtime is not None:
@@ -91,12 +118,27 @@ def sweep(prompts_path, runtime, baseline_runtime, model_dir, no_chat, workers, 
     )
     loud = progress if progress is not None else sys.stderr.isatty()
     say = (lambda line: click.echo(one_line(line), err=True)) if loud else None
+
+    def finished() -> int:  # prompts with their JSON written (resumed ones too)
+        return len(list((out / "prompts").glob("*.json"))) if (out / "prompts").is_dir() else 0
+
+    def done_count() -> str:  # the heartbeat's status
+        return f"{finished()} of {len(prompts)} prompts done"
+
     try:
-        outcome = S.run_sweep(
-            prompts, cfg, out, workers=workers, ray_address=ray_address, say=say, shared=kw["shared_dir"]
-        )
+        with beating("trace sweep", "running the prompts", done_count if not loud else None):
+            outcome = S.run_sweep(
+                prompts,
+                cfg,
+                out,
+                workers=workers,
+                ray_address=ray_address,
+                say=say,
+                shared=kw["shared_dir"],
+                skipped=skipped,
+            )
     except KeyboardInterrupt:
-        done = len(list((out / "prompts").glob("*.json"))) if (out / "prompts").is_dir() else 0
+        done = finished()
         fail(f"interrupted; {done} finished prompt(s) kept in {out}/prompts (run again to resume)", EXIT_INTERRUPTED)
     echo_lines(S.describe(outcome))
-    sys.exit(EXIT_DIVERGENCE if outcome.summary.diverging else 0)
+    sys.exit(EXIT_DIVERGENCE if exit_code(outcome.summary) else 0)
