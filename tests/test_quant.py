@@ -7,6 +7,7 @@ errors read straight from the traces.
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -189,6 +190,21 @@ def test_runtime_name_is_recorded_and_numbers_differ_by_scheme(runs):
 def test_quantized_run_fails_the_float_defaults(runs):
     ref, out = runs
     assert not diff_traces(ref, out["static-w8"]).match
+
+
+def test_a_quantized_run_diffed_without_a_baseline_gets_one_note_pointing_to_it(runs):
+    ref, out = runs
+    r = invoke("diff", ref, out["static-w8a8"], "--json")
+    assert r.exit_code == 1
+    notes = [n for n in json.loads(r.stdout)["notes"] if "a quantized runtime" in n]
+    assert len(notes) == 1 and "RUN ran static-w8a8" in notes[0] and "--baseline BASE" in notes[0]
+    assert "trace calibrate" in notes[0] and "docs/quantized.md" in notes[0]
+    r = invoke("diff", ref, out["static-w8a8"], "--baseline", out["static-w8"])  # a baseline given: no note
+    assert "a quantized runtime:" not in r.stdout, r.output
+    r = invoke("diff", out["static-w8"], out["static-w4g32"])  # the note follows RUN's runtime
+    assert "RUN ran static-w4g32, a quantized runtime" in r.stdout
+    r = invoke("diff", ref, out["static"])
+    assert "a quantized runtime" not in r.stdout, r.output
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))

@@ -72,6 +72,10 @@ def diff_cmd(
             report, force, inputs=[reference, candidate, tolerances, model_dir and Path(model_dir) / "tokenizer.json"]
         )
     result = diff_traces(reference, candidate, tolerances, baseline, baseline_factor, full=full)
+    if baseline is None and not result.match:
+        note = quantized_run_note(result.candidate.runtime)
+        if note:
+            result.notes.append(note)
     folder = tokenizer_folder(model_dir, result.reference.model_name)
     decode = decoder_for(folder / "tokenizer.json" if folder else None)
     if decode is not None:
@@ -100,3 +104,19 @@ def calibrate(reference, bases, output, margin, force):
     from gemma4_trace.diff.calibrate import write_calibration
 
     click.echo(one_line(write_calibration(reference, list(bases), output, margin=margin, force=force)))  # names OUT
+
+
+def quantized_run_note(runtime: str) -> str | None:
+    """A RUN of a quantized runtime diffed without --baseline: one line on judging it by a baseline."""
+    from gemma4_trace.replayer.runtimes.registry import quantized_runtime
+
+    spec = quantized_runtime(runtime)
+    if spec is None:
+        return None
+    how = (spec.baseline or "").replace("--weights-from", "--weights-from FILE.gguf")
+    base = f" (BASE: trace replay REF --runtime {how})" if how else ""
+    return (
+        f"RUN ran {runtime}, a quantized runtime: against REF alone every difference its quantization makes "
+        f"diverges; judge it by a trusted run of the same quantization with --baseline BASE{base}, or by "
+        "tolerances calibrated on one (trace calibrate); see docs/quantized.md"
+    )

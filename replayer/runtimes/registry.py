@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -491,6 +492,32 @@ def _check_plugin_module(text: str) -> None:
             f"cannot import runtime plug-in module {module_name!r} (--runtime {text!r}): no module "
             f"{top!r} is installed or in the current folder"
         )
+
+
+FLOAT_GGUF_TYPES = ("F32", "F16", "BF16")
+
+
+def quantized_runtime(name: str) -> RuntimeSpec | None:
+    """The registry row of a trace's provenance runtime name when that runtime quantizes (static-w8,
+    llama.cpp:Q8_0, mlx-q4, a recipe's static-w8+recipe, a quantized plug-in's bug+w8: the static
+    scheme's row), else None: a float runtime, or a name the registry does not know."""
+    base, *marks = str(name).split("+")
+    for m in marks:
+        if _SCHEME_MARK.fullmatch(m):
+            return BY_NAME.get(f"static-{m}", BY_NAME["static-w8"])
+    try:
+        choice = parse_runtime(base)
+    except TraceToolError:
+        return None
+    spec = choice.spec
+    if spec is None:
+        return None
+    if spec.types:
+        return spec if choice.type not in FLOAT_GGUF_TYPES else None
+    return spec if spec.precision.startswith("quantized") else None
+
+
+_SCHEME_MARK = re.compile(r"w\d+(?:g\d+)?(?:a\d+)?")  # a static scheme in a derived name: bug+w8, x+w4g32
 
 
 def exporter(command: str) -> RuntimeSpec:
