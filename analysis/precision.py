@@ -106,6 +106,7 @@ class PrecisionResult:
     started_from_recipe: bool = False
     note: str = ""
     bytes_label: str = "quantizable weight bytes"
+    all_fallback: bool = False  # every unit ends at the fallback: the runtime's own precision is used nowhere
 
 
 def baseline_judge(reference, baseline):
@@ -186,6 +187,7 @@ def precision_search(
         base is not None,
         runner.note,
         runner.bytes_label,
+        all(v == fallback for v in _resolve(runner, recipe).values()),
     )
 
 
@@ -199,6 +201,7 @@ def format_precision(p: PrecisionResult, output, target: Target, fallback: str, 
     return "\n".join(
         [
             f"target {target}: reached with {len(p.kept)} unit(s) at {fallback}: {kept}",
+            *([_all_fallback_warning(p, fallback)] if p.all_fallback else []),
             *([p.note] if p.note else []),
             f"before (every unit as started: {p.recipe.runtime}{', --recipe' if p.started_from_recipe else ''}): "
             f"{metrics_text(p.before)}",
@@ -208,6 +211,14 @@ def format_precision(p: PrecisionResult, output, target: Target, fallback: str, 
             f"in {seconds:.1f} s",
             f"wrote {output}: trace replay REF --runtime {p.recipe.runtime} --recipe {output}",
         ]
+    )
+
+
+def _all_fallback_warning(p: PrecisionResult, fallback: str) -> str:
+    what = "quantizes nothing" if fallback == "float" else f"is {fallback} throughout"
+    return (
+        f"warning: every unit is at {fallback}: the recipe {what} and {p.recipe.runtime} is used nowhere "
+        f"(x{p.bytes_recipe / p.bytes_all:.2f} bytes); a looser target, or --unit module, keeps some of it"
     )
 
 

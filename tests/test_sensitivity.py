@@ -123,6 +123,7 @@ def test_cli_precision_reaches_the_target_and_replay_verifies_it(work):
     )
     assert res.exit_code == 0, res.output
     assert f"reached with 1 unit(s) at float: layer.{LOW_LAYER}" in res.output
+    assert "warning" not in res.output  # the rest stays quantized
     assert load_recipe(out) == Recipe("static-w8", {f"layer.{LOW_LAYER}": "float"})
     run = work / "kept.h5"
     res = invoke("replay", str(REF), "--runtime", "static-w8", "--recipe", str(out), "-o", str(run))
@@ -131,6 +132,19 @@ def test_cli_precision_reaches_the_target_and_replay_verifies_it(work):
     assert kl <= 1e-6 and top1 >= 0.98
     again = invoke("precision", str(REF), "--runtime", "static-w8", "--target", "kl_mean<=1e-6", "-o", str(out))
     assert again.exit_code == 2 and "--force" in again.output  # never over an existing recipe without --force
+
+
+def test_cli_precision_warns_when_the_recipe_it_reaches_quantizes_nothing(work):
+    out = work / "all-float.toml"
+    res = invoke(
+        "precision", str(REF), "--runtime", "static-w8", "--unit", "layer", "--target", "kl_mean<=1e-12",
+        "-o", str(out),
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[1].startswith("warning: every unit is at float: the recipe quantizes nothing and static-w8 "), lines
+    units = load_recipe(out).units
+    assert units and set(units.values()) == {"float"}
 
 
 def test_cli_precision_refuses_a_fallback_that_is_the_runtime(work):
@@ -299,6 +313,7 @@ def test_precision_target_baseline_keeps_the_weak_layer_and_the_diff_passes(work
     )
     assert res.exit_code == 0, res.output
     assert f"reached with 1 unit(s) at float: layer.{LOW_LAYER}" in res.output
+    assert "warning" not in res.output  # the rest stays quantized
     assert "trace diff --baseline fails" in res.output and "trace diff --baseline passes" in res.output
     assert load_recipe(out) == Recipe("static-w8", {f"layer.{LOW_LAYER}": "float"})
     run = work / "baseline-kept.h5"
