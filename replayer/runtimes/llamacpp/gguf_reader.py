@@ -21,6 +21,7 @@ import mmap
 import os
 import struct
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +89,21 @@ class Header:
         if (st.st_size, st.st_mtime_ns) != self.stamp:
             raise TraceToolError(f"{one_line(self.path, 200)}: the file changed after its header was checked")
         return self.fd
+
+    def weight_types(self) -> Counter:
+        """How many weight tensors (two or more dimensions) the file holds of each ggml type, by name."""
+        return Counter(_ggml_name(t.type) for t in self.tensors.values() if len(t.dims) >= 2)
+
+    def types_note(self, requested: str) -> str | None:
+        """One phrase when the file's weights are mostly not of the type asked for (llama.cpp stores a
+        weight whose rows do not fill its blocks in another type, and says nothing), else None."""
+        counts = self.weight_types()
+        main = requested.removesuffix("_M").removesuffix("_S")
+        quantized = {k: v for k, v in counts.items() if k != "F32"} or dict(counts)
+        if not quantized or max(quantized, key=lambda k: (quantized[k], k)) == main:
+            return None
+        held = ", ".join(f"{n} {t}" for t, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+        return f"the file holds {held} weights, mostly not {main} (rows that do not fill {main}'s blocks)"
 
     @property
     def arch(self) -> str:
@@ -193,6 +209,15 @@ def check_gguf_options(runtime: str, gguf, weights_from, isolate: bool, recipe) 
         if importlib.util.find_spec(module) is None:
             raise TraceToolError(f"reading a GGUF needs {what}: {install_hint('llamacpp')}")
     return runtime
+
+
+def _ggml_name(t: int) -> str:
+    try:
+        import gguf
+
+        return gguf.GGMLQuantizationType(t).name
+    except (ImportError, ValueError):
+        return f"type {t}"
 
 
 def read_header(path) -> Header:

@@ -41,6 +41,7 @@ from gemma4_trace.traces.errors import one_line
 from ...artifacts import artifact_folder, code_digest, model_folder_files, model_hash
 from ...child import ChildRuntime
 from . import gguf_writer as GW
+from .gguf_reader import read_header
 
 RUNTIME = "llama.cpp"
 ENGINE = "gemma4_trace.replayer.runtimes.llamacpp.engine:LlamaCppEngine"
@@ -127,7 +128,8 @@ class LlamaCppRuntime(ChildRuntime):
             self.close()
             raise
         what = gguf_type if user_file is None else f"{one_line(Path(user_file).name, 100)} ({gguf_type})"
-        more = "".join(f"; {n}" for n in notes)
+        held = (header or read_header(self.path)).types_note(gguf_type)
+        more = "".join(f"; {n}" for n in (*notes, *([held] if held else [])))
         self.name = f"llama.cpp:{what} (llama-cpp-python {_version()}, CPU{more})"
 
     def _step(self, ids: list[int], first: int, probe):
@@ -197,4 +199,7 @@ def export_command(model_dir, gguf_type: str, output, force: bool = False) -> st
     finally:
         tmp.unlink(missing_ok=True)
         art.close()
-    return f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {loaded.name}, {gguf_type}, {art.note}"
+    held = read_header(out).types_note(gguf_type)
+    return f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {loaded.name}, {gguf_type}, {art.note}" + (
+        f"; {held}" if held else ""
+    )
