@@ -102,6 +102,7 @@ class _Differ:
         self.best: tuple[tuple, Divergence] | None = None  # (search key, divergence)
         self.res = Residuals()  # for growth and origin
         self.absent: dict[tuple[str, int | None], np.ndarray] = {}  # rows a trace lacks (rows_present): not compared
+        self.res.absent = self.absent  # the growth table's steps with no row compared are "not compared"
 
     # ------------------------------------------------------------ candidates
     def _offer(self, d: Divergence) -> None:

@@ -371,6 +371,34 @@ def _tensor_table(tensors: list[TensorSummary]) -> str:
     return "".join(out)
 
 
+def _heatmaps(result: DiffResult, d: Divergence | None) -> list[str]:
+    """The layer x step maps, the one the verdict uses first: with --baseline, RUN's error over
+    BASE's envelope, then the plain tolerance map (which the baseline's verdict overrides)."""
+    plain = [
+        "<h2>Error growth: layer x step</h2>"
+        if result.baseline is None
+        else "<h2>Against the tolerance alone (not the verdict: --baseline judges by the envelope above)</h2>",
+        _heatmap(result.growth, d),
+        "<p class=\"legend\">Each cell: the step's rel-L2 of the residual stream (a layer's output; the first row the "
+        "embeddings, the last final_hidden) over its tolerance, on a log scale: blue under the tolerance, yellow at "
+        "it, red to black far above; white exact, hatched grey not compared. Hover a cell for its value. The "
+        "black-and-white frame marks the first divergence (a divergence before or after the layers sits in the "
+        "first or last row).</p>",
+    ]
+    if result.baseline is None:
+        return plain
+    factor = result.baseline.factor
+    return [
+        "<h2>Error growth against the baseline: RUN's error over BASE's envelope (the verdict's map)</h2>",
+        _heatmap(result.growth, d, factor),
+        f"<p class=\"legend\">Each cell: RUN's rel-L2 over max({factor:g} x BASE's rel-L2 against REF, tolerance) "
+        "at that step, on a log scale: blue inside the envelope, warm where RUN leaves what BASE (the trusted run) "
+        "does; white exact, hatched grey not compared. The verdict is per row (docs/quantized.md); this map is per "
+        "step.</p>",
+        *plain,
+    ]
+
+
 def render_html(result: DiffResult) -> str:
     d = result.first_divergence
     e = html.escape
@@ -388,26 +416,7 @@ def render_html(result: DiffResult) -> str:
             if result.isolation is not None
             else []
         ),
-        "<h2>Error growth: layer x step</h2>",
-        _heatmap(result.growth, d),
-        "<p class=\"legend\">Each cell: the step's rel-L2 of the residual stream (a layer's output; the first row the "
-        "embeddings, the last final_hidden) over its tolerance, on a log scale: blue under the tolerance, yellow at "
-        "it, red to black far above; white exact, hatched grey not compared. Hover a cell for its value. The "
-        "black-and-white frame marks the first divergence (a divergence before or after the layers sits in the "
-        "first or last row).</p>",
-        *(
-            [
-                "<h2>Against the baseline: RUN's error over BASE's envelope</h2>",
-                _heatmap(result.growth, d, result.baseline.factor),
-                f"<p class=\"legend\">Each cell: RUN's rel-L2 over max({result.baseline.factor:g} x BASE's rel-L2 "
-                "against "
-                "REF, tolerance) at that step: warm where RUN leaves what BASE (the trusted run) does. The verdict is "
-                "per "
-                "row (docs/quantized.md); this map is per step.</p>",
-            ]
-            if result.baseline is not None
-            else []
-        ),
+        *_heatmaps(result, d),
         "<h2>Error vs layer</h2>",
         _curves(result.growth, d),
         f'<p class="legend">{e(growth_summary(result.growth, isolated=isolated))}</p>',

@@ -33,6 +33,7 @@ class Residuals:
     )  # residual kinds: |d|^2, |a|^2, row size
     base_sums: dict[Key, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)  # the same for BASE vs REF
     thresholds: dict[Key, StepTolerance] = field(default_factory=dict)  # every compared tensor's
+    absent: dict[Key, np.ndarray] = field(default_factory=dict)  # rows REF or RUN did not record: not compared
 
 
 def growth(res: Residuals, plan: Plan) -> Growth:
@@ -77,7 +78,12 @@ def _step_rel(sums: dict, res: Residuals, plan: Plan, key: Key) -> tuple[list, l
     with np.errstate(invalid="ignore", divide="ignore"):
         rel = np.sqrt(snd) / np.maximum(np.sqrt(sna), np.maximum(floor, 1e-300))
     rel[snd == 0] = 0.0
-    return ([float(x) for x in rel] + none[st.size :], [float(x) for x in tol.limits[PRIMARY][: plan.numeric_steps]])
+    values: list = [float(x) for x in rel]
+    absent = res.absent.get(key)
+    if absent is not None:  # a step none of whose rows was recorded in both traces: not compared, never "0"
+        compared = np.add.reduceat((~absent[:n]).astype(np.int64), st)
+        values = [None if c == 0 else v for v, c in zip(values, compared)]
+    return (values + none[st.size :], [float(x) for x in tol.limits[PRIMARY][: plan.numeric_steps]])
 
 
 def _input_of(d: Divergence, n_layers: int) -> tuple[str, int | None] | None:

@@ -83,10 +83,19 @@ def test_full_on_a_mask_divergence_counts_every_mismatched_row(tmp_path):
 
 
 # ---------------------------------------------------------------- the heatmap
+TOLERANCE_MAP = ("<h2>Error growth: layer x step</h2>", "<h2>Against the tolerance alone")
+BASELINE_MAP = "<h2>Error growth against the baseline"
+
+
+def _section(page: str, heading: str) -> str:
+    """The page from a heading to the next one."""
+    return page.split(heading, 1)[1].split("<h2>", 1)[0]
+
+
 def _cells(page: str, row_title: str) -> list[str]:
-    """The tooltips of one heatmap row's cells, in step order (first map only)."""
-    first_map = page.split("<h2>Error vs layer</h2>")[0].split("<h2>Against the baseline")[0]
-    return re.findall(r"<title>(" + re.escape(row_title) + r", step \d+: [^<]*)</title>", first_map)
+    """The tooltips of one heatmap row's cells, in step order, in the map against the tolerance."""
+    heading = next(h for h in TOLERANCE_MAP if h in page)
+    return re.findall(r"<title>(" + re.escape(row_title) + r", step \d+: [^<]*)</title>", _section(page, heading))
 
 
 def test_heatmap_log_legend_global_frame_and_not_compared_cells(tmp_path):
@@ -115,6 +124,21 @@ def test_heatmap_log_legend_global_frame_and_not_compared_cells(tmp_path):
     assert all("of the tolerance" in c for c in _cells(page, "layer_out of layer 2"))
 
 
+def test_steps_a_selective_recording_left_out_are_not_compared_in_every_map(tmp_path):
+    ref, run, base = (tmp_path / f"{n}.h5" for n in ("ref", "run", "base"))
+    assert invoke("record", "--steps", "0-4", "--max-new-tokens", 10, "-o", ref).exit_code == 0
+    assert invoke("replay", ref, "-o", run).exit_code == 0
+    assert invoke("replay", ref, "-o", base).exit_code == 0
+    result = diff_traces(ref, run, baseline_path=base)
+    n = len(result.growth.steps)
+    assert n == 10 and all(row[5:] == [None] * 5 and None not in row[:5] for row in result.growth.table)
+    page = render_html(result)
+    for heading in (BASELINE_MAP, TOLERANCE_MAP[1]):
+        cells = re.findall(r"<title>layer_out of layer 0, step (\d+): ([^<]*)</title>", _section(page, heading))
+        assert [int(st) for st, _ in cells] == list(range(n))
+        assert all(text == "not compared" for _, text in cells[5:]) and "rel-L2" in cells[4][1], cells
+
+
 def test_scale_separates_quantization_noise_from_a_bug():
     # the issue's numbers: int8 noise at 76x the tolerance and a bug at 8,200x were the same red
     scale = _Scale([0.0, 2e-3, 76.0, 8200.0, None])
@@ -137,7 +161,9 @@ def test_baseline_map_shows_where_run_leaves_base(tmp_path):
     assert (d.kind, d.layer, d.step) == ("layer_out", 3, 6)
     page = render_html(result)
     assert page.count('<g class="first-div" data-row="L3" data-step="6">') == 2  # framed in both maps
-    second = page.split("<h2>Against the baseline")[1].split("<h2>Error vs layer</h2>")[0]
+    assert page.index(BASELINE_MAP) < page.index(TOLERANCE_MAP[1])  # the verdict's map first
+    assert TOLERANCE_MAP[0] not in page
+    second = _section(page, BASELINE_MAP)
     assert ">1 = envelope</text>" in second
     ratios = [
         float(x) for x in re.findall(r"layer_out of layer 3, step \d+: rel-L2 \S+ \(x(\S+) of the envelope\)", second)
