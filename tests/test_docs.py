@@ -17,7 +17,8 @@ environment's own `trace` instead.
 A command must exit 0, 1 for a `trace diff` that reports a divergence (or a `trace sweep` in
 which a prompt diverges), or 2 where the doc
 shows its `error: ...` line. Its shown output
-must be the first lines it prints (stdout; stderr when it prints nothing there), numbers
+must be the first lines it prints (stdout; stderr when it prints nothing there), ending in a
+`...` line exactly when the command prints more than is shown (shortened output says so), numbers
 compared to the precision shown (one unit in the last digit shown; integers exactly),
 wall-clock figures such as `(0.7 s)` ignored, and figures of float32 rounding size (below
 1e-5 in both, written with an exponent; the step where one peaks) taken as equal: they move
@@ -44,6 +45,7 @@ FENCE_LANGS = ("", "sh", "bash", "console", "shell")
 MARKER = re.compile(r"^\s*<!--\s*not run\b(.*?)-->\s*$")
 MARKER_START = re.compile(r"^\s*<!--\s*not run\b")
 COMMAND_TIMEOUT = 300
+SHORTENED = "..."  # a shown output's last line when the command prints more than is shown
 
 
 def doc_files() -> list[Path]:
@@ -273,7 +275,7 @@ def _env(trace_bin) -> dict:
 def _run_doc(path: Path, tmp: Path, trace_bin) -> int:
     for name in LINKED:
         (tmp / name).symlink_to(ROOT / name)
-    env, ran = _env(trace_bin), 0
+    env, ran, shortened = _env(trace_bin), 0, []
     env["GEMMA4_TRACE_CACHE"] = str(tmp / ".artifact-cache")  # each document starts as a new user
     where = path.relative_to(ROOT)
     for _line_no, _lines, marker, commands in shell_blocks(path):
@@ -306,11 +308,20 @@ def _run_doc(path: Path, tmp: Path, trace_bin) -> int:
                 or (p.returncode == 2 and refused)
             ), f"{where}:{c.line_no}: `{c.cmd}` exited {p.returncode}{said}"
             real = (p.stdout or p.stderr).split("\n")
-            for k, shown in enumerate(c.shown):
+            shown_lines, cut = (
+                (c.shown[:-1], True) if c.shown and c.shown[-1].strip() == SHORTENED else (c.shown, False)
+            )
+            for k, shown in enumerate(shown_lines):
                 got = real[k] if k < len(real) else "<no more output>"
                 assert line_matches(shown, got), (
                     f"{where}:{c.line_no + 1 + k}: `{c.cmd}` shows\n  {shown}\nbut printed\n  {got}{said}"
                 )
+            more = len([ln for ln in real if ln.strip()]) > len(shown_lines)
+            if shown_lines and more != cut:  # shortened output ends in a `...` line, and only shortened output
+                shortened.append(f"{where}:{c.line_no}: `{c.cmd}`" + (" prints more than shown" if more else ""))
+    assert not shortened, "output shown shortened without a last `...` line, or `...` after all of it:\n" + "\n".join(
+        shortened
+    )
     return ran
 
 
