@@ -18,9 +18,16 @@ def _cell(x, top1: bool = False) -> str:
     return "-" if x is None else f"{x:.3f}" if top1 else f"{x:.3e}"
 
 
+BAR = 120  # px: the longest bar; with the 13 number columns the table fits a 1400 px window
+
+
 def _bar(value, top: float, color: str) -> str:
-    width = int(300 * value / top) if value is not None and top > 0 else 0
+    width = int(BAR * value / top) if value is not None and top > 0 else 0
     return svg(width + 2, 10, f'<rect width="{width}" height="10" fill="{color}"/>', role=False)
+
+
+# the ranked table is wider than a text page: the page takes the window, a number never wraps
+WIDE = "body{max-width:none}td,th{white-space:nowrap}"
 
 
 def render_sensitivity_html(result: Sensitivity, summary: str, ref_name: str) -> str:
@@ -70,7 +77,7 @@ def render_sensitivity_html(result: Sensitivity, summary: str, ref_name: str) ->
             "<!DOCTYPE html>",
             '<html lang="en"><head><meta charset="utf-8">',
             f"<title>{title}</title>",
-            f"<style>{CSS}</style></head><body>",
+            f"<style>{CSS}{WIDE}</style></head><body>",
             f"<h1>{title} on {e(ref_name)}</h1>",
             f"<pre>{e(summary)}</pre>",
             "<h2>All quantized</h2>",

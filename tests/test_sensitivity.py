@@ -378,6 +378,8 @@ def test_cli_sensitivity_html_report_holds_every_unit_and_the_json_numbers(work)
         for w in want:
             assert w in cells, (u["unit"], w, cells)
         assert rows[u["unit"]].count("<svg") == 2
+        assert all(int(w) <= 122 for w in re.findall(r'<svg width="(\d+)"', rows[u["unit"]]))  # bars fit the page
+    assert "td,th{white-space:nowrap}" in text and "body{max-width:none}" in text  # no number wrapped mid-number
     measured = [u for u in out["ranking"] if u["only_quantized"]]
     assert len(measured) == 2 and all(f"{u['only_quantized']['kl_mean']:.3e}" in text for u in measured)
     for m in ("kl_mean", "kl_p99", "layer_out"):
