@@ -118,3 +118,16 @@ def prompt_key(spec: dict, chat_default: bool) -> dict:
     if "image" in spec:
         key["image_sha256"] = sha256_file(spec["image"])
     return key
+
+
+def prompt_rows(spec: dict) -> list[tuple[str, str]]:
+    """A prompt's rows for its report page: its id and line, its text or token ids, its image."""
+    rows = [("prompt", f"{spec['id']} (line {spec['line']} of the prompts file)")]
+    if spec.get("text") is not None:
+        rows.append(("text", spec["text"] if len(spec["text"]) <= 2000 else spec["text"][:2000] + " ..."))
+    if spec.get("input_ids") is not None:
+        ids = spec["input_ids"]
+        rows.append(("token ids", " ".join(map(str, ids[:200])) + (" ..." if len(ids) > 200 else "")))
+    if "image" in spec:
+        rows.append(("image", Path(spec["image"]).name))
+    return rows

@@ -35,7 +35,7 @@ from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 from gemma4_trace.traces.inputs import read_text, sha256_file
 
 from .corpus import SweepSummary, record_ok
-from .prompts import prompt_key
+from .prompts import prompt_key, prompt_rows
 
 SWEEP_FORMAT = 1
 MAX_RECORD_BYTES = 64 << 20  # a prompt's record: its verdict and per-position KL (a few KiB per 100 tokens)
@@ -204,7 +204,12 @@ class Worker:
             result.tokens.candidate_text = self.decode(result.tokens.candidate)
         files = {}
         html = tmp / f"{spec['id']}.html"
-        html.write_text(render_html(result), encoding="utf-8")
+        # the page names what the user knows (the prompt, the runtimes), not cache keys or temporary files
+        result.reference.path = f"REF: HF's recording of prompt {spec['id']}"
+        result.candidate.path = f"RUN: --runtime {cfg.runtime}"
+        if result.baseline is not None:
+            result.baseline.trace.path = f"BASE: --baseline-runtime {cfg.baseline_runtime}"
+        html.write_text(render_html(result, prompt_rows(spec)), encoding="utf-8")
         files[html.name] = html
         if cfg.keep_traces:
             kept = tmp / f"{spec['id']}.ref.h5"

@@ -399,7 +399,8 @@ def _heatmaps(result: DiffResult, d: Divergence | None) -> list[str]:
     ]
 
 
-def render_html(result: DiffResult) -> str:
+def render_html(result: DiffResult, about: list[tuple[str, str]] | None = None) -> str:
+    """The report page; `about`: (label, text) rows shown under the title (a sweep's prompt)."""
     d = result.first_divergence
     e = html.escape
     ref, run = result.reference, result.candidate
@@ -410,6 +411,12 @@ def render_html(result: DiffResult) -> str:
         f"<title>trace diff: {'match' if result.match else 'divergence'}</title>",
         f"<style>{CSS}</style></head><body>",
         f"<h1>trace diff: {e(Path(ref.path).name)} (REF) vs {e(Path(run.path).name)} (RUN)</h1>",
+        *(
+            ["<table>" + "".join(f'<tr><th class="l">{e(k)}</th><td class="l">{e(v)}</td></tr>' for k, v in about)]
+            + ["</table>"]
+            if about
+            else []
+        ),
         f'<div class="verdict {"good" if result.match else "bad"}">{e(format_text(result))}</div>',
         *(
             ["<h2>Layers by local error (isolated replay)</h2>", _ranking(result.isolation)]

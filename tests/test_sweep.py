@@ -3,6 +3,7 @@ resuming, --workers 2 giving the same numbers as --workers 1, and bad prompt fil
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import shutil
@@ -97,6 +98,19 @@ def test_statistics_match_numpy_on_the_stored_logits(lab):
     kls = [w["kl_mean"] for w in summary["worst_first"] if w["match"]]
     assert kls == sorted(kls, reverse=True)
     assert lab["first"].exit_code == (1 if summary["diverging"] else 0)
+
+
+def test_each_prompts_page_names_the_prompt_and_the_runtime_not_cache_files(lab):
+    shipped = {
+        d["id"]: d for d in map(json.loads, (embedded_model_dir() / "sweep_prompts.jsonl").read_text().splitlines())
+    }
+    for pid in ("short-00", "ids-03"):
+        page = (lab["root"] / "one" / "prompts" / f"{pid}.html").read_text()
+        assert f"recording of prompt {pid}" in page and "RUN: --runtime static-w4g32" in page
+        assert "sweep-ref" not in page and "gemma4-sweep-" not in page and str(lab["root"]) not in page
+        spec = shipped[pid]
+        shown = spec["text"] if "text" in spec else " ".join(map(str, spec["input_ids"]))
+        assert html.escape(shown) in page
 
 
 def test_a_rerun_resumes_and_changed_settings_run_again(lab):
