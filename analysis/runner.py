@@ -305,6 +305,7 @@ class LlamaCppRunner(Runner):
         self.layer_of = {mu: lu for mu, (lu, _) in self.mixed.units.items()}
         self.n_layers = len(self.loaded.text_config.layer_types)
         self.precisions = ("float", *(t for t in choice.spec.types if t != "F32"))
+        self._held: dict | None = None  # module unit -> the ggml types its tensors have (precision_of)
         self.note = (
             f"llama.cpp cannot isolate layers: only full replays; units ranked first by their weight error "
             f"({self.gguf_type} dequantized vs float, no replay)"
@@ -325,6 +326,20 @@ class LlamaCppRunner(Runner):
 
     def weight_bytes(self, cfg: dict) -> int:
         return self.mixed.tensor_bytes(cfg)
+
+    def precision_of(self, unit: str) -> str:
+        """The ggml types the unit's tensors have in the file llama.cpp runs for the configuration
+        as started (llama.cpp keeps some tensors at F32 or F16 whatever the type asked for, and
+        falls back where rows do not fill a type's blocks): "Q8_0", or "F16+Q8_0" when they differ."""
+        from gemma4_trace.replayer.runtimes.llamacpp.gguf_reader import read_header
+
+        if self._held is None:
+            tensors = read_header(self.mixed.path(self.config())).tensors
+            self._held = {
+                m: {tensors[n].type_name for n in names if n in tensors} for m, (_, names) in self.mixed.units.items()
+            }
+        ps = sorted({t for m in self.members(unit) for t in self._held.get(m, ())})
+        return "+".join(ps) if ps else super().precision_of(unit)
 
     def weight_ranking(self, granularity: str) -> list:
         errors = self.mixed.weight_errors(self.config())

@@ -76,7 +76,10 @@ def test_llamacpp_sensitivity_ranks_the_weak_layer_first_with_full_replays_only(
     assert out["replays"] == {"full": 3, "isolated": 0}  # all quantized, then only-quantized and only-float
     assert "llama.cpp cannot isolate layers" in out["note"]
     top = out["ranking"][0]
-    assert top["unit"] == f"layer.{LOW_LAYER}" and top["precision"] == "Q4_0"
+    # the types in the file llama.cpp runs: blk.N.proj stays F16, per_layer_model_proj F32
+    assert top["unit"] == f"layer.{LOW_LAYER}" and top["precision"] == "F16+Q4_0"
+    held = {u["unit"]: u["precision"] for u in out["ranking"]}
+    assert held["ple_model_proj"] == "F32" and held["layer.0"] == "F16+Q8_0"
     assert top["weight_rel_l2"] > 3 * max(u["weight_rel_l2"] for u in out["ranking"][1:])
     assert top["only_quantized"]["kl_mean"] < out["all_quantized"]["kl_mean"]
     assert top["only_float"]["kl_mean"] < out["all_quantized"]["kl_mean"]  # keeping it float helps

@@ -64,6 +64,11 @@ class TensorInfo:
         """numpy order (outermost first): an HF Linear weight's (out, in)."""
         return tuple(reversed(self.dims))
 
+    @property
+    def type_name(self) -> str:
+        """The ggml type's name: F32, F16, Q8_0, Q4_K, ..."""
+        return _ggml_name(self.type)
+
 
 @dataclass
 class ArrayInfo:
@@ -92,7 +97,7 @@ class Header:
 
     def weight_types(self) -> Counter:
         """How many weight tensors (two or more dimensions) the file holds of each ggml type, by name."""
-        return Counter(_ggml_name(t.type) for t in self.tensors.values() if len(t.dims) >= 2)
+        return Counter(t.type_name for t in self.tensors.values() if len(t.dims) >= 2)
 
     def types_note(self, requested: str) -> str | None:
         """One phrase when the file's weights are mostly not of the type asked for (llama.cpp stores a
