@@ -21,7 +21,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 from gemma4_trace.replayer import artifacts
 from gemma4_trace.replayer.artifacts import cache_dir, key_digest, model_hash
 from gemma4_trace.traces.atomic import write_bytes_atomic
-from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
+from gemma4_trace.traces.errors import TraceToolError, one_line
 from gemma4_trace.traces.inputs import read_text, sha256_file
 
 from .corpus import SweepSummary, record_ok
@@ -59,6 +58,10 @@ class Config:
     caching: bool = True  # artifacts cached (not --no-cache), in every worker as at the driver
     settings: dict = field(default_factory=dict)  # what a finished prompt's JSON must hold to be reused
     sys_path: list = field(default_factory=list)  # the driver's folder: plug-in runtimes found as there
+    gguf: str | None = None  # RUN: llama.cpp on this GGUF file as it is (--gguf)
+    # BASE: the static runtime on a GGUF's dequantized weights (--baseline-runtime auto for a GGUF
+    # port): the file's path, or ":TYPE" for the project's own conversion of the model to TYPE
+    baseline_weights_from: str | None = None
 
 
 def make_settings(model_hash: str, runtime, baseline_runtime, max_new_tokens, tolerances, factor) -> dict:
@@ -81,17 +84,81 @@ def make_settings(model_hash: str, runtime, baseline_runtime, max_new_tokens, to
     }
 
 
+def resolve_baseline(runtime: str, baseline_runtime: str | None, gguf) -> tuple[str | None, str | None]:
+    """(BASE's runtime, or the GGUF whose dequantized weights BASE runs on) for --baseline-runtime:
+    a runtime's name as given, or `auto`: the runtime's own baseline from its registry row (llama.cpp
+    and --gguf: the static runtime on the file's dequantized weights; mlx-q4: mlx-q4-dq; ...)."""
+    if baseline_runtime != AUTO:
+        return baseline_runtime, None
+    from gemma4_trace.replayer.runtimes.registry import parse_runtime
+
+    if gguf is not None:
+        return None, str(Path(gguf).resolve())
+    choice = parse_runtime(runtime)
+    spec = choice.spec
+    if spec is None or spec.baseline is None:
+        raise TraceToolError(
+            f"--baseline-runtime auto: --runtime {runtime} has no baseline of its own; name one (--baseline-runtime RT)"
+        )
+    if choice.gguf:
+        if choice.type in ("F32", "F16", "BF16"):
+            raise TraceToolError(f"--baseline-runtime auto: llama.cpp:{choice.type} is not quantized; name a baseline")
+        return None, f":{choice.type}"
+    return spec.baseline, None
+
+
+AUTO = "auto"
+
+
+def check_runtimes(runtime: str | None, baseline_runtime: str | None, gguf) -> str:
+    """RUN's runtime (llama.cpp with --gguf), every choice checked before anything runs: the runtimes
+    installed, the GGUF's header, `auto` resolvable; one line otherwise."""
+    from gemma4_trace.replayer.runtimes.registry import check_available
+
+    if gguf is not None:
+        from gemma4_trace.replayer.runtimes.llamacpp.gguf_reader import check_gguf_options, read_header
+
+        runtime = check_gguf_options(runtime or "llama.cpp", gguf, None, False, None)
+        read_header(gguf)  # malformed, or not a regular file: refused before anything runs
+    elif runtime is None:
+        raise TraceToolError("give --runtime RT (or --gguf FILE)")
+    for rt in (runtime, baseline_runtime):
+        if rt is not None and rt != AUTO:
+            check_available(rt)
+    if baseline_runtime == AUTO:
+        resolve_baseline(runtime, baseline_runtime, gguf)  # a runtime without a baseline of its own: refused
+    return runtime
+
+
 def configure(
-    model_dir, runtime: str, baseline_runtime, max_new_tokens: int, chat: bool, tolerances, factor: float, keep: bool
+    model_dir,
+    runtime: str,
+    baseline_runtime,
+    max_new_tokens: int,
+    chat: bool,
+    tolerances,
+    factor: float,
+    keep: bool,
+    gguf=None,
 ) -> Config:
     """The Config of a sweep over the model in `model_dir` (None: the embedded one); the artifact
-    cache as configured now (--cache-dir), plug-in runtimes found from the current folder."""
+    cache as configured now (--cache-dir), plug-in runtimes found from the current folder. `gguf`:
+    RUN is llama.cpp on that file; `baseline_runtime` "auto": the runtime's own baseline."""
     from gemma4_trace.hf.model import embedded_model_dir
 
+    baseline_runtime, weights_from = resolve_baseline(runtime, baseline_runtime, gguf)
+    shown_run = runtime if gguf is None else f"llama.cpp --gguf {Path(gguf).name}"
+    shown_base = baseline_runtime
+    if weights_from is not None:
+        source = f"the {weights_from[1:]} conversion" if weights_from.startswith(":") else Path(weights_from).name
+        shown_base = f"static --weights-from {source}"
     settings = make_settings(
-        model_hash(model_dir or embedded_model_dir()), runtime, baseline_runtime, max_new_tokens, tolerances, factor
+        model_hash(model_dir or embedded_model_dir()), shown_run, shown_base, max_new_tokens, tolerances, factor
     )
     settings["chat"] = chat
+    for name, path in (("gguf_sha256", gguf), ("baseline_gguf_sha256", weights_from)):
+        if path is not None and not path.startswith(":"):  # a file's records are reused only for that file
+            settings[name] = sha256_file(path)
     return Config(
         model_dir=str(Path(model_dir).resolve()) if model_dir else None,
         runtime=runtime,
@@ -105,6 +172,8 @@ def configure(
         caching=artifacts.caching(),
         settings=settings,
         sys_path=[os.getcwd()],
+        gguf=str(Path(gguf).resolve()) if gguf is not None else None,
+        baseline_weights_from=weights_from,
     )
 
 
@@ -141,6 +210,12 @@ class Worker:
         self.ref_cache = Path(cfg.cache) / "sweep-ref"
         tok = Path(self.lm.model_dir) / "tokenizer.json"
         self.decode = decoder_for(tok if tok.is_file() else None)
+        if cfg.gguf is not None:  # a file made for another model: refused once, before any prompt
+            from gemma4_trace.replayer.runtimes.llamacpp.gguf_reader import check_config, read_header
+
+            check_config(read_header(cfg.gguf), self.lm, False)
+        self.dequantized = None  # (a second copy of the model with a GGUF's weights, its label): BASE's
+        self.conversion = None  # the project's own GGUF conversion BASE reads, when it is
 
     def reference(self, spec: dict) -> Path:
         """REF from the cache, recorded (and cached) when absent or unreadable."""
@@ -164,25 +239,58 @@ class Worker:
         part = self.ref_cache / f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.h5"
         try:
             record_loaded(self.lm, inputs, part, max_new_tokens=self.cfg.max_new_tokens, force=True)
-            _write_atomic(stamp, sha256_file(part).encode())
+            write_atomic(stamp, sha256_file(part).encode())
             os.replace(part, path)  # atomic: a racing worker's identical REF or ours
         finally:
             if part.exists():
                 part.unlink()
         return path
 
-    def replay(self, ref_path: Path, runtime: str, out: Path) -> None:
-        """`trace replay REF --runtime RT` (teacher-forced) with this worker's model."""
+    def replay(self, ref_path: Path, runtime: str | None, out: Path, gguf=None, weights_from=None) -> None:
+        """`trace replay REF --runtime RT` (teacher-forced) with this worker's model; or `--gguf FILE`
+        (llama.cpp on the user's file), or the static runtime on a GGUF's dequantized weights."""
         from gemma4_trace.replayer.core import default_max_seq, make_runtime, read_reference, replay_loaded
         from gemma4_trace.replayer.runtimes.registry import parse_runtime
 
         ref = read_reference(ref_path)
         max_seq = default_max_seq(len(ref.prompt_ids), ref.max_new_tokens)
-        choice = parse_runtime(runtime)
-        rt = make_runtime(choice, self.lm, max_seq)
-        replay_loaded(
-            self.lm, ref, rt, out, reference_path=ref_path, force=True, max_seq=max_seq, plugin=choice.foreign_code
-        )
+        lm, foreign = self.lm, None
+        if gguf is not None:
+            from gemma4_trace.replayer.runtimes.llamacpp.gguf_reader import read_header
+            from gemma4_trace.replayer.runtimes.llamacpp.runtime import gguf_runtime
+
+            rt = gguf_runtime(self.lm, max_seq, read_header(gguf), False, False, None)
+        elif weights_from is not None:
+            lm, rt = self._dequantized_runtime(weights_from, max_seq)
+        else:
+            choice = parse_runtime(runtime)
+            rt, foreign = make_runtime(choice, self.lm, max_seq), choice.foreign_code
+        replay_loaded(lm, ref, rt, out, reference_path=ref_path, force=True, max_seq=max_seq, plugin=foreign)
+
+    def _dequantized_runtime(self, source: str, max_seq: int):
+        """The static runtime on a GGUF's dequantized weights (`source`: a file, or ":TYPE" for the
+        project's conversion to TYPE), on a second copy of the model loaded once per worker: the first
+        stays HF's, for recording REF."""
+        from gemma4_trace.hf.model import load_model
+        from gemma4_trace.replayer.runtime import StaticGemma4Runtime
+        from gemma4_trace.replayer.runtimes.llamacpp import gguf_reader as GR
+
+        if self.dequantized is None:
+            path = source
+            if source.startswith(":"):
+                from gemma4_trace.replayer.runtimes.llamacpp.runtime import GGUF_NAME, gguf_artifact
+
+                self.conversion = gguf_artifact(self.lm, source[1:])
+                path = str(self.conversion.path / GGUF_NAME)
+            header = GR.read_header(path)
+            lm = load_model(self.cfg.model_dir)
+            GR.check_config(header, lm, False)
+            GR.load_weights(header, lm)
+            self.dequantized = (lm, f"weights from {Path(path).name}, {header.type_name()}, dequantized")
+        lm, label = self.dequantized
+        rt = StaticGemma4Runtime(lm, max_seq)
+        rt.name = f"{rt.name} ({label})"
+        return lm, rt
 
     def run(self, spec: dict, tmp: Path) -> dict:
         """Every file of one prompt, in `tmp`: {name: path}; the JSON record's dict under "record"."""
@@ -193,11 +301,11 @@ class Worker:
         cfg = self.cfg
         ref = self.reference(spec)
         run = tmp / f"{spec['id']}.run.h5"
-        self.replay(ref, cfg.runtime, run)
+        self.replay(ref, cfg.runtime, run, gguf=cfg.gguf)
         base = None
-        if cfg.baseline_runtime:
+        if cfg.baseline_runtime or cfg.baseline_weights_from:
             base = tmp / f"{spec['id']}.base.h5"
-            self.replay(ref, cfg.baseline_runtime, base)
+            self.replay(ref, cfg.baseline_runtime, base, weights_from=cfg.baseline_weights_from)
         result = diff_traces(ref, run, cfg.tolerances, base, cfg.baseline_factor)
         if self.decode is not None:
             result.tokens.reference_text = self.decode(result.tokens.reference)
@@ -206,9 +314,12 @@ class Worker:
         html = tmp / f"{spec['id']}.html"
         # the page names what the user knows (the prompt, the runtimes), not cache keys or temporary files
         result.reference.path = f"REF: HF's recording of prompt {spec['id']}"
-        result.candidate.path = f"RUN: --runtime {cfg.runtime}"
+        result.candidate.path = "RUN: " + (f"--runtime {cfg.runtime}" if cfg.gguf is None else cfg.settings["runtime"])
         if result.baseline is not None:
-            result.baseline.trace.path = f"BASE: --baseline-runtime {cfg.baseline_runtime}"
+            named = cfg.baseline_weights_from is None
+            result.baseline.trace.path = "BASE: " + (
+                f"--baseline-runtime {cfg.baseline_runtime}" if named else cfg.settings["baseline_runtime"]
+            )
         html.write_text(render_html(result, prompt_rows(spec)), encoding="utf-8")
         files[html.name] = html
         if cfg.keep_traces:
@@ -293,7 +404,7 @@ def check_summary(out: Path, force: bool) -> None:
         raise TraceToolError(f"{present[0]} exists and is not an earlier sweep's summary (pass --force to replace it)")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     write_bytes_atomic(path, data, prefix=".sweep-partial-")
 
 
@@ -316,8 +427,8 @@ def store(out_dir: Path, files: dict, record: dict) -> None:
                     os.unlink(tmp)
                 raise
         else:
-            _write_atomic(folder / name, data)
-    _write_atomic(folder / f"{record['id']}.json", (json.dumps(record, indent=1) + "\n").encode())
+            write_atomic(folder / name, data)
+    write_atomic(folder / f"{record['id']}.json", (json.dumps(record, indent=1) + "\n").encode())
 
 
 def process_prompt(cfg: Config, spec: dict, out_dir: str | None, token: str | None = None, threads: int = 0) -> dict:
@@ -354,23 +465,6 @@ def _read_token(out_dir: Path) -> str | None:
         return None
 
 
-def _init_pool(threads: int) -> None:
-    """A pool worker: Ctrl-C is the driver's (it ends the workers with SIGTERM), and SIGTERM ends the
-    prompt at hand through its `finally` blocks, so no temporary folder or partial REF is left."""
-    import torch
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _terminated)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked while the driver started it
-    torch.set_num_threads(threads)
-
-
-def _terminated(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process outright
-    raise SystemExit(128 + signum)
-
-
-# ------------------------------------------------------------------ the driver
 @dataclass
 class SweepOutcome:
     summary: SweepSummary
@@ -451,125 +545,23 @@ def run_sweep(
 
     if todo:
         if ray_address is not None:
-            _run_ray(todo, cfg, out_dir, ray_address, done, shared)
+            from .sweep_pool import run_ray
+
+            run_ray(todo, cfg, out_dir, ray_address, done, shared)
         elif workers <= 1:
             for spec in todo:
-                done(spec, _outcome(lambda spec=spec: process_prompt(cfg, spec, str(out_dir))))
+                done(spec, prompt_outcome(lambda spec=spec: process_prompt(cfg, spec, str(out_dir))))
         else:
-            _run_pool(todo, cfg, out_dir, workers, done)
+            from .sweep_pool import run_pool
+
+            run_pool(todo, cfg, out_dir, workers, done)
     ran = [records[s["id"]] for s in prompts if s["id"] in records]
     summary = aggregate(ran, cfg.settings, [failed[s["id"]] for s in prompts if s["id"] in failed], skipped)
     write_summary(summary, out_dir)
     return SweepOutcome(summary, len(todo), resumed, time.perf_counter() - t0)
 
 
-def _run_pool(todo, cfg, out_dir: Path, workers: int, done) -> None:
-    import concurrent.futures as cf
-    import multiprocessing
-
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    pool = cf.ProcessPoolExecutor(
-        max_workers=min(workers, len(todo)),
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_pool,
-        initargs=(threads,),
-    )
-    try:
-        # the workers start with Ctrl-C blocked (a mask is inherited): the driver's alone to handle
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            futures = {pool.submit(process_prompt, cfg, spec, str(out_dir)): spec for spec in todo}
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        for fut in cf.as_completed(futures):
-            done(futures[fut], _outcome(fut.result))
-    except BaseException:
-        _stop_pool(pool)
-        raise
-    pool.shutdown()
-
-
-def _stop_pool(pool, grace: float = 30.0) -> None:
-    """End the workers' prompts (SIGTERM: their clean-up runs), then the pool; SIGKILL after `grace` s."""
-    procs = list((getattr(pool, "_processes", None) or {}).values())
-    for p in procs:
-        with contextlib.suppress(OSError, ValueError):
-            p.terminate()
-    pool.shutdown(wait=False, cancel_futures=True)  # the workers get their stop once their prompts ended
-    deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
-RAY_CONNECT_S = 10.0  # how long a --ray HOST:PORT may take to accept a connection
-
-
-def check_ray(address: str | None = None) -> None:
-    """ray installed, and a --ray HOST:PORT (or ray://HOST:PORT) that accepts a TCP connection within
-    RAY_CONNECT_S: ray.init waits on an address where nothing answers for minutes, printing warnings.
-    "auto" and "local" are left to Ray."""
-    import importlib.util
-    import socket
-
-    if importlib.util.find_spec("ray") is None:
-        raise TraceToolError(f"--ray needs ray, which is not installed: {install_hint('cluster')}")
-    host, sep, port = (address or "").removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():
-        return
-    try:
-        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=RAY_CONNECT_S):
-            pass
-    except (OSError, OverflowError, ValueError) as e:
-        why = getattr(e, "strerror", None) or ("timed out" if isinstance(e, TimeoutError) else type(e).__name__)
-        raise TraceToolError(f"--ray {one_line(address, 200)}: no Ray cluster answers there ({why})") from None
-
-
-def _run_ray(todo, cfg, out_dir: Path, address: str, done, shared: bool | None) -> None:
-    check_ray()
-    import ray
-
-    started = False
-    if not ray.is_initialized():
-        try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise TraceToolError(f"--ray {address}: cannot connect to a Ray cluster ({one_line(e, 200)})") from None
-        started = True
-    token = secrets.token_hex(16)
-    _write_atomic(out_dir / TOKEN_FILE, token.encode())
-    task = ray.remote(num_cpus=1)(process_prompt)
-    target = None if shared is False else str(out_dir.resolve())
-    token = None if shared else token
-    try:
-        refs = {task.remote(cfg, spec, target, token, 1): spec for spec in todo}  # 1 torch thread: 1 CPU a task
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            for r in ready:
-                try:
-                    got = ray.get(r)
-                except ray.exceptions.RayTaskError as e:
-                    cause = getattr(e, "cause", None)  # the task's own exception
-                    if not isinstance(cause, TraceToolError):
-                        raise
-                    if not isinstance(cause, PromptFailed):
-                        raise TraceToolError(str(cause)) from None
-                    got = cause
-                done(refs[r], got)
-    except BaseException:
-        for r in refs:
-            ray.cancel(r, force=True)
-        raise
-    finally:
-        (out_dir / TOKEN_FILE).unlink(missing_ok=True)
-        if started:
-            ray.shutdown()
-
-
-def _outcome(run):
+def prompt_outcome(run):
     """run()'s result, or the PromptFailed it raised."""
     try:
         return run()

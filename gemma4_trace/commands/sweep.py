@@ -23,11 +23,19 @@ from . import (
 
 @click.command()
 @click.argument("prompts_path", metavar="PROMPTS", type=click.Path())
-@O.runtime("the runtime to judge (as `trace replay --runtime`)", required=True)
+@click.option("--runtime", default=None, help="the runtime to judge (as `trace replay --runtime`); or give --gguf")
+@click.option(
+    "--gguf",
+    type=click.Path(),
+    default=None,
+    help="judge llama.cpp on this GGUF file as it is (your own conversion; as `trace replay --gguf`)",
+)
 @click.option(
     "--baseline-runtime",
     default=None,
-    help="a trusted runtime also replayed on every prompt; RUN diverges only outside its error envelope",
+    help="a trusted runtime also replayed on every prompt; RUN diverges only outside its error envelope; "
+    "'auto': the runtime's own baseline (llama.cpp and --gguf: the static runtime on the file's "
+    "dequantized weights; mlx-q4: mlx-q4-dq; ...)",
 )
 @O.model()
 @O.max_new_tokens
@@ -70,21 +78,20 @@ def sweep(prompts_path, runtime, baseline_runtime, model_dir, no_chat, workers, 
 
     from gemma4_trace.analysis import sweep as S
     from gemma4_trace.analysis.prompts import read_prompts
+    from gemma4_trace.analysis.sweep_pool import check_ray
     from gemma4_trace.analysis.sweep_report import exit_code
     from gemma4_trace.diff.baseline import check_factor
     from gemma4_trace.diff.tolerances import load_tolerances
-    from gemma4_trace.replayer.runtimes.registry import check_available
 
     configure_artifacts(kw.pop("cache_dir"), kw.pop("no_cache"))
     prompts = read_prompts(prompts_path)  # cheap checks first: nothing heavy loads before they pass
-    for rt in (runtime, baseline_runtime):
-        if rt is not None:
-            check_available(rt)
+    gguf = kw.pop("gguf")
+    runtime = S.check_runtimes(runtime, baseline_runtime, gguf)
     if ray_address is not None:
         if workers != 1:
             raise TraceToolError("give --workers or --ray, not both")
-        S.check_ray(ray_address)
-    skipped = S.unsupported(prompts, (runtime, baseline_runtime))
+        check_ray(ray_address)
+    skipped = S.unsupported(prompts, (runtime, None if baseline_runtime == S.AUTO else baseline_runtime))
     if skipped and not kw["skip_unsupported"]:
         ids = ", ".join(s["id"] for s in skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
         raise TraceToolError(
@@ -115,6 +122,7 @@ def sweep(prompts_path, runtime, baseline_runtime, model_dir, no_chat, workers, 
         kw["tolerances"],
         kw["baseline_factor"],
         kw["keep_traces"],
+        gguf=gguf,
     )
     loud = progress if progress is not None else sys.stderr.isatty()
     say = (lambda line: click.echo(one_line(line), err=True)) if loud else None

@@ -1,0 +1,140 @@
+"""`trace sweep`'s workers beyond this process: a spawn process pool (`--workers N`) or Ray tasks
+(`--ray`); each runs analysis/sweep.py's process_prompt and hands the driver's `done` its outcome."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import time
+from pathlib import Path
+
+from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
+
+from .sweep import TOKEN_FILE, PromptFailed, process_prompt, prompt_outcome, write_atomic
+
+
+def init_pool(threads: int) -> None:
+    """A pool worker: Ctrl-C is the driver's (it ends the workers with SIGTERM), and SIGTERM ends the
+    prompt at hand through its `finally` blocks, so no temporary folder or partial REF is left."""
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _terminated)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked while the driver started it
+    torch.set_num_threads(threads)
+
+
+def _terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process outright
+    raise SystemExit(128 + signum)
+
+
+# ------------------------------------------------------------------ the driver
+
+
+def run_pool(todo, cfg, out_dir: Path, workers: int, done) -> None:
+    import concurrent.futures as cf
+    import multiprocessing
+
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    pool = cf.ProcessPoolExecutor(
+        max_workers=min(workers, len(todo)),
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=init_pool,
+        initargs=(threads,),
+    )
+    try:
+        # the workers start with Ctrl-C blocked (a mask is inherited): the driver's alone to handle
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            futures = {pool.submit(process_prompt, cfg, spec, str(out_dir)): spec for spec in todo}
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for fut in cf.as_completed(futures):
+            done(futures[fut], prompt_outcome(fut.result))
+    except BaseException:
+        stop_pool(pool)
+        raise
+    pool.shutdown()
+
+
+def stop_pool(pool, grace: float = 30.0) -> None:
+    """End the workers' prompts (SIGTERM: their clean-up runs), then the pool; SIGKILL after `grace` s."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        with contextlib.suppress(OSError, ValueError):
+            p.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)  # the workers get their stop once their prompts ended
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+RAY_CONNECT_S = 10.0  # how long a --ray HOST:PORT may take to accept a connection
+
+
+def check_ray(address: str | None = None) -> None:
+    """ray installed, and a --ray HOST:PORT (or ray://HOST:PORT) that accepts a TCP connection within
+    RAY_CONNECT_S: ray.init waits on an address where nothing answers for minutes, printing warnings.
+    "auto" and "local" are left to Ray."""
+    import importlib.util
+    import socket
+
+    if importlib.util.find_spec("ray") is None:
+        raise TraceToolError(f"--ray needs ray, which is not installed: {install_hint('cluster')}")
+    host, sep, port = (address or "").removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=RAY_CONNECT_S):
+            pass
+    except (OSError, OverflowError, ValueError) as e:
+        why = getattr(e, "strerror", None) or ("timed out" if isinstance(e, TimeoutError) else type(e).__name__)
+        raise TraceToolError(f"--ray {one_line(address, 200)}: no Ray cluster answers there ({why})") from None
+
+
+def run_ray(todo, cfg, out_dir: Path, address: str, done, shared: bool | None) -> None:
+    check_ray()
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise TraceToolError(f"--ray {address}: cannot connect to a Ray cluster ({one_line(e, 200)})") from None
+        started = True
+    token = secrets.token_hex(16)
+    write_atomic(out_dir / TOKEN_FILE, token.encode())
+    task = ray.remote(num_cpus=1)(process_prompt)
+    target = None if shared is False else str(out_dir.resolve())
+    token = None if shared else token
+    try:
+        refs = {task.remote(cfg, spec, target, token, 1): spec for spec in todo}  # 1 torch thread: 1 CPU a task
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for r in ready:
+                try:
+                    got = ray.get(r)
+                except ray.exceptions.RayTaskError as e:
+                    cause = getattr(e, "cause", None)  # the task's own exception
+                    if not isinstance(cause, TraceToolError):
+                        raise
+                    if not isinstance(cause, PromptFailed):
+                        raise TraceToolError(str(cause)) from None
+                    got = cause
+                done(refs[r], got)
+    except BaseException:
+        for r in refs:
+            ray.cancel(r, force=True)
+        raise
+    finally:
+        (out_dir / TOKEN_FILE).unlink(missing_ok=True)
+        if started:
+            ray.shutdown()
