@@ -43,13 +43,15 @@ TOL_LOW = 2e-2  # against a REF recorded in a 16-bit dtype (the recompute runs i
 TEMPLATE = Path(__file__).with_name("repro_template.py")
 
 
-def first_divergence_site(ref_path, run_path) -> tuple[int, int]:
-    """(step, layer) of the first divergence `trace diff REF RUN` finds, for `trace repro` without --at."""
+def first_divergence_site(ref_path, run_path, base_path=None) -> tuple[int, int]:
+    """(step, layer) of the first divergence `trace diff REF RUN [--baseline BASE]` finds, for
+    `trace repro` without --at."""
     from gemma4_trace.diff import diff_traces
 
-    d = diff_traces(ref_path, run_path).first_divergence
+    d = diff_traces(ref_path, run_path, baseline_path=base_path).first_divergence
     if d is None:
-        raise TraceToolError("RUN matches REF (no divergence): pass --at STEP,LAYER to choose a layer")
+        judged = " judged against BASE" if base_path is not None else ""
+        raise TraceToolError(f"RUN matches REF{judged} (no divergence): pass --at STEP,LAYER to choose a layer")
     if d.layer is None:
         raise TraceToolError(
             f"the first divergence is in {d.kind} at step {d.step}, not in a decoder layer: "
@@ -177,18 +179,23 @@ def write_repro(
     model_dir=None,
     force: bool = False,
     onnx: bool = False,
+    base_path=None,
 ) -> str:
-    """Write the repro folder for layer `at` = (step, layer) (None: the first divergence's site);
-    return a summary line."""
+    """Write the repro folder for layer `at` = (step, layer) (None: the first divergence's site, as
+    `trace diff` finds it, with `base_path` as `trace diff --baseline` does); return a summary line.
+    With `base_path`, BASE's layer_out goes beside RUN's and repro.py reports RUN's excess over BASE."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise TraceToolError(f"{out} exists and is not a folder")
     if onnx:
         check_onnx_export()
-    step, layer = first_divergence_site(ref_path, run_path) if at is None else at
+    step, layer = first_divergence_site(ref_path, run_path, base_path) if at is None else at
     site = _read_site(ref_path, run_path, step, layer, model_dir)
-    # every target absent or (--force) a regular file, and none of them REF or RUN, whatever its name
-    check_output_folder(out, [*FILES, ONNX_FILE], force, "repro", inputs=[ref_path, run_path])
+    if base_path is not None:
+        _add_baseline(site, ref_path, base_path, step, layer)
+    # every target absent or (--force) a regular file, and none of them REF, RUN or BASE, whatever its name
+    inputs = [ref_path, run_path, *([base_path] if base_path is not None else [])]
+    check_output_folder(out, [*FILES, ONNX_FILE], force, "repro", inputs=inputs)
     _place(out, site, onnx)
     files = (*FILES, ONNX_FILE) if onnx else FILES
     size = sum((out / f).stat().st_size for f in files)
@@ -254,6 +261,18 @@ def _read_site(ref_path, run_path, step: int, layer: int, model_dir) -> _Site:
             **facts,
         }
     return _Site(inputs, weights, outputs, config)
+
+
+def _add_baseline(site: _Site, ref_path, base_path, step: int, layer: int) -> None:
+    """BASE's layer_out at the site, beside RUN's (BASE from the same model, over the same positions)."""
+    with TraceReader(ref_path) as ref, TraceReader(base_path) as base:
+        if base.provenance.get("model_config_sha256") != ref.provenance.get("model_config_sha256"):
+            raise TraceToolError("REF and BASE come from different models")
+        if not step < base.n_steps or base.step_positions[step] != ref.step_positions[step]:
+            raise TraceToolError(f"BASE does not cover REF's positions at step {step}")
+        start, stop = (int(v) for v in ref.step_positions[step])
+        site.outputs["base_layer_out"] = _rows(base, "layer_out", layer, slice(start, stop), "BASE")
+        site.config["base_runtime"] = one_line(str(base.provenance.get("runtime", "")), 200)
 
 
 def _layer_inputs(ref: TraceReader, step: int, layer: int, info, rows: slice) -> dict:

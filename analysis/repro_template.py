@@ -129,7 +129,14 @@ def main():
             f"float recompute vs RUN ({CONFIG['run_runtime']}) layer_out: rel-L2 "
             f"{rel_l2(got, out['run_layer_out']):.3e}"
         )
-        print(f"RUN vs REF layer_out: rel-L2 {rel_l2(out['run_layer_out'], out['ref_layer_out']):.3e}")
+        run_err = rel_l2(out["run_layer_out"], out["ref_layer_out"])
+        print(f"RUN vs REF layer_out: rel-L2 {run_err:.3e}")
+        if "base_layer_out" in out:  # trace repro --baseline: what RUN adds to the trusted run's error
+            base_err = rel_l2(out["base_layer_out"], out["ref_layer_out"])
+            excess = run_err / base_err if base_err > 0 else math.inf
+            print(f"BASE ({CONFIG['base_runtime']}) vs REF layer_out: rel-L2 {base_err:.3e}")
+            print(f"RUN vs BASE layer_out: rel-L2 {rel_l2(out['run_layer_out'], out['base_layer_out']):.3e}")
+            print(f"RUN's excess over BASE: x{excess:.3g} (RUN vs REF over BASE vs REF)")
     e_onnx = onnx_check(out)
     ok = e_ref <= TOLERANCE and (e_onnx is None or e_onnx <= TOLERANCE)
     print("recompute matches REF" if ok else "recompute does NOT match REF")

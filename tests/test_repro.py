@@ -123,6 +123,33 @@ def test_cli_repro_at_first_divergence_of_a_zoo_bug(tmp_path):
     assert again.exit_code == 2 and "--force" in again.output
 
 
+def test_cli_repro_follows_a_baseline_and_reports_runs_excess_over_it(tmp_path):
+    """A quantized RUN with a planted bug (layer LOW_LAYER at int4 in static-w8) against plain static-w8
+    as BASE: without --baseline the first divergence is quantization noise before the layers (no
+    repro there); with it, the site is the bug's layer, BASE's layer_out is written beside RUN's,
+    and repro.py prints RUN's excess over BASE, as the .npz files give it."""
+    pytest.importorskip("torchao")
+    from tests.quant_bugs import LOW_LAYER
+
+    base, run = tmp_path / "base.h5", tmp_path / "run.h5"
+    replay_trace(REF, base, runtime="static-w8")
+    replay_trace(REF, run, runtime="tests.quant_bugs:make_low_precision_layer__static_w8")
+    one_line_error(invoke("repro", str(REF), str(run), "-o", str(tmp_path / "plain")), "pass --at")
+    out = tmp_path / "repro"
+    res = invoke("repro", str(REF), str(run), "--baseline", str(base), "-o", str(out))
+    assert res.exit_code == 0, res.output
+    assert f"layer {LOW_LAYER} (" in res.output
+    p = run_repro(out)
+    assert p.returncode == 0, p.stdout + p.stderr  # the float recompute still reproduces REF
+    with np.load(out / "outputs.npz") as z:
+        run_err = rel_l2(z["run_layer_out"], z["ref_layer_out"])
+        base_err = rel_l2(z["base_layer_out"], z["ref_layer_out"])
+    excess = float(re.search(r"RUN's excess over BASE: x(\S+) ", p.stdout)[1])
+    assert excess == pytest.approx(run_err / base_err, rel=1e-2) and excess > 4  # beyond the envelope's factor
+    assert re.search(r"BASE \(static-w8\) vs REF layer_out: rel-L2 ", p.stdout), p.stdout
+    one_line_error(invoke("repro", str(REF), str(run), "--baseline", str(base), "-o", str(base)), "base.h5")
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
