@@ -53,17 +53,27 @@ def first_divergence_site(ref_path, run_path, base_path=None) -> tuple[int, int]
         judged = " judged against BASE" if base_path is not None else ""
         raise TraceToolError(f"RUN matches REF{judged} (no divergence): pass --at STEP,LAYER to choose a layer")
     if d.layer is None:
+        if d.kind in GLOBAL_SITES:
+            return int(d.step), d.kind
         raise TraceToolError(
-            f"the first divergence is in {d.kind} at step {d.step}, not in a decoder layer: "
-            "pass --at STEP,LAYER to choose one"
+            f"the first divergence is in {d.kind} at step {d.step}, not in a decoder layer nor in the "
+            "embeddings or per_layer_inputs: pass --at STEP,LAYER to choose one"
         )
     return int(d.step), int(d.layer)
 
 
-def parse_site(text: str) -> tuple[int, int]:
+GLOBAL_SITES = ("embeddings", "per_layer_inputs")  # the tensors before the layers a repro covers
+
+
+def parse_site(text: str) -> tuple[int, int | str]:
+    """--at STEP,LAYER, or STEP,embeddings / STEP,per_layer_inputs."""
     parts = text.replace(" ", "").split(",")
+    if len(parts) == 2 and parts[0].isdigit() and parts[1] in GLOBAL_SITES:
+        return int(parts[0]), parts[1]
     if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        raise TraceToolError(f"--at expects STEP,LAYER (two integers >= 0), got {text!r}")
+        raise TraceToolError(
+            f"--at expects STEP,LAYER (two integers >= 0) or STEP,embeddings or STEP,per_layer_inputs, got {text!r}"
+        )
     return int(parts[0]), int(parts[1])
 
 
@@ -190,7 +200,10 @@ def write_repro(
     if onnx:
         check_onnx_export()
     step, layer = first_divergence_site(ref_path, run_path, base_path) if at is None else at
-    site = _read_site(ref_path, run_path, step, layer, model_dir)
+    if isinstance(layer, str) and onnx:
+        raise TraceToolError(f"--onnx exports a decoder layer; the site is {layer}")
+    read = _read_global_site if isinstance(layer, str) else _read_site
+    site = read(ref_path, run_path, step, layer, model_dir)
     if base_path is not None:
         _add_baseline(site, ref_path, base_path, step, layer)
     # every target absent or (--force) a regular file, and none of them REF, RUN or BASE, whatever its name
@@ -200,6 +213,12 @@ def write_repro(
     files = (*FILES, ONNX_FILE) if onnx else FILES
     size = sum((out / f).stat().st_size for f in files)
     c = site.config
+    if isinstance(layer, str):
+        start, last = c["positions"]
+        return (
+            f"wrote {out}: {layer} at step {step}, positions {start}..{last}; {size} bytes in {len(files)} files; "
+            f"run: cd {out} && python repro.py"
+        )
     kind = (
         f"{c['layer_type']}, {c['kv_role']}"
         + (f" (K/V of layer {c['kv_source']})" if c["kv_source"] != layer else "")
@@ -271,8 +290,66 @@ def _add_baseline(site: _Site, ref_path, base_path, step: int, layer: int) -> No
         if not step < base.n_steps or base.step_positions[step] != ref.step_positions[step]:
             raise TraceToolError(f"BASE does not cover REF's positions at step {step}")
         start, stop = (int(v) for v in ref.step_positions[step])
-        site.outputs["base_layer_out"] = _rows(base, "layer_out", layer, slice(start, stop), "BASE")
+        kind, at = (layer, None) if isinstance(layer, str) else ("layer_out", layer)
+        site.outputs[f"base_{kind}"] = _rows(base, kind, at, slice(start, stop), "BASE")
         site.config["base_runtime"] = one_line(str(base.provenance.get("runtime", "")), 200)
+
+
+def _read_global_site(ref_path, run_path, step: int, kind: str, model_dir) -> _Site:
+    """The embeddings or per_layer_inputs at one step: the token ids fed there, the rows of the
+    embedding tables they pick (and for per_layer_inputs REF's embeddings and the projection), REF's
+    and RUN's rows; repro.py recomputes them as Gemma 4 does (text positions only)."""
+    import torch
+
+    from gemma4_trace.hf.model import load_for_reference
+    from gemma4_trace.replayer.runtime import StaticGemma4Runtime
+
+    with TraceReader(ref_path) as ref, TraceReader(run_path) as run:
+        prov = dict(ref.provenance)
+        if run.provenance.get("model_config_sha256") != prov.get("model_config_sha256"):
+            raise TraceToolError("REF and RUN come from different models")
+        if not 0 <= step < min(ref.n_steps, run.n_steps) or ref.step_positions[step] != run.step_positions[step]:
+            raise TraceToolError(f"step {step} is not a step both traces cover at the same positions")
+        if ref.extra_shapes():
+            raise TraceToolError(f"REF's prompt has an image: the {kind} repro covers text prompts")
+        start, stop = (int(v) for v in ref.step_positions[step])
+        fed = np.concatenate([np.asarray(ref.prompt_ids, np.int64), np.asarray(ref.tokens(), np.int64)])
+        ids = fed[start:stop]
+        rows = slice(start, stop)
+        outputs = {f"ref_{kind}": _rows(ref, kind, None, rows, "REF")}
+        if run.has(kind, None):
+            outputs[f"run_{kind}"] = _rows(run, kind, None, rows, "RUN")
+        embeddings = _rows(ref, "embeddings", None, rows, "REF") if kind == "per_layer_inputs" else None
+        low = ref.source_dtype(kind, None) not in ("float32", "float64")
+        run_name = one_line(str(run.provenance.get("runtime", "")), 200)
+    rt = StaticGemma4Runtime(load_for_reference(prov, model_dir, device="cpu"), max_seq=1)
+    f32 = lambda t: t.detach().to(torch.float32).cpu().numpy()  # noqa: E731
+    pick = torch.as_tensor(ids)
+    config = {"site": kind, "step": step, "positions": [start, stop - 1], "token_ids": ids.tolist()}
+    if kind == "embeddings":
+        weights = {"embed_rows": f32(rt.embed[pick])}
+        config["embed_scale"] = float(rt.embed_scale)
+    else:
+        if not rt.ple_dim:
+            raise TraceToolError("the model has no per-layer inputs")
+        weights = {
+            "ple_rows": f32(rt.ple_embed[pick]),
+            "ple_model_proj": f32(rt.ple_model_proj),
+            "ple_proj_norm": f32(rt.ple_proj_norm),
+        }
+        config.update(
+            ple_scale=float(rt.ple_scale), hidden=int(rt.hidden), n_layers=int(rt.n_layers), ple_dim=int(rt.ple_dim)
+        )
+    config.update(
+        eps=float(rt.eps),
+        tolerance=TOL_LOW if low else TOL_FLOAT32,
+        ref_runtime=one_line(str(prov.get("runtime", "")), 200),
+        run_runtime=run_name,
+    )
+    inputs = {"positions": np.arange(start, stop, dtype=np.int64), "token_ids": ids}
+    if embeddings is not None:
+        inputs["embeddings"] = embeddings
+    return _Site(inputs, weights, outputs, config)
 
 
 def _layer_inputs(ref: TraceReader, step: int, layer: int, info, rows: slice) -> dict:

@@ -1,4 +1,5 @@
-"""Standalone repro of one Gemma 4 decoder layer at one step (written by `trace repro`).
+"""Standalone repro of one Gemma 4 decoder layer (or the embeddings, or the per-layer inputs) at one
+step (written by `trace repro`).
 
 Needs only numpy and torch. Recomputes the layer in plain float32 from REF's inputs
 (inputs.npz) and that layer's weights (weights.npz), then prints its error against REF's
@@ -85,6 +86,39 @@ def layer(inp, w, c):
     return x * w["layer_scalar"], attn
 
 
+def global_tensor(inp, w, c):
+    """The embeddings (the token's row, scaled) or the per-layer inputs (a token-identity part from
+    the per-layer table plus a projection of REF's embeddings, RMS-normed, averaged) at the step."""
+    if c["site"] == "embeddings":
+        return w["embed_rows"] * float(c["embed_scale"])
+    x = inp["embeddings"]
+    n, layers, dim = x.shape[0], int(c["n_layers"]), int(c["ple_dim"])
+    tok = (w["ple_rows"] * float(c["ple_scale"])).view(n, layers, dim)
+    proj = (x @ w["ple_model_proj"].T) * (float(c["hidden"]) ** -0.5)
+    proj = rms(proj.view(n, layers, dim), w["ple_proj_norm"], float(c["eps"]))
+    return (proj + tok) * (2.0**-0.5)
+
+
+def global_main(inp, w, out):
+    """trace repro of the embeddings or per_layer_inputs: the recompute against REF, RUN and BASE."""
+    kind = CONFIG["site"]
+    got = global_tensor(inp, w, CONFIG)
+    print(f"{kind}, step {CONFIG['step']}, positions {CONFIG['positions'][0]}..{CONFIG['positions'][-1]}")
+    e_ref = rel_l2(got, out["ref_" + kind])
+    print(f"float recompute vs REF ({CONFIG['ref_runtime']}) {kind}: rel-L2 {e_ref:.3e} (tolerance {TOLERANCE:.0e})")
+    if "run_" + kind in out:
+        print(f"float recompute vs RUN ({CONFIG['run_runtime']}) {kind}: rel-L2 {rel_l2(got, out['run_' + kind]):.3e}")
+        run_err = rel_l2(out["run_" + kind], out["ref_" + kind])
+        print(f"RUN vs REF {kind}: rel-L2 {run_err:.3e}")
+        if "base_" + kind in out:
+            base_err = rel_l2(out["base_" + kind], out["ref_" + kind])
+            print(f"BASE ({CONFIG['base_runtime']}) vs REF {kind}: rel-L2 {base_err:.3e}")
+            print(f"RUN's excess over BASE: x{run_err / base_err if base_err > 0 else math.inf:.3g}")
+    ok = e_ref <= TOLERANCE
+    print("recompute matches REF" if ok else "recompute does NOT match REF")
+    return 0 if ok else 1
+
+
 def rel_l2(a, b):
     num = float(torch.linalg.vector_norm((a - b).double()))
     den = float(torch.linalg.vector_norm(b.double()))
@@ -115,6 +149,8 @@ def onnx_check(out):
 def main():
     torch.set_grad_enabled(False)
     inp, w, out = load("inputs.npz"), load("weights.npz"), load("outputs.npz")
+    if CONFIG.get("site", "layer") != "layer":
+        return global_main(inp, w, out)
     got, attn = layer(inp, w, CONFIG)
     print(
         f"layer {CONFIG['layer']} ({CONFIG['layer_type']}, {CONFIG['kv_role']}), step {CONFIG['step']}, "

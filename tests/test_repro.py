@@ -134,7 +134,16 @@ def test_cli_repro_follows_a_baseline_and_reports_runs_excess_over_it(tmp_path):
     base, run = tmp_path / "base.h5", tmp_path / "run.h5"
     replay_trace(REF, base, runtime="static-w8")
     replay_trace(REF, run, runtime="tests.quant_bugs:make_low_precision_layer__static_w8")
-    one_line_error(invoke("repro", str(REF), str(run), "-o", str(tmp_path / "plain")), "pass --at")
+    plain = tmp_path / "plain"  # without --baseline: the quantization noise of the per-layer inputs is the site
+    res = invoke("repro", str(REF), str(run), "-o", str(plain))
+    assert res.exit_code == 0 and "per_layer_inputs at step 0" in res.output, res.output
+    p = run_repro(plain)
+    assert p.returncode == 0, p.stdout + p.stderr
+    with np.load(plain / "outputs.npz") as z:
+        ple_err = rel_l2(z["run_per_layer_inputs"], z["ref_per_layer_inputs"])
+    assert float(re.search(r"RUN vs REF per_layer_inputs: rel-L2 (\S+)", p.stdout)[1]) == pytest.approx(ple_err, 1e-3)
+    recompute = float(re.search(r"float recompute vs REF \(.*\) per_layer_inputs: rel-L2 (\S+)", p.stdout)[1])
+    assert recompute < 1e-5 < ple_err
     out = tmp_path / "repro"
     res = invoke("repro", str(REF), str(run), "--baseline", str(base), "-o", str(out))
     assert res.exit_code == 0, res.output
@@ -148,6 +157,24 @@ def test_cli_repro_follows_a_baseline_and_reports_runs_excess_over_it(tmp_path):
     assert excess == pytest.approx(run_err / base_err, rel=1e-2) and excess > 4  # beyond the envelope's factor
     assert re.search(r"BASE \(static-w8\) vs REF layer_out: rel-L2 ", p.stdout), p.stdout
     one_line_error(invoke("repro", str(REF), str(run), "--baseline", str(base), "-o", str(base)), "base.h5")
+
+
+@pytest.mark.parametrize("kind", ["embeddings", "per_layer_inputs"])
+@pytest.mark.parametrize("step", [0, 5])
+def test_repro_of_the_tensors_before_the_layers_recomputes_ref(tmp_path, kind, step):
+    """--at STEP,embeddings / STEP,per_layer_inputs: the token ids fed at the step (the prompt's, or
+    REF's previous token in decode), their table rows, and the recompute within 1e-5 of REF."""
+    run = tmp_path / "run.h5"
+    replay_trace(REF, run, runtime="static")
+    out = tmp_path / "repro"
+    res = invoke("repro", str(REF), str(run), "--at", f"{step},{kind}", "-o", str(out))
+    assert res.exit_code == 0 and f"{kind} at step {step}" in res.output, res.output
+    p = run_repro(out)
+    assert p.returncode == 0 and "recompute matches REF" in p.stdout, p.stdout + p.stderr
+    with np.load(out / "inputs.npz") as z, np.load(out / "weights.npz") as w:
+        ids, rows = z["token_ids"], w["embed_rows" if kind == "embeddings" else "ple_rows"]
+    assert len(ids) == len(rows) == (13 if step == 0 else 1)
+    one_line_error(invoke("repro", str(REF), str(run), "--at", f"{step},{kind}", "--onnx", "-o", str(tmp_path / "x")))
 
 
 @pytest.mark.parametrize(
