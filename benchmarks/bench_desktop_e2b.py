@@ -20,11 +20,9 @@ The table is printed at the end. On a busy machine every time is a bound, not a 
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_llamacpp_e2b import cli, diff_first_line, print_table  # noqa: E402  (a trace command in a fresh process)
-from benchmarks.e2b_shaped import build  # noqa: E402
+from benchmarks.e2b_shaped import bench_setup, build  # noqa: E402
 
 FAMILIES = {
     "openvino": ("openvino", "openvino-int8", "openvino-int8-dq", "openvino-int4", "openvino-int4-dq"),
@@ -41,20 +39,7 @@ FAMILIES = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("family", choices=FAMILIES)
-    ap.add_argument("work", type=Path)
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--new", type=int, default=8)
-    ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    a.work.mkdir(parents=True, exist_ok=True)
-    model = a.work / "model"
-    if a.build_only:
-        build(model)
-        return
-    # built in a child: a process's peak RSS counts what it inherits at fork, so this one stays small
-    subprocess.run([sys.executable, __file__, a.family, str(a.work), "--build-only"], check=True)
+    a, model = bench_setup(__doc__, __file__, build, ("family", dict(choices=FAMILIES)))
     cache = a.work / "cache"
     shutil.rmtree(cache, ignore_errors=True)
     env = {**os.environ, "GEMMA4_TRACE_CACHE": str(cache)}

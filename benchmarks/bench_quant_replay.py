@@ -13,9 +13,7 @@ peak RSS <= 1.10x and time <= 1.5x the float replay's.
 
 from __future__ import annotations
 
-import argparse
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,25 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_llamacpp_e2b import cli, diff_first_line  # noqa: E402  (a trace command in a fresh process)
-from benchmarks.e2b_shaped import build  # noqa: E402
+from benchmarks.e2b_shaped import bench_setup, build  # noqa: E402
 
 RUNTIMES = ("static", "static-w8", "static-w4g32", "static-w8a8")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("work", type=Path)
-    ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--new", type=int, default=8)
-    ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    a.work.mkdir(parents=True, exist_ok=True)
-    model = a.work / "model"
-    if a.build_only:
-        build(model)
-        return
-    # built in a child: a process's peak RSS counts what it inherits at fork, so this one stays small
-    subprocess.run([sys.executable, __file__, str(a.work), "--build-only"], check=True)
+    a, model = bench_setup(__doc__, __file__, build)
     rng = random.Random(0)
     ids = ",".join(str(rng.randrange(10, 16000)) for _ in range(a.prompt))
     ref = a.work / "ref.h5"

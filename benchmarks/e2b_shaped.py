@@ -6,6 +6,9 @@ per-layer inputs of 256, MLP 6144 (double-wide on KV-reusing layers), window 512
 
 from __future__ import annotations
 
+import argparse
+import subprocess
+import sys
 from pathlib import Path
 
 from benchmarks.make_e2b_random import E2B_TEXT as E2B_FULL
@@ -40,3 +43,26 @@ def build(out_dir: str | Path, dtype: str = "float32", seed: int = 0, **override
     model.generation_config.eos_token_id = [1]
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def bench_setup(doc: str, script: str, make, *leading: tuple[str, dict]) -> tuple[argparse.Namespace, Path]:
+    """An E2B benchmark's command line (`leading` positional arguments as (name, add_argument's
+    keywords), then WORK, --prompt, --new) and its model, WORK/model: built by `make(folder)` in a
+    child process (`script ... --build-only`, which ends there), since a process's peak RSS counts
+    what it inherits at fork, so the benchmark's own stays small."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    for name, kw in leading:
+        ap.add_argument(name, **kw)
+    ap.add_argument("work", type=Path)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=8)
+    ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
+    model = a.work / "model"
+    if a.build_only:
+        make(model)
+        sys.exit(0)
+    argv = [str(getattr(a, name)) for name, _ in leading]
+    subprocess.run([sys.executable, script, *argv, str(a.work), "--build-only"], check=True)
+    return a, model
