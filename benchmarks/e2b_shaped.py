@@ -45,9 +45,12 @@ def build(out_dir: str | Path, dtype: str = "float32", seed: int = 0, **override
     return out
 
 
-def bench_setup(doc: str, script: str, make, *leading: tuple[str, dict]) -> tuple[argparse.Namespace, Path]:
+def bench_setup(
+    doc: str, script: str, make, *leading: tuple[str, dict], **options: dict
+) -> tuple[argparse.Namespace, Path]:
     """An E2B benchmark's command line (`leading` positional arguments as (name, add_argument's
-    keywords), then WORK, --prompt, --new) and its model, WORK/model: built by `make(folder)` in a
+    keywords), then WORK, --prompt, --new and `options` (--name: keywords)) and its model,
+    WORK/model: built by `make(folder)` in a
     child process (`script ... --build-only`, which ends there), since a process's peak RSS counts
     what it inherits at fork, so the benchmark's own stays small."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
@@ -56,6 +59,8 @@ def bench_setup(doc: str, script: str, make, *leading: tuple[str, dict]) -> tupl
     ap.add_argument("work", type=Path)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=8)
+    for name, kw in options.items():
+        ap.add_argument(f"--{name}", **kw)
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
