@@ -33,6 +33,14 @@ def test_planted_bug_shows_in_the_aggregates_and_its_base_alone_does_not(tmp_pat
         assert run["kl"]["percentiles"][q] > 3 * base["kl"]["percentiles"][q], q
     assert run["kl"]["mean"] > 5 * base["kl"]["mean"]
     assert f"{LOW_LAYER} q" in r.stdout and "prompts diverge (exit 1)" in r.stdout
+    # the summary page: BASE plotted beside RUN, every section with content, settings in words
+    page = (tmp_path / "bug" / "summary.html").read_text()
+    assert "KL(REF||RUN) and KL(REF||BASE) percentiles" in page and page.count("<polyline") == 2
+    assert all(f"<title>{who} p99: " in page for who in ("RUN", "BASE"))
+    settings = page.split("<h2>Settings</h2>")[1]
+    assert ">None<" not in settings and ">True<" not in settings and ">False<" not in settings
+    assert '<td class="l">yes</td>' in settings  # chat
+    assert "worst prompts (of" not in page  # the verdict box lists no ranking (the table below does)
 
     r = invoke(
         *common, "--runtime", "static-w8", "--baseline-runtime", "static-w4g32", "-o", tmp_path / "base", env=env
