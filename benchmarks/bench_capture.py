@@ -11,9 +11,10 @@ records REF, then for each runtime, in this one process on the one loaded model,
   capture  replay_loaded (replayer/core.py): the same steps with the probe capturing every kind
            and the trace written, as `trace replay` does,
 and keeps each one's best time. Covered: the runtimes whose capture is the probe (the static
-runtime and its quantized variants): without a probe nothing is captured. The other adapters
-capture inside their engine (an ONNX graph's or a .pte's extra outputs, llama.cpp's eval callback,
-LiteRT's keep-every-tensor): they have no tokens-only mode yet, so they are not in this table.
+runtime and its quantized variants: without a probe nothing is captured) and llama.cpp (alone: its
+context made without the eval callback, llama.cpp's own fast path). The other adapters capture
+inside their exported graphs (ONNX, .pte, LiteRT's keep-every-tensor, OpenVINO IR, MLX's
+modules): they have no tokens-only mode yet, so they are not in this table.
 """
 
 from __future__ import annotations
@@ -29,7 +30,21 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_llamacpp_e2b import cli  # noqa: E402  (a trace command in a fresh process)
 from benchmarks.e2b_shaped import bench_setup, build  # noqa: E402
 
-RUNTIMES = ("static", "static-w8", "static-w4g32", "static-w8a8")
+RUNTIMES = ("static", "static-w8", "static-w4g32", "static-w8a8", "llama.cpp:F32", "llama.cpp:Q4_K_M")
+
+
+def make(name: str, loaded, max_seq: int, capture: bool):
+    """The runtime `name`; llama.cpp without its eval callback when not `capture` (its tokens-only
+    mode); the static runtimes capture only through the probe, which `alone` does not give."""
+    from gemma4_trace.replayer.core import make_runtime
+    from gemma4_trace.replayer.runtimes.registry import parse_runtime
+
+    choice = parse_runtime(name)
+    if choice.gguf and not capture:
+        from gemma4_trace.replayer.runtimes.llamacpp.runtime import LlamaCppRuntime
+
+        return LlamaCppRuntime(loaded, max_seq, choice.type, capture=False)
+    return make_runtime(choice, loaded, max_seq)
 
 
 def alone(rt, ref, max_seq: int) -> tuple[float, list[float]]:
@@ -77,8 +92,8 @@ def main() -> None:
     import random
 
     from gemma4_trace.hf.model import load_model
-    from gemma4_trace.replayer.core import default_max_seq, make_runtime, read_reference
-    from gemma4_trace.replayer.runtimes.registry import parse_runtime
+    from gemma4_trace.replayer.api import close_runtime
+    from gemma4_trace.replayer.core import default_max_seq, read_reference
 
     rng = random.Random(0)
     ids = ",".join(str(rng.randrange(10, 16000)) for _ in range(a.prompt))
@@ -93,8 +108,14 @@ def main() -> None:
         best = {"alone": (float("inf"), float("inf")), "capture": (float("inf"), float("inf"))}
         for _ in range(a.repeats):
             for how in ("alone", "capture"):
-                rt = make_runtime(parse_runtime(name), loaded, max_seq)
-                p, d = alone(rt, ref, max_seq) if how == "alone" else captured(loaded, ref, ref_path, rt, max_seq)
+                rt = make(name, loaded, max_seq, capture=how == "capture")
+                if how == "alone":
+                    try:
+                        p, d = alone(rt, ref, max_seq)
+                    finally:
+                        close_runtime(rt)
+                else:
+                    p, d = captured(loaded, ref, ref_path, rt, max_seq)  # replay_loaded closes it
                 per = (p / len(ref.prompt_ids), sum(d) / max(len(d), 1))
                 best[how] = tuple(min(x, y) for x, y in zip(best[how], per))
         (pa, da), (pc, dc) = best["alone"], best["capture"]

@@ -474,3 +474,36 @@ def test_a_model_without_weights_needs_no_accelerate(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "accelerate", None)  # import accelerate raises ImportError
     assert not load_model(weights=False).has_weights
+
+
+def test_tokens_only_mode_captures_nothing_and_gives_the_same_next_tokens(tmp_path, monkeypatch):
+    """capture=False (bench_capture.py's "runtime alone"): no eval callback, nothing reaches a probe,
+    and the logits pick the tokens the capturing context picks."""
+    import torch
+
+    from gemma4_trace.hf.model import load_model
+    from gemma4_trace.replayer.runtimes.llamacpp.runtime import LlamaCppRuntime
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    loaded, ids = load_model(), [2, 10, 11, 12, 13]
+
+    class Probe:
+        def __init__(self):
+            self.seen = []
+
+        def tensor(self, kind, value, layer=None, positions=None):
+            self.seen.append(kind)
+
+    logits = {}
+    for capture in (True, False):
+        rt, probe = LlamaCppRuntime(loaded, 16, "F32", capture=capture), Probe()
+        try:
+            with torch.no_grad():
+                first = rt.prefill(ids, {}, probe)
+                logits[capture] = (first, rt.decode(int(first.argmax()), len(ids), probe))
+        finally:
+            rt.close()
+        assert bool(probe.seen) == capture, probe.seen[:3]
+    for got, want in zip(logits[False], logits[True]):
+        assert int(got.argmax()) == int(want.argmax())
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-3, atol=1e-3)

@@ -2,7 +2,7 @@
 (replayer/runtimes/llamacpp/runtime.py). Commands (the child protocol's):
 
     ("quantize", src, dst, ftype)      -> ("done",)
-    ("load", gguf_path, n_ctx)         -> ("ready", description, n_vocab)
+    ("load", gguf_path, n_ctx, capture) -> ("ready", description, n_vocab); capture False: no eval callback
     ("decode", ids, first_position)    -> ("tensor", kind, layer, array)..., ("logits", array)
 
 A failure llama.cpp reports (a file it cannot load, a decode error) is an exception: the child
@@ -206,7 +206,9 @@ class LlamaCppEngine:
             raise EngineError(f"llama_model_quantize returned {rc}")
         return ("done",)
 
-    def load(self, path: str, n_ctx: int):
+    def load(self, path: str, n_ctx: int, capture: bool = True):
+        """Load the file and make a context; `capture` False: no eval callback, llama.cpp's own fast
+        path with tokens and logits only (what the capture costs is measured against it)."""
         L = self.L
         self.cap.n_ctx = n_ctx
         mp = L.llama_model_default_params()
@@ -227,8 +229,9 @@ class LlamaCppEngine:
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.type_k = cp.type_v = GGML_TYPE_F32  # the cache keeps what the layers computed
         cp.swa_full = True  # (its default) a full-size sliding cache: cell i holds position i, a mask column
-        cp.cb_eval = ctypes.cast(self.cap.c_callback, type(cp.cb_eval))
-        cp.cb_eval_user_data = None
+        if capture:
+            cp.cb_eval = ctypes.cast(self.cap.c_callback, type(cp.cb_eval))
+            cp.cb_eval_user_data = None
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise EngineError("llama.cpp could not create a context (llama_init_from_model failed)")

@@ -106,10 +106,14 @@ def gguf_artifact(loaded, gguf_type: str, quantizer: ChildRuntime | None = None)
 class LlamaCppRuntime(ChildRuntime):
     """The runtime API (replayer/api.py) over a llama.cpp child process."""
 
-    def __init__(self, loaded, max_seq: int, gguf_type: str = "F32", user_file=None, notes=(), header=None):
+    def __init__(
+        self, loaded, max_seq: int, gguf_type: str = "F32", user_file=None, notes=(), header=None, capture=True
+    ):
         """`user_file`: a GGUF file run as it is (a sensitivity search's mixed file); `header`: a
         user's GGUF, its header checked (gguf_reader.py), which the child reads through the checked
-        descriptor; `notes`: what the runtime's name adds (the config differences a replay allowed)."""
+        descriptor; `notes`: what the runtime's name adds (the config differences a replay allowed);
+        `capture` False: llama.cpp without the eval callback, tokens and logits only (nothing reaches
+        a probe: benchmarks/bench_capture.py's "runtime alone")."""
         self.gguf_type = gguf_type
         user_file = header.path if header is not None else user_file
         label = f"{RUNTIME} ({gguf_type if user_file is None else one_line(Path(user_file).name, 100)})"
@@ -123,7 +127,7 @@ class LlamaCppRuntime(ChildRuntime):
             else:
                 self.path, self.note = Path(user_file), "a user's file"
             path = f"/proc/self/fd/{fds[0]}" if fds else str(self.path)  # the child's copy of the descriptor
-            self.vocab = child.call("load", path, int(max_seq), phase="loading the GGUF file")[2]
+            self.vocab = child.call("load", path, int(max_seq), bool(capture), phase="loading the GGUF file")[2]
         except BaseException:
             self.close()
             raise
