@@ -90,7 +90,7 @@ def resolve_baseline(runtime: str, baseline_runtime: str | None, gguf) -> tuple[
     and --gguf: the static runtime on the file's dequantized weights; mlx-q4: mlx-q4-dq; ...)."""
     if baseline_runtime != AUTO:
         return baseline_runtime, None
-    from gemma4_trace.replayer.runtimes.registry import parse_runtime
+    from gemma4_trace.replayer.runtimes.registry import FLOAT_GGUF_TYPES, parse_runtime
 
     if gguf is not None:
         return None, str(Path(gguf).resolve())
@@ -101,7 +101,7 @@ def resolve_baseline(runtime: str, baseline_runtime: str | None, gguf) -> tuple[
             f"--baseline-runtime auto: --runtime {runtime} has no baseline of its own; name one (--baseline-runtime RT)"
         )
     if choice.gguf:
-        if choice.type in ("F32", "F16", "BF16"):
+        if choice.type in FLOAT_GGUF_TYPES:
             raise TraceToolError(f"--baseline-runtime auto: llama.cpp:{choice.type} is not quantized; name a baseline")
         return None, f":{choice.type}"
     return spec.baseline, None

@@ -90,16 +90,10 @@ def _ao():
     return qp
 
 
-def _qparams(x: torch.Tensor, block: tuple, qmin: int, qmax: int, eps=None):
-    """torchao's symmetric scale and integers of x: (q int8, scale float32, one per block)."""
-    qp = _ao()
-    s, z = qp.choose_qparams_affine(x, qp.MappingType.SYMMETRIC, block, torch.int8, qmin, qmax, eps)
-    return qp.quantize_affine(x, block, s, z, torch.int8, qmin, qmax), s, z
-
-
 def _fake_quant(x: torch.Tensor, block: tuple, qmin: int, qmax: int, eps=None) -> torch.Tensor:
     qp = _ao()
-    q, s, z = _qparams(x, block, qmin, qmax, eps)
+    s, z = qp.choose_qparams_affine(x, qp.MappingType.SYMMETRIC, block, torch.int8, qmin, qmax, eps)
+    q = qp.quantize_affine(x, block, s, z, torch.int8, qmin, qmax)
     return qp.dequantize_affine(q, block, s, z, torch.int8, qmin, qmax, output_dtype=x.dtype)
 
 
@@ -334,13 +328,13 @@ def quantize_(rt, scheme_name: str, recipe: dict | None = None, cache: dict | No
         for owner, name, s in units:
             w = owner._buffers[name]
             held = isinstance(w, QuantizedWeight)
-            if held:  # quantized twice: from the values it holds
+            if held:  # quantized twice: from the values it holds (a temporary: never a cache key)
                 w = w.dequantize()
-            key = (w.data_ptr(), tuple(w.shape), s.weight_bits, s.group)
-            q = cache.get(key) if cache is not None else None
+            key = None if held or cache is None else (w.data_ptr(), tuple(w.shape), s.weight_bits, s.group)
+            q = cache.get(key) if key is not None else None
             if q is None:
                 q = hold_quantized(w, s.weight_bits, s.group)
-                if cache is not None:
+                if key is not None:
                     cache[key] = q
             setattr(owner, name, q)
             if release and not held:
