@@ -175,11 +175,12 @@ def run(cases: int, seed: int, classes=CLASSES, timeout: float = 60.0, say=print
     from gemma4_trace.recorder.golden import golden_path
     from gemma4_trace.replayer.runtimes.llamacpp import gguf_reader as GR
 
-    os.environ["GEMMA4_TRACE_DEBUG"] = "1"
-    runner = CliRunner()
     ref = str(golden_path("short"))
     work = Path(tempfile.mkdtemp(prefix="fuzz-inputs-"))
-    os.environ.setdefault("GEMMA4_TRACE_CACHE", str(work / "cache"))
+    # set for each command only (CliRunner restores the environment): a caller's process (a pytest
+    # worker) must not keep printing tracebacks afterwards
+    env = {"GEMMA4_TRACE_DEBUG": "1", "GEMMA4_TRACE_CACHE": os.environ.get("GEMMA4_TRACE_CACHE", str(work / "cache"))}
+    runner = CliRunner(env=env)
     good = work / "good.gguf"
     res = runner.invoke(main, ["export-gguf", "-o", str(good)])
     assert res.exit_code == 0, res.output
