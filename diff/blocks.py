@@ -11,18 +11,59 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .metrics import RowSums, compare_mask_block, row_sums
+
 BLOCK_BYTES = 16 << 20  # rows read at once per trace
 
 
 class Block(NamedTuple):
-    """One block of rows of a (kind, layer): REF's, RUN's and BASE's values, and their steps."""
+    """One block of rows of a (kind, layer): REF's, RUN's and BASE's values, their steps, and the
+    figures the comparison needs of REF and RUN (computed here or by a diff worker process)."""
 
     first: int  # the block's first row
-    ref: np.ndarray
-    run: np.ndarray
+    ref: np.ndarray | None  # None: a worker process read the rows and sent their figures only
+    run: np.ndarray | None
     base: np.ndarray | None  # None: no three-way comparison for this tensor
     base_lacks: np.ndarray | None  # (rows,) bool: rows BASE has no data for (REF's stand in there)
     steps: np.ndarray  # (rows,) the step of each row
+    figures: RowSums | np.ndarray  # float rows: RowSums; masks: per-row count of differing keys
+
+
+def figures_of(a: np.ndarray, b: np.ndarray) -> RowSums | np.ndarray:
+    """What the comparison needs of REF rows a and RUN rows b: RowSums, or for boolean masks the
+    count of differing keys per row."""
+    return compare_mask_block(a, b) if a.dtype == bool else row_sums(a, b)
+
+
+def block_figures(ref, run, kind: str, layer, rows: slice, n_rows: int, a: np.ndarray, b: np.ndarray):
+    """figures_of REF's rows a and RUN's rows b, rows `rows` of (kind, layer) compared over n_rows,
+    as compared_blocks has them (rows REF or RUN did not report compare equal): what a diff worker
+    process computes."""
+    absent, _ = absent_rows(ref, run, kind, layer, n_rows)
+    if absent is not None and absent[rows].any():
+        b = b.copy()
+        _stand_in(b, a, absent[rows])
+    return figures_of(a, b)
+
+
+class Task(NamedTuple):
+    """One block: rows r0..r1-1 of (kind, layer), a tensor compared over n_rows; `logits`: the
+    logit-distribution metrics of those steps too (logits.step_metrics), from the same read."""
+
+    kind: str
+    layer: int | None
+    r0: int
+    r1: int
+    n_rows: int
+    logits: bool = False
+
+
+def tasks_of(ds, kind: str, layer, n_rows: int, logits: bool = False) -> Iterator[Task]:
+    """The blocks of rows 0..n_rows-1 of dataset `ds` of (kind, layer), as the diff reads them
+    (every figure is per row, so the logit metrics take the same blocks)."""
+    block = block_rows(ds)
+    for r0 in range(0, n_rows, block):
+        yield Task(kind, layer, r0, min(n_rows, r0 + block), n_rows, logits)
 
 
 def block_rows(ds, value_bytes: int | None = None) -> int:
@@ -63,7 +104,7 @@ def compared_blocks(
             _stand_in(b, a, gone)
             if c is not None:
                 _stand_in(c, a, gone)
-        yield Block(rows.start, a, b, c, lacks, row_steps[rows])
+        yield Block(rows.start, a, b, c, lacks, row_steps[rows], figures_of(a, b))
 
 
 def _usable_base_rows(c: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -16,15 +16,16 @@ from gemma4_trace.traces.reader import TraceReader
 
 from .align import Plan, check_compatible, dataflow_sequence, make_plan, plan_notes
 from .baseline import DEFAULT_FACTOR, Baseline, check_baseline, quantization_note
-from .blocks import Block, absent_rows, compared_blocks
+from .blocks import Block, Task, absent_rows, compared_blocks, tasks_of
 from .isolation import rank_layers
-from .logits import logit_metrics
+from .logits import logit_metrics, logit_steps
 from .metrics import (
     METRIC,
     METRIC_ORDER,
     PRIMARY,
     THRESHOLD_METRICS,
     RowStats,
+    RowSums,
     compare_mask_block,
     element_detail,
     image_blocks,
@@ -33,6 +34,7 @@ from .metrics import (
 )
 from .origin import Residuals, origin
 from .origin import growth as growth_table
+from .parallel import BlockPool, workers_wanted
 from .result import (
     BaselineInfo,
     DiffResult,
@@ -89,8 +91,11 @@ class _Differ:
         base: TraceReader | None = None,
         baseline: Baseline | None = None,
         full: bool = False,
+        pool: BlockPool | None = None,
     ):
         self.ref, self.run, self.tol = ref, run, tol
+        self.pool = pool  # worker processes reading blocks (diff/parallel.py); None: this process
+        self._logit_parts: dict[Task, tuple] = {}  # logit metrics that came with the logits' figures
         self.full = full  # every row of every tensor (the whole error map), no early stop
         self.base, self.baseline = base, baseline  # three-way (diff/baseline.py) when given
         self.layers = ref.layers
@@ -148,6 +153,8 @@ class _Differ:
         # a RUN of tokens alone (an engine that exposes no logits, api.TokenOnly) is compared by its
         # tokens; a RUN with tensors but no logits lost them, and that is a divergence
         tokens_only = not any(S.KIND_BY_NAME[k].dtype != "int" for k, _ in present_run)
+        if self.pool is not None:
+            self.pool.plan(ref, run, self._planned(present_ref & present_run), self._wanted)
         for kind, layer in self.seq:
             if S.KIND_BY_NAME[kind].dtype == "int":  # chosen tokens: compared above
                 continue
@@ -182,10 +189,47 @@ class _Differ:
         return t
 
     # ------------------------------------------------------------ one (kind, layer)
+    def _extent(self, spec: S.Kind, layer) -> tuple[int, int | None]:
+        """(rows the compared steps need, rows both traces hold of them; None: row shapes differ)."""
+        da, db = self.ref.dataset(spec.name, layer), self.run.dataset(spec.name, layer)
+        n_rows = self.plan.n_rows if spec.index == "position" else self.plan.numeric_steps
+        if not _same_row_shape(spec, da, db):
+            return n_rows, None
+        return n_rows, min(n_rows, da.shape[0], db.shape[0])
+
+    def _planned(self, both: set) -> Iterator[Task]:
+        """Every block the pass may take from the worker pool, in the order it takes them: the
+        tensors compared two-way (seq order), the logit metrics' blocks with the logits' own
+        (one read for both) or after the rest."""
+        steps = logit_steps(self.ref, self.run, self.plan.numeric_steps)
+        for kind, layer in self.seq:
+            spec = S.KIND_BY_NAME[kind]
+            if spec.dtype == "int" or (kind, layer) not in both or self._three_way(kind, layer):
+                continue
+            _, rows = self._extent(spec, layer)
+            together = kind == "logits" and rows == steps
+            if rows:
+                yield from tasks_of(self.ref.dataset(kind, layer), kind, layer, rows, logits=together)
+            steps = 0 if together else steps
+        if steps:
+            yield from tasks_of(self.ref.dataset("logits"), "logits", None, steps, logits=True)
+
+    def _logit_part(self, task: Task):
+        """One block's logit metrics: kept when the pass took the block's figures, else taken now."""
+        part = self._logit_parts.pop(task, None)
+        return part if part is not None else self.pool.take(task)[1]
+
+    def _wanted(self, task: Task) -> bool:
+        """Whether a planned block can still matter: the row limit only shrinks as the pass goes."""
+        if task.logits or self.full or S.KIND_BY_NAME[task.kind].residual:
+            return True
+        limit = self._row_limit(task.kind, task.layer, S.KIND_BY_NAME[task.kind].index)
+        return limit is None or task.r0 < limit
+
     def _compare(self, kind: str, layer) -> None:
         spec = S.KIND_BY_NAME[kind]
         da, db = self.ref.dataset(kind, layer), self.run.dataset(kind, layer)
-        n_rows = self.plan.n_rows if spec.index == "position" else self.plan.numeric_steps
+        n_rows, _ = self._extent(spec, layer)
         summary = TensorSummary(kind, layer, n_rows)
         self.tensors.append(summary)
         if not _same_row_shape(spec, da, db):
@@ -242,17 +286,41 @@ class _Differ:
     def _blocks(self, spec: S.Kind, layer, n_rows: int, keep: bool) -> Iterator[Block]:
         """The blocks of rows that can still beat the best divergence so far (all rows when `keep`)."""
         limit = None if keep or self.full else self._row_limit(spec.name, layer, spec.index)
+        end = n_rows if limit is None else min(n_rows, limit)
         row_steps = self.row_steps if spec.index == "position" else np.arange(self.plan.numeric_steps)
+        three_way = self._three_way(spec.name, layer)
+        if self.pool is not None and not three_way:
+            return self._pooled_blocks(spec.name, layer, n_rows, end, row_steps)
         return compared_blocks(
             self.ref,
             self.run,
-            self.base if self._three_way(spec.name, layer) else None,
+            self.base if three_way else None,
             spec.name,
             layer,
-            n_rows if limit is None else min(n_rows, limit),
+            end,
             row_steps,
             self.absent.get((spec.name, layer)),
         )
+
+    def _pooled_blocks(self, kind: str, layer, n_rows: int, end: int, row_steps: np.ndarray) -> Iterator[Block]:
+        """compared_blocks' blocks of rows 0..end-1 with their figures from the worker pool (no rows)."""
+        together = kind == "logits" and n_rows == logit_steps(self.ref, self.run, self.plan.numeric_steps)
+        for task in tasks_of(self.ref.dataset(kind, layer), kind, layer, n_rows, logits=together):
+            if task.r0 >= end:
+                return
+            figures, r1 = self.pool.take(task), min(task.r1, end)
+            if together:
+                figures, self._logit_parts[task] = figures
+            if r1 < task.r1:  # the pass needs fewer rows than the worker read: its figures are per row
+                figures = figures.head(r1 - task.r0) if isinstance(figures, RowSums) else figures[: r1 - task.r0]
+            yield Block(task.r0, None, None, None, None, row_steps[task.r0 : r1], figures)
+
+    def _rows_of(self, kind: str, layer, k: Block, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """REF's and RUN's row i of block k (read again when a worker compared the block)."""
+        if k.ref is not None:
+            return k.ref[i], k.run[i]
+        row = slice(k.first + i, k.first + i + 1)
+        return self.ref.read(kind, layer, row)[0], self.run.read(kind, layer, row)[0]
 
     def _base_step_worst(self, spec: S.Kind, layer, n_rows: int, tol: StepTolerance) -> dict[str, np.ndarray]:
         """Check 3's bound per step of this tensor (diff/baseline.py), from one pass over all three."""
@@ -268,18 +336,19 @@ class _Differ:
     def _scan_mask(self, spec: S.Kind, layer, n_rows: int, tol: StepTolerance, summary: TensorSummary) -> bool:
         """Boolean rows compare exactly: the first row with a differing key diverges."""
         found = False
-        for r0, a, b, c, _, st in self._blocks(spec, layer, n_rows, keep=False):  # Block's fields in order
-            count = compare_mask_block(a, b)
-            fails = (count > 0) & ~tol.skip[st]
-            if c is not None:  # a difference BASE has too is inside its envelope
-                fails &= compare_mask_block(c, b) > 0
+        for k in self._blocks(spec, layer, n_rows, keep=False):
+            count = k.figures
+            fails = (count > 0) & ~tol.skip[k.steps]
+            if k.base is not None:  # a difference BASE has too is inside its envelope
+                fails &= compare_mask_block(k.base, k.run) > 0
             summary.mismatched_rows = (summary.mismatched_rows or 0) + int(fails.sum())
-            summary.rows_compared = r0 + len(a)
+            summary.rows_compared = k.first + len(k.steps)
             if fails.any() and not found:
                 i = int(np.argmax(fails))
-                step, pos = self._position_of(spec.index, r0 + i)
-                detail = MaskDetail(**mask_row_detail(a[i], b[i]))
-                detail.image_blocks = self._image_blocks_of(a[i], b[i], pos)
+                step, pos = self._position_of(spec.index, k.first + i)
+                a_row, b_row = self._rows_of(spec.name, layer, k, i)
+                detail = MaskDetail(**mask_row_detail(a_row, b_row))
+                detail.image_blocks = self._image_blocks_of(a_row, b_row, pos)
                 self._offer(Divergence(step, layer, spec.name, pos, "mask_keys", float(count[i]), 0.0, detail))
                 found = True
             if found and not self.full:
@@ -302,16 +371,17 @@ class _Differ:
                 step_worst.update(self._base_step_worst(spec, layer, n_rows, tol))
             return {m: v[st] for m, v in step_worst.items()}
 
-        for r0, a, b, c, lacks, st in self._blocks(spec, layer, n_rows, keep):  # Block's fields in order
-            r1 = r0 + len(a)
-            rs = RowStats(a, b, tol.l2_floor[st])
+        for k in self._blocks(spec, layer, n_rows, keep):
+            r0, a, b, c, st = k.first, k.ref, k.run, k.base, k.steps
+            r1 = r0 + len(st)
+            rs = RowStats.of_sums(k.figures, tol.l2_floor[st])
             limits = {f: v[st] for f, v in tol.limits.items()}
             bstats = None
             if c is None:
                 fails, which = rs.failing(limits, tol.skip[st])
             else:
                 fails, which, bstats = self.baseline.failing(
-                    a, b, c, rs, tol.l2_floor[st], limits, tol.skip[st], lambda st=st: ceiling(st), lacks
+                    a, b, c, rs, tol.l2_floor[st], limits, tol.skip[st], lambda st=st: ceiling(st), k.base_lacks
                 )
                 if keep:
                     self.res.outside_rows.setdefault((spec.name, layer), np.zeros(n_rows, dtype=bool))[r0:r1] = fails
@@ -325,7 +395,8 @@ class _Differ:
                     base_nd[r0:r1] = RowStats(a, c, tol.l2_floor[st]).nd
             if not found and fails.any():
                 i = int(np.argmax(fails))
-                self._offer_row(spec, layer, r0 + i, a[i], b[i], rs, i, METRIC_ORDER[which[i]], tol, bstats)
+                a_row, b_row = self._rows_of(spec.name, layer, k, i)
+                self._offer_row(spec, layer, r0 + i, a_row, b_row, rs, i, METRIC_ORDER[which[i]], tol, bstats)
                 found = True
             summary.rows_compared = r1
             if found and not keep and not self.full:
@@ -427,13 +498,17 @@ def compare(
     tol = load_tolerances(tolerances_path)
     baseline = Baseline(baseline_path, baseline_factor) if baseline_path is not None else None
     with contextlib.ExitStack() as stack:
+        workers = workers_wanted(ref_path, run_path)
+        pool = BlockPool(ref_path, run_path, workers) if workers else None  # workers start first
+        if pool is not None:
+            stack.callback(pool.close)
         ref = stack.enter_context(TraceReader(ref_path))
         run = stack.enter_context(TraceReader(run_path))
         check_compatible(ref, run)
         base = stack.enter_context(TraceReader(baseline_path)) if baseline is not None else None
         if base is not None:
             check_baseline(ref, run, base)
-        d = _Differ(ref, run, tol, base, baseline, full)
+        d = _Differ(ref, run, tol, base, baseline, full, pool)
         d.run_all()
         other = quantization_note(run, base) if base is not None else None
         if other:
@@ -481,5 +556,5 @@ def _result(d: _Differ, ref_path, run_path, baseline_path) -> DiffResult:
         layers=list(ref.layers),
         baseline=None if base is None else BaselineInfo(_info(base, baseline_path), d.baseline.factor),
         isolation=rank_layers(growth) if run.mode == "isolated" else None,
-        logits=logit_metrics(ref, run, plan.numeric_steps),
+        logits=logit_metrics(ref, run, plan.numeric_steps, d._logit_part if d.pool is not None else None),
     )

@@ -17,22 +17,34 @@ import math
 
 import numpy as np
 
-from .blocks import paired_blocks
+from .blocks import paired_blocks, tasks_of
 from .metrics import kl_rows, log_softmax
 from .result import LogitMetrics, LogitSummary
 
 TOP_K = 5
 
 
+SUB_BLOCK = 1 << 20  # bytes of float64 logits worked on at a time (in cache; every figure is per row)
+
+
 def step_metrics(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, ...]:
     """(kl, top1, top5, drop) for rows of REF logits a and RUN logits b (n, vocab)."""
+    step = max(1, SUB_BLOCK // (8 * max(1, a.shape[1])))
+    if len(a) <= step:
+        return _step_metrics(a, b)
+    parts = [_step_metrics(a[r : r + step], b[r : r + step]) for r in range(0, len(a), step)]
+    return tuple(np.concatenate(figure) for figure in zip(*parts))
+
+
+def _step_metrics(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, ...]:
     a = a.astype(np.float64)
     b = b.astype(np.float64)
     ok = np.isfinite(a).all(axis=1) & np.isfinite(b).all(axis=1)
-    a, b = np.where(ok[:, None], a, 0.0), np.where(ok[:, None], b, 0.0)
+    if not ok.all():
+        a, b = np.where(ok[:, None], a, 0.0), np.where(ok[:, None], b, 0.0)
     la, lb = log_softmax(a), log_softmax(b)  # log p, log q
     p = np.exp(la)
-    kl = kl_rows(la, lb)
+    kl = kl_rows(la, lb, p)
     ta, tb = a.argmax(axis=1), b.argmax(axis=1)
     top1 = (ta == tb).astype(np.float64)
     k = min(TOP_K, a.shape[1])
@@ -45,16 +57,27 @@ def step_metrics(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, ...]:
     return kl + nan, top1 + nan, top5 + nan, drop + nan
 
 
-def logit_metrics(ref, run, n_steps: int) -> LogitMetrics | None:
-    """Per-step metrics over steps 0..n_steps-1 of two open traces; None without logits in both
-    or when the vocabularies differ (the diff reports that as a shape divergence)."""
+def logit_steps(ref, run, n_steps: int) -> int:
+    """How many of steps 0..n_steps-1 logit_metrics compares: 0 without logits in both or when the
+    vocabularies differ (the diff reports that as a shape divergence)."""
     if not (ref.has("logits") and run.has("logits")):
-        return None
+        return 0
     da, db = ref.dataset("logits"), run.dataset("logits")
-    n = min(n_steps, da.shape[0], db.shape[0])
-    if n == 0 or da.shape[1:] != db.shape[1:] or da.ndim != 2:
+    if da.shape[1:] != db.shape[1:] or da.ndim != 2:
+        return 0
+    return min(n_steps, da.shape[0], db.shape[0])
+
+
+def logit_metrics(ref, run, n_steps: int, part=None) -> LogitMetrics | None:
+    """Per-step metrics over steps 0..n_steps-1 of two open traces (None: logit_steps is 0),
+    block by block; `part(task)` gives a block's step_metrics when a worker computed them."""
+    n = logit_steps(ref, run, n_steps)
+    if n == 0:
         return None
-    parts = [step_metrics(a, b) for _, a, b in paired_blocks(ref, run, "logits", None, n, value_bytes=8)]  # float64
+    if part is None:  # float64 blocks
+        parts = [step_metrics(a, b) for _, a, b in paired_blocks(ref, run, "logits", None, n, value_bytes=8)]
+    else:
+        parts = [part(task) for task in tasks_of(ref.dataset("logits"), "logits", None, n, logits=True)]
     kl, top1, top5, drop = (np.concatenate([p[i] for p in parts]) for i in range(4))
     return LogitMetrics(kl.tolist(), top1.tolist(), top5.tolist(), drop.tolist(), _summary(kl, top1, top5, drop))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -70,37 +71,92 @@ METRIC_ORDER = tuple(m.name for m in ROW_METRICS)
 PRIMARY = "rel_l2"  # the error measure of growth tables, origin verdicts and tensor summaries' tolerance
 
 
+class RowSums(NamedTuple):
+    """The sums of a block of rows that every row metric derives from (one entry per row): what a
+    diff worker process sends back instead of the rows (diff/parallel.py)."""
+
+    nd: np.ndarray  # |RUN - REF|^2, float64
+    na: np.ndarray  # |REF|^2
+    nb: np.ndarray  # |RUN|^2
+    ab: np.ndarray  # REF . RUN
+    max_abs: np.ndarray  # max |RUN - REF|
+    bad: np.ndarray  # bool: NaN or Inf in either row
+    width: int  # values per row
+
+    def head(self, n: int) -> RowSums:
+        """The first n rows."""
+        return RowSums(*(x[:n] for x in self[:6]), self.width)
+
+
+def row_sums(a: np.ndarray, b: np.ndarray) -> RowSums:
+    """RowSums of REF rows a and RUN rows b: float32 differences, float64 sums."""
+    n = a.shape[0]
+    a = a.reshape(n, -1)
+    b = b.reshape(n, -1)
+    m = a.shape[1]
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.subtract(b, a)  # (n, m) float32
+        nd, na, nb, ab = _dot_rows(((d, d), (a, a), (b, b), (a, b)))
+        np.abs(d, out=d)
+        max_abs = d.max(axis=1).astype(np.float64) if m else np.zeros(n)
+    bad = ~np.isfinite(nd + na + nb)
+    if bad.any():  # sums can overflow on huge finite values: look at the rows themselves
+        rows = np.flatnonzero(bad)
+        really = ~(np.isfinite(a[rows]).all(axis=1) & np.isfinite(b[rows]).all(axis=1))
+        bad[rows[~really]] = False
+        # recompute overflowed rows in float64 (rare)
+        for r in rows[~really]:
+            a64, b64 = a[r].astype(np.float64), b[r].astype(np.float64)
+            nd[r], na[r], nb[r], ab[r] = ((b64 - a64) ** 2).sum(), (a64**2).sum(), (b64**2).sum(), (a64 * b64).sum()
+    return RowSums(nd, na, nb, ab, max_abs, bad, m)
+
+
+SUB_BLOCK = 1 << 18  # bytes of float32 rows widened to float64 at a time (in cache)
+
+
+def _dot_rows(pairs) -> list[np.ndarray]:
+    """Per-row float64 dot products of float32 (n, m) pairs, as np.einsum("ij,ij->i", x, y,
+    dtype=float64) computes them. A row that fits einsum's cast buffer (np.getbufsize() values)
+    is summed in one inner loop over its float64 values, so the rows are widened here a few at a
+    time and summed in float64 instead: the same sums bit for bit (tests/test_diff_parallel.py),
+    without einsum's buffered cast, in about half the time."""
+    n, m = pairs[0][0].shape
+    if not 0 < m <= np.getbufsize():
+        return [np.einsum("ij,ij->i", x, y, dtype=np.float64) for x, y in pairs]
+    out = [np.empty(n) for _ in pairs]
+    step = max(1, SUB_BLOCK // (4 * m))
+    for r0 in range(0, n, step):
+        rows = slice(r0, r0 + step)
+        wide = {}
+        for (x, y), o in zip(pairs, out):
+            xw = wide.setdefault(id(x), x[rows].astype(np.float64))
+            yw = wide.setdefault(id(y), y[rows].astype(np.float64))
+            np.einsum("ij,ij->i", xw, yw, out=o[rows])
+    return out
+
+
 class RowStats:
-    """Metrics of a block of rows: rel_l2, max_abs, cosine, nonfinite (one entry per row)."""
+    """Metrics of a block of rows: rel_l2, max_abs, cosine, nonfinite (one entry per row), from
+    the rows themselves or from their RowSums."""
 
     __slots__ = ("nd", "na", "rel_l2", "max_abs", "cosine", "nonfinite")
 
     def __init__(self, a: np.ndarray, b: np.ndarray, floor: np.ndarray):
-        n = a.shape[0]
-        a = a.reshape(n, -1)
-        b = b.reshape(n, -1)
-        m = a.shape[1]
-        with np.errstate(invalid="ignore", over="ignore"):
-            d = np.subtract(b, a)  # (n, m) float32
-            nd = np.einsum("ij,ij->i", d, d, dtype=np.float64)
-            na = np.einsum("ij,ij->i", a, a, dtype=np.float64)
-            nb = np.einsum("ij,ij->i", b, b, dtype=np.float64)
-            ab = np.einsum("ij,ij->i", a, b, dtype=np.float64)
-            np.abs(d, out=d)
-            self.max_abs = d.max(axis=1).astype(np.float64) if m else np.zeros(n)
-        bad = ~np.isfinite(nd + na + nb)
-        if bad.any():  # sums can overflow on huge finite values: look at the rows themselves
-            rows = np.flatnonzero(bad)
-            really = ~(np.isfinite(a[rows]).all(axis=1) & np.isfinite(b[rows]).all(axis=1))
-            bad[rows[~really]] = False
-            # recompute overflowed rows in float64 (rare)
-            for r in rows[~really]:
-                a64, b64 = a[r].astype(np.float64), b[r].astype(np.float64)
-                nd[r], na[r], nb[r], ab[r] = ((b64 - a64) ** 2).sum(), (a64**2).sum(), (b64**2).sum(), (a64 * b64).sum()
+        self._derive(row_sums(a, b), floor)
+
+    @classmethod
+    def of_sums(cls, sums: RowSums, floor: np.ndarray) -> RowStats:
+        stats = cls.__new__(cls)
+        stats._derive(RowSums(*(x.copy() for x in sums[:6]), sums.width), floor)
+        return stats
+
+    def _derive(self, s: RowSums, floor: np.ndarray) -> None:
+        nd, na, nb, ab, bad = s.nd, s.na, s.nb, s.ab, s.bad
+        self.max_abs = s.max_abs
         self.nonfinite = bad
         self.nd, self.na = nd, na
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            self.rel_l2 = rel_l2_of_sums(nd, na, floor * math.sqrt(max(m, 1)))
+            self.rel_l2 = rel_l2_of_sums(nd, na, floor * math.sqrt(max(s.width, 1)))
             norm = np.sqrt(na * nb)
             self.cosine = np.where(
                 norm > 0, ab / np.where(norm > 0, norm, 1.0), np.where((na == 0) & (nb == 0), 1.0, 0.0)
@@ -140,14 +196,17 @@ def rel_l2_rows(ref: np.ndarray, run: np.ndarray, floor: float = 0.0) -> np.ndar
 def log_softmax(x: np.ndarray) -> np.ndarray:
     """log of the softmax of each row (the last axis), in float64."""
     x = np.asarray(x, dtype=np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    out = x - x.max(axis=-1, keepdims=True)
+    out -= np.log(np.exp(out).sum(axis=-1, keepdims=True))
+    return out
 
 
-def kl_rows(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
+def kl_rows(log_p: np.ndarray, log_q: np.ndarray, p: np.ndarray | None = None) -> np.ndarray:
     """KL(P || Q) = sum p (log p - log q) of each row, in nats, from log-probabilities (>= 0: a
-    rounding's -1e-17 is 0)."""
-    return np.maximum((np.exp(log_p) * (log_p - log_q)).sum(axis=-1), 0.0)
+    rounding's -1e-17 is 0); `p`: exp(log_p) when the caller has it."""
+    terms = log_p - log_q
+    terms *= np.exp(log_p) if p is None else p
+    return np.maximum(terms.sum(axis=-1), 0.0)
 
 
 def element_detail(a_row: np.ndarray, b_row: np.ndarray, metric: str, tol: dict) -> dict:

@@ -59,6 +59,7 @@ class TraceReader:
         if not os.access(self.path, os.R_OK):
             raise file_error(f"{self.path} cannot be read (permission denied)")
         self.file_size = st.st_size
+        self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)  # the file this reader opened
         _no_filter_plugins()
         try:
             self.f = h5py.File(self.path, "r", locking=False)
