@@ -20,6 +20,7 @@ COMPUTE = (
     "logits",
     "metrics",
     "origin",
+    "parallel",
     "result",
     "tokens",
     "tolerances",
