@@ -130,6 +130,8 @@ def _check(reference, output, runtime, mode, force, isolate, max_seq, selection,
     selection = ref.selection if selection is None else selection
     if selection is not None:
         selection.check(len(ref.layer_types()), n_new)
+        if not isolate:  # an isolated replay feeds every layer REF's input: the static runtime, whole
+            choice = choice.with_capture(selection.kinds)
     return choice, header, ref, max_seq, selection
 
 

@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 from gemma4_trace.traces.schema import KIND_NAMES
@@ -371,6 +371,10 @@ class RuntimeChoice:
     text: str
     spec: RuntimeSpec | None = None  # None: a plug-in
     type: str | None = None  # the ":TYPE" of a runtime with types (its default when not given)
+    # the kinds the replay keeps (`--kinds`, with_capture): an adapter whose capture costs by what
+    # it exposes (a graph's extra outputs, an interpreter keeping every tensor, hooks) exposes only
+    # these; None: every kind; empty: none (tokens and logits only, the runtime alone)
+    capture: frozenset[str] | None = None
 
     @property
     def name(self) -> str:
@@ -391,6 +395,14 @@ class RuntimeChoice:
         """What a failure inside the runtime names (a plug-in's MODULE:FACTORY, a third-party
         adapter's name); None for the project's own runtimes, whose failures are its bugs."""
         return self.text if self.spec is None or self.spec.third_party else None
+
+    def captures(self, kind: str) -> bool:
+        """Whether the replay keeps `kind` (logits always: they are every step's result)."""
+        return self.capture is None or kind == "logits" or kind in self.capture
+
+    def with_capture(self, kinds) -> RuntimeChoice:
+        """This choice asked to capture only `kinds` (None: every kind; a Selection's kinds)."""
+        return replace(self, capture=None if kinds is None else frozenset(kinds) - {"logits", "token"})
 
     def __str__(self) -> str:
         return self.text
