@@ -1,24 +1,26 @@
-"""The capture tax: a runtime alone (tokens out, no probe) against `trace replay` (every kind captured
-and written), per prefill token and per decode step, at E2B width.
+"""The capture tax: a runtime alone (tokens out, nothing captured) against `trace replay` (every
+kind captured and written), per prefill token and per decode step, at E2B width.
 
     python benchmarks/bench_capture.py /tmp/capture-e2b --prompt 32 --new 8
+    python benchmarks/bench_capture.py /tmp/capture-e2b --runtimes onnx,litert,litert:layer_out
 
 Builds (once, in a child process) the E2B-shaped random checkpoint of benchmarks/e2b_shaped.py,
 records REF, then for each runtime, in this one process on the one loaded model, alternates
 `--repeats` times between
-  alone    the runtime's prefill and REF's teacher-forced decode steps with no probe (nothing
-           captured, only logits out),
-  capture  replay_loaded (replayer/core.py): the same steps with the probe capturing every kind
-           and the trace written, as `trace replay` does,
-and keeps each one's best time. Covered: the runtimes whose capture is the probe (the static
-runtime and its quantized variants: without a probe nothing is captured) and llama.cpp (alone: its
-context made without the eval callback, llama.cpp's own fast path). The other adapters capture
-inside their exported graphs (ONNX, .pte, LiteRT's keep-every-tensor, OpenVINO IR, MLX's
-modules): they have no tokens-only mode yet, so they are not in this table.
+  alone    the runtime made with RuntimeChoice.capture empty (the same engine and inputs: the
+           exported graphs without extra outputs, llama.cpp without its eval callback, LiteRT's
+           interpreter without keep-every-tensor, MLX and TICO without taps) running the prefill
+           and REF's teacher-forced decode steps with no probe: only logits out,
+  capture  replay_loaded (replayer/core.py): the same steps with every kind captured and the trace
+           written, as `trace replay` does,
+and keeps each one's best time. A name `RUNTIME:kind,kind` is the capture of `trace replay
+--kinds kind,kind` (the runtime asked to expose only those). Exports and lowerings are built
+before the first timed round, in the artifact cache WORK/cache, and not timed.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -30,21 +32,21 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_llamacpp_e2b import cli  # noqa: E402  (a trace command in a fresh process)
 from benchmarks.e2b_shaped import bench_setup, build  # noqa: E402
 
-RUNTIMES = ("static", "static-w8", "static-w4g32", "static-w8a8", "llama.cpp:F32", "llama.cpp:Q4_K_M")
+RUNTIMES = (
+    "static,static-w8,static-w4g32,static-w8a8,tico,onnx,mobius,executorch,executorch-int8,"
+    "llama.cpp:F32,llama.cpp:Q4_K_M,litert,litert:layer_out,litert-int8,openvino,openvino-int8,mlx,mlx-q4"
+)
+GGUF = ("F32", "Q4_K_M")
 
 
-def make(name: str, loaded, max_seq: int, capture: bool):
-    """The runtime `name`; llama.cpp without its eval callback when not `capture` (its tokens-only
-    mode); the static runtimes capture only through the probe, which `alone` does not give."""
-    from gemma4_trace.replayer.core import make_runtime
+def parse(name: str):
+    """'litert:layer_out' -> (litert's choice, ("layer_out",)); 'llama.cpp:F32' -> (its choice, None)."""
     from gemma4_trace.replayer.runtimes.registry import parse_runtime
 
-    choice = parse_runtime(name)
-    if choice.gguf and not capture:
-        from gemma4_trace.replayer.runtimes.llamacpp.runtime import LlamaCppRuntime
-
-        return LlamaCppRuntime(loaded, max_seq, choice.type, capture=False)
-    return make_runtime(choice, loaded, max_seq)
+    base, sep, kinds = name.partition(":")
+    if not sep or kinds in GGUF:
+        return parse_runtime(name), None
+    return parse_runtime(base), tuple(kinds.split(","))
 
 
 def alone(rt, ref, max_seq: int) -> tuple[float, list[float]]:
@@ -68,10 +70,13 @@ def alone(rt, ref, max_seq: int) -> tuple[float, list[float]]:
     return steps[0], steps[1:]
 
 
-def captured(loaded, ref, ref_path, rt, max_seq: int) -> tuple[float, list[float]]:
-    """Seconds of the prefill and of each decode step of replay_loaded (the trace written)."""
+def captured(loaded, ref, ref_path, rt, max_seq: int, kinds) -> tuple[float, list[float]]:
+    """Seconds of the prefill and of each decode step of replay_loaded (the trace written; only
+    `kinds` kept when given, as `trace replay --kinds` keeps them)."""
     from gemma4_trace.replayer.core import replay_loaded
+    from gemma4_trace.traces.selection import Selection
 
+    selection = Selection.parse(kinds=",".join(kinds)) if kinds else None
     marks = [time.perf_counter()]
     with tempfile.TemporaryDirectory() as d:
         replay_loaded(
@@ -81,46 +86,67 @@ def captured(loaded, ref, ref_path, rt, max_seq: int) -> tuple[float, list[float
             Path(d) / "run.h5",
             reference_path=ref_path,
             max_seq=max_seq,
+            selection=selection,
             progress=lambda done, total: marks.append(time.perf_counter()),
         )
     steps = [b - a for a, b in zip(marks, marks[1:])]
     return steps[0], steps[1:]
 
 
+def measure(name: str, loaded, ref, ref_path, max_seq: int, repeats: int) -> dict:
+    """{"alone" | "capture": (best s/prompt token, best s/decode step)}; the runtime is made fresh
+    for every run (exports from the artifact cache), and made once untimed first so that building
+    its artifacts is not timed."""
+    from gemma4_trace.replayer.api import close_runtime
+    from gemma4_trace.replayer.core import make_runtime
+
+    choice, kinds = parse(name)
+    made = {"alone": choice.with_capture(()), "capture": choice.with_capture(kinds) if kinds else choice}
+    for c in made.values():  # build (export, lower, quantize) now, untimed
+        rt = make_runtime(c, loaded, max_seq)
+        try:
+            alone(rt, ref, max_seq)
+        finally:
+            close_runtime(rt)
+    best = {how: (float("inf"), float("inf")) for how in made}
+    for _ in range(repeats):
+        for how, c in made.items():
+            rt = make_runtime(c, loaded, max_seq)
+            if how == "alone":
+                try:
+                    p, d = alone(rt, ref, max_seq)
+                finally:
+                    close_runtime(rt)
+            else:
+                p, d = captured(loaded, ref, ref_path, rt, max_seq, kinds)  # replay_loaded closes it
+            per = (p / len(ref.prompt_ids), sum(d) / max(len(d), 1))
+            best[how] = tuple(min(x, y) for x, y in zip(best[how], per))
+    return best
+
+
 def main() -> None:
-    a, model = bench_setup(__doc__, __file__, build, repeats=dict(type=int, default=2))
+    a, model = bench_setup(__doc__, __file__, build, repeats=dict(type=int, default=2), runtimes=dict(default=RUNTIMES))
     import random
 
     from gemma4_trace.hf.model import load_model
-    from gemma4_trace.replayer.api import close_runtime
     from gemma4_trace.replayer.core import default_max_seq, read_reference
 
+    os.environ.setdefault("GEMMA4_TRACE_CACHE", str(a.work / "cache"))
     rng = random.Random(0)
     ids = ",".join(str(rng.randrange(10, 16000)) for _ in range(a.prompt))
     ref_path = a.work / "ref.h5"
-    cli(None, "record", "--model", model, "--input-ids", ids, "--max-new-tokens", a.new, "-o", ref_path, "--force")
+    if not ref_path.exists():
+        cli(None, "record", "--model", model, "--input-ids", ids, "--max-new-tokens", a.new, "-o", ref_path)
     ref = read_reference(ref_path)
     loaded = load_model(model)
     max_seq = default_max_seq(len(ref.prompt_ids), ref.max_new_tokens)
-    print(f"\n{'runtime':14s} {'prefill ms/token':>28s} {'decode ms/step':>28s}")
-    print(f"{'':14s} {'alone':>8s} {'capture':>9s} {'ratio':>9s} {'alone':>8s} {'capture':>9s} {'ratio':>9s}")
-    for name in RUNTIMES:
-        best = {"alone": (float("inf"), float("inf")), "capture": (float("inf"), float("inf"))}
-        for _ in range(a.repeats):
-            for how in ("alone", "capture"):
-                rt = make(name, loaded, max_seq, capture=how == "capture")
-                if how == "alone":
-                    try:
-                        p, d = alone(rt, ref, max_seq)
-                    finally:
-                        close_runtime(rt)
-                else:
-                    p, d = captured(loaded, ref, ref_path, rt, max_seq)  # replay_loaded closes it
-                per = (p / len(ref.prompt_ids), sum(d) / max(len(d), 1))
-                best[how] = tuple(min(x, y) for x, y in zip(best[how], per))
+    print(f"\n{'runtime':18s} {'prefill ms/token':>28s} {'decode ms/step':>28s}")
+    print(f"{'':18s} {'alone':>8s} {'capture':>9s} {'ratio':>9s} {'alone':>8s} {'capture':>9s} {'ratio':>9s}")
+    for name in a.runtimes.split(","):
+        best = measure(name, loaded, ref, ref_path, max_seq, a.repeats)
         (pa, da), (pc, dc) = best["alone"], best["capture"]
         prefill = f"{1e3 * pa:8.2f} {1e3 * pc:9.2f} {pc / pa:8.2f}x"
-        print(f"{name:14s} {prefill} {1e3 * da:8.1f} {1e3 * dc:9.1f} {dc / da:8.2f}x")
+        print(f"{name:18s} {prefill} {1e3 * da:8.1f} {1e3 * dc:9.1f} {dc / da:8.2f}x", flush=True)
 
 
 if __name__ == "__main__":

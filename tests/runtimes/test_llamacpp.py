@@ -476,9 +476,10 @@ def test_a_model_without_weights_needs_no_accelerate(monkeypatch):
     assert not load_model(weights=False).has_weights
 
 
-def test_tokens_only_mode_captures_nothing_and_gives_the_same_next_tokens(tmp_path, monkeypatch):
-    """capture=False (bench_capture.py's "runtime alone"): no eval callback, nothing reaches a probe,
-    and the logits pick the tokens the capturing context picks."""
+def test_capture_reads_only_the_kinds_asked_and_none_gives_the_same_next_tokens(tmp_path, monkeypatch):
+    """RuntimeChoice.capture reaches the eval callback: every kind (None), only layer_out (the
+    scheduler stops at no other node: nothing else reaches the probe) or none (no eval callback at
+    all: bench_capture.py's "runtime alone"); the logits pick the same tokens every way."""
     import torch
 
     from gemma4_trace.hf.model import load_model
@@ -489,21 +490,28 @@ def test_tokens_only_mode_captures_nothing_and_gives_the_same_next_tokens(tmp_pa
 
     class Probe:
         def __init__(self):
-            self.seen = []
+            self.seen = {}
 
         def tensor(self, kind, value, layer=None, positions=None):
-            self.seen.append(kind)
+            self.seen[(kind, layer)] = value.clone()
 
-    logits = {}
-    for capture in (True, False):
+    logits, seen = {}, {}
+    for name, capture in (("all", None), ("layer_out", frozenset({"layer_out"})), ("none", frozenset())):
         rt, probe = LlamaCppRuntime(loaded, 16, "F32", capture=capture), Probe()
         try:
             with torch.no_grad():
                 first = rt.prefill(ids, {}, probe)
-                logits[capture] = (first, rt.decode(int(first.argmax()), len(ids), probe))
+                logits[name] = (first, rt.decode(int(first.argmax()), len(ids), probe))
         finally:
             rt.close()
-        assert bool(probe.seen) == capture, probe.seen[:3]
-    for got, want in zip(logits[False], logits[True]):
-        assert int(got.argmax()) == int(want.argmax())
-        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-3, atol=1e-3)
+        seen[name] = probe.seen
+    n_layers = len(loaded.text_config.layer_types)
+    assert {k for k, _ in seen["all"]} >= {"embeddings", "q", "k", "v", "attn_out", "layer_out", "mask"}
+    assert set(seen["layer_out"]) == {("layer_out", i) for i in range(n_layers)}
+    assert seen["none"] == {}
+    for key, value in seen["layer_out"].items():  # the same rows as when every node is read
+        assert torch.equal(value, seen["all"][key]), key
+    for name in ("layer_out", "none"):
+        for got, want in zip(logits[name], logits["all"]):
+            assert int(got.argmax()) == int(want.argmax())
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-3, atol=1e-3)

@@ -2,7 +2,8 @@
 (replayer/runtimes/llamacpp/runtime.py). Commands (the child protocol's):
 
     ("quantize", src, dst, ftype)      -> ("done",)
-    ("load", gguf_path, n_ctx, capture) -> ("ready", description, n_vocab); capture False: no eval callback
+    ("load", gguf_path, n_ctx, kinds) -> ("ready", description, n_vocab); kinds: the kinds to read
+                                        (None: every kind; empty: no eval callback at all)
     ("decode", ids, first_position)    -> ("tensor", kind, layer, array)..., ("logits", array)
 
 A failure llama.cpp reports (a file it cannot load, a decode error) is an exception: the child
@@ -101,6 +102,7 @@ class Capture:
         self.n_ctx = 0  # the trace's max_seq: a mask row's width
         self.first = 0  # the position of the decode's first token
         self.mask_rows: dict[int, int] = {}  # layer -> mask rows read in this decode (ubatches in order)
+        self.kinds: frozenset | None = None  # the kinds asked for (None: every kind)
         self.c_callback = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(self._cb)
 
     def _target(self, t: _Tensor):
@@ -152,6 +154,8 @@ class Capture:
                 return not ask  # nothing asked; compute on
             t = _Tensor.from_address(ptr)
             target = self._target(t)
+            if target is not None and self.kinds is not None and target[0] not in self.kinds:
+                target = None  # not asked: the scheduler need not stop at this node
             if ask:
                 return target is not None
             if target is not None and target[0] == "mask":
@@ -206,9 +210,10 @@ class LlamaCppEngine:
             raise EngineError(f"llama_model_quantize returned {rc}")
         return ("done",)
 
-    def load(self, path: str, n_ctx: int, capture: bool = True):
-        """Load the file and make a context; `capture` False: no eval callback, llama.cpp's own fast
-        path with tokens and logits only (what the capture costs is measured against it)."""
+    def load(self, path: str, n_ctx: int, kinds=None):
+        """Load the file and make a context that reads `kinds` (None: every kind); none: no eval
+        callback, llama.cpp's own fast path with tokens and logits only (what the capture costs is
+        measured against it)."""
         L = self.L
         self.cap.n_ctx = n_ctx
         mp = L.llama_model_default_params()
@@ -229,7 +234,8 @@ class LlamaCppEngine:
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.type_k = cp.type_v = GGML_TYPE_F32  # the cache keeps what the layers computed
         cp.swa_full = True  # (its default) a full-size sliding cache: cell i holds position i, a mask column
-        if capture:
+        self.cap.kinds = None if kinds is None else frozenset(kinds)
+        if kinds is None or kinds:
             cp.cb_eval = ctypes.cast(self.cap.c_callback, type(cp.cb_eval))
             cp.cb_eval_user_data = None
         self.ctx = L.llama_init_from_model(self.model, cp)

@@ -107,13 +107,14 @@ class LlamaCppRuntime(ChildRuntime):
     """The runtime API (replayer/api.py) over a llama.cpp child process."""
 
     def __init__(
-        self, loaded, max_seq: int, gguf_type: str = "F32", user_file=None, notes=(), header=None, capture=True
+        self, loaded, max_seq: int, gguf_type: str = "F32", user_file=None, notes=(), header=None, capture=None
     ):
         """`user_file`: a GGUF file run as it is (a sensitivity search's mixed file); `header`: a
         user's GGUF, its header checked (gguf_reader.py), which the child reads through the checked
         descriptor; `notes`: what the runtime's name adds (the config differences a replay allowed);
-        `capture` False: llama.cpp without the eval callback, tokens and logits only (nothing reaches
-        a probe: benchmarks/bench_capture.py's "runtime alone")."""
+        `capture`: the kinds to read (RuntimeChoice.capture; None: every kind); empty: llama.cpp
+        without the eval callback, tokens and logits only (benchmarks/bench_capture.py's "runtime
+        alone")."""
         self.gguf_type = gguf_type
         user_file = header.path if header is not None else user_file
         label = f"{RUNTIME} ({gguf_type if user_file is None else one_line(Path(user_file).name, 100)})"
@@ -127,7 +128,8 @@ class LlamaCppRuntime(ChildRuntime):
             else:
                 self.path, self.note = Path(user_file), "a user's file"
             path = f"/proc/self/fd/{fds[0]}" if fds else str(self.path)  # the child's copy of the descriptor
-            self.vocab = child.call("load", path, int(max_seq), bool(capture), phase="loading the GGUF file")[2]
+            kinds = None if capture is None else sorted(capture)
+            self.vocab = child.call("load", path, int(max_seq), kinds, phase="loading the GGUF file")[2]
         except BaseException:
             self.close()
             raise
@@ -167,7 +169,7 @@ class LlamaCppRuntime(ChildRuntime):
 
 
 def create(loaded, max_seq: int, choice):
-    return LlamaCppRuntime(loaded, max_seq, choice.type)
+    return LlamaCppRuntime(loaded, max_seq, choice.type, capture=choice.capture)
 
 
 def gguf_runtime(loaded, max_seq: int, header, allow_config_mismatch: bool, weights_from: bool, make_static):
