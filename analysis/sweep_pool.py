@@ -10,6 +10,7 @@ import signal
 import time
 from pathlib import Path
 
+from gemma4_trace.traces.atomic import clean_stale_partials
 from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 
 from .sweep import TOKEN_FILE, PromptFailed, process_prompt, prompt_outcome, write_atomic
@@ -26,9 +27,27 @@ def init_pool(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+_stopping = False  # this worker was told to stop (SIGTERM)
+
+
 def _terminated(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process outright
+    """The first SIGTERM ends the prompt at hand; a later one (the pool's manager terminates every
+    worker once one has exited) must not cut that prompt's clean-up short: the driver SIGKILLs a
+    worker that outlives its grace, and then removes what it left."""
+    global _stopping
+    if _stopping:
+        return
+    _stopping = True
     raise SystemExit(128 + signum)
+
+
+def pool_task(cfg, spec, out_dir: str):
+    """process_prompt in a pool worker. A worker whose prompt ended on SIGTERM would take the next
+    prompt already queued to it (the pool catches the SystemExit and goes on): none starts once told
+    to stop."""
+    if _stopping:
+        raise SystemExit(128 + signal.SIGTERM)
+    return process_prompt(cfg, spec, out_dir)
 
 
 # ------------------------------------------------------------------ the driver
@@ -49,13 +68,14 @@ def run_pool(todo, cfg, out_dir: Path, workers: int, done) -> None:
         # the workers start with Ctrl-C blocked (a mask is inherited): the driver's alone to handle
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            futures = {pool.submit(process_prompt, cfg, spec, str(out_dir)): spec for spec in todo}
+            futures = {pool.submit(pool_task, cfg, spec, str(out_dir)): spec for spec in todo}
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for fut in cf.as_completed(futures):
             done(futures[fut], prompt_outcome(fut.result))
     except BaseException:
         stop_pool(pool)
+        clean_stale_partials(Path(cfg.cache) / "sweep-ref")  # a REF's partial file of a worker killed after its grace
         raise
     pool.shutdown()
 

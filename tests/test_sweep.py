@@ -266,3 +266,24 @@ def test_prompt_files_read_only_what_they_name_inside_their_folder(tmp_path):
     os.mkfifo(fifo)  # reading it would block for ever
     one_line_error(invoke("sweep", fifo, "--runtime", "static", "-o", tmp_path / "out"), "not a regular file")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_pool_worker_told_to_stop_starts_no_further_prompt_and_finishes_its_clean_up(monkeypatch):
+    """A worker whose prompt ended on SIGTERM goes on to the prompts already queued to it (the pool
+    catches the SystemExit): none starts. A second SIGTERM (the pool's manager terminates every
+    worker once one has exited) does not cut the first prompt's clean-up short: it is ignored."""
+    import signal
+
+    from gemma4_trace.analysis import sweep_pool
+
+    ran = []
+    monkeypatch.setattr(sweep_pool, "_stopping", False)
+    monkeypatch.setattr(sweep_pool, "process_prompt", lambda cfg, spec, out: ran.append(spec) or "outcome")
+    assert sweep_pool.pool_task(None, "p1", "out") == "outcome"
+    with pytest.raises(SystemExit) as e:
+        sweep_pool._terminated(signal.SIGTERM, None)  # the prompt at hand ends
+    assert e.value.code == 128 + signal.SIGTERM
+    assert sweep_pool._terminated(signal.SIGTERM, None) is None  # a second one: its clean-up goes on
+    with pytest.raises(SystemExit):
+        sweep_pool.pool_task(None, "p2", "out")
+    assert ran == ["p1"]
