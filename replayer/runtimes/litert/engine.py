@@ -1,7 +1,8 @@
 """The child side of `--runtime litert*` (replayer/child.py's protocol): ai-edge-litert's
 interpreter on the exported .tflite files.
 
-    ("load", {name: path}, keep)  -> ("ready", {name: {signature: (inputs {name: (shape, dtype)}, outputs [name])}})
+    ("load", {name: path}, keep)  -> ("ready", {name: {signature: (inputs {name: (shape, dtype)}, outputs [name])}},
+                                      [the names loaded with keep])
                                      keep: the names whose interpreter keeps every op's output
                                      (experimental_preserve_all_tensors: XNNPACK then runs op by op)
     ("run", name, signature, {input: array}, taps [(tensor, kind, layer)])
@@ -39,11 +40,12 @@ class LiteRTEngine:
         return ("outputs", {k: np.array(v) for k, v in outs.items()})
 
     def _load(self, paths: dict, keep):
-        meta = {}
+        meta, kept = {}, []
         for name, path in paths.items():
             try:
                 with quiet_fd2():
                     m = self.Interpreter(model_path=path, experimental_preserve_all_tensors=name in keep)
+                kept += [name] if name in keep else []
                 sigs = m.get_signature_list()
             except Exception as e:  # noqa: BLE001 - the interpreter's refusal of a file, one line
                 raise EngineError(f"{path}: LiteRT cannot load it ({' '.join(str(e).split())[:160]})") from None
@@ -56,7 +58,7 @@ class LiteRTEngine:
                     for k, v in r.get_input_details().items()
                 }
                 meta[name][sig] = (ins, list(r.get_output_details()))
-        return ("ready", meta)
+        return ("ready", meta, kept)
 
 
 class LiteRTLMEngine:

@@ -16,11 +16,14 @@ layers that write K/V, which the host keeps between steps. A step is driven as L
     decode step    one token through decode
 
 The interpreter keeps every op's output (experimental_preserve_all_tensors), and graph.py names
-the tensors that are canonical kinds. The prefill graph holds only the layers whose outputs it
-returns (the caches): the layers that reuse another's K/V are pruned from it, and so is the final
-norm. Their prefill rows come from a second pass that feeds the T-1 tokens through decode one at
-a time from empty caches (the provenance says which kinds); the caches carried on are the prefill
-graph's. K and V rows are read from the cache outputs (V stored transposed).
+the tensors that are canonical kinds. Asked for some kinds only (RuntimeChoice.capture, `--kinds`),
+it keeps none: their tensors are extra outputs of a rewritten model.tflite (outputs.py), so
+XNNPACK fuses the rest; asked for none, it runs the export as it is. The prefill graph holds only
+the layers whose outputs it returns (the caches): the layers that reuse another's K/V are pruned
+from it, and so is the final norm. Their prefill rows come from a second pass that feeds the T-1
+tokens through decode one at a time from empty caches (the provenance says which kinds); the
+caches carried on are the prefill graph's. K and V rows are read from the cache outputs (V
+stored transposed).
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ import torch
 
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.layers import layer_infos_from_config
+from gemma4_trace.traces.schema import KIND_NAMES
 
 from ...child import ChildRuntime
 from ...ops import resolve_prefill_chunk
 from . import export as E
 from . import graph as G
+from . import outputs as O
 
 ENGINE = "gemma4_trace.replayer.runtimes.litert.engine:LiteRTEngine"
 NEG = -1e30  # the additive mask's blocked value
@@ -52,8 +57,9 @@ class LiteRTRuntime(ChildRuntime):
 
     supports_prefill_chunk = True
 
-    def __init__(self, loaded, max_seq: int, mode: str):
+    def __init__(self, loaded, max_seq: int, mode: str, capture: frozenset | None = None):
         self.vers = E.versions()
+        self.capture = capture  # the kinds the replay keeps (RuntimeChoice.capture); None: every kind
         self.start(f"{mode} (ai-edge-litert {self.vers['ai-edge-litert']})", ENGINE)
         cfg = loaded.text_config
         self.loaded, self.max_seq, self.mode = loaded, int(max_seq), mode
@@ -99,19 +105,41 @@ class LiteRTRuntime(ChildRuntime):
             paths = {n: str(base.path / f"{n}.tflite") for n in ("embedder", "per_layer_embedder")}
             paths["model"] = str(arts[-1].path / "model.tflite")
             graph = G.read(paths["model"])
-            meta = self.child.call("load", paths, ["model"], phase="loading")[1]
+            self.taps = self._taps(graph)
+            self.keep = self.capture is None  # every kind: the interpreter keeps every op's output
+            wanted = {sig: [t.index for t in taps] for sig, taps in self.taps.items() if taps}
+            if not self.keep and wanted:  # some kinds: their tensors as extra outputs of the graph
+                arts.append(O.tapped(arts[-1], {t.kind for ts in self.taps.values() for t in ts}, wanted))
+                paths["model"] = str(arts[-1].path / "model.tflite")
+            _, meta, self.kept = self.child.call("load", paths, ["model"] if self.keep else [], phase="loading")
         finally:
             for a in arts:
                 a.close()
-        self.note = arts[-1].note
+        self.note, self.model_file = arts[-1].note, paths["model"]
         self._check(meta, graph)
-        self.taps = {k: G.taps(graph[k], self.infos, self.hidden, self.ple) for k in (self.prefill_sig, "decode")}
         pre = {(t.kind, t.layer) for t in self.taps[self.prefill_sig]}
         self.stepped = sorted({(t.kind, t.layer) for t in self.taps["decode"]} - pre, key=str)
         self.owners = G.cache_layers(graph["decode"], self.infos)
         self.caches = self._zero_caches()
         self._name = self._describe()
         self.graph = graph
+
+    def _taps(self, graph: dict) -> dict:
+        """Each signature's taps of the kinds the replay keeps (graph.py)."""
+        for sig in (self.prefill_sig, "decode"):
+            if sig not in graph:
+                raise TraceToolError(f"the LiteRT model has no {sig!r} signature (it has {', '.join(graph)})")
+        every = {sig: G.taps(graph[sig], self.infos, self.hidden, self.ple) for sig in (self.prefill_sig, "decode")}
+        got = G.layers_present(every["decode"])
+        if got != set(range(len(self.infos))):
+            raise TraceToolError(
+                f"the LiteRT decode graph names layer outputs {sorted(got)}; REF's model has {len(self.infos)} "
+                "layers (another litert-torch release names its tensors otherwise)"
+            )
+        return {sig: [t for t in taps if self.captures(t.kind)] for sig, taps in every.items()}
+
+    def captures(self, kind: str) -> bool:
+        return self.capture is None or kind in self.capture
 
     @property
     def prefill_sig(self) -> str:
@@ -133,12 +161,10 @@ class LiteRTRuntime(ChildRuntime):
         if "logits" not in model["decode"][1]:
             raise TraceToolError("the LiteRT model's decode signature returns no logits")
         self.inputs = {sig: model[sig][0] for sig in model}
-        got = G.layers_present(G.taps(graph["decode"], self.infos, self.hidden, self.ple))
-        if got != set(range(len(self.infos))):
-            raise TraceToolError(
-                f"the LiteRT decode graph names layer outputs {sorted(got)}; REF's model has {len(self.infos)} "
-                "layers (another litert-torch release names its tensors otherwise)"
-            )
+        for sig, taps in ({} if self.keep else self.taps).items():
+            missing = [O.output_name(t.index) for t in taps if O.output_name(t.index) not in model[sig][1]]
+            if missing:
+                raise TraceToolError(f"the rewritten LiteRT model's {sig} signature does not return {missing[0]}")
 
     def _describe(self) -> str:
         vers = self.vers
@@ -154,6 +180,12 @@ class LiteRTRuntime(ChildRuntime):
             parts = [f"layers {', '.join(map(str, layers))}"] if layers else []
             parts += [k for k, layer in self.stepped if layer is None]
             note = f"; prefill rows of {' and '.join(parts)} from decode steps (pruned from the prefill graph)"
+        if self.capture is not None:
+            tapped = {t.kind for taps in self.taps.values() for t in taps}
+            kinds = [k for k in KIND_NAMES if k in tapped or (k in ("embeddings", "k", "v") and self.captures(k))]
+            note += f"; --kinds {', '.join(kinds)}: no tensor kept" if kinds else "; tokens and logits only"
+            if tapped:
+                note += f", {', '.join(k for k in kinds if k in tapped)} as extra graph outputs"
         return (
             f"{self.mode} (litert-torch {vers['litert-torch']}, ai-edge-litert {vers['ai-edge-litert']}, "
             f"XNNPACK CPU, {what}; prefill {self.P}, cache {self.S}{note})"
@@ -197,21 +229,25 @@ class LiteRTRuntime(ChildRuntime):
         if "per_layer_embeddings" in self.inputs[sig]:
             inputs["per_layer_embeddings"] = ple
         inputs.update(caches)
-        taps = [(t.index, t.kind, t.layer) for t in self.taps[sig] if want is None or (t.kind, t.layer) in want]
+        taps = [t for t in self.taps[sig] if want is None or (t.kind, t.layer) in want]
+        kept = [(t.index, t.kind, t.layer) for t in taps] if self.keep else []  # read after the run
         got = {}
         outs = self.child.call(
-            "run", "model", sig, inputs, taps, phase=phase, tensor=lambda k, l, a: got.__setitem__((k, l), a)
+            "run", "model", sig, inputs, kept, phase=phase, tensor=lambda k, l, a: got.__setitem__((k, l), a)
         )[1]
+        if not self.keep:  # the rewritten graph returns them
+            got = {(t.kind, t.layer): outs[O.output_name(t.index)] for t in taps}
         rows = {}
         for (kind, layer), a in got.items():
             rows[(kind, layer)] = (a[0, 0, :n, : self.max_seq] > ALLOWED_ABOVE) if kind == "mask" else a[0, :n]
-        if want is None or ("embeddings", None) in want:
+        if self.captures("embeddings") if want is None else ("embeddings", None) in want:
             rows[("embeddings", None)] = emb[0, :n]
         new = {k: outs[k] for k in caches}
-        if want is None:
-            for j, layer in self.owners.items():
-                k, v = new[f"kv_cache_k_{j}"][0], new[f"kv_cache_v_{j}"][0]  # (KV, S, D), (KV, D, S)
+        for j, layer in self.owners.items() if want is None else ():
+            k, v = new[f"kv_cache_k_{j}"][0], new[f"kv_cache_v_{j}"][0]  # (KV, S, D), (KV, D, S)
+            if self.captures("k"):
                 rows[("k", layer)] = k[:, start : start + n].transpose(1, 0, 2)
+            if self.captures("v"):
                 rows[("v", layer)] = v[:, :, start : start + n].transpose(2, 0, 1)
         return outs, rows, new
 
@@ -250,4 +286,4 @@ class LiteRTRuntime(ChildRuntime):
 
 
 def create(loaded, max_seq: int, choice):
-    return LiteRTRuntime(loaded, max_seq, choice.name)
+    return LiteRTRuntime(loaded, max_seq, choice.name, choice.capture)
