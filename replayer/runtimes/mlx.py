@@ -14,6 +14,9 @@ feeds the prompt in one call and each later token in one call through mlx-lm's `
     attn_out          o_proj's output;  layer_out: each decoder layer's output
     final_hidden      the final norm's output
 
+Only the modules of the kinds the replay keeps are wrapped and streamed back (`--kinds`,
+RuntimeChoice.capture); with none asked, mlx-lm's model runs as loaded and only logits return.
+
 Not compared: the mask (mlx-lm builds it for its ring-buffer layout, or passes "causal") and the
 RoPE tables (computed inside `mx.fast.rope`).
 
@@ -93,8 +96,9 @@ def staged_checkpoint(model_dir: Path) -> tuple[Path, list[str]]:
 
 # ------------------------------------------------------------------ the child
 class MLXEngine:
-    """("load", folder, bits, dequantize) -> ("ready", info); ("step", [token ids], position) ->
-    the step's kinds streamed as ("tensor", kind, layer, array), then ("logits", array)."""
+    """("load", folder, bits, dequantize, kinds) -> ("ready", info); ("step", [token ids], position)
+    -> the step's kinds streamed as ("tensor", kind, layer, array), then ("logits", array). Only
+    `kinds` are tapped and streamed (None: every kind; empty: none, the logits alone)."""
 
     def __init__(self, emit):
         self.emit = emit
@@ -123,7 +127,7 @@ class MLXEngine:
             self.emit(kind, layer, np.array(value.astype(mx.float32)))
         return ("logits", np.array(logits.astype(mx.float32)))
 
-    def _load(self, folder: str, bits, dequantize: bool):
+    def _load(self, folder: str, bits, dequantize: bool, kinds):
         model, config = self.U.load_model(Path(folder))
         info = {"quantized": 0, "kept": 0}
         if bits is not None:
@@ -134,7 +138,7 @@ class MLXEngine:
             if dequantize:
                 self._dequantize(model)
         self.model, self.cache, self.offset = model, model.make_cache(), 0
-        self._tap(model)
+        self._tap(model, None if kinds is None else frozenset(kinds))
         return ("ready", info)
 
     def _dequantize(self, model) -> None:
@@ -157,11 +161,15 @@ class MLXEngine:
 
         model.update_modules(tree_map_with_path(back, model.leaf_modules(), is_leaf=nn.Module.is_module))
 
-    def _tap(self, model) -> None:
-        """Wrap mlx-lm's modules so that each step records what they compute (self.seen)."""
+    def _tap(self, model, kinds) -> None:
+        """Wrap mlx-lm's modules so that each step records what they compute (self.seen): only the
+        modules that compute a kind in `kinds` (None: every kind; empty: none, the model as loaded)."""
         nn = self.nn
         lm = model.language_model.model if hasattr(model, "language_model") else model.model
         engine = self
+
+        def wants(*names) -> bool:
+            return kinds is None or any(n in kinds for n in names)
 
         class Tap(nn.Module):
             def __init__(self, inner, record):
@@ -175,9 +183,10 @@ class MLXEngine:
                 return out
 
         def put(kind, layer, value):
-            engine.seen.append((kind, layer, value))
+            if wants(kind):
+                engine.seen.append((kind, layer, value))
 
-        if lm.hidden_size_per_layer_input:
+        if lm.hidden_size_per_layer_input and wants("per_layer_inputs"):
             project = lm._project_per_layer_inputs
 
             def per_layer(*a, **k):
@@ -194,26 +203,30 @@ class MLXEngine:
                 kind = "k" if owns and n == 1 else "q"
                 put(kind, i, out[0].transpose(1, 0, 2))
 
-            attn.rope = Tap(attn.rope, rope)
-            if attn.has_kv:
+            if wants("q", "k"):
+                attn.rope = Tap(attn.rope, rope)
+            if attn.has_kv and wants("v"):
                 attn.v_norm = Tap(attn.v_norm, lambda a, out, i=i: put("v", i, out[0]))
-            attn.o_proj = Tap(attn.o_proj, lambda a, out, i=i: put("attn_out", i, out[0]))
+            if wants("attn_out"):
+                attn.o_proj = Tap(attn.o_proj, lambda a, out, i=i: put("attn_out", i, out[0]))
 
             def layer_out(a, out, i=i):
                 if i == 0:
                     put("embeddings", None, a[0][0])
                 put("layer_out", i, out[0][0])
 
-            lm.layers[i] = Tap(layer, layer_out)
-            lm.layers[i].layer_type = layer.layer_type  # read by mlx-lm's mask builder
-        lm.norm = Tap(lm.norm, lambda a, out: put("final_hidden", None, out[0]))
+            if wants("layer_out") or (i == 0 and wants("embeddings")):
+                lm.layers[i] = Tap(layer, layer_out)
+                lm.layers[i].layer_type = layer.layer_type  # read by mlx-lm's mask builder
+        if wants("final_hidden"):
+            lm.norm = Tap(lm.norm, lambda a, out: put("final_hidden", None, out[0]))
 
 
 # ------------------------------------------------------------------ the parent
 class MLXRuntime(ChildRuntime):
     """mlx-lm's Gemma 4 in the child; the host feeds token ids and hands the tapped kinds to the probe."""
 
-    def __init__(self, loaded, max_seq: int, mode: str):
+    def __init__(self, loaded, max_seq: int, mode: str, capture: frozenset[str] | None = None):
         from importlib.metadata import version
 
         self.folder, fixes = staged_checkpoint(Path(loaded.model_dir))
@@ -229,7 +242,8 @@ class MLXRuntime(ChildRuntime):
         )
         child = self.start(label, ENGINE, streams=True)
         try:
-            info = child.call("load", str(self.folder), MODES[base], mode.endswith("-dq"), phase="loading")[1]
+            kinds = None if capture is None else sorted(capture)  # the child taps only these (--kinds)
+            info = child.call("load", str(self.folder), MODES[base], mode.endswith("-dq"), kinds, phase="loading")[1]
         except BaseException:
             self.close()
             raise
@@ -258,4 +272,4 @@ class MLXRuntime(ChildRuntime):
 
 
 def create(loaded, max_seq: int, choice):
-    return MLXRuntime(loaded, max_seq, choice.name)
+    return MLXRuntime(loaded, max_seq, choice.name, choice.capture)

@@ -16,6 +16,9 @@ reports what it computes, read from the outside:
 - `final_hidden`: its LM head runs on the last prompt row only, so its own final norm is
   applied to the last layer's output rows.
 
+Only the taps of the kinds the replay keeps are installed (`--kinds`, RuntimeChoice.capture);
+with none asked, none is, and TICO's modules run as they are (logits only).
+
 It needs nothing of TICO's E2B-only settings: a vision profile is derived from the inputs
 and registered (image-token span, patch grid from `image_position_ids`, soft-token capacity
 from `pixel_values`); a text-only prompt bypasses TICO's vision step and fusion.
@@ -62,7 +65,7 @@ class TicoRuntime(Runtime):
     """One replay's TICO runtime (the driver makes one per replay); built at the first prefill,
     when the inputs say which vision profile it needs."""
 
-    def __init__(self, loaded, max_seq: int, quantized: bool = False):
+    def __init__(self, loaded, max_seq: int, quantized: bool = False, capture: frozenset[str] | None = None):
         self.rtmod, self.vp, self.Layout, version = _import_tico()
         if not loaded.multimodal:
             raise TraceToolError(
@@ -72,6 +75,7 @@ class TicoRuntime(Runtime):
         if getattr(loaded.text_config, "enable_moe_block", False):
             raise TraceToolError("TICO's static Gemma 4 runtime does not support MoE configs (enable_moe_block)")
         self.loaded, self.max_seq, self.quantized = loaded, max_seq, quantized
+        self.capture = capture  # the kinds tapped (None: every kind; empty: none)
         self.name = f"tico-quant {version}" if quantized else f"tico {version}"
         self.rt = None
         self._rec: dict | None = None  # what the hooks saw during the current call
@@ -169,7 +173,14 @@ class TicoRuntime(Runtime):
             for li in layer_infos_from_config(self.loaded.text_config)
         ]
 
+    def _wants(self, *kinds: str) -> bool:
+        """Whether any of `kinds` is tapped."""
+        return self.capture is None or any(k in self.capture for k in kinds)
+
     def _hook(self, rt) -> None:
+        """Install the taps of the kinds asked for (each only records a reference to a tensor)."""
+        wants = self._wants
+
         def put(kind, layer=None):
             def hook(module, args, out):
                 if self._rec is not None:
@@ -177,27 +188,38 @@ class TicoRuntime(Runtime):
 
             return hook
 
-        rt.mm_fusion.register_forward_hook(put("embeddings"))
-        rt.token_embedding.register_forward_hook(put("embeddings"))
-        if rt.ple_projection is not None:
+        if wants("embeddings"):
+            rt.mm_fusion.register_forward_hook(put("embeddings"))
+            rt.token_embedding.register_forward_hook(put("embeddings"))
+        if rt.ple_projection is not None and wants("per_layer_inputs"):
             rt.ple_projection.register_forward_hook(put("per_layer_inputs"))
+        last = len(rt.prefill_layers) - 1
         for i, (pre, dec) in enumerate(zip(rt.prefill_layers, rt.decode_layers)):
-            for m in (pre, dec):
-                m.register_forward_hook(self._layer_hook(i))
+            if wants("layer_out", "k", "v") or (i == last and wants("final_hidden")):
+                for m in (pre, dec):
+                    m.register_forward_hook(self._layer_hook(i, last))
             attn = pre.wrapped.self_attn.wrapped  # shared by both export modules
-            attn.o_proj.register_forward_hook(put("attn_out", i))
-            attn._fq = self._observer_tap(attn, i)
-        for name in ("build_prefill_masks_and_rope", "build_decode_masks_and_rope"):
-            setattr(rt, name, self._rope_tap(getattr(rt, name)))
+            if wants("attn_out"):
+                attn.o_proj.register_forward_hook(put("attn_out", i))
+            if wants("q", "mask"):
+                attn._fq = self._observer_tap(attn, i)
+        if wants(*(k for t in self._layer_types() for k in rope_kinds(t))):
+            for name in ("build_prefill_masks_and_rope", "build_decode_masks_and_rope"):
+                setattr(rt, name, self._rope_tap(getattr(rt, name)))
 
-    def _layer_hook(self, i):
+    def _layer_hook(self, i, last):
+        # the last layer's output is also what final_hidden is computed from (_report)
+        keep = self._wants("layer_out") or (i == last and self._wants("final_hidden"))
+        kv = self._wants("k", "v")
+
         def hook(module, args, out):
             if self._rec is None:
                 return
-            if isinstance(out, tuple) and len(out) == 3:
-                self._rec[("layer_out", i)], self._rec[("k", i)], self._rec[("v", i)] = out
-            else:
-                self._rec[("layer_out", i)] = out
+            h, k, v = out if isinstance(out, tuple) and len(out) == 3 else (out, None, None)
+            if keep:
+                self._rec[("layer_out", i)] = h
+            if kv and k is not None:
+                self._rec[("k", i)], self._rec[("v", i)] = k, v
 
         return hook
 
@@ -207,9 +229,9 @@ class TicoRuntime(Runtime):
         def tapped(x, obs):
             y = fq(x, obs)
             if self._rec is not None:
-                if obs is attn.obs_q_rot:
+                if obs is attn.obs_q_rot and self._wants("q"):
                     self._rec[("q", i)] = y  # (B, S, heads, hd): q_norm + RoPE (+ its fake quant)
-                elif obs is attn.obs_attn_mask:
+                elif obs is attn.obs_attn_mask and self._wants("mask"):
                     self._rec[("mask", i)] = y  # (B, 1, Q, K) additive, as applied
             return y
 
@@ -239,21 +261,25 @@ class TicoRuntime(Runtime):
             if ("rope", layer_type) in rec:
                 cos, sin = rec[("rope", layer_type)]
                 ck, sk = rope_kinds(layer_type)
-                probe.tensor(ck, cos[0, rows])
-                probe.tensor(sk, sin[0, rows])
+                if self._wants(ck):
+                    probe.tensor(ck, cos[0, rows])
+                if self._wants(sk):
+                    probe.tensor(sk, sin[0, rows])
         for i in range(L):
             if ("mask", i) in rec:
                 probe.tensor("mask", self._mask(rec[("mask", i)][0, 0], rows, decode_pos), layer=i)
             if ("q", i) in rec:
                 probe.tensor("q", rec[("q", i)][0, rows], layer=i)
-            if ("k", i) in rec:  # (B, kv, S, hd) -> rows written at this call
-                probe.tensor("k", rec[("k", i)][0, :, rows].transpose(0, 1), layer=i)
-                probe.tensor("v", rec[("v", i)][0, :, rows].transpose(0, 1), layer=i)
+            for kind in ("k", "v"):  # (B, kv, S, hd) -> rows written at this call
+                if (kind, i) in rec and self._wants(kind):
+                    probe.tensor(kind, rec[(kind, i)][0, :, rows].transpose(0, 1), layer=i)
             if ("attn_out", i) in rec:
                 probe.tensor("attn_out", rec[("attn_out", i)][0, rows], layer=i)
-            probe.tensor("layer_out", rec[("layer_out", i)][0, rows], layer=i)
-        with torch.no_grad():
-            probe.tensor("final_hidden", self.rt.lm_head.norm(rec[("layer_out", L - 1)][:, rows])[0])
+            if self._wants("layer_out"):
+                probe.tensor("layer_out", rec[("layer_out", i)][0, rows], layer=i)
+        if self._wants("final_hidden"):
+            with torch.no_grad():
+                probe.tensor("final_hidden", self.rt.lm_head.norm(rec[("layer_out", L - 1)][:, rows])[0])
 
     def _layer_types(self):
         return set(self.loaded.text_config.layer_types)
@@ -327,4 +353,4 @@ class TicoRuntime(Runtime):
 
 
 def create(loaded, max_seq: int, choice):
-    return TicoRuntime(loaded, max_seq, quantized=choice.name == "tico-quant")
+    return TicoRuntime(loaded, max_seq, quantized=choice.name == "tico-quant", capture=choice.capture)
