@@ -14,8 +14,10 @@ records REF, then for each runtime, in this one process on the one loaded model,
   capture  replay_loaded (replayer/core.py): the same steps with every kind captured and the trace
            written, as `trace replay` does,
 and keeps each one's best time. A name `RUNTIME:kind,kind` is the capture of `trace replay
---kinds kind,kind` (the runtime asked to expose only those). Exports and lowerings are built
-before the first timed round, in the artifact cache WORK/cache, and not timed.
+--kinds kind,kind` (the runtime asked to expose only those); `RUNTIME:every` asks for every kind
+by name (LiteRT: all of them as extra outputs instead of the interpreter keeping every tensor).
+Exports and lowerings are built before the first timed round, in the artifact cache WORK/cache,
+and not timed.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from benchmarks.e2b_shaped import bench_setup, build  # noqa: E402
 
 RUNTIMES = (
     "static,static-w8,static-w4g32,static-w8a8,tico,onnx,mobius,executorch,executorch-int8,"
-    "llama.cpp:F32,llama.cpp:Q4_K_M,litert,litert:layer_out,litert-int8,openvino,openvino-int8,mlx,mlx-q4"
+    "llama.cpp:F32,llama.cpp:Q4_K_M,litert,litert:layer_out,litert:every,litert-int8,openvino,openvino-int8,mlx,mlx-q4"
 )
 GGUF = ("F32", "Q4_K_M")
 
@@ -42,10 +44,13 @@ GGUF = ("F32", "Q4_K_M")
 def parse(name: str):
     """'litert:layer_out' -> (litert's choice, ("layer_out",)); 'llama.cpp:F32' -> (its choice, None)."""
     from gemma4_trace.replayer.runtimes.registry import parse_runtime
+    from gemma4_trace.traces.schema import KIND_NAMES
 
     base, sep, kinds = name.partition(":")
     if not sep or kinds in GGUF:
         return parse_runtime(name), None
+    if kinds == "every":  # every kind, asked by name (LiteRT: as extra outputs, not every tensor kept)
+        return parse_runtime(base), tuple(k for k in KIND_NAMES if k not in ("logits", "token"))
     return parse_runtime(base), tuple(kinds.split(","))
 
 

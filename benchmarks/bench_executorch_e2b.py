@@ -5,11 +5,12 @@ how many layers fit in this machine's memory.
 
 For each layer count L, a random checkpoint with every E2B dimension but L layers (vocabulary
 262,144, hidden 1536, per-layer embeddings of 256 per layer, MLP 6144, double-wide on the layers
-that reuse K/V; layer_config) in float32, a REF recorded from it, then for each mode `trace replay REF --runtime MODE` in a
-fresh process with an empty artifact cache (so it really exports, calibrates and lowers): wall
-time, peak RSS of the trace process (where the programs are exported and lowered) and of its
-ExecuTorch child (where they run). A least-squares line through the peaks in L gives the
-projection to E2B's 35 layers and the largest L under --budget GiB.
+that reuse K/V; layer_config) in float32, a REF recorded from it, then for each mode `trace
+replay REF --runtime MODE` in a fresh process with an empty artifact cache (so it really
+exports, calibrates and lowers): wall time, peak RSS of the trace process (where the programs
+are exported and lowered) and of its ExecuTorch child (where they run). A least-squares line
+through the peaks in L gives the projection to E2B's 35 layers and the largest L under --budget
+GiB.
 """
 
 from __future__ import annotations
