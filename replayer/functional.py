@@ -4,9 +4,11 @@ A step graph is one step as a function, (step inputs..., K/V caches...) -> (logi
 caches..., reported kinds...): the caches of the layers that own K/V are inputs and outputs (no
 in-place buffer writes; the host keeps them between steps, as an NPU runtime's host code would),
 and every canonical kind the static runtime reports through its probe becomes an extra output,
-named `<kind>` or `L07.<kind>` (output_site reads a name back). The prefill graph runs N prompt
-rows from a start position (the static runtime's prefill chunk; N = max_seq: the whole padded
-prompt in one run), the decode graph one token.
+named `<kind>` or `L07.<kind>` (output_site reads a name back); a graph made with `kinds` (a
+narrowed capture: RuntimeChoice.capture) has only those kinds as outputs, and what only the
+others needed is dead code the exporters drop (the logits' own computation is unchanged). The
+prefill graph runs N prompt rows from a start position (the static runtime's prefill chunk;
+N = max_seq: the whole padded prompt in one run), the decode graph one token.
 
     rt = FunctionalKV(loaded, max_seq)
     prog = export_step(rt, "decode")        # torch.export.ExportedProgram, static shapes
@@ -32,13 +34,17 @@ STEPS = ("prefill", "decode")
 
 
 class ListProbe:
-    """Collects the probe's reports while a graph is traced: each becomes a graph output."""
+    """Collects the probe's reports while a graph is traced: each becomes a graph output (those of
+    `kinds` only; None: every kind)."""
 
-    def __init__(self):
+    def __init__(self, kinds=None):
+        self.kinds = None if kinds is None else frozenset(kinds)
         self.names: list[str] = []
         self.values: list[torch.Tensor] = []
 
     def tensor(self, kind, value, layer=None):
+        if self.kinds is not None and kind not in self.kinds:
+            return
         self.names.append(output_name(kind, layer))
         self.values.append(value)
 
@@ -92,11 +98,12 @@ def cache_names(rt: FunctionalKV) -> list[str]:
 class StepGraph(nn.Module):
     """One step as a function: (step inputs..., caches...) -> (logits, caches..., reported kinds...).
     `chunked`: the prefill takes PREFILL_CHUNK_INPUTS (N rows from `start`), else PREFILL_INPUTS
-    over the whole padded max_seq. `names` holds the reported kinds' output names after a call."""
+    over the whole padded max_seq. `kinds`: the reported kinds that become outputs (None: every
+    kind). `names` holds the reported kinds' output names after a call."""
 
-    def __init__(self, rt: FunctionalKV, step: str, chunked: bool = False):
+    def __init__(self, rt: FunctionalKV, step: str, chunked: bool = False, kinds=None):
         super().__init__()
-        self.rt, self.step, self.chunked, self.names = rt, step, chunked, None
+        self.rt, self.step, self.chunked, self.kinds, self.names = rt, step, chunked, kinds, None
 
     def forward(self, *args):
         rt = self.rt
@@ -106,7 +113,7 @@ class StepGraph(nn.Module):
             inputs = PREFILL_CHUNK_INPUTS if self.chunked else PREFILL_INPUTS
         step, caches = args[: len(inputs)], args[len(inputs) :]
         rt._kv = {i: (caches[2 * j], caches[2 * j + 1]) for j, i in enumerate(rt.owners())}
-        probe = ListProbe()
+        probe = ListProbe(self.kinds)
         if self.step == "decode":
             logits = rt.decode_step(*step, probe=probe)
         elif self.chunked:
@@ -119,8 +126,8 @@ class StepGraph(nn.Module):
         return (logits, *(t for i in rt.owners() for t in rt._kv[i]), *probe.values)
 
 
-def graph(rt: FunctionalKV, step: str, chunked: bool = False) -> StepGraph:
-    return StepGraph(rt, step, chunked).eval()
+def graph(rt: FunctionalKV, step: str, chunked: bool = False, kinds=None) -> StepGraph:
+    return StepGraph(rt, step, chunked, kinds).eval()
 
 
 def chunk_inputs(rt: FunctionalKV, args: tuple, c0: int) -> tuple:
@@ -145,20 +152,34 @@ def step_inputs(rt: FunctionalKV, step: str, chunked: bool = False) -> tuple:
     return chunk_inputs(rt, args, 0) if chunked else args
 
 
-def output_names(rt: FunctionalKV, step: str, chunked: bool = False) -> list[str]:
-    """The reported kinds' output names of a step graph, in order (one eager run)."""
-    g = graph(rt, step, chunked)
+def output_names(rt: FunctionalKV, step: str, chunked: bool = False, kinds=None) -> list[str]:
+    """The reported kinds' output names of a step graph (of `kinds`; None: every kind), in order
+    (one eager run)."""
+    g = graph(rt, step, chunked, kinds)
     with torch.no_grad():
         g(*step_inputs(rt, step, chunked), *zero_caches(rt))
     return g.names
 
 
-def export_step(rt: FunctionalKV, step: str, chunked: bool = False) -> torch.export.ExportedProgram:
-    """torch.export of a step graph with static shapes."""
+def export_step(rt: FunctionalKV, step: str, chunked: bool = False, kinds=None) -> torch.export.ExportedProgram:
+    """torch.export of a step graph with static shapes (`kinds`' outputs only; None: every kind)."""
     with torch.no_grad(), quiet():
         return torch.export.export(
-            graph(rt, step, chunked), (*step_inputs(rt, step, chunked), *zero_caches(rt)), strict=False
+            graph(rt, step, chunked, kinds), (*step_inputs(rt, step, chunked), *zero_caches(rt)), strict=False
         )
+
+
+def capture_key(kinds) -> dict:
+    """The cache-key entry of a narrowed capture: {"kinds": sorted kinds}; {} for every kind (None),
+    so that a full capture's artifacts keep their keys."""
+    return {} if kinds is None else {"kinds": sorted(kinds)}
+
+
+def capture_note(kinds) -> str:
+    """What a build line says of a narrowed capture ("" for every kind)."""
+    if kinds is None:
+        return ""
+    return f", outputs {', '.join(sorted(kinds))} only" if kinds else ", no kinds as outputs"
 
 
 @contextlib.contextmanager

@@ -24,7 +24,9 @@ The .pte programs are kept in the artifact cache (replayer/artifacts.py), keyed 
 content hash, the runtime, max_seq, the prefill chunk, the calibration prompt (int8), the
 executorch/torch versions and the lowered code; so are the converted int8 programs before lowering
 (torch.export's .pt2), which executorch-int8 lowers and executorch-int8-reference runs: whichever
-of the two replays comes second does not quantize again.
+of the two replays comes second does not quantize again. A replay that keeps some kinds
+(`--kinds`: RuntimeChoice.capture) runs programs exported with only those kinds as outputs (keyed
+by them too); int8 quantizes that narrowed program, calibrated on the same inputs.
 
     trace export-pte [--model DIR] [--runtime executorch|executorch-int8] --max-seq 32 [--prefill-chunk N] -o DIR
 """
@@ -71,8 +73,8 @@ def _versions() -> dict:
     return {"executorch": et_version.__version__, "torch": torch.__version__}
 
 
-def _graph(rt: F.FunctionalKV, name: str) -> F.StepGraph:
-    return F.graph(rt, name, chunked=True)  # the prefill program always takes a chunk of rows
+def _graph(rt: F.FunctionalKV, name: str, kinds=None) -> F.StepGraph:
+    return F.graph(rt, name, chunked=True, kinds=kinds)  # the prefill program always takes a chunk of rows
 
 
 def _calibration(rt: F.FunctionalKV, prompt, extra) -> dict:
@@ -107,8 +109,9 @@ def _calibration(rt: F.FunctionalKV, prompt, extra) -> dict:
     return {"prefill": pre, "decode": dec}
 
 
-def _quantized(rt: F.FunctionalKV, calibration: dict) -> dict:
-    """name -> the converted PT2E program (quantize/dequantize pairs around int8 weights), exported."""
+def _quantized(rt: F.FunctionalKV, calibration: dict, kinds=None) -> dict:
+    """name -> the converted PT2E program (quantize/dequantize pairs around int8 weights), exported
+    (with `kinds` as extra outputs; None: every kind)."""
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer,
         get_symmetric_quantization_config,
@@ -119,7 +122,7 @@ def _quantized(rt: F.FunctionalKV, calibration: dict) -> dict:
     for name in PROGRAMS:
         quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
         with torch.no_grad(), F.quiet():
-            m = prepare_pt2e(F.export_step(rt, name, chunked=True).module(), quantizer)
+            m = prepare_pt2e(F.export_step(rt, name, chunked=True, kinds=kinds).module(), quantizer)
             for args in calibration[name]:
                 m(*args)
             example = (*F.step_inputs(rt, name, chunked=True), *F.zero_caches(rt))
@@ -131,14 +134,14 @@ def _one_line(what: str, e: Exception) -> TraceToolError:
     return TraceToolError(f"{what} failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
 
 
-def converted_programs(loaded, max_seq: int, prompt, extra, host: F.FunctionalKV):
+def converted_programs(loaded, max_seq: int, prompt, extra, host: F.FunctionalKV, kinds=None):
     """The artifact-cache entry holding the converted PT2E programs (prefill.pt2, decode.pt2,
     torch.export's format): what executorch-int8 lowers and executorch-int8-reference runs, so
     the second of the two replays of one REF does not quantize again."""
 
     def build(folder: Path) -> None:
         try:
-            programs = _quantized(host, _calibration(host, prompt, extra))
+            programs = _quantized(host, _calibration(host, prompt, extra), kinds)
         except Exception as e:  # noqa: BLE001 - quantization and export fail in many ways; one line for the user
             raise _one_line("quantizing the programs (PT2E)", e) from None
         for name in PROGRAMS:
@@ -146,15 +149,15 @@ def converted_programs(loaded, max_seq: int, prompt, extra, host: F.FunctionalKV
 
     return artifact_folder(
         "executorch",
-        artifact_key(loaded, PT2E, max_seq, prompt, extra, host.prefill_chunk),
+        artifact_key(loaded, PT2E, max_seq, prompt, extra, host.prefill_chunk, kinds),
         build,
-        what="quantizing the prefill and decode programs (PT2E, calibrated on the prompt)",
+        what=f"quantizing the prefill and decode programs (PT2E, calibrated on the prompt{F.capture_note(kinds)})",
     )
 
 
-def _load_converted(loaded, max_seq: int, prompt, extra, host: F.FunctionalKV) -> dict:
+def _load_converted(loaded, max_seq: int, prompt, extra, host: F.FunctionalKV, kinds=None) -> dict:
     """name -> the converted ExportedProgram, from the artifact cache (built there first if needed)."""
-    art = converted_programs(loaded, max_seq, prompt, extra, host)
+    art = converted_programs(loaded, max_seq, prompt, extra, host, kinds)
     try:
         with F.quiet():
             return {n: torch.export.load(art.path / f"{n}.pt2") for n in PROGRAMS}
@@ -171,14 +174,14 @@ def _lower(program: torch.export.ExportedProgram) -> bytes:
         return to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()]).to_executorch().buffer
 
 
-def write_programs(rt: F.FunctionalKV, out_dir, quantized: dict | None = None) -> list[Path]:
-    """Write prefill.pte and decode.pte into out_dir: the float programs, or the converted
-    `quantized` ones (executorch-int8); the prefill program takes rt.prefill_chunk rows (None: the
-    whole max_seq)."""
+def write_programs(rt: F.FunctionalKV, out_dir, quantized: dict | None = None, kinds=None) -> list[Path]:
+    """Write prefill.pte and decode.pte into out_dir: the float programs (with `kinds` as extra
+    outputs; None: every kind), or the converted `quantized` ones (executorch-int8); the prefill
+    program takes rt.prefill_chunk rows (None: the whole max_seq)."""
     paths = []
     for name in PROGRAMS:
         try:
-            data = _lower(quantized[name] if quantized else F.export_step(rt, name, chunked=True))
+            data = _lower(quantized[name] if quantized else F.export_step(rt, name, chunked=True, kinds=kinds))
         except Exception as e:  # noqa: BLE001 - export and lowering fail in many ways; one line for the user
             raise _one_line(f"lowering the {name} program to XNNPACK", e) from None
         path = Path(out_dir) / f"{name}.pte"
@@ -195,8 +198,11 @@ def _prompt_digest(prompt, extra) -> str:
     return h.hexdigest()[:24]
 
 
-def artifact_key(loaded, mode: str, max_seq: int, prompt=None, extra=None, prefill_chunk: int | None = None) -> dict:
-    """What the programs depend on; prefill_chunk as resolve_prefill_chunk gives it (None: whole max_seq)."""
+def artifact_key(
+    loaded, mode: str, max_seq: int, prompt=None, extra=None, prefill_chunk: int | None = None, kinds=None
+) -> dict:
+    """What the programs depend on; prefill_chunk as resolve_prefill_chunk gives it (None: whole
+    max_seq); kinds: a narrowed capture's (None: every kind, not in the key)."""
     key = {
         "format": FORMAT,
         "model": model_hash(loaded.model_dir),
@@ -208,25 +214,29 @@ def artifact_key(loaded, mode: str, max_seq: int, prompt=None, extra=None, prefi
     key.update(_versions())
     if mode in ("executorch-int8", PT2E):
         key["calibration"] = _prompt_digest(prompt, extra)
+    key.update(F.capture_key(kinds))
     return key
 
 
-def cached_programs(loaded, mode: str, max_seq: int, prompt=None, extra=None, host=None, prefill_chunk=None):
+def cached_programs(
+    loaded, mode: str, max_seq: int, prompt=None, extra=None, host=None, prefill_chunk=None, kinds=None
+):
     """The artifact-cache entry (replayer/artifacts.py) holding prefill.pte and decode.pte; the
-    prefill program takes host.prefill_chunk rows (without a host: prefill_chunk)."""
+    prefill program takes host.prefill_chunk rows (without a host: prefill_chunk); kinds: the
+    extra outputs (None: every kind)."""
     rt = host or F.FunctionalKV(loaded, max_seq, prefill_chunk)
     what = "float32" if mode == "executorch" else "int8 (PT2E, calibrated on the prompt)"
     rows = f"{rt.prefill_chunk}-row chunk" if rt.prefill_chunk else f"max_seq {max_seq}"
 
     def build(folder: Path) -> None:
-        quantized = _load_converted(loaded, max_seq, prompt, extra, rt) if mode == "executorch-int8" else None
-        write_programs(rt, folder, quantized)
+        int8 = mode == "executorch-int8"
+        write_programs(rt, folder, _load_converted(loaded, max_seq, prompt, extra, rt, kinds) if int8 else None, kinds)
 
     return artifact_folder(
         "executorch",
-        artifact_key(loaded, mode, max_seq, prompt, extra, rt.prefill_chunk),
+        artifact_key(loaded, mode, max_seq, prompt, extra, rt.prefill_chunk, kinds),
         build,
-        what=f"lowering the prefill ({rows}) and decode programs to ExecuTorch XNNPACK, {what}",
+        what=f"lowering the prefill ({rows}) and decode programs to ExecuTorch XNNPACK, {what}{F.capture_note(kinds)}",
     )
 
 
@@ -242,12 +252,12 @@ class ExecuTorchRuntime(ChildRuntime):
 
     supports_prefill_chunk = True  # the driver sets prefill_chunk (--prefill-chunk)
 
-    def __init__(self, loaded, max_seq: int, mode: str):
+    def __init__(self, loaded, max_seq: int, mode: str, kinds=None):
         versions = _versions()
         if mode != "executorch-int8-reference":
             # started first: its imports (torch, executorch) overlap this process's
             self.start(f"{mode} (ExecuTorch {versions['executorch']}, XNNPACK)", EXECUTORCH_ENGINE)
-        self.mode, self.loaded, self.max_seq = mode, loaded, max_seq
+        self.mode, self.loaded, self.max_seq, self.kinds = mode, loaded, max_seq, kinds
         if mode == "executorch":
             self.name = f"executorch (ExecuTorch {versions['executorch']}, XNNPACK, float32)"
         elif mode == "executorch-int8":
@@ -258,19 +268,19 @@ class ExecuTorchRuntime(ChildRuntime):
             )
         self.host = F.FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
         self.n_caches = 2 * len(self.host.owners())
-        self.names = {name: F.output_names(self.host, name, chunked=True) for name in PROGRAMS}
+        self.names = {name: F.output_names(self.host, name, chunked=True, kinds=kinds) for name in PROGRAMS}
         self.steps = None  # name -> callable(list of tensors, phase) -> list of tensors
         self.note = ""
         self.prefill_chunk = resolve_prefill_chunk(None, max_seq)  # replay sets --prefill-chunk's; built at prefill
 
     def _load(self, prompt=None, extra=None) -> None:
         if self.mode == "executorch-int8-reference":  # PyTorch, in this process
-            progs = _load_converted(self.loaded, self.max_seq, prompt, extra, self.host)
+            progs = _load_converted(self.loaded, self.max_seq, prompt, extra, self.host, self.kinds)
             mods = {n: progs[n].module() for n in PROGRAMS}
             self.steps = {n: (lambda args, phase, m=mods[n]: list(m(*args))) for n in PROGRAMS}
             return
         try:
-            art = cached_programs(self.loaded, self.mode, self.max_seq, prompt, extra, host=self.host)
+            art = cached_programs(self.loaded, self.mode, self.max_seq, prompt, extra, host=self.host, kinds=self.kinds)
             self.note = art.note
             try:
                 self.child.call("load", {n: str(art.path / f"{n}.pte") for n in PROGRAMS}, {}, phase="loading")
@@ -326,7 +336,7 @@ class ExecuTorchRuntime(ChildRuntime):
 
 
 def create(loaded, max_seq: int, choice):
-    return ExecuTorchRuntime(loaded, max_seq, choice.name)
+    return ExecuTorchRuntime(loaded, max_seq, choice.name, choice.capture)
 
 
 def export_command(

@@ -22,6 +22,8 @@ inside fused nodes): `trace diff` compares the kinds both traces hold and names 
 Prefill runs the prompt with an empty KV cache; each decode step feeds the returned `present.*`
 caches back (teacher-forced by the driver). The built graph is kept in the artifact cache
 (replayer/artifacts.py), keyed by the model's content hash, the builder's versions and this code.
+A replay that keeps some kinds (`--kinds`: RuntimeChoice.capture) promotes only those (a graph of
+its own, keyed by them too); with none, the graph is mobius's as built (logits and caches).
 
 Config shims (ours, for transformers 5.24's Gemma 4 config; mobius 0.1.0 reads older fields):
 - transformers 5.24 keeps head_dim per layer (`per_layer_config`); reading the global
@@ -50,7 +52,7 @@ from gemma4_trace.traces.layers import layer_infos_from_config
 
 from ..artifacts import artifact_folder, code_digest, model_hash
 from ..child import ORT_ENGINE, ORT_SESSION, ChildRuntime
-from ..functional import quiet
+from ..functional import capture_key, capture_note, quiet
 
 MOBIUS_VERSION = "0.1.0"  # the release tested; the extra [mobius] pins it
 FORMAT = 1  # bump when the promoted outputs or the saved files change (the cache key holds it)
@@ -78,8 +80,10 @@ def hf_config(model_dir):
     return top, text
 
 
-def _promote(graph, n_layers: int) -> dict[str, tuple[str, int | None]]:
-    """Make the values of the module docstring's table graph outputs; return {output name: (kind, layer)}."""
+def _promote(graph, n_layers: int, kinds=None) -> dict[str, tuple[str, int | None]]:
+    """Make the values of the module docstring's table graph outputs (those of `kinds`; None: every
+    kind); return {output name: (kind, layer)} of the promoted ones. Every value is looked for, so
+    that a graph whose node names are not the known ones is refused whatever `kinds` asks."""
     nodes = list(graph)
     taps: dict[str, tuple[str, int | None]] = {}
     values = {}
@@ -125,14 +129,16 @@ def _promote(graph, n_layers: int) -> dict[str, tuple[str, int | None]]:
             f"(mobius-onnx {MOBIUS_VERSION} is the release this adapter knows); "
             f"missing: {', '.join(missing) or 'embeddings'}"
         )
+    if kinds is not None:
+        taps = {name: site for name, site in taps.items() if site[0] in kinds}
     outputs = {v.name for v in graph.outputs}
-    graph.outputs.extend(v for name, v in values.items() if name not in outputs)
+    graph.outputs.extend(v for name, v in values.items() if name in taps and name not in outputs)
     return taps
 
 
-def build(model_dir, folder: Path) -> None:
-    """mobius's float32 text decoder of the checkpoint, with the promoted outputs, saved in folder
-    (model.onnx, its weights, taps.json)."""
+def build(model_dir, folder: Path, kinds=None) -> None:
+    """mobius's float32 text decoder of the checkpoint, with the promoted outputs (of `kinds`; None:
+    every kind), saved in folder (model.onnx, its weights, taps.json)."""
     import onnx_ir as ir
     from mobius._builder import build_from_module
     from mobius._config_resolver import _config_from_hf, _default_task_for_model
@@ -148,12 +154,13 @@ def build(model_dir, folder: Path) -> None:
         pkg = build_from_module(module, cfg, _default_task_for_model("gemma4_text"))
         state = module.preprocess_weights(_download_weights(str(model_dir)))
         pkg.apply_weights(state, prefix_map=getattr(module, "weight_prefix_map", None))
-        taps = _promote(pkg["model"].graph, int(text.num_hidden_layers))
+        taps = _promote(pkg["model"].graph, int(text.num_hidden_layers), kinds)
         pkg.save(str(folder))
     (folder / TAPS).write_text(json.dumps({n: list(kl) for n, kl in taps.items()}, indent=1, sort_keys=True))
 
 
-def cache_key(loaded) -> dict:
+def cache_key(loaded, kinds=None) -> dict:
+    """What the built graph depends on; a narrowed capture's kinds too (None: every kind, not in the key)."""
     from importlib.metadata import version
 
     return {
@@ -164,13 +171,14 @@ def cache_key(loaded) -> dict:
         "onnxscript": version("onnxscript"),
         "transformers": version("transformers"),
         "code": code_digest("runtimes/mobius.py"),
+        **capture_key(kinds),
     }
 
 
 class MobiusRuntime(ChildRuntime):
     """mobius's graph run by onnxruntime on CPU (in the child process); the host keeps the present.* caches."""
 
-    def __init__(self, loaded, max_seq: int):
+    def __init__(self, loaded, max_seq: int, kinds=None):
         from importlib.metadata import version
 
         import onnxruntime as ort
@@ -178,9 +186,9 @@ class MobiusRuntime(ChildRuntime):
         self.name = f"mobius (mobius-onnx {version('mobius-onnx')}, onnxruntime {ort.__version__}, CPU)"
         art = artifact_folder(
             "mobius",
-            cache_key(loaded),
-            lambda folder: build(loaded.model_dir, folder),
-            what=f"building mobius's ONNX Gemma 4 for {loaded.name}",
+            cache_key(loaded, kinds),
+            lambda folder: build(loaded.model_dir, folder, kinds),
+            what=f"building mobius's ONNX Gemma 4 for {loaded.name}{capture_note(kinds)}",
         )
         child = self.start(f"mobius (onnxruntime {ort.__version__})", ORT_ENGINE)
         try:
@@ -238,4 +246,4 @@ class MobiusRuntime(ChildRuntime):
 
 
 def create(loaded, max_seq: int, choice=None):
-    return MobiusRuntime(loaded, max_seq)
+    return MobiusRuntime(loaded, max_seq, None if choice is None else choice.capture)

@@ -4,8 +4,10 @@ onnxruntime on CPU (extra `gemma4-trace[onnx]`).
 Each step is one ONNX graph with static shapes (max_seq): the step graphs of
 replayer/functional.py (K/V caches in and out, every canonical kind an extra output named
 `<kind>` or `L07.<kind>`), so a replay sees what the exported graph computed, with
-onnxruntime's kernels. The vision tower is not exported: its soft tokens are computed on the
-host by HF, as in the static runtime, and fed to the prefill graph.
+onnxruntime's kernels. A replay that keeps some kinds (`--kinds`: RuntimeChoice.capture) runs
+graphs exported with only those kinds as outputs (their own cache entry). The vision tower is
+not exported: its soft tokens are computed on the host by HF, as in the static runtime, and fed
+to the prefill graph.
 
     trace export-onnx [--model DIR] --max-seq 32 -o DIR    # writes prefill.onnx, decode.onnx
     trace replay REF.h5 --runtime onnx -o RUN.h5
@@ -41,8 +43,9 @@ FORMAT = 1  # bump when the graphs' inputs or outputs change meaning (the cache 
 GRAPHS = F.STEPS
 
 
-def export_onnx(loaded, max_seq: int, out_dir) -> tuple[Path, Path]:
-    """Write prefill.onnx and decode.onnx for `loaded` at `max_seq`; return their paths."""
+def export_onnx(loaded, max_seq: int, out_dir, kinds=None) -> tuple[Path, Path]:
+    """Write prefill.onnx and decode.onnx for `loaded` at `max_seq`, with `kinds` as extra outputs
+    (None: every kind); return their paths."""
     try:
         import onnx  # noqa: F401
         import onnxscript  # noqa: F401  (torch's ONNX exporter needs it)
@@ -58,7 +61,7 @@ def export_onnx(loaded, max_seq: int, out_dir) -> tuple[Path, Path]:
     inputs = {"prefill": F.PREFILL_INPUTS, "decode": F.DECODE_INPUTS}
     paths = []
     for name in GRAPHS:
-        g, example = F.graph(rt, name), F.step_inputs(rt, name)
+        g, example = F.graph(rt, name, kinds=kinds), F.step_inputs(rt, name)
         with torch.no_grad(), F.quiet():
             g(*example, *caches)  # learn the reported kinds' names (the order is fixed by the code)
             path = out / f"{name}.onnx"
@@ -84,9 +87,10 @@ def export_onnx(loaded, max_seq: int, out_dir) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def cache_key(loaded, max_seq: int) -> dict:
+def cache_key(loaded, max_seq: int, kinds=None) -> dict:
     """What the exported graphs depend on: the checkpoint's bytes, the shapes, the exporter's
-    versions and the code that is exported (a change to it exports again)."""
+    versions, the code that is exported (a change to it exports again) and, for a narrowed
+    capture, its kinds."""
     from importlib.metadata import version
 
     return {
@@ -99,17 +103,23 @@ def cache_key(loaded, max_seq: int) -> dict:
         "onnx": version("onnx"),
         "onnxscript": version("onnxscript"),
         "code": code_digest("runtime.py", "ops.py", "functional.py"),
+        **F.capture_key(kinds),
     }
 
 
-def exported(loaded, max_seq: int):
+def exported(loaded, max_seq: int, kinds=None):
     """The artifact (replayer/artifacts.py) holding prefill.onnx and decode.onnx for `loaded` at
-    `max_seq`: the cached graphs after their hash check, else exported now (one line on stderr)."""
+    `max_seq` (with `kinds` as extra outputs; None: every kind): the cached graphs after their hash
+    check, else exported now (one line on stderr)."""
+
+    def build(folder):
+        return export_onnx(loaded, max_seq, folder) if kinds is None else export_onnx(loaded, max_seq, folder, kinds)
+
     return artifact_folder(
         "onnx",
-        cache_key(loaded, max_seq),
-        lambda folder: export_onnx(loaded, max_seq, folder),
-        what=f"exporting ONNX (prefill and decode, max_seq {max_seq}) for {loaded.name}",
+        cache_key(loaded, max_seq, kinds),
+        build,
+        what=f"exporting ONNX (prefill and decode, max_seq {max_seq}{F.capture_note(kinds)}) for {loaded.name}",
     )
 
 
@@ -162,16 +172,16 @@ class StepGraphRuntime(ChildRuntime):
 class OnnxRuntime(StepGraphRuntime):
     """The exported graphs run by onnxruntime on CPU (in the child process)."""
 
-    def __init__(self, loaded, max_seq: int):
+    def __init__(self, loaded, max_seq: int, kinds=None):
         import onnxruntime as ort
 
         self.name = f"onnx (onnxruntime {ort.__version__}, CPU)"
-        label = f"onnx (onnxruntime {ort.__version__})"
-        self.load_graphs(label, ORT_ENGINE, loaded, max_seq, lambda: exported(loaded, max_seq), ".onnx", ORT_SESSION)
+        label, artifact = f"onnx (onnxruntime {ort.__version__})", lambda: exported(loaded, max_seq, kinds)
+        self.load_graphs(label, ORT_ENGINE, loaded, max_seq, artifact, ".onnx", ORT_SESSION)
 
 
 def create(loaded, max_seq: int, choice=None):
-    return OnnxRuntime(loaded, max_seq)
+    return OnnxRuntime(loaded, max_seq, None if choice is None else choice.capture)
 
 
 def export_command(model_dir, max_seq: int, out_dir, force: bool = False) -> str:

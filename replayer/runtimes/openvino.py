@@ -23,7 +23,9 @@ default, kept here: it is what a deployment runs), so openvino-intN against its 
 what those kernels add beyond the weights' rounding (docs/runtime-openvino.md: 4.8e-3 at the first
 matmul on the embedded model; 1.3e-7 with the dynamic quantization off).
 Every IR is an artifact-cache entry (replayer/artifacts.py) keyed by the model's content hash,
-max_seq, the mode, the converter's versions and the converted code.
+max_seq, the mode, the converter's versions and the converted code; a replay that keeps some kinds
+(`--kinds`: RuntimeChoice.capture) runs IR converted with only those kinds as outputs (keyed by
+them too; a quantized or -dq IR is built from the float IR of the same kinds).
 
     trace export-openvino [--model DIR] [--runtime openvino-int4] --max-seq 32 -o DIR
     trace replay REF.h5 --runtime openvino -o RUN.h5
@@ -79,17 +81,18 @@ def no_telemetry() -> None:
     sys.modules.setdefault("openvino_telemetry", None)
 
 
-def convert(loaded, max_seq: int, out: Path) -> None:
-    """Write prefill.xml/.bin and decode.xml/.bin: each step graph torch.export-ed and converted by
-    OpenVINO's PyTorch frontend, its inputs and outputs named as the ONNX graphs' are."""
+def convert(loaded, max_seq: int, out: Path, kinds=None) -> None:
+    """Write prefill.xml/.bin and decode.xml/.bin: each step graph (with `kinds` as extra outputs;
+    None: every kind) torch.export-ed and converted by OpenVINO's PyTorch frontend, its inputs and
+    outputs named as the ONNX graphs' are."""
     ov = _modules()
     rt = F.FunctionalKV(loaded, max_seq)
     inputs = {"prefill": F.PREFILL_INPUTS, "decode": F.DECODE_INPUTS}
     for step in F.STEPS:
-        outs = ["logits", *(f"{c}_out" for c in F.cache_names(rt)), *F.output_names(rt, step)]
+        outs = ["logits", *(f"{c}_out" for c in F.cache_names(rt)), *F.output_names(rt, step, kinds=kinds)]
         ins = [*inputs[step], *F.cache_names(rt)]
         try:
-            program = F.export_step(rt, step)
+            program = F.export_step(rt, step, kinds=kinds)
             with F.quiet():
                 model = ov.convert_model(program)
         except Exception as e:  # noqa: BLE001 - the exporter and the frontend fail in many ways; one line
@@ -163,9 +166,9 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def cache_key(loaded, max_seq: int, mode: str) -> dict:
+def cache_key(loaded, max_seq: int, mode: str, kinds=None) -> dict:
     """What an IR depends on: the checkpoint's bytes, the shapes, the mode, the converter's and
-    the compressor's versions and the converted code."""
+    the compressor's versions, the converted code and, for a narrowed capture, its kinds."""
     from importlib.metadata import version
 
     import torch
@@ -179,36 +182,37 @@ def cache_key(loaded, max_seq: int, mode: str) -> dict:
         "torch": torch.__version__,
         "openvino": version("openvino"),
         "code": code_digest("runtime.py", "ops.py", "functional.py", "runtimes/openvino.py"),
+        **F.capture_key(kinds),
     }
     if mode != "openvino":
         key["nncf"] = version("nncf")
     return key
 
 
-def ir(loaded, max_seq: int, mode: str):
+def ir(loaded, max_seq: int, mode: str, kinds=None):
     """The artifact holding prefill.xml and decode.xml of `mode` (the cached IR after its hash
     check, else built now with one line on stderr: a quantized IR from the float one, a -dq IR
-    from its quantized one)."""
+    from its quantized one); `kinds`: the extra outputs (None: every kind)."""
     base = mode.removesuffix("-dq")
     if mode.endswith("-dq"):
         what = "dequantizing"
-        build = lambda out: _from(loaded, max_seq, base, lambda src: dequantize(src, out))  # noqa: E731
+        build = lambda out: _from(loaded, max_seq, base, kinds, lambda src: dequantize(src, out))  # noqa: E731
     elif mode != "openvino":
         what = "compressing"
-        build = lambda out: _from(loaded, max_seq, "openvino", lambda src: compress(src, out, mode))  # noqa: E731
+        build = lambda out: _from(loaded, max_seq, "openvino", kinds, lambda src: compress(src, out, mode))  # noqa: E731
     else:
         what = "converting to OpenVINO IR"
-        build = lambda out: convert(loaded, max_seq, out)  # noqa: E731
+        build = lambda out: convert(loaded, max_seq, out, kinds)  # noqa: E731
     return artifact_folder(
         "openvino",
-        cache_key(loaded, max_seq, mode),
+        cache_key(loaded, max_seq, mode, kinds),
         build,
-        what=f"{what} ({mode}: prefill and decode, max_seq {max_seq}) for {loaded.name}",
+        what=f"{what} ({mode}: prefill and decode, max_seq {max_seq}{F.capture_note(kinds)}) for {loaded.name}",
     )
 
 
-def _from(loaded, max_seq: int, source: str, build) -> None:
-    art = ir(loaded, max_seq, source)
+def _from(loaded, max_seq: int, source: str, kinds, build) -> None:
+    art = ir(loaded, max_seq, source, kinds)
     try:
         build(art.path)
     finally:
@@ -218,19 +222,19 @@ def _from(loaded, max_seq: int, source: str, build) -> None:
 class OpenVINORuntime(StepGraphRuntime):
     """The IR compiled by OpenVINO's CPU plugin (in the child process)."""
 
-    def __init__(self, loaded, max_seq: int, mode: str):
+    def __init__(self, loaded, max_seq: int, mode: str, kinds=None):
         from importlib.metadata import version
 
         v = version("openvino")
         what = "" if mode == "openvino" else f"; {SCHEME[mode.removesuffix('-dq')]}"
         what += "; decompressed into float32 weights" if mode.endswith("-dq") else ""
         self.name = f"{mode} (OpenVINO {v}, CPU, f32 inference precision{what})"
-        label, artifact = f"{mode} (OpenVINO {v})", lambda: ir(loaded, max_seq, mode)
+        label, artifact = f"{mode} (OpenVINO {v})", lambda: ir(loaded, max_seq, mode, kinds)
         self.load_graphs(label, OPENVINO_ENGINE, loaded, max_seq, artifact, ".xml", CONFIG)
 
 
 def create(loaded, max_seq: int, choice):
-    return OpenVINORuntime(loaded, max_seq, choice.name)
+    return OpenVINORuntime(loaded, max_seq, choice.name, choice.capture)
 
 
 def export_command(model_dir, mode: str, max_seq: int, out_dir, force: bool = False) -> str:

@@ -112,7 +112,7 @@ def test_a_third_party_adapter_that_fails_to_start_is_one_line_naming_its_code(t
     from gemma4_trace.recorder.golden import golden_path
     from tests.support import one_line_error
 
-    def broken(loaded, max_seq):
+    def broken(loaded, max_seq, kinds=None):
         raise RuntimeError("no session today")
 
     monkeypatch.setattr("gemma4_trace.replayer.runtimes.onnx.OnnxRuntime", broken)
