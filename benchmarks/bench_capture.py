@@ -4,8 +4,9 @@ kind captured and written), per prefill token and per decode step, at E2B width.
     python benchmarks/bench_capture.py /tmp/capture-e2b --prompt 32 --new 8
     python benchmarks/bench_capture.py /tmp/capture-e2b --runtimes onnx,litert,litert:layer_out
 
-Builds (once, in a child process) the E2B-shaped random checkpoint of benchmarks/e2b_shaped.py,
-records REF, then for each runtime, in this one process on the one loaded model, alternates
+Builds (once, in a child process) the E2B-shaped random checkpoint of benchmarks/e2b_shaped.py
+(for TICO, whose runtime takes image-text checkpoints only, the same text decoder with a small
+vision tower), records REF, then for each runtime, in this one process on the one loaded model, alternates
 `--repeats` times between
   alone    the runtime made with RuntimeChoice.capture empty (the same engine and inputs: the
            exported graphs without extra outputs, llama.cpp without its eval callback, LiteRT's
@@ -129,25 +130,60 @@ def measure(name: str, loaded, ref, ref_path, max_seq: int, repeats: int) -> dic
     return best
 
 
-def main() -> None:
-    a, model = bench_setup(__doc__, __file__, build, repeats=dict(type=int, default=2), runtimes=dict(default=RUNTIMES))
-    import random
+MULTIMODAL = ("tico", "tico-quant")  # TICO's runtime takes an image-text checkpoint only
+MM_CODE = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
+from benchmarks.e2b_shaped import E2B_TEXT
+torch.manual_seed(0)
+vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=2, head_dim=16, position_embedding_size=160, use_clipped_linears=False, standardize=False)
+ids = dict(boi_token_id=16370, eoi_token_id=16371, image_token_id=16372, video_token_id=16373, boa_token_id=16374,
+    eoa_token_index=16375, audio_token_id=16376)
+cfg = Gemma4Config(text_config=Gemma4TextConfig(**E2B_TEXT), vision_config=vision, audio_config=None,
+    tie_word_embeddings=True, **ids)
+model = Gemma4ForConditionalGeneration(cfg)
+model.generation_config.eos_token_id = [1]
+model.save_pretrained(sys.argv[1], safe_serialization=True)
+"""
+
+
+def context(work: Path, model: Path, ids: str, new: int, multimodal: bool):
+    """(loaded model, REF, REF's path, max_seq) of the text checkpoint, or of the same text decoder
+    with a small vision tower (built once, in a child process) for the runtimes that need one."""
+    import subprocess
 
     from gemma4_trace.hf.model import load_model
     from gemma4_trace.replayer.core import default_max_seq, read_reference
 
+    if multimodal:
+        model = work / "model-mm"
+        if not (model / "config.json").exists():
+            subprocess.run([sys.executable, "-c", MM_CODE, str(model), str(ROOT)], check=True)
+    ref_path = work / ("ref-mm.h5" if multimodal else "ref.h5")
+    if not ref_path.exists():
+        cli(None, "record", "--model", model, "--input-ids", ids, "--max-new-tokens", new, "-o", ref_path)
+    ref = read_reference(ref_path)
+    return load_model(model), ref, ref_path, default_max_seq(len(ref.prompt_ids), ref.max_new_tokens)
+
+
+def main() -> None:
+    a, model = bench_setup(__doc__, __file__, build, repeats=dict(type=int, default=2), runtimes=dict(default=RUNTIMES))
+    import random
+
     os.environ.setdefault("GEMMA4_TRACE_CACHE", str(a.work / "cache"))
     rng = random.Random(0)
     ids = ",".join(str(rng.randrange(10, 16000)) for _ in range(a.prompt))
-    ref_path = a.work / "ref.h5"
-    if not ref_path.exists():
-        cli(None, "record", "--model", model, "--input-ids", ids, "--max-new-tokens", a.new, "-o", ref_path)
-    ref = read_reference(ref_path)
-    loaded = load_model(model)
-    max_seq = default_max_seq(len(ref.prompt_ids), ref.max_new_tokens)
+    contexts = {}
     print(f"\n{'runtime':18s} {'prefill ms/token':>28s} {'decode ms/step':>28s}")
     print(f"{'':18s} {'alone':>8s} {'capture':>9s} {'ratio':>9s} {'alone':>8s} {'capture':>9s} {'ratio':>9s}")
     for name in a.runtimes.split(","):
+        mm = name.partition(":")[0] in MULTIMODAL
+        if mm not in contexts:
+            contexts.clear()  # one loaded model at a time
+            contexts[mm] = context(a.work, model, ids, a.new, mm)
+        loaded, ref, ref_path, max_seq = contexts[mm]
         best = measure(name, loaded, ref, ref_path, max_seq, a.repeats)
         (pa, da), (pc, dc) = best["alone"], best["capture"]
         prefill = f"{1e3 * pa:8.2f} {1e3 * pc:9.2f} {pc / pa:8.2f}x"
