@@ -43,13 +43,17 @@ GGUF = ("F32", "Q4_K_M")
 
 
 def parse(name: str):
-    """'litert:layer_out' -> (litert's choice, ("layer_out",)); 'llama.cpp:F32' -> (its choice, None)."""
+    """'litert:layer_out' -> (litert's choice, ("layer_out",)); 'llama.cpp:F32' -> (its choice, None);
+    'llama.cpp:Q4_K_M:layer_out' -> (llama.cpp:Q4_K_M's choice, ("layer_out",))."""
     from gemma4_trace.replayer.runtimes.registry import parse_runtime
     from gemma4_trace.traces.schema import KIND_NAMES
 
     base, sep, kinds = name.partition(":")
-    if not sep or kinds in GGUF:
-        return parse_runtime(name), None
+    if kinds.partition(":")[0] in GGUF:  # llama.cpp:TYPE, llama.cpp:TYPE:kinds
+        gguf, _, kinds = kinds.partition(":")
+        base, sep = f"{base}:{gguf}", bool(kinds)
+    if not sep:
+        return parse_runtime(base), None
     if kinds == "every":  # every kind, asked by name (LiteRT: as extra outputs, not every tensor kept)
         return parse_runtime(base), tuple(k for k in KIND_NAMES if k not in ("logits", "token"))
     return parse_runtime(base), tuple(kinds.split(","))
