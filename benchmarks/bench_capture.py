@@ -5,8 +5,8 @@ kind captured and written), per prefill token and per decode step, at E2B width.
     python benchmarks/bench_capture.py /tmp/capture-e2b --runtimes onnx,litert,litert:layer_out
 
 Builds (once, in a child process) the E2B-shaped random checkpoint of benchmarks/e2b_shaped.py
-(for TICO, whose runtime takes image-text checkpoints only, the same text decoder with a small
-vision tower), records REF, then for each runtime, in this one process on the one loaded model, alternates
+(for TICO and LiteRT, the same text decoder with a small vision tower and a tokenizer:
+WITH_VISION), records REF, then for each runtime, in this one process on the one loaded model, alternates
 `--repeats` times between
   alone    the runtime made with RuntimeChoice.capture empty (the same engine and inputs: the
            exported graphs without extra outputs, llama.cpp without its eval callback, LiteRT's
@@ -134,23 +134,13 @@ def measure(name: str, loaded, ref, ref_path, max_seq: int, repeats: int) -> dic
     return best
 
 
-MULTIMODAL = ("tico", "tico-quant")  # TICO's runtime takes an image-text checkpoint only
-MM_CODE = """
-import sys, torch
-sys.path.insert(0, sys.argv[2])
-from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
-from benchmarks.e2b_shaped import E2B_TEXT
-torch.manual_seed(0)
-vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-    num_key_value_heads=2, head_dim=16, position_embedding_size=160, use_clipped_linears=False, standardize=False)
-ids = dict(boi_token_id=16370, eoi_token_id=16371, image_token_id=16372, video_token_id=16373, boa_token_id=16374,
-    eoa_token_index=16375, audio_token_id=16376)
-cfg = Gemma4Config(text_config=Gemma4TextConfig(**E2B_TEXT), vision_config=vision, audio_config=None,
-    tie_word_embeddings=True, **ids)
-model = Gemma4ForConditionalGeneration(cfg)
-model.generation_config.eos_token_id = [1]
-model.save_pretrained(sys.argv[1], safe_serialization=True)
-"""
+# TICO's runtime takes image-text checkpoints only, and LiteRT's export bundles a tokenizer: these run
+# on benchmarks/bench_litert_e2b.py's checkpoint (the same E2B-shaped text decoder, a small vision
+# tower, the embedded model's tokenizer)
+WITH_VISION = ("tico", "litert")
+BUILD_WITH_VISION = "import sys; sys.path.insert(0, sys.argv[2]); from pathlib import Path; " + (
+    "from benchmarks.bench_litert_e2b import build; build(Path(sys.argv[1]))"
+)
 
 
 def context(work: Path, model: Path, ids: str, new: int, multimodal: bool):
@@ -164,7 +154,7 @@ def context(work: Path, model: Path, ids: str, new: int, multimodal: bool):
     if multimodal:
         model = work / "model-mm"
         if not (model / "config.json").exists():
-            subprocess.run([sys.executable, "-c", MM_CODE, str(model), str(ROOT)], check=True)
+            subprocess.run([sys.executable, "-c", BUILD_WITH_VISION, str(model), str(ROOT)], check=True)
     ref_path = work / ("ref-mm.h5" if multimodal else "ref.h5")
     if not ref_path.exists():
         cli(None, "record", "--model", model, "--input-ids", ids, "--max-new-tokens", new, "-o", ref_path)
@@ -176,6 +166,8 @@ def main() -> None:
     a, model = bench_setup(__doc__, __file__, build, repeats=dict(type=int, default=2), runtimes=dict(default=RUNTIMES))
     import random
 
+    from gemma4_trace.traces.errors import TraceToolError
+
     os.environ.setdefault("GEMMA4_TRACE_CACHE", str(a.work / "cache"))
     rng = random.Random(0)
     ids = ",".join(str(rng.randrange(10, 16000)) for _ in range(a.prompt))
@@ -183,12 +175,16 @@ def main() -> None:
     print(f"\n{'runtime':18s} {'prefill ms/token':>28s} {'decode ms/step':>28s}")
     print(f"{'':18s} {'alone':>8s} {'capture':>9s} {'ratio':>9s} {'alone':>8s} {'capture':>9s} {'ratio':>9s}")
     for name in a.runtimes.split(","):
-        mm = name.partition(":")[0] in MULTIMODAL
+        mm = name.partition(":")[0].startswith(WITH_VISION)
         if mm not in contexts:
             contexts.clear()  # one loaded model at a time
             contexts[mm] = context(a.work, model, ids, a.new, mm)
         loaded, ref, ref_path, max_seq = contexts[mm]
-        best = measure(name, loaded, ref, ref_path, max_seq, a.repeats)
+        try:
+            best = measure(name, loaded, ref, ref_path, max_seq, a.repeats)
+        except TraceToolError as e:
+            print(f"{name:18s} not measured: {e}", flush=True)
+            continue
         (pa, da), (pc, dc) = best["alone"], best["capture"]
         prefill = f"{1e3 * pa:8.2f} {1e3 * pc:9.2f} {pc / pa:8.2f}x"
         print(f"{name:18s} {prefill} {1e3 * da:8.1f} {1e3 * dc:9.1f} {dc / da:8.2f}x", flush=True)
