@@ -71,7 +71,7 @@ def alone(rt, ref, max_seq: int) -> tuple[float, list[float]]:
         rt.prefill_chunk = resolve_prefill_chunk(None, max_seq)
     with torch.no_grad():
         t0 = time.perf_counter()
-        rt.prefill(ref.prompt_ids, ref.extra, None)
+        rt.prefill(torch.tensor(ref.prompt_ids, dtype=torch.long), ref.extra, None)  # as replay_loaded passes them
         steps, T = [time.perf_counter() - t0], len(ref.prompt_ids)
         for s in range(1, ref.n_steps):
             t0 = time.perf_counter()
