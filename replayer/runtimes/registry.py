@@ -364,6 +364,12 @@ BY_NAME = {s.name: s for s in RUNTIMES}
 PLUGIN = "MODULE:FACTORY"
 
 
+def captures(capture: frozenset[str] | None, kind: str) -> bool:
+    """Whether a runtime asked to capture `capture` (RuntimeChoice.capture: None every kind, empty
+    none) exposes `kind`; logits always (they are every step's result)."""
+    return capture is None or kind == "logits" or kind in capture
+
+
 @dataclass(frozen=True)
 class RuntimeChoice:
     """`--runtime TEXT` parsed: a built-in (its row, and its type where it takes one) or a plug-in."""
@@ -398,7 +404,7 @@ class RuntimeChoice:
 
     def captures(self, kind: str) -> bool:
         """Whether the replay keeps `kind` (logits always: they are every step's result)."""
-        return self.capture is None or kind == "logits" or kind in self.capture
+        return captures(self.capture, kind)
 
     def with_capture(self, kinds) -> RuntimeChoice:
         """This choice asked to capture only `kinds` (None: every kind; a Selection's kinds)."""

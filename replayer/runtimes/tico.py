@@ -35,6 +35,7 @@ from gemma4_trace.traces.errors import TraceToolError, install_hint
 from gemma4_trace.traces.schema import rope_kinds
 
 from ..api import Runtime
+from .registry import captures
 
 TICO_VERSION = "0.3.0"  # the release tested; the extra [tico] pins it
 NEG_ALLOWED_ABOVE = -1.0  # TICO's additive masks: 0 allowed, its fill value (-120) not
@@ -175,7 +176,7 @@ class TicoRuntime(Runtime):
 
     def _wants(self, *kinds: str) -> bool:
         """Whether any of `kinds` is tapped."""
-        return self.capture is None or any(k in self.capture for k in kinds)
+        return any(captures(self.capture, k) for k in kinds)
 
     def _hook(self, rt) -> None:
         """Install the taps of the kinds asked for (each only records a reference to a tensor)."""

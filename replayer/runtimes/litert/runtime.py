@@ -37,6 +37,7 @@ from gemma4_trace.traces.schema import KIND_NAMES
 
 from ...child import ChildRuntime
 from ...ops import resolve_prefill_chunk
+from ..registry import captures
 from . import export as E
 from . import graph as G
 from . import outputs as O
@@ -139,7 +140,7 @@ class LiteRTRuntime(ChildRuntime):
         return {sig: [t for t in taps if self.captures(t.kind)] for sig, taps in every.items()}
 
     def captures(self, kind: str) -> bool:
-        return self.capture is None or kind in self.capture
+        return captures(self.capture, kind)
 
     @property
     def prefill_sig(self) -> str:
