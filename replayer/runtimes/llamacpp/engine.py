@@ -72,6 +72,9 @@ class _Tensor(ctypes.Structure):
     ]
 
 
+NAME_OFFSET, OP_OFFSET = _Tensor.name.offset, _Tensor.op.offset
+
+
 def _ggml_lib(llama_cpp):
     """libggml-base, where ggml_backend_tensor_get and ggml_op_name live (shipped beside libllama)."""
     lib_dir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
@@ -103,7 +106,29 @@ class Capture:
         self.first = 0  # the position of the decode's first token
         self.mask_rows: dict[int, int] = {}  # layer -> mask rows read in this decode (ubatches in order)
         self.kinds: frozenset | None = None  # the kinds asked for (None: every kind)
+        self.named: dict[bytes, tuple] = {}  # node name -> (kind, layer) of the asked kinds found by name
+        self.by_op: frozenset = frozenset()  # the ops whose operands say whether an asked kind is there
         self.c_callback = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(self._cb)
+
+    def ask_for(self, kinds, n_layer: int) -> None:
+        """Ask for `kinds` (None: every kind) of a model of `n_layer` layers. The scheduler asks the
+        callback about every node of every graph, so the answer must be cheap: the kinds found by
+        name are looked up by the node's name alone; only the products (attn_out) and attention
+        nodes (mask) need their operands read, and only when those kinds are asked."""
+        self.kinds = None if kinds is None else frozenset(kinds)
+        names = {k.encode(): (v, None) for k, v in GLOBAL_NAMES.items()}
+        names.update((f"{k}-{i}".encode(), (v, i)) for k, v in LAYER_NAMES.items() for i in range(n_layer))
+        self.named = {n: t for n, t in names.items() if self.kinds is None or t[0] in self.kinds}
+        ops = {"attn_out": {self.mul_mat}, "mask": set(self.mask_ops)}
+        self.by_op = frozenset(o for k, s in ops.items() if self.kinds is None or k in self.kinds for o in s)
+
+    def _ask(self, ptr) -> bool:
+        if ctypes.string_at(ptr + NAME_OFFSET) in self.named:
+            return True
+        if ctypes.c_int.from_address(ptr + OP_OFFSET).value not in self.by_op:
+            return False
+        target = self._target(_Tensor.from_address(ptr))
+        return target is not None and (self.kinds is None or target[0] in self.kinds)
 
     def _target(self, t: _Tensor):
         name = t.name.decode(errors="replace")
@@ -152,12 +177,12 @@ class Capture:
         try:
             if not self.on:
                 return not ask  # nothing asked; compute on
+            if ask:
+                return self._ask(ptr)
             t = _Tensor.from_address(ptr)
             target = self._target(t)
             if target is not None and self.kinds is not None and target[0] not in self.kinds:
-                target = None  # not asked: the scheduler need not stop at this node
-            if ask:
-                return target is not None
+                target = None  # not asked
             if target is not None and target[0] == "mask":
                 allowed = self._mask(t, target[1])
                 if allowed is not None:
@@ -234,7 +259,7 @@ class LlamaCppEngine:
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.type_k = cp.type_v = GGML_TYPE_F32  # the cache keeps what the layers computed
         cp.swa_full = True  # (its default) a full-size sliding cache: cell i holds position i, a mask column
-        self.cap.kinds = None if kinds is None else frozenset(kinds)
+        self.cap.ask_for(kinds, L.llama_model_n_layer(self.model))
         if kinds is None or kinds:
             cp.cb_eval = ctypes.cast(self.cap.c_callback, type(cp.cb_eval))
             cp.cb_eval_user_data = None
