@@ -14,11 +14,13 @@ WITH_VISION), records REF, then for each runtime, in this one process on the one
            and REF's teacher-forced decode steps with no probe: only logits out,
   capture  replay_loaded (replayer/core.py): the same steps with every kind captured and the trace
            written, as `trace replay` does,
-and keeps each one's best time. A name `RUNTIME:kind,kind` is the capture of `trace replay
---kinds kind,kind` (the runtime asked to expose only those); `RUNTIME:every` asks for every kind
-by name (LiteRT: all of them as extra outputs instead of the interpreter keeping every tensor).
-Exports and lowerings are built before the first timed round, in the artifact cache WORK/cache,
-and not timed.
+and keeps each one's best time. A capture's prefill runs from the runtime's prefill called to its
+rows handed to the trace's writer; the trace's start before it (the file made, its header written:
+once a replay, whatever the prompt's length) is printed apart. A name `RUNTIME:kind,kind` is the
+capture of `trace replay --kinds kind,kind` (the runtime asked to expose only those);
+`RUNTIME:every` asks for every kind by name (LiteRT: all of them as extra outputs instead of the
+interpreter keeping every tensor). Exports and lowerings are built before the first timed round,
+in the artifact cache WORK/cache, and not timed.
 """
 
 from __future__ import annotations
@@ -80,14 +82,23 @@ def alone(rt, ref, max_seq: int) -> tuple[float, list[float]]:
     return steps[0], steps[1:]
 
 
-def captured(loaded, ref, ref_path, rt, max_seq: int, kinds) -> tuple[float, list[float]]:
+def captured(loaded, ref, ref_path, rt, max_seq: int, kinds) -> tuple[float, list[float], float]:
     """Seconds of the prefill and of each decode step of replay_loaded (the trace written; only
-    `kinds` kept when given, as `trace replay --kinds` keeps them)."""
+    `kinds` kept when given, as `trace replay --kinds` keeps them), and of the trace's start before
+    the prefill (the file made, its header written: once a replay, whatever the prompt). The
+    prefill runs from the runtime's prefill called to its rows handed to the trace's writer."""
     from gemma4_trace.replayer.core import replay_loaded
     from gemma4_trace.traces.selection import Selection
 
     selection = Selection.parse(kinds=",".join(kinds)) if kinds else None
-    marks = [time.perf_counter()]
+    start, marks = time.perf_counter(), []
+    prefill = rt.prefill
+
+    def timed_prefill(*args):
+        marks.append(time.perf_counter())
+        return prefill(*args)
+
+    rt.prefill = timed_prefill
     with tempfile.TemporaryDirectory() as d:
         replay_loaded(
             loaded,
@@ -100,11 +111,12 @@ def captured(loaded, ref, ref_path, rt, max_seq: int, kinds) -> tuple[float, lis
             progress=lambda done, total: marks.append(time.perf_counter()),
         )
     steps = [b - a for a, b in zip(marks, marks[1:])]
-    return steps[0], steps[1:]
+    return steps[0], steps[1:], marks[0] - start
 
 
 def measure(name: str, loaded, ref, ref_path, max_seq: int, repeats: int) -> dict:
-    """{"alone" | "capture": (best s/prompt token, best s/decode step)}; the runtime is made fresh
+    """{"alone" | "capture": (best s/prompt token, best s/decode step, best s of the trace's start
+    before the prefill: 0 alone)}; the runtime is made fresh
     for every run (exports from the artifact cache), and made once untimed first so that building
     its artifacts is not timed."""
     from gemma4_trace.replayer.api import close_runtime
@@ -118,18 +130,19 @@ def measure(name: str, loaded, ref, ref_path, max_seq: int, repeats: int) -> dic
             alone(rt, ref, max_seq)
         finally:
             close_runtime(rt)
-    best = {how: (float("inf"), float("inf")) for how in made}
+    best = {how: (float("inf"),) * 3 for how in made}
     for _ in range(repeats):
         for how, c in made.items():
             rt = make_runtime(c, loaded, max_seq)
             if how == "alone":
                 try:
                     p, d = alone(rt, ref, max_seq)
+                    start = 0.0
                 finally:
                     close_runtime(rt)
             else:
-                p, d = captured(loaded, ref, ref_path, rt, max_seq, kinds)  # replay_loaded closes it
-            per = (p / len(ref.prompt_ids), sum(d) / max(len(d), 1))
+                p, d, start = captured(loaded, ref, ref_path, rt, max_seq, kinds)  # replay_loaded closes it
+            per = (p / len(ref.prompt_ids), sum(d) / max(len(d), 1), start)
             best[how] = tuple(min(x, y) for x, y in zip(best[how], per))
     return best
 
@@ -173,7 +186,10 @@ def main() -> None:
     ids = ",".join(str(rng.randrange(10, 16000)) for _ in range(a.prompt))
     contexts = {}
     print(f"\n{'runtime':18s} {'prefill ms/token':>28s} {'decode ms/step':>28s}")
-    print(f"{'':18s} {'alone':>8s} {'capture':>9s} {'ratio':>9s} {'alone':>8s} {'capture':>9s} {'ratio':>9s}")
+    print(
+        f"{'':18s} {'alone':>8s} {'capture':>9s} {'ratio':>9s} {'alone':>8s} {'capture':>9s} {'ratio':>9s}"
+        f" {'trace start ms':>15s}"
+    )
     for name in a.runtimes.split(","):
         mm = name.partition(":")[0].startswith(WITH_VISION)
         if mm not in contexts:
@@ -185,9 +201,10 @@ def main() -> None:
         except TraceToolError as e:
             print(f"{name:18s} not measured: {e}", flush=True)
             continue
-        (pa, da), (pc, dc) = best["alone"], best["capture"]
+        (pa, da, _), (pc, dc, start) = best["alone"], best["capture"]
         prefill = f"{1e3 * pa:8.2f} {1e3 * pc:9.2f} {pc / pa:8.2f}x"
-        print(f"{name:18s} {prefill} {1e3 * da:8.1f} {1e3 * dc:9.1f} {dc / da:8.2f}x", flush=True)
+        decode = f"{1e3 * da:8.1f} {1e3 * dc:9.1f} {dc / da:8.2f}x"
+        print(f"{name:18s} {prefill} {decode} {1e3 * start:15.1f}", flush=True)
 
 
 if __name__ == "__main__":
