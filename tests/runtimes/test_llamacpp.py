@@ -515,3 +515,42 @@ def test_capture_reads_only_the_kinds_asked_and_none_gives_the_same_next_tokens(
         for got, want in zip(logits[name], logits["all"]):
             assert int(got.argmax()) == int(want.argmax())
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("kinds", [None, ["layer_out"], ["attn_out", "mask"], ["q", "embeddings"]], ids=str)
+def test_the_quick_ask_answers_as_reading_the_node_would(tmp_path, monkeypatch, kinds):
+    """Capture.ask (asked about every node, so it reads only the name, and the operands of products
+    and attention nodes when attn_out or mask is asked) says yes exactly for the nodes whose full
+    reading (_target: name, op and operands) is an asked kind, on every node of a prefill and a
+    decode graph (in this process: the engine of the child, without the child)."""
+    from gemma4_trace.hf.model import load_model
+    from gemma4_trace.replayer.runtimes.llamacpp import engine as E
+    from gemma4_trace.replayer.runtimes.llamacpp.runtime import GGUF_NAME, gguf_artifact
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    art = gguf_artifact(load_model(), "F32")
+    e, answers = E.LlamaCppEngine(lambda *report: None), []
+    quick = e.cap.ask
+
+    def both(ptr):
+        target = e.cap._target(E._Tensor.from_address(ptr))
+        answers.append((quick(ptr), target is not None and (kinds is None or target[0] in kinds), target))
+        return answers[-1][0]
+
+    e.cap.ask = both
+    try:
+        e.load(str(art.path / GGUF_NAME), 16, kinds)
+        e.decode([2, 10, 11, 12, 13], 0)
+        e.decode([14], 5)
+    finally:
+        e.L.llama_free(e.ctx)
+        e.L.llama_model_free(e.model)
+        art.close()
+    assert all(q == want for q, want, _ in answers), [a for a in answers if a[0] != a[1]][:3]
+    found = {t[0] for q, _, t in answers if q}
+    assert found == (
+        {"embeddings", "per_layer_inputs", "q", "k", "v", "attn_out", "layer_out", "mask", "final_hidden"}
+        if kinds is None
+        else set(kinds)
+    )
+    assert sum(q for q, _, _ in answers) < len(answers) / 4  # most nodes are not read

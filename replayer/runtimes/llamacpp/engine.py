@@ -122,7 +122,8 @@ class Capture:
         ops = {"attn_out": {self.mul_mat}, "mask": set(self.mask_ops)}
         self.by_op = frozenset(o for k, s in ops.items() if self.kinds is None or k in self.kinds for o in s)
 
-    def _ask(self, ptr) -> bool:
+    def ask(self, ptr) -> bool:
+        """Is the node at `ptr` one to read (the scheduler then computes up to it and calls back)?"""
         if ctypes.string_at(ptr + NAME_OFFSET) in self.named:
             return True
         if ctypes.c_int.from_address(ptr + OP_OFFSET).value not in self.by_op:
@@ -178,7 +179,7 @@ class Capture:
             if not self.on:
                 return not ask  # nothing asked; compute on
             if ask:
-                return self._ask(ptr)
+                return self.ask(ptr)
             t = _Tensor.from_address(ptr)
             target = self._target(t)
             if target is not None and self.kinds is not None and target[0] not in self.kinds:
