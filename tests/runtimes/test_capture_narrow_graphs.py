@@ -32,6 +32,11 @@ NEEDS = {  # runtime -> the modules it needs
     "mobius": ("mobius", "onnxruntime", "onnx_ir"),
 }
 LAYER_OUT = frozenset({"layer_out"})
+# one XNNPACK int8 lowering of this model's two programs takes about 4 minutes on 2 cores: the
+# suite lowers executorch-int8's full and layer_out programs, not its tokens-only ones, which are
+# the layer_out program's path with no kinds (tested with executorch-int8-reference's converted
+# programs, run by PyTorch, and with executorch's float lowering)
+SLOW_INT8 = "executorch-int8's tokens-only programs: not lowered in the suite (see SLOW_INT8)"
 LAYER_OUTS = [f"L{i:02d}.layer_out" for i in range(N_LAYERS)]
 
 
@@ -192,6 +197,8 @@ def test_a_narrowed_artifact_has_only_the_asked_kinds_as_outputs(replays, model,
     from gemma4_trace.replayer import functional as F
 
     name, _ = replays
+    if name == "executorch-int8" and not kinds:
+        pytest.skip(SLOW_INT8)
     full, narrow = _outputs(name, model, None), _outputs(name, model, kinds)
     if name == "mobius":  # promoted outputs are named by mobius's graph values: taps.json names their kinds
         (outs, taps), (full_outs, full_taps) = narrow["model"], full["model"]
@@ -225,6 +232,8 @@ def test_the_runtime_alone_gives_the_full_replays_logits_and_reports_nothing(rep
     from gemma4_trace.replayer.runtimes.registry import parse_runtime
 
     name, out = replays
+    if name == "executorch-int8":
+        pytest.skip(SLOW_INT8)
     r = read_reference(model["ref"])
     rt = make_runtime(parse_runtime(name).with_capture(()), model["loaded"], MAX_SEQ)
     try:
