@@ -71,8 +71,7 @@ def step_ms(path: str, kinds, trivial: bool, steps: int) -> tuple[float, float]:
             best = min(best, (time.perf_counter() - t0) / steps)
         return 1e3 * best, asked[0] / steps
     finally:
-        L.llama_free(e.ctx)
-        L.llama_model_free(e.model)
+        e.close()
 
 
 def main() -> None:

@@ -543,8 +543,7 @@ def test_the_quick_ask_answers_as_reading_the_node_would(tmp_path, monkeypatch, 
         e.decode([2, 10, 11, 12, 13], 0)
         e.decode([14], 5)
     finally:
-        e.L.llama_free(e.ctx)
-        e.L.llama_model_free(e.model)
+        e.close()
         art.close()
     assert all(q == want for q, want, _ in answers), [a for a in answers if a[0] != a[1]][:3]
     found = {t[0] for q, _, t in answers if q}

@@ -128,8 +128,12 @@ class Capture:
             return True
         if ctypes.c_int.from_address(ptr + OP_OFFSET).value not in self.by_op:
             return False
-        target = self._target(_Tensor.from_address(ptr))
-        return target is not None and (self.kinds is None or target[0] in self.kinds)
+        return self._asked(_Tensor.from_address(ptr)) is not None
+
+    def _asked(self, t: _Tensor):
+        """The node's (kind, layer) when it is one of the asked kinds, else None."""
+        target = self._target(t)
+        return target if target is not None and (self.kinds is None or target[0] in self.kinds) else None
 
     def _target(self, t: _Tensor):
         name = t.name.decode(errors="replace")
@@ -181,9 +185,7 @@ class Capture:
             if ask:
                 return self.ask(ptr)
             t = _Tensor.from_address(ptr)
-            target = self._target(t)
-            if target is not None and self.kinds is not None and target[0] not in self.kinds:
-                target = None  # not asked
+            target = self._asked(t)
             if target is not None and target[0] == "mask":
                 allowed = self._mask(t, target[1])
                 if allowed is not None:
@@ -222,6 +224,14 @@ class LlamaCppEngine:
         self.model = self.ctx = None
         self.n_vocab = 0
         self.threads = max(1, min(4, os.cpu_count() or 1))
+
+    def close(self) -> None:
+        """Free the context and the model (the child's exit does it too)."""
+        if self.ctx:
+            self.L.llama_free(self.ctx)
+        if self.model:
+            self.L.llama_model_free(self.model)
+        self.model = self.ctx = None
 
     def handle(self, command: str, *args):
         return getattr(self, command)(*args)
