@@ -19,12 +19,15 @@ rows handed to the trace's writer; the trace's start before it (the file made, i
 once a replay, whatever the prompt's length) is printed apart. A name `RUNTIME:kind,kind` is the
 capture of `trace replay --kinds kind,kind` (the runtime asked to expose only those);
 `RUNTIME:every` asks for every kind by name (LiteRT: all of them as extra outputs instead of the
-interpreter keeping every tensor). Exports and lowerings are built before the first timed round,
-in the artifact cache WORK/cache, and not timed.
+interpreter keeping every tensor). Exports and lowerings are built before any model is loaded
+here, each runtime's two variants (alone, capture) in a child process of its own (an int8
+lowering at this width holds about 14 GB while it runs), into the artifact cache WORK/cache, and
+not timed; the timed runs then load them from there.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -59,6 +62,11 @@ def parse(name: str):
     if kinds == "every":  # every kind, asked by name (LiteRT: as extra outputs, not every tensor kept)
         return parse_runtime(base), tuple(k for k in KIND_NAMES if k not in ("logits", "token"))
     return parse_runtime(base), tuple(kinds.split(","))
+
+
+def variants(choice, kinds) -> dict:
+    """{"alone": the runtime with nothing captured, "capture": with `kinds` (every kind: None)}."""
+    return {"alone": choice.with_capture(()), "capture": choice.with_capture(kinds) if kinds else choice}
 
 
 def alone(rt, ref, max_seq: int) -> tuple[float, list[float]]:
@@ -123,8 +131,8 @@ def measure(name: str, loaded, ref, ref_path, max_seq: int, repeats: int) -> dic
     from gemma4_trace.replayer.core import make_runtime
 
     choice, kinds = parse(name)
-    made = {"alone": choice.with_capture(()), "capture": choice.with_capture(kinds) if kinds else choice}
-    for c in made.values():  # build (export, lower, quantize) now, untimed
+    made = variants(choice, kinds)
+    for c in made.values():  # a warm-up, untimed (the artifacts come from the cache: prepare())
         rt = make_runtime(c, loaded, max_seq)
         try:
             alone(rt, ref, max_seq)
@@ -175,15 +183,50 @@ def context(work: Path, model: Path, ids: str, new: int, multimodal: bool):
     return load_model(model), ref, ref_path, default_max_seq(len(ref.prompt_ids), ref.max_new_tokens)
 
 
+def prepare(a, name: str, how: str, ids: str, model: Path) -> None:
+    """Build (export, lower, quantize) one variant of runtime NAME into the artifact cache: run in
+    a child process (`--prepare NAME@HOW`), so that no lowering's memory stays in the timed process
+    and the two variants' lowerings do not add up."""
+    from gemma4_trace.replayer.api import close_runtime
+    from gemma4_trace.replayer.core import make_runtime
+
+    loaded, ref, _, max_seq = context(a.work, model, ids, a.new, name.partition(":")[0].startswith(WITH_VISION))
+    choice, kinds = parse(name)
+    made = variants(choice, kinds)
+    rt = make_runtime(made[how], loaded, max_seq)
+    try:
+        alone(rt, ref, max_seq)
+    finally:
+        close_runtime(rt)
+
+
 def main() -> None:
-    a, model = bench_setup(__doc__, __file__, build, repeats=dict(type=int, default=2), runtimes=dict(default=RUNTIMES))
+    a, model = bench_setup(
+        __doc__,
+        __file__,
+        build,
+        repeats=dict(type=int, default=2),
+        runtimes=dict(default=RUNTIMES),
+        prepare=dict(help=argparse.SUPPRESS),
+    )
     import random
+    import subprocess
 
     from gemma4_trace.traces.errors import TraceToolError
 
     os.environ.setdefault("GEMMA4_TRACE_CACHE", str(a.work / "cache"))
     rng = random.Random(0)
     ids = ",".join(str(rng.randrange(10, 16000)) for _ in range(a.prompt))
+    if a.prepare:  # a child of the loop below
+        prepare(a, *a.prepare.split("@"), ids, model)
+        return
+    flags = [str(a.work), "--prompt", str(a.prompt), "--new", str(a.new)]
+    failed = {}
+    for name in a.runtimes.split(","):
+        for how in ("alone", "capture"):
+            p = subprocess.run([sys.executable, __file__, *flags, "--prepare", f"{name}@{how}"])
+            if p.returncode:
+                failed[name] = f"building its {how} variant failed (exit {p.returncode})"
     contexts = {}
     print(f"\n{'runtime':18s} {'prefill ms/token':>28s} {'decode ms/step':>28s}")
     print(
@@ -191,6 +234,9 @@ def main() -> None:
         f" {'trace start ms':>15s}"
     )
     for name in a.runtimes.split(","):
+        if name in failed:
+            print(f"{name:18s} not measured: {failed[name]}", flush=True)
+            continue
         mm = name.partition(":")[0].startswith(WITH_VISION)
         if mm not in contexts:
             contexts.clear()  # one loaded model at a time
