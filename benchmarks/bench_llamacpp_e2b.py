@@ -127,7 +127,7 @@ def child_speed(gguf_path: str, ids: list[int], n_new: int) -> dict:
     sink = open(os.devnull, "wb")  # noqa: SIM115 - lives as long as the process
     from gemma4_trace.replayer.child import send_msg
 
-    send = lambda kind, layer, arr: send_msg(sink, ("tensor", kind, layer, arr))  # noqa: E731  (as the child sends)
+    send = lambda kind, layer, arr: send_msg(sink, ("tensors", [(kind, layer, arr)]))  # noqa: E731  (pickled as the child does)
     threads = max(1, min(4, os.cpu_count() or 1))
     n_ctx = len(ids) + n_new
     result = {"threads": threads}

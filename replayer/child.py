@@ -8,9 +8,13 @@ line (runtime, phase, the last kind the engine reported, signal), exit 2 and lea
     error: onnx (onnxruntime 1.32.0) crashed in decode step 2: killed by SIGSEGV
 
 One protocol for every engine: length-prefixed pickles (protocol 5) over stdin/stdout. The parent
-sends (command, *arguments, phase); the child answers with any number of ("tensor", kind, layer,
-array) messages (an engine that streams what it computes, as llama.cpp's eval callback does) and
-then one reply: the command's result, or ("error", line) for a failure the engine reports.
+sends (command, *arguments, phase); the child answers with any number of ("tensors", [(kind, layer,
+array), ...]) messages (an engine that streams what it computes, as llama.cpp's eval callback does)
+and then one reply: the command's result, or ("error", line) for a failure the engine reports.
+Streamed tensors are sent in batches (FLUSH_BYTES, and all that is left before the reply), not one
+message each: every message wakes the parent, which then takes a core from an engine that uses them
+all. What a crash came after is not lost with an unsent batch: the child writes the last kind it
+streamed to a progress file in its folder (PROGRESS), which the parent reads when the child dies.
 
 Parent side: `Child` (the process and its stream) and `ChildRuntime`, the base of the runtimes
 whose engine runs there (one phase counter, output sites turned into probe calls in one place,
@@ -42,11 +46,15 @@ import sys
 import tempfile
 import weakref
 
+from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
 
 from . import confine
 from .api import Runtime, progress_words
 
+FLUSH_BYTES = 64 << 20  # streamed tensors the child holds before sending them as one message
+FLUSH_ENV = "GEMMA4_TRACE_CHILD_FLUSH_BYTES"  # benchmarks: another FLUSH_BYTES (0: one message a tensor)
+PROGRESS = "progress"  # in the child's folder: the last kind it streamed, "KIND LAYER" (or empty)
 MAX_REPLY = 1 << 34  # bytes in one message from a child (a step's tensors); more is no message of ours
 CRASH_ENV = "GEMMA4_TRACE_TEST_NATIVE_CRASH"  # tests: PHASE -> SIGSEGV at that phase; KIND[@LAYER] -> abort after it
 ORT_ENGINE = "gemma4_trace.replayer.child:OrtEngine"
@@ -149,11 +157,12 @@ class Child:
             pass  # it died: the receive says how
         while True:
             msg = self._receive(phase)
-            if msg[0] != "tensor":
+            if msg[0] != "tensors":
                 return msg
-            self.last = (msg[1], msg[2])
-            if tensor is not None:
-                tensor(*msg[1:])
+            for kind, layer, array in msg[1]:
+                self.last = (kind, layer)
+                if tensor is not None:
+                    tensor(kind, layer, array)
 
     def _receive(self, phase: str):
         head = self.proc.stdout.read(8)
@@ -169,8 +178,20 @@ class Child:
                     raise TraceToolError(f"{self.label} failed in {phase}: {msg[1]}")
                 return msg
         rc = self.proc.wait()
+        self.last = self._progress() or self.last
         said = self.watch.why() or confine.signal_note(rc) or self._said()
         raise TraceToolError(f"{self.label} crashed in {phase}{self._where()}: {signal_words(rc)}{said}")
+
+    def _progress(self) -> tuple[str, int | None] | None:
+        """The last kind the child streamed in this call, from its progress file (None: nothing)."""
+        try:
+            with open(os.path.join(self.folder, PROGRESS), "rb") as f:
+                words = f.read(200).decode("ascii", errors="replace").split()
+        except OSError:
+            return None
+        if len(words) != 2 or words[0] not in S.KIND_BY_NAME or not (words[1].isdigit() or words[1] == "None"):
+            return None  # nothing streamed in this call (or not a line of ours)
+        return words[0], None if words[1] == "None" else int(words[1])
 
     def _where(self) -> str:
         return f" {progress_words(self.last)}" if self.streams else ""
@@ -340,8 +361,26 @@ def main() -> int:
     inp = sys.stdin.buffer
     crash_at = os.environ.get(CRASH_ENV)
 
+    batch, held = [], [0]  # tensors streamed and not yet sent, and their bytes
+    knob = os.environ.get(FLUSH_ENV, "").strip()
+    flush_at = int(knob) if knob.isdigit() else FLUSH_BYTES
+    mark = os.open(os.path.join(os.environ[confine.WRITABLE_ENV], PROGRESS), os.O_WRONLY | os.O_CREAT, 0o600)
+
+    def progress(text: str) -> None:
+        os.pwrite(mark, text.encode().ljust(64), 0)  # no message: the parent reads it if this process dies
+
+    def flush() -> None:
+        if batch:
+            send_msg(out, ("tensors", batch[:]))
+            batch.clear()
+            held[0] = 0
+
     def emit(kind: str, layer, array) -> None:
-        send_msg(out, ("tensor", kind, layer, array))
+        batch.append((kind, layer, array))
+        held[0] += array.nbytes
+        progress(f"{kind} {layer}")
+        if held[0] >= flush_at:
+            flush()
         _crash_here(crash_at, kind=kind, layer=layer)
 
     module, _, cls = sys.argv[1].partition(":")
@@ -351,6 +390,7 @@ def main() -> int:
         if msg is None:
             return 0
         command, *args, phase = msg
+        progress("")
         _crash_here(crash_at, phase=phase)
         try:
             reply = engine.handle(command, *args)
@@ -359,6 +399,7 @@ def main() -> int:
             if not getattr(e, "whole_line", False):
                 text = f"{type(e).__name__}: {text}" if text else type(e).__name__
             reply = ("error", text)
+        flush()
         send_msg(out, reply)
 
 

@@ -97,8 +97,9 @@ def staged_checkpoint(model_dir: Path) -> tuple[Path, list[str]]:
 # ------------------------------------------------------------------ the child
 class MLXEngine:
     """("load", folder, bits, dequantize, kinds) -> ("ready", info); ("step", [token ids], position)
-    -> the step's kinds streamed as ("tensor", kind, layer, array), then ("logits", array). Only
-    `kinds` are tapped and streamed (None: every kind; empty: none, the logits alone)."""
+    -> the step's kinds streamed (the child's emit: ("tensors", [(kind, layer, array), ...])), then
+    ("logits", array). Only `kinds` are tapped and streamed (None: every kind; empty: none, the
+    logits alone)."""
 
     def __init__(self, emit):
         self.emit = emit

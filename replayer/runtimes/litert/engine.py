@@ -6,7 +6,7 @@ interpreter on the exported .tflite files.
                                      keep: the names whose interpreter keeps every op's output
                                      (experimental_preserve_all_tensors: XNNPACK then runs op by op)
     ("run", name, signature, {input: array}, taps [(tensor, kind, layer)])
-                                  -> one streamed ("tensor", kind, layer, array) per tap, then
+                                  -> each tap streamed (the child's emit: "tensors" messages), then
                                      ("outputs", {output: array})
 
 A file the interpreter refuses is one line (EngineError); a crash inside it kills this process

@@ -4,11 +4,12 @@
     ("quantize", src, dst, ftype)      -> ("done",)
     ("load", gguf_path, n_ctx, kinds) -> ("ready", description, n_vocab); kinds: the kinds to read
                                         (None: every kind; empty: no eval callback at all)
-    ("decode", ids, first_position)    -> ("tensor", kind, layer, array)..., ("logits", array)
+    ("decode", ids, first_position)    -> ("tensors", [(kind, layer, array), ...])..., ("logits", array)
 
 A failure llama.cpp reports (a file it cannot load, a decode error) is an exception: the child
 answers ("error", line). Tensors are captured through the scheduler's eval callback (`cb_eval`)
-and streamed as soon as each is computed, so the parent always knows the last one reported.
+and streamed as each is computed (the child's emit: sent in batches, the last one reported kept
+in its progress file, so the parent always knows where a crash came).
 """
 
 from __future__ import annotations
