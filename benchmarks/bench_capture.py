@@ -200,6 +200,14 @@ def prepare(a, name: str, how: str, ids: str, model: Path) -> None:
         close_runtime(rt)
 
 
+def prompt(n: int) -> str:
+    """The benchmark's prompt: n token ids, the same every run (its REF is recorded once)."""
+    import random
+
+    rng = random.Random(0)
+    return ",".join(str(rng.randrange(10, 16000)) for _ in range(n))
+
+
 def main() -> None:
     a, model = bench_setup(
         __doc__,
@@ -209,14 +217,12 @@ def main() -> None:
         runtimes=dict(default=RUNTIMES),
         prepare=dict(help=argparse.SUPPRESS),
     )
-    import random
     import subprocess
 
     from gemma4_trace.traces.errors import TraceToolError
 
     os.environ.setdefault("GEMMA4_TRACE_CACHE", str(a.work / "cache"))
-    rng = random.Random(0)
-    ids = ",".join(str(rng.randrange(10, 16000)) for _ in range(a.prompt))
+    ids = prompt(a.prompt)
     if a.prepare:  # a child of the loop below
         prepare(a, *a.prepare.split("@"), ids, model)
         return
