@@ -109,6 +109,7 @@ class WriterProbe:
         self.runtime_name = runtime_name
         self.seen: set[tuple[str, int | None]] = set()
         self.last: tuple[str, int | None] | None = None  # the step's last report: what a crash came after
+        self.limits: dict[str, int] | None = None  # values a row of each kind may hold (the header's, once)
 
     def tensor(self, kind: str, value, layer: int | None = None, positions=None) -> None:
         spec = S.KIND_BY_NAME.get(kind)
@@ -156,7 +157,9 @@ class WriterProbe:
                 f"runtime {self.runtime_name} reported {kind!r} as {type(value).__name__}, not a tensor"
             ) from None
         rows = 1 if spec.index == "step" else self.w.step_rows
-        limit = LIM.row_limits(self.w.model_config, self.w.layers)[kind] * rows
+        if self.limits is None:  # the trace's header is written before the first report
+            self.limits = LIM.row_limits(self.w.model_config, self.w.layers)
+        limit = self.limits[kind] * rows
         n = 1
         for d in shape:
             n *= d
