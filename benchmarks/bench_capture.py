@@ -71,7 +71,9 @@ def variants(choice, kinds) -> dict:
 
 def alone(rt, ref, max_seq: int) -> tuple[float, list[float]]:
     """Seconds of the prefill and of each decode step, no probe; prefill in the rows per step a
-    replay uses (replay_loaded sets the same)."""
+    replay uses (replay_loaded sets the same). The runtime's name is read first, untimed, as
+    replay_loaded reads it for the trace's header before the prefill: a runtime that loads its
+    files when first named (LiteRT) loads there in both."""
     import torch
 
     from gemma4_trace.replayer.api import Capabilities
@@ -79,6 +81,7 @@ def alone(rt, ref, max_seq: int) -> tuple[float, list[float]]:
 
     if Capabilities.of(rt).prefill_chunk:
         rt.prefill_chunk = resolve_prefill_chunk(None, max_seq)
+    _ = rt.name
     with torch.no_grad():
         t0 = time.perf_counter()
         rt.prefill(torch.tensor(ref.prompt_ids, dtype=torch.long), ref.extra, None)  # as replay_loaded passes them
@@ -216,6 +219,7 @@ def main() -> None:
         repeats=dict(type=int, default=2),
         runtimes=dict(default=RUNTIMES),
         prepare=dict(help=argparse.SUPPRESS),
+        built=dict(action="store_true", help="the artifacts are in WORK/cache already: build nothing first"),
     )
     import subprocess
 
@@ -228,7 +232,7 @@ def main() -> None:
         return
     flags = [str(a.work), "--prompt", str(a.prompt), "--new", str(a.new)]
     failed = {}
-    for name in a.runtimes.split(","):
+    for name in [] if a.built else a.runtimes.split(","):
         for how in ("alone", "capture"):
             p = subprocess.run([sys.executable, __file__, *flags, "--prepare", f"{name}@{how}"])
             if p.returncode:
