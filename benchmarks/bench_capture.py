@@ -16,7 +16,7 @@ WITH_VISION), records REF, then for each runtime, in this one process on the one
            written, as `trace replay` does,
 and keeps each one's best time. A capture's prefill runs from the runtime's prefill called to its
 rows handed to the trace's writer; the trace's start before it (the file made, its header written:
-once a replay, whatever the prompt's length) is printed apart. A name `RUNTIME:kind,kind` is the
+once a replay, whatever the prompt's length) is printed apart. A name `RUNTIME:kind+kind` is the
 capture of `trace replay --kinds kind,kind` (the runtime asked to expose only those);
 `RUNTIME:every` asks for every kind by name (LiteRT: all of them as extra outputs instead of the
 interpreter keeping every tensor). Exports and lowerings are built before any model is loaded
@@ -49,7 +49,8 @@ GGUF = ("F32", "Q4_K_M")
 
 def parse(name: str):
     """'litert:layer_out' -> (litert's choice, ("layer_out",)); 'llama.cpp:F32' -> (its choice, None);
-    'llama.cpp:Q4_K_M:layer_out' -> (llama.cpp:Q4_K_M's choice, ("layer_out",))."""
+    'llama.cpp:Q4_K_M:layer_out' -> (llama.cpp:Q4_K_M's choice, ("layer_out",)); 'litert:k+v' -> (litert's
+    choice, ("k", "v"))."""
     from gemma4_trace.replayer.runtimes.registry import parse_runtime
     from gemma4_trace.traces.schema import KIND_NAMES
 
@@ -61,7 +62,7 @@ def parse(name: str):
         return parse_runtime(base), None
     if kinds == "every":  # every kind, asked by name (LiteRT: as extra outputs, not every tensor kept)
         return parse_runtime(base), tuple(k for k in KIND_NAMES if k not in ("logits", "token"))
-    return parse_runtime(base), tuple(kinds.split(","))
+    return parse_runtime(base), tuple(kinds.split("+"))
 
 
 def variants(choice, kinds) -> dict:
