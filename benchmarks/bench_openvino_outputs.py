@@ -13,7 +13,7 @@ layer_out only: `--kinds layer_out`; every kind), alternating `--repeats` times,
            probe), the first call of a fresh runtime: what a replay's one prefill pays
   child    the same, a later call: infer plus the outputs copied, pickled and sent back
 Ratios are to the IR without extra outputs, per prompt token (prefill) and per step (decode).
-bench_capture.py's rows are the third part: the whole replay with the trace written.
+The whole replay, with the trace written, is bench_capture.py's row.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def measure(loaded, ref, max_seq: int, mode: str, repeats: int) -> dict:
     core, inputs, T = openvino.Core(), feeds(loaded, ref, max_seq), len(ref.prompt_ids)
     ids = torch.tensor(ref.prompt_ids, dtype=torch.long)
 
-    def infer(kinds, perf=False) -> dict:
+    def infer(kinds, perf=False) -> tuple:
+        """({step: run once}, close); with `perf` a run returns the plugin's own seconds."""
         art = ir(loaded, max_seq, mode, kinds)
         try:
             config = {**CONFIG, "PERF_COUNT": "YES"} if perf else CONFIG
@@ -78,7 +79,7 @@ def measure(loaded, ref, max_seq: int, mode: str, repeats: int) -> dict:
 
         return {s: (lambda s=s: kernels(s)) for s in inputs}, lambda: (reqs.clear(), c.clear())
 
-    def child(kinds) -> dict:
+    def child(kinds) -> tuple:
         rt = OpenVINORuntime(loaded, max_seq, mode, kinds)
         run = {"prefill": lambda: rt.prefill(ids, ref.extra, None), "decode": lambda: rt.decode(ref.tokens[0], T, None)}
         return run, lambda: close_runtime(rt)
@@ -88,7 +89,7 @@ def measure(loaded, ref, max_seq: int, mode: str, repeats: int) -> dict:
     def keep(part: str, name: str, step: str, fn) -> None:
         t0 = time.perf_counter()
         took = fn()
-        took = took if isinstance(took, float) else time.perf_counter() - t0
+        took = took if isinstance(took, float) else time.perf_counter() - t0  # kernels report their own
         got[(part, name, step)] = min(got.get((part, name, step), float("inf")), took)
 
     for _ in range(repeats):
