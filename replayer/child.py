@@ -7,7 +7,9 @@ line (runtime, phase, the last kind the engine reported, signal), exit 2 and lea
 
     error: onnx (onnxruntime 1.32.0) crashed in decode step 2: killed by SIGSEGV
 
-One protocol for every engine: length-prefixed pickles (protocol 5) over stdin/stdout. The parent
+One protocol for every engine: pickles (protocol 5) over stdin/stdout, each behind a head of
+lengths, an array's memory written after its pickle as it lies rather than copied into it (pickle's
+out-of-band buffers), the pipes widened from 64 KiB to PIPE_BYTES where the system allows. The parent
 sends (command, *arguments, phase); the child answers with any number of ("tensors", [(kind, layer,
 array), ...]) messages (an engine that streams what it computes, as llama.cpp's eval callback does)
 and then one reply: the command's result, or ("error", line) for a failure the engine reports.
@@ -56,6 +58,10 @@ FLUSH_BYTES = 64 << 20  # streamed tensors the child holds before sending them a
 FLUSH_ENV = "GEMMA4_TRACE_CHILD_FLUSH_BYTES"  # benchmarks: another FLUSH_BYTES (0: one message a tensor)
 PROGRESS = "progress"  # in the child's folder: the last kind it streamed, "KIND LAYER" (or empty)
 MAX_REPLY = 1 << 34  # bytes in one message from a child (a step's tensors); more is no message of ours
+MAX_BUFFERS = 1 << 16  # out-of-band buffers in one message (one an array); more is no message of ours
+HEAD = struct.Struct("<QI")  # a message's head: the pickle's length, its buffers' count (their lengths follow)
+PIPE_BYTES = 1 << 20  # the pipes' size asked for (Linux's default pipe-max-size; its default size is 64 KiB)
+WIRE_ENV = "GEMMA4_TRACE_CHILD_WIRE"  # benchmarks: "inband" sends arrays inside the pickles over default pipes
 CRASH_ENV = "GEMMA4_TRACE_TEST_NATIVE_CRASH"  # tests: PHASE -> SIGSEGV at that phase; KIND[@LAYER] -> abort after it
 ORT_ENGINE = "gemma4_trace.replayer.child:OrtEngine"
 EXECUTORCH_ENGINE = "gemma4_trace.replayer.child:ExecuTorchEngine"
@@ -71,19 +77,67 @@ class EngineError(Exception):
     whole_line = True  # read by attribute: in the child this module is also __main__, a second copy
 
 
-def send_msg(stream, msg) -> None:
-    data = pickle.dumps(msg, protocol=5)
-    stream.write(struct.pack("<Q", len(data)) + data)
+def send_msg(stream, msg, inband: bool = False) -> None:
+    """One message: a head (the pickle's length, how many buffers follow it, each one's length), the
+    pickle (protocol 5), then the buffers: a contiguous array's memory written as it lies, not
+    copied into the pickle first (`inband`: into the pickle, as the protocol was; benchmarks)."""
+    bufs: list = []
+    data = pickle.dumps(msg, protocol=5, buffer_callback=None if inband else bufs.append)
+    raws = [b.raw() for b in bufs]
+    stream.write(HEAD.pack(len(data), len(raws)) + struct.pack(f"<{len(raws)}Q", *(r.nbytes for r in raws)) + data)
+    for r in raws:
+        stream.write(r)
     stream.flush()
 
 
-def recv_msg(stream):
-    """The next message, or None at the end of the stream."""
-    head = stream.read(8)
-    if len(head) < 8:
+class Malformed(Exception):
+    """Bytes on the stream that are no message of ours."""
+
+
+def recv_msg(stream, limit: int = MAX_REPLY):
+    """The next message, or None where the stream ends before one is whole. Malformed: a head
+    asking for more than `limit` bytes or MAX_BUFFERS buffers, or a pickle that does not load."""
+    import numpy
+
+    head = stream.read(HEAD.size)
+    if len(head) < HEAD.size:
         return None
-    (n,) = struct.unpack("<Q", head)
-    return pickle.loads(stream.read(n))
+    n, count = HEAD.unpack(head)
+    if count > MAX_BUFFERS:
+        raise Malformed
+    lengths = stream.read(8 * count)
+    if len(lengths) < 8 * count:
+        return None
+    sizes = struct.unpack(f"<{count}Q", lengths)
+    if n + sum(sizes) > limit:
+        raise Malformed
+    data, bufs = stream.read(n), [numpy.empty(size, dtype=numpy.uint8) for size in sizes]  # no zero-filling
+    if len(data) < n or not all(_fill(stream, memoryview(b)) for b in bufs):
+        return None
+    try:
+        return pickle.loads(data, buffers=bufs)
+    except Exception as e:  # noqa: BLE001 - whatever the bytes made pickle raise
+        raise Malformed from e
+
+
+def _fill(stream, view) -> bool:
+    """Read into all of `view`; False where the stream ends first."""
+    done = 0
+    while done < len(view):
+        got = stream.readinto(view[done:])
+        if not got:
+            return False
+        done += got
+    return True
+
+
+def widen_pipe(fd: int) -> None:
+    """Ask for a PIPE_BYTES pipe: a step's tensors in fewer writes, each waking the reader once.
+    Linux only; where the system refuses (a lower pipe-max-size), the pipe keeps its size."""
+    with contextlib.suppress(AttributeError, OSError):
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
 
 
 _DIRS = re.compile(r"(?<![\w.])/(?:[^\s/:'\"()]+/)+")
@@ -146,13 +200,17 @@ class Child:
             raise
         self._finalizer = weakref.finalize(self, _shut, self.proc, self.log, self.folder)
         self.watch = confine.MemoryWatch(self.proc)
+        self.inband = os.environ.get(WIRE_ENV) == "inband"
+        if not self.inband:
+            for stream in (self.proc.stdin, self.proc.stdout):
+                widen_pipe(stream.fileno())
 
     def call(self, command: str, *args, phase: str, tensor=None):
         """Send (command, *args, phase) and return the reply (a tuple); each streamed tensor on the
         way is handed to tensor(kind, layer, array). A failure is one TraceToolError line."""
         self.last = None
         try:
-            send_msg(self.proc.stdin, (command, *args, phase))
+            send_msg(self.proc.stdin, (command, *args, phase), self.inband)
         except (BrokenPipeError, OSError):
             pass  # it died: the receive says how
         while True:
@@ -165,18 +223,15 @@ class Child:
                     tensor(kind, layer, array)
 
     def _receive(self, phase: str):
-        head = self.proc.stdout.read(8)
-        if len(head) == 8:
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_REPLY:
-                self.proc.kill()
-                raise TraceToolError(f"{self.label} sent a malformed reply in {phase}{self._where()}")
-            body = self.proc.stdout.read(n)
-            if len(body) == n:
-                msg = pickle.loads(body)
-                if msg[0] == "error":
-                    raise TraceToolError(f"{self.label} failed in {phase}: {msg[1]}")
-                return msg
+        try:
+            msg = recv_msg(self.proc.stdout)
+        except Malformed:
+            self.proc.kill()
+            raise TraceToolError(f"{self.label} sent a malformed reply in {phase}{self._where()}") from None
+        if msg is not None:
+            if msg[0] == "error":
+                raise TraceToolError(f"{self.label} failed in {phase}: {msg[1]}")
+            return msg
         rc = self.proc.wait()
         self.last = self._progress() or self.last
         said = self.watch.why() or confine.signal_note(rc) or self._said()
@@ -336,7 +391,7 @@ class OpenVINOEngine:
             return ("ready", meta)
         name, inputs = args
         res = self.compiled[name](inputs)
-        return ("outputs", [self.np.array(v) for v in res.to_tuple()])  # copies: the request reuses its memory
+        return ("outputs", list(res.to_tuple()))  # the request's memory, sent before the next run reuses it
 
 
 def _crash_here(at: str | None, phase: str | None = None, kind: str | None = None, layer=None) -> None:
@@ -360,6 +415,7 @@ def main() -> int:
     sys.stdout = sys.stderr
     inp = sys.stdin.buffer
     crash_at = os.environ.get(CRASH_ENV)
+    inband = os.environ.get(WIRE_ENV) == "inband"
 
     batch, held = [], [0]  # tensors streamed and not yet sent, and their bytes
     knob = os.environ.get(FLUSH_ENV, "").strip()
@@ -371,7 +427,7 @@ def main() -> int:
 
     def flush() -> None:
         if batch:
-            send_msg(out, ("tensors", batch[:]))
+            send_msg(out, ("tensors", batch[:]), inband)
             batch.clear()
             held[0] = 0
 
@@ -400,7 +456,7 @@ def main() -> int:
                 text = f"{type(e).__name__}: {text}" if text else type(e).__name__
             reply = ("error", text)
         flush()
-        send_msg(out, reply)
+        send_msg(out, reply, inband)
 
 
 if __name__ == "__main__":

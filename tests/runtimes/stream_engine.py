@@ -13,8 +13,11 @@ class StreamEngine:
         self.emit = emit
 
     def handle(self, command: str, *args):
-        """("stream", layers, row_floats, die_after) -> ("done", layers): layer i's layer_out is one
+        """("echo", obj) -> ("echo", obj): whatever came, sent back.
+        ("stream", layers, row_floats, die_after) -> ("done", layers): layer i's layer_out is one
         row of `row_floats` float32 values, all i; with die_after set, abort right after that layer's."""
+        if command == "echo":
+            return ("echo", args[0])
         layers, row, die_after = args
         for i in range(layers):
             self.emit("layer_out", i, np.full((1, row), i, dtype=np.float32))

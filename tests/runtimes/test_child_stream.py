@@ -4,8 +4,12 @@ a progress file that is not the child's line names nothing."""
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
+import struct
 
+import numpy as np
 import pytest
 
 from gemma4_trace.replayer import child as NC
@@ -84,3 +88,93 @@ def test_a_progress_line_reads_back(child):
     with open(os.path.join(child.folder, NC.PROGRESS), "wb") as f:
         f.write(b"final_hidden None".ljust(64))
     assert child._progress() == ("final_hidden", None)
+
+
+# ---------------------------------------------------------------- the wire: arrays out of band
+def _arrays():
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((3, NC.PIPE_BYTES // 4 + 5), dtype=np.float32)  # more than a widened pipe holds
+    return {
+        "big": big,
+        "fortran": np.asfortranarray(rng.standard_normal((7, 5))),
+        "strided": big[:, ::3],  # not contiguous: pickled in band
+        "scalar": np.array(3.5, dtype=np.float16),
+        "empty": np.zeros((0, 4), dtype=np.int64),
+        "bools": np.array([True, False, True]),
+        "ints": np.arange(11, dtype=np.int64).reshape(1, 11),
+    }
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert b[k].dtype == a[k].dtype and b[k].shape == a[k].shape, k
+        np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+
+
+@pytest.mark.parametrize("inband", [False, True])
+def test_arrays_come_back_as_they_went_both_ways(monkeypatch, inband):
+    if inband:
+        monkeypatch.setenv(NC.WIRE_ENV, "inband")  # what the benchmarks compare with
+    c = NC.Child("stream", ENGINE)
+    try:
+        sent = _arrays()
+        tag, got = c.call("echo", sent, phase="prefill")
+        assert tag == "echo"
+        _same(sent, got)
+        assert all(v.flags.writeable for v in got.values())  # torch.from_numpy takes them as they are
+    finally:
+        c.close()
+
+
+def _wire(msg, inband=False) -> bytes:
+    stream = io.BytesIO()
+    NC.send_msg(stream, msg, inband)
+    return stream.getvalue()
+
+
+def test_out_of_band_buffers_carry_the_arrays_and_in_band_does_not():
+    msg = ("outputs", list(_arrays().values()))
+    oob, inb = _wire(msg), _wire(msg, inband=True)
+    assert NC.HEAD.unpack(oob[: NC.HEAD.size])[1] == 6  # every contiguous array; the strided one in band
+    assert NC.HEAD.unpack(inb[: NC.HEAD.size])[1] == 0
+    for data in (oob, inb):
+        tag, arrays = NC.recv_msg(io.BytesIO(data))
+        assert tag == "outputs"
+        _same(dict(enumerate(msg[1])), dict(enumerate(arrays)))
+
+
+def test_a_stream_that_ends_inside_a_message_is_no_message():
+    data = _wire(("outputs", [np.arange(1000, dtype=np.float32)]))
+    for cut in (0, 5, NC.HEAD.size, NC.HEAD.size + 4, len(data) - 1):
+        assert NC.recv_msg(io.BytesIO(data[:cut])) is None, cut
+
+
+OOB = pickle.dumps(np.arange(4), protocol=5, buffer_callback=lambda b: None)
+
+
+def _head(n: int, sizes, tail=b"") -> bytes:
+    return NC.HEAD.pack(n, len(sizes)) + struct.pack(f"<{len(sizes)}Q", *sizes) + tail
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        NC.HEAD.pack(0, NC.MAX_BUFFERS + 1),  # more buffers than any message of ours
+        _head(NC.MAX_REPLY + 1, []),  # a pickle longer than the limit
+        _head(8, [NC.MAX_REPLY - 4]),  # the pickle and its buffers together longer
+        _head(4, [], b"\x00\x01\x02\x03"),  # bytes that are no pickle
+        _head(len(OOB), [], OOB),  # a pickle whose buffer is not there
+    ],
+)
+def test_a_malformed_message_is_refused_before_anything_is_allocated(data):
+    with pytest.raises(NC.Malformed):
+        NC.recv_msg(io.BytesIO(data))
+
+
+def test_a_malformed_reply_is_one_line_and_ends_the_child(child):
+    child.proc.stdout = io.BytesIO(NC.HEAD.pack(0, NC.MAX_BUFFERS + 1))  # as if the child had written it
+    with pytest.raises(TraceToolError) as e:
+        child._receive("decode step 2")
+    assert str(e.value) == "stream sent a malformed reply in decode step 2 before reporting anything"
+    assert child.proc.wait(timeout=10) < 0  # killed
