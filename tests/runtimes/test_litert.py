@@ -288,6 +288,49 @@ def test_litert_convert_of_hf_forward_finds_the_gqa_lowering_bug(runs, tmp_path)
         assert np.array_equal(x, y[:, : x.shape[1]]) and not y[:, x.shape[1] :].any()
 
 
+def test_litert_convert_with_kinds_converts_only_those_outputs(runs, tmp_path):
+    """`--kinds layer_out`: the converted graph's outputs are the logits and each layer's output
+    (the rest pruned), the trace holds only those, and they are what the full conversion gives."""
+    full, narrow = tmp_path / "full.h5", tmp_path / "narrow.h5"
+    for out, more in ((full, ()), (narrow, ("--kinds", "layer_out"))):
+        r = invoke("replay", runs["ref"], "--runtime", "litert-convert", "--max-seq", MAX_SEQ, *more, "-o", out)
+        assert r.exit_code == 0, r.output
+    with TraceReader(full) as a, TraceReader(narrow) as b:
+        kept = [(k, layer) for k, layer in a.kinds_present() if k in ("layer_out", "logits")]
+        assert len(kept) > 2 and len(a.kinds_present()) > len(kept) + 5
+        assert [p for p in b.kinds_present() if p[0] != "token"] == kept
+        for kind, layer in kept:
+            x, y = a.read(kind, layer), b.read(kind, layer)
+            assert x.shape == y.shape and np.linalg.norm(x - y) <= 1e-5 * np.linalg.norm(x), (kind, layer)
+        assert np.array_equal(a.tokens(), b.tokens())
+
+
+def test_the_converted_wrapper_returns_only_the_asked_kinds():
+    """HFSteps (what litert-convert converts) in eager PyTorch: every kind, one kind, or the logits alone."""
+    import torch
+
+    from gemma4_trace.hf.model import load_model
+    from gemma4_trace.replayer.runtimes.litert.convert import HFSteps
+
+    lm = load_model()
+    ids = torch.tensor([[2, 10, 11, 12]])
+    with torch.no_grad():
+        every = HFSteps(lm)
+        outs = every(ids)
+        kinds = {k for k, _ in every.names}
+        # (q, K, V and the mask come from the attention function _convert installs: not here)
+        assert {"embeddings", "attn_out", "layer_out", "final_hidden"} <= kinds
+        assert len(outs) == 1 + len(every.names)
+        one = HFSteps(lm, frozenset({"layer_out"}))
+        only = one(ids)
+        assert {k for k, _ in one.names} == {"layer_out"} and len(only) == 1 + len(one.names)
+        assert torch.equal(only[0], outs[0])
+        for name, value in zip(one.names, only[1:]):
+            assert torch.equal(value, outs[1 + every.names.index(name)]), name
+        none = HFSteps(lm, frozenset())
+        assert len(none(ids)) == 1 and none.names == []
+
+
 def test_the_minimal_repro_of_the_gqa_lowering_bug_still_fails():
     """Pinned: litert-torch 0.10.0 converts `q @ k.expand(...).transpose(2, 3)` (one KV head
     broadcast to the query heads, then its last two axes swapped) without error and computes

@@ -5,14 +5,15 @@ The converted program is HF's model over a whole static sequence of max_seq toke
 attention, no cache), with every canonical kind it computes as an extra output: the wrapper below
 hooks the same places the recorder does (the attention function for q, K, V and the mask, the
 rotary embedding, each layer's input and output, o_proj's output, the final norm), so the
-converted graph returns what HF's forward computes there. A step runs the whole sequence (the
+converted graph returns what HF's forward computes there; with `--kinds` only the asked kinds
+become outputs (the rest is pruned from the graph: nothing asked, only the logits). A step runs the whole sequence (the
 prompt and the tokens fed so far, padded to max_seq; causal attention keeps the pad rows out of
 every real row) and reports the step's rows. Nothing of the project's runtime is in it: a
 difference is the converter's (or LiteRT's) alone.
 
 The conversion runs in a child process (it imports TensorFlow) and is kept in the artifact cache:
 
-    python -m gemma4_trace.replayer.runtimes.litert.convert MODEL_DIR MAX_SEQ OUT_DIR
+    python -m gemma4_trace.replayer.runtimes.litert.convert MODEL_DIR MAX_SEQ OUT_DIR [KINDS]
     -> OUT_DIR/hf.tflite, OUT_DIR/outputs.json (the (kind, layer) of each output, in order)
 """
 
@@ -30,18 +31,21 @@ from gemma4_trace.traces.schema import rope_kinds
 
 from ...artifacts import artifact_folder, code_digest, model_hash
 from ...child import ChildRuntime
+from ..registry import captures
 from . import export as E
 
 ENGINE = "gemma4_trace.replayer.runtimes.litert.engine:LiteRTEngine"
 FORMAT = 1
+EVERY = "*"  # the conversion's KINDS for every kind (else a comma list, empty for none)
 
 
 class HFSteps(torch.nn.Module):
-    """HF's model over (1, S) token ids -> (logits (1, S, vocab), then each captured kind's rows)."""
+    """HF's model over (1, S) token ids -> (logits (1, S, vocab), then each captured kind's rows);
+    `capture` as RuntimeChoice.capture (None: every kind)."""
 
-    def __init__(self, lm):
+    def __init__(self, lm, capture: frozenset[str] | None = None):
         super().__init__()
-        self.model, self.buf = lm.model, {}
+        self.model, self.buf, self.capture = lm.model, {}, capture
         self.tm = lm.model.model.language_model if lm.multimodal else lm.model.model
         self.layer_types = list(lm.text_config.layer_types)
         for i, layer in enumerate(self.tm.layers):
@@ -99,12 +103,13 @@ class HFSteps(torch.nn.Module):
         for i in range(n):
             names += [(k, i) for k in ("mask", "q", "k", "v", "attn_out", "layer_out") if (k, i) in self.buf]
         names.append(("final_hidden", None))
-        self.names = names
+        self.names = names = [(k, layer) for k, layer in names if captures(self.capture, k)]
         return (out.logits, *(self.buf[k].to(torch.float32) for k in names))  # the mask as 0/1
 
 
-def _convert(model_dir: str, max_seq: int, out_dir: str) -> None:
-    """The child's work: load the checkpoint, wrap it, convert with litert_torch.convert, write the files."""
+def _convert(model_dir: str, max_seq: int, out_dir: str, kinds: str = EVERY) -> None:
+    """The child's work: load the checkpoint, wrap it (KINDS: EVERY, or the kinds to expose as a
+    comma list), convert with litert_torch.convert, write the files."""
     import contextlib
 
     import litert_torch
@@ -116,7 +121,7 @@ def _convert(model_dir: str, max_seq: int, out_dir: str) -> None:
     lm = load_model(model_dir)
     for c in (lm.model.config, lm.text_config):
         c._attn_implementation = "eager"  # HF's reference attention (repeat_kv, matmul, softmax)
-    steps = HFSteps(lm).eval()
+    steps = HFSteps(lm, None if kinds == EVERY else frozenset(k for k in kinds.split(",") if k)).eval()
     ids = torch.full((1, int(max_seq)), int(lm.text_config.pad_token_id or 0), dtype=torch.long)
     ALL_ATTENTION_FUNCTIONS["eager"] = steps.attention(modeling_gemma4.eager_attention_forward)
     with torch.no_grad(), contextlib.redirect_stdout(sys.stderr):
@@ -125,19 +130,23 @@ def _convert(model_dir: str, max_seq: int, out_dir: str) -> None:
     (Path(out_dir) / "outputs.json").write_text(json.dumps([["logits", None], *steps.names]))
 
 
-def converted(loaded, max_seq: int):
-    """The artifact holding HF's forward converted for max_seq rows (hf.tflite, outputs.json)."""
+def converted(loaded, max_seq: int, capture: frozenset[str] | None = None):
+    """The artifact holding HF's forward converted for max_seq rows with `capture`'s kinds as
+    outputs (hf.tflite, outputs.json)."""
+    kinds = EVERY if capture is None else ",".join(sorted(capture))
     key = {
         "format": FORMAT,
         "model": model_hash(loaded.model_dir),
         "max_seq": int(max_seq),
+        "kinds": kinds,
         "code": code_digest("runtimes/litert/convert.py"),
         **E.versions(),
     }
 
     def build(folder: Path) -> None:
         E._run_tool(
-            [sys.executable, "-m", __name__, str(Path(loaded.model_dir).resolve()), str(int(max_seq)), str(folder)],
+            [sys.executable, "-m", __name__, str(Path(loaded.model_dir).resolve()), str(int(max_seq)), str(folder)]
+            + [kinds],
             "litert_torch.convert of transformers' Gemma 4 forward",
         )
 
@@ -152,11 +161,11 @@ def converted(loaded, max_seq: int):
 class ConvertedHF(ChildRuntime):
     """The converted HF forward, run over the whole sequence at every step (no cache)."""
 
-    def __init__(self, loaded, max_seq: int):
+    def __init__(self, loaded, max_seq: int, capture: frozenset[str] | None = None):
         vers = E.versions()
         self.start(f"litert-convert (ai-edge-litert {vers['ai-edge-litert']})", ENGINE)
         try:
-            art = converted(loaded, max_seq)
+            art = converted(loaded, max_seq, capture)
             try:
                 names = json.loads((art.path / "outputs.json").read_text())
                 meta = self.child.call("load", {"hf": str(art.path / "hf.tflite")}, [], phase="loading")[1]
@@ -199,7 +208,7 @@ class ConvertedHF(ChildRuntime):
 
 
 def create(loaded, max_seq: int, choice=None):
-    return ConvertedHF(loaded, max_seq)
+    return ConvertedHF(loaded, max_seq, None if choice is None else choice.capture)
 
 
 if __name__ == "__main__":
