@@ -5,13 +5,15 @@ kind captured and written), per prefill token and per decode step, at E2B width.
     python benchmarks/bench_capture.py /tmp/capture-e2b --runtimes onnx,litert,litert:layer_out
 
 Builds (once, in a child process) the E2B-shaped random checkpoint of benchmarks/e2b_shaped.py
-(for TICO and LiteRT, the same text decoder with a small vision tower and a tokenizer:
-WITH_VISION), records REF, then for each runtime, in this one process on the one loaded model, alternates
-`--repeats` times between
+(for TICO and LiteRT (every litert* runtime), the same text decoder with a small vision tower
+and a tokenizer: WITH_VISION), records REF, then for each runtime, in this one process on the
+one loaded model, alternates `--repeats` times between
   alone    the runtime made with RuntimeChoice.capture empty (the same engine and inputs: the
            exported graphs without extra outputs, llama.cpp without its eval callback, LiteRT's
-           interpreter without keep-every-tensor, MLX and TICO without taps) running the prefill
-           and REF's teacher-forced decode steps with no probe: only logits out,
+           interpreter without keep-every-tensor, litert-convert's conversion with the logits
+           its only output, MLX and TICO without taps; litert-lm gives tokens either way)
+           running the prefill and REF's teacher-forced decode steps with no probe: only logits
+           out,
   capture  replay_loaded (replayer/core.py): the same steps with every kind captured and the trace
            written, as `trace replay` does,
 and keeps each one's best time. A capture's prefill runs from the runtime's prefill called to its
@@ -40,11 +42,20 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_llamacpp_e2b import cli  # noqa: E402  (a trace command in a fresh process)
 from benchmarks.e2b_shaped import bench_setup, build  # noqa: E402
 
-RUNTIMES = (
-    "static,static-w8,static-w4g32,static-w8a8,tico,onnx,mobius,executorch,executorch-int8,"
-    "llama.cpp:F32,llama.cpp:Q4_K_M,litert,litert:layer_out,litert:every,litert-int8,openvino,openvino-int8,mlx,mlx-q4"
-)
 GGUF = ("F32", "Q4_K_M")
+# the --kinds selections that meet the target where every kind does not (docs/benchmarks.md)
+NARROW = (
+    "mobius:layer_out,llama.cpp:Q4_K_M:layer_out,openvino-int8:layer_out,openvino-int4:layer_out,"
+    "litert:k+v,litert-int8:k+v"
+)
+
+
+def every_runtime() -> str:
+    """The default --runtimes: every built-in runtime (llama.cpp as F32 and Q4_K_M), then NARROW."""
+    from gemma4_trace.replayer.runtimes.registry import RUNTIMES
+
+    names = [f"{s.name}:{t}" for s in RUNTIMES for t in (GGUF if s.types else (None,))]
+    return ",".join(n.removesuffix(":None") for n in names) + "," + NARROW
 
 
 def parse(name: str):
@@ -218,7 +229,7 @@ def main() -> None:
         __file__,
         build,
         repeats=dict(type=int, default=2),
-        runtimes=dict(default=RUNTIMES),
+        runtimes=dict(help="comma-separated (default: every built-in runtime, then the selections of NARROW)"),
         prepare=dict(help=argparse.SUPPRESS),
         built=dict(action="store_true", help="the artifacts are in WORK/cache already: build nothing first"),
     )
@@ -228,6 +239,7 @@ def main() -> None:
 
     os.environ.setdefault("GEMMA4_TRACE_CACHE", str(a.work / "cache"))
     ids = prompt(a.prompt)
+    a.runtimes = a.runtimes or every_runtime()
     if a.prepare:  # a child of the loop below
         prepare(a, *a.prepare.split("@"), ids, model)
         return
