@@ -120,3 +120,17 @@ def test_a_third_party_adapter_that_fails_to_start_is_one_line_naming_its_code(t
     line = one_line_error(invoke("replay", golden_path("short"), "--runtime", "onnx", "-o", out), out=out)
     assert line.startswith("error: runtime onnx failed to start at ") and "RuntimeError: no session today" in line
     assert "replayer/runtimes/onnx.py:" in line, line  # the adapter's line that failed
+
+
+def test_the_capture_benchmark_measures_every_built_in_runtime_by_default():
+    """benchmarks/bench_capture.py's default --runtimes: every registry row (llama.cpp at two
+    types), then the --kinds selections docs/benchmarks.md names; each one parses to a choice."""
+    from benchmarks.bench_capture import GGUF, every_runtime, parse
+
+    names = every_runtime().split(",")
+    choices = [parse(n) for n in names]
+    assert {c.spec.name for c, _ in choices} == {s.name for s in R.RUNTIMES}
+    assert {c.type for c, _ in choices if c.type} == set(GGUF)
+    narrowed = {n for n, (_, kinds) in zip(names, choices) if kinds}
+    assert {"litert:k+v", "llama.cpp:Q4_K_M:layer_out"} <= narrowed
+    assert dict(zip(names, choices))["litert:k+v"][1] == ("k", "v")
