@@ -29,6 +29,7 @@ import torch
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.schema import rope_kinds
 
+from ... import functional as F
 from ...artifacts import artifact_folder, code_digest, model_hash
 from ...child import ChildRuntime
 from ..registry import captures
@@ -138,7 +139,7 @@ def converted(loaded, max_seq: int, capture: frozenset[str] | None = None):
         "format": FORMAT,
         "model": model_hash(loaded.model_dir),
         "max_seq": int(max_seq),
-        "kinds": kinds,
+        **F.capture_key(capture),
         "code": code_digest("runtimes/litert/convert.py"),
         **E.versions(),
     }
@@ -154,7 +155,8 @@ def converted(loaded, max_seq: int, capture: frozenset[str] | None = None):
         "litert",
         key,
         build,
-        what=f"converting {loaded.name}'s HF forward with litert_torch.convert (max_seq {max_seq})",
+        what=f"converting {loaded.name}'s HF forward with litert_torch.convert "
+        f"(max_seq {max_seq}{F.capture_note(capture)})",
     )
 
 
