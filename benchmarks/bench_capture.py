@@ -46,7 +46,8 @@ GGUF = ("F32", "Q4_K_M")
 # the --kinds selections that meet the target where every kind does not (docs/benchmarks.md)
 NARROW = (
     "mobius:layer_out,llama.cpp:Q4_K_M:layer_out,openvino-int8:layer_out,openvino-int4:layer_out,"
-    "litert:k+v,litert-int8:k+v"
+    "openvino-int4-dq:layer_out,openvino-int8-dq:k+v,litert:k+v,litert-int8:k+v,litert-wi8:k+v,litert-int4:k+v,"
+    "litert-int8-dq:k+v,litert-wi8-dq:k+v,litert-int4-dq:k+v"
 )
 
 
