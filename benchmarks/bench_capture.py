@@ -55,8 +55,8 @@ def every_runtime() -> str:
     """The default --runtimes: every built-in runtime (llama.cpp as F32 and Q4_K_M), then NARROW."""
     from gemma4_trace.replayer.runtimes.registry import RUNTIMES
 
-    names = [f"{s.name}:{t}" for s in RUNTIMES for t in (GGUF if s.types else (None,))]
-    return ",".join(n.removesuffix(":None") for n in names) + "," + NARROW
+    names = [f"{s.name}:{t}" if t else s.name for s in RUNTIMES for t in (GGUF if s.types else (None,))]
+    return ",".join(names) + "," + NARROW
 
 
 def parse(name: str):

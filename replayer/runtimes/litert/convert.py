@@ -6,10 +6,10 @@ attention, no cache), with every canonical kind it computes as an extra output: 
 hooks the same places the recorder does (the attention function for q, K, V and the mask, the
 rotary embedding, each layer's input and output, o_proj's output, the final norm), so the
 converted graph returns what HF's forward computes there; with `--kinds` only the asked kinds
-become outputs (the rest is pruned from the graph: nothing asked, only the logits). A step runs the whole sequence (the
-prompt and the tokens fed so far, padded to max_seq; causal attention keeps the pad rows out of
-every real row) and reports the step's rows. Nothing of the project's runtime is in it: a
-difference is the converter's (or LiteRT's) alone.
+become outputs (the rest is pruned from the graph: nothing asked, only the logits). A step runs
+the whole sequence (the prompt and the tokens fed so far, padded to max_seq; causal attention
+keeps the pad rows out of every real row) and reports the step's rows. Nothing of the project's
+runtime is in it: a difference is the converter's (or LiteRT's) alone.
 
 The conversion runs in a child process (it imports TensorFlow) and is kept in the artifact cache:
 
@@ -145,9 +145,9 @@ def converted(loaded, max_seq: int, capture: frozenset[str] | None = None):
     }
 
     def build(folder: Path) -> None:
+        model = str(Path(loaded.model_dir).resolve())
         E._run_tool(
-            [sys.executable, "-m", __name__, str(Path(loaded.model_dir).resolve()), str(int(max_seq)), str(folder)]
-            + [kinds],
+            [sys.executable, "-m", __name__, model, str(int(max_seq)), str(folder), kinds],
             "litert_torch.convert of transformers' Gemma 4 forward",
         )
 
