@@ -1,5 +1,6 @@
 """`trace sweep`'s workers beyond this process: a spawn process pool (`--workers N`) or Ray tasks
-(`--ray`); each runs analysis/sweep.py's process_prompt and hands the driver's `done` its outcome."""
+(`--ray`); each runs analysis/sweep_worker.py's process_prompt and hands the driver's (analysis/sweep.py)
+`done` its outcome."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from gemma4_trace.traces.atomic import clean_stale_partials
 from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 
-from .sweep import TOKEN_FILE, PromptFailed, process_prompt, prompt_outcome, write_atomic
+from .sweep_worker import TOKEN_FILE, PromptFailed, process_prompt, prompt_outcome, write_atomic
 
 
 def init_pool(threads: int) -> None:

@@ -1,7 +1,9 @@
 """The shape of the production code, checked on the source (docs/design.md, "The runtimes wing"):
 
-- no module imports a private name (`_x`) of another module;
-- replayer/ (with replayer/runtimes/) has no import cycle;
+- no module imports a private name (`_x`) of another module, nor reaches one through a module it
+  imported (`E._x` after `from . import export as E`);
+- no package (subpackages, gemma4_trace/ and gemma4_trace/commands/ included) has an import cycle,
+  nor has the project across its packages;
 - no adapter (replayer/runtimes/) imports the replay driver (replay.py, core.py);
 - no function over 80 lines, no module over 600 lines, no command module over 200 lines.
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.test_layering import LIBRARIES, ROOT, imports
+from tests.test_layering import LIBRARIES, ROOT, imports, package_of
 
 PRODUCTION = (*LIBRARIES, "gemma4_trace")
 MAX_FUNCTION_LINES = 80
@@ -35,6 +37,7 @@ def module_name(path: Path, root: Path) -> str:
 
 def private_imports(root: Path) -> list[str]:
     bad = []
+    modules = {module_name(p, root) for p in sources(root)}
     for path in sources(root):
         here = module_name(path, root)
         for line, module, names in imports(path, root):
@@ -45,22 +48,83 @@ def private_imports(root: Path) -> list[str]:
                     bad.append(f"{path.relative_to(root)}:{line} imports {module}.{name}, a private name")
             if module.rpartition(".")[2].startswith("_"):
                 bad.append(f"{path.relative_to(root)}:{line} imports {module}, a private module")
+        bad += private_attributes(path, root, modules)
+    return bad
+
+
+def module_aliases(tree: ast.AST, path: Path, root: Path, modules: set[str]) -> dict[str, str]:
+    """name -> the project module an import binds it to (`import a.b as E`, `from . import b as E`,
+    `from a import b`; `import a.b` binds `a`), at any depth of the file."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in modules:  # `import a.b` binds `a`: `a.b._x` is resolved through it
+                    bound = a.asname or a.name.split(".")[0]
+                    out[bound] = a.name if a.asname else bound
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = package_of(path, root).split(".")
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join([*pkg, base] if base else pkg)
+            for a in node.names:
+                if f"{base}.{a.name}" in modules:
+                    out[a.asname or a.name] = f"{base}.{a.name}"
+    return out
+
+
+def dotted(node: ast.AST) -> str | None:
+    """`a.b.c` for a chain of attributes on a name, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = dotted(node.value)
+        return None if head is None else f"{head}.{node.attr}"
+    return None
+
+
+def private_attributes(path: Path, root: Path, modules: set[str]) -> list[str]:
+    """`E._x` where E names another project module (an import's alias, or a chain from one)."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases = module_aliases(tree, path, root, modules)
+    here = module_name(path, root)
+    bad = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        chain = dotted(node.value)
+        if chain is None or chain.split(".")[0] not in aliases:
+            continue
+        head, _, rest = chain.partition(".")
+        module = ".".join([aliases[head], rest] if rest else [aliases[head]])
+        if module in modules and module != here:
+            bad.append(f"{path.relative_to(root)}:{node.lineno} reaches {module}.{node.attr}, a private name")
     return bad
 
 
 def import_graph(root: Path, package: str) -> dict[str, set[str]]:
-    """module -> the modules of `package` it imports (at any depth)."""
+    """module -> the modules of `package` it imports (at any depth). `from P import m` of a submodule
+    `m` is an edge to P.m alone: P, an ancestor of the importer, is always initialized before it, and
+    a package's __init__ importing its submodules is no cycle. `from P import name` of anything else
+    is an edge to P itself (a module of P that takes a name from P's __init__ while that __init__
+    imports it is a cycle)."""
     mods = {module_name(p, root): p for p in sources(root)}
     mods = {m: p for m, p in mods.items() if m == package or m.startswith(package + ".")}
     graph = {}
     for m, p in mods.items():
         out = set()
         for _, module, names in imports(p, root):
-            for target in (module, *(f"{module}.{n}" for n in names)):
-                if target in mods and target != m:
-                    out.add(target)
+            subs = [f"{module}.{n}" for n in names if f"{module}.{n}" in mods]
+            targets = subs if subs and len(subs) == len(names) else [module, *subs]
+            out.update(t for t in targets if t in mods and t != m)
         graph[m] = out
     return graph
+
+
+def packages(root: Path) -> list[str]:
+    """Every package of the production code, subpackages included: the folders its modules are in."""
+    return sorted({module_name(p.parent / "__init__.py", root) for p in sources(root)})
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -126,9 +190,15 @@ def test_no_private_name_is_imported_across_modules():
     assert not bad, "\n".join(bad)
 
 
-def test_the_replayer_has_no_import_cycle():
-    graph = import_graph(ROOT, "gemma4_trace.replayer")
-    assert len(graph) > 10 and any(graph.values())  # the graph was read
+def test_no_package_has_an_import_cycle():
+    """The project's whole graph: a cycle inside any package (or across packages) is one in it."""
+    found = packages(ROOT)
+    wanted = {f"gemma4_trace.{lib}" for lib in LIBRARIES}
+    wanted |= {"gemma4_trace", "gemma4_trace.commands", "gemma4_trace.replayer.runtimes"}
+    assert wanted <= set(found), sorted(wanted - set(found))
+    graph = import_graph(ROOT, "gemma4_trace")
+    assert all(any(m.startswith(pkg + ".") for m in graph) for pkg in found)  # every package was read
+    assert len(graph) > 100 and any(graph.values())
     assert not cycles(graph), cycles(graph)
 
 
@@ -149,10 +219,18 @@ def test_the_checkers_catch_each_violation(tmp_path):
     (tmp_path / "replayer" / "a.py").write_text("from .b import helper\nfrom .c import _private\n")
     (tmp_path / "replayer" / "b.py").write_text("def helper():\n    from . import a\n")
     (tmp_path / "replayer" / "c.py").write_text("def _private():\n    pass\n")
+    (tmp_path / "replayer" / "d.py").write_text(
+        "from . import c as C\nimport gemma4_trace.replayer.c\n\n\ndef f(self):\n"
+        "    C._private()\n    gemma4_trace.replayer.c._private()\n    C.public(self._mine, C.__name__)\n"
+    )
     (tmp_path / "replayer" / "runtimes" / "x.py").write_text("from ..core import make_runtime\n")
     long_body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
     (tmp_path / "gemma4_trace" / "commands" / "big.py").write_text(f"def f():\n{long_body}" + "\n" * 150)
-    assert private_imports(tmp_path) == ["replayer/a.py:2 imports gemma4_trace.replayer.c._private, a private name"]
+    assert private_imports(tmp_path) == [
+        "replayer/a.py:2 imports gemma4_trace.replayer.c._private, a private name",
+        "replayer/d.py:6 reaches gemma4_trace.replayer.c._private, a private name",
+        "replayer/d.py:7 reaches gemma4_trace.replayer.c._private, a private name",
+    ]
     assert cycles(import_graph(tmp_path, "gemma4_trace.replayer")) == [
         ["gemma4_trace.replayer.a", "gemma4_trace.replayer.b"]
     ]
@@ -162,4 +240,31 @@ def test_the_checkers_catch_each_violation(tmp_path):
     assert oversized(tmp_path) == [
         f"gemma4_trace/commands/big.py: {MAX_FUNCTION_LINES + 151} lines, more than {MAX_COMMAND_LINES}",
         f"gemma4_trace/commands/big.py:1 f: {MAX_FUNCTION_LINES + 1} lines",
+    ]
+
+
+def test_the_cycle_checker_covers_every_package(tmp_path):
+    """A cycle planted in a library, in the CLI's commands and through a package's __init__ is found;
+    an __init__ that imports its submodules, which import their siblings with `from . import m`, is
+    no cycle."""
+    for folder in ("analysis", "traces", "gemma4_trace/commands"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "analysis" / "sweep.py").write_text("def f():\n    from .sweep_pool import run_pool\n")
+    (tmp_path / "analysis" / "sweep_pool.py").write_text("from .sweep import process_prompt\n")
+    (tmp_path / "gemma4_trace" / "commands" / "a.py").write_text("from gemma4_trace.commands import b\n")
+    (tmp_path / "gemma4_trace" / "commands" / "b.py").write_text("import gemma4_trace.commands.a\n")
+    (tmp_path / "traces" / "__init__.py").write_text("from .header import Header\nfrom .reader import Reader\n")
+    (tmp_path / "traces" / "schema.py").write_text("KINDS = ()\n")
+    (tmp_path / "traces" / "reader.py").write_text("from . import schema as S\n")
+    (tmp_path / "traces" / "header.py").write_text("from gemma4_trace.traces import Reader, schema\n")
+    assert packages(tmp_path) == ["gemma4_trace.analysis", "gemma4_trace.commands", "gemma4_trace.traces"]
+    assert sorted(cycles(import_graph(tmp_path, "gemma4_trace"))) == [
+        ["gemma4_trace.analysis.sweep", "gemma4_trace.analysis.sweep_pool"],
+        ["gemma4_trace.commands.a", "gemma4_trace.commands.b"],
+        ["gemma4_trace.traces", "gemma4_trace.traces.header"],
+    ]
+    (tmp_path / "traces" / "header.py").write_text("from . import schema\n")  # as reader.py: no cycle
+    assert sorted(cycles(import_graph(tmp_path, "gemma4_trace"))) == [
+        ["gemma4_trace.analysis.sweep", "gemma4_trace.analysis.sweep_pool"],
+        ["gemma4_trace.commands.a", "gemma4_trace.commands.b"],
     ]

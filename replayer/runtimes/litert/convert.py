@@ -146,7 +146,7 @@ def converted(loaded, max_seq: int, capture: frozenset[str] | None = None):
 
     def build(folder: Path) -> None:
         model = str(Path(loaded.model_dir).resolve())
-        E._run_tool(
+        E.run_tool(
             [sys.executable, "-m", __name__, model, str(int(max_seq)), str(folder), kinds],
             "litert_torch.convert of transformers' Gemma 4 forward",
         )

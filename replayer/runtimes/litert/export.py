@@ -68,7 +68,7 @@ def cache_length(max_seq: int, prefill: int) -> int:
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b")
 
 
-def _run_tool(args: list[str], what: str, cwd=None) -> None:
+def run_tool(args: list[str], what: str, cwd=None) -> None:
     """A tool in a child process; its failure is one line: the exception it ended with (else its
     last line on stderr)."""
     with tempfile.TemporaryFile() as log:
@@ -125,7 +125,7 @@ def exported(loaded, max_seq: int, prefill: int):
     def build(folder: Path) -> None:
         work = folder / "work"
         work.mkdir()
-        _run_tool(
+        run_tool(
             [
                 sys.executable,
                 "-m",
@@ -184,7 +184,7 @@ def quantized(loaded, max_seq: int, prefill: int, mode: str):
                 if n == 0:
                     raise TraceToolError(f"the {recipe} model holds no quantized weight to dequantize")
             else:
-                _run_tool(
+                run_tool(
                     [sys.executable, "-m", __name__, "quantize", str(src.path / "model.tflite"), str(folder), recipe],
                     f"litert-quantizer ({recipe})",
                 )
