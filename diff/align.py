@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,17 +33,16 @@ ARCH_KEYS = (
     "num_experts",
     "kv_sharing_modes",
 )
-PRE_KINDS = tuple(k.name for k in S.KINDS[: next(i for i, k in enumerate(S.KINDS) if k.per_layer)])
-POST_KINDS = tuple(k.name for k in S.KINDS if not k.per_layer and k.name not in PRE_KINDS)
+_ONE_LAYER = S.dataflow({S.TEXT: 1})
+PRE_KINDS = tuple(s.kind for s in itertools.takewhile(lambda s: s.layer is None, _ONE_LAYER))  # the text tower's
+POST_KINDS = tuple(s.kind for s in _ONE_LAYER[len(PRE_KINDS) :] if s.layer is None)
 
 
-def dataflow_sequence(n_layers: int) -> list[tuple[str, int | None]]:
-    """Every (kind, layer) in the order the diff searches them within a step."""
-    return (
-        [(k, None) for k in PRE_KINDS]
-        + [(k, l) for l in range(n_layers) for k in S.LAYER_KIND_NAMES]
-        + [(k, None) for k in POST_KINDS]
-    )
+def dataflow_sequence(layers: int | dict[str, int]) -> list[tuple[str, int | None]]:
+    """Every (kind key, layer) in the order the diff searches them within a step: `layers` is the
+    text tower's layer count, or {tower: layer count} with the encoder towers (searched first)."""
+    counts = layers if isinstance(layers, dict) else {S.TEXT: layers}
+    return [(s.key, s.layer) for s in S.dataflow(counts)]
 
 
 def _arch(cfg: dict) -> dict:
@@ -71,6 +71,10 @@ def check_compatible(ref: TraceReader, run: TraceReader) -> None:
     for k in sorted(set(ca) & set(cb)):
         if ca[k] != cb[k]:
             diffs.append(f"{k} {_short(ca[k])} vs {_short(cb[k])}")
+    for name in sorted(set(ref.towers) & set(run.towers)):
+        a, b = ref.towers[name], run.towers[name]
+        if a != b:
+            diffs.append(f"{name} tower {_tower_words(a)} vs {_tower_words(b)}")
     if diffs:
         shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
         raise TraceToolError(f"traces are of different model architectures (REF vs RUN): {shown}")
@@ -90,6 +94,13 @@ def check_compatible(ref: TraceReader, run: TraceReader) -> None:
         raise TraceToolError(
             f"traces feed different positions at step {s}: REF {ref.step_positions[s]} vs RUN {run.step_positions[s]}"
         )
+
+
+def _tower_words(t) -> str:
+    return (
+        f"({t.layers} layers, hidden {t.hidden}, {t.heads} heads of {t.head_dim}; "
+        f"rows {'+'.join(map(str, t.item_rows))}, soft tokens {'+'.join(map(str, t.item_tokens))})"
+    )
 
 
 def _short(v) -> str:

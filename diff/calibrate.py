@@ -28,6 +28,7 @@ from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.atomic import atomic_output, check_output_path
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
+from gemma4_trace.traces.rows import row_count, steps_of_rows
 
 from .align import check_compatible, dataflow_sequence, make_plan
 from .blocks import paired_blocks
@@ -84,7 +85,7 @@ def calibrate(reference, bases, margin: float = DEFAULT_MARGIN) -> tuple[str, di
     worst: dict[tuple[str, int | None], _Worst] = {}
     tokens = {"flips": 0, "gap": 0.0}
     with TraceReader(reference) as ref:
-        seq = [kl for kl in dataflow_sequence(len(ref.layers)) if kl[0] not in EXACT_KINDS]
+        seq = [kl for kl in dataflow_sequence(ref.layer_counts()) if kl[0] not in EXACT_KINDS]
         ref_tokens = ref.tokens() if ref.has("token") else None
         for path in bases:
             with TraceReader(path) as base:
@@ -147,9 +148,9 @@ def _one_base(ref, base, path, seq, ref_tokens, worst, tokens) -> None:
         where = f"BASE {path}: {kind}" + (f" layer {layer}" if layer is not None else "")
         if da.shape[1:] != db.shape[1:]:
             raise TraceToolError(f"{where}: row shape {tuple(db.shape[1:])} differs from REF's {tuple(da.shape[1:])}")
-        n_rows = plan.n_rows if spec.index == "position" else plan.numeric_steps
+        n_rows = row_count(spec, plan.n_rows, plan.numeric_steps, ref.towers) or 0
         n_rows = min(n_rows, da.shape[0], db.shape[0])
-        steps = row_steps_pos if spec.index == "position" else np.arange(plan.numeric_steps)
+        steps = steps_of_rows(spec, n_rows, row_steps_pos, plan.numeric_steps)
         prec = _precision(ref, base, kind, layer)
         w = worst.get((kind, layer))
         if w is None:
@@ -175,7 +176,7 @@ def _rows_present(ref, base, kind: str, layer, n: int) -> np.ndarray:
     """(n,) bool: rows both traces hold (a runtime may report a subset of a step's rows)."""
     keep = np.ones(n, dtype=bool)
     for r in (ref, base):
-        flags = r.rows_present(kind, layer) if S.KIND_BY_NAME[kind].index == "position" else None
+        flags = r.rows_present(kind, layer) if S.KIND_BY_NAME[kind].by_position else None
         if flags is not None:
             keep[: min(n, len(flags))] &= flags[:n]
     return keep

@@ -13,6 +13,7 @@ import numpy as np
 
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.reader import TraceReader
+from gemma4_trace.traces.rows import item_of, layer_counts, row_count, row_word, steps_of_rows
 
 from .align import Plan, check_compatible, dataflow_sequence, make_plan, plan_notes
 from .baseline import DEFAULT_FACTOR, Baseline, check_baseline, quantization_note
@@ -99,7 +100,8 @@ class _Differ:
         self.full = full  # every row of every tensor (the whole error map), no early stop
         self.base, self.baseline = base, baseline  # three-way (diff/baseline.py) when given
         self.layers = ref.layers
-        self.seq = dataflow_sequence(len(self.layers))
+        self.towers = {**run.towers, **ref.towers}  # encoder towers either trace records (REF's table wins)
+        self.seq = dataflow_sequence(layer_counts(len(self.layers), self.towers))
         self.order = {key: i for i, key in enumerate(self.seq)}
         self.notes: list[str] = []
         self.skipped: list[Skipped] = []
@@ -111,25 +113,40 @@ class _Differ:
 
     # ------------------------------------------------------------ candidates
     def _offer(self, d: Divergence) -> None:
+        spec = S.KIND_BY_NAME[d.kind]
+        if self.towers:  # the JSON names each divergence's tower once the traces hold encoder towers
+            d.tower = spec.tower
+        if spec.encoder:
+            d.row_words = self._row_words(spec, d.position)
         key = (d.step, self.order[(d.kind, d.layer)], d.position)
         if self.best is None or key < self.best[0]:
             self.best = (key, d)
 
-    def _row_limit(self, kind: str, layer, index: str) -> int | None:
+    def _row_limit(self, spec: S.Kind, layer) -> int | None:
         """Rows of this dataset that can still beat the best candidate so far."""
         if self.best is None:
             return None
         s_best, o_best, _ = self.best[0]
-        s_lim = s_best + (1 if self.order[(kind, layer)] < o_best else 0)
-        if index == "step":
+        s_lim = s_best + (1 if self.order[(spec.key, layer)] < o_best else 0)
+        if spec.by_step:
             return s_lim
+        if spec.encoder:  # every row is the prefill's
+            return 0 if s_lim == 0 else None
         return 0 if s_lim == 0 else self.plan.step_positions[s_lim - 1][1]
 
-    def _position_of(self, index: str, row: int) -> tuple[int, int]:
-        """(step, absolute position) of a dataset row."""
-        if index == "step":
+    def _position_of(self, spec: S.Kind, row: int) -> tuple[int, int]:
+        """(step, position) of a dataset row: an encoder's rows are the prefill's, their position the row."""
+        if spec.by_step:
             return row, self.plan.step_positions[row][1] - 1
+        if spec.encoder:
+            return 0, row
         return int(self.row_steps[row]), row
+
+    def _row_words(self, spec: S.Kind, row: int) -> str:
+        """'patch 17 (image 2, its patch 5)': an encoder row for people."""
+        item, within = item_of(spec, self.towers[spec.tower], row)
+        what = {"vision": "image", "audio": "clip"}.get(spec.tower, "item")
+        return f"{row_word(spec)} {row} ({what} {item + 1}, its {row_word(spec)} {within})"
 
     def _last_prefill_position(self) -> int:  # where step-indexed kinds' step 0 sits
         return self.plan.step_positions[0][1] - 1
@@ -191,11 +208,16 @@ class _Differ:
     # ------------------------------------------------------------ one (kind, layer)
     def _extent(self, spec: S.Kind, layer) -> tuple[int, int | None]:
         """(rows the compared steps need, rows both traces hold of them; None: row shapes differ)."""
-        da, db = self.ref.dataset(spec.name, layer), self.run.dataset(spec.name, layer)
-        n_rows = self.plan.n_rows if spec.index == "position" else self.plan.numeric_steps
+        da, db = self.ref.dataset(spec.key, layer), self.run.dataset(spec.key, layer)
+        n_rows = self._rows_needed(spec)
         if not _same_row_shape(spec, da, db):
             return n_rows, None
         return n_rows, min(n_rows, da.shape[0], db.shape[0])
+
+    def _rows_needed(self, spec: S.Kind) -> int:
+        """Rows of a kind the compared steps need (an encoder's: all its tower's)."""
+        n = row_count(spec, self.plan.n_rows, self.plan.numeric_steps, self.towers)
+        return 0 if n is None else n
 
     def _planned(self, both: set) -> Iterator[Task]:
         """Every block the pass may take from the worker pool, in the order it takes them: the
@@ -223,7 +245,7 @@ class _Differ:
         """Whether a planned block can still matter: the row limit only shrinks as the pass goes."""
         if task.logits or self.full or S.KIND_BY_NAME[task.kind].residual:
             return True
-        limit = self._row_limit(task.kind, task.layer, S.KIND_BY_NAME[task.kind].index)
+        limit = self._row_limit(S.KIND_BY_NAME[task.kind], task.layer)
         return limit is None or task.r0 < limit
 
     def _compare(self, kind: str, layer) -> None:
@@ -234,7 +256,7 @@ class _Differ:
         self.tensors.append(summary)
         if not _same_row_shape(spec, da, db):
             summary.status = "shape"
-            pos = 0 if spec.index == "position" else self._last_prefill_position()
+            pos = self._last_prefill_position() if spec.by_step else 0
             msg = f"row shape {tuple(da.shape[1:])} in REF vs {tuple(db.shape[1:])} in RUN"
             self._offer(
                 Divergence(0, layer, kind, pos, "shape", 1.0, 0.0, Problem(msg, list(da.shape), list(db.shape)))
@@ -244,7 +266,7 @@ class _Differ:
         if short < n_rows:
             summary.status = "rows"
             who = "REF" if da.shape[0] < db.shape[0] else "RUN"
-            step, pos = self._position_of(spec.index, short)
+            step, pos = self._position_of(spec, short)
             self._offer(
                 Divergence(
                     step,
@@ -285,21 +307,21 @@ class _Differ:
 
     def _blocks(self, spec: S.Kind, layer, n_rows: int, keep: bool) -> Iterator[Block]:
         """The blocks of rows that can still beat the best divergence so far (all rows when `keep`)."""
-        limit = None if keep or self.full else self._row_limit(spec.name, layer, spec.index)
+        limit = None if keep or self.full else self._row_limit(spec, layer)
         end = n_rows if limit is None else min(n_rows, limit)
-        row_steps = self.row_steps if spec.index == "position" else np.arange(self.plan.numeric_steps)
-        three_way = self._three_way(spec.name, layer)
+        row_steps = steps_of_rows(spec, n_rows, self.row_steps, self.plan.numeric_steps)
+        three_way = self._three_way(spec.key, layer)
         if self.pool is not None and not three_way:
-            return self._pooled_blocks(spec.name, layer, n_rows, end, row_steps)
+            return self._pooled_blocks(spec.key, layer, n_rows, end, row_steps)
         return compared_blocks(
             self.ref,
             self.run,
             self.base if three_way else None,
-            spec.name,
+            spec.key,
             layer,
             end,
             row_steps,
-            self.absent.get((spec.name, layer)),
+            self.absent.get((spec.key, layer)),
         )
 
     def _pooled_blocks(self, kind: str, layer, n_rows: int, end: int, row_steps: np.ndarray) -> Iterator[Block]:
@@ -345,11 +367,11 @@ class _Differ:
             summary.rows_compared = k.first + len(k.steps)
             if fails.any() and not found:
                 i = int(np.argmax(fails))
-                step, pos = self._position_of(spec.index, k.first + i)
-                a_row, b_row = self._rows_of(spec.name, layer, k, i)
+                step, pos = self._position_of(spec, k.first + i)
+                a_row, b_row = self._rows_of(spec.key, layer, k, i)
                 detail = MaskDetail(**mask_row_detail(a_row, b_row))
                 detail.image_blocks = self._image_blocks_of(a_row, b_row, pos)
-                self._offer(Divergence(step, layer, spec.name, pos, "mask_keys", float(count[i]), 0.0, detail))
+                self._offer(Divergence(step, layer, spec.key, pos, "mask_keys", float(count[i]), 0.0, detail))
                 found = True
             if found and not self.full:
                 break
@@ -361,7 +383,7 @@ class _Differ:
         if keep:
             rel_all = np.zeros(n_rows, dtype=np.float32)
             sums = (np.zeros(n_rows), np.zeros(n_rows))  # |RUN - REF|^2, |REF|^2 per row: the heatmap's
-            base_nd = np.zeros(n_rows) if self._three_way(spec.name, layer) else None  # |BASE - REF|^2
+            base_nd = np.zeros(n_rows) if self._three_way(spec.key, layer) else None  # |BASE - REF|^2
         worst = {m.name: m.best for m in THRESHOLD_METRICS}
         found = False
         step_worst = {}  # BASE's worst per step: read on first need (no row beyond the tolerance: never)
@@ -384,7 +406,7 @@ class _Differ:
                     a, b, c, rs, tol.l2_floor[st], limits, tol.skip[st], lambda st=st: ceiling(st), k.base_lacks
                 )
                 if keep:
-                    self.res.outside_rows.setdefault((spec.name, layer), np.zeros(n_rows, dtype=bool))[r0:r1] = fails
+                    self.res.outside_rows.setdefault((spec.key, layer), np.zeros(n_rows, dtype=bool))[r0:r1] = fails
             for m in THRESHOLD_METRICS:
                 worst[m.name] = m.worst(worst[m.name], getattr(rs, m.name))
             summary.failed_rows = (summary.failed_rows or 0) + int(fails.sum())
@@ -395,7 +417,7 @@ class _Differ:
                     base_nd[r0:r1] = RowStats(a, c, tol.l2_floor[st]).nd
             if not found and fails.any():
                 i = int(np.argmax(fails))
-                a_row, b_row = self._rows_of(spec.name, layer, k, i)
+                a_row, b_row = self._rows_of(spec.key, layer, k, i)
                 self._offer_row(spec, layer, r0 + i, a_row, b_row, rs, i, METRIC_ORDER[which[i]], tol, bstats)
                 found = True
             summary.rows_compared = r1
@@ -403,11 +425,11 @@ class _Differ:
                 break
         summary.worst = worst
         if keep:
-            self.res.rel_rows[(spec.name, layer)] = rel_all
-            size = int(np.prod(self.ref.dataset(spec.name, layer).shape[1:]))
-            self.res.sums[(spec.name, layer)] = (*sums, size)
+            self.res.rel_rows[(spec.key, layer)] = rel_all
+            size = int(np.prod(self.ref.dataset(spec.key, layer).shape[1:]))
+            self.res.sums[(spec.key, layer)] = (*sums, size)
             if base_nd is not None:
-                self.res.base_sums[(spec.name, layer)] = (base_nd, sums[1], size)
+                self.res.base_sums[(spec.key, layer)] = (base_nd, sums[1], size)
         return found
 
     def _offer_row(
@@ -423,7 +445,7 @@ class _Differ:
         tol: StepTolerance,
         bstats=None,
     ) -> None:
-        step, pos = self._position_of(spec.index, row)
+        step, pos = self._position_of(spec, row)
         t = tol.at(step)
         if METRIC[metric].threshold:
             value, threshold = float(getattr(rs, metric)[i]), t[metric]
@@ -432,12 +454,12 @@ class _Differ:
             threshold = 0.0
         det = element_detail(a_row, b_row, metric, t)
         first, worst = (
-            Element(det[w], det[f"{w}_ref"], det[f"{w}_run"], element_names(spec.name, det[w]))
+            Element(det[w], det[f"{w}_ref"], det[f"{w}_run"], element_names(spec.key, det[w]))
             for w in ("first", "worst")
         )
         metrics = {m.name: float(getattr(rs, m.name)[i]) for m in THRESHOLD_METRICS}
         d = Divergence(
-            step, layer, spec.name, pos, metric, value, threshold, RowDetail(first, worst, metrics, tol.precision)
+            step, layer, spec.key, pos, metric, value, threshold, RowDetail(first, worst, metrics, tol.precision)
         )
         if bstats is not None:
             d.baseline = self.baseline.figures(metric, i, value, bstats, threshold)
@@ -523,7 +545,7 @@ def _result(d: _Differ, ref_path, run_path, baseline_path) -> DiffResult:
     growth = growth_table(d.res, plan)
     first = d.best[1] if d.best is not None else None
     if first is not None:
-        if first.layer is not None:
+        if first.layer is not None and not S.KIND_BY_NAME[first.kind].encoder:
             first.layer_info = ref.layers[first.layer]
         first.origin = origin(first, d.res, len(ref.layers))
     if d.skipped:

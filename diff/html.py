@@ -6,6 +6,7 @@ import html
 import math
 from pathlib import Path
 
+from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.atomic import atomic_output, check_output_path
 
 from .align import PRE_KINDS
@@ -98,6 +99,13 @@ def _heatmap_rows(growth: Growth) -> list[tuple[str, str, tuple, list, list]]:
     the tensors before the layers, each layer's output, the tensors after the layers."""
     rows = []
     none = [None] * len(growth.steps)
+    for tower, band in growth.towers.items():  # one band per encoder tower: its layers, in the prefill
+        key = S.kind_key("layer_out", tower)
+        rows += [
+            (f"{tower[0]}L{l}", f"{tower} tower layer_out of layer {l} (prefill only)", (key, l), [v] + none[1:])
+            + ([t] + none[1:],)
+            for l, v, t in band
+        ]
     e = growth.globals.get("embeddings", (none, none))
     rows.append(("inputs", "embeddings, per_layer_inputs, RoPE (colour: embeddings)", ("embeddings", None), *e))
     rows += [
@@ -109,11 +117,26 @@ def _heatmap_rows(growth: Growth) -> list[tuple[str, str, tuple, list, list]]:
     return rows
 
 
-def _div_row(div: Divergence, n_layers: int) -> int:
-    """The heatmap row of the first divergence: its layer's, or the inputs' or outputs' row."""
-    if div.layer is not None:
-        return 1 + div.layer
-    return 0 if div.kind in PRE_KINDS else n_layers + 1
+def _band(key: tuple) -> str:
+    """A heatmap row's band: an encoder tower's, or the text tower's inputs, layers or outputs."""
+    spec = S.KIND_BY_NAME[key[0]]
+    if spec.encoder:
+        return spec.tower
+    return "layers" if key[1] is not None else "inputs" if key[0] in PRE_KINDS else "outputs"
+
+
+def _div_row(div: Divergence, rows: list) -> int:
+    """The heatmap row of the first divergence: its layer's (its tower's), or the row before or after
+    its band's layers."""
+    keys = [r[2] for r in rows]
+    spec = S.KIND_BY_NAME[div.kind]
+    own = (S.kind_key("layer_out", spec.tower), div.layer)
+    if div.layer is not None and own in keys:
+        return keys.index(own)
+    band = [i for i, k in enumerate(keys) if _band(k) == (spec.tower if spec.encoder else _band((div.kind, None)))]
+    if spec.encoder and band:  # the tower's first tensor: its first row; pooled, soft tokens: its last
+        return band[0] if div.kind == S.TOWER_BY_NAME[spec.tower].kinds[0].key else band[-1]
+    return band[0] if band else 0
 
 
 def _own_ratio(div: Divergence, factor: float | None) -> float | None:
@@ -145,16 +168,19 @@ def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None
     cw = max(3, min(28, 1000 // cols))
     ch = max(8, min(22, 600 // len(rows)))
     left, top, right = 64, 22, 340
-    w, h = max(left + cols * cw + right, 640), top + len(rows) * ch + 84
+    gaps = [0]  # a gap between bands (an encoder tower's, the inputs, the layers, the outputs)
+    for ri in range(1, len(rows)):
+        gaps.append(gaps[-1] + (4 if _band(rows[ri][2]) != _band(rows[ri - 1][2]) else 0))
+    ys = [top + ri * ch + gaps[ri] for ri in range(len(rows))]
+    w, h = max(left + cols * cw + right, 640), top + len(rows) * ch + 76 + gaps[-1]
     limit = "tolerance" if factor is None else "envelope"
     out = []
     for ri, (label, what, *_rest) in enumerate(rows):
-        y = top + ri * ch + (4 if ri == len(rows) - 1 else 0) + (0 if ri == 0 else 4)  # gaps around the layers
+        y = ys[ri]
         out.append(
             f'<text x="{left - 6}" y="{y + ch * 0.75:.1f}" font-size="11" text-anchor="end">{label}'
             f"<title>{html.escape(what)}</title></text>"
         )
-    ys = [top + ri * ch + (0 if ri == 0 else 4) + (4 if ri == len(rows) - 1 else 0) for ri in range(len(rows))]
     for ri, c, worst, v, steps in cells:
         what = rows[ri][1]
         if worst is None:
@@ -171,7 +197,7 @@ def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None
         if worst is None:  # hatched: a diagonal across the neutral grey
             out.append(_hatch(left + c * cw, ys[ri], cw, ch))
     if div is not None and div.step < n_steps:
-        ri = _div_row(div, len(growth.layers))
+        ri = _div_row(div, rows)
         x, text_x = left + (div.step // bin_) * cw, left + cols * cw + 8
         out += _first_divergence_mark(div, rows[ri], (x, ys[ri], cw, ch), text_x, factor, scale)
     for c in range(0, cols, max(1, cols // 10)):

@@ -55,9 +55,28 @@ def growth(res: Residuals, plan: Plan) -> Growth:
     for kind in ("embeddings", "final_hidden"):
         if (kind, None) in res.sums:
             out.globals[kind] = _step_rel(res.sums, res, plan, (kind, None))
-    if res.base_sums:
-        out.base = {key: _step_rel(res.base_sums, res, plan, key)[0] for key in res.base_sums}
+    for name in S.ENCODER_TOWERS:
+        key = S.kind_key(GROWTH_KIND, name)
+        band = [(l, *_tower_rel(res, (k, l))) for k, l in sorted(res.sums, key=str) if k == key]
+        if band:
+            out.towers[name] = sorted(band)
+    if res.base_sums:  # the text tower's residual stream (an encoder's rows are no steps)
+        text = [key for key in res.base_sums if not S.KIND_BY_NAME[key[0]].encoder]
+        out.base = {key: _step_rel(res.base_sums, res, plan, key)[0] for key in text}
     return out
+
+
+def _tower_rel(res: Residuals, key: Key) -> tuple[float | None, float | None]:
+    """rel-L2 of an encoder tensor's rows taken together, and its (prefill) tolerance."""
+    nd, na, m = res.sums[key]
+    tol = res.thresholds[key]
+    keep = ~res.absent[key][: nd.size] if key in res.absent else np.ones(nd.size, dtype=bool)
+    if not keep.any():
+        return None, float(tol.limits[PRIMARY][0])
+    snd, sna = float(nd[keep].sum()), float(na[keep].sum())
+    floor = float(tol.l2_floor[0]) * math.sqrt(m * int(keep.sum()))
+    rel = 0.0 if snd == 0 else math.sqrt(snd) / max(math.sqrt(sna), floor, 1e-300)
+    return rel, float(tol.limits[PRIMARY][0])
 
 
 def _step_rel(sums: dict, res: Residuals, plan: Plan, key: Key) -> tuple[list, list]:
@@ -87,7 +106,10 @@ def _step_rel(sums: dict, res: Residuals, plan: Plan, key: Key) -> tuple[list, l
 
 
 def _input_of(d: Divergence, n_layers: int) -> tuple[str, int | None] | None:
-    """The residual-stream tensor a divergent tensor is computed from."""
+    """The residual-stream tensor a divergent tensor is computed from (within its tower)."""
+    spec = S.KIND_BY_NAME[d.kind]
+    if spec.encoder:
+        return _encoder_input(spec, d.layer)
     if d.layer is not None:
         return ("layer_out", d.layer - 1) if d.layer > 0 else ("embeddings", None)
     if d.kind == "per_layer_inputs":  # a projection of the embeddings plus a token-id lookup
@@ -95,9 +117,20 @@ def _input_of(d: Divergence, n_layers: int) -> tuple[str, int | None] | None:
     return {"final_hidden": ("layer_out", n_layers - 1), "logits": ("final_hidden", None)}.get(d.kind)
 
 
+def _encoder_input(spec: S.Kind, layer: int | None) -> tuple[str, int | None] | None:
+    """An encoder kind's input, row for row: the tower's first kind feeds layer 0, each layer's output
+    the next; its pooled and soft-token rows are other rows (soft tokens), so no input row is theirs."""
+    if layer is None:
+        return None
+    first = S.TOWER_BY_NAME[spec.tower].kinds[0]
+    return (S.kind_key("layer_out", spec.tower), layer - 1) if layer > 0 else (first.key, None)
+
+
 def origin(d: Divergence, res: Residuals, n_layers: int) -> Origin | None:
     """Was the divergence introduced in its tensor or carried in by its input?"""
     spec = S.KIND_BY_NAME[d.kind]
+    if spec.encoder and spec.key == S.TOWER_BY_NAME[spec.tower].kinds[0].key:
+        return Origin("introduced", "it is the tower's first tensor, computed from the raw image or audio input")
     if spec.dtype == "bool":
         return Origin("introduced", "the mask is computed from positions, not from data")
     if d.kind in PRE_KINDS and d.kind != "per_layer_inputs":
@@ -117,7 +150,7 @@ def origin(d: Divergence, res: Residuals, n_layers: int) -> Origin | None:
         )
     in_rel = float(rows[d.position])
     in_tol = float(res.thresholds[inp].limits[PRIMARY][d.step])
-    out = res.rel_rows.get(("layer_out", d.layer)) if d.layer is not None else None
+    out = res.rel_rows.get((S.kind_key("layer_out", spec.tower), d.layer)) if d.layer is not None else None
     here = d.detail.metrics[PRIMARY]
     err = InputError(inp[0], inp[1], in_rel, in_tol, here, None if out is None else float(out[d.position]))
     if inp in res.outside_rows:  # three-way: judged by BASE's envelope, not by the tolerance alone

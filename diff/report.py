@@ -96,10 +96,15 @@ def divergence_sentence(result: DiffResult) -> str:
     if d is None:
         return "no divergence"
     where = [f"{d.phase} step {d.step}"]
-    if d.layer is not None:
-        where.append(_layer_words(d))
-    where.append(f"kind {d.kind}")
-    where.append(f"position {d.position}")
+    if d.row_words is not None:  # an encoder tower's: its layer, its kind, its row (patch, frame, soft token)
+        tower, _, kind = d.kind.partition(".")
+        where += [f"{tower} tower"] + ([f"layer {d.layer}"] if d.layer is not None else [])
+        where += [f"kind {kind}", d.row_words]
+    else:
+        if d.layer is not None:
+            where.append(_layer_words(d))
+        where.append(f"kind {d.kind}")
+        where.append(f"position {d.position}")
     head = "first divergence: " + ", ".join(where)
     det = d.detail
     if isinstance(det, MaskDetail):

@@ -207,6 +207,8 @@ class Divergence:
     origin: Origin | None = None
     sentence: str | None = None
     baseline: BaselineFigures | None = None  # under --baseline
+    tower: str | None = None  # its tower, once either trace holds an encoder tower (else the text tower's)
+    row_words: str | None = None  # an encoder's row for people: "patch 17 (image 2, its patch 5)"
 
     @property
     def phase(self) -> str:
@@ -224,6 +226,8 @@ class Divergence:
             "threshold": self.threshold,
             **self.detail.to_json(),
         }
+        if self.tower is not None:  # additive: traces of the text tower alone keep their JSON byte for byte
+            out["tower"] = self.tower
         if self.layer_info is not None:
             out.update(jsonable(self.layer_info))
         if self.origin is not None:
@@ -330,6 +334,8 @@ class Growth:
     # BASE's rel-L2 against REF per step of every residual tensor ({(kind, layer): values})
     globals: dict[str, tuple[list[float | None], list[float | None]]] = field(default_factory=dict)
     base: dict[tuple[str, int | None], list[float | None]] | None = None
+    # the heatmap's band of each encoder tower (prefill only): [(layer, layer_out rel-L2, tolerance)]
+    towers: dict[str, list[tuple[int, float | None, float | None]]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {

@@ -258,8 +258,11 @@ def _rule(r: dict, i: int, where: str, budget: list[int]) -> Rule:
     if bad:
         raise TraceToolError(f"{where}: unknown key(s) {_show(bad)}; allowed: {', '.join(RULE_FIELDS)}")
     kind = _Pattern(r["kind"], "kind", where, False, budget) if "kind" in r else None
-    if kind is not None and not kind.any and not any(kind.match(k) for k in S.KIND_NAMES):
-        raise TraceToolError(f"{where}: kind {_show(r['kind'])} matches no kind; kinds are {', '.join(S.KIND_NAMES)}")
+    if kind is not None and not kind.any and not any(kind.match(k) for k in S.ALL_KIND_KEYS):
+        raise TraceToolError(
+            f"{where}: kind {_show(r['kind'])} matches no kind; kinds are {', '.join(S.KIND_NAMES)} "
+            f"(an encoder tower's: {', '.join(S.ENCODER_TOWERS)} + '.' + its kind, e.g. vision.layer_out)"
+        )
     layer = _Pattern(r["layer"], "layer", where, True, budget) if "layer" in r else None
     step = _Pattern(r["step"], "step", where, True, budget) if "step" in r else None
     values = {f: _threshold(r[f], f, where) for f in THRESHOLD_FIELDS if f in r}

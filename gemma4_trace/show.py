@@ -58,6 +58,15 @@ def summarize(r: TraceReader, decode=None) -> str:
             f"  L{i:02d}  {li.layer_type:<17} head_dim {li.head_dim:<4} heads {li.num_heads}/{li.num_kv_heads} kv  "
             f"{role}"
         )
+    for name, t in r.towers.items():  # schema version 2: the encoder towers recorded
+        tower = S.TOWER_BY_NAME[name]
+        items = {"vision": "image", "audio": "clip"}.get(name, "item")
+        rows = {"patch": "patches"}.get(tower.rows, f"{tower.rows}s")
+        lines.append(
+            f"tower      {name}: {t.layers} layers (hidden {t.hidden}, {t.heads} heads of {t.head_dim}); "
+            f"{len(t.item_rows)} {items}(s): {'+'.join(map(str, t.item_rows))} {rows}, "
+            f"{'+'.join(map(str, t.item_tokens))} soft tokens into {tower.joins}"
+        )
     lines.append("kinds      (stored shape, one layer's for a layer kind; source dtype; on-disk size)")
     seen = set()
     for kind, layer in r.kinds_present():

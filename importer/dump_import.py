@@ -72,7 +72,7 @@ def layout(shape: tuple, dtype: str, e: Entry, fields: dict, src: Source, what: 
         start, stop, n = fields["start"], fields["stop"], fields["n"]
         if e.per_position:  # one position per file: the pos axis holds that row (rows as for a step of 1)
             start, stop, n = fields["position"], fields["position"] + 1, 1
-        if spec.index == "step":  # logits/token at the step's last position
+        if spec.by_step:  # logits/token at the step's last position
             a = {"step": n - 1, "padded": n - 1, "absolute": stop - 1}[e.rows]
             b = a + 1
         else:
@@ -103,9 +103,9 @@ def take(arr: np.ndarray, lay: Layout, dtype: str, e: Entry) -> np.ndarray:
     arr = arr.squeeze(axis=lay.dropped).transpose(lay.order) if lay.dropped else arr.transpose(lay.order)
     if lay.rows is not None:
         arr = arr[lay.rows]
-        if spec.index == "step":
+        if spec.by_step:
             arr = arr[0]
-    elif spec.index == "position":
+    elif spec.by_position:
         arr = arr[None]
     arr = F.bf16_to_f32(arr) if dtype == "bfloat16" else np.asarray(arr).astype(np.dtype(dtype))
     if e.kind == "mask":
@@ -128,8 +128,7 @@ def _sources(entries: list[Entry], ref: TraceReader, where: str) -> list[Source]
     limits = LIM.row_limits(ref.model_config, ref.layers)
     out, seen = [], {}
     for e in entries:
-        spec = S.KIND_BY_NAME[e.kind]
-        if spec.per_layer:
+        if S.layered(e.kind):
             owners = [i for i, li in enumerate(ref.layers) if e.kind not in ("k", "v") or li.kv_role != "reuses"]
             layers = e.layers if e.layers is not None else owners
             for i in layers:

@@ -217,7 +217,7 @@ def load_map(path) -> dict:
 def _axes(t: dict, kind: str, spec, per_position: bool, where: str) -> list:
     """An entry's axes (the canonical row axes, with 'pos' and '_' where the file has them), checked."""
     canon = row_axes(kind)
-    default_axes = canon if (per_position or (spec.index == "step")) else ("pos",) + canon
+    default_axes = canon if (per_position or spec.by_step) else ("pos",) + canon
     axes = t.get("axes", list(default_axes))
     if not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
         fail(f"{where}: axes must be a list of axis names, got {one_line(repr(axes), 80)}")
@@ -234,7 +234,7 @@ def _axes(t: dict, kind: str, spec, per_position: bool, where: str) -> list:
     missing = [a for a in canon if a not in named]
     if missing:
         fail(f"{where}: axes {axes} lack {missing[0]!r} ({kind} rows have axes {list(canon)})")
-    if "pos" not in named and spec.index == "position" and not per_position:
+    if "pos" not in named and spec.by_position and not per_position:
         fail(f"{where}: axes {axes} lack 'pos' (a file per step holds the step's rows; or use {{position}} in file)")
     return axes
 
@@ -253,7 +253,7 @@ def _entry(t: dict, where: str) -> Entry:
     key = check_pattern(t["key"], "key", where) if "key" in t else None
     layers = t.get("layers")
     if layers is not None:
-        if not spec.per_layer:
+        if not S.layered(kind):
             fail(f"{where}: layers given for a kind that is not per layer")
         if not isinstance(layers, list) or not all(
             isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers
@@ -288,7 +288,7 @@ def _entry(t: dict, where: str) -> Entry:
     if fmt in ("npz", "safetensors") and key is None:
         fail(f"{where}: a {fmt} file needs key (the tensor's name in the file)")
     per_position = "position" in {name for _lit, name, _spec, _conv in _fields(file) if name}
-    if per_position and spec.index == "step":
+    if per_position and spec.by_step:
         fail(f"{where}: {{position}} in file is for position-indexed kinds; {kind} has one row per step")
     axes = _axes(t, kind, spec, per_position, where)
     if shape is not None and len(shape) != len(axes):

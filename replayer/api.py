@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError, one_line
+from gemma4_trace.traces.rows import row_count
 
 REQUIRED_METHODS = ("prefill", "decode")
 DRIVER_KINDS = ("logits", "token")  # written by the replay driver, never by a runtime
@@ -111,18 +112,30 @@ class WriterProbe:
         self.last: tuple[str, int | None] | None = None  # the step's last report: what a crash came after
         self.limits: dict[str, int] | None = None  # values a row of each kind may hold (the header's, once)
 
-    def tensor(self, kind: str, value, layer: int | None = None, positions=None) -> None:
-        spec = S.KIND_BY_NAME.get(kind)
-        if spec is None or kind in DRIVER_KINDS:
-            allowed = ", ".join(k for k in S.KIND_NAMES if k not in DRIVER_KINDS)
-            raise ReportError(f"runtime {self.runtime_name} reported unknown kind {kind!r} (known: {allowed})")
-        if (layer is None) == spec.per_layer:
+    def tensor(self, kind: str, value, layer: int | None = None, positions=None, tower: str = S.TEXT) -> None:
+        """Report one kind's rows for the open step. `tower`: an encoder tower's kind ("vision",
+        "audio"), reported in the prefill, image after image (one call each, or one for all)."""
+        if tower not in S.TOWER_BY_NAME:
             raise ReportError(
-                f"runtime {self.runtime_name} reported {kind!r} with layer={layer}; "
-                f"{kind} is {'per layer' if spec.per_layer else 'global (layer=None)'}"
+                f"runtime {self.runtime_name} reported {kind!r} of unknown tower {tower!r} "
+                f"(towers: {', '.join(t.name for t in S.TOWERS)})"
             )
+        key = S.kind_key(kind, tower)
+        spec = S.KIND_BY_NAME.get(key)
+        if spec is None or spec.tower != tower or key in DRIVER_KINDS:
+            names = S.KIND_NAMES if tower == S.TEXT else [k.name for k in S.TOWER_BY_NAME[tower].kinds]
+            allowed = ", ".join(k for k in names if k not in DRIVER_KINDS)
+            where = "" if tower == S.TEXT else f" of the {tower} tower"
+            raise ReportError(f"runtime {self.runtime_name} reported unknown kind {kind!r}{where} (known: {allowed})")
+        try:
+            S.Site(tower, kind, layer)
+        except ValueError:
+            raise ReportError(
+                f"runtime {self.runtime_name} reported {key!r} with layer={layer}; {key} is {S.layer_rule(key)}"
+            ) from None
+        kind = key
         key = (kind, layer)
-        if key in self.seen:
+        if key in self.seen and not spec.encoder:  # an encoder's rows may come image by image
             raise ReportError(f"runtime {self.runtime_name} reported {kind!r} layer {layer} twice in one step")
         self.seen.add(key)
         source = str(getattr(value, "dtype", "float32")).removeprefix("torch.")
@@ -141,7 +154,7 @@ class WriterProbe:
                 f"{getattr(value, 'dtype', type(value).__name__)}; expected real numbers"
             )
         try:
-            self.w.add(kind, value, layer=layer, source_dtype=source, positions=positions)
+            self.w.add(spec.name, value, layer=layer, source_dtype=source, positions=positions, tower=tower)
         except (ValueError, TypeError) as e:
             raise ReportError(f"runtime {self.runtime_name}: {one_line(e, 200)}") from None
         self.last = key
@@ -156,10 +169,10 @@ class WriterProbe:
             raise ReportError(
                 f"runtime {self.runtime_name} reported {kind!r} as {type(value).__name__}, not a tensor"
             ) from None
-        rows = 1 if spec.index == "step" else self.w.step_rows
+        rows = row_count(spec, self.w.step_rows, 1, self.w.towers) or 0
         if self.limits is None:  # the trace's header is written before the first report
-            self.limits = LIM.row_limits(self.w.model_config, self.w.layers)
-        limit = self.limits[kind] * rows
+            self.limits = LIM.row_limits(self.w.model_config, self.w.layers, self.w.towers)
+        limit = self.limits.get(kind, 0) * rows  # no limit: an encoder tower the header does not declare
         n = 1
         for d in shape:
             n *= d
@@ -178,17 +191,19 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _DRIVER_FILES = {os.path.join(_HERE, f) for f in ("api.py", "core.py", "replay.py")}  # no plug-in's frames
 
 
-def report(probe, kind: str, value, layer: int | None = None, positions=None):
+def report(probe, kind: str, value, layer: int | None = None, positions=None, tower: str = S.TEXT):
     """Report `value` when a probe is on and return the tensor to continue with: `value`, or the
     probe's rows (REF's under --isolate). With probe None nothing runs.
 
         x = report(probe, "layer_out", x_rows, layer=i)
+        p = report(probe, "layer_out", patch_rows, layer=i, tower="vision")
     """
     if probe is None:
         return value
-    got = (
-        probe.tensor(kind, value, layer) if positions is None else probe.tensor(kind, value, layer, positions=positions)
-    )
+    more = {} if positions is None else {"positions": positions}
+    if tower != S.TEXT:  # a probe of the text tower alone (older plug-ins' probes) is never asked for towers
+        more["tower"] = tower
+    got = probe.tensor(kind, value, layer, **more)
     return value if got is None else got
 
 

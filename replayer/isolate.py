@@ -36,9 +36,9 @@ class IsolatingProbe(WriterProbe):
         self.step += 1  # teacher-forced: the replay feeds REF's positions, step by step
         self.rows = slice(*self.ref.step_positions[self.step])
 
-    def tensor(self, kind: str, value, layer: int | None = None, positions=None):
-        super().tensor(kind, value, layer, positions)
-        if kind not in S.LAYER_INPUT_KINDS:
+    def tensor(self, kind: str, value, layer: int | None = None, positions=None, tower: str = S.TEXT):
+        super().tensor(kind, value, layer, positions, tower)
+        if tower != S.TEXT or kind not in S.LAYER_INPUT_KINDS:  # the text decoder's layers are isolated
             return value
         if not self.ref.has(kind, layer):
             what = kind + (f" of layer {layer}" if layer is not None else "")

@@ -5,7 +5,11 @@
 - no package (subpackages, gemma4_trace/ and gemma4_trace/commands/ included) has an import cycle,
   nor has the project across its packages;
 - no adapter (replayer/runtimes/) imports the replay driver (replay.py, core.py);
-- no function over 80 lines, no module over 600 lines, no command module over 200 lines.
+- no function over 80 lines, no module over 600 lines, no command module over 200 lines;
+- the trace vocabulary stays in traces/: no module outside it compares a kind's row index with a
+  literal ("position", "step", ...), reads a kind's per-layer flag, or writes a "tensors/..." path
+  (schema.Site composes and parses them: `parse(path(site)) == site` for every site of the
+  shipped model).
 
 Each checker is shown to catch a planted violation (as tests/test_layering.py does)."""
 
@@ -185,6 +189,75 @@ def oversized(root: Path) -> list[str]:
     return bad
 
 
+ROW_INDEX_WORDS = {"position", "step", "patch", "frame", "soft_token"}  # traces.schema.ROW_INDEXES
+
+
+def _text_start(node: ast.AST) -> str | None:
+    """The leading text of a string constant or f-string."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+        return str(node.values[0].value)
+    return None
+
+
+def _is_index(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "index") or (
+        isinstance(node, ast.Name) and node.id == "index"
+    )
+
+
+def vocabulary_leaks(root: Path) -> list[str]:
+    """Row-index literal comparisons, per-layer flag reads and tensors/ paths outside traces/."""
+    bad = []
+    for path in sources(root):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "traces":
+            continue
+        tree = ast.parse(path.read_text())
+        parts = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}  # an f-string's
+        for node in ast.walk(tree):
+            if id(node) in parts:
+                continue
+            where = f"{rel}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                words = {_text_start(x) for x in sides} & ROW_INDEX_WORDS
+                if words and any(_is_index(x) for x in sides):
+                    bad.append(f"{where} compares a row index with {sorted(words)[0]!r}")
+            elif isinstance(node, ast.Attribute) and node.attr == "per_layer":
+                bad.append(f"{where} reads a kind's per_layer flag")
+            elif (_text_start(node) or "").startswith("tensors/"):
+                bad.append(f"{where} writes a tensors/ path")
+    return bad
+
+
+def test_the_trace_vocabulary_stays_in_traces():
+    bad = vocabulary_leaks(ROOT)
+    assert not bad, "\n".join(bad)
+
+
+def test_every_site_of_the_shipped_model_parses_back():
+    import json
+
+    from gemma4_trace.traces import schema as S
+    from gemma4_trace.traces.layers import tower_sizes
+
+    config = json.loads((ROOT / "hf" / "tiny_model" / "config.json").read_text())
+    counts = {S.TEXT: config["text_config"]["num_hidden_layers"]}
+    for tower in S.TOWERS:
+        sizes = tower_sizes(config, tower) if tower.name != S.TEXT else None
+        if sizes is not None:
+            counts[tower.name] = sizes["layers"]
+    assert set(counts) == {"text", "vision"}  # the tiny model has no audio tower: absent, never empty
+    sites = S.dataflow(counts)
+    # text: 9 global kinds + 6 kinds in each of 8 layers; vision: 3 global + 5 in each of 2 layers
+    assert len(sites) == len({s.path for s in sites}) == 9 + 6 * 8 + 3 + 5 * 2
+    for site in sites:
+        assert S.Site.parse(site.path) == site, site
+        assert S.Site.of(site.key, site.layer) == site
+
+
 def test_no_private_name_is_imported_across_modules():
     bad = private_imports(ROOT)
     assert not bad, "\n".join(bad)
@@ -224,6 +297,14 @@ def test_the_checkers_catch_each_violation(tmp_path):
         "    C._private()\n    gemma4_trace.replayer.c._private()\n    C.public(self._mine, C.__name__)\n"
     )
     (tmp_path / "replayer" / "runtimes" / "x.py").write_text("from ..core import make_runtime\n")
+    (tmp_path / "diff").mkdir()
+    (tmp_path / "diff" / "v.py").write_text(
+        "def f(spec, index, layer, e):\n    if spec.index == 'step' or 'position' != index:\n"
+        "        return spec.per_layer, f'tensors/L{layer:02d}/q', 'tensors/logits'\n"
+        "    return e.rows == 'step', spec.index is None, 'the tensors/ group'\n"
+    )
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces" / "s.py").write_text("def f(spec):\n    return spec.per_layer, spec.index == 'step'\n")
     long_body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
     (tmp_path / "gemma4_trace" / "commands" / "big.py").write_text(f"def f():\n{long_body}" + "\n" * 150)
     assert private_imports(tmp_path) == [
@@ -236,6 +317,13 @@ def test_the_checkers_catch_each_violation(tmp_path):
     ]
     assert adapter_driver_imports(tmp_path) == [
         "replayer/runtimes/x.py:1 imports the replay driver (gemma4_trace.replayer.core)"
+    ]
+    assert vocabulary_leaks(tmp_path) == [
+        "diff/v.py:2 compares a row index with 'step'",
+        "diff/v.py:2 compares a row index with 'position'",
+        "diff/v.py:3 reads a kind's per_layer flag",
+        "diff/v.py:3 writes a tensors/ path",
+        "diff/v.py:3 writes a tensors/ path",
     ]
     assert oversized(tmp_path) == [
         f"gemma4_trace/commands/big.py: {MAX_FUNCTION_LINES + 151} lines, more than {MAX_COMMAND_LINES}",

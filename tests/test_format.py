@@ -143,3 +143,9 @@ def test_docs_list_every_kind():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "trace-format.md").read_text()
     for name in KIND_NAMES:
         assert f"`{name}`" in doc, name
+    from gemma4_trace.traces.schema import TOWERS
+
+    encoders = doc[doc.index("## Encoder kinds") : doc.index("## Storage rules")]
+    for tower in TOWERS:
+        for kind in tower.kinds if tower.name != "text" else ():
+            assert f"`{kind.key}`" in encoders or f"`{kind.name}`" in encoders, kind.key

@@ -1,6 +1,7 @@
 """What a trace says about its run before any tensor: the typed header the writer takes whole.
 
-`TraceHeader` holds the provenance, the prompt and the model's per-layer metadata;
+`TraceHeader` holds the provenance, the prompt, the model's per-layer metadata and the encoder
+towers recorded;
 `TraceWriter.write_header(header)` writes it, `TraceReader.header()` reads it back (so a
 trace's header is copied, with changes, by `dataclasses.replace` or `with_provenance`).
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import schema as S
-from .layers import LayerInfo
+from .layers import LayerInfo, TowerInfo
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class TraceHeader:
     prompt_text: str = ""
     chat_template_applied: bool = False
     extra_inputs: Mapping[str, np.ndarray] = field(default_factory=dict)  # model inputs besides ids
+    towers: tuple[TowerInfo, ...] = ()  # encoder towers recorded (schema version 2); () for a text-only trace
 
     def __post_init__(self) -> None:
         if not isinstance(self.provenance, Provenance):
@@ -83,6 +85,12 @@ class TraceHeader:
         set_(self, "max_new_tokens", int(self.max_new_tokens))
         set_(self, "eos_token_ids", tuple(sorted(set(int(e) for e in self.eos_token_ids))))
         set_(self, "extra_inputs", dict(self.extra_inputs or {}))
+        unknown = [t.name for t in self.towers if t.name not in S.ENCODER_TOWERS]
+        if unknown:
+            raise ValueError(f"no encoder tower {unknown[0]!r} (known: {', '.join(S.ENCODER_TOWERS)})")
+        set_(self, "towers", tuple(sorted(self.towers, key=lambda t: S.ENCODER_TOWERS.index(t.name))))
+        if len({t.name for t in self.towers}) != len(self.towers):
+            raise ValueError("a trace header names each encoder tower once")
         if not self.layers:
             raise ValueError("a trace header needs the model's layers")
 

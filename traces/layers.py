@@ -46,3 +46,59 @@ def layer_infos_from_config(text_config) -> list[LayerInfo]:
             )
         )
     return infos
+
+
+@dataclass(frozen=True)
+class TowerInfo:
+    """An encoder tower as a trace records it (schema version 2): its sizes, read from its own
+    sub-config, and how many rows (patches or frames) and soft tokens each image or clip gave."""
+
+    name: str  # an encoder tower of traces.schema.TOWERS: "vision" | "audio"
+    layers: int
+    hidden: int
+    heads: int
+    head_dim: int
+    item_rows: tuple[int, ...]  # rows of each image / clip, in prompt order
+    item_tokens: tuple[int, ...]  # soft tokens of each image / clip (what it adds to the text tower)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "item_rows", tuple(int(x) for x in self.item_rows))
+        object.__setattr__(self, "item_tokens", tuple(int(x) for x in self.item_tokens))
+
+    @property
+    def rows(self) -> int:
+        return sum(self.item_rows)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.item_tokens)
+
+
+def tower_sizes(config, tower) -> dict[str, int] | None:
+    """{layers, hidden, heads, head_dim} of an encoder tower from its sub-config (a dict from
+    config.json or an HF config; `tower` a traces.schema.Tower); None when the config has none.
+    Values that are not positive integers are left out (the caller says what is missing)."""
+    sub = config.get(tower.config) if isinstance(config, dict) else getattr(config, tower.config, None)
+    if sub is None:
+        return None
+
+    def get(key):
+        v = sub.get(key) if isinstance(sub, dict) else getattr(sub, key, None)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+    out = {"layers": get("num_hidden_layers"), "hidden": get("hidden_size"), "heads": get("num_attention_heads")}
+    head_dim = get("head_dim")
+    if head_dim is None and out["hidden"] and out["heads"] and out["hidden"] % out["heads"] == 0:
+        head_dim = out["hidden"] // out["heads"]
+    out["head_dim"] = head_dim
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def tower_info_from_config(config, tower, item_rows, item_tokens) -> TowerInfo:
+    """The TowerInfo of an encoder tower of a model config, with the rows and soft tokens each
+    image or clip gave (the recorder counts them from the processor's inputs)."""
+    sizes = tower_sizes(config, tower)
+    missing = [k for k in ("layers", "hidden", "heads", "head_dim") if sizes is None or k not in sizes]
+    if missing:
+        raise ValueError(f"the model config's {tower.config} lacks {', '.join(missing)}")
+    return TowerInfo(tower.name, item_rows=item_rows, item_tokens=item_tokens, **sizes)

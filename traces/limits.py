@@ -18,7 +18,7 @@ import math
 import os
 
 from .errors import TraceToolError, one_line
-from .schema import KINDS
+from .schema import KINDS, TOWER_BY_NAME
 
 MAX_LAYERS = 512
 MAX_HEADS = 1024
@@ -85,10 +85,11 @@ def text_config(cfg):
     return sub if isinstance(sub, dict) or (sub is not None and not isinstance(cfg, dict)) else cfg
 
 
-def row_limits(cfg, layers) -> dict[str, int]:
-    """Values one row of each kind may hold: ROW_SLACK times what the model config and the per-layer
-    metadata say. Widths need not match (a runtime reporting a wrong width is a `shape` divergence
-    for the diff), but a width no config justifies is refused before anything is read or copied."""
+def row_limits(cfg, layers, towers=None) -> dict[str, int]:
+    """Values one row of each kind may hold: ROW_SLACK times what the model config, the per-layer
+    metadata and the encoder tower table (`towers`: {name: TowerInfo}) say. Widths need not match (a
+    runtime reporting a wrong width is a `shape` divergence for the diff), but a width no config
+    justifies is refused before anything is read or copied."""
     t = text_config(cfg) if isinstance(cfg, dict) else {}
     t = t if isinstance(t, dict) else {}
 
@@ -109,6 +110,10 @@ def row_limits(cfg, layers) -> dict[str, int]:
         "head_dim": hd,
         "vocab": vocab,
         "keys": MAX_POSITIONS // ROW_SLACK,
+        "model_hidden": hidden,
     }
     per = {k.name: math.prod(width[a.width] for a in k.axes) for k in KINDS}
+    for name, info in (towers or {}).items():
+        own = width | {"hidden": info.hidden, "heads": info.heads, "head_dim": info.head_dim, "layers": info.layers}
+        per |= {k.key: math.prod(own[a.width] for a in k.axes) for k in TOWER_BY_NAME[name].kinds}
     return {k: ROW_SLACK * v for k, v in per.items()}

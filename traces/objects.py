@@ -14,7 +14,7 @@ import numpy as np
 
 from . import limits as LIM
 from .errors import TraceCorruptError, TraceFileError, interrupted, one_line
-from .layers import LayerInfo
+from .layers import LayerInfo, TowerInfo
 
 ADVICE = "re-record it, or copy it again if it was transferred"
 DTYPE_WORDS = {"f": "float16, float32 or float64", "b": "bool", "iu": "integer", "biuf": "numbers"}
@@ -47,6 +47,7 @@ class Checked:
     chat_template_applied: bool = False
     extra_names: list[str] = field(default_factory=list)
     layers: list[LayerInfo] = field(default_factory=list)
+    towers: dict[str, TowerInfo] = field(default_factory=dict)  # encoder towers (schema version 2)
     step_positions: list[tuple[int, int]] = field(default_factory=list)
     present: set = field(default_factory=set)  # (kind, layer) stored
     flags: set = field(default_factory=set)  # (kind, layer) with a rows_present dataset
@@ -66,6 +67,7 @@ class ObjectChecks:
         self.f, self.path, self.file_size = f, path, file_size
         self.at = "the file header"
         self.out = Checked()
+        self.version = 1  # the trace's schema version, once read
         self._addrs: dict[int, str] = {}
         self._declared = 0  # bytes all datasets declare
 

@@ -29,6 +29,7 @@ from . import schema as S
 from .errors import TraceToolError, interrupted, one_line
 from .header import Provenance, TraceHeader
 from .objects import ADVICE, READ_ERRORS, Checked, attr_text, corrupt, corrupt_data, file_error, nbytes, read_small
+from .rows import layer_counts
 from .validate import Validator
 
 HASH_BLOCK_BYTES = 64 << 20  # content_hash reads a dataset this many bytes at a time
@@ -89,6 +90,7 @@ class TraceReader:
         self.prompt_ids, self.max_new_tokens, self.eos_token_ids = c.prompt_ids, c.max_new_tokens, c.eos_token_ids
         self.prompt_text, self.chat_template_applied = c.prompt_text, c.chat_template_applied
         self.layers, self.step_positions = c.layers, c.step_positions
+        self.towers = c.towers  # {name: TowerInfo} of the encoder towers recorded (schema version 2)
         self._extra_names, self._present, self._flags = c.extra_names, c.present, c.flags
         self._tokens, self._objects = c.tokens, c.objects
         self._bf16 = c.bf16
@@ -160,6 +162,7 @@ class TraceReader:
             prompt_text=self.prompt_text,
             chat_template_applied=self.chat_template_applied,
             extra_inputs=self.extra_inputs(),
+            towers=tuple(self.towers.values()),
         )
 
     def has(self, kind: str, layer: int | None = None) -> bool:
@@ -215,13 +218,23 @@ class TraceReader:
     def tokens(self) -> np.ndarray:
         return self._tokens.copy()
 
+    def layer_counts(self) -> dict[str, int]:
+        """{tower: its layer count} of the towers this trace records (the text tower always)."""
+        return layer_counts(len(self.layers), self.towers)
+
     def kinds_present(self) -> list[tuple[str, int | None]]:
-        """(kind, layer) pairs stored, in data-flow order."""
+        """(kind key, layer) pairs stored, tower by tower in data-flow order, each kind's layers in turn."""
+        counts = self.layer_counts()
         out = []
-        for spec in S.KINDS:
-            layers = range(len(self.layers)) if spec.per_layer else [None]
-            out += [(spec.name, l) for l in layers if self.has(spec.name, l)]
+        for key in S.ALL_KIND_KEYS:
+            n = counts.get(S.KIND_BY_NAME[key].tower)
+            if n is not None:
+                out += [(key, site.layer) for site in S.sites_of(key, n) if self.has(key, site.layer)]
         return out
+
+    def sites(self) -> list[S.Site]:
+        """Every site stored, in the diff's data-flow order (encoder towers, then the text tower)."""
+        return [site for site in S.dataflow(self.layer_counts()) if self.has(site.key, site.layer)]
 
     # ------------------------------------------------------------------ hash
     def content_hash(self) -> str:

@@ -40,6 +40,16 @@ def parse_ranges(text: str, what: str) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+def unknown_tower_kind(option: str, key: str) -> str:
+    """The one line for a TOWER.KIND that names no kind of any tower."""
+    tower, _, kind = key.partition(".")
+    if tower not in S.ENCODER_TOWERS:
+        towers = ", ".join(S.ENCODER_TOWERS)
+        return f"{option}: unknown tower {tower!r} in {key!r} (towers: {towers}; the text tower's kinds have no prefix)"
+    names = [k.name for k in S.TOWER_BY_NAME[tower].kinds]
+    return f"{option}: the {tower} tower has no kind {kind!r} (its kinds: {', '.join(names)})"
+
+
 def ranges_text(values) -> str:
     """(0, 1, 2, 3, 17) -> '0-3,17'."""
     vals, parts = sorted(values), []
@@ -67,12 +77,14 @@ class Selection:
         k = None
         if kinds is not None:
             names = tuple(dict.fromkeys(x for x in kinds.replace(" ", "").split(",") if x))
-            bad = [x for x in names if x not in S.KIND_NAMES]
+            bad = [x for x in names if x not in S.KIND_BY_NAME]
+            if bad and "." in bad[0]:  # an encoder tower's kind: TOWER.KIND
+                raise TraceToolError(unknown_tower_kind("--kinds", bad[0]))
             if bad or not names:
                 raise TraceToolError(
                     f"--kinds: unknown kind {bad[0] if bad else kinds!r} (known: {', '.join(S.KIND_NAMES)})"
                 )
-            k = tuple(x for x in S.KIND_NAMES if x in names or x in ALWAYS_KEPT)
+            k = tuple(x for x in S.ALL_KIND_KEYS if x in names or x in ALWAYS_KEPT)
         return cls(
             parse_ranges(layers, "layers") if layers is not None else None,
             k,
@@ -91,14 +103,16 @@ class Selection:
             )
 
     def keeps(self, kind: str, layer: int | None = None) -> bool:
-        """Is (kind, layer) written at all (at the steps kept)?"""
+        """Is (kind key, layer) written at all (at the steps kept)? `layers` names the text tower's
+        layers: an encoder tower's layers are all kept."""
         if kind in ALWAYS_KEPT:
             return True
         if self.kinds is not None and kind not in self.kinds:
             return False
-        return layer is None or self.layers is None or layer in self.layers
+        return layer is None or self.layers is None or S.KIND_BY_NAME[kind].encoder or layer in self.layers
 
     def keeps_step(self, kind: str, step: int) -> bool:
+        """Is (kind key) kept at this step? An encoder tower's rows belong to the prefill (step 0)."""
         return kind in ALWAYS_KEPT or self.steps is None or step in self.steps
 
     def to_json(self) -> dict:
@@ -115,7 +129,7 @@ class Selection:
         if not isinstance(d, dict) or set(d) - {"layers", "kinds", "steps"}:
             raise ValueError("expected an object with layers, kinds, steps")
         kinds = d.get("kinds")
-        if kinds is not None and (not isinstance(kinds, list) or any(k not in S.KIND_NAMES for k in kinds)):
+        if kinds is not None and (not isinstance(kinds, list) or any(k not in S.KIND_BY_NAME for k in kinds)):
             raise ValueError("kinds must be a list of kind names")
         try:
             layers = parse_ranges(d["layers"], "layers") if d.get("layers") is not None else None

@@ -30,10 +30,12 @@ import numpy as np
 from . import limits as LIM
 from . import schema as S
 from .errors import one_line
-from .layers import LayerInfo
+from .layers import LayerInfo, TowerInfo, tower_sizes
 from .objects import Checked, ObjectChecks, as_int, attr_text, describe, file_error, nbytes, read_small
+from .rows import row_word, tower_rows
 
 _LAYER_GROUP = re.compile(rf"^{S.LAYER_GROUP_PREFIX}(\d+)$")
+_TOWER_CAPS = {"layers": LIM.MAX_LAYERS, "hidden": LIM.MAX_HIDDEN, "heads": LIM.MAX_HEADS, "head_dim": LIM.MAX_HEAD_DIM}
 _METADATA = f"the per-layer metadata under '{S.GROUP_MODEL}/'"
 _HEAD_CAPS = (
     (S.FIELD_HEAD_DIM, LIM.MAX_HEAD_DIM),
@@ -54,6 +56,7 @@ class Validator(ObjectChecks):
         self._check_selection()
         self._check_inputs()
         self._check_model()
+        self._check_towers()
         self._check_steps()
         self._check_tensors()
         self._check_declared()
@@ -87,11 +90,16 @@ class Validator(ObjectChecks):
                 f"{self.path} has trace schema version {v}, newer than this tool reads ({S.SCHEMA_VERSION}); "
                 "upgrade gemma4-trace to read it"
             )
-        if v != S.SCHEMA_VERSION:
+        if v < S.TEXT_SCHEMA_VERSION:
             raise file_error(
-                f"{self.path} has trace schema version {v}; this tool reads version {S.SCHEMA_VERSION}"
-                " (re-record it with this version)"
+                f"{self.path} has trace schema version {v}; this tool reads versions "
+                f"{S.TEXT_SCHEMA_VERSION}-{S.SCHEMA_VERSION} (re-record it with this version)"
             )
+        self.version = v
+        # version 1: the text tower alone; version 2: encoder towers too (a towers/ table)
+        if (S.GROUP_TOWERS in self.f) != (v > S.TEXT_SCHEMA_VERSION):
+            what = "has no towers/ table" if v > S.TEXT_SCHEMA_VERSION else "holds a towers/ table"
+            self._bad(f"it is schema version {v} but {what} (version 1: the text tower alone; 2: encoder towers)")
 
     def _check_provenance(self) -> None:
         prov = {k: self._text_attr(self.f, k, "the root") for k in S.PROVENANCE_KEYS}
@@ -207,6 +215,54 @@ class Validator(ObjectChecks):
                 f"{path(S.FIELD_KV_SOURCE)} of layer {i} is {src}, impossible for a layer whose kv_role is {role!r}"
             )
 
+    def _check_towers(self) -> None:
+        """Version 2: the encoder tower table, each tower's sizes as its sub-config says, its soft
+        tokens as many as the prompt's tokens for them."""
+        if self.version == S.TEXT_SCHEMA_VERSION:
+            return
+        g = self._group(S.GROUP_TOWERS)
+        names = self._members(g, S.GROUP_TOWERS, S.ENCODER_TOWERS)
+        if not names:
+            self._bad(f"its {S.GROUP_TOWERS!r} table is empty (a version-2 trace records an encoder tower)")
+        for name in sorted(names, key=S.ENCODER_TOWERS.index):
+            self.out.towers[name] = self._tower(S.TOWER_BY_NAME[name])
+
+    def _tower(self, tower: S.Tower) -> TowerInfo:
+        path = S.tower_path(tower.name)
+        self._members(self._group(path), path, S.TOWER_DSETS)
+        g = self.f[path]
+        sizes = {k: self._int_attr(g, k, repr(path), 1) for k in S.TOWER_ATTRS}
+        for k, cap in _TOWER_CAPS.items():
+            if sizes[k] > cap:
+                self._bad(f"the attribute {k!r} of {path!r} is {sizes[k]}, expected 1..{cap}")
+        config = tower_sizes(self.out.config, tower)
+        if config is None:
+            self._bad(f"it records a {tower.name} tower, but its model config has no {tower.config!r}")
+        for k, v in sizes.items():
+            if k in config and config[k] != v:
+                self._bad(
+                    f"{path!r} says {k} {v}, but the model config's {tower.config} says {config[k]}: "
+                    "the tower table disagrees with the model config"
+                )
+        counts = []
+        for name in S.TOWER_DSETS:
+            ds = self._dset(S.tower_path(tower.name, name), 1, "iu")
+            vals = self._small(ds, LIM.MAX_EXTRA_INPUTS, "images or clips")
+            if vals.size == 0 or (vals < 1).any() or int(vals.sum(dtype=np.float64)) > LIM.MAX_POSITIONS:
+                self._bad(f"{ds.name.lstrip('/')!r} holds {describe(vals)}: expected 1..{LIM.MAX_POSITIONS} per item")
+            counts.append(tuple(int(x) for x in vals))
+        if len(counts[0]) != len(counts[1]):
+            self._bad(f"{path!r}: {len(counts[0])} items' rows but {len(counts[1])} items' soft tokens")
+        token_id = self.out.config.get(tower.token_id)
+        if isinstance(token_id, int) and not isinstance(token_id, bool):
+            n = int((self.out.prompt_ids == token_id).sum())
+            if n != sum(counts[1]):
+                self._bad(
+                    f"{path!r} declares {sum(counts[1])} soft tokens, but the prompt holds {n} of its "
+                    f"{tower.token_id} ({token_id})"
+                )
+        return TowerInfo(tower.name, item_rows=counts[0], item_tokens=counts[1], **sizes)
+
     def _check_steps(self) -> None:
         self._members(self._group(S.GROUP_STEPS), S.GROUP_STEPS, S.MEMBERS[S.GROUP_STEPS])
         sp_ds = self._dset(S.DSET_STEP_POSITIONS, 2, "iu")
@@ -232,7 +288,7 @@ class Validator(ObjectChecks):
         present, flags = self._tensor_names()
         if (S.KIND_TOKEN, None) not in present:
             self._bad(f"the dataset '{S.tensor_path(S.KIND_TOKEN, None)}' (the chosen tokens) is missing")
-        limits = LIM.row_limits(self.out.config, self.out.layers)
+        limits = LIM.row_limits(self.out.config, self.out.layers, self.out.towers)
         for kind, layer in present:
             self._check_tensor(kind, layer, limits[kind])
         self.out.present = set(present)
@@ -241,38 +297,50 @@ class Validator(ObjectChecks):
         self._check_tokens()
 
     def _tensor_names(self) -> tuple[list, list]:
-        """(kind, layer) of every tensor under tensors/, and of every <kind>.rows_present (which rows
-        a runtime reported), after checking each name belongs where it is."""
-        g = self._group(S.GROUP_TENSORS)
+        """(kind key, layer) of every tensor under tensors/ (and tensors/<tower>/ for the encoder
+        towers the trace records), and of every <kind>.rows_present (which rows a runtime reported),
+        after checking each name belongs where it is."""
         present: list[tuple[str, int | None]] = []
         flags: list[tuple[str, int | None]] = []
-        for name in g:
-            obj_path = f"{S.GROUP_TENSORS}/{name}"
-            if name.endswith(S.ROWS_PRESENT_SUFFIX):
-                flags.append((name.removesuffix(S.ROWS_PRESENT_SUFFIX), None))
-                continue
-            m = _LAYER_GROUP.match(name)
-            if m and S.layer_group(int(m.group(1))) == obj_path:
-                self._layer_tensor_names(obj_path, int(m.group(1)), present, flags)
-                continue
-            spec = S.KIND_BY_NAME.get(name)
-            if spec is None or spec.per_layer:
-                self._bad(f"{obj_path!r} is neither a global kind nor a layer group (L00, L01, ...)")
-            present.append((name, None))
+        self._tower_names(S.TEXT, present, flags)
+        for tower in self.out.towers:
+            self._tower_names(tower, present, flags)
         return present, flags
 
-    def _layer_tensor_names(self, obj_path: str, layer: int, present: list, flags: list) -> None:
-        n_layers = len(self.out.layers)
+    def _tower_names(self, tower: str, present: list, flags: list) -> None:
+        group = S.tower_group(tower)
+        if tower != S.TEXT and self._child(group) is None:
+            return  # the tower is recorded, none of its kinds kept (a selection)
+        g = self._group(group)
+        for name in g:
+            obj_path = f"{group}/{name}"
+            if tower == S.TEXT and name in self.out.towers:
+                continue  # tensors/vision: walked as its own tower
+            if name.endswith(S.ROWS_PRESENT_SUFFIX):
+                flags.append((S.kind_key(name.removesuffix(S.ROWS_PRESENT_SUFFIX), tower), None))
+                continue
+            m = _LAYER_GROUP.match(name)
+            if m and S.layer_group(int(m.group(1)), tower) == obj_path:
+                self._layer_tensor_names(obj_path, int(m.group(1)), tower, present, flags)
+                continue
+            spec = S.KIND_BY_NAME.get(S.kind_key(name, tower))
+            if spec is None or spec.per_layer or spec.tower != tower:
+                self._bad(f"{obj_path!r} is neither a global kind nor a layer group (L00, L01, ...)")
+            present.append((spec.key, None))
+
+    def _layer_tensor_names(self, obj_path: str, layer: int, tower: str, present: list, flags: list) -> None:
+        n_layers = len(self.out.layers) if tower == S.TEXT else self.out.towers[tower].layers
         if layer >= n_layers:
-            self._bad(f"{obj_path!r} is a layer group, but the model has {n_layers} layers")
+            self._bad(f"{obj_path!r} is a layer group, but the {tower_word(tower)} has {n_layers} layers")
         for kind in self._group(obj_path):
             if kind.endswith(S.ROWS_PRESENT_SUFFIX):
-                flags.append((kind.removesuffix(S.ROWS_PRESENT_SUFFIX), layer))
+                flags.append((S.kind_key(kind.removesuffix(S.ROWS_PRESENT_SUFFIX), tower), layer))
                 continue
-            spec = S.KIND_BY_NAME.get(kind)
-            if spec is None or not spec.per_layer:
-                self._bad(f"{obj_path}/{kind!r} is not a per-layer kind ({', '.join(S.LAYER_KIND_NAMES)})")
-            present.append((kind, layer))
+            spec = S.KIND_BY_NAME.get(S.kind_key(kind, tower))
+            if spec is None or not spec.per_layer or spec.tower != tower:
+                names = [k.name for k in S.TOWER_BY_NAME[tower].kinds if k.per_layer]
+                self._bad(f"{obj_path}/{kind!r} is not a per-layer kind ({', '.join(names)})")
+            present.append((spec.key, layer))
 
     def _check_tensor(self, kind: str, layer: int | None, row_limit: int) -> None:
         path = S.tensor_path(kind, layer)
@@ -296,7 +364,11 @@ class Validator(ObjectChecks):
         if any(d < 1 for d in row):
             self._bad(f"{path!r} has shape {ds.shape}: an empty row")
         n_steps, steps = len(self.out.step_positions), self.out.step_positions
-        if spec.index == "step":
+        if spec.encoder:
+            want = tower_rows(spec, self.out.towers[spec.tower])
+            if rows != want:
+                self._bad(f"{path!r} has {rows} rows, expected {want} (one per {row_word(spec)}, as its tower says)")
+        elif spec.by_step:
             if rows != n_steps:
                 self._bad(f"{path!r} has {rows} rows, expected {n_steps} (one per step)")
         elif not steps[0][1] <= rows <= steps[-1][1]:
@@ -326,7 +398,7 @@ class Validator(ObjectChecks):
         spec = S.KIND_BY_NAME.get(kind)
         where = f"{S.tensor_path(kind, layer) if spec and spec.per_layer == (layer is not None) else kind}"
         path = f"{where}{S.ROWS_PRESENT_SUFFIX}"
-        if spec is None or spec.index != "position" or (kind, layer) not in self.out.present:
+        if spec is None or not spec.by_position or (kind, layer) not in self.out.present:
             self._bad(f"{path!r} flags rows of a tensor this trace does not store by position")
         ds = self._dset(path, 1, "b")
         rows = self.f[S.tensor_path(kind, layer)].shape[0]
@@ -341,6 +413,10 @@ class Validator(ObjectChecks):
         if t.size and (t.min() < 0 or t.max() > np.iinfo(np.int64).max):
             self._bad(f"{path!r} holds token ids out of range ({t.min()}..{t.max()})")
         self.out.tokens = t.astype(np.int64).reshape(-1)
+
+
+def tower_word(tower: str) -> str:
+    return "model" if tower == S.TEXT else f"{tower} tower"
 
 
 # ---------------------------------------------------------------------- shared with the reader

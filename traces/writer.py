@@ -30,7 +30,8 @@ from . import schema as S
 from .atomic import atomic_output
 from .chunks import encode_chunk
 from .header import TraceHeader
-from .layers import LayerInfo
+from .layers import LayerInfo, TowerInfo
+from .rows import tower_rows
 
 # h5py serialises its calls with one lock, but not every low-level one takes it (H5Dwrite_chunk in
 # h5py 3.14 does not): the writer thread takes it around that call, or HDF5, which is not thread-safe,
@@ -118,6 +119,7 @@ class _Series:
         self.chunk_rows = int(max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // row_bytes)))
         self.ds = None
         self.carry: np.ndarray | None = None  # stored rows short of a whole chunk (direct chunk writes)
+        self.expected: int | None = None  # an encoder tower's rows: all of them, or the trace is refused
 
     def append(self, block: np.ndarray, copy: bool = True) -> list[np.ndarray] | None:
         """Take a copy of `block` (`copy=False`: `block` itself, a copy no one else holds); return
@@ -316,10 +318,10 @@ class _Writes:
                 self.cond.notify_all()
 
 
-def _spread_rows(kind, layer, arr: np.ndarray, positions, start: int, stop: int, index: str):
+def _spread_rows(kind, layer, arr: np.ndarray, positions, start: int, stop: int, by_step: bool):
     """Rows reported at some of a step's positions -> the step's full rows (zeros where absent) and
     the absent row ranges [a, b) relative to `start`."""
-    if index == "step":
+    if by_step:
         raise ValueError(f"{kind} has one row per step; positions= is for position-indexed kinds")
     pos = np.asarray(positions.tolist() if hasattr(positions, "tolist") else list(positions)).reshape(-1)
     if pos.dtype.kind not in "iu":
@@ -376,6 +378,7 @@ class TraceWriter:
         self._step_open = False
         self._n_layers = 0
         self.layers: list[LayerInfo] = []
+        self.towers: dict[str, TowerInfo] = {}
         self.model_config: dict = {}
 
     def __enter__(self) -> TraceWriter:
@@ -406,7 +409,8 @@ class TraceWriter:
     def write_header(self, header: TraceHeader) -> None:
         f = self.f
         f.attrs[S.ATTR_SCHEMA] = fixed_text(S.SCHEMA_NAME)
-        f.attrs[S.ATTR_SCHEMA_VERSION] = S.SCHEMA_VERSION
+        # a text-only trace stays version 1 byte for byte; encoder towers make it version 2
+        f.attrs[S.ATTR_SCHEMA_VERSION] = S.SCHEMA_VERSION if header.towers else S.TEXT_SCHEMA_VERSION
         if self.selection is not None:
             f.attrs[S.ATTR_SELECTION] = fixed_text(json.dumps(self.selection.to_json(), sort_keys=True))
         for k, text in header.provenance.attrs().items():
@@ -427,8 +431,15 @@ class TraceWriter:
             vals = [getattr(li, name) for li in layers]
             data = fixed_text(vals) if name in S.LAYER_TEXT_FIELDS else np.asarray(vals, dtype=np.int64)
             f.create_dataset(S.model_field_path(name), data=data)
+        for t in header.towers:
+            g = f.create_group(S.tower_path(t.name))
+            for name in S.TOWER_ATTRS:
+                g.attrs[name] = int(getattr(t, name))
+            f.create_dataset(S.tower_path(t.name, S.DSET_ITEM_ROWS), data=np.asarray(t.item_rows, dtype=np.int64))
+            f.create_dataset(S.tower_path(t.name, S.DSET_ITEM_TOKENS), data=np.asarray(t.item_tokens, dtype=np.int64))
         self._n_layers = len(layers)
         self.layers = list(layers)  # what a probe may report is bounded by these (traces/limits.py)
+        self.towers = {t.name: t for t in header.towers}
         cfg = header.provenance.model_config
         self.model_config = cfg if isinstance(cfg, dict) else {}
 
@@ -455,40 +466,78 @@ class TraceWriter:
     def step(self) -> int:
         return len(self._steps) - 1
 
-    def add(self, kind: str, value, layer: int | None = None, source_dtype: str | None = None, positions=None) -> None:
+    def add(
+        self,
+        kind: str,
+        value,
+        layer: int | None = None,
+        source_dtype: str | None = None,
+        positions=None,
+        tower: str = S.TEXT,
+    ) -> None:
         """Add the rows of `kind` for the open step: one per fed position, or one per step.
 
         `positions` (increasing absolute positions of this step): `value` holds only these rows;
         the others are stored as zeros and flagged absent (schema.rows_present_path).
+        `tower`: an encoder tower's kind (its rows are patches, frames or soft tokens, added in the
+        prefill step, image after image: one call per image or one for all).
         """
         if not self._step_open:
             raise ValueError("add() outside begin_step/end_step")
-        spec = S.KIND_BY_NAME[kind]
-        path = S.tensor_path(kind, layer)
-        if not self.keeps(kind, layer):
+        site = S.Site(tower, kind, layer)
+        spec, path, key = site.spec, site.path, site.key
+        if not self.keeps(key, layer):
+            return
+        if spec.encoder:
+            self._add_encoder(site, value, source_dtype)
             return
         arr, src = _to_array(value, source_dtype or self.source_dtype)
         owned = isinstance(value, Bf16Rows) and value.owned  # else the caller's buffer: copied
         start, stop = self._steps[-1]
         absent = []
         if positions is not None:
-            arr, absent = _spread_rows(kind, layer, arr, positions, start, stop, spec.index)
+            arr, absent = _spread_rows(kind, layer, arr, positions, start, stop, spec.by_step)
             owned = True
         if self.selection is not None and not self.selection.keeps_step(kind, self.step):
             arr, absent = np.zeros_like(arr), [(0, stop - start)]  # a step left out: zero rows, flagged absent
             owned = True
-        if spec.index == "step":
+        if spec.by_step:
             arr = arr.reshape(1, *arr.shape)
         elif arr.shape[0] != stop - start:
             raise ValueError(f"{kind} layer {layer}: {arr.shape[0]} rows for {stop - start} positions")
         series = self._series.get(path)
         if series is None:
             series = self._series[path] = _Series(self.f, path, arr.shape[1:], arr.dtype, src, grow_last=spec.grows)
-        expected_rows = self.step if spec.index == "step" else start
+        expected_rows = self.step if spec.by_step else start
         if series.accepted != expected_rows:
             raise ValueError(f"{kind} layer {layer}: rows out of order at step {self.step}")
         series.absent += [(start + a, start + b) for a, b in absent]
         blocks = series.append(arr, copy=not owned)
+        if blocks is not None:
+            self._writes.submit(series, blocks)
+
+    def _add_encoder(self, site: S.Site, value, source_dtype: str | None) -> None:
+        """An encoder tower's rows: appended in the prefill, never more than its table declares."""
+        info = self.towers.get(site.tower)
+        if info is None:
+            raise ValueError(f"{site}: the trace header declares no {site.tower} tower")
+        if self.step != 0:
+            raise ValueError(f"{site}: an encoder tower's rows are added in the prefill (step 0), not step {self.step}")
+        if site.layer is not None and site.layer >= info.layers:
+            raise ValueError(f"{site}: the {site.tower} tower has {info.layers} layers")
+        if self.selection is not None and not self.selection.keeps_step(site.key, 0):
+            return
+        arr, src = _to_array(value, source_dtype or self.source_dtype)
+        if arr.ndim == 0:
+            raise ValueError(f"{site}: expected rows, got a scalar")
+        want = tower_rows(site.spec, info)
+        series = self._series.get(site.path)
+        if series is None:
+            series = self._series[site.path] = _Series(self.f, site.path, arr.shape[1:], arr.dtype, src, False)
+            series.expected = want
+        if series.accepted + arr.shape[0] > want:
+            raise ValueError(f"{site}: {series.accepted + arr.shape[0]} rows, more than the {want} its tower declares")
+        blocks = series.append(arr, copy=not (isinstance(value, Bf16Rows) and value.owned))
         if blocks is not None:
             self._writes.submit(series, blocks)
 
@@ -501,6 +550,9 @@ class TraceWriter:
         return self.keeps(kind, layer) and (self.selection is None or self.selection.keeps_step(kind, self.step))
 
     def _finish(self) -> None:
+        for s in self._series.values():
+            if s.expected is not None and s.accepted != s.expected:
+                raise ValueError(f"{s.path}: {s.accepted} rows, but its tower declares {s.expected}")
         for s in self._series.values():
             self._writes.submit(s, s.take() or [], final=True)  # the last rows, and a carried part chunk
         self._writes.drain()  # every row written: the rest is written here, on the caller's thread

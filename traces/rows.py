@@ -1,0 +1,69 @@
+"""What one row of a kind is, and how many a trace holds: the only place a kind's row index is read.
+
+A kind's rows are token positions (the text tower), steps (logits, the chosen token), or an encoder
+tower's patches, frames or soft tokens (made in the prefill, image after image, clip after clip).
+The diff, the importer and every analysis ask here instead of comparing an index themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from . import schema as S
+from .layers import TowerInfo
+
+
+def tower_rows(spec: S.Kind, info: TowerInfo) -> int:
+    """Rows an encoder kind holds: its tower's patches or frames, or its soft tokens."""
+    return info.tokens if spec.index == S.ROW_SOFT_TOKEN else info.rows
+
+
+def row_count(spec: S.Kind, n_positions: int, n_steps: int, towers: Mapping[str, TowerInfo]) -> int | None:
+    """Rows a complete dataset of `spec` holds in a run of n_positions positions over n_steps steps
+    (None: an encoder kind of a tower the trace does not have)."""
+    if spec.encoder:
+        info = towers.get(spec.tower)
+        return None if info is None else tower_rows(spec, info)
+    return n_steps if spec.by_step else n_positions
+
+
+def row_word(spec: S.Kind) -> str:
+    """What one row is, for people: "position", "step", "patch", "frame", "soft token"."""
+    return spec.index.replace("_", " ")
+
+
+def row_step(spec: S.Kind, row: int, step_of_position) -> int:
+    """The step a row belongs to: its own index for step kinds, the step that fed its position, and
+    the prefill (0) for an encoder's rows. `step_of_position(p)` maps a position to its step."""
+    if spec.by_step:
+        return row
+    if spec.encoder:
+        return 0
+    return step_of_position(row)
+
+
+def layer_counts(n_text_layers: int, towers: Mapping[str, TowerInfo]) -> dict[str, int]:
+    """{tower: its layer count} for the towers a trace holds (the text tower always)."""
+    return {S.TEXT: n_text_layers} | {name: t.layers for name, t in towers.items()}
+
+
+def item_of(spec: S.Kind, info: TowerInfo, row: int) -> tuple[int, int]:
+    """(item, row within it) of an encoder row: which image or clip (from 0) it belongs to."""
+    counts = info.item_tokens if spec.index == S.ROW_SOFT_TOKEN else info.item_rows
+    item, first = 0, 0
+    while item + 1 < len(counts) and row >= first + counts[item]:
+        first += counts[item]
+        item += 1
+    return item, row - first
+
+
+def steps_of_rows(spec: S.Kind, n_rows: int, position_steps: np.ndarray, n_steps: int) -> np.ndarray:
+    """The step of each row of a dataset: `position_steps` gives a position's step, an encoder's rows
+    are the prefill's, a step kind's rows are its steps 0..n_steps-1."""
+    if spec.by_step:
+        return np.arange(n_steps)
+    if spec.encoder:
+        return np.zeros(n_rows, dtype=np.int64)
+    return position_steps
