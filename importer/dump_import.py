@@ -2,7 +2,8 @@
 
 Many NPU toolchains cannot run Python inside the runtime but can dump intermediate tensors
 to files. A map (TOML, mapfile.py) says which file holds which canonical kind at which step
-and layer, and how the file's layout maps to ours; files.py reads the files with numpy only
+and layer (an encoder tower's kind: all its rows, made in the prefill, in one file per layer),
+and how the file's layout maps to ours; files.py reads the files with numpy only
 (no torch) and this module checks each file's layout against what the reference justifies,
 converts it to canonical rows and writes them with TraceWriter (atomic output). The header
 (inputs, provenance, per-layer metadata) comes from the reference trace.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gemma4_trace.traces import limits as LIM
+from gemma4_trace.traces import rows as R
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.atomic import check_output_path
 from gemma4_trace.traces.reader import TraceReader
@@ -79,12 +81,7 @@ def layout(shape: tuple, dtype: str, e: Entry, fields: dict, src: Source, what: 
             a, b = {"step": (0, n), "padded": (0, n), "absolute": (start, stop)}[e.rows]
         pos_rows = size["pos"]
         if (e.rows == "step" and pos_rows != n) or pos_rows < b:
-            need = {
-                "step": f"{n} (the rows fed at this step)",
-                "padded": f">= {b} (padded)",
-                "absolute": f">= {b} (indexed by absolute position)",
-            }[e.rows]
-            fail(f"{what}: {pos_rows} rows on axis 'pos', expected {need}")
+            fail(f"{what}: {pos_rows} rows on axis 'pos', expected {_rows_needed(spec, e.rows, n, b)}")
         rows = slice(a, b)
     if src.expect is not None and tuple(row) != tuple(src.expect):
         fail(f"{what}: rows of shape {row} after the map's layout, expected {list(src.expect)} for {e.kind}")
@@ -95,6 +92,18 @@ def layout(shape: tuple, dtype: str, e: Entry, fields: dict, src: Source, what: 
         )
     order = [names.index(x) for x in (["pos"] if rows is not None else []) + canon]
     return Layout(tuple(i for i in range(len(shape)) if i not in keep), order, rows, pos_rows)
+
+
+def _rows_needed(spec: S.Kind, rows: str, n: int, b: int) -> str:
+    """The rows a file's 'pos' axis must hold, in words (b: the end of the rows taken)."""
+    if spec.encoder:
+        whose = f"one per {R.row_word(spec)} of REF's {spec.tower} tower"
+        return f"{n} ({whose})" if rows == "step" else f">= {n} ({whose}, then padding)"
+    return {
+        "step": f"{n} (the rows fed at this step)",
+        "padded": f">= {b} (padded)",
+        "absolute": f">= {b} (indexed by absolute position)",
+    }[rows]
 
 
 def take(arr: np.ndarray, lay: Layout, dtype: str, e: Entry) -> np.ndarray:
@@ -121,37 +130,58 @@ class Source:
     expect: tuple | None  # canonical row shape (None: not checked, e.g. mask widths)
     limit: int  # values one row may hold (limits.row_limits: what REF's model config justifies)
     files: dict | None = None  # step -> [(relative name, fields)], once found present
+    count: int | None = None  # an encoder kind: the rows REF's tower declares (all made in the prefill)
 
 
 def _sources(entries: list[Entry], ref: TraceReader, where: str) -> list[Source]:
-    n_layers = len(ref.layers)
-    limits = LIM.row_limits(ref.model_config, ref.layers)
+    limits = LIM.row_limits(ref.model_config, ref.layers, ref.towers)
     out, seen = [], {}
     for e in entries:
-        if S.layered(e.kind):
-            owners = [i for i, li in enumerate(ref.layers) if e.kind not in ("k", "v") or li.kv_role != "reuses"]
-            layers = e.layers if e.layers is not None else owners
-            for i in layers:
-                if i >= n_layers:
-                    fail(f"{where}: kind {e.kind} names layer {i}; the model has {n_layers} layers")
-                if i not in owners:
-                    fail(
-                        f"{where}: kind {e.kind} names layer {i}, which reuses layer "
-                        f"{ref.layers[i].kv_source}'s K/V and writes none"
-                    )
-        else:
-            layers = [None]
-        for i in layers:
+        spec = S.KIND_BY_NAME[e.kind]
+        count = R.row_count(spec, ref.n_positions, ref.n_steps, ref.towers) if spec.encoder else None
+        if spec.encoder and count is None:
+            fail(f"{where}: kind {e.kind}: REF records no {spec.tower} tower (its towers: {_towers(ref)})")
+        for i in _layers_of(e, spec, ref, where):
             if (e.kind, i) in seen:
                 fail(f"{where}: kind {e.kind}{'' if i is None else f' layer {i}'} is mapped twice")
             seen[(e.kind, i)] = True
-            out.append(Source(e, i, _expected_row(e.kind, i, ref), limits[e.kind]))
+            out.append(Source(e, i, _expected_row(spec, i, ref), limits[e.kind], count=count))
     return out
 
 
-def _expected_row(kind: str, layer: int | None, ref: TraceReader) -> tuple | None:
+def _towers(ref: TraceReader) -> str:
+    return ", ".join([*ref.towers, S.TEXT])
+
+
+def _layers_of(e: Entry, spec: S.Kind, ref: TraceReader, where: str) -> list[int | None]:
+    """The layers an entry maps (its `layers`, or every layer of its tower that has the kind), checked."""
+    if not S.layered(e.kind):
+        return [None]
+    if spec.encoder:
+        n = ref.towers[spec.tower].layers
+        owners, has = list(range(n)), f"the {spec.tower} tower has {n} layers"
+    else:
+        n, has = len(ref.layers), f"the model has {len(ref.layers)} layers"
+        owners = [i for i, li in enumerate(ref.layers) if e.kind not in ("k", "v") or li.kv_role != "reuses"]
+    layers = e.layers if e.layers is not None else owners
+    for i in layers:
+        if i >= n:
+            fail(f"{where}: kind {e.kind} names layer {i}; {has}")
+        if i not in owners:
+            fail(
+                f"{where}: kind {e.kind} names layer {i}, which reuses layer "
+                f"{ref.layers[i].kv_source}'s K/V and writes none"
+            )
+    return layers
+
+
+def _expected_row(spec: S.Kind, layer: int | None, ref: TraceReader) -> tuple | None:
+    kind = spec.key
     if kind == "mask":
         return None  # any key width: columns past it read as "not allowed"
+    if spec.encoder and spec.name in ("q", "k", "v"):
+        info = ref.towers[spec.tower]
+        return (info.heads, info.head_dim)
     if kind in ("q", "k", "v"):
         li = ref.layers[layer]
         return (li.num_heads if kind == "q" else li.num_kv_heads, li.head_dim)
@@ -179,14 +209,21 @@ def _pattern_regex(e: Entry) -> re.Pattern:
 def _layers_found(folder: F.DumpFolder, entries: list[Entry]) -> list[dict]:
     """For each entry, layer (None: its pattern has no {layer}) -> a name in the folder that matches:
     one pass over the folder's listing, so the search costs what the folder holds, not what REF's
-    positions and layers could name."""
+    positions and layers could name. An encoder kind's file of a step other than the prefill is refused."""
     regexes = [_pattern_regex(e) for e in entries]
+    encoder = [S.KIND_BY_NAME[e.kind].encoder for e in entries]
     found: list[dict] = [{} for _ in entries]
     for name in sorted(folder.names):
         for i, rx in enumerate(regexes):
             m = rx.fullmatch(name)
-            if m:
-                found[i].setdefault(int(m["layer"]) if "layer" in rx.groupindex else None, name)
+            if not m:
+                continue
+            if encoder[i] and int(m.groupdict().get("step") or 0) != 0:
+                fail(
+                    f"{folder.shown(name)}: a file of kind {entries[i].kind} at step {int(m['step'])}; an encoder "
+                    "tower's rows are all made in the prefill, so its files are step 0's only"
+                )
+            found[i].setdefault(int(m["layer"]) if "layer" in rx.groupindex else None, name)
     return found
 
 
@@ -204,8 +241,9 @@ class _Import:
         self.positions = [(0, T)] + [(T + s - 1, T + s) for s in range(1, self.n_steps)]
         self.whole_rows = LIM.ROW_SLACK * (T + ref.max_new_tokens)  # pos rows of a file read whole (npz)
 
-    def fields_of(self, step: int, layer, kind: str, pos: int | None = None) -> dict:
-        a, b = self.positions[step]
+    def fields_of(self, step: int, layer, kind: str, pos: int | None = None, count: int | None = None) -> dict:
+        """A file's pattern fields; an encoder kind's (`count` rows) are its rows: start 0, stop and n count."""
+        a, b = self.positions[step] if count is None else (0, count)
         return dict(
             step=step,
             layer=layer if layer is not None else 0,
@@ -217,10 +255,11 @@ class _Import:
         )
 
     def candidates(self, src: Source):
-        """(step, relative name, fields) of every file the source needs, in order."""
-        for step, (a, b) in enumerate(self.positions):
+        """(step, relative name, fields) of every file the source needs, in order (an encoder kind: the
+        prefill's file alone)."""
+        for step, (a, b) in enumerate(self.positions[:1] if src.count is not None else self.positions):
             for p in range(a, b) if src.entry.per_position else [None]:
-                f = self.fields_of(step, src.layer, src.entry.kind, p)
+                f = self.fields_of(step, src.layer, src.entry.kind, p, src.count)
                 yield step, src.entry.file.format(**f), f
 
     # ------------------------------------------------------------ which files
@@ -283,14 +322,16 @@ class _Import:
 
     def _checker(self, src: Source, f: dict):
         """The layout check a reader calls with a file's header facts (whole: the data is inflated whole)."""
-        whole_rows = self.whole_rows
+        whole_rows, of = self.whole_rows, "REF's positions"
+        if src.count is not None and LIM.ROW_SLACK * src.count > whole_rows:
+            whole_rows, of = LIM.ROW_SLACK * src.count, "its tower's rows"
 
         def check(shape, dtype, what, whole):
             lay = layout(shape, dtype, src.entry, f, src, what)
             if whole and lay.pos_rows > whole_rows:
                 fail(
                     f"{what}: {lay.pos_rows} rows on axis 'pos'; an .npz member is inflated whole, so it may "
-                    f"hold at most {whole_rows} (4x REF's positions); store a longer buffer as .npy or raw"
+                    f"hold at most {whole_rows} (4x {of}); store a longer buffer as .npy or raw"
                 )
             return lay
 
@@ -337,12 +378,15 @@ class _Import:
         w.begin_step(range(a, b))
         got = {}
         for src in present:
+            if step not in src.files:  # an encoder kind after the prefill
+                continue
             rows, src_dtype = self._step_rows(src, step)
             if src.entry.kind in ("logits", "token"):
                 got[src.entry.kind] = (rows, src_dtype)
                 continue
+            spec = S.KIND_BY_NAME[src.entry.kind]
             try:
-                w.add(src.entry.kind, rows, layer=src.layer, source_dtype=src_dtype)
+                w.add(spec.name, rows, layer=src.layer, source_dtype=src_dtype, tower=spec.tower)
             except ValueError as ex:  # a row shape that changed between steps
                 fail(f"{self.folder.shown(src.files[step][0][0])}: {ex}")
         if "logits" in got:
@@ -386,8 +430,8 @@ def import_dump(dump_dir, reference, map_path, output, *, force: bool = False) -
 
 
 def _summary(output, dump, n_steps: int, present, absent, token_from: str, tokens, ref_tokens) -> str:
-    kinds = sorted({s.entry.kind for s in present}, key=S.KIND_NAMES.index)
-    miss = sorted({s.entry.kind for s in absent} - set(kinds), key=S.KIND_NAMES.index)
+    kinds = sorted({s.entry.kind for s in present}, key=S.ALL_KIND_KEYS.index)
+    miss = sorted({s.entry.kind for s in absent} - set(kinds), key=S.ALL_KIND_KEYS.index)
     agree = sum(x == y for x, y in zip(tokens, ref_tokens))
     return (
         f"wrote {output}: {n_steps} steps from {dump} ({len(present)} tensors: {', '.join(kinds)}"

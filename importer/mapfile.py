@@ -31,6 +31,7 @@ TOP_KEYS = {"runtime", "mode", "steps", "dtype", "device", "tensor"}
 ENTRY_KEYS = {"kind", "file", "layers", "format", "key", "dtype", "shape", "axes", "rows", "values", "byteorder"}
 INT_FIELDS = ("step", "layer", "position", "start", "stop", "n")
 FIELDS = set(INT_FIELDS) | {"kind"}
+ENCODER_FIELDS = {"step", "layer", "kind"}  # an encoder kind's file holds the whole prefill's rows
 INT_SPEC = re.compile(r"(0?[1-9][0-9]?)?d?")  # what a file name needs: {step}, {step:03d}, {layer:2}
 KIND_SPEC = re.compile(r"s?")
 SHAPE_WORDS = ("n", "start", "stop")
@@ -214,6 +215,35 @@ def load_map(path) -> dict:
     )
 
 
+def unknown_kind(kind) -> str:
+    """Why a map's kind names no kind: an unknown word, tower, or kind of a tower."""
+    shown = one_line(repr(kind), 80)
+    tower, dot, name = kind.partition(".") if isinstance(kind, str) else ("", "", "")
+    if not dot:
+        return f"kind {shown} is not a canonical kind ({', '.join(S.KIND_NAMES)}; an encoder's: vision.q, ...)"
+    if tower == S.TEXT:
+        return f"kind {shown}: a text kind is named alone ({one_line(name, 40)}, not text.{one_line(name, 40)})"
+    if tower not in S.ENCODER_TOWERS:
+        return f"kind {shown}: no tower {one_line(repr(tower), 40)} (encoder towers: {', '.join(S.ENCODER_TOWERS)})"
+    kinds = ", ".join(k.name for k in S.TOWER_BY_NAME[tower].kinds)
+    return f"kind {shown}: the {tower} tower has no kind {one_line(repr(name), 40)} (its kinds: {kinds})"
+
+
+def check_encoder_entry(t: dict, patterns: dict, where: str) -> None:
+    """An encoder kind's entry: one file (per layer) holding its tower's rows for the whole prefill, so
+    its patterns ({what: text}) name no position, and its rows are all the tower's (step) or those first
+    (padded)."""
+    for what, text in patterns.items():
+        other = sorted({name for _lit, name, _spec, _conv in _fields(text) if name} - ENCODER_FIELDS)
+        if other:
+            fail(
+                f"{where}: {what} uses {{{other[0]}}}; an encoder kind's file holds all its tower's rows of "
+                "the prefill, so its patterns may use only {step} (always 0), {layer} and {kind}"
+            )
+    if t.get("rows", "step") == "absolute":
+        fail(f"{where}: rows = 'absolute' is for text kinds; an encoder kind's rows are step or padded")
+
+
 def _axes(t: dict, kind: str, spec, per_position: bool, where: str) -> list:
     """An entry's axes (the canonical row axes, with 'pos' and '_' where the file has them), checked."""
     canon = row_axes(kind)
@@ -234,6 +264,8 @@ def _axes(t: dict, kind: str, spec, per_position: bool, where: str) -> list:
     missing = [a for a in canon if a not in named]
     if missing:
         fail(f"{where}: axes {axes} lack {missing[0]!r} ({kind} rows have axes {list(canon)})")
+    if "pos" not in named and spec.encoder:
+        fail(f"{where}: axes {axes} lack 'pos' (an encoder kind's file holds its tower's rows on axis 'pos')")
     if "pos" not in named and spec.by_position and not per_position:
         fail(f"{where}: axes {axes} lack 'pos' (a file per step holds the step's rows; or use {{position}} in file)")
     return axes
@@ -245,12 +277,14 @@ def _entry(t: dict, where: str) -> Entry:
         fail(f"{where}: unknown key {one_line(repr(unknown[0]), 80)} (known: {', '.join(sorted(ENTRY_KEYS))})")
     kind = t.get("kind")
     if not isinstance(kind, str) or kind not in S.KIND_BY_NAME:
-        fail(f"{where}: kind {one_line(repr(kind), 80)} is not a canonical kind ({', '.join(S.KIND_NAMES)})")
+        fail(f"{where}: {unknown_kind(kind)}")
     where = f"{where} (kind {kind})"
     spec = S.KIND_BY_NAME[kind]
     file = check_pattern(t.get("file"), "file", where)
     check_file_pattern(file, where)
     key = check_pattern(t["key"], "key", where) if "key" in t else None
+    if spec.encoder:
+        check_encoder_entry(t, {"file": file, "key": key or ""}, where)
     layers = t.get("layers")
     if layers is not None:
         if not S.layered(kind):
