@@ -24,6 +24,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gemma4_trace.hf import sites as S
 from gemma4_trace.hf.memory import generation_bytes
 from gemma4_trace.hf.model import DEMO_IMAGE_PROMPT, DEMO_PROMPT, LoadedModel, load_model, provenance
 from gemma4_trace.traces import Provenance, TraceHeader, TraceWriter, layer_infos_from_config
@@ -215,7 +216,8 @@ class _StepRecorder:
     def __init__(self, lm: LoadedModel, writer: TraceWriter, prompt_len: int, shortcut: bool = False):
         self.lm, self.w, self.T = lm, writer, prompt_len
         self.shortcut = shortcut  # generate()'s prefill shortcut: KV-sharing layers see only the last row
-        self.text_model = lm.model.model.language_model if lm.multimodal else lm.model.model
+        self.text_model = S.tower_model(lm.model)
+        self.n_layers = S.layer_count(lm.model)
         self.layer_types = list(lm.text_config.layer_types)
         self.owner = [li.kv_role != "reuses" for li in layer_infos_from_config(lm.text_config)]
         self.n_steps = 0
@@ -224,22 +226,25 @@ class _StepRecorder:
 
     # -- the wrapped attention function: sees q, K, V and the mask as HF uses them
     def attention(self, original):
-        text_attention = {id(layer.self_attn) for layer in self.text_model.layers}
+        # the modules whose calls of the attention function compute q, K, V and the mask (hf/sites.py)
+        site = S.BY_KEY["q"]
+        text_attention = {id(S.submodule(self.lm.model, site, i)): i for i in range(self.n_layers)}
 
         def wrapped(module, query, key, value, attention_mask, **kwargs):
-            if id(module) not in text_attention:  # the vision tower's attention
+            i = text_attention.get(id(module))
+            if i is None:  # the vision tower's attention
                 return original(module, query, key, value, attention_mask, **kwargs)
-            i = module.layer_idx
-            q_len, k_len = query.shape[2], key.shape[2]
-            assert query.shape[0] == 1, "the recorder runs batch 1"
+            t = S.attention_tensors(query, key, value, attention_mask)
+            q_len, k_len = t["q"].shape[2], t["k"].shape[2]
+            assert t["q"].shape[0] == 1, "the recorder runs batch 1"
             assert q_len == len(self.positions) or (self.shortcut and q_len == 1), (q_len, self.positions)
-            allowed = self._allowed(attention_mask, q_len, k_len, query.device)
+            allowed = self._allowed(t["mask"], q_len, k_len, t["q"].device)
             self.buf[("mask", i)] = allowed
-            self.buf[("q", i)] = query[0].transpose(0, 1)  # (q, H, D)
+            self.buf[("q", i)] = t["q"][0].transpose(0, 1)  # (q, H, D)
             if self.owner[i]:
                 # the rows written at this step are the last q_len rows of the returned cache
-                self.buf[("k", i)] = key[0, :, -q_len:].transpose(0, 1)  # (q, KVH, D)
-                self.buf[("v", i)] = value[0, :, -q_len:].transpose(0, 1)
+                self.buf[("k", i)] = t["k"][0, :, -q_len:].transpose(0, 1)  # (q, KVH, D)
+                self.buf[("v", i)] = t["v"][0, :, -q_len:].transpose(0, 1)
             return original(module, query, key, value, attention_mask, **kwargs)
 
         return wrapped
@@ -270,19 +275,14 @@ class _StepRecorder:
         full[:, last + 1 - k_len :] = local
         return full
 
-    # -- module hooks
+    # -- module hooks: at every module hf/sites.py names
     def install(self, stack: contextlib.ExitStack) -> None:
         tm = self.text_model
         hooks = [
             self.lm.model.register_forward_pre_hook(self._on_call, with_kwargs=True),
             self.lm.model.register_forward_hook(self._on_return),
-            tm.rotary_emb.register_forward_hook(self._on_rope),
-            tm.norm.register_forward_hook(lambda m, a, out: self.buf.__setitem__("final_hidden", out[0])),
+            *S.install(self.lm.model, self._put),
         ]
-        for i, layer in enumerate(tm.layers):
-            hooks.append(layer.register_forward_pre_hook(self._on_layer_in(i), with_kwargs=True))
-            hooks.append(layer.register_forward_hook(self._on_layer_out(i)))
-            hooks.append(layer.self_attn.register_forward_hook(self._on_attn_out(i)))
         for h in hooks:
             stack.callback(h.remove)
         slicer = getattr(tm, "_maybe_slice_kv_shared_inputs", None)
@@ -307,33 +307,10 @@ class _StepRecorder:
         self.positions = range(start, start + n)
         self.buf = {}
 
-    def _on_rope(self, module, args, out):
-        layer_type = args[2] if len(args) > 2 else None
-        cos_kind, sin_kind = rope_kinds(layer_type)
-        self.buf[cos_kind], self.buf[sin_kind] = out[0][0], out[1][0]
-
-    def _on_layer_in(self, i):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            if i == 0:
-                self.buf["embeddings"] = hidden[0]
-            ple = args[1] if len(args) > 1 else kwargs.get("per_layer_input")
-            if ple is not None:
-                self.buf[("ple", i)] = ple[0]
-
-        return hook
-
-    def _on_layer_out(self, i):
-        def hook(module, args, out):
-            self.buf[("layer_out", i)] = out[0]
-
-        return hook
-
-    def _on_attn_out(self, i):
-        def hook(module, args, out):
-            self.buf[("attn_out", i)] = out[0][0]
-
-        return hook
+    def _put(self, site, layer, t):
+        """A hooked module's tensor (hf/sites.py): batch 1's rows, by kind (and layer: per_layer_inputs
+        too, one slice per layer)."""
+        self.buf[site.kind if layer is None else (site.kind, layer)] = t[0]
 
     def _on_return(self, module, args, out):
         import numpy as np
@@ -352,9 +329,9 @@ class _StepRecorder:
             w.add(kind, _rows(t) if hasattr(t, "detach") else t, layer=layer, positions=rows)
 
         put("embeddings", b["embeddings"])
-        n_layers = len(self.text_model.layers)
-        if ("ple", 0) in b and w.keeps("per_layer_inputs"):
-            ple = [b[("ple", i)] for i in range(n_layers)]
+        n_layers = self.n_layers
+        if ("per_layer_inputs", 0) in b and w.keeps("per_layer_inputs"):
+            ple = [b[("per_layer_inputs", i)] for i in range(n_layers)]
             whole = all(p.shape[0] == len(self.positions) for p in ple)
             put("per_layer_inputs", torch.stack(ple, dim=1) if whole else b["ple_all"])
         for lt in sorted(set(self.layer_types)):
@@ -365,7 +342,7 @@ class _StepRecorder:
                 if (kind, i) in b:
                     put(kind, b[(kind, i)], layer=i)
         put("final_hidden", b["final_hidden"])
-        logits = out.logits[0, -1]
+        logits = S.output_of(S.LOGITS, out)[0, -1]
         w.add("logits", _rows(logits))
         self.n_steps += 1
         self.pending_token_step = True

@@ -3,13 +3,13 @@
 
 The converted program is HF's model over a whole static sequence of max_seq token ids (eager
 attention, no cache), with every canonical kind it computes as an extra output: the wrapper below
-hooks the same places the recorder does (the attention function for q, K, V and the mask, the
-rotary embedding, each layer's input and output, o_proj's output, the final norm), so the
-converted graph returns what HF's forward computes there; with `--kinds` only the asked kinds
-become outputs (the rest is pruned from the graph: nothing asked, only the logits). A step runs
-the whole sequence (the prompt and the tokens fed so far, padded to max_seq; causal attention
-keeps the pad rows out of every real row) and reports the step's rows. Nothing of the project's
-runtime is in it: a difference is the converter's (or LiteRT's) alone.
+hooks the places the recorder does, both named by hf/sites.py (the attention function for q, K,
+V and the mask, the rotary embedding, each layer's input and output, o_proj's output, the final
+norm), so the converted graph returns what HF's forward computes there; with `--kinds` only the
+asked kinds become outputs (the rest is pruned from the graph: nothing asked, only the logits). A
+step runs the whole sequence (the prompt and the tokens fed so far, padded to max_seq; causal
+attention keeps the pad rows out of every real row) and reports the step's rows. Nothing of the
+project's runtime is in it: a difference is the converter's (or LiteRT's) alone.
 
 The conversion runs in a child process (it imports TensorFlow) and is kept in the artifact cache:
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gemma4_trace.hf import sites as S
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.schema import rope_kinds
 
@@ -47,47 +48,29 @@ class HFSteps(torch.nn.Module):
     def __init__(self, lm, capture: frozenset[str] | None = None):
         super().__init__()
         self.model, self.buf, self.capture = lm.model, {}, capture
-        self.tm = lm.model.model.language_model if lm.multimodal else lm.model.model
+        self.n_layers = S.layer_count(lm.model)
         self.layer_types = list(lm.text_config.layer_types)
-        for i, layer in enumerate(self.tm.layers):
-            layer.register_forward_pre_hook(self._layer_in(i), with_kwargs=True)
-            layer.register_forward_hook(lambda m, a, out, i=i: self._put(("layer_out", i), out))
-            layer.self_attn.register_forward_hook(lambda m, a, out, i=i: self._put(("attn_out", i), out[0]))
-        self.tm.rotary_emb.register_forward_hook(self._rope)
-        self.tm.norm.register_forward_hook(lambda m, a, out: self._put(("final_hidden", None), out))
+        S.install(lm.model, self._put)  # at every module hf/sites.py names
         self.names: list[tuple[str, int | None]] = []
 
-    def _put(self, key, t):
-        self.buf[key] = (t[0] if isinstance(t, tuple) else t)[0]
-
-    def _layer_in(self, i):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            if i == 0:
-                self.buf[("embeddings", None)] = hidden[0]
-            ple = args[1] if len(args) > 1 else kwargs.get("per_layer_input")
-            if ple is not None:
-                self.buf[("ple", i)] = ple[0]
-
-        return hook
-
-    def _rope(self, module, args, out):
-        cos, sin = rope_kinds(args[2] if len(args) > 2 else self.layer_types[0])
-        self.buf[(cos, None)], self.buf[(sin, None)] = out[0][0], out[1][0]
+    def _put(self, site, layer, t):
+        """A hooked module's tensor: batch 1's rows, by (kind, layer) (per_layer_inputs: one slice per layer)."""
+        self.buf[(site.kind, layer)] = t[0]
 
     def attention(self, original):
         def wrapped(module, query, key, value, attention_mask, **kwargs):
-            # the text layers' attention, by its attributes: torch.export traces submodules through
-            # proxies, so the module is not the object the model holds
+            # the text layers' attention (hf/sites.py), by its attributes: torch.export traces submodules
+            # through proxies, so the module is not the object the model holds
             shared = getattr(module, "is_kv_shared_layer", None)
             if shared is not None:
                 i = int(module.layer_idx)
-                self.buf[("q", i)] = query[0].transpose(0, 1)
+                t = S.attention_tensors(query, key, value, attention_mask)
+                self.buf[("q", i)] = t["q"][0].transpose(0, 1)
                 if not shared:  # a layer that reuses K/V reports none (as the recorder)
-                    self.buf[("k", i)] = key[0].transpose(0, 1)
-                    self.buf[("v", i)] = value[0].transpose(0, 1)
-                if attention_mask is not None:
-                    m = attention_mask[0, 0]
+                    self.buf[("k", i)] = t["k"][0].transpose(0, 1)
+                    self.buf[("v", i)] = t["v"][0].transpose(0, 1)
+                if t["mask"] is not None:
+                    m = t["mask"][0, 0]
                     self.buf[("mask", i)] = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
             return original(module, query, key, value, attention_mask, **kwargs)
 
@@ -96,16 +79,17 @@ class HFSteps(torch.nn.Module):
     def forward(self, ids):
         self.buf = {}
         out = self.model(input_ids=ids, use_cache=False)
-        n = len(self.tm.layers)
-        if ("ple", 0) in self.buf:
-            self.buf[("per_layer_inputs", None)] = torch.stack([self.buf.pop(("ple", i)) for i in range(n)], dim=1)
+        n = self.n_layers
+        if ("per_layer_inputs", 0) in self.buf:
+            ple = [self.buf.pop(("per_layer_inputs", i)) for i in range(n)]
+            self.buf[("per_layer_inputs", None)] = torch.stack(ple, dim=1)
         order = ["embeddings", "per_layer_inputs", *(k for lt in sorted(set(self.layer_types)) for k in rope_kinds(lt))]
         names = [(k, None) for k in order if (k, None) in self.buf]
         for i in range(n):
             names += [(k, i) for k in ("mask", "q", "k", "v", "attn_out", "layer_out") if (k, i) in self.buf]
         names.append(("final_hidden", None))
         self.names = names = [(k, layer) for k, layer in names if captures(self.capture, k)]
-        return (out.logits, *(self.buf[k].to(torch.float32) for k in names))  # the mask as 0/1
+        return (S.output_of(S.LOGITS, out), *(self.buf[k].to(torch.float32) for k in names))  # the mask as 0/1
 
 
 def _convert(model_dir: str, max_seq: int, out_dir: str, kinds: str = EVERY) -> None:
@@ -140,7 +124,7 @@ def converted(loaded, max_seq: int, capture: frozenset[str] | None = None):
         "model": model_hash(loaded.model_dir),
         "max_seq": int(max_seq),
         **F.capture_key(capture),
-        "code": code_digest("runtimes/litert/convert.py"),
+        "code": code_digest("runtimes/litert/convert.py", "../hf/sites.py"),  # what it hooks: hf/sites.py
         **E.versions(),
     }
 
