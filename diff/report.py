@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+from gemma4_trace.traces import schema as S
+
 from .fmt import fmt, sci, sci_pair, val
 from .metrics import METRIC, ROW_METRICS, Metric
 from .result import (
@@ -195,7 +197,9 @@ def origin_summary(d: Divergence) -> str | None:
     o = d.origin
     if not o:
         return None
-    where = f"layer {d.layer}" if d.layer is not None else d.kind
+    spec = S.KIND_BY_NAME[d.kind]
+    tower = f"{spec.tower} " if spec.encoder else ""
+    where = f"{tower}layer {d.layer}" if d.layer is not None else d.kind
     i = o.input
     if i is None:
         return f"  origin: {o.verdict} ({o.reason or ''})"
@@ -204,7 +208,7 @@ def origin_summary(d: Divergence) -> str | None:
         f"  origin: {o.verdict} in {where}: its input ({inp}) has rel-L2 {sci(i.rel_l2)} "
         f"(tolerance {sci(i.threshold)}), {d.kind} here {sci(i.here)}"
     )
-    if i.output_rel_l2 is not None and d.kind != "layer_out":
+    if i.output_rel_l2 is not None and spec.name != "layer_out":
         s += f", layer output {sci(i.output_rel_l2)}"
     if o.reason:
         s += f" - {o.reason}"

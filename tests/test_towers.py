@@ -101,6 +101,9 @@ def test_the_diff_walks_the_encoder_first_and_names_its_tower(pair):
     assert d["origin"]["verdict"] == "introduced" and d["origin"]["input_kind"] == "vision.layer_out"
     text = invoke("diff", pair / "ref.h5", pair / "vision.h5").stdout
     assert "prefill step 0, vision tower, layer 1, kind layer_out, patch 7 (image 2, its patch 1)" in text
+    origin = next(line for line in text.splitlines() if "origin:" in line)
+    assert "introduced in vision layer 1: its input (vision.layer_out of layer 0)" in origin
+    assert "layer output" not in origin  # the divergent tensor is the layer's output
 
 
 def test_a_text_divergence_of_a_trace_with_towers(pair):
