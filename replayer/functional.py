@@ -4,11 +4,12 @@ A step graph is one step as a function, (step inputs..., K/V caches...) -> (logi
 caches..., reported kinds...): the caches of the layers that own K/V are inputs and outputs (no
 in-place buffer writes; the host keeps them between steps, as an NPU runtime's host code would),
 and every canonical kind the static runtime reports through its probe becomes an extra output,
-named `<kind>` or `L07.<kind>` (output_site reads a name back); a graph made with `kinds` (a
-narrowed capture: RuntimeChoice.capture) has only those kinds as outputs, and what only the
-others needed is dead code the exporters drop (the logits' own computation is unchanged). The
-prefill graph runs N prompt rows from a start position (the static runtime's prefill chunk;
-N = max_seq: the whole padded prompt in one run), the decode graph one token.
+named `<kind>` or `L07.<kind>` (the step graphs' capture map, runtimes/captures.py's STEP_GRAPH;
+output_site reads a name back); a graph made with `kinds` (a narrowed capture:
+RuntimeChoice.capture) has only those kinds as outputs, and what only the others needed is dead
+code the exporters drop (the logits' own computation is unchanged). The prefill graph runs N
+prompt rows from a start position (the static runtime's prefill chunk; N = max_seq: the whole
+padded prompt in one run), the decode graph one token.
 
     rt = FunctionalKV(loaded, max_seq)
     prog = export_step(rt, "decode")        # torch.export.ExportedProgram, static shapes
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from .runtime import StaticGemma4Runtime, chunk_plan
+from .runtimes.captures import STEP_GRAPH
 
 PREFILL_INPUTS = ("ids", "ple_ids", "mm_embeds", "mm_slots", "block_ids", "n_valid")
 PREFILL_CHUNK_INPUTS = (*PREFILL_INPUTS, "start")
@@ -50,13 +52,16 @@ class ListProbe:
 
 
 def output_name(kind: str, layer: int | None) -> str:
-    return kind if layer is None else f"L{layer:02d}.{kind}"
+    """A reported kind's output name (the step graphs' capture map, runtimes/captures.py): "L07.q", "embeddings"."""
+    return STEP_GRAPH.name_of(kind, layer)
 
 
 def output_site(name: str) -> tuple[str, int | None]:
     """An extra output's name -> (kind, layer): "L07.q" -> ("q", 7), "embeddings" -> ("embeddings", None)."""
-    layer, _, kind = name.rpartition(".")
-    return kind, int(layer[1:]) if layer else None
+    site = STEP_GRAPH.site_of(name)
+    if site is None:
+        raise ValueError(f"{name!r} is no output name of a step graph")
+    return site.kind, site.layer
 
 
 class FunctionalKV(StaticGemma4Runtime):

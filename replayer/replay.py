@@ -13,11 +13,12 @@ from collections.abc import Callable
 from gemma4_trace.hf.model import load_for_reference
 from gemma4_trace.traces.atomic import check_output_path
 from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.selection import ALWAYS_KEPT
 
 from .api import Capabilities, close_runtime
 from .core import MODES, default_max_seq, make_runtime, read_reference, replay_loaded
 from .ops import resolve_prefill_chunk
-from .runtimes.registry import check_available, check_inputs, parse_runtime
+from .runtimes.registry import check_available, check_capture, check_inputs, parse_runtime
 
 
 def replay_trace(
@@ -127,6 +128,8 @@ def _check(reference, output, runtime, mode, force, isolate, max_seq, selection,
         raise TraceToolError(
             f"prompt ({T} tokens) + max_new_tokens ({n_new}) = {T + n_new} exceeds --max-seq {max_seq}"
         )
+    if selection is not None and selection.kinds is not None:  # --kinds asked: refuse what the runtime cannot capture
+        check_capture(choice, [k for k in selection.kinds if k not in ALWAYS_KEPT])
     selection = ref.selection if selection is None else selection
     if selection is not None:
         selection.check(len(ref.layer_types()), n_new)

@@ -87,3 +87,19 @@ def build(
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+# the ExecuTorch tests' model and prompt: 3 layers (sliding, full, a sliding one reusing layer 0's K/V),
+# 7 tokens (past the sliding window of 4)
+EXECUTORCH_PROMPT = "2,17,33,40,51,60,71"
+
+
+def executorch_case(folder: Path) -> tuple[Path, Path]:
+    """(the model, its REF over EXECUTORCH_PROMPT with 3 new tokens), built in `folder`."""
+    from tests.support import invoke
+
+    model = build(folder / "model", num_hidden_layers=3, layer_types=[S, F, S], num_kv_shared_layers=1)
+    ref = folder / "ref.h5"
+    res = invoke("record", "--model", model, "--input-ids", EXECUTORCH_PROMPT, "--max-new-tokens", "3", "-o", ref)
+    assert res.exit_code == 0, res.output
+    return model, ref

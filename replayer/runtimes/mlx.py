@@ -5,7 +5,8 @@ caches, in the child process (extra `gemma4-trace[mlx]`).
 mlx-lm's `models/gemma4_text.py` is an implementation of Gemma 4 independent of PyTorch (PLE, KV
 sharing, proportional RoPE, the double-wide MLP, v_norm, layer_scalar, the soft-cap). The replay
 feeds the prompt in one call and each later token in one call through mlx-lm's `KVCache` /
-`RotatingKVCache` (teacher-forced or `--free-running`), and taps mlx-lm's modules in the child:
+`RotatingKVCache` (teacher-forced or `--free-running`), and taps mlx-lm's modules in the child
+(the module paths are its capture map's, runtimes/captures.py: MLX):
 
     embeddings        layer 0's input (the scaled token embeddings)
     per_layer_inputs  the result of the model's per-layer input projection
@@ -43,8 +44,10 @@ from pathlib import Path
 import numpy as np
 
 from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.schema import sites_of
 
 from ..child import ChildRuntime, EngineError, quiet_fd2
+from .captures import MLX
 
 ENGINE = "gemma4_trace.replayer.runtimes.mlx:MLXEngine"
 GROUP = 64  # mlx-lm's default group size for affine quantization
@@ -163,64 +166,84 @@ class MLXEngine:
         model.update_modules(tree_map_with_path(back, model.leaf_modules(), is_leaf=nn.Module.is_module))
 
     def _tap(self, model, kinds) -> None:
-        """Wrap mlx-lm's modules so that each step records what they compute (self.seen): only the
-        modules that compute a kind in `kinds` (None: every kind; empty: none, the model as loaded)."""
-        nn = self.nn
+        """Wrap the modules of mlx-lm's text model that its capture map names (runtimes/captures.py:
+        MLX) so that each step records what they compute (self.seen): only those of the kinds in
+        `kinds` (None: every kind; empty: none, the model as loaded)."""
         lm = model.language_model.model if hasattr(model, "language_model") else model.model
-        engine = self
+        at: dict[str, list] = {}  # module path -> the (kind, layer) read there
+        for row in MLX.rows:
+            if row.kind != "logits" and (kinds is None or row.kind in kinds):
+                for site in sites_of(row.kind, len(lm.layers)):
+                    at.setdefault(row.name(site.layer), []).append((site.kind, site.layer))
+        for path in sorted(at, key=lambda p: -p.count(".")):  # inside a layer before the layer itself
+            self._wrap(lm, path, at[path])
 
-        def wants(*names) -> bool:
-            return kinds is None or any(n in kinds for n in names)
+    def _wrap(self, lm, path: str, reads: list) -> None:
+        """Wrap the module (or method) at `path` below lm: each call records the kinds `reads` names."""
+        nn, engine = self.nn, self
+        where, _, name = path.rpartition(".")
+        parent = lm
+        for part in where.split(".") if where else ():
+            parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+        inner = parent[int(name)] if name.isdigit() else getattr(parent, name, None)
+        layer = next((n for _, n in reads if n is not None), None)
+        owns = layer is None or lm.layers[layer].self_attn.has_kv  # a layer that reuses K/V computes none
+        reads = [(k, n) for k, n in reads if owns or k not in ("k", "v")]
+        if inner is None or not reads:  # no per-layer input projection in a model without PLE
+            return
+        rope = _both(path, "q", "k")
+
+        def record(a, out):
+            if rope:  # q and k come from the same RoPE call: k first where the layer owns K/V
+                calls = engine.rope_calls[path] = engine.rope_calls.get(path, 0) + 1
+                kind = "k" if owns and calls == 1 else "q"
+                engine.seen += [(k, n, _READ[k](a, out)) for k, n in reads if k == kind]
+            else:
+                engine.seen += [(k, n, _READ[k](a, out)) for k, n in reads]
 
         class Tap(nn.Module):
-            def __init__(self, inner, record):
+            def __init__(self, inner):
                 super().__init__()
                 self.inner = inner
-                self.record = record
 
             def __call__(self, *a, **k):
                 out = self.inner(*a, **k)
-                self.record(a, out)
+                record(a, out)
                 return out
 
-        def put(kind, layer, value):
-            if wants(kind):
-                engine.seen.append((kind, layer, value))
+        if isinstance(inner, nn.Module):
+            wrapped = Tap(inner)
+            if hasattr(inner, "layer_type"):
+                wrapped.layer_type = inner.layer_type  # read by mlx-lm's mask builder
+        else:  # a method (the per-layer input projection)
 
-        if lm.hidden_size_per_layer_input and wants("per_layer_inputs"):
-            project = lm._project_per_layer_inputs
-
-            def per_layer(*a, **k):
-                out = project(*a, **k)
-                put("per_layer_inputs", None, out[0])
+            def wrapped(*a, **k):
+                out = inner(*a, **k)
+                record(a, out)
                 return out
 
-            lm._project_per_layer_inputs = per_layer
-        for i, layer in enumerate(lm.layers):
-            attn = layer.self_attn
+        if name.isdigit():
+            parent[int(name)] = wrapped
+        else:
+            setattr(parent, name, wrapped)
 
-            def rope(a, out, i=i, owns=attn.has_kv):
-                n = engine.rope_calls[i] = engine.rope_calls.get(i, 0) + 1
-                kind = "k" if owns and n == 1 else "q"
-                put(kind, i, out[0].transpose(1, 0, 2))
 
-            if wants("q", "k"):
-                attn.rope = Tap(attn.rope, rope)
-            if attn.has_kv and wants("v"):
-                attn.v_norm = Tap(attn.v_norm, lambda a, out, i=i: put("v", i, out[0]))
-            if wants("attn_out"):
-                attn.o_proj = Tap(attn.o_proj, lambda a, out, i=i: put("attn_out", i, out[0]))
+def _both(path: str, *kinds: str) -> bool:
+    """Whether the capture map reads all of `kinds` at `path` (q and k: the same RoPE module)."""
+    return all(MLX.row(k).matches(path) for k in kinds)
 
-            def layer_out(a, out, i=i):
-                if i == 0:
-                    put("embeddings", None, a[0][0])
-                put("layer_out", i, out[0][0])
 
-            if wants("layer_out") or (i == 0 and wants("embeddings")):
-                lm.layers[i] = Tap(layer, layer_out)
-                lm.layers[i].layer_type = layer.layer_type  # read by mlx-lm's mask builder
-        if wants("final_hidden"):
-            lm.norm = Tap(lm.norm, lambda a, out: put("final_hidden", None, out[0]))
+# how each kind is read from its module's call (args, output): one row of batch 1 (q, k: heads after rows)
+_READ = {
+    "embeddings": lambda a, out: a[0][0],
+    "per_layer_inputs": lambda a, out: out[0],
+    "q": lambda a, out: out[0].transpose(1, 0, 2),
+    "k": lambda a, out: out[0].transpose(1, 0, 2),
+    "v": lambda a, out: out[0],
+    "attn_out": lambda a, out: out[0],
+    "layer_out": lambda a, out: out[0][0],
+    "final_hidden": lambda a, out: out[0],
+}
 
 
 # ------------------------------------------------------------------ the parent

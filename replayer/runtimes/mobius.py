@@ -5,7 +5,8 @@ mobius-onnx (a pure-Python package of the ONNX Runtime project) builds a Gemma 4
 ONNX graph from the checkpoint's config and weights with its own components, not by tracing
 PyTorch: an independent implementation to replay REF against. This adapter builds mobius's text
 decoder (its `gemma4_text` registration) in float32 with its default graph optimizations, and
-promotes graph values to outputs so the trace gets per-layer tensors:
+promotes graph values to outputs so the trace gets per-layer tensors (its capture map,
+runtimes/captures.py's MOBIUS, holds the names and op types below):
 
     kind              the mobius graph value (node names: model/...)
     embeddings        model/embed_tokens/Mul (the scaled token embedding)
@@ -53,11 +54,12 @@ from gemma4_trace.traces.layers import layer_infos_from_config
 from ..artifacts import artifact_folder, code_digest, model_hash
 from ..child import ORT_ENGINE, ORT_SESSION, ChildRuntime
 from ..functional import capture_key, capture_note, quiet
+from .captures import MOBIUS
 
 MOBIUS_VERSION = "0.1.0"  # the release tested; the extra [mobius] pins it
 FORMAT = 1  # bump when the promoted outputs or the saved files change (the cache key holds it)
 TAPS = "taps.json"  # output name -> [kind, layer]
-NOT_CAPTURED = ("mask", "rope_cos_sliding", "rope_sin_sliding", "rope_cos_full", "rope_sin_full")
+PLE_ADD = "model/Add_node_"  # the per-layer inputs' Mul is fed by one of these
 
 
 def hf_config(model_dir):
@@ -81,46 +83,44 @@ def hf_config(model_dir):
 
 
 def _promote(graph, n_layers: int, kinds=None) -> dict[str, tuple[str, int | None]]:
-    """Make the values of the module docstring's table graph outputs (those of `kinds`; None: every
-    kind); return {output name: (kind, layer)} of the promoted ones. Every value is looked for, so
-    that a graph whose node names are not the known ones is refused whatever `kinds` asks."""
+    """Make the values of the capture map's rows (runtimes/captures.py: MOBIUS, the module
+    docstring's table) graph outputs (those of `kinds`; None: every kind); return {output name:
+    (kind, layer)} of the promoted ones. Every value is looked for, so that a graph whose node
+    names are not the known ones is refused whatever `kinds` asks."""
     nodes = list(graph)
     taps: dict[str, tuple[str, int | None]] = {}
     values = {}
 
-    def first(pred):
-        return next((n for n in nodes if pred(n)), None)
+    def first(kind, layer=None, pred=lambda n: True):
+        """The first node of a kind's row: its name's prefix at `layer`, its op type (`via`)."""
+        row = MOBIUS.row(kind)
+        op = row.ops[0][0] if row.ops else None
+        pre = row.prefix(layer)
+        return next((n for n in nodes if n.name.startswith(pre) and op in (None, n.op_type) and pred(n)), None)
 
     def tap(value, kind, layer=None):
         if value is None or value.name is None:
             return
         taps[value.name], values[value.name] = (kind, layer), value
 
-    emb = first(lambda n: n.name.startswith("model/embed_tokens/") and n.op_type == "Mul")
+    emb = first("embeddings")
     tap(emb and emb.outputs[0], "embeddings")
-    ple = first(
-        lambda n: (
-            n.name.startswith("model/Mul_node_")
-            and any(
-                i is not None and i.producer() is not None and i.producer().name.startswith("model/Add_node_")
-                for i in n.inputs
-            )
-        )
-    )
+    # the per-layer inputs: the Mul of (projection + per-layer embedding), fed by an Add of the model's own
+    ple = first("per_layer_inputs", pred=lambda n: any(_made_by(i, PLE_ADD) for i in n.inputs))
     tap(ple and ple.outputs[0], "per_layer_inputs")
     for i in range(n_layers):
-        pre = f"model/layers.{i}/"
-        attn = first(lambda n, pre=pre: n.name.startswith(pre + "self_attn/") and n.op_type == "Attention")
+        attn = first("q", i)
         if attn is not None:
-            tap(attn.inputs[0], "q", i)
-            if len(attn.outputs) > 1:  # writes a present cache: K/V of its own
-                tap(attn.inputs[1], "k", i)
-                tap(attn.inputs[2], "v", i)
-        o = first(lambda n, pre=pre: n.name.startswith(pre + "self_attn/o_proj/") and n.op_type == "MatMul")
+            for kind in ("q", "k", "v"):  # k and v where it writes a present cache: K/V of its own
+                (_, j), *_ = MOBIUS.row(kind).ops
+                if kind == "q" or len(attn.outputs) > 1:
+                    tap(attn.inputs[j], kind, i)
+        o = first("attn_out", i)
         tap(o and o.outputs[0], "attn_out", i)
+        pre = MOBIUS.row("layer_out").prefix(i)
         top = [n for n in nodes if n.name.startswith(pre) and "/" not in n.name[len(pre) :]]
         tap(top[-1].outputs[0] if top else None, "layer_out", i)
-    norm = first(lambda n: n.name.startswith("model/norm/"))
+    norm = first("final_hidden")
     tap(norm and norm.outputs[0], "final_hidden")
     missing = [f"layer_out L{i}" for i in range(n_layers) if ("layer_out", i) not in taps.values()]
     if missing or ("embeddings", None) not in taps.values():
@@ -134,6 +134,10 @@ def _promote(graph, n_layers: int, kinds=None) -> dict[str, tuple[str, int | Non
     outputs = {v.name for v in graph.outputs}
     graph.outputs.extend(v for name, v in values.items() if name in taps and name not in outputs)
     return taps
+
+
+def _made_by(value, prefix: str) -> bool:
+    return value is not None and value.producer() is not None and value.producer().name.startswith(prefix)
 
 
 def build(model_dir, folder: Path, kinds=None) -> None:

@@ -21,12 +21,12 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from gemma4_trace.traces.errors import TraceToolError, install_hint
-from gemma4_trace.traces.schema import KIND_NAMES
 
-ALL_KINDS = "all kinds"
+from . import captures as C
+
 RT = "gemma4_trace.replayer.runtimes"  # where the adapters live
 # llama.cpp's own type names of the GGUF files a replay can run (replayer/runtimes/llamacpp/gguf_writer.py
 # maps them to llama_ftype values); F32 is what the project's writer converts to
@@ -52,7 +52,6 @@ class RuntimeSpec:
     float32_only: bool = False  # a bfloat16 REF is refused before the model loads
     cpu_only: bool = False  # --device cuda is refused before the model loads
     weightless: bool = False  # never computes with HF's weights: the model is built without them
-    not_captured: tuple[str, ...] = ()  # canonical kinds it cannot expose (absent, never zeros)
     profile: str | None = None  # its float tolerance profile (diff/profiles/NAME.toml), where its kernels need one
     export: str | None = None  # the command that writes its artifacts
     artifacts: str = ""  # what it builds (kept in the artifact cache)
@@ -60,28 +59,21 @@ class RuntimeSpec:
     recipe: bool = False  # a quantized runtime a precision recipe (trace precision) can vary
     baseline: str | None = None  # the runtime whose trace is its natural --baseline
     third_party: bool = True  # False: the project's own runtime (static and its quantized variants)
+    # what its adapter reads from its engine, as which kinds (captures.py): what it captures is derived from it
+    capture_map: C.CaptureMap = field(kw_only=True)
+
+    @property
+    def not_captured(self) -> tuple[str, ...]:
+        """The canonical kinds it cannot expose (absent, never zeros): those its capture map lacks."""
+        return self.capture_map.not_captured()
 
     def kinds_text(self) -> str:
-        if not self.not_captured:
-            return ALL_KINDS
-        if set(self.not_captured) >= set(KIND_NAMES) - {"token"}:
-            return "tokens only"
-        return "all but " + " and ".join(_kind_words(self.not_captured))
+        return self.capture_map.text()
 
 
-def _kind_words(kinds: tuple[str, ...]) -> list[str]:
-    """Kind names for people: the four RoPE tables are "RoPE"."""
-    words = []
-    for k in kinds:
-        w = "RoPE" if k.startswith("rope_") else k
-        if w not in words:
-            words.append(w)
-    return words
-
-
-ROPE_KINDS = ("rope_cos_sliding", "rope_sin_sliding", "rope_cos_full", "rope_sin_full")
-_QUANT = dict(extra="quant", needs=("torchao",), isolation=True, recipe=True, third_party=False)
+_QUANT = dict(extra="quant", needs=("torchao",), isolation=True, recipe=True, third_party=False, capture_map=C.PROBE)
 _EXECUTORCH = dict(extra="executorch", needs=("executorch",), float32_only=True, cpu_only=True, export="export-pte")
+_EXECUTORCH["capture_map"] = C.STEP_GRAPH
 
 RUNTIMES: tuple[RuntimeSpec, ...] = (
     RuntimeSpec(
@@ -91,6 +83,7 @@ RUNTIMES: tuple[RuntimeSpec, ...] = (
         "REF's dtype (float32 or bfloat16)",
         isolation=True,
         third_party=False,
+        capture_map=C.PROBE,
     ),
     *(
         RuntimeSpec(
@@ -115,6 +108,7 @@ RUNTIMES: tuple[RuntimeSpec, ...] = (
         extra="tico",
         needs=("tico",),
         doc="docs/runtime-tico.md",
+        capture_map=C.TICO,
     ),
     RuntimeSpec(
         "tico-quant",
@@ -124,6 +118,7 @@ RUNTIMES: tuple[RuntimeSpec, ...] = (
         extra="tico",
         needs=("tico",),
         doc="docs/runtime-tico.md",
+        capture_map=C.TICO,
     ),
     RuntimeSpec(
         "onnx",
@@ -136,6 +131,7 @@ RUNTIMES: tuple[RuntimeSpec, ...] = (
         export="export-onnx",
         artifacts="prefill/decode .onnx",
         doc="docs/runtime-onnx.md",
+        capture_map=C.STEP_GRAPH,
     ),
     RuntimeSpec(
         "llama.cpp",
@@ -148,7 +144,7 @@ RUNTIMES: tuple[RuntimeSpec, ...] = (
         text_only=True,
         float32_only=True,
         weightless=True,
-        not_captured=ROPE_KINDS,
+        capture_map=C.LLAMACPP,
         profile="llamacpp-f32",
         export="export-gguf",
         artifacts=".gguf files",
@@ -194,7 +190,7 @@ RUNTIMES: tuple[RuntimeSpec, ...] = (
         needs=("mobius", "onnxruntime", "onnx_ir"),
         text_only=True,
         float32_only=True,
-        not_captured=("mask", *ROPE_KINDS),
+        capture_map=C.MOBIUS,
         artifacts="model.onnx",
         doc="docs/runtime-mobius.md",
     ),
@@ -208,6 +204,7 @@ _LITERT = dict(
     weightless=True,
     export="export-litert",
     doc="docs/runtime-litert.md",
+    capture_map=C.LITERT,
 )
 _LITERT_QUANT = {
     "litert-int8": "litert-quantizer's `dynamic_wi8_afp32` (int8 weights, dynamic int8 activations)",
@@ -259,7 +256,7 @@ RUNTIMES += (
         float32_only=True,
         cpu_only=True,
         weightless=True,
-        not_captured=tuple(k for k in KIND_NAMES if k != "token"),
+        capture_map=C.TOKENS_ONLY,
         artifacts=".litertlm",
         doc="docs/runtime-litert.md",
     ),
@@ -270,7 +267,7 @@ RUNTIMES += (
         "(whole sequence per step)",
         "float32",
         artifacts="converted .tflite",
-        **{**_LITERT, "export": None},
+        **{**_LITERT, "export": None, "capture_map": C.HF_FORWARD},
     ),
 )
 _OPENVINO = dict(
@@ -279,6 +276,7 @@ _OPENVINO = dict(
     cpu_only=True,
     export="export-openvino",
     doc="docs/runtime-openvino.md",
+    capture_map=C.STEP_GRAPH,
 )
 _OPENVINO_QUANT = {"openvino-int8": "INT8_ASYM", "openvino-int4": "INT4_SYM in groups of 32"}
 RUNTIMES += (
@@ -325,7 +323,7 @@ _MLX = dict(
     float32_only=True,
     cpu_only=True,
     weightless=True,
-    not_captured=("mask", *ROPE_KINDS),
+    capture_map=C.MLX,
     tools=(("g++", "MLX compiles its CPU kernels with it; install it (Debian/Ubuntu: apt install g++)"),),
     doc="docs/runtime-mlx.md",
 )
@@ -472,6 +470,12 @@ def check_available(choice, isolate: bool = False) -> RuntimeChoice:
             "the probe returns); the static runtimes do"
         )
     return choice
+
+
+def check_capture(choice: RuntimeChoice, kinds) -> None:
+    """Refuse, before the model loads, kinds asked of a built-in (`--kinds`) that it cannot capture."""
+    if choice.spec is not None:
+        choice.spec.capture_map.check(kinds, f"runtime {choice.spec.name}")
 
 
 def check_inputs(choice: RuntimeChoice, *, dtype: str | None = None, extra=None, device: str | None = None) -> None:

@@ -32,13 +32,16 @@ from __future__ import annotations
 import torch
 
 from gemma4_trace.traces.errors import TraceToolError, install_hint
-from gemma4_trace.traces.schema import rope_kinds
+from gemma4_trace.traces.schema import rope_kinds, sites_of
 
 from ..api import Runtime
+from .captures import ROPE, TICO
 from .registry import captures
 
 TICO_VERSION = "0.3.0"  # the release tested; the extra [tico] pins it
 NEG_ALLOWED_ABOVE = -1.0  # TICO's additive masks: 0 allowed, its fill value (-120) not
+# the observers of TICO's attention whose fake-quant input is a kind (the capture map's `via`): name -> kind
+OBSERVED = {r.via: r.kind for r in TICO.rows if r.native.endswith("._fq")}
 
 
 def _import_tico():
@@ -53,6 +56,15 @@ def _import_tico():
 
     version = dist_version("tico")
     return rtmod, vp, StaticGemma4Layout, version
+
+
+def _resolve(obj, path: str):
+    """The attribute at a dotted path below obj (a number indexes a list); None where one is None."""
+    for part in path.split("."):
+        if obj is None:
+            return None
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
 
 
 class _TextOnlyFusion(torch.nn.Module):
@@ -179,7 +191,8 @@ class TicoRuntime(Runtime):
         return any(captures(self.capture, k) for k in kinds)
 
     def _hook(self, rt) -> None:
-        """Install the taps of the kinds asked for (each only records a reference to a tensor)."""
+        """Install the taps of the kinds asked for, where TICO's capture map (runtimes/captures.py:
+        TICO) names them; each only records a reference to a tensor."""
         wants = self._wants
 
         def put(kind, layer=None):
@@ -189,51 +202,54 @@ class TicoRuntime(Runtime):
 
             return hook
 
-        if wants("embeddings"):
-            rt.mm_fusion.register_forward_hook(put("embeddings"))
-            rt.token_embedding.register_forward_hook(put("embeddings"))
-        if rt.ple_projection is not None and wants("per_layer_inputs"):
-            rt.ple_projection.register_forward_hook(put("per_layer_inputs"))
-        last = len(rt.prefill_layers) - 1
+        n, last = len(rt.prefill_layers), len(rt.prefill_layers) - 1
+        for row in TICO.rows:  # the modules whose output is the kind: hooked as they are
+            if not row.via and "*" not in row.native and row.kind != "logits" and wants(row.kind):
+                for site in sites_of(row.kind, n):
+                    module = _resolve(rt, row.name(site.layer))
+                    if module is not None:  # no per-layer input projection without PLE
+                        module.register_forward_hook(put(row.kind, site.layer))
+        outs = {r.kind: r.ops[0][1] for r in TICO.rows if r.native == TICO.row("layer_out").native}
         for i, (pre, dec) in enumerate(zip(rt.prefill_layers, rt.decode_layers)):
-            if wants("layer_out", "k", "v") or (i == last and wants("final_hidden")):
+            if wants(*outs) or (i == last and wants("final_hidden")):
                 for m in (pre, dec):
-                    m.register_forward_hook(self._layer_hook(i, last))
-            attn = pre.wrapped.self_attn.wrapped  # shared by both export modules
-            if wants("attn_out"):
-                attn.o_proj.register_forward_hook(put("attn_out", i))
-            if wants("q", "mask"):
+                    m.register_forward_hook(self._layer_hook(i, last, outs))
+            if wants(*OBSERVED.values()):
+                attn = _resolve(rt, TICO.row("q").name(i).rpartition(".")[0])  # shared by both export modules
                 attn._fq = self._observer_tap(attn, i)
         if wants(*(k for t in self._layer_types() for k in rope_kinds(t))):
-            for name in ("build_prefill_masks_and_rope", "build_decode_masks_and_rope"):
+            for name in (a for a in dir(rt) if TICO.row(ROPE[0]).matches(a)):  # the mask and RoPE builders
                 setattr(rt, name, self._rope_tap(getattr(rt, name)))
 
-    def _layer_hook(self, i, last):
-        # the last layer's output is also what final_hidden is computed from (_report)
-        keep = self._wants("layer_out") or (i == last and self._wants("final_hidden"))
-        kv = self._wants("k", "v")
+    def _layer_hook(self, i, last, outs: dict):
+        """A layer export module's hook: what it returns, (h, k, v), by the index of each kind (`outs`)."""
+        keep = {k for k in outs if self._wants(k)}
+        if i == last and self._wants("final_hidden"):
+            keep.add("layer_out")  # the last layer's output is also what final_hidden is computed from (_report)
 
         def hook(module, args, out):
             if self._rec is None:
                 return
-            h, k, v = out if isinstance(out, tuple) and len(out) == 3 else (out, None, None)
-            if keep:
-                self._rec[("layer_out", i)] = h
-            if kv and k is not None:
-                self._rec[("k", i)], self._rec[("v", i)] = k, v
+            got = out if isinstance(out, tuple) and len(out) == len(outs) else (out,)
+            for kind in keep:
+                if outs[kind] < len(got):
+                    self._rec[(kind, i)] = got[outs[kind]]
 
         return hook
 
     def _observer_tap(self, attn, i):
+        """TICO's fake-quant call, seen: the value handed to an observer the capture map names is that
+        kind (q: (B, S, heads, hd) after q_norm and RoPE, with its fake quant; the mask: (B, 1, Q, K)
+        additive, as applied)."""
         fq = attn._fq
+        observers = {kind: getattr(attn, name) for name, kind in OBSERVED.items()}
 
         def tapped(x, obs):
             y = fq(x, obs)
             if self._rec is not None:
-                if obs is attn.obs_q_rot and self._wants("q"):
-                    self._rec[("q", i)] = y  # (B, S, heads, hd): q_norm + RoPE (+ its fake quant)
-                elif obs is attn.obs_attn_mask and self._wants("mask"):
-                    self._rec[("mask", i)] = y  # (B, 1, Q, K) additive, as applied
+                kind = next((k for k, o in observers.items() if obs is o), None)
+                if kind is not None and self._wants(kind):
+                    self._rec[(kind, i)] = y
             return y
 
         return tapped
@@ -279,8 +295,9 @@ class TicoRuntime(Runtime):
             if self._wants("layer_out"):
                 probe.tensor("layer_out", rec[("layer_out", i)][0, rows], layer=i)
         if self._wants("final_hidden"):
+            norm = _resolve(self.rt, TICO.row("final_hidden").native)
             with torch.no_grad():
-                probe.tensor("final_hidden", self.rt.lm_head.norm(rec[("layer_out", L - 1)][:, rows])[0])
+                probe.tensor("final_hidden", norm(rec[("layer_out", L - 1)][:, rows])[0])
 
     def _layer_types(self):
         return set(self.loaded.text_config.layer_types)

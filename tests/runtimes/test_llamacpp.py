@@ -40,31 +40,12 @@ def test_f32_replay_matches_under_the_llamacpp_profile(tmp_path, name):
     res = diff_traces(ref, run, str(PROFILE))
     assert res.match, res.to_json()["first_divergence"]
     with TraceReader(ref) as a, TraceReader(run) as b:
-        got = set(b.kinds_present())
-        kinds = {k for k, _ in got}
-        assert kinds == {
-            "embeddings",
-            "per_layer_inputs",
-            "q",
-            "k",
-            "v",
-            "attn_out",
-            "layer_out",
-            "final_hidden",
-            "logits",
-            "token",
-            "mask",
-        }
-        # the RoPE tables are not graph nodes: absent, never zeros
-        assert not any(k.startswith("rope_") for k in kinds)
+        # (the kinds it holds, at which layers: its capture map's, tests/runtimes/test_conformance.py)
         # the masks (read as the attention nodes' mask operand) are REF's, every layer; a row is
         # max_seq wide, REF's as wide as the run's positions: the columns past them allow nothing
         for i in range(len(a.layers)):
             x, y = a.read("mask", i), b.read("mask", i)
             assert np.array_equal(x, y[:, : x.shape[1]]) and not y[:, x.shape[1] :].any(), i
-        # k/v only where a layer writes its own K/V
-        owners = {i for i, info in enumerate(a.layers) if info.kv_role != "reuses"}
-        assert {layer for k, layer in got if k == "k"} == owners
         # real, GELU-table-sized differences: not a copy of REF, not far from it
         worst = max(_rel(a.read("layer_out", i), b.read("layer_out", i)).max() for i in range(len(a.layers)))
         assert 1e-5 < worst < 2e-3, worst

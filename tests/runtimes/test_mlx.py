@@ -19,7 +19,6 @@ from tests.support import float_differences, invoke, one_line_error  # noqa: E40
 pytestmark = pytest.mark.slow  # loads a second engine per replay; make test-fast skips it
 
 MODES = ("mlx", "mlx-q8", "mlx-q8-dq", "mlx-q4", "mlx-q4-dq")
-NOT_CAPTURED = {"mask", "rope_cos_sliding", "rope_sin_sliding", "rope_cos_full", "rope_sin_full"}
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +50,6 @@ def test_float_replay_matches_hf_with_every_kind_mlx_lm_exposes(runs):
     with TraceReader(ref) as a, TraceReader(run) as b:
         runtime = b.provenance["runtime"]
         assert runtime.startswith("mlx (mlx 0.32.4, mlx-lm 0.32.2, CPU; float32; config fixed: ")
-        missing = {k for k, _ in a.kinds_present()} - {k for k, _ in b.kinds_present()}
-        assert missing == NOT_CAPTURED
         worst, differ = float_differences(a, b)
         # MLX's CPU kernels are not torch's: real, float32-sized differences in most tensors
         assert differ >= 10 and 1e-8 < worst < 1e-5, (differ, worst)

@@ -50,26 +50,7 @@ def test_mobius_matches_hf_on_the_short_golden(runs):
     assert res.match, res.to_json()["first_divergence"]
     with TraceReader(golden_path("short")) as ref, TraceReader(tmp / "short0.h5") as run:
         assert run.provenance["runtime"] == "mobius (mobius-onnx 0.1.0, onnxruntime 1.32.0, CPU)"
-        got = set(run.kinds_present())
-        kinds = {k for k, _ in got}
-        assert kinds - {"logits", "token"} == {
-            "embeddings",
-            "per_layer_inputs",
-            "q",
-            "k",
-            "v",
-            "attn_out",
-            "layer_out",
-            "final_hidden",
-        }
-        assert ("k", 4) in got and ("k", 5) not in got  # layer 5 reuses layer 3's cache: no K/V of its own
-        assert {k for k, _ in set(ref.kinds_present()) - got} == {
-            "mask",
-            "rope_cos_sliding",
-            "rope_sin_sliding",
-            "rope_cos_full",
-            "rope_sin_full",
-        }  # what mobius does not expose; `trace diff` names them as not compared
+        got = set(run.kinds_present())  # its capture map's sites (tests/runtimes/test_conformance.py)
         worst = 0.0
         # an independent implementation: float32-rounding-sized differences only
         for kind, layer in got - {("token", None)}:

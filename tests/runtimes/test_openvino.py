@@ -48,7 +48,6 @@ def test_float_replay_matches_reference_with_kernel_sized_differences(runs, tmp_
     assert "3/3 tokens agree" in runs["openvino:summary"]
     with TraceReader(static) as a, TraceReader(run) as b:
         assert b.provenance["runtime"].startswith("openvino (OpenVINO 2026.4.1, CPU, f32 inference precision")
-        assert b.kinds_present() == a.kinds_present()  # every kind of the static runtime, as graph outputs
         worst, differ = float_differences(a, b)
         # the CPU plugin's float32 kernels are not torch's: real, float32-sized differences
         assert differ >= 10 and 1e-8 < worst < 1e-5, (differ, worst)

@@ -4,7 +4,8 @@
 litert-torch keeps the torch module path in each tensor's name (`.../Gemma4TextDecoderLayer_3/
 .../Gemma4TextAttention_self_attn/...Linear_o_proj;2`, parts of fused ops joined by ';'), so a
 tensor's layer and module are read from its name, and its place in the data flow from the
-operators. For each signature (prefill_N, decode) the taps are:
+operators. For each signature (prefill_N, decode) the taps are (the names and operators are
+LiteRT's capture map's, runtimes/captures.py: LITERT):
 
     q             the RoPE sum (an ADD output of shape (1, n, heads, head_dim)) in layer i's
                   attention that writes no cache (k's RoPE sum writes the cache)
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +33,13 @@ import numpy as np
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.schema import rope_kinds
 
-LAYER = re.compile(r"Gemma4TextDecoderLayer_(\d+)(?:/|$)")
+from ..captures import LITERT
+
+# the capture map's rows (runtimes/captures.py: LITERT) this module reads the graph by
+IN_LAYER, TOP = LITERT.row("q"), LITERT.row("layer_out")  # a tensor of layer i's scope, and the scope itself
+O_PROJ, MASK, PLE, NORM = (LITERT.row(k) for k in ("attn_out", "mask", "per_layer_inputs", "final_hidden"))
+ROPE_ROWS = tuple(r for r in LITERT.rows if r.kind.startswith("rope_"))
+K_CACHE = LITERT.row("k").prefix()  # the cache inputs and outputs: kv_cache_k_<j>, kv_cache_v_<j>
 
 
 @dataclass
@@ -47,8 +53,9 @@ class Tensor:
         return [p.strip() for p in self.name.split(";")]
 
     def layer(self) -> int | None:
-        m = LAYER.search(self.parts()[0])
-        return int(m.group(1)) if m else None
+        first = self.parts()[0]
+        layer = IN_LAYER.layer_of(first)
+        return TOP.layer_of(first) if layer is None else layer
 
     def scope(self) -> str:
         """The innermost module of the tensor's first part ("Gemma4RMSNorm_v_norm", "Linear_o_proj")."""
@@ -177,7 +184,7 @@ def taps(sig: Signature, infos, hidden: int, ple: tuple | None) -> list[Tap]:
         layer = x.layer()
         if layer is not None and 0 <= layer < len(infos):
             by_layer.setdefault(layer, []).append(x)
-        elif x.scope().endswith("language_model"):
+        elif PLE.matches(x.scope()):
             own.append(x)
     out = []
     for i, xs in sorted(by_layer.items()):
@@ -186,7 +193,7 @@ def taps(sig: Signature, infos, hidden: int, ple: tuple | None) -> list[Tap]:
         cands = [x for x in own if len(x.shape) == 4 and x.shape[0] == 1 and x.shape[2:] == ple]
         if cands:
             out.append(Tap(cands[-1].index, "per_layer_inputs", None))
-    norms = [x for x in produced if sig.tensors[x].scope() == "Gemma4RMSNorm_norm"]
+    norms = [x for x in produced if NORM.matches(sig.tensors[x].scope())]
     norms = [x for x in norms if len(sig.tensors[x].shape) == 3 and sig.tensors[x].shape[-1] == hidden]
     if norms:
         out.append(Tap(norms[-1], "final_hidden", None))
@@ -200,10 +207,10 @@ def _layer_taps(sig: Signature, i: int, xs: list[Tensor], hidden: int, dims: tup
     q = [x for x in rope_sums if "DYNAMIC_UPDATE_SLICE" not in _reach(sig, x.index, 2)]
     if q:
         out.append(Tap(q[-1].index, "q", i))
-    o = [x for x in xs if "Linear_o_proj" in x.parts()[0] and x.shape[-1] == hidden and len(x.shape) == 3]
+    o = [x for x in xs if O_PROJ.matches(x.parts()[0]) and x.shape[-1] == hidden and len(x.shape) == 3]
     if o:
         out.append(Tap(o[-1].index, "attn_out", i))
-    top = [x for x in xs if re.fullmatch(r".*Gemma4TextDecoderLayer_\d+", x.parts()[0]) and x.shape[-1] == hidden]
+    top = [x for x in xs if TOP.matches(x.parts()[0]) and x.shape[-1] == hidden]
     if top:
         out.append(Tap(top[-1].index, "layer_out", i))
     m = _mask_operand(sig, xs)
@@ -215,7 +222,7 @@ def _layer_taps(sig: Signature, i: int, xs: list[Tensor], hidden: int, dims: tup
 def _is_rope_sum(sig: Signature, t: int) -> bool:
     """t = x * cos + rotate_half(x) * sin: an ADD of two MUL outputs."""
     k = sig.producer.get(t)
-    if k is None or sig.ops[k][0] != "ADD":
+    if k is None or sig.ops[k][0] != IN_LAYER.ops[0][0]:
         return False
     return all(sig.op_of(i) == "MUL" for i in sig.ops[k][1])
 
@@ -224,7 +231,7 @@ def _mask_operand(sig: Signature, xs: list[Tensor]) -> Tensor | None:
     """The mask added to layer i's attention scores: the ADD feeding the SOFTMAX, its operand that
     is not the scores' BATCH_MATMUL."""
     for x in xs:
-        if sig.op_of(x.index) == "ADD" and "SOFTMAX" in sig.fed_ops(x.index):
+        if sig.op_of(x.index) == MASK.ops[0][0] and "SOFTMAX" in sig.fed_ops(x.index):
             operands = [i for i in sig.ops[sig.producer[x.index]][1] if sig.op_of(i) != "BATCH_MATMUL"]
             if len(operands) == 1:
                 return sig.tensors[operands[0]]
@@ -251,13 +258,15 @@ def _rope_taps(sig: Signature, produced: list[int], infos) -> list[Tap]:
     read, is left out."""
     out, seen = [], set()
     for t in produced:
-        op = sig.op_of(t)
-        if op not in ("COS", "SIN") or "rotary_emb" not in sig.tensors[t].name:
+        op, name = sig.op_of(t), sig.tensors[t].name
+        rows = [r for r in ROPE_ROWS if r.ops[0][0] == op and r.matches(name)]
+        if not rows:
             continue
         types = {infos[i].layer_type for i in _reached_layers(sig, t, 4) if 0 <= i < len(infos)}
         if len(types) != 1:
             continue
-        kind = rope_kinds(types.pop())[0 if op == "COS" else 1]
+        kinds = rope_kinds(types.pop())
+        kind = next(r.kind for r in rows if r.kind in kinds)
         if kind not in seen:
             seen.add(kind)
             out.append(Tap(t, kind, None))
@@ -284,7 +293,7 @@ def _reached_layers(sig: Signature, t: int, hops: int) -> set[int]:
 def cache_layers(sig: Signature, infos) -> dict[int, int]:
     """kv_cache_k_j -> the layer j-th of the layers that write a cache (their order in the model)."""
     owners = [i for i, info in enumerate(infos) if info.kv_role != "reuses"]
-    caches = sorted(int(k.rsplit("_", 1)[1]) for k in sig.inputs if k.startswith("kv_cache_k_"))
+    caches = sorted(int(k[len(K_CACHE) :]) for k in sig.inputs if k.startswith(K_CACHE))
     if len(caches) != len(owners):
         raise TraceToolError(
             f"the LiteRT graph has {len(caches)} K/V caches; the model has {len(owners)} layers that write K/V"

@@ -37,12 +37,14 @@ from gemma4_trace.traces.schema import KIND_NAMES
 
 from ...child import ChildRuntime
 from ...ops import resolve_prefill_chunk
+from ..captures import LITERT
 from ..registry import captures
 from . import export as E
 from . import graph as G
 from . import outputs as O
 
 ENGINE = "gemma4_trace.replayer.runtimes.litert.engine:LiteRTEngine"
+K_CACHE, V_CACHE = (LITERT.row(k).prefix() for k in ("k", "v"))  # the cache outputs the K and V rows are read from
 NEG = -1e30  # the additive mask's blocked value
 ALLOWED_ABOVE = -1.0  # a mask value above this lets the key through
 QUANT_WORDS = {
@@ -245,7 +247,7 @@ class LiteRTRuntime(ChildRuntime):
             rows[("embeddings", None)] = emb[0, :n]
         new = {k: outs[k] for k in caches}
         for j, layer in self.owners.items() if want is None else ():
-            k, v = new[f"kv_cache_k_{j}"][0], new[f"kv_cache_v_{j}"][0]  # (KV, S, D), (KV, D, S)
+            k, v = new[f"{K_CACHE}{j}"][0], new[f"{V_CACHE}{j}"][0]  # (KV, S, D), (KV, D, S)
             if self.captures("k"):
                 rows[("k", layer)] = k[:, start : start + n].transpose(1, 0, 2)
             if self.captures("v"):

@@ -16,26 +16,27 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 
 import numpy as np
 
 from gemma4_trace.replayer.child import EngineError
+from gemma4_trace.replayer.runtimes.captures import LLAMACPP
+from gemma4_trace.traces.schema import sites_of
 
-# ggml node names (set by the gemma4 graph's `cb(tensor, name, layer)`) -> canonical kinds
-GLOBAL_NAMES = {"inp_scaled": "embeddings", "inp_per_layer": "per_layer_inputs", "h_nextn": "final_hidden"}
-LAYER_NAMES = {"Qcur_pos": "q", "Kcur_pos": "k", "Vcur_normed": "v", "l_out": "layer_out"}
-# attn_out (o_proj's output) has no name of its own in the graph: it is the matrix product
-# whose weight is the layer's attention output tensor
-ATTN_OUT_WEIGHT = re.compile(r"blk\.(\d+)\.attn_output\.weight")
+# the nodes read, by name (set by the gemma4 graph's `cb(tensor, name, layer)`): the capture map's
+# rows read from a node of their own (runtimes/captures.py)
+NAMED = tuple(r for r in LLAMACPP.rows if not r.ops and r.kind != "logits")
+# attn_out (o_proj's output) has no name of its own in the graph: it is the matrix product whose
+# operand 0 is the layer's attention output weight (its row: "blk.{layer}.attn_output.weight" via MUL_MAT[0])
+ATTN_OUT = LLAMACPP.row("attn_out")
 GGML_TYPE_F32 = 0
 GGML_TYPE_F16 = 1
 # the attention masks are graph inputs (leaves: never handed to the callback themselves), read as
 # the mask operand of each layer's attention node (FLASH_ATTN_EXT, or SOFT_MAX with flash attention
-# off); the layer is in the name of that node's first operand (its q, or the K.Q product)
-MASK_NAME = "attn_inp_kq_mask"
-MASK_OPS = {"FLASH_ATTN_EXT": 3, "SOFT_MAX": 1}  # op -> the mask's operand index
-MASK_LAYER = re.compile(r"(?:Qcur_pos|kq)-(\d+)\b")
+# off); the layer is in the name of that node's first operand (its q, or the K.Q product): the
+# mask's row says all three (its name, the ops with the mask's operand index, layer_from)
+MASK = LLAMACPP.row("mask")
+MASK_OPS = dict(MASK.ops)  # op -> the mask's operand index
 GGML_LOG_LEVEL_ERROR = 4
 LOAD_ERROR = "error loading model: "  # llama_model_load's prefix to the reason a file does not load
 # llama.cpp's flash attention (auto: on for this CPU backend) computes attention with FP16 steps:
@@ -97,16 +98,18 @@ class Capture:
         self.ggml, self.emit = ggml, emit
         self.on = False
         ops: dict[str, int] = {}  # ggml_op's values, scanned up to the last one needed (never past GGML_OP_COUNT)
+        (product, self.weight), *_ = ATTN_OUT.ops  # the product and the weight's operand index
         for i in range(1000):
             ops.setdefault(ggml.ggml_op_name(i).decode(errors="replace"), i)
-            if {"MUL_MAT", *MASK_OPS} <= ops.keys():
+            if {product, *MASK_OPS} <= ops.keys():
                 break
-        self.mul_mat = ops["MUL_MAT"]
+        self.mul_mat = ops[product]
         self.mask_ops = {ops[name]: src for name, src in MASK_OPS.items()}
         self.n_ctx = 0  # the trace's max_seq: a mask row's width
         self.first = 0  # the position of the decode's first token
         self.mask_rows: dict[int, int] = {}  # layer -> mask rows read in this decode (ubatches in order)
         self.kinds: frozenset | None = None  # the kinds asked for (None: every kind)
+        self.every: dict[str, tuple] = {}  # node name -> (kind, layer) of every kind found by name
         self.named: dict[bytes, tuple] = {}  # node name -> (kind, layer) of the asked kinds found by name
         self.by_op: frozenset = frozenset()  # the ops whose operands say whether an asked kind is there
         self.c_callback = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(self._cb)
@@ -117,10 +120,13 @@ class Capture:
         name are looked up by the node's name alone; only the products (attn_out) and attention
         nodes (mask) need their operands read, and only when those kinds are asked."""
         self.kinds = None if kinds is None else frozenset(kinds)
-        names = {k.encode(): (v, None) for k, v in GLOBAL_NAMES.items()}
-        names.update((f"{k}-{i}".encode(), (v, i)) for k, v in LAYER_NAMES.items() for i in range(n_layer))
+        names = {}
+        for row in NAMED:
+            for site in sites_of(row.kind, n_layer):
+                names[row.name(site.layer).encode()] = (site.kind, site.layer)
+        self.every = {n.decode(): t for n, t in names.items()}
         self.named = {n: t for n, t in names.items() if self.kinds is None or t[0] in self.kinds}
-        ops = {"attn_out": {self.mul_mat}, "mask": set(self.mask_ops)}
+        ops = {ATTN_OUT.kind: {self.mul_mat}, MASK.kind: set(self.mask_ops)}
         self.by_op = frozenset(o for k, s in ops.items() if self.kinds is None or k in self.kinds for o in s)
 
     def ask(self, ptr) -> bool:
@@ -138,20 +144,17 @@ class Capture:
 
     def _target(self, t: _Tensor):
         name = t.name.decode(errors="replace")
-        if name in GLOBAL_NAMES:
-            return GLOBAL_NAMES[name], None
-        base, _, layer = name.rpartition("-")
-        if base in LAYER_NAMES and layer.isdigit():
-            return LAYER_NAMES[base], int(layer)
-        if t.op == self.mul_mat and t.src[0]:
-            m = ATTN_OUT_WEIGHT.fullmatch(_Tensor.from_address(t.src[0]).name.decode(errors="replace"))
-            if m:
-                return "attn_out", int(m.group(1))
+        if name in self.every:
+            return self.every[name]
+        if t.op == self.mul_mat and t.src[self.weight]:
+            layer = ATTN_OUT.layer_of(_Tensor.from_address(t.src[self.weight]).name.decode(errors="replace"))
+            if layer is not None:
+                return ATTN_OUT.kind, layer
         if t.op in self.mask_ops and t.src[0] and t.src[self.mask_ops[t.op]]:
             mask = _Tensor.from_address(t.src[self.mask_ops[t.op]])
-            m = MASK_LAYER.match(_Tensor.from_address(t.src[0]).name.decode(errors="replace"))
-            if m and mask.name.decode(errors="replace").startswith(MASK_NAME):
-                return "mask", int(m.group(1))
+            layer = MASK.layer_of(_Tensor.from_address(t.src[0]).name.decode(errors="replace"))
+            if layer is not None and MASK.matches(mask.name.decode(errors="replace")):
+                return MASK.kind, layer
         return None
 
     def _mask(self, t: _Tensor, layer: int):
@@ -187,10 +190,10 @@ class Capture:
                 return self.ask(ptr)
             t = _Tensor.from_address(ptr)
             target = self._asked(t)
-            if target is not None and target[0] == "mask":
+            if target is not None and target[0] == MASK.kind:
                 allowed = self._mask(t, target[1])
                 if allowed is not None:
-                    self.emit("mask", target[1], allowed)
+                    self.emit(MASK.kind, target[1], allowed)
                 return True
             if target is None or t.type != GGML_TYPE_F32:
                 return True

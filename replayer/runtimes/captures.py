@@ -1,0 +1,311 @@
+"""What each built-in runtime captures, as data: one capture map per adapter.
+
+A map's rows (`Capture`) take the engine's own name for a value it computes (a llama.cpp graph
+node, a step graph's output, an mlx-lm module, a TICO hook, ...) to a site template of the trace:
+a kind key of traces/schema.py and, for a per-layer kind, where the layer number is read: the
+`{layer}` field of the name (`{layer:02d}` where the name pads it), or of another name the row
+gives in `layer_from` (llama.cpp's masks: the attention node's first operand). `*` in a name
+stands for any text. `via` says how the value is read where the name alone does not: an operator
+("MatMul"), an operator's operand ("MUL_MAT[0]": its first operand bears the name), a call's
+input, words. Each adapter reads its names from its map, and what the registry says a runtime
+captures (RuntimeSpec.not_captured, the README's "kinds captured", the refusal of a `--kinds` it
+cannot capture) is derived from the row's map; tests/runtimes/test_conformance.py replays every
+runtime and checks that its trace holds exactly the sites its map declares (within the sites the
+model has: K/V only where a layer writes its own, per-layer inputs only with PLE, RoPE tables of
+the layer types it has).
+
+The chosen token is every runtime's (the replay driver writes it); the logits are a row like any
+other kind (a runtime that gives text alone, LiteRT-LM, has none). Nothing here imports torch or
+an engine: the registry reads the maps before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache, cached_property
+
+from gemma4_trace.hf import sites as H
+from gemma4_trace.traces import schema as S
+from gemma4_trace.traces.errors import TraceToolError
+
+_FIELD = re.compile(r"\{layer(?::[^}]*)?\}|\*")
+_OP = re.compile(r"([A-Z]\w*)(?:\[(\d+)\])?|(\w+)\[(\d+)\]")  # an operator (capitalized) or a name with an index
+
+
+@cache
+def pattern(native: str) -> re.Pattern:
+    """A name pattern as a regular expression: `{layer}` (any format) a number, `*` any text."""
+    out, at, seen = [], 0, False
+    for m in _FIELD.finditer(native):
+        out.append(re.escape(native[at : m.start()]))
+        if m.group() == "*":
+            out.append(".*")
+        else:
+            out.append("(?P<layer>[0-9]+)" if not seen else "(?P=layer)")
+            seen = True
+        at = m.end()
+    out.append(re.escape(native[at:]))
+    return re.compile("".join(out))
+
+
+@dataclass(frozen=True)
+class Capture:
+    """One row of a capture map: a native name or pattern, and the kind it is."""
+
+    native: str  # the engine's name: `{layer}` the layer number, `*` any text
+    kind: str  # the kind key (traces/schema.py: "q", "vision.q")
+    via: str = ""  # how the value is read where the name does not say: "OP", "OP[i]" (operand i), words
+    layer_from: tuple[str, ...] = ()  # names holding `{layer}` when `native` does not (or words saying where)
+
+    def __post_init__(self) -> None:
+        if self.kind not in S.KIND_BY_NAME:
+            raise ValueError(f"capture {self.native!r}: unknown kind {self.kind!r}")
+        if S.layered(self.kind) and "{layer" not in self.native and not self.layer_from:
+            raise ValueError(f"capture {self.native!r}: {self.kind} is per layer; say where its layer is read")
+
+    @cached_property
+    def regex(self) -> re.Pattern:
+        return pattern(self.native)
+
+    def matches(self, name: str) -> bool:
+        return self.regex.fullmatch(name) is not None
+
+    def layer_of(self, name: str) -> int | None:
+        """The layer number `name` gives: by `native`'s {layer}, else by the first of `layer_from`
+        that matches; None when none does."""
+        for p in (self.native, *self.layer_from) if "{layer" in self.native else self.layer_from:
+            m = pattern(p).fullmatch(name) if "{layer" in p else None
+            if m is not None:
+                return int(m.group("layer"))
+        return None
+
+    def site_of(self, name: str) -> S.Site | None:
+        """The site `name` is when it is this row's name (a per-layer row whose layer is in it)."""
+        m = self.regex.fullmatch(name)
+        if m is None:
+            return None
+        layer = m.groupdict().get("layer")
+        if S.layered(self.kind) != (layer is not None):
+            return None
+        return S.Site.of(self.kind, None if layer is None else int(layer))
+
+    def name(self, layer: int | None = None) -> str:
+        """The native name at `layer` (for a per-layer row); `*` stays as it is."""
+        return self.native.format(layer=layer) if "{layer" in self.native else self.native
+
+    def prefix(self, layer: int | None = None) -> str:
+        """The name up to its first `*` (the whole name when it has none)."""
+        return self.name(layer).partition("*")[0]
+
+    @property
+    def ops(self) -> tuple[tuple[str, int | None], ...]:
+        """`via` read as operators: ((op, operand index or None), ...); () when it is words."""
+        words = self.via.split()
+        found = [_OP.fullmatch(w) for w in words]
+        if not words or not all(found):
+            return ()
+        return tuple(
+            (m.group(1), None if m.group(2) is None else int(m.group(2)))
+            if m.group(1)
+            else (m.group(3), int(m.group(4)))
+            for m in found
+        )
+
+
+@dataclass(frozen=True)
+class CaptureMap:
+    """An adapter's capture map: every value it reads from its engine, as the kinds it reports."""
+
+    engine: str  # whose names the rows hold
+    rows: tuple[Capture, ...]
+
+    @cached_property
+    def kinds(self) -> tuple[str, ...]:
+        """Every kind key a replay by this runtime holds, in traces/schema.py's order (the token too)."""
+        have = {r.kind for r in self.rows} | {S.KIND_TOKEN}
+        return tuple(k for k in S.KIND_BY_NAME if k in have)
+
+    def not_captured(self) -> tuple[str, ...]:
+        """The text tower's kinds a replay by this runtime never holds (absent, never zeros)."""
+        return tuple(k for k in S.KIND_NAMES if k not in self.kinds)
+
+    def text(self) -> str:
+        """What it captures, for people (the README's "kinds captured"): "all kinds", "tokens only",
+        "all but mask and RoPE"."""
+        missing = self.not_captured()
+        if not missing:
+            return "all kinds"
+        if set(missing) >= set(S.KIND_NAMES) - {S.KIND_TOKEN}:
+            return "tokens only"
+        return "all but " + " and ".join(_kind_words(missing))
+
+    def check(self, kinds, who: str) -> None:
+        """Refuse kinds asked of `who` (`--kinds`) that this map does not capture, in one line."""
+        asked = set(kinds or ())
+        missing = [k for k in S.KIND_NAMES if k in asked and k in self.not_captured()]
+        if missing:
+            raise TraceToolError(
+                f"--kinds {','.join(missing)}: {who} cannot capture {' or '.join(missing)} (it captures {self.text()})"
+            )
+
+    def sites(self, n_layers: int) -> list[S.Site]:
+        """Every site of the kinds captured in a text tower of n_layers layers (the model may lack some)."""
+        return [s for k in self.kinds for s in S.sites_of(k, n_layers)]
+
+    def rows_of(self, kind: str) -> tuple[Capture, ...]:
+        return tuple(r for r in self.rows if r.kind == kind)
+
+    def row(self, kind: str) -> Capture:
+        """The (first) row of a kind; KeyError when the map has none."""
+        for r in self.rows:
+            if r.kind == kind:
+                return r
+        raise KeyError(f"{self.engine}: no capture of {kind!r}")
+
+    def site_of(self, name: str) -> S.Site | None:
+        """The site a native name is (the first row whose name it is), None when it is none."""
+        for r in self.rows:
+            site = r.site_of(name)
+            if site is not None:
+                return site
+        return None
+
+    def name_of(self, kind: str, layer: int | None = None) -> str:
+        return self.row(kind).name(layer)
+
+
+def _kind_words(kinds: tuple[str, ...]) -> list[str]:
+    """Kind names for people: the four RoPE tables are "RoPE", named last."""
+    rope = [k for k in kinds if k in ROPE]
+    return [k for k in kinds if k not in rope] + (["RoPE"] if rope else [])
+
+
+def _probe_rows(name) -> tuple[Capture, ...]:
+    """One row per kind the static runtime hands its probe: `name(kind)` its native name."""
+    kinds = (k for k in S.KIND_NAMES if k not in ("logits", S.KIND_TOKEN))
+    return tuple(Capture(name(k), k) for k in kinds)
+
+
+ROPE = tuple(k for t in S.LAYER_TYPE_SHORT for k in S.rope_kinds(t))
+
+# the static runtime (replayer/runtime.py) and its quantized variants: its probe calls
+PROBE = CaptureMap(
+    "the static runtime's probe calls (replayer/runtime.py)",
+    (
+        *_probe_rows(lambda k: f'probe.tensor("{k}", layer={{layer}})' if S.layered(k) else f'probe.tensor("{k}")'),
+        Capture("prefill() / decode()", "logits", via="the step's result"),
+    ),
+)
+
+# onnx, openvino, executorch: replayer/functional.py's step graphs, the probe's kinds as extra outputs
+STEP_GRAPH = CaptureMap(
+    "the step graphs' output names (replayer/functional.py)",
+    (Capture("logits", "logits"), *_probe_rows(lambda k: f"L{{layer:02d}}.{k}" if S.layered(k) else k)),
+)
+
+# replayer/runtimes/llamacpp/engine.py: ggml graph nodes, by the names the gemma4 graph's
+# cb(tensor, name, layer) gives them; attn_out and the mask are read off the node they feed
+LLAMACPP = CaptureMap(
+    "llama.cpp's ggml graph nodes (their names)",
+    (
+        Capture("inp_scaled", "embeddings"),
+        Capture("inp_per_layer", "per_layer_inputs"),
+        Capture(
+            "attn_inp_kq_mask*",
+            "mask",
+            via="FLASH_ATTN_EXT[3] SOFT_MAX[1]",  # the attention node's mask operand (a graph input)
+            layer_from=("Qcur_pos-{layer}*", "kq-{layer}*"),  # that node's first operand
+        ),
+        Capture("Qcur_pos-{layer}", "q"),
+        Capture("Kcur_pos-{layer}", "k"),
+        Capture("Vcur_normed-{layer}", "v"),
+        Capture("blk.{layer}.attn_output.weight", "attn_out", via="MUL_MAT[0]"),  # the product by o_proj's weight
+        Capture("l_out-{layer}", "layer_out"),
+        Capture("h_nextn", "final_hidden"),
+        Capture("llama_get_logits_ith(-1)", "logits"),
+    ),
+)
+
+# replayer/runtimes/mobius.py: the mobius graph's node names, and what each kind is there
+MOBIUS = CaptureMap(
+    "mobius's ONNX graph nodes (their names and op types)",
+    (
+        Capture("model/embed_tokens/*", "embeddings", via="Mul"),  # the scaled token embedding
+        Capture("model/Mul_node_*", "per_layer_inputs", via="Mul"),  # (projection + per-layer embedding) * 2**-0.5
+        Capture("model/layers.{layer}/self_attn/*", "q", via="Attention[0]"),  # after q_norm and RoPE
+        Capture("model/layers.{layer}/self_attn/*", "k", via="Attention[1]"),  # where the layer writes a cache
+        Capture("model/layers.{layer}/self_attn/*", "v", via="Attention[2]"),
+        Capture("model/layers.{layer}/self_attn/o_proj/*", "attn_out", via="MatMul"),
+        Capture("model/layers.{layer}/*", "layer_out", via="the last node of the layer's own scope"),
+        Capture("model/norm/*", "final_hidden"),
+        Capture("logits", "logits"),
+    ),
+)
+
+# replayer/runtimes/mlx.py: mlx-lm's text model, module paths below it (the modules wrapped)
+MLX = CaptureMap(
+    "mlx-lm's Gemma 4 text model (module paths)",
+    (
+        Capture("layers.0", "embeddings", via="input"),  # layer 0's input: the scaled token embeddings
+        Capture("_project_per_layer_inputs", "per_layer_inputs"),
+        Capture("layers.{layer}.self_attn.rope", "q", via="its last call"),
+        Capture("layers.{layer}.self_attn.rope", "k", via="its first call, in a layer that owns K/V"),
+        Capture("layers.{layer}.self_attn.v_norm", "v", via="in a layer that owns K/V"),
+        Capture("layers.{layer}.self_attn.o_proj", "attn_out"),
+        Capture("layers.{layer}", "layer_out"),
+        Capture("norm", "final_hidden"),
+        Capture("model(ids, cache)", "logits"),
+    ),
+)
+
+# replayer/runtimes/tico.py: attributes of TICO's StaticGemma4Runtime, hooked
+TICO = CaptureMap(
+    "TICO's StaticGemma4Runtime (attribute paths of its modules)",
+    (
+        Capture("mm_fusion", "embeddings"),  # prefill
+        Capture("token_embedding", "embeddings"),  # decode
+        Capture("ple_projection", "per_layer_inputs"),
+        *(
+            Capture("build_*_masks_and_rope", k, via=f"rope[{t!r}][{0 if '_cos_' in k else 1}]")
+            for t in S.LAYER_TYPE_SHORT
+            for k in S.rope_kinds(t)
+        ),
+        Capture("prefill_layers.{layer}.wrapped.self_attn.wrapped._fq", "mask", via="obs_attn_mask"),
+        Capture("prefill_layers.{layer}.wrapped.self_attn.wrapped._fq", "q", via="obs_q_rot"),
+        Capture("*_layers.{layer}", "k", via="output[1]"),  # (h, k, v): what each layer's export module returns
+        Capture("*_layers.{layer}", "v", via="output[2]"),
+        Capture("prefill_layers.{layer}.wrapped.self_attn.wrapped.o_proj", "attn_out"),
+        Capture("*_layers.{layer}", "layer_out", via="output[0]"),
+        Capture("lm_head.norm", "final_hidden", via="applied to the last layer's output rows"),
+        Capture("prefill() / decode_one()", "logits"),
+    ),
+)
+
+# replayer/runtimes/litert/graph.py and runtime.py: litert-torch's export, its tensors by name (torch
+# module paths, fused ops' parts joined by ';') and by the operators that make them
+LITERT = CaptureMap(
+    "litert-torch's Gemma 4 export (tensor names: module scopes; graph.py reads the operators)",
+    (
+        Capture("embeddings", "embeddings", via="the embedder's output, the model's input"),
+        Capture("*language_model", "per_layer_inputs", via="the scope's last (1, n, layers, ple) tensor"),
+        *(Capture("*rotary_emb*", k, via=k.split("_")[1].upper()) for k in ROPE),  # the layer type: its readers'
+        Capture("*Gemma4TextDecoderLayer_{layer}/*", "mask", via="ADD"),  # the operand added before the SOFTMAX
+        Capture("*Gemma4TextDecoderLayer_{layer}/*", "q", via="ADD"),  # the RoPE sum that writes no cache
+        Capture("kv_cache_k_*", "k", via="the rows the step wrote", layer_from=("the j-th layer writing K/V",)),
+        Capture("kv_cache_v_*", "v", via="the rows the step wrote", layer_from=("the j-th layer writing K/V",)),
+        Capture("*Gemma4TextDecoderLayer_{layer}/*Linear_o_proj*", "attn_out", via="its last (1, n, hidden)"),
+        Capture("*Gemma4TextDecoderLayer_{layer}", "layer_out", via="the scope's last (1, n, hidden)"),
+        Capture("Gemma4RMSNorm_norm", "final_hidden", via="the scope's last (1, n, hidden)"),
+        Capture("logits", "logits"),
+    ),
+)
+
+# replayer/runtimes/litert/convert.py: HF's forward hooked where hf/sites.py says HF computes each kind
+HF_FORWARD = CaptureMap(
+    "transformers' Gemma 4 modules (hf/sites.py)",
+    tuple(Capture(s.module or "model", s.key, via=f"{s.tensor} {s.item}") for s in H.SITES),
+)
+
+# replayer/runtimes/litert/lm.py: text in, text out, the token alone
+TOKENS_ONLY = CaptureMap("LiteRT-LM's text (the chosen token alone)", ())
