@@ -10,12 +10,19 @@ A case applies one to three corruptions to a copy of the golden trace (default
 traces/golden/short.h5): bit flips at random offsets (anywhere, or only in HDF5 metadata),
 an overwritten byte run, truncation, a deleted, renamed or swapped object, a deleted
 attribute, an attribute of the wrong type, a dataset rewritten with another shape, dtype or
-values, a dangling link. The allowed outcomes are exit 0 or 2 for `show`, 0, 1 or 2 for
+values, a dangling link; or a hostile class (links, external storage, bombs, deep trees, huge
+attributes). A third of the cases (--tower-share; a draw of its own, so the other cases are the
+mutations they always were) start from a version-2 trace with a vision and an audio tower instead
+(written by tests/synth.py) and apply a tower class: the towers/<tower> attributes and item
+datasets, the tensors/<tower>/ layout, the schema version, the model config's sub-configs and
+token ids (see TOWER); those that change nothing else must be refused or read as the format says.
+The allowed outcomes are exit 0 or 2 for `show`, 0, 1 or 2 for
 `diff` (a corruption that leaves a valid trace may match or diverge); exit 2 must be
 exactly one line `error: ...` on stderr. A failure is anything else: an exception escaping
 the command (GEMMA4_TRACE_DEBUG=1 lets our own bugs through instead of 'internal error'),
-an 'internal error' message, more than one line, a traceback, another exit code, or a run
-longer than --timeout seconds.
+an 'internal error' message, more than one line, a traceback, another exit code, a run
+longer than --timeout seconds, a tower case read that the format forbids or refused that it
+allows, or a whole-HDF5 tower case refused as "damaged" (an exception inside the checks).
 
 Cases run in --jobs worker processes. HDF5 can hang or crash on some damaged metadata
 inside C code that holds the GIL; a worker stuck for --hang-after seconds is ended by
@@ -52,6 +59,9 @@ from click.testing import CliRunner  # noqa: E402
 
 from gemma4_trace.cli import main as cli_main  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402
+from gemma4_trace.traces import limits as LIM  # noqa: E402
+from gemma4_trace.traces import schema as S  # noqa: E402
+from gemma4_trace.traces.layers import TowerInfo  # noqa: E402
 
 GOLDEN = golden_path("short")
 COMMANDS = ("show", "show --hash", "diff GOLDEN CORRUPT", "diff CORRUPT GOLDEN")
@@ -157,8 +167,11 @@ class Report:
     outcomes: Counter = field(default_factory=Counter)  # (command, exit code) -> count
     messages: Counter = field(default_factory=Counter)  # kind of error line -> count
     mutations: Counter = field(default_factory=Counter)
+    goldens: Counter = field(default_factory=Counter)  # cases by the golden they started from ("v1", "v2")
+    verdicts: Counter = field(default_factory=Counter)  # tower-only cases the format has a verdict on
     failures: list[str] = field(default_factory=list)
     library: list[str] = field(default_factory=list)  # the process died inside HDF5's C code (hang or crash)
+    library_goldens: Counter = field(default_factory=Counter)  # those by the golden their case started from
     outside: list[str] = field(default_factory=list)  # a command opened or read a file outside the trace
     slow: list[str] = field(default_factory=list)  # a command ran longer than SLOW_SECONDS
     big: list[str] = field(default_factory=list)  # the process grew past BIG_RSS
@@ -524,7 +537,10 @@ def h_bomb(f, rng):
 
 
 def h_deep(f, rng):
-    where = str(rng.choice(["junk", "tensors/L01/junk", "inputs/extra/junk", "model/junk", "tensors/junk"]))
+    places = ["junk", "tensors/L01/junk", "inputs/extra/junk", "model/junk", "tensors/junk"]
+    if S.GROUP_TOWERS in f:  # a version-2 trace: inside the tower table and a tower's layer group too
+        places += ["towers/vision/junk", "tensors/vision/L00/junk"]
+    where = str(rng.choice(places))
     depth = int(rng.integers(1000, ENV.get("deep_max", 20_000) + 1))
     f.create_group(f"{where}/" + "/".join(["d"] * depth))
     return f"deep tree {where} x {depth}"
@@ -564,6 +580,629 @@ HOSTILE = {
     "bomb": h_bomb,
     "deep": h_deep,
     "huge_attr": h_huge_attr,
+}
+
+
+# ---------------------------------------------------------------- version 2: encoder towers (issue 49)
+# A share of the cases (TOWER_SHARE, drawn from a stream of its own, so every other case is the
+# mutation it always was) starts from a version-2 trace instead of the golden: tests/synth.py's
+# writer with a two-image vision tower and a one-clip audio tower, their sub-configs and token ids
+# in the model config, the prompt holding their soft tokens. Such a case applies one TOWER class
+# below (alone, or with one damage or hostile class), or the classes above alone. A TOWER class
+# says, where the format decides it, that its mutant must be refused (MUST_REFUSE) or read
+# (MUST_READ); a case with that mutation alone checks it: a forbidden trace read is a misread, a
+# valid one refused is one too.
+TOWER_SHARE = 1 / 3
+TOWER_STREAM = 49  # the extra seed word of the draw that makes a case a version-2 case
+MUST_REFUSE, MUST_READ = " [must be refused]", " [must read]"
+# what a version-2 trace's refusal may not be when it must read (the diff may still say they differ)
+REFUSALS = {
+    "unreadable HDF5",
+    "not a trace",
+    "schema version",
+    "corrupt data (checksum)",
+    "damaged metadata",
+    "invalid structure",
+}
+AUDIO = TowerInfo("audio", 1, 6, 2, 3, item_rows=(4,), item_tokens=(2,))
+AUDIO_CONFIG = {"num_hidden_layers": 1, "hidden_size": 6, "num_attention_heads": 2, "head_dim": 3}
+TOKEN_IDS = {"vision": ("image_token_id", 9), "audio": ("audio_token_id", 10)}
+TOWER_PROMPT = (2, 9, 9, 9, 10, 10, 4, 3)  # 3 image and 2 audio soft tokens
+# the table's attributes, the sub-config keys they come from and the reader's caps (traces/limits.py)
+CONFIG_KEYS = {
+    "layers": "num_hidden_layers",
+    "hidden": "hidden_size",
+    "heads": "num_attention_heads",
+    "head_dim": "head_dim",
+}
+TOWER_CAPS = {"layers": LIM.MAX_LAYERS, "hidden": LIM.MAX_HIDDEN, "heads": LIM.MAX_HEADS, "head_dim": LIM.MAX_HEAD_DIM}
+
+
+_TOWER_GOLDEN: dict = {}  # its bytes, written once per process
+
+
+def tower_golden(path: Path) -> Path:
+    """The version-2 golden: the synthetic text tower (4 layers), a vision and an audio tower."""
+    if "bytes" in _TOWER_GOLDEN:
+        path.write_bytes(_TOWER_GOLDEN["bytes"])
+        return path
+    from tests import synth
+
+    ids = dict(TOKEN_IDS.values())
+    sizes = {"hidden_size": synth.HIDDEN, "vocab_size": synth.VOCAB}  # so the text widths are bounded too
+    config = synth.vision_config() | sizes | {"audio_config": AUDIO_CONFIG} | ids
+    synth.write_trace(
+        path,
+        prompt_len=len(TOWER_PROMPT),
+        prompt_ids=np.array(TOWER_PROMPT),
+        towers=(synth.VISION, AUDIO),
+        config=config,
+        force=True,
+    )
+    _TOWER_GOLDEN["bytes"] = path.read_bytes()
+    return path
+
+
+def _towers(f) -> list[str]:
+    g = f.get(S.GROUP_TOWERS)
+    return sorted(g) if isinstance(g, h5py.Group) else []
+
+
+def _tower(f, rng) -> str:
+    return str(rng.choice(_towers(f)))
+
+
+def _config(f) -> dict:
+    return json.loads(f.attrs[S.ATTR_MODEL_CONFIG])
+
+
+def _set_config(f, cfg) -> None:
+    f.attrs[S.ATTR_MODEL_CONFIG] = cfg if isinstance(cfg, str) else json.dumps(cfg)
+
+
+def _tower_dsets(f, tower: str) -> list[str]:
+    out: list[str] = []
+    g = f.get(S.tower_group(tower))
+    if isinstance(g, h5py.Group):
+        g.visititems(lambda n, o: out.append(f"{g.name[1:]}/{n}") if isinstance(o, h5py.Dataset) else None)
+    return sorted(out)
+
+
+def _layer_groups(f, tower: str) -> list[str]:
+    g = f.get(S.tower_group(tower))
+    return sorted(f"{g.name[1:]}/{n}" for n in g if n.startswith("L")) if isinstance(g, h5py.Group) else []
+
+
+def _pick(rng, options: list):
+    return options[int(rng.integers(len(options)))]
+
+
+def t_attr(f, rng):
+    """towers/<tower>'s integer attributes: the same value as another integer type (read), a wrong
+    value, type or shape, deleted, or too many attributes (refused)."""
+    tower = _tower(f, rng)
+    g = f[S.tower_path(tower)]
+    key = str(rng.choice(S.TOWER_ATTRS))
+    v = int(g.attrs[key])
+    how = int(rng.integers(5))
+    if how == 0:
+        value = _pick(rng, [np.int32(v), np.uint8(v), np.int16(v), np.uint64(v), np.array([v]), np.array([v], "u2")])
+        g.attrs[key] = value
+        return f"tower attribute {tower}@{key} = {value!r} (the same integer){MUST_READ}"
+    if how == 1:
+        cap = TOWER_CAPS[key]
+        value = _pick(rng, [0, -1, np.int64(-(2**63)), 2**31, 2**62, np.uint64(2**64 - 1), cap + 1, v + 1, v * 2])
+    elif how == 2:
+        value = _pick(
+            rng,
+            [
+                str(v),
+                np.bytes_(str(v)),
+                float(v),
+                True,
+                complex(v),
+                np.float64("nan"),
+                np.array([v, v]),
+                np.array([[v]]),
+                np.array([], np.int64),
+                "garbage",
+                h5py.Empty("i8"),
+                np.array([str(v)], dtype=h5py.string_dtype()),
+            ],
+        )
+    elif how == 3:
+        del g.attrs[key]
+        return f"tower attribute {tower}@{key} deleted{MUST_REFUSE}"
+    else:
+        for i in range(LIM.MAX_ATTRS + 1):
+            g.attrs[f"x{i}"] = i
+        return f"tower {tower}: {LIM.MAX_ATTRS + 1} more attributes{MUST_REFUSE}"
+    g.attrs[key] = value
+    return f"tower attribute {tower}@{key} = {value!r:.40}{MUST_REFUSE}"
+
+
+def _bomb_items(f, path: str, rng) -> str:
+    n = int(rng.choice([1 << 22, 1 << 30, 1 << 40]))
+    chunk = min(n, 1 << 22)  # 32 MiB of int64 zeros, within the reader's chunk limit
+    del f[path]
+    ds = f.create_dataset(path, shape=(n,), dtype="int64", chunks=(chunk,), compression="gzip", maxshape=(None,))
+    ds.id.write_direct_chunk((0,), _zero_chunk(chunk * 8))
+    return f"items bomb {path} ({n},) int64 of gzip zeros{MUST_REFUSE}"
+
+
+def t_items(f, rng):
+    """towers/<tower>/item_rows or item_tokens: another integer dtype or storage (read); a float, bool or
+    text dtype, another rank or length, zeros, negatives, huge values, sums past int64, a bomb (refused)."""
+    tower = _tower(f, rng)
+    path = S.tower_path(tower, str(rng.choice(S.TOWER_DSETS)))
+    a = np.asarray(f[path][()])
+    how = int(rng.integers(6))
+    if how == 0:
+        new = a.astype(_pick(rng, ["int8", "int32", "uint16", "uint64", ">i8"]))
+        expect = MUST_READ
+    elif how == 1:
+        new = _pick(
+            rng,
+            [
+                a.astype("float64"),
+                a.astype(bool),
+                a.astype("S4"),
+                np.asarray(a.astype(str).astype(object), dtype=h5py.string_dtype()),
+                a.astype("complex64"),
+                a.astype("float16"),
+            ],
+        )
+        expect = MUST_REFUSE
+    elif how == 2:
+        new = _pick(rng, [a[:, None], a[None, :], np.int64(a.sum()), a[:-1], np.concatenate([a, a[-1:]]), a[:0]])
+        new = new if np.ndim(new) else np.asarray(new)
+        expect = MUST_REFUSE
+    elif how == 3:
+        new = a.copy()
+        bad = [0, -1, -(2**63), 2**62, 2**63 - 1, LIM.MAX_POSITIONS + 1, int(a[-1]) + 1]
+        new[int(rng.integers(a.size))] = _pick(rng, bad)
+        expect = MUST_REFUSE
+    elif how == 4:
+        new = _pick(
+            rng,
+            [
+                np.full(a.size, 2**62, dtype=np.int64),  # each too big, the sum past int64
+                np.full(a.size, 2**63, dtype=np.uint64),  # two items: the uint64 sum wraps to 0
+                np.full(a.size, LIM.MAX_POSITIONS // max(1, a.size) + 1, dtype=np.int64),  # each fine, the sum not
+                np.ones(LIM.MAX_EXTRA_INPUTS + 1, dtype=np.int64),  # 65 items of one row each
+            ],
+        )
+        expect = MUST_REFUSE
+    else:
+        return _bomb_items(f, path, rng)
+    _rewrite(f, path, new, rng)
+    return f"items {path} {a.dtype}{a.shape} {a.tolist()} -> {new.dtype}{np.shape(new)} {_brief(new)}{expect}"
+
+
+def _brief(a) -> str:
+    return f"{np.asarray(a).reshape(-1)[:4].tolist()}"[:60]
+
+
+def _bomb_rows(f, rng) -> str:
+    """A consistent header of many patches: every vision patch-row kind is gzip-compressed zeros."""
+    n = int(rng.choice([1 << 14, 1 << 17, 1 << 20]))
+    items = f[S.tower_path("vision", S.DSET_ITEM_ROWS)]
+    split = np.array([n // 2, n - n // 2], dtype=np.int64)[: items.shape[0]]
+    split[-1] = n - int(split[:-1].sum())
+    del f[items.name]
+    f[S.tower_path("vision", S.DSET_ITEM_ROWS)] = split
+    kinds = 0
+    for name in _tower_dsets(f, "vision"):
+        ds = f[name]
+        if ds.shape[0] != 9:  # the soft tokens keep their rows
+            continue
+        row, attrs = ds.shape[1:], dict(ds.attrs)
+        del f[name]
+        rows = max(1, (1 << 20) // (4 * int(np.prod(row))))
+        chunks = (min(n, rows), *row)
+        new = f.create_dataset(name, shape=(n, *row), dtype="float32", chunks=chunks, compression="gzip")
+        raw = _zero_chunk(int(np.prod(chunks)) * 4)
+        for r in range(0, n, chunks[0]):
+            new.id.write_direct_chunk((r,) + (0,) * len(row), raw)
+        for k, v in attrs.items():
+            new.attrs[k] = v
+        kinds += 1
+    return f"rows bomb: vision item_rows {split.tolist()}, {kinds} kinds of ({n}, ...) float32 zeros"
+
+
+def t_tensors(f, rng):
+    """A dataset under tensors/<tower>/: rows past or short of its tower's count, rows wider than the
+    limits (or within them: read), another rank or dtype (float16, bfloat16 bits: read), no
+    source_dtype, a rows_present flag, a declared 10^9 rows, a bomb behind a consistent header."""
+    tower = _tower(f, rng)
+    names = _tower_dsets(f, tower)
+    name = str(rng.choice(names))
+    a = f[name][()]
+    n, row = a.shape[0], a.shape[1:]
+    how = int(rng.integers(6))
+    if how == 0:
+        other = 9 if n != 9 else 3  # the vision tower's patches vs its soft tokens
+        rows = _pick(rng, [n + 1, n - 1, 0, 2 * n, other])
+        new, expect = np.resize(a, (rows, *row)), MUST_REFUSE
+    elif how == 1:
+        width = _pick(rng, [row[-1] * LIM.ROW_SLACK + 1, 0, row[-1] * 2])
+        new = np.zeros((n, *row[:-1], width), dtype=a.dtype)
+        expect = MUST_READ if width == row[-1] * 2 else MUST_REFUSE
+    elif how == 2:
+        new, expect = (
+            _pick(rng, [a[..., None], a.reshape(n, -1) if a.ndim > 2 else a[:, :, None, None], a[0]]),
+            MUST_REFUSE,
+        )
+    elif how == 3:
+        target = _pick(rng, ["float16", "float64", "int32", "bool", "longdouble", "complex64", "uint16"])
+        with np.errstate(all="ignore"):
+            new = a.astype(target)
+        expect = MUST_READ if target in ("float16", "float64") else MUST_REFUSE
+    elif how == 4:
+        return _tensor_attrs(f, name, a, rng)
+    else:
+        if rng.random() < 0.5 and tower == "vision" and f[S.tower_path(tower, S.DSET_ITEM_ROWS)].shape == (2,):
+            return _bomb_rows(f, rng)
+
+        def make(shape, dtype):
+            return f.create_dataset(name, shape=(10**9, *shape[1:]), dtype=dtype, chunks=(1024, *shape[1:]))
+
+        _replace_dataset(f, name, make)
+        return f"sparse {name} (10^9 rows declared){MUST_REFUSE}"
+    _rewrite(f, name, new, rng)
+    return f"tower tensor {name} {a.dtype}{a.shape} -> {new.dtype}{np.shape(new)}{expect}"
+
+
+def _tensor_attrs(f, name: str, a, rng) -> str:
+    how = int(rng.integers(5))
+    ds = f[name]
+    if how == 0:  # bfloat16 bit patterns, as the writer stores a bfloat16 run: the same trace
+        bits = (np.asarray(a, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        attrs = dict(ds.attrs)
+        del f[name]
+        new = f.create_dataset(name, data=bits)
+        for k, v in attrs.items():
+            new.attrs[k] = v
+        new.attrs[S.ATTR_STORAGE] = S.STORAGE_BF16
+        return f"tower tensor {name} stored as bfloat16 bits{MUST_READ}"
+    if how == 1:
+        ds.attrs[S.ATTR_STORAGE] = _pick(rng, [S.STORAGE_BF16, "garbage", ""])
+        return f"tower tensor {name} says storage {ds.attrs[S.ATTR_STORAGE]!r} on {ds.dtype}{MUST_REFUSE}"
+    if how == 2:
+        del ds.attrs[S.ATTR_SOURCE_DTYPE]
+        return f"tower tensor {name} without {S.ATTR_SOURCE_DTYPE}{MUST_REFUSE}"
+    if how == 3:
+        f[name + S.ROWS_PRESENT_SUFFIX] = np.ones(a.shape[0], dtype=bool)
+        return f"rows_present beside the encoder tensor {name}{MUST_REFUSE}"
+    ds.attrs[S.ATTR_SOURCE_DTYPE] = _pick(rng, [WEIRD_ATTRS[int(rng.integers(len(WEIRD_ATTRS)))], "bfloat16"])
+    return f"tower tensor {name} source_dtype {ds.attrs[S.ATTR_SOURCE_DTYPE]!r:.40}"
+
+
+LAYER_NAMES = (
+    "L1",
+    "L001",
+    "L-1",
+    "L+1",
+    "l00",
+    "L00 ",
+    "L\u0661",
+    "L\u0660\u0661",
+    "L",
+    "L0x1",
+    "L" + "0" * 5000 + "1",
+)
+
+
+def t_names(f, rng):
+    """Objects of the tower layout renamed or moved: a layer group past the tower's layers or named
+    unlike the writer names one, a kind moved to another tower, a tower group moved or renamed,
+    datasets of two towers (or a tower's two tables) swapped, a group made a dataset; two layer
+    groups swapped (read)."""
+    towers = _towers(f)
+    tower = str(rng.choice(towers))
+    other = next((t for t in towers if t != tower), tower)
+    groups = _layer_groups(f, tower)
+    layers = int(f[S.tower_path(tower)].attrs["layers"])
+    base = S.tower_group(tower)
+    how = int(rng.integers(5))
+    if how == 4:  # a group of the layout replaced by a dataset of its name
+        name = _pick(rng, [S.GROUP_TOWERS, S.tower_path(tower), base, *groups[:1]])
+        del f[name]
+        f[name] = np.arange(3, dtype=np.int64)
+        return f"{name} made a dataset{MUST_REFUSE}"
+    if how == 0 and groups:
+        src = groups[-1]
+        dst = f"{base}/" + _pick(rng, [f"L{layers:02d}", "L99", f"L{10**12}", *LAYER_NAMES])
+        f.move(src, dst)
+        return f"rename {src} -> {dst[:60]}{MUST_REFUSE}"
+    if how == 1:
+        moves = [
+            (f"{base}/L00", f"{S.tower_group(other)}/L{layers + 1:02d}"),
+            (f"{base}/{'pooled' if tower == 'vision' else 'subsampled'}", f"{S.tower_group(other)}/pooled"),
+            (f"{base}/soft_tokens", "tensors/soft_tokens"),
+            ("tensors/L00/mask", f"{base}/L00/mask"),
+            ("tensors/L00/q", f"{base}/L00/q_"),
+            (base, "tensors/L09"),
+            (base, f"{S.tower_path(tower)}/tensors"),
+            (S.tower_path(tower), f"{base}/towers"),
+            (base, f"tensors/{tower.capitalize()}"),
+            (base, "tensors/smell"),
+            (S.tower_path(tower), "towers/smell"),
+        ]
+        src, dst = _pick(rng, moves)
+        f.move(src, dst)
+        return f"move {src} -> {dst}{MUST_REFUSE}"
+    if how == 2:
+        swaps = [
+            (f"{base}/soft_tokens", f"{S.tower_group(other)}/soft_tokens"),
+            (S.tower_path(tower, S.DSET_ITEM_ROWS), S.tower_path(other, S.DSET_ITEM_ROWS)),
+            (S.tower_path(tower, S.DSET_ITEM_ROWS), S.tower_path(tower, S.DSET_ITEM_TOKENS)),
+            (base, S.tower_group(other)),
+            (S.tower_path(tower), S.tower_path(other)),
+        ]
+        a, b = _pick(rng, swaps)
+        if tower == other:
+            return f"swap {a} (one tower)"
+        f.move(a, "__swap__")
+        f.move(b, a)
+        f.move("__swap__", b)
+        return f"swap {a} <-> {b}{MUST_REFUSE}"
+    if len(groups) < 2:
+        return f"swap layer groups of {tower} (only {len(groups)})"
+    a, b = groups[0], groups[-1]
+    f.move(a, "__swap__")
+    f.move(b, a)
+    f.move("__swap__", b)
+    return f"swap {a} <-> {b} (the same shapes){MUST_READ}"
+
+
+def t_links(f, rng):
+    """An object of the tower layout replaced by (or given) a soft link, an external link (absolute or
+    relative, to a valid version-2 trace) or a second hard name."""
+    tower = _tower(f, rng)
+    towers = _towers(f)
+    other = next((t for t in towers if t != tower), tower)
+    base = S.tower_group(tower)
+    names = [S.GROUP_TOWERS, S.tower_path(tower), S.tower_path(tower, S.DSET_ITEM_ROWS), base]
+    names += _layer_groups(f, tower)[:1] + _tower_dsets(f, tower)[:2]
+    name = str(rng.choice(names))
+    how = int(rng.integers(3))
+    if how == 0:
+        target = _pick(rng, [S.tower_path(other), S.tower_group(other), f"{base}/L00", "/nowhere", "tensors/L00/q"])
+        if name == S.GROUP_TOWERS:  # the table kept under another name, reached by the link
+            f.move(name, "towers_")
+            target = "towers_"
+        else:
+            del f[name]
+        f[name] = h5py.SoftLink("/" + target.lstrip("/"))
+        return f"soft link {name} -> {target}{MUST_REFUSE}"
+    if how == 1:
+        outside = ENV["outside"]
+        fname = str(outside) if rng.random() < 0.5 else outside.name
+        del f[name]
+        f[name] = h5py.ExternalLink(fname, "/" + name)
+        return f"external link {name} -> {fname}{MUST_REFUSE}"
+    pairs = [
+        (S.tower_path(tower, S.DSET_ITEM_TOKENS), S.tower_path(tower, S.DSET_ITEM_ROWS)),
+        (S.tower_path(other), S.tower_path(tower)),
+        (f"{S.tower_group(other)}/soft_tokens", f"{base}/soft_tokens"),
+        (f"{base}/L01", f"{base}/L00"),
+        (f"{base}/L00/k", f"{base}/L00/q"),
+        (f"{base}/L00_", f"{base}/L00"),
+    ]
+    alias, target = _pick(rng, pairs)
+    if alias == target:
+        return f"hard link {alias} (no other tower)"
+    if alias in f:
+        del f[alias]
+    f[alias] = f[target]
+    return f"hard link {alias} = {target}{MUST_REFUSE}"
+
+
+def t_version(f, rng):
+    """The schema version flipped between 1 and 2 (or made 0, 3, text, a float ...), with and without
+    a towers/ table: refused, except where the result is a trace of the version it says (read)."""
+    if not _towers(f):  # the version-1 golden
+        return _v1_to_v2(f, rng)
+    how = int(rng.integers(5))
+    if how == 0:
+        f.attrs[S.ATTR_SCHEMA_VERSION] = 1
+        return f"schema_version 1 with a towers/ table{MUST_REFUSE}"
+    if how == 1:
+        f.attrs[S.ATTR_SCHEMA_VERSION] = 1
+        del f[S.GROUP_TOWERS]
+        if rng.random() < 0.5:
+            return f"schema_version 1, no towers/ table, tensors/<tower> kept{MUST_REFUSE}"
+        for t in ("vision", "audio"):
+            del f[S.tower_group(t)]
+        return f"schema_version 1, no towers/ and no tower tensors: a text trace{MUST_READ}"
+    if how == 2:
+        if rng.random() < 0.5:
+            del f[S.GROUP_TOWERS]
+            return f"schema_version 2 without towers/{MUST_REFUSE}"
+        for t in _towers(f):
+            del f[S.tower_path(t)]
+        return f"schema_version 2, towers/ empty{MUST_REFUSE}"
+    if how == 3:
+        value = _pick(rng, [np.uint8(2), np.int32(2), np.array([2])])
+        f.attrs[S.ATTR_SCHEMA_VERSION] = value
+        return f"schema_version {value!r} (the same integer){MUST_READ}"
+    value = _pick(
+        rng,
+        [0, -1, 3, 2**63 - 1, np.uint64(2**64 - 1), "2", np.bytes_("2"), 2.0, True, np.array([2, 2]), h5py.Empty("i8")],
+    )
+    f.attrs[S.ATTR_SCHEMA_VERSION] = value
+    return f"schema_version {value!r}{MUST_REFUSE}"
+
+
+def _v1_to_v2(f, rng):
+    """The version-1 golden made version 2: a vision table as its model config's vision_config says
+    (read when the config names no image token, which its prompt does not hold), or none."""
+    how = int(rng.integers(3))
+    f.attrs[S.ATTR_SCHEMA_VERSION] = 2
+    if how == 0:
+        return f"schema_version 2 on a text trace, no towers/{MUST_REFUSE}"
+    cfg = _config(f)
+    sub = cfg.get("vision_config") or {}
+    g = f.create_group(S.tower_path("vision"))
+    for attr, key in CONFIG_KEYS.items():
+        g.attrs[attr] = int(sub.get(key, 0) or 0)
+    g[S.DSET_ITEM_ROWS] = np.array([4], dtype=np.int64)
+    g[S.DSET_ITEM_TOKENS] = np.array([1], dtype=np.int64)
+    if how == 1:
+        return f"schema_version 2 on a text trace, a vision table, image_token_id kept (no image token){MUST_REFUSE}"
+    cfg.pop("image_token_id", None)
+    _set_config(f, cfg)
+    return f"schema_version 2 on a text trace, a vision table as its config says, no image_token_id{MUST_READ}"
+
+
+# JSON no writer makes: nested past the parser's recursion limit, a lone surrogate, numbers of
+# 4,000 digits (Python parses up to 4,300), NaN and Infinity, duplicated keys (the last one wins)
+DEEP_JSON = "[" * 100_000 + "]" * 100_000
+
+
+def t_config(f, rng):
+    """The model config's vision_config / audio_config / image_token_id / audio_token_id changed to
+    disagree with the tower table or the prompt, or made hostile JSON."""
+    tower = _tower(f, rng)
+    cfg = _config(f)
+    sub_key = S.TOWER_BY_NAME[tower].config
+    sub = dict(cfg[sub_key])
+    how = int(rng.integers(5))
+    if how == 0:  # the sub-config gone, or not an object
+        value = _pick(rng, ["missing", None, "garbage", "\udcff", [], [1, 2], 5, True, 1e400, {}])
+        if value == "missing":
+            cfg.pop(sub_key)
+        else:
+            cfg[sub_key] = value
+        _set_config(f, cfg)
+        return f"model_config {sub_key} = {value!r:.30}{MUST_REFUSE}"
+    if how == 1:  # one size changed
+        attr = str(rng.choice(list(CONFIG_KEYS)))
+        key, v = CONFIG_KEYS[attr], sub[CONFIG_KEYS[attr]]
+        value = _pick(
+            rng, [v + 1, v * 3, 0, -v, 2**63, 10**30, str(v), float(v), True, None, [v], {"v": v}, float("nan")]
+        )
+        sub[key] = value
+        cfg[sub_key] = sub
+        _set_config(f, cfg)
+        same = isinstance(value, int) and not isinstance(value, bool) and value == v
+        # a head_dim that is no positive integer is derived from hidden / heads: the same here
+        derived = attr == "head_dim" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+        expect = MUST_READ if same or derived else MUST_REFUSE
+        return f"model_config {sub_key}.{key} {v} -> {value!r:.30}{expect}"
+    if how == 2:  # the soft tokens' token id
+        key, tid = TOKEN_IDS[tower]
+        prompt = f[S.DSET_PROMPT_IDS][()]
+        tokens = int(f[S.tower_path(tower, S.DSET_ITEM_TOKENS)][()].sum())
+        value = _pick(
+            rng, [int(prompt[0]), int(prompt[-1]), 7, -1, 2**70, 10**3999, True, float(tid), str(tid), None, "missing"]
+        )
+        if value == "missing":
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+        _set_config(f, cfg)
+        counted = isinstance(value, int) and not isinstance(value, bool)
+        expect = MUST_REFUSE if counted and int((prompt == value).sum()) != tokens else MUST_READ
+        return f"model_config {key} {tid} -> {value!r:.30}{expect}"
+    if how == 3:  # the token id moved, the prompt's soft tokens with it
+        key, tid = TOKEN_IDS[tower]
+        prompt = f[S.DSET_PROMPT_IDS][()]
+        prompt[prompt == tid] = 7
+        f[S.DSET_PROMPT_IDS][...] = prompt
+        cfg[key] = 7
+        _set_config(f, cfg)
+        return f"model_config {key} {tid} -> 7, the prompt's tokens too{MUST_READ}"
+    text = json.dumps(cfg)
+    key, tid = TOKEN_IDS[tower]
+    raw, expect = _pick(
+        rng,
+        [
+            (text[:-1] + f', "{sub_key}": "garbage"}}', MUST_REFUSE),  # a second key: the last one wins
+            (text.replace(f'"{sub_key}": ', f'"{sub_key}": {DEEP_JSON}, "x": ', 1), MUST_REFUSE),
+            (text[:-1] + ', "pad": "' + "p" * (8 << 20) + '"}', MUST_READ),  # 8 MiB, under the attribute limit
+            (text.replace(f'"{key}": {tid}', f'"{key}": {"9" * 5000}'), MUST_REFUSE),  # past Python's 4,300 digits
+            (DEEP_JSON, MUST_REFUSE),
+            (text[:-1] + ', "\\ud800": NaN, "y": Infinity}', MUST_READ),
+        ],
+    )
+    _set_config(f, raw)
+    return f"model_config hostile JSON ({len(raw)} characters: {raw[:20]!r}...){expect}"
+
+
+def t_valid(f, rng):
+    """Changes that leave a valid version-2 trace (each must read): another layer count for a tower
+    (more layers than the text tower too), the items split otherwise, a tower's kinds or whole
+    tower dropped, the table rebuilt with its attributes in another order."""
+    tower = _tower(f, rng)
+    how = int(rng.integers(5))
+    if how == 0:
+        return _relayer(f, tower, int(rng.choice([1, 3, 6, 9])))
+    if how == 1:
+        return _resplit(f, tower, rng)
+    if how == 2:
+        names = _tower_dsets(f, tower)
+        drop = str(rng.choice(names)) if rng.random() < 0.7 else S.tower_group(tower)
+        del f[drop]
+        return f"drop {drop}{MUST_READ}"
+    if how == 3:
+        if len(_towers(f)) < 2:
+            return f"drop the {tower} tower (the last one)"
+        del f[S.tower_path(tower)]
+        del f[S.tower_group(tower)]
+        return f"drop the {tower} tower (its sub-config kept){MUST_READ}"
+    g = f[S.tower_path(tower)]
+    attrs = {k: g.attrs[k] for k in reversed(list(g.attrs))}
+    f.move(g.name, "table_")
+    new = f.create_group(S.tower_path(tower))
+    for k, v in attrs.items():
+        new.attrs[k] = v
+    for k in S.TOWER_DSETS:
+        f.move(f"table_/{k}", f"{new.name}/{k}")
+    del f["table_"]
+    return f"rebuild towers/{tower} (attributes reversed){MUST_READ}"
+
+
+def _relayer(f, tower: str, n: int) -> str:
+    cfg = _config(f)
+    sub_key = S.TOWER_BY_NAME[tower].config
+    cfg[sub_key] = dict(cfg[sub_key], num_hidden_layers=n)
+    _set_config(f, cfg)
+    f[S.tower_path(tower)].attrs["layers"] = n
+    groups = _layer_groups(f, tower)
+    for i in range(len(groups), n):
+        f.copy(f[groups[0]], S.layer_group(i, tower))
+    for i in range(n, len(groups)):
+        del f[S.layer_group(i, tower)]
+    return f"{tower} tower of {n} layers (config, table, layer groups){MUST_READ}"
+
+
+def _resplit(f, tower: str, rng) -> str:
+    rows = f[S.tower_path(tower, S.DSET_ITEM_ROWS)][()]
+    tokens = f[S.tower_path(tower, S.DSET_ITEM_TOKENS)][()]
+    if rng.random() < 0.5 or tokens.sum() < 2:  # one item
+        new_rows, new_tokens = [int(rows.sum())], [int(tokens.sum())]
+    else:  # two items, split elsewhere
+        r, t = int(rows.sum()), int(tokens.sum())
+        a, b = int(rng.integers(1, r)), int(rng.integers(1, t))
+        new_rows, new_tokens = [a, r - a], [b, t - b]
+    for name, vals in ((S.DSET_ITEM_ROWS, new_rows), (S.DSET_ITEM_TOKENS, new_tokens)):
+        path = S.tower_path(tower, name)
+        del f[path]
+        f[path] = np.array(vals, dtype=np.int64)
+    return f"{tower} items {rows.tolist()}/{tokens.tolist()} -> {new_rows}/{new_tokens}{MUST_READ}"
+
+
+TOWER = {
+    "tower_attr": t_attr,
+    "tower_items": t_items,
+    "tower_tensors": t_tensors,
+    "tower_names": t_names,
+    "tower_links": t_links,
+    "tower_version": t_version,
+    "tower_config": t_config,
+    "tower_valid": t_valid,
 }
 
 
@@ -614,33 +1253,82 @@ BYTES = {
     "truncate": b_truncate,
 }
 DAMAGE = list(STRUCTURAL) + list(BYTES)
-ALL = DAMAGE + list(HOSTILE)
+ALL = DAMAGE + list(HOSTILE) + list(TOWER)
 
 
-def corrupt(src: Path, dst: Path, rng, info: Info, only: str | None = None) -> tuple[list[str], list[str]]:
-    """Copy src to dst and corrupt it; return (mutation names, descriptions). Half the cases are
-    hostile (one hostile mutation, maybe with damage), half damage only; `only` forces one class."""
-    shutil.copyfile(src, dst)
-    if only is not None:
+def generic_picks(rng) -> list[str]:
+    """Half the cases hostile (one hostile class, maybe with damage), half damage only."""
+    picks = [str(x) for x in rng.choice(DAMAGE, size=int(rng.integers(1, 4)))]
+    if rng.random() < 0.5:
+        picks = [str(rng.choice(list(HOSTILE)))] + picks[: int(rng.integers(0, 2))]
+    return picks
+
+
+def plan_case(seed: int, case: int, rng, only: str | None, share: float = TOWER_SHARE) -> tuple[str, list[str] | None]:
+    """Which golden a case starts from ("v1": the golden, "v2": the version-2 one) and, for a
+    version-2 case, its classes (None: `corrupt` draws them). A case is a version-2 case by a draw
+    of its own (TOWER_SHARE), so every version-1 case is the mutation it was before towers."""
+    side = np.random.default_rng([seed, case, TOWER_STREAM])
+    if only in TOWER:
         picks = [only]
-    else:
-        picks = [str(x) for x in rng.choice(DAMAGE, size=int(rng.integers(1, 4)))]
-        if rng.random() < 0.5:
-            picks = [str(rng.choice(list(HOSTILE)))] + picks[: int(rng.integers(0, 2))]
-    # damage first, the hostile class last: walking a 20,000-deep tree to pick a name is quadratic
-    structural = [p for p in picks if p in STRUCTURAL] + [p for p in picks if p in HOSTILE]
+    elif side.random() >= share:
+        return "v1", None
+    elif only is not None:
+        return "v2", None
+    else:  # one tower class alone (60%), with one damage or hostile class (20%), or those alone (20%)
+        r = rng.random()
+        picks = [str(rng.choice(list(TOWER)))] if r < 0.8 else None
+        if picks and r >= 0.6:
+            picks.append(str(rng.choice(DAMAGE + list(HOSTILE))))
+    # the version flip also starts from the text-only golden (made version 2, with a table or not)
+    v1 = picks == ["tower_version"] and side.random() < 0.4
+    return ("v1" if v1 else "v2"), picks
+
+
+def corrupt(
+    src: Path, dst: Path, rng, info: Info, only: str | None = None, picks: list[str] | None = None
+) -> tuple[list[str], list[str]]:
+    """Copy src to dst and corrupt it; return (mutation names, descriptions). Without `picks`, half
+    the cases are hostile (one hostile mutation, maybe with damage), half damage only; `only`
+    forces one class."""
+    shutil.copyfile(src, dst)
+    if picks is None:
+        picks = [only] if only is not None else generic_picks(rng)
+    # the tower class first (it needs the layout it changes), damage next, the hostile class last:
+    # walking a 20,000-deep tree to pick a name is quadratic
+    structural = [p for p in picks if p in TOWER] + [p for p in picks if p in STRUCTURAL]
+    structural += [p for p in picks if p in HOSTILE]
     byte_level = [p for p in picks if p in BYTES]
     done = []
     if structural:
         with h5py.File(dst, "r+") as f:
             for p in structural:
                 try:
-                    done.append({**STRUCTURAL, **HOSTILE}[p](f, rng))
+                    done.append({**STRUCTURAL, **HOSTILE, **TOWER}[p](f, rng))
                 except (KeyError, ValueError, TypeError, OSError, RuntimeError) as e:  # e.g. its target is gone
                     done.append(f"{p} failed ({type(e).__name__}: {str(e)[:80]})")
     for p in byte_level:
         done.append(BYTES[p](dst, rng, info))
     return picks, done
+
+
+def expectation(picks: list[str], done: list[str]) -> str | None:
+    """MUST_REFUSE or MUST_READ when the case is one tower class alone that says which, else None."""
+    if len(picks) == 1 and picks[0] in TOWER and len(done) == 1:
+        return next((e for e in (MUST_REFUSE, MUST_READ) if done[0].endswith(e)), None)
+    return None
+
+
+def expect_problem(expect: str | None, tower_only: bool, command: str, code, err: str) -> str | None:
+    """What the format's verdict on the case makes of an outcome the generic check let through."""
+    kind = message_kind(err) if code == 2 else None
+    if tower_only and kind == "damaged metadata":  # h5py wrote this file whole: an exception of ours
+        return "an exception inside the checks reported as damage (the file is whole HDF5)"
+    if expect == MUST_REFUSE and code != 2:
+        return f"exit {code}: read a trace the format forbids (a misread; it must be refused)"
+    if expect == MUST_READ and (code != 0 if command.startswith("show") else kind in REFUSALS):
+        return f"exit {code}: refused a valid trace ({kind})"
+    return None
 
 
 # ---------------------------------------------------------------- running the CLI
@@ -693,25 +1381,30 @@ def message_kind(err: str) -> str:
 def run_case(
     case: int,
     seed: int,
-    ref: Path,
+    goldens: dict[str, tuple[Path, Info]],
     bad: Path,
-    info: Info,
     timeout: float,
     talk: bool = False,
     keep: Path | None = None,
     on_event=None,
     only: str | None = None,
     watch: OutsideWatch | None = None,
+    share: float = TOWER_SHARE,
 ) -> dict:
-    """Corrupt a copy of `ref` as case `case` of `seed` says, run every command on it, check each."""
+    """Corrupt a copy of a golden (`goldens`: "v1" and "v2", each a path and its Info) as case
+    `case` of `seed` says, run every command on it, check each."""
     rng = np.random.default_rng([seed, case])  # each case reproducible alone: --seed S --case K
-    picks, done = corrupt(ref, bad, rng, info, only)
+    which, picks = plan_case(seed, case, rng, only, share)
+    ref, info = goldens[which]
+    ENV["outside"] = ENV[f"outside_{which}"]  # a valid trace of the same version: following a link "works"
+    picks, done = corrupt(ref, bad, rng, info, only, picks)
+    expect, tower_only = expectation(picks, done), all(p in TOWER for p in picks)
     if watch is not None:
         watch.events()  # making the case touched nothing outside, but drain anyway
     if keep is not None:
         shutil.copyfile(bad, keep)
     if talk:
-        print(f"case {case}: {'; '.join(done)}", flush=True)
+        print(f"case {case} ({which} golden): {'; '.join(done)}", flush=True)
     argv = {
         "show": ["show", str(bad)],
         "show --hash": ["show", "--hash", str(bad)],
@@ -721,11 +1414,11 @@ def run_case(
     results = []
     for command in COMMANDS:
         if on_event is not None:
-            on_event({"begin": case, "command": command, "done": done})
+            on_event({"begin": case, "command": command, "done": done, "golden": which})
         t0, rss0 = time.perf_counter(), peak_rss()
         code, out, err, problem = run_cli(argv[command], timeout)
         seconds = time.perf_counter() - t0
-        problem = problem or check(command, code, out, err)
+        problem = problem or check(command, code, out, err) or expect_problem(expect, tower_only, command, code, err)
         if CANARY[:20].decode() in out + err:
             problem = (problem or "") + " canary bytes in the output (read outside the file)"
         outside = sorted(set(watch.events())) if watch is not None else []
@@ -744,16 +1437,19 @@ def run_case(
         )
         if talk:
             print(
-                f"    {command:<20} exit {code}  {(err.strip() or out.strip()).splitlines()[:1]}"
+                f"    {command:<20} exit {code}  {ascii((err.strip() or out.strip()).splitlines()[:1])[:400]}"
                 + (f"  FAIL: {problem}" if problem else ""),
                 flush=True,
             )
-    return {"case": case, "picks": picks, "done": done, "results": results}
+    return {"case": case, "picks": picks, "done": done, "results": results, "golden": which, "expect": expect}
 
 
 def add_case(rep: Report, seed: int, res: dict) -> None:
     rep.cases += 1
     rep.mutations.update(res["picks"])
+    rep.goldens[res.get("golden", "v1")] += 1
+    if res.get("expect"):
+        rep.verdicts[res["expect"].strip(" []")] += 1
     for r in res["results"]:
         rep.outcomes[(r["command"], r["code"])] += 1
         where = f"case {res['case']} (--seed {seed} --case {res['case']}) [{'; '.join(res['done'])}] {r['command']}"
@@ -783,25 +1479,30 @@ def fuzz(
     on_event=None,
     only: str | None = None,
     deep_max: int = 20_000,
+    tower_share: float = TOWER_SHARE,
 ) -> Report:
     """Run cases first..first+cases-1 in this process (what the test suite does)."""
     rep = Report()
-    info = golden_info(golden)
     with (
         tempfile.TemporaryDirectory(prefix="trace-fuzz-") as tmp,
         tempfile.TemporaryDirectory(prefix="trace-fuzz-outside-") as outside_dir,
     ):
-        ref, bad = Path(tmp) / "golden.h5", Path(tmp) / "corrupt.h5"
+        ref, ref2, bad = Path(tmp) / "golden.h5", Path(tmp) / "golden-v2.h5", Path(tmp) / "corrupt.h5"
         shutil.copyfile(golden, ref)
+        tower_golden(ref2)
+        goldens = {"v1": (ref, golden_info(ref)), "v2": (ref2, golden_info(ref2))}
         # what hostile traces point at, in a folder of its own: nothing a clean run ever opens
-        ENV.update(canary=Path(outside_dir) / "canary.bin", outside=Path(outside_dir) / "outside.h5", deep_max=deep_max)
+        out = Path(outside_dir)
+        ENV.update(canary=out / "canary.bin", outside_v1=out / "outside.h5", outside_v2=out / "outside-v2.h5")
+        ENV.update(outside=ENV["outside_v1"], deep_max=deep_max)
         ENV["canary"].write_bytes(CANARY)
-        shutil.copyfile(golden, ENV["outside"])
+        shutil.copyfile(golden, ENV["outside_v1"])
+        shutil.copyfile(ref2, ENV["outside_v2"])
         watch = OutsideWatch([outside_dir])
         rep.watch_ok = watch.ok
         t0 = time.perf_counter()
         for case in range(first, first + cases):
-            res = run_case(case, seed, ref, bad, info, timeout, talk, keep, on_event, only, watch)
+            res = run_case(case, seed, goldens, bad, timeout, talk, keep, on_event, only, watch, tower_share)
             res["watch_ok"] = watch.ok
             add_case(rep, seed, res)
             if on_event is not None:
@@ -820,6 +1521,7 @@ def worker(
     stop: int,
     only: str | None = None,
     deep_max: int = 20_000,
+    tower_share: float = TOWER_SHARE,
 ) -> int:
     """Run cases start..stop-1 here; report each command begun and each case finished as JSON lines."""
     out = sys.stdout
@@ -834,7 +1536,17 @@ def worker(
         out.write(json.dumps(msg) + "\n")
         out.flush()
 
-    fuzz(stop - start, seed, golden, timeout, first=start, on_event=event, only=only, deep_max=deep_max)
+    fuzz(
+        stop - start,
+        seed,
+        golden,
+        timeout,
+        first=start,
+        on_event=event,
+        only=only,
+        deep_max=deep_max,
+        tower_share=tower_share,
+    )
     faulthandler.cancel_dump_traceback_later()
     return 0
 
@@ -858,6 +1570,7 @@ def supervise(
     only: str | None = None,
     deep_max: int = 20_000,
     budget: float | None = None,
+    tower_share: float = TOWER_SHARE,
 ) -> Report:
     """Run the cases in `jobs` worker processes. A worker that dies (a crash, or a hang that outlived
     `hang_after` seconds) ends its case: counted as a library defect when it died inside an h5py
@@ -887,6 +1600,8 @@ def supervise(
                 str(stop),
                 "--deep-max",
                 str(deep_max),
+                "--tower-share",
+                repr(tower_share),
             ] + (["--only", only] if only else [])
             with tempfile.TemporaryFile("w+") as err:
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -914,16 +1629,18 @@ def supervise(
                 with lock:
                     rep.failures.append(f"worker for cases {start}..{stop - 1} died (exit {code}): {dump[-800:]}")
                 return
-            case, command = begun["begin"], begun["command"]
+            case, command, which = begun["begin"], begun["command"], begun.get("golden", "v1")
             hang = "Timeout (" in dump
             what = "hang" if hang else f"crash ({'signal ' + str(-code) if code < 0 else 'exit ' + str(code)})"
             top = [ln.strip() for ln in dump.splitlines() if ln.strip().startswith("File ")][:2]
             text = (
-                f"case {case} (--seed {seed} --case {case}) [{'; '.join(begun['done'])}] {command}: "
+                f"case {case} (--seed {seed} --case {case}, {which} golden) [{'; '.join(begun['done'])}] {command}: "
                 f"{what}; innermost frames: {' <- '.join(top)}"
             )
             with lock:
                 rep.cases += 1
+                rep.goldens[which] += 1
+                rep.library_goldens[which] += _inside_hdf5(dump)
                 rep.outcomes[(command, "hdf5 " + what.split()[0] if _inside_hdf5(dump) else what.split()[0])] += 1
                 (rep.library if _inside_hdf5(dump) else rep.failures).append(text)
             start = case + 1
@@ -961,12 +1678,18 @@ def format_report(rep: Report, command_line: str) -> str:
         f"commands over {SLOW_SECONDS:.0f} s: {len(rep.slow)} (slowest {rep.max_seconds:.1f} s); "
         f"over {BIG_RSS >> 30} GiB RSS: {len(rep.big)} (peak {rep.max_rss / 2**20:.0f} MiB)"
     )
+    by = ", ".join(f"{k} golden: {n}" for k, n in sorted(rep.library_goldens.items()) if n)
     lines.append(
         f"library defects (the process hung or crashed inside an HDF5 call; see docs/robustness.md): {len(rep.library)}"
+        + (f" ({by})" if by else "")
     )
     lines.append("exit-2 messages by kind:")
     lines += [f"  {label:<26} {n:>5}" for label, n in rep.messages.most_common()]
     lines.append("corruptions applied: " + ", ".join(f"{k} {v}" for k, v in sorted(rep.mutations.items())))
+    lines.append(
+        f"cases from the version-2 golden: {rep.goldens['v2']} of {rep.cases}; tower cases with a verdict: "
+        + (", ".join(f"{k} {v}" for k, v in sorted(rep.verdicts.items())) or "none")
+    )
     return "\n".join(lines)
 
 
@@ -1821,6 +2544,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=ALL, default=None, help="apply only this corruption class (one per case)")
     ap.add_argument("--deep-max", type=int, default=20_000, help="deepest group nesting the 'deep' class makes")
     ap.add_argument(
+        "--tower-share",
+        type=float,
+        default=TOWER_SHARE,
+        help="share of the cases that start from the version-2 golden (0: every case as before towers)",
+    )
+    ap.add_argument(
         "--budget",
         type=float,
         default=None,
@@ -1877,7 +2606,15 @@ def main(argv=None) -> int:
         return 1 if rep.failures or rep.outside or rep.slow or rep.big or not rep.watch_ok else 0
     if args.worker:
         return worker(
-            args.seed, args.golden, args.timeout, args.hang_after, args.start, args.stop, args.only, args.deep_max
+            args.seed,
+            args.golden,
+            args.timeout,
+            args.hang_after,
+            args.start,
+            args.stop,
+            args.only,
+            args.deep_max,
+            args.tower_share,
         )
     if args.case is not None:
         faulthandler.enable()
@@ -1892,6 +2629,7 @@ def main(argv=None) -> int:
             keep=args.keep,
             only=args.only,
             deep_max=args.deep_max,
+            tower_share=args.tower_share,
         )
     else:
         rep = supervise(
@@ -1904,6 +2642,7 @@ def main(argv=None) -> int:
             args.only,
             args.deep_max,
             args.budget,
+            args.tower_share,
         )
     shown = " ".join(["python scripts/fuzz_traces.py", *(argv if argv is not None else sys.argv[1:])])
     print(format_report(rep, shown))

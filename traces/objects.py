@@ -126,8 +126,9 @@ class ObjectChecks:
         for key in obj.attrs:
             self.at = f"the attribute {key!r} of {path!r}"
             aid = obj.attrs.get_id(key)
-            size = aid.get_storage_size()
             n = int(np.prod(aid.shape)) if aid.shape else 1
+            # no elements (an empty array, a null dataspace): HDF5 says size 0, which h5py raises on
+            size = aid.get_storage_size() if n and aid.shape is not None else 0
             # variable-length data lives in the global heap, where its size cannot be checked before
             # reading: only one text (older traces), at most the file's size
             vlen = aid.dtype.kind == "O"

@@ -34,7 +34,7 @@ from .layers import LayerInfo, TowerInfo, tower_sizes
 from .objects import Checked, ObjectChecks, as_int, attr_text, describe, file_error, nbytes, read_small
 from .rows import row_word, tower_rows
 
-_LAYER_GROUP = re.compile(rf"^{S.LAYER_GROUP_PREFIX}(\d+)$")
+_LAYER_GROUP = re.compile(rf"^{S.LAYER_GROUP_PREFIX}([0-9]{{1,6}})$")  # int() of 4,301 digits raises
 _TOWER_CAPS = {"layers": LIM.MAX_LAYERS, "hidden": LIM.MAX_HIDDEN, "heads": LIM.MAX_HEADS, "head_dim": LIM.MAX_HEAD_DIM}
 _METADATA = f"the per-layer metadata under '{S.GROUP_MODEL}/'"
 _HEAD_CAPS = (
@@ -236,8 +236,11 @@ class Validator(ObjectChecks):
             if sizes[k] > cap:
                 self._bad(f"the attribute {k!r} of {path!r} is {sizes[k]}, expected 1..{cap}")
         config = tower_sizes(self.out.config, tower)
-        if config is None:
-            self._bad(f"it records a {tower.name} tower, but its model config has no {tower.config!r}")
+        if config is None or not isinstance(self.out.config.get(tower.config), dict):
+            self._bad(f"it records a {tower.name} tower, but its model config has no {tower.config!r} object")
+        missing = [k for k in S.TOWER_ATTRS if k not in config]
+        if missing:  # what the table says cannot be checked: no writer of ours records such a tower
+            self._bad(f"its model config's {tower.config} gives no {', '.join(missing)} (a positive integer)")
         for k, v in sizes.items():
             if k in config and config[k] != v:
                 self._bad(
@@ -386,7 +389,7 @@ class Validator(ObjectChecks):
     def _check_row_axes(self, path: str, spec: S.Kind, layer: int | None, row: tuple) -> None:
         """The row axes the layer metadata fixes (heads, KV heads, layers) have exactly that size."""
         layers = self.out.layers
-        li = layers[layer] if layer is not None else None
+        li = layers[layer] if layer is not None and not spec.encoder else None  # an encoder's layers are its own
         for axis, size in zip(spec.axes, row):
             want = len(layers) if axis.meta == "layers" else getattr(li, axis.meta) if li and axis.meta else None
             if want is not None and size != want:

@@ -431,8 +431,11 @@ class TraceWriter:
             vals = [getattr(li, name) for li in layers]
             data = fixed_text(vals) if name in S.LAYER_TEXT_FIELDS else np.asarray(vals, dtype=np.int64)
             f.create_dataset(S.model_field_path(name), data=data)
+        if header.towers:  # no link creation order below the root (HDF5 does not checksum that index)
+            f.create_group(S.GROUP_TENSORS, track_order=False)
+            f.create_group(S.GROUP_TOWERS, track_order=False)
         for t in header.towers:
-            g = f.create_group(S.tower_path(t.name))
+            g = f.create_group(S.tower_path(t.name), track_order=False)
             for name in S.TOWER_ATTRS:
                 g.attrs[name] = int(getattr(t, name))
             f.create_dataset(S.tower_path(t.name, S.DSET_ITEM_ROWS), data=np.asarray(t.item_rows, dtype=np.int64))
