@@ -52,6 +52,11 @@ def first_divergence_site(ref_path, run_path, base_path=None) -> tuple[int, int]
     if d is None:
         judged = " judged against BASE" if base_path is not None else ""
         raise TraceToolError(f"RUN matches REF{judged} (no divergence): pass --at STEP,LAYER to choose a layer")
+    if d.tower not in (None, "text"):  # an encoder tower's divergence (schema version 2)
+        raise TraceToolError(
+            f"the first divergence is in the {d.tower} tower ({d.kind}, layer {d.layer}): a repro covers the text "
+            "decoder's layers; pass --at STEP,LAYER to choose one"
+        )
     if d.layer is None:
         if d.kind in GLOBAL_SITES:
             return int(d.step), d.kind

@@ -84,7 +84,9 @@ class _Probe:
         self.rows = slice(*self.ref.steps[self.step])
         self.steps.append({})
 
-    def tensor(self, kind, value, layer=None, positions=None):
+    def tensor(self, kind, value, layer=None, positions=None, tower="text"):
+        if tower != "text":  # an encoder tower's rows: no layer input of the text decoder
+            return None
         if kind in ("layer_out", "per_layer_inputs"):
             self.steps[-1][(kind, layer)] = value.detach().float().cpu().numpy().copy()
         if self.isolate and kind in S.LAYER_INPUT_KINDS:

@@ -35,7 +35,6 @@ ARCH_KEYS = (
 )
 _ONE_LAYER = S.dataflow({S.TEXT: 1})
 PRE_KINDS = tuple(s.kind for s in itertools.takewhile(lambda s: s.layer is None, _ONE_LAYER))  # the text tower's
-POST_KINDS = tuple(s.kind for s in _ONE_LAYER[len(PRE_KINDS) :] if s.layer is None)
 
 
 def dataflow_sequence(layers: int | dict[str, int]) -> list[tuple[str, int | None]]:
@@ -73,11 +72,17 @@ def check_compatible(ref: TraceReader, run: TraceReader) -> None:
             diffs.append(f"{k} {_short(ca[k])} vs {_short(cb[k])}")
     for name in sorted(set(ref.towers) & set(run.towers)):
         a, b = ref.towers[name], run.towers[name]
-        if a != b:
+        if (a.layers, a.hidden, a.heads, a.head_dim) != (b.layers, b.hidden, b.heads, b.head_dim):
             diffs.append(f"{name} tower {_tower_words(a)} vs {_tower_words(b)}")
     if diffs:
         shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
         raise TraceToolError(f"traces are of different model architectures (REF vs RUN): {shown}")
+    for name in sorted(set(ref.towers) & set(run.towers)):
+        a, b = ref.towers[name], run.towers[name]
+        if (a.item_rows, a.item_tokens) != (b.item_rows, b.item_tokens):
+            raise TraceToolError(
+                f"traces encode different inputs in the {name} tower: REF {_items(a)}, RUN {_items(b)}"
+            )
     a, b = ref.prompt_ids, run.prompt_ids
     if a.shape != b.shape or not np.array_equal(a, b):
         n = min(a.size, b.size)
@@ -97,10 +102,11 @@ def check_compatible(ref: TraceReader, run: TraceReader) -> None:
 
 
 def _tower_words(t) -> str:
-    return (
-        f"({t.layers} layers, hidden {t.hidden}, {t.heads} heads of {t.head_dim}; "
-        f"rows {'+'.join(map(str, t.item_rows))}, soft tokens {'+'.join(map(str, t.item_tokens))})"
-    )
+    return f"({t.layers} layers, hidden {t.hidden}, {t.heads} heads of {t.head_dim})"
+
+
+def _items(t) -> str:
+    return f"rows {'+'.join(map(str, t.item_rows))}, soft tokens {'+'.join(map(str, t.item_tokens))}"
 
 
 def _short(v) -> str:

@@ -145,7 +145,7 @@ class _Differ:
     def _row_words(self, spec: S.Kind, row: int) -> str:
         """'patch 17 (image 2, its patch 5)': an encoder row for people."""
         item, within = item_of(spec, self.towers[spec.tower], row)
-        what = {"vision": "image", "audio": "clip"}.get(spec.tower, "item")
+        what = S.TOWER_BY_NAME[spec.tower].item
         return f"{row_word(spec)} {row} ({what} {item + 1}, its {row_word(spec)} {within})"
 
     def _last_prefill_position(self) -> int:  # where step-indexed kinds' step 0 sits

@@ -133,7 +133,7 @@ def _div_row(div: Divergence, rows: list) -> int:
     own = (S.kind_key("layer_out", spec.tower), div.layer)
     if div.layer is not None and own in keys:
         return keys.index(own)
-    band = [i for i, k in enumerate(keys) if _band(k) == (spec.tower if spec.encoder else _band((div.kind, None)))]
+    band = [i for i, k in enumerate(keys) if _band(k) == (spec.tower if spec.encoder else _band((div.kind, div.layer)))]
     if spec.encoder and band:  # the tower's first tensor: its first row; pooled, soft tokens: its last
         return band[0] if div.kind == S.TOWER_BY_NAME[spec.tower].kinds[0].key else band[-1]
     return band[0] if band else 0
@@ -159,7 +159,7 @@ def _heatmap(growth: Growth, div: Divergence | None, factor: float | None = None
     """Layer x step map of the residual stream's error on a log colour scale: against the
     tolerance, or (factor given: --baseline) against BASE's envelope max(factor x BASE's
     rel-L2, tolerance)."""
-    if not growth.steps or not growth.table:
+    if not growth.steps or not (growth.table or growth.towers):
         return "<p>no layer outputs compared</p>"
     rows = _heatmap_rows(growth)
     n_steps = len(growth.steps)

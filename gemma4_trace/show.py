@@ -9,6 +9,7 @@ from gemma4_trace.traces.errors import one_line
 from gemma4_trace.traces.header import Provenance
 from gemma4_trace.traces.limits import fmt_bytes
 from gemma4_trace.traces.reader import TraceReader
+from gemma4_trace.traces.rows import rows_word
 
 PROMPT_CHARS = 400  # the summary quotes this much of the prompt text
 
@@ -60,8 +61,7 @@ def summarize(r: TraceReader, decode=None) -> str:
         )
     for name, t in r.towers.items():  # schema version 2: the encoder towers recorded
         tower = S.TOWER_BY_NAME[name]
-        items = {"vision": "image", "audio": "clip"}.get(name, "item")
-        rows = {"patch": "patches"}.get(tower.rows, f"{tower.rows}s")
+        items, rows = tower.item, rows_word(tower.rows)
         lines.append(
             f"tower      {name}: {t.layers} layers (hidden {t.hidden}, {t.heads} heads of {t.head_dim}); "
             f"{len(t.item_rows)} {items}(s): {'+'.join(map(str, t.item_rows))} {rows}, "

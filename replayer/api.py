@@ -169,10 +169,12 @@ class WriterProbe:
             raise ReportError(
                 f"runtime {self.runtime_name} reported {kind!r} as {type(value).__name__}, not a tensor"
             ) from None
-        rows = row_count(spec, self.w.step_rows, 1, self.w.towers) or 0
+        rows = row_count(spec, self.w.step_rows, 1, self.w.towers)
+        if rows is None:  # an encoder tower the trace does not record: the writer says so
+            return
         if self.limits is None:  # the trace's header is written before the first report
             self.limits = LIM.row_limits(self.w.model_config, self.w.layers, self.w.towers)
-        limit = self.limits.get(kind, 0) * rows  # no limit: an encoder tower the header does not declare
+        limit = self.limits[kind] * rows
         n = 1
         for d in shape:
             n *= d

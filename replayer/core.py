@@ -60,6 +60,7 @@ class Reference:
     tokens: list[int]  # the reference's generated tokens, one per step
     n_steps: int
     selection: object = None  # a selective reference's Selection (traces/selection.py), else None
+    towers: tuple = ()  # the encoder towers REF records (traces.layers.TowerInfo): RUN's header holds them too
 
     @property
     def dtype(self) -> str:
@@ -84,6 +85,7 @@ def read_reference(path) -> Reference:
             tokens=[int(t) for t in r.tokens()],
             n_steps=r.n_steps,
             selection=r.selection,
+            towers=tuple(r.towers.values()),
         )
 
 
@@ -273,6 +275,7 @@ def replay_loaded(
                 prompt_text=ref.prompt_text,
                 chat_template_applied=ref.chat,
                 extra_inputs=ref.extra,
+                towers=ref.towers,
             )
         )
         if isolate:

@@ -87,7 +87,11 @@ def _pt2_keys(path: Path) -> dict[str, dict[tuple[str, int | None], str]]:
     for name, spec in zip(names, specs):
         if name.endswith("_cache"):
             continue
-        keys[("logits", None) if name == "logits" else output_site(name)] = spec.arg.name
+        try:
+            keys[("logits", None) if name == "logits" else output_site(name)] = spec.arg.name
+        except ValueError:
+            what = f"an output named {name[:60]!r}"
+            raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote ({what})") from None
     return {"graph": keys}
 
 

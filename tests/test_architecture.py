@@ -193,12 +193,18 @@ ROW_INDEX_WORDS = {"position", "step", "patch", "frame", "soft_token"}  # traces
 
 
 def _text_start(node: ast.AST) -> str | None:
-    """The leading text of a string constant or f-string."""
+    """The leading text of a string constant or f-string (an absolute HDF5 path's without its '/')."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
+        return node.value.lstrip("/")
     if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
-        return str(node.values[0].value)
+        return str(node.values[0].value).lstrip("/")
     return None
+
+
+def _texts(node: ast.AST) -> set:
+    """The texts a comparison's side holds: itself, or a tuple, list or set of them (`in (...)`)."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return {_text_start(x) for x in items}
 
 
 def _is_index(node: ast.AST) -> bool:
@@ -208,7 +214,7 @@ def _is_index(node: ast.AST) -> bool:
 
 
 def vocabulary_leaks(root: Path) -> list[str]:
-    """Row-index literal comparisons, per-layer flag reads and tensors/ paths outside traces/."""
+    """Row-index literal comparisons, per-layer flag reads and tensors/ paths outside traces/ (by line)."""
     bad = []
     for path in sources(root):
         rel = path.relative_to(root)
@@ -222,14 +228,16 @@ def vocabulary_leaks(root: Path) -> list[str]:
             where = f"{rel}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.Compare):
                 sides = [node.left, *node.comparators]
-                words = {_text_start(x) for x in sides} & ROW_INDEX_WORDS
+                words = set().union(*(_texts(x) for x in sides)) & ROW_INDEX_WORDS
                 if words and any(_is_index(x) for x in sides):
                     bad.append(f"{where} compares a row index with {sorted(words)[0]!r}")
-            elif isinstance(node, ast.Attribute) and node.attr == "per_layer":
+            elif (isinstance(node, ast.Attribute) and node.attr == "per_layer") or (
+                isinstance(node, ast.Call) and any(_text_start(a) == "per_layer" for a in node.args[1:2])
+            ):
                 bad.append(f"{where} reads a kind's per_layer flag")
             elif (_text_start(node) or "").startswith("tensors/"):
                 bad.append(f"{where} writes a tensors/ path")
-    return bad
+    return sorted(bad, key=lambda x: (x.split(":")[0], int(x.split(":")[1].split()[0])))  # stable: by file, line
 
 
 def test_the_trace_vocabulary_stays_in_traces():
@@ -302,6 +310,8 @@ def test_the_checkers_catch_each_violation(tmp_path):
         "def f(spec, index, layer, e):\n    if spec.index == 'step' or 'position' != index:\n"
         "        return spec.per_layer, f'tensors/L{layer:02d}/q', 'tensors/logits'\n"
         "    return e.rows == 'step', spec.index is None, 'the tensors/ group'\n"
+        "def g(spec, index):\n    if index in ('patch', 'frame'):\n"
+        "        return getattr(spec, 'per_layer'), '/tensors/logits'\n"
     )
     (tmp_path / "traces").mkdir()
     (tmp_path / "traces" / "s.py").write_text("def f(spec):\n    return spec.per_layer, spec.index == 'step'\n")
@@ -324,6 +334,9 @@ def test_the_checkers_catch_each_violation(tmp_path):
         "diff/v.py:3 reads a kind's per_layer flag",
         "diff/v.py:3 writes a tensors/ path",
         "diff/v.py:3 writes a tensors/ path",
+        "diff/v.py:6 compares a row index with 'frame'",
+        "diff/v.py:7 reads a kind's per_layer flag",
+        "diff/v.py:7 writes a tensors/ path",
     ]
     assert oversized(tmp_path) == [
         f"gemma4_trace/commands/big.py: {MAX_FUNCTION_LINES + 151} lines, more than {MAX_COMMAND_LINES}",

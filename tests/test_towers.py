@@ -122,7 +122,13 @@ def test_a_text_only_diff_has_no_tower_field(pair):
 def test_traces_with_other_tower_tables_are_refused(pair, tmp_path):
     other = synth.VISION.__class__("vision", 2, 8, 2, 4, item_rows=(5, 4), item_tokens=(2, 1))
     synth.write_trace(tmp_path / "other.h5", towers=(other,), config=synth.vision_config())
-    one_line_error(invoke("diff", pair / "ref.h5", tmp_path / "other.h5"), "vision tower", "rows 6+3", "rows 5+4")
+    r = invoke("diff", pair / "ref.h5", tmp_path / "other.h5")
+    one_line_error(r, "traces encode different inputs in the vision tower: REF rows 6+3", "RUN rows 5+4")
+    wider = synth.VISION.__class__("vision", 2, 16, 2, 4, item_rows=(6, 3), item_tokens=(2, 1))
+    config = synth.vision_config() | {"vision_config": synth.VISION_CONFIG | {"hidden_size": 16}}
+    synth.write_trace(tmp_path / "wider.h5", towers=(wider,), config=config)
+    r = invoke("diff", pair / "ref.h5", tmp_path / "wider.h5")
+    one_line_error(r, "different model architectures", "vision tower (2 layers, hidden 8, 2 heads of 4) vs (2 layers")
 
 
 def test_tolerances_and_selections_name_a_tower(pair, tmp_path):
@@ -312,3 +318,40 @@ def test_calibrate_writes_tower_rules(pair, tmp_path):
     assert r.exit_code == 0, r.output
     assert 'kind = "vision.layer_out"\nlayer = 1\nstep = "prefill"' in out.read_text()
     assert 'kind = "vision.layer_out"\nlayer = 1\nstep = "decode"' not in out.read_text()
+
+
+def test_a_replay_carries_refs_tower_table(pair):
+    """RUN's header is REF's: a runtime can report the towers REF records (and a v1 REF stays v1)."""
+    from gemma4_trace.replayer.core import read_reference
+
+    assert read_reference(pair / "ref.h5").towers == (synth.VISION,)
+    assert read_reference(pair / "plain.h5").towers == ()
+
+
+def test_a_tower_the_trace_does_not_record_is_named(tmp_path):
+    from gemma4_trace.replayer.api import ReportError, WriterProbe
+
+    with TraceWriter(tmp_path / "p.h5") as w:
+        _write_by_hand(w)
+        w.begin_step(range(5, 6))
+        with pytest.raises(ReportError, match="the trace header declares no audio tower"):
+            WriterProbe(w, "test").tensor("layer_out", np.ones((1, 8)), layer=0, tower="audio")
+        with pytest.raises(ValueError, match="positions= names text positions"):
+            w.add("layer_out", np.ones((1, 8)), layer=0, tower="vision", positions=[5])
+        w.end_step()
+
+
+def test_kinds_of_towers_a_trace_lacks_leave_a_version_1_selection(tmp_path):
+    """--kinds vision.layer_out on a text-only run: nothing to keep of it, the trace stays version 1."""
+    sel = Selection.parse(kinds="vision.layer_out,q")
+    synth.write_trace(tmp_path / "t.h5")
+    with TraceWriter(tmp_path / "s.h5", selection=sel) as w:
+        with TraceReader(tmp_path / "t.h5") as r:
+            w.write_header(r.header())
+        w.begin_step(range(0, 5))
+        w.add("q", np.ones((5, 2, 4)), layer=0)
+        w.add("logits", np.ones(synth.VOCAB))
+        w.add("token", np.int64(1))
+        w.end_step()
+    with TraceReader(tmp_path / "s.h5") as r:
+        assert r.f.attrs[S.ATTR_SCHEMA_VERSION] == 1 and r.selection.kinds == ("q", "logits", "token")

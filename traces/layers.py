@@ -92,13 +92,3 @@ def tower_sizes(config, tower) -> dict[str, int] | None:
         head_dim = out["hidden"] // out["heads"]
     out["head_dim"] = head_dim
     return {k: v for k, v in out.items() if v is not None}
-
-
-def tower_info_from_config(config, tower, item_rows, item_tokens) -> TowerInfo:
-    """The TowerInfo of an encoder tower of a model config, with the rows and soft tokens each
-    image or clip gave (the recorder counts them from the processor's inputs)."""
-    sizes = tower_sizes(config, tower)
-    missing = [k for k in ("layers", "hidden", "heads", "head_dim") if sizes is None or k not in sizes]
-    if missing:
-        raise ValueError(f"the model config's {tower.config} lacks {', '.join(missing)}")
-    return TowerInfo(tower.name, item_rows=item_rows, item_tokens=item_tokens, **sizes)

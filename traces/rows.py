@@ -34,16 +34,6 @@ def row_word(spec: S.Kind) -> str:
     return spec.index.replace("_", " ")
 
 
-def row_step(spec: S.Kind, row: int, step_of_position) -> int:
-    """The step a row belongs to: its own index for step kinds, the step that fed its position, and
-    the prefill (0) for an encoder's rows. `step_of_position(p)` maps a position to its step."""
-    if spec.by_step:
-        return row
-    if spec.encoder:
-        return 0
-    return step_of_position(row)
-
-
 def layer_counts(n_text_layers: int, towers: Mapping[str, TowerInfo]) -> dict[str, int]:
     """{tower: its layer count} for the towers a trace holds (the text tower always)."""
     return {S.TEXT: n_text_layers} | {name: t.layers for name, t in towers.items()}
@@ -57,6 +47,12 @@ def item_of(spec: S.Kind, info: TowerInfo, row: int) -> tuple[int, int]:
         first += counts[item]
         item += 1
     return item, row - first
+
+
+def rows_word(index: str, n: int = 2) -> str:
+    """A row index for people, counted: "patch" / "patches", "frame" / "frames", "soft tokens"."""
+    word = index.replace("_", " ")
+    return word if n == 1 else word + ("es" if word.endswith("ch") else "s")
 
 
 def steps_of_rows(spec: S.Kind, n_rows: int, position_steps: np.ndarray, n_steps: int) -> np.ndarray:

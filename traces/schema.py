@@ -27,6 +27,7 @@ position T+s-1, so every position belongs to exactly one step.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, replace
 
 SCHEMA_NAME = "gemma4-trace"
@@ -313,9 +314,7 @@ class Tower:
     joins: str | None  # the text kind its soft tokens become rows of (None: the text tower itself)
     token_id: str | None  # the top-level config key of the token its soft tokens replace
     doc: str
-
-    def kind(self, name: str) -> Kind:
-        return next(k for k in self.kinds if k.name == name)
+    item: str = "prompt"  # what one of its inputs is, for people: "image", "clip"
 
 
 TOWERS: tuple[Tower, ...] = (
@@ -343,6 +342,7 @@ TOWERS: tuple[Tower, ...] = (
         "embeddings",
         "image_token_id",
         "the vision encoder: rows are real image patches (padding stripped), image after image",
+        "image",
     ),
     Tower(
         "audio",
@@ -365,6 +365,7 @@ TOWERS: tuple[Tower, ...] = (
         "embeddings",
         "audio_token_id",
         "the audio encoder (conformer): rows are subsampled frames, clip after clip",
+        "clip",
     ),
     Tower("text", "text_config", ROW_POSITION, KINDS, None, None, "the text decoder: rows are token positions"),
 )
@@ -401,13 +402,19 @@ class Site:
 
     def __post_init__(self) -> None:
         spec = KIND_BY_NAME.get(kind_key(self.kind, self.tower))
-        if spec is None:
+        if spec is None or spec.tower != self.tower or spec.name != self.kind:
             raise ValueError(f"no kind {self.kind!r} in the {self.tower!r} tower")
         if spec.per_layer != (self.layer is not None):
             what = "per layer" if spec.per_layer else "global"
             raise ValueError(f"kind {self.key!r} is {what}; got layer={self.layer}")
-        if self.layer is not None and not (isinstance(self.layer, int) and 0 <= self.layer):
-            raise ValueError(f"layer {self.layer!r} of {self.key!r} is not a layer number")
+        if self.layer is not None:
+            try:  # an integer of any kind (numpy's too), never a bool
+                layer = operator.index(self.layer) if not isinstance(self.layer, bool) else -1
+            except TypeError:
+                layer = -1
+            if layer < 0:
+                raise ValueError(f"layer {self.layer!r} of {self.key!r} is not a layer number")
+            object.__setattr__(self, "layer", layer)
 
     @classmethod
     def of(cls, key: str, layer: int | None = None) -> Site:
@@ -461,8 +468,8 @@ class Site:
 def layer_number(group: str) -> int | None:
     """The layer of a layer group's name ("L07" -> 7), None when it is not one as the writer names them."""
     digits = group[len(LAYER_GROUP_PREFIX) :]
-    if not group.startswith(LAYER_GROUP_PREFIX) or not digits.isdigit() or not digits.isascii():
-        return None
+    if not group.startswith(LAYER_GROUP_PREFIX) or not digits.isdigit() or not digits.isascii() or len(digits) > 6:
+        return None  # (int() of thousands of digits raises: no trace has a million layers)
     n = int(digits)
     return n if f"{LAYER_GROUP_PREFIX}{n:02d}" == group else None
 

@@ -115,6 +115,14 @@ class Selection:
         """Is (kind key) kept at this step? An encoder tower's rows belong to the prefill (step 0)."""
         return kind in ALWAYS_KEPT or self.steps is None or step in self.steps
 
+    def within(self, towers) -> Selection:
+        """This selection with only the kinds of the towers a trace records (the text tower's and
+        `towers`'): a trace of the text tower alone keeps a version-1 selection."""
+        if self.kinds is None:
+            return self
+        kept = tuple(k for k in self.kinds if not S.KIND_BY_NAME[k].encoder or S.KIND_BY_NAME[k].tower in towers)
+        return Selection(self.layers, kept, self.steps)
+
     def to_json(self) -> dict:
         return {
             "layers": None if self.layers is None else ranges_text(self.layers),

@@ -22,7 +22,6 @@ are traces/objects.py's; this module checks the schema on top of it.
 from __future__ import annotations
 
 import json
-import re
 
 import h5py
 import numpy as np
@@ -34,7 +33,6 @@ from .layers import LayerInfo, TowerInfo, tower_sizes
 from .objects import Checked, ObjectChecks, as_int, attr_text, describe, file_error, nbytes, read_small
 from .rows import row_word, tower_rows
 
-_LAYER_GROUP = re.compile(rf"^{S.LAYER_GROUP_PREFIX}([0-9]{{1,6}})$")  # int() of 4,301 digits raises
 _TOWER_CAPS = {"layers": LIM.MAX_LAYERS, "hidden": LIM.MAX_HIDDEN, "heads": LIM.MAX_HEADS, "head_dim": LIM.MAX_HEAD_DIM}
 _METADATA = f"the per-layer metadata under '{S.GROUP_MODEL}/'"
 _HEAD_CAPS = (
@@ -322,9 +320,9 @@ class Validator(ObjectChecks):
             if name.endswith(S.ROWS_PRESENT_SUFFIX):
                 flags.append((S.kind_key(name.removesuffix(S.ROWS_PRESENT_SUFFIX), tower), None))
                 continue
-            m = _LAYER_GROUP.match(name)
-            if m and S.layer_group(int(m.group(1)), tower) == obj_path:
-                self._layer_tensor_names(obj_path, int(m.group(1)), tower, present, flags)
+            layer = S.layer_number(name)  # L07, as the writer names layer groups; None for anything else
+            if layer is not None:
+                self._layer_tensor_names(obj_path, layer, tower, present, flags)
                 continue
             spec = S.KIND_BY_NAME.get(S.kind_key(name, tower))
             if spec is None or spec.per_layer or spec.tower != tower:

@@ -411,7 +411,8 @@ class TraceWriter:
         f.attrs[S.ATTR_SCHEMA] = fixed_text(S.SCHEMA_NAME)
         # a text-only trace stays version 1 byte for byte; encoder towers make it version 2
         f.attrs[S.ATTR_SCHEMA_VERSION] = S.SCHEMA_VERSION if header.towers else S.TEXT_SCHEMA_VERSION
-        if self.selection is not None:
+        if self.selection is not None:  # asked kinds of towers the trace does not record: nothing to keep
+            self.selection = self.selection.within({t.name for t in header.towers})
             f.attrs[S.ATTR_SELECTION] = fixed_text(json.dumps(self.selection.to_json(), sort_keys=True))
         for k, text in header.provenance.attrs().items():
             f.attrs[k] = fixed_text(text)
@@ -492,6 +493,8 @@ class TraceWriter:
         if not self.keeps(key, layer):
             return
         if spec.encoder:
+            if positions is not None:
+                raise ValueError(f"{site}: positions= names text positions; an encoder reports all its rows")
             self._add_encoder(site, value, source_dtype)
             return
         arr, src = _to_array(value, source_dtype or self.source_dtype)

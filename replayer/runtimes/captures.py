@@ -143,7 +143,7 @@ class CaptureMap:
     def check(self, kinds, who: str) -> None:
         """Refuse kinds asked of `who` (`--kinds`) that this map does not capture, in one line."""
         asked = set(kinds or ())
-        missing = [k for k in S.KIND_NAMES if k in asked and k in self.not_captured()]
+        missing = [k for k in S.ALL_KIND_KEYS if k in asked and k not in self.kinds]  # an encoder's too
         if missing:
             raise TraceToolError(
                 f"--kinds {','.join(missing)}: {who} cannot capture {' or '.join(missing)} (it captures {self.text()})"
