@@ -411,6 +411,12 @@ def _heatmaps(result: DiffResult, d: Divergence | None) -> list[str]:
         "black-and-white frame marks the first divergence (a divergence before or after the layers sits in the "
         "first or last row).</p>",
     ]
+    if result.growth.towers:  # bands above the text tower's rows: a sentence of their own (text-only pages unchanged)
+        plain[-1] = plain[-1].replace(
+            "</p>",
+            " The bands above the inputs are the encoder towers' layers (vL0: the vision tower's layer 0; aL0: "
+            "audio's), their rows taken together in the prefill column; they have no decode steps.</p>",
+        )
     if result.baseline is None:
         return plain
     factor = result.baseline.factor

@@ -310,6 +310,7 @@ def test_the_heatmap_draws_a_band_per_tower(pair, tmp_path):
     page = out.read_text()
     assert "vL0" in page and "vL1" in page and "vision tower layer_out of layer 1 (prefill only)" in page
     assert 'data-row="vL1"' in page  # the first divergence marked on its tower's layer
+    assert "The bands above the inputs are the encoder towers' layers" in page
 
 
 def test_calibrate_writes_tower_rules(pair, tmp_path):
