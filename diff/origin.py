@@ -57,18 +57,22 @@ def growth(res: Residuals, plan: Plan) -> Growth:
             out.globals[kind] = _step_rel(res.sums, res, plan, (kind, None))
     for name in S.ENCODER_TOWERS:
         key = S.kind_key(GROWTH_KIND, name)
-        band = [(l, *_tower_rel(res, (k, l))) for k, l in sorted(res.sums, key=str) if k == key]
+        band = [(l, *_tower_rel(res.sums, res, (k, l))) for k, l in sorted(res.sums, key=str) if k == key]
         if band:
             out.towers[name] = sorted(band)
     if res.base_sums:  # the text tower's residual stream (an encoder's rows are no steps)
         text = [key for key in res.base_sums if not S.KIND_BY_NAME[key[0]].encoder]
         out.base = {key: _step_rel(res.base_sums, res, plan, key)[0] for key in text}
+        for key in res.base_sums:  # an encoder band's envelope: BASE's rel-L2 over the prefill's rows
+            if key not in out.base:
+                out.base[key] = [_tower_rel(res.base_sums, res, key)[0]] + [None] * (plan.numeric_steps - 1)
     return out
 
 
-def _tower_rel(res: Residuals, key: Key) -> tuple[float | None, float | None]:
-    """rel-L2 of an encoder tensor's rows taken together, and its (prefill) tolerance."""
-    nd, na, m = res.sums[key]
+def _tower_rel(sums: dict, res: Residuals, key: Key) -> tuple[float | None, float | None]:
+    """rel-L2 of an encoder tensor's rows taken together (RUN's or BASE's against REF, from `sums`),
+    and its (prefill) tolerance."""
+    nd, na, m = sums[key]
     tol = res.thresholds[key]
     keep = ~res.absent[key][: nd.size] if key in res.absent else np.ones(nd.size, dtype=bool)
     if not keep.any():

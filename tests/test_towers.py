@@ -356,3 +356,22 @@ def test_kinds_of_towers_a_trace_lacks_leave_a_version_1_selection(tmp_path):
         w.end_step()
     with TraceReader(tmp_path / "s.h5") as r:
         assert r.f.attrs[S.ATTR_SCHEMA_VERSION] == 1 and r.selection.kinds == ("q", "logits", "token")
+
+
+def test_an_encoder_judged_by_a_baselines_envelope(tmp_path):
+    """--baseline: RUN's vision error inside BASE's envelope matches, and the heatmap's band is coloured
+    against that envelope (BASE's rel-L2 of the band in the prefill column), as the text rows are."""
+    from gemma4_trace.diff import diff_traces
+
+    def scale(k):
+        return lambda kind, layer, step, rows: rows * k if kind == "vision.layer_out" else rows
+
+    synth.write_trace(tmp_path / "ref.h5", **TOWERS)
+    synth.write_trace(tmp_path / "run.h5", mode="teacher-forced", edit=scale(1.001), **TOWERS)
+    synth.write_trace(tmp_path / "base.h5", mode="teacher-forced", edit=scale(1.0005), **TOWERS)
+    alone = diff_traces(tmp_path / "ref.h5", tmp_path / "run.h5")
+    assert not alone.match and alone.first_divergence.kind == "vision.layer_out"  # 1e-3 > the tolerance 1e-4
+    r = diff_traces(tmp_path / "ref.h5", tmp_path / "run.h5", baseline_path=tmp_path / "base.h5")
+    assert r.match, r.first_divergence
+    band = r.growth.base[("vision.layer_out", 1)]
+    assert band[0] == pytest.approx(5e-4, rel=1e-3) and band[1:] == [None] * 3
