@@ -18,7 +18,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.test_layering import LIBRARIES, ROOT, imports, package_of
+from tests.test_layering import LIBRARIES, ROOT, from_module, imports
 
 PRODUCTION = (*LIBRARIES, "gemma4_trace")
 MAX_FUNCTION_LINES = 80
@@ -67,11 +67,7 @@ def module_aliases(tree: ast.AST, path: Path, root: Path, modules: set[str]) -> 
                     bound = a.asname or a.name.split(".")[0]
                     out[bound] = a.name if a.asname else bound
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = package_of(path, root).split(".")
-                pkg = pkg[: len(pkg) - (node.level - 1)]
-                base = ".".join([*pkg, base] if base else pkg)
+            base = from_module(node, path, root)
             for a in node.names:
                 if f"{base}.{a.name}" in modules:
                     out[a.asname or a.name] = f"{base}.{a.name}"

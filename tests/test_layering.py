@@ -54,6 +54,16 @@ def package_of(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
+def from_module(node: ast.ImportFrom, path: Path, root: Path) -> str:
+    """The absolute module a `from X import ...` names (relative levels resolved against the package)."""
+    module = node.module or ""
+    if node.level:
+        base = package_of(path, root).split(".")
+        base = base[: len(base) - (node.level - 1)]
+        module = ".".join([*base, module] if module else base)
+    return module
+
+
 def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str, list[str]]]:
     """(line, absolute module, imported names) for every import in a file, at any depth."""
     out = []
@@ -61,12 +71,7 @@ def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str, list[str]]]:
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level:
-                base = package_of(path, root).split(".")
-                base = base[: len(base) - (node.level - 1)]
-                module = ".".join([*base, module] if module else base)
-            out.append((node.lineno, module, [a.name for a in node.names]))
+            out.append((node.lineno, from_module(node, path, root), [a.name for a in node.names]))
         elif (  # __import__("x") / importlib.import_module("x") with a literal name
             isinstance(node, ast.Call)
             and getattr(node.func, "id", getattr(node.func, "attr", None)) in ("__import__", "import_module")
