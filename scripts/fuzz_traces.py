@@ -2350,7 +2350,7 @@ def _fingerprint(path) -> list:
 
     tol = T.load_tolerances(path)
     out: list = [tol.near_tie_margin, tol.accept_near_ties, len(tol.rules)]
-    for kind in S.KIND_NAMES:
+    for kind in S.ALL_KIND_KEYS:  # every tower's kinds (a rule may name vision.layer_out)
         for layer in (None, *range(8)):
             for prec in sorted(T.DEFAULTS):
                 st = tol.resolve(kind, layer, prec, 4)
