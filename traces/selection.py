@@ -17,11 +17,13 @@ from . import schema as S
 from .errors import TraceToolError
 
 ALWAYS_KEPT = ("logits", "token")
+MAX_SELECTED = 1 << 20  # values one --layers / --steps may select (no run has more steps: limits.MAX_POSITIONS)
 
 
 def parse_ranges(text: str, what: str) -> tuple[int, ...]:
     """'0-3,17' -> (0, 1, 2, 3, 17); a bad range is a TraceToolError naming the option."""
     out: set[int] = set()
+    total = 0
     for part in text.replace(" ", "").split(","):
         if not part:
             continue
@@ -34,6 +36,9 @@ def parse_ranges(text: str, what: str) -> tuple[int, ...]:
             raise TraceToolError(f"--{what} {text!r}: bad range {part!r} (want a-b with 0 <= a <= b)")
         if hi - lo > 1_000_000:
             raise TraceToolError(f"--{what} {text!r}: range {part!r} is too large")
+        total += hi - lo + 1
+        if total > MAX_SELECTED:  # checked before the set grows: a trace's attribute is untrusted
+            raise TraceToolError(f"--{what} {text[:80]!r}: more than {MAX_SELECTED} values selected")
         out.update(range(lo, hi + 1))
     if not out:
         raise TraceToolError(f"--{what} {text!r}: nothing selected")
