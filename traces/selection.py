@@ -38,7 +38,7 @@ def parse_ranges(text: str, what: str) -> tuple[int, ...]:
             raise TraceToolError(f"--{what} {text!r}: range {part!r} is too large")
         total += hi - lo + 1
         if total > MAX_SELECTED:  # checked before the set grows: a trace's attribute is untrusted
-            raise TraceToolError(f"--{what} {text[:80]!r}: more than {MAX_SELECTED} values selected")
+            raise TraceToolError(f"--{what}: more than {MAX_SELECTED} values selected ({text[:40]}...)")
         out.update(range(lo, hi + 1))
     if not out:
         raise TraceToolError(f"--{what} {text!r}: nothing selected")
