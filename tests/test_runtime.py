@@ -13,7 +13,7 @@ import torch
 from gemma4_trace.hf.model import load_model
 from gemma4_trace.replayer.runtime import StaticGemma4Runtime
 from gemma4_trace.traces.errors import TraceToolError
-from tests import tiny_models
+from tests.support import tiny_models
 
 REL = 5e-5
 IMG, BOI, EOI = 120, 121, 122
@@ -177,6 +177,23 @@ def test_prefill_writes_only_valid_rows(models):
         if L.owns_kv:
             assert L.k_cache[:, :, :5].abs().sum() > 0 and not L.k_cache[:, :, 5:].any()
     assert not any(hasattr(L, "k_cache") for L, info in zip(rt.layers, rt.infos) if info.kv_role == "reuses")
+
+
+def test_pieces_keep_the_attribute_paths(models):
+    """The runtime is its pieces (replayer/static_*.py) mixed into one nn.Module: the buffer paths
+    torch.export and quant.py see stay on the runtime and its layers, the caches on their layers."""
+    from gemma4_trace.replayer.quant import weight_units
+
+    rt = StaticGemma4Runtime(models("base"), max_seq=8)
+    names = [n for n, _ in rt.named_buffers()]
+    assert names[:4] == ["embed", "embed_scale", "final_norm", "lm_head"]
+    assert {"ple_model_proj", "cos_sliding_attention", "sin_full_attention", "layers.0.q_proj"} <= set(names)
+    owners = [i for i, info in enumerate(rt.infos) if info.kv_role != "reuses"]
+    caches = [n for n in names if n.endswith("_cache")]
+    assert caches == [f"layers.{i}.{c}_cache" for i in owners for c in "kv"]
+    assert all(list(rt.layers[i]._buffers)[-2:] == ["k_cache", "v_cache"] for i in owners)  # after the weights
+    assert ("layer.0", "layer.0.qkv", rt.layers[0], "q_proj") in weight_units(rt)
+    assert ("ple_model_proj", "ple_model_proj", rt, "ple_model_proj") in weight_units(rt)
 
 
 def test_generate_stops_at_eos_and_checks_max_seq(models):
