@@ -116,6 +116,19 @@ class SweepOutcome:
     seconds: float
 
 
+def _resume(prompts: list[dict], cfg: Config, out_dir: Path) -> tuple[dict[str, dict], list[dict]]:
+    """The records of the prompts already finished in DIR (an earlier run's), and the prompts left to run."""
+    records: dict[str, dict] = {}
+    todo = []
+    for spec in prompts:
+        rec = finished(out_dir, spec, cfg)
+        if rec is not None:
+            records[spec["id"]] = rec
+        else:
+            todo.append(spec)
+    return records, todo
+
+
 def run_sweep(
     prompts: list[dict],
     cfg: Config,
@@ -143,14 +156,7 @@ def run_sweep(
     out_dir = Path(out_dir)
     (out_dir / "prompts").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    records: dict[str, dict] = {}
-    todo = []
-    for spec in prompts:
-        rec = finished(out_dir, spec, cfg)
-        if rec is not None:
-            records[spec["id"]] = rec
-        else:
-            todo.append(spec)
+    records, todo = _resume(prompts, cfg, out_dir)
     resumed = len(records)
     if resumed:
         say(f"resuming: {resumed} of {len(prompts)} prompts already done in {out_dir}")

@@ -80,7 +80,7 @@ class Element:
     index: tuple[int, ...]
     ref: float
     run: float
-    names: dict[str, int]  # e.g. {"head": 1, "channel": 11} (diff/core.py element_names)
+    names: dict[str, int]  # e.g. {"head": 1, "channel": 11} (diff/ledger.py element_names)
 
     def to_json(self) -> dict:
         return {"index": list(self.index), "ref": self.ref, "run": self.run, **self.names}

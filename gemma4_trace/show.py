@@ -67,7 +67,14 @@ def summarize(r: TraceReader, decode=None) -> str:
             f"{len(t.item_rows)} {items}(s): {'+'.join(map(str, t.item_rows))} {rows}, "
             f"{'+'.join(map(str, t.item_tokens))} soft tokens into {tower.joins}"
         )
-    lines.append("kinds      (stored shape, one layer's for a layer kind; source dtype; on-disk size)")
+    lines += _kind_lines(r)
+    # every value here comes from the file: one line each, no control characters for the terminal
+    return "\n".join(one_line(line) for line in lines)
+
+
+def _kind_lines(r: TraceReader) -> list[str]:
+    """One line per kind stored (a layer kind's: its first layer's shape, its size over all its layers)."""
+    lines = ["kinds      (stored shape, one layer's for a layer kind; source dtype; on-disk size)"]
     seen = set()
     for kind, layer in r.kinds_present():
         if kind in seen:
@@ -85,5 +92,4 @@ def summarize(r: TraceReader, decode=None) -> str:
                 f"    rows reported: {int(f.sum())} of {f.size}"
                 + (f" (layer {l}; {len(partial)} layers partial)" if l is not None else "")
             )
-    # every value here comes from the file: one line each, no control characters for the terminal
-    return "\n".join(one_line(line) for line in lines)
+    return lines

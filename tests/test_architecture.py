@@ -5,7 +5,9 @@
 - no package (subpackages, gemma4_trace/ and gemma4_trace/commands/ included) has an import cycle,
   nor has the project across its packages;
 - no adapter (replayer/runtimes/) imports the replay driver (replay.py, core.py);
-- no function over 80 lines, no module over 600 lines, no command module over 200 lines;
+- no function over 80 lines, no class over 300, no module over 600 lines, no command module over 200
+  lines; and none within 5% of its limit (a module of 571 lines, a function of 77): a piece near its
+  cap is split before the next edit pushes it over;
 - the trace vocabulary stays in traces/: no module outside it compares a kind's row index with a
   literal ("position", "step", ...), reads a kind's per-layer flag, or writes a "tensors/..." path
   (schema.Site composes and parses them: `parse(path(site)) == site` for every site of the
@@ -24,6 +26,8 @@ PRODUCTION = (*LIBRARIES, "gemma4_trace")
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 600
 MAX_COMMAND_LINES = 200
+MAX_CLASS_LINES = 300
+MARGIN_PERCENT = 5  # the share of each limit kept free (test_every_size_keeps_its_margin)
 DRIVER = ("gemma4_trace.replayer.replay", "gemma4_trace.replayer.core")
 
 
@@ -169,20 +173,39 @@ def adapter_driver_imports(root: Path) -> list[str]:
     return bad
 
 
-def oversized(root: Path) -> list[str]:
-    bad = []
+def sizes(root: Path):
+    """(what, lines, limit) for every module (a command module's limit is its own), function and
+    class of the production code; a function or class is named by its file, line and name."""
     for path in sources(root):
-        text = path.read_text()
-        n = len(text.splitlines())
-        limit = MAX_COMMAND_LINES if path.parent.name == "commands" else MAX_MODULE_LINES
-        if n > limit:
-            bad.append(f"{path.relative_to(root)}: {n} lines, more than {limit}")
+        text, rel = path.read_text(), path.relative_to(root)
+        yield (
+            f"{rel}",
+            len(text.splitlines()),
+            MAX_COMMAND_LINES if path.parent.name == "commands" else MAX_MODULE_LINES,
+        )
         for node in ast.walk(ast.parse(text)):
+            length = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    bad.append(f"{path.relative_to(root)}:{node.lineno} {node.name}: {length} lines")
-    return bad
+                yield f"{rel}:{node.lineno} {node.name}", length, MAX_FUNCTION_LINES
+            elif isinstance(node, ast.ClassDef):
+                yield f"{rel}:{node.lineno} class {node.name}", length, MAX_CLASS_LINES
+
+
+def oversized(root: Path) -> list[str]:
+    return [f"{what}: {n} lines, more than {limit}" for what, n, limit in sizes(root) if n > limit]
+
+
+def margin_of(limit: int) -> int:
+    """The most lines a piece with this limit may have and keep its margin: 570 of 600, 76 of 80."""
+    return limit * (100 - MARGIN_PERCENT) // 100
+
+
+def near_limit(root: Path) -> list[str]:
+    return [
+        f"{what}: {n} lines, within {MARGIN_PERCENT}% of its limit {limit} (at most {margin_of(limit)})"
+        for what, n, limit in sizes(root)
+        if n > margin_of(limit)
+    ]
 
 
 ROW_INDEX_WORDS = {"position", "step", "patch", "frame", "soft_token"}  # traces.schema.ROW_INDEXES
@@ -285,9 +308,18 @@ def test_no_adapter_imports_the_replay_driver():
     assert not bad, "\n".join(bad)
 
 
-def test_no_function_module_or_command_is_oversized():
+def test_no_function_class_module_or_command_is_oversized():
     bad = oversized(ROOT)
     assert not bad, "\n".join(bad)
+
+
+def test_every_size_keeps_its_margin():
+    """Every module, command module, function and class keeps 5% of its limit free (modules at most
+    570 lines, command modules 190, functions 76, classes 285); every offender in one message."""
+    assert (margin_of(MAX_MODULE_LINES), margin_of(MAX_COMMAND_LINES)) == (570, 190)
+    assert (margin_of(MAX_FUNCTION_LINES), margin_of(MAX_CLASS_LINES)) == (76, 285)
+    bad = near_limit(ROOT)
+    assert not bad, f"{len(bad)} near their limit (split them):\n" + "\n".join(bad)
 
 
 def test_the_checkers_catch_each_violation(tmp_path):
@@ -313,6 +345,7 @@ def test_the_checkers_catch_each_violation(tmp_path):
     (tmp_path / "traces" / "s.py").write_text("def f(spec):\n    return spec.per_layer, spec.index == 'step'\n")
     long_body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
     (tmp_path / "gemma4_trace" / "commands" / "big.py").write_text(f"def f():\n{long_body}" + "\n" * 150)
+    (tmp_path / "diff" / "k.py").write_text("class K:\n" + "    y = 0\n" * MAX_CLASS_LINES)
     assert private_imports(tmp_path) == [
         "replayer/a.py:2 imports gemma4_trace.replayer.c._private, a private name",
         "replayer/d.py:6 reaches gemma4_trace.replayer.c._private, a private name",
@@ -335,8 +368,42 @@ def test_the_checkers_catch_each_violation(tmp_path):
         "diff/v.py:7 writes a tensors/ path",
     ]
     assert oversized(tmp_path) == [
+        f"diff/k.py:1 class K: {MAX_CLASS_LINES + 1} lines, more than {MAX_CLASS_LINES}",
         f"gemma4_trace/commands/big.py: {MAX_FUNCTION_LINES + 151} lines, more than {MAX_COMMAND_LINES}",
-        f"gemma4_trace/commands/big.py:1 f: {MAX_FUNCTION_LINES + 1} lines",
+        f"gemma4_trace/commands/big.py:1 f: {MAX_FUNCTION_LINES + 1} lines, more than {MAX_FUNCTION_LINES}",
+    ]
+
+
+def test_the_margin_checker_names_every_piece_near_its_limit(tmp_path):
+    """A module, a function, a class and a command module each one line past their margin are named,
+    all in one list; the same pieces at their margin exactly (a class of methods at theirs) are not."""
+    for folder in ("traces", "hf", "diff", "gemma4_trace/commands"):
+        (tmp_path / folder).mkdir(parents=True)
+    module, function, klass, command = (
+        margin_of(n) for n in (MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_CLASS_LINES, MAX_COMMAND_LINES)
+    )
+
+    def func(name: str, lines: int, indent: str = "") -> str:
+        return f"{indent}def {name}():\n" + "".join(f"{indent}    x{i} = {i}\n" for i in range(lines - 1))
+
+    def cls(name: str, lines: int) -> str:  # a method at its own margin, then plain lines
+        return f"class {name}:\n" + func("m", function, "    ") + "    y = 0\n" * (lines - 1 - function)
+
+    (tmp_path / "traces" / "ok.py").write_text("\n" * module)
+    (tmp_path / "traces" / "near.py").write_text("\n" * (module + 1))
+    (tmp_path / "hf" / "f.py").write_text(func("fine", function) + func("long", function + 1))
+    (tmp_path / "diff" / "fine.py").write_text(cls("Fine", klass))
+    (tmp_path / "diff" / "long.py").write_text(cls("Long", klass + 1))
+    (tmp_path / "gemma4_trace" / "commands" / "ok.py").write_text("\n" * command)
+    (tmp_path / "gemma4_trace" / "commands" / "near.py").write_text("\n" * (command + 1))
+    assert not oversized(tmp_path)  # near, never over
+    assert near_limit(tmp_path) == [
+        f"traces/near.py: {module + 1} lines, within 5% of its limit {MAX_MODULE_LINES} (at most {module})",
+        f"hf/f.py:{function + 1} long: {function + 1} lines, within 5% of its limit {MAX_FUNCTION_LINES} "
+        f"(at most {function})",
+        f"diff/long.py:1 class Long: {klass + 1} lines, within 5% of its limit {MAX_CLASS_LINES} (at most {klass})",
+        f"gemma4_trace/commands/near.py: {command + 1} lines, within 5% of its limit {MAX_COMMAND_LINES} "
+        f"(at most {command})",
     ]
 
 

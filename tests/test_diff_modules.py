@@ -16,6 +16,7 @@ COMPUTE = (
     "calibrate",
     "core",
     "hints",
+    "ledger",
     "isolation",
     "logits",
     "metrics",

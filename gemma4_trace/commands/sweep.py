@@ -92,16 +92,7 @@ def sweep(prompts_path, runtime, baseline_runtime, model_dir, no_chat, workers, 
             raise TraceToolError("give --workers or --ray, not both")
         check_ray(ray_address)
     skipped = S.unsupported(prompts, (runtime, None if baseline_runtime == S.AUTO else baseline_runtime))
-    if skipped and not kw["skip_unsupported"]:
-        ids = ", ".join(s["id"] for s in skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
-        raise TraceToolError(
-            f"{len(skipped)} of {len(prompts)} prompts cannot run ({skipped[0]['reason']}): {ids}; "
-            "pass --skip-unsupported to sweep the rest"
-        )
-    if len(skipped) == len(prompts):
-        raise TraceToolError(f"no prompt of {prompts_path} can run: {skipped[0]['reason']}")
-    left_out = {s["id"] for s in skipped}
-    prompts = [p for p in prompts if p["id"] not in left_out]
+    prompts = runnable(prompts, skipped, kw["skip_unsupported"], prompts_path)
     check_model_dir(model_dir)
     load_tolerances(kw["tolerances"])
     if baseline_runtime is not None:
@@ -150,3 +141,17 @@ def sweep(prompts_path, runtime, baseline_runtime, model_dir, no_chat, workers, 
         fail(f"interrupted; {done} finished prompt(s) kept in {out}/prompts (run again to resume)", EXIT_INTERRUPTED)
     echo_lines(S.describe(outcome))
     sys.exit(EXIT_DIVERGENCE if exit_code(outcome.summary) else 0)
+
+
+def runnable(prompts: list[dict], skipped: list[dict], skip_unsupported: bool, prompts_path) -> list[dict]:
+    """The prompts the runtime can run: the rest (`skipped`) refused unless --skip-unsupported."""
+    if skipped and not skip_unsupported:
+        ids = ", ".join(s["id"] for s in skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        raise TraceToolError(
+            f"{len(skipped)} of {len(prompts)} prompts cannot run ({skipped[0]['reason']}): {ids}; "
+            "pass --skip-unsupported to sweep the rest"
+        )
+    if len(skipped) == len(prompts):
+        raise TraceToolError(f"no prompt of {prompts_path} can run: {skipped[0]['reason']}")
+    left_out = {s["id"] for s in skipped}
+    return [p for p in prompts if p["id"] not in left_out]
