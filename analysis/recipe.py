@@ -28,7 +28,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gemma4_trace.replayer.runtimes.registry import GGUF_TYPES, quantized_names
+from gemma4_trace.replayer.runtimes.registry import (
+    RUNTIMES,
+    parse_runtime,
+    quantized_names,
+    recipe_runtime,
+    typed_recipe_choice,
+)
 from gemma4_trace.traces.atomic import atomic_output
 from gemma4_trace.traces.errors import TraceToolError, one_line
 from gemma4_trace.traces.inputs import read_toml
@@ -38,16 +44,21 @@ SCHEME_NAMES = tuple(n for n in quantized_names() if ":" not in n)  # the quanti
 PRECISIONS = ("float", *SCHEME_NAMES)
 MAX_RECIPE_BYTES = 1 << 20
 MAX_UNITS = 100_000  # a unit per layer and module group of a very deep model, and then some
-LLAMACPP = "llama.cpp:"
+TYPED_NAMES = " or ".join(
+    f"{s.name}:TYPE with TYPE one of {', '.join(s.types[1:])}" for s in RUNTIMES if s.recipe and s.types
+)
 
 
-def _gguf_types() -> tuple:
-    return tuple(t for t in GGUF_TYPES if t != "F32")
+def unit_types(choice) -> tuple:
+    """The types a unit of a recipe over NAME:TYPE may take: all but the first, the float the
+    runtime converts to (llama.cpp: F16 ... Q3_K_M, not F32)."""
+    return choice.spec.types[1:]
 
 
 def precisions_of(runtime: str) -> tuple:
     """The precisions a recipe over `runtime` may give a unit."""
-    return ("float", *_gguf_types()) if runtime.startswith(LLAMACPP) else PRECISIONS
+    typed = typed_recipe_choice(runtime)
+    return ("float", *unit_types(typed)) if typed is not None else PRECISIONS
 
 
 @dataclass
@@ -56,11 +67,11 @@ class Recipe:
     units: dict = field(default_factory=dict)  # unit -> precision
 
     def check(self) -> Recipe:
-        llama = isinstance(self.runtime, str) and self.runtime.startswith(LLAMACPP)
-        if not (self.runtime in SCHEME_NAMES or (llama and self.runtime[len(LLAMACPP) :] in _gguf_types())):
+        typed = typed_recipe_choice(self.runtime) if isinstance(self.runtime, str) else None
+        if not (self.runtime in SCHEME_NAMES or (typed is not None and typed.type in unit_types(typed))):
             raise TraceToolError(
                 f"recipe runtime {one_line(repr(self.runtime), 100)} is not a quantized runtime "
-                f"({', '.join(SCHEME_NAMES)}, or llama.cpp:TYPE with TYPE one of {', '.join(_gguf_types())})"
+                f"({', '.join(SCHEME_NAMES)}, or {TYPED_NAMES})"
             )
         known = precisions_of(self.runtime)
         for unit, precision in self.units.items():
@@ -121,13 +132,7 @@ def recipe_factory(runtime: str, recipe: Recipe):
         raise TraceToolError(f"the recipe is for --runtime {recipe.runtime}, not {runtime}")
 
     def make(loaded, max_seq: int):
-        if runtime.startswith(LLAMACPP):
-            from gemma4_trace.replayer.runtimes.llamacpp.gguf_mixed import recipe_runtime
-
-            return recipe_runtime(loaded, max_seq, runtime[len(LLAMACPP) :], recipe.units)
-        from gemma4_trace.replayer.quant import make_quantized
-
-        return make_quantized(loaded, max_seq, runtime, recipe.units)
+        return recipe_runtime(parse_runtime(runtime), loaded, max_seq, recipe.units)
 
     return make
 

@@ -293,7 +293,7 @@ class LlamaCppRunner(Runner):
         from gemma4_trace.replayer.runtimes.llamacpp.gguf_mixed import MixedFiles, resolve
 
         choice = parse_runtime(runtime)
-        if not choice.gguf or choice.type == "F32":
+        if not choice.gguf or choice.type == choice.spec.types[0]:
             raise TraceToolError(f"--runtime {runtime}: expected llama.cpp:TYPE with a quantized TYPE")
         self.gguf_type = choice.type
         self._start(ref_path, runtime, base, baseline)
@@ -306,7 +306,7 @@ class LlamaCppRunner(Runner):
         self.modules = resolve(self.mixed, base.units if base else {}, self.gguf_type)
         self.layer_of = {mu: lu for mu, (lu, _) in self.mixed.units.items()}
         self.n_layers = len(self.loaded.text_config.layer_types)
-        self.precisions = ("float", *(t for t in choice.spec.types if t != "F32"))
+        self.precisions = ("float", *choice.spec.types[1:])
         self._held: dict | None = None  # module unit -> the ggml types its tensors have (precision_of)
         self.note = (
             f"llama.cpp cannot isolate layers: only full replays; units ranked first by their weight error "

@@ -64,7 +64,7 @@ def resolve_baseline(runtime: str, baseline_runtime: str | None, gguf) -> tuple[
     and --gguf: the static runtime on the file's dequantized weights; mlx-q4: mlx-q4-dq; ...)."""
     if baseline_runtime != AUTO:
         return baseline_runtime, None
-    from gemma4_trace.replayer.runtimes.registry import FLOAT_GGUF_TYPES, parse_runtime
+    from gemma4_trace.replayer.runtimes.registry import parse_runtime
 
     if gguf is not None:
         return None, str(Path(gguf).resolve())
@@ -74,11 +74,11 @@ def resolve_baseline(runtime: str, baseline_runtime: str | None, gguf) -> tuple[
         raise TraceToolError(
             f"--baseline-runtime auto: --runtime {runtime} has no baseline of its own; name one (--baseline-runtime RT)"
         )
-    if choice.gguf:
-        if choice.type in FLOAT_GGUF_TYPES:
-            raise TraceToolError(f"--baseline-runtime auto: llama.cpp:{choice.type} is not quantized; name a baseline")
+    if spec.baseline.weights is not None:  # BASE runs on the weights of RUN's own conversion, at its type
+        if choice.type in spec.float_types:
+            raise TraceToolError(f"--baseline-runtime auto: {choice.text} is not quantized; name a baseline")
         return None, f":{choice.type}"
-    return spec.baseline, None
+    return spec.baseline.runtime, None
 
 
 AUTO = "auto"
@@ -87,13 +87,12 @@ AUTO = "auto"
 def check_runtimes(runtime: str | None, baseline_runtime: str | None, gguf) -> str:
     """RUN's runtime (llama.cpp with --gguf), every choice checked before anything runs: the runtimes
     installed, the GGUF's header, `auto` resolvable; one line otherwise."""
-    from gemma4_trace.replayer.runtimes.registry import check_available
+    from gemma4_trace.replayer.runtimes.registry import FILE_BY_DEST, check_available, read_file_header, resolve_file
 
     if gguf is not None:
-        from gemma4_trace.replayer.runtimes.llamacpp.gguf_reader import check_gguf_options, read_header
-
-        runtime = check_gguf_options(runtime or "llama.cpp", gguf, None, False, None)
-        read_header(gguf)  # malformed, or not a regular file: refused before anything runs
+        user_file = FILE_BY_DEST["gguf"]
+        runtime = resolve_file(runtime or user_file.runtime, {"gguf": gguf})[0].text
+        read_file_header(user_file, gguf)  # malformed, or not a regular file: refused before anything runs
     elif runtime is None:
         raise TraceToolError("give --runtime RT (or --gguf FILE)")
     for rt in (runtime, baseline_runtime):
@@ -119,13 +118,15 @@ def configure(
     cache as configured now (--cache-dir), plug-in runtimes found from the current folder. `gguf`:
     RUN is llama.cpp on that file; `baseline_runtime` "auto": the runtime's own baseline."""
     from gemma4_trace.hf.model import embedded_model_dir
+    from gemma4_trace.replayer.runtimes.registry import FILE_BY_DEST
 
     baseline_runtime, weights_from = resolve_baseline(runtime, baseline_runtime, gguf)
-    shown_run = runtime if gguf is None else f"llama.cpp --gguf {Path(gguf).name}"
+    gguf_input, weights_input = FILE_BY_DEST["gguf"], FILE_BY_DEST["weights_from"]
+    shown_run = runtime if gguf is None else f"{gguf_input.runtime} {gguf_input.option} {Path(gguf).name}"
     shown_base = baseline_runtime
     if weights_from is not None:
         source = f"the {weights_from[1:]} conversion" if weights_from.startswith(":") else Path(weights_from).name
-        shown_base = f"static --weights-from {source}"
+        shown_base = f"{weights_input.runtime} {weights_input.option} {source}"
     settings = make_settings(
         model_hash(model_dir or embedded_model_dir()), shown_run, shown_base, max_new_tokens, tolerances, factor
     )

@@ -88,9 +88,9 @@ class Worker:
         lm, foreign = self.lm, None
         if gguf is not None:
             from gemma4_trace.replayer.runtimes.llamacpp.gguf_reader import read_header
-            from gemma4_trace.replayer.runtimes.llamacpp.runtime import gguf_runtime
+            from gemma4_trace.replayer.runtimes.llamacpp.runtime import run_gguf
 
-            rt = gguf_runtime(self.lm, max_seq, read_header(gguf), False, False, None)
+            rt = run_gguf(self.lm, max_seq, read_header(gguf))
         elif weights_from is not None:
             lm, rt = self._dequantized_runtime(weights_from, max_seq)
         else:

@@ -12,14 +12,7 @@ from gemma4_trace import options as O
 
 from .commands import EXIT_INTERRUPTED, fail
 from .commands.diff import calibrate, diff_cmd
-from .commands.export import (
-    export_gguf_cmd,
-    export_litert_cmd,
-    export_onnx_cmd,
-    export_openvino_cmd,
-    export_pt2_cmd,
-    export_pte_cmd,
-)
+from .commands.export import ALIASES, export_cmd, export_pt2_cmd
 from .commands.import_dump import import_cmd
 from .commands.precision import precision
 from .commands.record import record
@@ -57,14 +50,11 @@ for command in (
     record,
     show,
     replay,
-    export_onnx_cmd,
-    export_pte_cmd,
+    export_cmd,
+    *ALIASES,
     import_cmd,
     diff_cmd,
     calibrate,
-    export_gguf_cmd,
-    export_litert_cmd,
-    export_openvino_cmd,
     export_pt2_cmd,
     repro,
     sensitivity,

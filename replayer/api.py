@@ -26,7 +26,13 @@ declares them; a plug-in need not subclass it):
 
     supports_isolation: bool = False      # continues with the tensors the probe returns (--isolate)
     supports_prefill_chunk: bool = False  # has a settable `prefill_chunk` (--prefill-chunk)
+    prepare(input_ids, extra_inputs) -> None  # builds or loads what it runs (an export, a lowering,
+                                          # a file; a calibration on the prompt), once, after
+                                          # prefill_chunk is set and before the first step
     close() -> None                       # called once when the replay ends, however it ends
+
+Nothing is built as a side effect of reading a member (`name` included): the driver calls
+prepare() once, and a failure there is reported as the runtime's, in the phase "preparing".
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ class Runtime:
     name = "runtime"
     supports_isolation = False
     supports_prefill_chunk = False
+
+    def prepare(self, input_ids, extra_inputs) -> None:
+        """Build or load what the runtime runs, once, before the first step (nothing by default)."""
 
     def close(self) -> None:
         """Release what the runtime holds beyond memory (a child process, a temporary folder)."""

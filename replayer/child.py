@@ -22,9 +22,9 @@ Parent side: `Child` (the process and its stream) and `ChildRuntime`, the base o
 whose engine runs there (one phase counter, output sites turned into probe calls in one place,
 `close()`). Child side (`python -m gemma4_trace.replayer.child MODULE:CLASS`): an engine class
 `Engine(emit)` with `handle(command, *arguments) -> reply`; `emit(kind, layer, array)` streams a
-tensor. OrtEngine (sessions of .onnx files, CPU), ExecuTorchEngine (the `forward` of .pte
-programs) and OpenVINOEngine (OpenVINO IR compiled for the CPU) are here; llama.cpp's is
-replayer/runtimes/llamacpp/engine.py, LiteRT's replayer/runtimes/litert/engine.py. An engine runs as it
+tensor. Every engine lives beside its adapter (replayer/runtimes/onnx_engine.py: sessions of .onnx
+files, also mobius's; executorch_engine.py, openvino_engine.py, llamacpp/engine.py,
+litert/engine.py, mlx's in mlx.py's own engine module). An engine runs as it
 would in-process (the child inherits the environment and CPU affinity), so results are
 bit-identical.
 
@@ -63,12 +63,6 @@ HEAD = struct.Struct("<QI")  # a message's head: the pickle's length, its buffer
 PIPE_BYTES = 1 << 20  # the pipes' size asked for (Linux's default pipe-max-size; its default size is 64 KiB)
 WIRE_ENV = "GEMMA4_TRACE_CHILD_WIRE"  # benchmarks: "inband" sends arrays inside the pickles over default pipes
 CRASH_ENV = "GEMMA4_TRACE_TEST_NATIVE_CRASH"  # tests: PHASE -> SIGSEGV at that phase; KIND[@LAYER] -> abort after it
-ORT_ENGINE = "gemma4_trace.replayer.child:OrtEngine"
-EXECUTORCH_ENGINE = "gemma4_trace.replayer.child:ExecuTorchEngine"
-OPENVINO_ENGINE = "gemma4_trace.replayer.child:OpenVINOEngine"
-# the SessionOptions of --runtime onnx and mobius; threads are onnxruntime's default (intra-op: one per
-# physical core), the same in the child, which inherits the parent's environment and CPU affinity
-ORT_SESSION = {"log_severity_level": 3}
 
 
 class EngineError(Exception):
@@ -311,87 +305,6 @@ def quiet_fd2():
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-
-
-class OrtEngine:
-    """("load", {name: path}, options) -> ("ready", {name: (inputs [(name, shape)], outputs [name])});
-    ("run", name, {input: array}) -> ("outputs", [array, ...]) in the session's output order."""
-
-    def __init__(self, emit):
-        import onnxruntime
-
-        self.ort, self.sessions = onnxruntime, {}
-
-    def handle(self, command: str, *args):
-        if command == "load":
-            paths, options = args
-            opts = self.ort.SessionOptions()
-            for k, v in options.items():
-                setattr(opts, k, v)
-            meta = {}
-            for name, path in paths.items():
-                s = self.sessions[name] = self.ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-                meta[name] = ([(i.name, list(i.shape)) for i in s.get_inputs()], [o.name for o in s.get_outputs()])
-            return ("ready", meta)
-        name, inputs = args
-        return ("outputs", self.sessions[name].run(None, inputs))
-
-
-class ExecuTorchEngine:
-    """("load", {name: path}, options) -> ("ready", {name: ([], [])}); ("run", name, [array]) ->
-    ("outputs", [array, ...]): the `forward` method of each .pte program."""
-
-    def __init__(self, emit):
-        with quiet_fd2():
-            import torch
-            from executorch.runtime import Runtime
-
-            self.torch, self.et = torch, Runtime.get()
-        self.methods = {}
-
-    def handle(self, command: str, *args):
-        if command == "load":
-            paths, _ = args
-            with quiet_fd2():
-                for name, path in paths.items():
-                    self.methods[name] = self.et.load_program(path).load_method("forward")
-            return ("ready", {name: ([], []) for name in paths})
-        name, inputs = args
-        outs = self.methods[name].execute([self.torch.from_numpy(a) for a in inputs])
-        return ("outputs", [t.numpy() for t in outs])  # pickled at once: before the next run reuses the memory
-
-
-class OpenVINOEngine:
-    """OrtEngine's protocol over OpenVINO IR files (.xml beside its .bin) compiled for the CPU plugin
-    with `options` as its configuration (replayer/runtimes/openvino.py: float32 inference precision)."""
-
-    def __init__(self, emit):
-        import numpy
-
-        sys.modules.setdefault("openvino_telemetry", None)  # no usage telemetry (replayer/runtimes/openvino.py)
-        with quiet_fd2():
-            import openvino
-
-        self.np, self.core, self.compiled = numpy, openvino.Core(), {}
-
-    def handle(self, command: str, *args):
-        if command == "load":
-            paths, options = args
-            meta = {}
-            for name, path in paths.items():
-                try:
-                    model = self.core.read_model(path)
-                    self.compiled[name] = self.core.compile_model(model, "CPU", options)
-                except Exception as e:  # noqa: BLE001 - the plugin's refusal of a file, one line
-                    why = " ".join(str(e).split())[:160]
-                    raise EngineError(f"{path}: OpenVINO cannot compile it ({why})") from None
-                # the names as the file gives them (compiling adds internal names to some outputs)
-                ins = [(i.get_any_name(), str(i.get_partial_shape())) for i in model.inputs]
-                meta[name] = (ins, [o.get_any_name() for o in model.outputs])
-            return ("ready", meta)
-        name, inputs = args
-        res = self.compiled[name](inputs)
-        return ("outputs", list(res.to_tuple()))  # the request's memory, sent before the next run reuses it
 
 
 def _crash_here(at: str | None, phase: str | None = None, kind: str | None = None, layer=None) -> None:

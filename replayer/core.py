@@ -122,9 +122,14 @@ def make_runtime(choice: RuntimeChoice, loaded, max_seq: int):
         raise TraceToolError(
             f"{what} failed to start{failure_site(e, plugin_roots(where))}: {type(e).__name__}: {one_line(e, 200)}"
         ) from e  # --debug prints the chain
-    # a plug-in is checked for the contract's members; a built-in's name may wait for --prefill-chunk
-    # (the LiteRT runtimes export, and know what their graph lacks, when first asked)
+    # a plug-in is checked for the contract's members; a built-in's follow it by construction
     return check_runtime(rt, choice.text) if choice.plugin else rt
+
+
+def phase(progress, what: str) -> None:
+    """Tell a progress display (gemma4_trace/progress.py) which phase starts, if it listens."""
+    if hasattr(progress, "phase"):
+        progress.phase(what)
 
 
 class CheckedRuntime:
@@ -139,6 +144,13 @@ class CheckedRuntime:
         self.rt, self.vocab, self.plugin = rt, vocab, plugin
         self.roots = plugin_roots(plugin, rt) if plugin else []
 
+    def prepare(self, ids, extra: dict) -> None:
+        """The runtime's prepare(input_ids, extra_inputs), where it has one: what it builds or loads
+        before the first step (an export, a lowering, a file; a calibration on REF's prompt)."""
+        prepare = getattr(self.rt, "prepare", None)
+        if callable(prepare):
+            self._call("preparing", prepare, ids, extra)
+
     def prefill(self, ids, extra: dict, probe):
         return self._logits("prefill", self.rt.prefill, ids, extra, probe)
 
@@ -146,8 +158,18 @@ class CheckedRuntime:
         return self._logits(f"decode step {step}", self.rt.decode, token, position, probe)
 
     def _logits(self, what: str, fn, *args):
+        logits = self._call(what, fn, *args)
+        if isinstance(logits, TokenOnly):
+            if not 0 <= int(logits.token) < self.vocab:
+                raise TraceToolError(
+                    f"runtime {self.rt.name} chose token {logits.token} in {what}: not in the vocabulary"
+                )
+            return logits
+        return as_logits(logits, self.vocab, self.rt.name, what)
+
+    def _call(self, what: str, fn, *args):
         try:
-            logits = fn(*args)
+            return fn(*args)
         except ReportError as e:  # the probe refused a report: say where the plug-in made it
             site = failure_site(e, self.roots, inside_only=True) if self.plugin else ""
             if not site:
@@ -162,13 +184,13 @@ class CheckedRuntime:
                 f"runtime {self.rt.name} failed in {what}{failure_site(e, self.roots)} "
                 f"{progress_words(getattr(args[-1], 'last', None))}: {type(e).__name__}: {one_line(e, 200)}"
             ) from e
-        if isinstance(logits, TokenOnly):
-            if not 0 <= int(logits.token) < self.vocab:
-                raise TraceToolError(
-                    f"runtime {self.rt.name} chose token {logits.token} in {what}: not in the vocabulary"
-                )
-            return logits
-        return as_logits(logits, self.vocab, self.rt.name, what)
+
+
+def prompt_inputs(ref: Reference) -> tuple:
+    """REF's prompt as a runtime takes it: ids (T,) long tensor, extra inputs {name: tensor}."""
+    import torch
+
+    return torch.tensor(ref.prompt_ids, dtype=torch.long), {k: torch.as_tensor(v) for k, v in ref.extra.items()}
 
 
 def run_steps(runner: CheckedRuntime, ref: Reference, mode: str, sink, probe, progress=None) -> list[int]:
@@ -183,8 +205,7 @@ def run_steps(runner: CheckedRuntime, ref: Reference, mode: str, sink, probe, pr
 
     T = len(ref.prompt_ids)
     n_steps = ref.n_steps if mode == "teacher-forced" else ref.max_new_tokens
-    ids = torch.tensor(ref.prompt_ids, dtype=torch.long)
-    extra = {k: torch.as_tensor(v) for k, v in ref.extra.items()}
+    ids, extra = prompt_inputs(ref)
     eos = set(ref.eos)
     tokens: list[int] = []
     for step in range(n_steps):
@@ -244,10 +265,11 @@ def replay_loaded(
     plugin: str | None = None,
 ) -> ReplayOutcome:
     """Replay REF's inputs through the runtime object `rt` (closed when this returns or fails) and
-    write the candidate trace at `output`. `isolate`: every layer is fed REF's input (read from
-    `reference_path`; the trace's mode is "isolated"). `prefill_chunk`: --prefill-chunk, for a
-    runtime that takes one (resolve_prefill_chunk; isolation prefills whole). `plugin`: the
-    MODULE:FACTORY a plug-in came from (its failures name its own code)."""
+    write the candidate trace at `output`. The runtime's lifecycle: its `prefill_chunk` set (for a
+    runtime that takes one: --prefill-chunk resolved, resolve_prefill_chunk; isolation prefills
+    whole), then `prepare(ids, extra)` once (what it builds or loads), then the steps.
+    `isolate`: every layer is fed REF's input (read from `reference_path`; the trace's mode is
+    "isolated"). `plugin`: the MODULE:FACTORY a plug-in came from (its failures name its own code)."""
     with contextlib.ExitStack() as stack:
         stack.callback(close_runtime, rt)
         caps = Capabilities.of(rt)
@@ -259,6 +281,8 @@ def replay_loaded(
         if caps.prefill_chunk:
             rt.prefill_chunk = None if isolate else resolve_prefill_chunk(prefill_chunk, max_seq)
         runner = CheckedRuntime(rt, loaded.text_config.vocab_size, plugin)
+        runner.prepare(*prompt_inputs(ref))
+        phase(progress, "running the steps")
         recorded_mode = "isolated" if isolate else mode
         t0 = time.perf_counter()
         # the writer thread always: the static runtime leaves a core idle often enough (its small ops and

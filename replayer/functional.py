@@ -23,9 +23,11 @@ import io
 import logging
 import warnings
 
+import numpy as np
 import torch
 from torch import nn
 
+from .child import ChildRuntime
 from .runtime import StaticGemma4Runtime, chunk_plan
 from .runtimes.captures import STEP_GRAPH
 
@@ -235,3 +237,49 @@ def export_pt2_command(model_dir, max_seq: int, out_dir, force: bool = False) ->
         copy_all_or_none([Path(tmp) / n for n in names], out, ".pt2")
     sizes = ", ".join(f"{n} ({(out / n).stat().st_size / 2**20:.1f} MiB)" for n in names)
     return f"wrote {sizes} into {out}: {loaded.name}, the static runtime's steps at max_seq {max_seq}"
+
+
+class StepGraphRuntime(ChildRuntime):
+    """The step graphs of replayer/functional.py run by an engine in the child process (the
+    replayer/child.py protocol of runtimes/onnx_engine.py: "load" {graph: path}, "run" graph {input: array} ->
+    outputs in the graph's order); the host keeps the caches between steps."""
+
+    def load_graphs(self, label: str, engine: str, loaded, max_seq: int, artifact, suffix: str, options) -> None:
+        """Start the child, build the host's prefill inputs, take the graphs from `artifact()` (an
+        artifact-cache entry holding prefill<suffix> and decode<suffix>) and load them."""
+        child = self.start(label, engine)
+        try:
+            self.host = FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
+            art = artifact()
+            try:
+                paths = {g: str(art.path / f"{g}{suffix}") for g in STEPS}
+                meta = child.call("load", paths, options, phase="loading")[1]
+            finally:
+                art.close()  # a loaded graph is in memory; a temporary folder (cache off) goes now
+        except BaseException:
+            self.close()
+            raise
+        self.outputs = {g: outs for g, (_, outs) in meta.items()}
+        self.artifact_note = art.note
+        self.caches = {n: c.numpy() for n, c in zip(cache_names(self.host), zero_caches(self.host))}
+
+    def _run(self, graph: str, feeds: dict, probe, rows: slice):
+        names = self.outputs[graph]
+        outs = dict(
+            zip(names, self.child.call("run", graph, {**feeds, **self.caches}, phase=self.phase(graph == "prefill"))[1])
+        )
+        for n in self.caches:
+            self.caches[n] = outs[f"{n}_out"]
+        kinds = [n for n in names if n != "logits" and not n.endswith("_cache_out")]
+        self.report(probe, ((output_site(n), outs[n]) for n in kinds), rows)
+        return torch.from_numpy(outs["logits"])
+
+    def prefill(self, input_ids, extra_inputs, probe):
+        args = self.host.prepare_prefill(input_ids, extra_inputs)
+        feeds = {n: a.cpu().numpy() for n, a in zip(PREFILL_INPUTS, args)}
+        return self._run("prefill", feeds, probe, slice(0, len(input_ids)))
+
+    def decode(self, token_id, position, probe):
+        tok = self.host.pad_id if int(token_id) in self.host.mm_token_ids else int(token_id)
+        feeds = {"token": np.array([[tok]], dtype=np.int64), "input_pos": np.array([position], dtype=np.int64)}
+        return self._run("decode", feeds, probe, slice(0, 1))

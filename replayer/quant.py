@@ -343,8 +343,11 @@ def quantize_(rt, scheme_name: str, recipe: dict | None = None, cache: dict | No
                     _free(w)
             if s.act_int8:
                 act_weights.append(q)
-    base = getattr(type(rt), "name", "static")
-    rt.name = scheme_name if base == "static" else f"{base}+{scheme_name.removeprefix('static-')}"
+    from .runtime import StaticGemma4Runtime
+
+    own = StaticGemma4Runtime.name  # a subclass of another name (a bug-zoo port) keeps its own, plus the scheme
+    base = getattr(type(rt), "name", own)
+    rt.name = scheme_name if base == own else f"{base}+{scheme_name.removeprefix(own + '-')}"
     if recipe:
         rt.name += "+recipe"
     rt.quant_scheme = scheme
@@ -430,3 +433,8 @@ def create(loaded, max_seq: int, choice):
 
     check_fits(loaded, max_seq)
     return make_quantized(loaded, max_seq, choice.name)
+
+
+def from_recipe(loaded, max_seq: int, choice, units: dict):
+    """A precision recipe's runtime (the registry's `recipe` facet): the scheme `choice` names."""
+    return make_quantized(loaded, max_seq, choice.text, units)

@@ -1,143 +1,111 @@
-"""`trace export-onnx`, `export-pte`, `export-gguf`, `export-litert`, `export-openvino` and
-`export-pt2`: the artifacts a runtime runs (the registry's `export` column), written where the
-user wants them, from the artifact cache."""
+"""`trace export --runtime NAME -o OUT`: the artifacts a runtime runs (its registry row's `export`
+facet), written where the user wants them, from the artifact cache. Each family's own command
+(`export-onnx`, `export-pte`, `export-gguf`, `export-litert`, `export-openvino`) is an alias of it
+with the options it always had; `export-pt2` saves the step graphs for Model Explorer."""
 
 from __future__ import annotations
 
 import click
 
 from gemma4_trace import options as O
-from gemma4_trace.replayer.runtimes.registry import RUNTIMES, check_available, check_export, exporter, parse_runtime
+from gemma4_trace.replayer.runtimes.registry import ExportRequest, check_export, exporter, exporters, run_export
+from gemma4_trace.traces.errors import TraceToolError
 
 from . import beating, check_model_dir, configure_artifacts, user_errors
 
-PTE = [s.name for s in RUNTIMES if s.export == "export-pte" and not s.name.endswith("-reference")]
-LITERT = [s.name for s in RUNTIMES if s.export == "export-litert"]
-OPENVINO = [s.name for s in RUNTIMES if s.export == "export-openvino"]
 
-
-@click.command("export-onnx")
-@O.model()
-@O.max_seq(required=True, help="static sequence length of the graphs")
-@O.output("folder for prefill.onnx and decode.onnx", dest="out_dir", folder=True)
-@O.force("existing .onnx files")
-@O.cache
-@O.debug
-@user_errors
-def export_onnx_cmd(model_dir, max_seq, out_dir, force, cache_dir, no_cache):
-    """Export the static runtime's prefill and decode steps to ONNX (what --runtime onnx runs)."""
+def export_artifacts(command: str, model_dir, runtime, output, force, cache_dir, no_cache, **given) -> None:
+    """What every export command does: the checks before torch loads (the runtime builds artifacts,
+    its extra is installed, it takes the options given),
+    then its builder, and the summary line. `given`: max_seq, prefill_chunk, calibrate."""
     configure_artifacts(cache_dir, no_cache)
     check_model_dir(model_dir)
-    check_export("export-onnx")
-    from gemma4_trace.replayer.runtimes.onnx import export_command  # torch: after the checks
-
-    with beating("trace export-onnx", "exporting the ONNX graphs"):
-        text = export_command(model_dir, max_seq, out_dir, force=force)
-    click.echo(text)
-
-
-@click.command("export-pte")
-@O.model()
-@O.runtime("float32, or PT2E int8 (XNNPACKQuantizer) calibrated on --calibrate's prompt", choices=PTE, default=PTE[0])
-@O.max_seq(required=True, help="static sequence length of the programs")
-@click.option("--calibrate", "calibrate", type=click.Path(), help="REF.h5 whose prompt calibrates executorch-int8")
-@O.prefill_chunk("a prefill program over N rows (run once per chunk), as replay's --prefill-chunk")
-@O.output("folder for the .pte files", dest="out_dir", folder=True)
-@O.force("existing .pte files")
-@O.cache
-@O.debug
-@user_errors
-def export_pte_cmd(model_dir, runtime, max_seq, calibrate, prefill_chunk, out_dir, force, cache_dir, no_cache):
-    """Lower the static runtime's prefill and decode steps to ExecuTorch XNNPACK .pte programs (what
-    --runtime executorch runs): prefill.pte and decode.pte, both or neither."""
-    configure_artifacts(cache_dir, no_cache)
-    check_model_dir(model_dir)
-    check_available(runtime)  # the extra installed
+    choice = check_export(runtime, command)
+    facet, name = choice.spec.export, choice.spec.name
+    takes = {"max_seq": facet.max_seq, "prefill_chunk": facet.prefill_chunk, "calibrate": facet.calibrate}
+    for key, value in given.items():
+        if value is not None and not takes[key]:
+            raise TraceToolError(f"trace {command}: --runtime {name} takes no --{key.replace('_', '-')}")
+    if facet.max_seq and given.get("max_seq") is None:
+        raise TraceToolError(f"trace {command}: --runtime {name} needs --max-seq N (the static length of its graphs)")
     prompt = None
-    if calibrate is not None:
+    if given.get("calibrate") is not None:
         from gemma4_trace.replayer.core import read_reference
 
-        ref = read_reference(calibrate)
+        ref = read_reference(given["calibrate"])
         prompt = (ref.prompt_ids, ref.extra)
-    from gemma4_trace.replayer.runtimes.executorch import export_command  # torch: after the checks
-
-    with beating("trace export-pte", "lowering the programs"):
-        text = export_command(
-            model_dir, runtime, max_seq, out_dir, force=force, calibration_prompt=prompt, prefill_chunk=prefill_chunk
-        )
+    request = ExportRequest(
+        model_dir,
+        choice.text,
+        choice.type,
+        str(output),
+        force=force,
+        max_seq=given.get("max_seq"),
+        prefill_chunk=given.get("prefill_chunk"),
+        calibration_prompt=prompt,
+    )
+    with beating(f"trace {command}", facet.doing):
+        text = run_export(choice, request)
     click.echo(text)
 
 
-@click.command("export-gguf")
+EXPORTERS = ", ".join(s.name + ("[:TYPE]" if s.types else "") for s in exporters())
+
+
+@click.command("export")
 @O.model()
+@click.option("--runtime", required=True, help=f"the runtime whose artifacts to write: {EXPORTERS}")
+@click.option("--max-seq", type=click.IntRange(2, 1_000_000), default=None, help="static sequence length of its graphs")
 @click.option(
-    "--type",
-    "gguf_type",
-    default="F32",
-    show_default=True,
-    help=f"{', '.join(exporter('export-gguf').types)} (all but F32 need the llamacpp extra)",
+    "--calibrate", type=click.Path(), help="REF.h5 whose prompt calibrates a quantized build (executorch-int8)"
 )
-@O.output("GGUF file to write", file=True)
-@O.force()
+@O.prefill_chunk("a prefill graph over N rows, as replay's --prefill-chunk (where the runtime takes one)")
+@O.output("folder (or file, for a GGUF) to write the artifacts into")
+@O.force("existing artifacts")
 @O.cache
 @O.debug
 @user_errors
-def export_gguf_cmd(model_dir, gguf_type, output, force, cache_dir, no_cache):
-    """Convert the checkpoint to GGUF (what --runtime llama.cpp:TYPE runs), cached by content."""
-    configure_artifacts(cache_dir, no_cache)
-    check_model_dir(model_dir)
-    choice = parse_runtime(f"{exporter('export-gguf').name}:{gguf_type}")  # an unknown type is one line
-    check_export("export-gguf")
-    from gemma4_trace.replayer.runtimes.llamacpp.runtime import export_command
-
-    with beating("trace export-gguf", "converting (and quantizing) the GGUF file"):
-        text = export_command(model_dir, choice.type, output, force=force)
-    click.echo(text)
+def export_cmd(model_dir, runtime, output, force, cache_dir, no_cache, **given):
+    """Write the artifacts a runtime runs (its graphs, programs or files), built into the artifact
+    cache first when absent: what `trace replay --runtime NAME` would run."""
+    export_artifacts("export", model_dir, runtime, output, force, cache_dir, no_cache, **given)
 
 
-@click.command("export-litert")
-@O.model()
-@O.runtime("float32, a litert-quantizer recipe, or its dequantized baseline", choices=LITERT, default=LITERT[0])
-@O.max_seq(required=True, help="the longest prompt + generation served (the cache length, in whole prefill chunks)")
-@O.prefill_chunk("rows of the prefill signature (prefill_N), as replay's --prefill-chunk")
-@O.output("folder for the .tflite files (and model.litertlm)", dest="out_dir", folder=True)
-@O.force("existing .tflite files")
-@O.cache
-@O.debug
-@user_errors
-def export_litert_cmd(model_dir, runtime, max_seq, prefill_chunk, out_dir, force, cache_dir, no_cache):
-    """Export the checkpoint with litert-torch's Gemma 4 path (what --runtime litert* runs):
-    embedder.tflite, per_layer_embedder.tflite, model.tflite (and model.litertlm for litert)."""
-    configure_artifacts(cache_dir, no_cache)
-    check_model_dir(model_dir)
-    check_available(runtime)
-    from gemma4_trace.replayer.runtimes.litert.export import export_command
+def alias(name: str) -> click.Command:
+    """A family's own export command (`trace export-onnx`, ...): `trace export` with the options its
+    rows take, `--runtime` among its rows (`--type` for a runtime with types)."""
+    rows = exporter(name)
+    first, facet = rows[0], rows[0].export
 
-    with beating("trace export-litert", "converting the LiteRT models"):
-        text = export_command(model_dir, runtime, max_seq, out_dir, force=force, prefill_chunk=prefill_chunk)
-    click.echo(text)
+    def command(model_dir, output, force, cache_dir, no_cache, runtime=first.name, type=None, **given):
+        runtime = f"{first.name}:{type}" if type is not None else runtime
+        export_artifacts(name, model_dir, runtime, output, force, cache_dir, no_cache, **given)
+
+    options = [O.model()]
+    if first.types:
+        what = f"{', '.join(first.types)} (all but {first.types[0]} need the {first.extra} extra)"
+        options.append(click.option("--type", default=first.types[0], show_default=True, help=what))
+    elif len(rows) > 1:
+        names = [r.name for r in rows]
+        options.append(O.runtime(", ".join(names), choices=names, default=names[0]))
+    if facet.max_seq:
+        options.append(O.max_seq(required=True, help="static sequence length of its graphs"))
+    if facet.calibrate:
+        options.append(click.option("--calibrate", type=click.Path(), help="REF.h5 whose prompt calibrates int8"))
+    if facet.prefill_chunk:
+        options.append(O.prefill_chunk("prefill over N rows, as replay's --prefill-chunk"))
+    options += [O.output(facet.output, file=facet.file, folder=not facet.file), O.force(), O.cache, O.debug]
+    command.__doc__ = (
+        f"Write what --runtime {' / '.join(r.name for r in rows)} runs ({facet.output}), from the artifact cache: "
+        f"an alias of `trace export --runtime {first.name}{'[:TYPE]' if first.types else ''}`."
+    )
+    command = user_errors(command)
+    for option in reversed(options):
+        command = option(command)
+    return click.command(name)(command)
 
 
-@click.command("export-openvino")
-@O.model()
-@O.runtime("float32, NNCF weight compression, or its dequantized baseline", choices=OPENVINO, default=OPENVINO[0])
-@O.max_seq(required=True, help="static sequence length of the graphs")
-@O.output("folder for prefill.xml/.bin and decode.xml/.bin", dest="out_dir", folder=True)
-@O.force("existing .xml/.bin files")
-@O.cache
-@O.debug
-@user_errors
-def export_openvino_cmd(model_dir, runtime, max_seq, out_dir, force, cache_dir, no_cache):
-    """Convert the static runtime's prefill and decode steps to OpenVINO IR (what --runtime openvino*
-    runs): prefill.xml/.bin and decode.xml/.bin, all or none."""
-    configure_artifacts(cache_dir, no_cache)
-    check_model_dir(model_dir)
-    check_available(runtime)
-    from gemma4_trace.replayer.runtimes.openvino import export_command
-
-    with beating("trace export-openvino", "converting the OpenVINO IR"):
-        text = export_command(model_dir, runtime, max_seq, out_dir, force=force)
-    click.echo(text)
+ALIASES = [alias(a) for a in dict.fromkeys(s.export.alias for s in exporters())]
 
 
 @click.command("export-pt2")

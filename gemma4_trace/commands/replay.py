@@ -10,6 +10,15 @@ from gemma4_trace.traces.atomic import check_output_path
 from . import check_model_dir, configure_artifacts, load_recipe, model_files, selection_of, user_errors, with_progress
 
 
+def file_options(fn):
+    """An option per file input of the registry (--gguf, --weights-from, --litertlm, ...)."""
+    from gemma4_trace.replayer.runtimes.registry import FILES
+
+    for f in reversed(FILES):
+        fn = click.option(f.option, f.dest, type=click.Path(), default=None, help=f.help)(fn)
+    return fn
+
+
 @click.command()
 @click.argument("reference", metavar="REF.h5", type=click.Path())
 @O.model("ref")
@@ -27,20 +36,11 @@ from . import check_model_dir, configure_artifacts, load_recipe, model_files, se
 @O.force()
 @O.debug
 @O.recipe("precision recipe TOML (trace precision) for a quantized static runtime or llama.cpp:TYPE")
+@file_options
 @click.option(
-    "--gguf", "gguf_path", type=click.Path(), default=None, help="run this GGUF file in llama.cpp (extra [llamacpp])"
-)
-@click.option(
-    "--weights-from",
-    type=click.Path(),
-    default=None,
-    help="static runtime on this GGUF's weights, dequantized (extra [llamacpp])",
-)
-@click.option(
-    "--allow-config-mismatch", is_flag=True, help="replay a GGUF whose metadata differs from REF's model config"
-)
-@click.option(
-    "--litertlm", type=click.Path(), default=None, help="run this .litertlm bundle in LiteRT-LM (--runtime litert-lm)"
+    "--allow-config-mismatch",
+    is_flag=True,
+    help="replay a file of yours whose metadata differs from REF's model config",
 )
 @O.cache
 @O.progress()
@@ -50,12 +50,12 @@ def replay(
     reference, model_dir, runtime, teacher_forcing, isolate, output, force, layers, kinds, steps, progress, **kw
 ):
     """Run a static-shape runtime on REF's inputs and write a candidate trace."""
-    from gemma4_trace.replayer.runtimes.registry import check_available, parse_runtime
+    from gemma4_trace.replayer.runtimes.registry import FILE_BY_DEST, check_available, parse_runtime
 
     choice = check_available(parse_runtime(runtime), isolate)  # a typo is refused before torch or the model loads
     configure_artifacts(kw.pop("cache_dir"), kw.pop("no_cache"))  # before any runtime builds an artifact
-    recipe, gguf, weights_from = kw.pop("recipe"), kw.pop("gguf_path"), kw.pop("weights_from")
-    inputs = [reference, *model_files(model_dir), *[p for p in (recipe, gguf, weights_from, kw["litertlm"]) if p]]
+    recipe, files = kw.pop("recipe"), {dest: kw.pop(dest) for dest in FILE_BY_DEST}
+    inputs = [reference, *model_files(model_dir), *[p for p in (recipe, *files.values()) if p]]
     check_output_path(output, force, inputs=inputs)
     check_model_dir(model_dir)
     make = None
@@ -63,22 +63,25 @@ def replay(
         from gemma4_trace.analysis.recipe import recipe_factory
 
         make = recipe_factory(runtime, load_recipe(recipe))
-    from gemma4_trace.replayer.replay import replay_trace  # torch: after the checks
+    from gemma4_trace.replayer.replay import ReplayOptions, replay_trace  # torch: after the checks
 
     with_progress(  # the summary names the runtime, which a plug-in chose: printed as one safe line
         "replaying",
         progress,
-        replay_trace,
-        reference,
-        output,
-        model_dir=model_dir,
-        runtime=choice,
-        mode="teacher-forced" if teacher_forcing else "free-running",
-        force=force,
-        isolate=isolate,
-        selection=selection_of(layers, kinds, steps),
-        make=make,
-        gguf=gguf,
-        weights_from=weights_from,
-        **kw,
+        lambda progress=None: replay_trace(
+            reference,
+            output,
+            ReplayOptions(
+                model_dir=model_dir,
+                runtime=choice,
+                mode="teacher-forced" if teacher_forcing else "free-running",
+                force=force,
+                isolate=isolate,
+                selection=selection_of(layers, kinds, steps),
+                make=make,
+                files=files,
+                progress=progress,
+                **kw,
+            ),
+        ),
     )

@@ -25,7 +25,6 @@ import re
 from dataclasses import dataclass
 from functools import cache, cached_property
 
-from gemma4_trace.hf import sites as H
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
 
@@ -202,109 +201,6 @@ PROBE = CaptureMap(
 STEP_GRAPH = CaptureMap(
     "the step graphs' output names (replayer/functional.py)",
     (Capture("logits", "logits"), *_probe_rows(lambda k: f"L{{layer:02d}}.{k}" if S.layered(k) else k)),
-)
-
-# replayer/runtimes/llamacpp/engine.py: ggml graph nodes, by the names the gemma4 graph's
-# cb(tensor, name, layer) gives them; attn_out and the mask are read off the node they feed
-LLAMACPP = CaptureMap(
-    "llama.cpp's ggml graph nodes (their names)",
-    (
-        Capture("inp_scaled", "embeddings"),
-        Capture("inp_per_layer", "per_layer_inputs"),
-        Capture(
-            "attn_inp_kq_mask*",
-            "mask",
-            via="FLASH_ATTN_EXT[3] SOFT_MAX[1]",  # the attention node's mask operand (a graph input)
-            layer_from=("Qcur_pos-{layer}*", "kq-{layer}*"),  # that node's first operand
-        ),
-        Capture("Qcur_pos-{layer}", "q"),
-        Capture("Kcur_pos-{layer}", "k"),
-        Capture("Vcur_normed-{layer}", "v"),
-        Capture("blk.{layer}.attn_output.weight", "attn_out", via="MUL_MAT[0]"),  # the product by o_proj's weight
-        Capture("l_out-{layer}", "layer_out"),
-        Capture("h_nextn", "final_hidden"),
-        Capture("llama_get_logits_ith(-1)", "logits"),
-    ),
-)
-
-# replayer/runtimes/mobius.py: the mobius graph's node names, and what each kind is there
-MOBIUS = CaptureMap(
-    "mobius's ONNX graph nodes (their names and op types)",
-    (
-        Capture("model/embed_tokens/*", "embeddings", via="Mul"),  # the scaled token embedding
-        Capture("model/Mul_node_*", "per_layer_inputs", via="Mul"),  # (projection + per-layer embedding) * 2**-0.5
-        Capture("model/layers.{layer}/self_attn/*", "q", via="Attention[0]"),  # after q_norm and RoPE
-        Capture("model/layers.{layer}/self_attn/*", "k", via="Attention[1]"),  # where the layer writes a cache
-        Capture("model/layers.{layer}/self_attn/*", "v", via="Attention[2]"),
-        Capture("model/layers.{layer}/self_attn/o_proj/*", "attn_out", via="MatMul"),
-        Capture("model/layers.{layer}/*", "layer_out", via="the last node of the layer's own scope"),
-        Capture("model/norm/*", "final_hidden"),
-        Capture("logits", "logits"),
-    ),
-)
-
-# replayer/runtimes/mlx.py: mlx-lm's text model, module paths below it (the modules wrapped)
-MLX = CaptureMap(
-    "mlx-lm's Gemma 4 text model (module paths)",
-    (
-        Capture("layers.0", "embeddings", via="input"),  # layer 0's input: the scaled token embeddings
-        Capture("_project_per_layer_inputs", "per_layer_inputs"),
-        Capture("layers.{layer}.self_attn.rope", "q", via="its last call"),
-        Capture("layers.{layer}.self_attn.rope", "k", via="its first call, in a layer that owns K/V"),
-        Capture("layers.{layer}.self_attn.v_norm", "v", via="in a layer that owns K/V"),
-        Capture("layers.{layer}.self_attn.o_proj", "attn_out"),
-        Capture("layers.{layer}", "layer_out"),
-        Capture("norm", "final_hidden"),
-        Capture("model(ids, cache)", "logits"),
-    ),
-)
-
-# replayer/runtimes/tico.py: attributes of TICO's StaticGemma4Runtime, hooked
-TICO = CaptureMap(
-    "TICO's StaticGemma4Runtime (attribute paths of its modules)",
-    (
-        Capture("mm_fusion", "embeddings"),  # prefill
-        Capture("token_embedding", "embeddings"),  # decode
-        Capture("ple_projection", "per_layer_inputs"),
-        *(
-            Capture("build_*_masks_and_rope", k, via=f"rope[{t!r}][{0 if '_cos_' in k else 1}]")
-            for t in S.LAYER_TYPE_SHORT
-            for k in S.rope_kinds(t)
-        ),
-        Capture("prefill_layers.{layer}.wrapped.self_attn.wrapped._fq", "mask", via="obs_attn_mask"),
-        Capture("prefill_layers.{layer}.wrapped.self_attn.wrapped._fq", "q", via="obs_q_rot"),
-        Capture("*_layers.{layer}", "k", via="output[1]"),  # (h, k, v): what each layer's export module returns
-        Capture("*_layers.{layer}", "v", via="output[2]"),
-        Capture("prefill_layers.{layer}.wrapped.self_attn.wrapped.o_proj", "attn_out"),
-        Capture("*_layers.{layer}", "layer_out", via="output[0]"),
-        Capture("lm_head.norm", "final_hidden", via="applied to the last layer's output rows"),
-        Capture("prefill() / decode_one()", "logits"),
-    ),
-)
-
-# replayer/runtimes/litert/graph.py and runtime.py: litert-torch's export, its tensors by name (torch
-# module paths, fused ops' parts joined by ';') and by the operators that make them
-LITERT = CaptureMap(
-    "litert-torch's Gemma 4 export (tensor names: module scopes; graph.py reads the operators)",
-    (
-        Capture("embeddings", "embeddings", via="the embedder's output, the model's input"),
-        Capture("*language_model", "per_layer_inputs", via="the scope's last (1, n, layers, ple) tensor"),
-        *(Capture("*rotary_emb*", k, via=k.split("_")[1].upper()) for k in ROPE),  # the layer type: its readers'
-        Capture("*Gemma4TextDecoderLayer_{layer}/*", "mask", via="ADD"),  # the operand added before the SOFTMAX
-        Capture("*Gemma4TextDecoderLayer_{layer}/*", "q", via="ADD"),  # the RoPE sum that writes no cache
-        Capture("kv_cache_k_*", "k", via="the rows the step wrote", layer_from=("the j-th layer writing K/V",)),
-        Capture("kv_cache_v_*", "v", via="the rows the step wrote", layer_from=("the j-th layer writing K/V",)),
-        Capture("*Gemma4TextDecoderLayer_{layer}/*Linear_o_proj*", "attn_out", via="its last (1, n, hidden)"),
-        Capture("*Gemma4TextDecoderLayer_{layer}", "layer_out", via="the scope's last (1, n, hidden)"),
-        Capture("Gemma4RMSNorm_norm", "final_hidden", via="the scope's last (1, n, hidden)"),
-        Capture("logits", "logits"),
-    ),
-)
-
-# replayer/runtimes/litert/convert.py: HF's forward hooked where hf/sites.py says HF computes each kind
-HF_FORWARD = CaptureMap(
-    "transformers' Gemma 4 modules (hf/sites.py)",
-    tuple(Capture(s.module or "model", s.key, via=f"{s.tensor} {s.item}") for s in H.SITES),
 )
 
 # replayer/runtimes/litert/lm.py: text in, text out, the token alone

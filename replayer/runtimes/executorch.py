@@ -51,8 +51,10 @@ from ..artifacts import (
     model_folder_files,
     model_hash,
 )
-from ..child import EXECUTORCH_ENGINE, ChildRuntime
+from ..child import ChildRuntime
 from ..ops import ChunkProbe, resolve_prefill_chunk
+from ..runtime import SOURCES as STATIC_SOURCES
+from .executorch_engine import ENGINE as EXECUTORCH_ENGINE
 
 MODES = ("executorch", "executorch-int8", "executorch-int8-reference")
 PROGRAMS = F.STEPS
@@ -209,7 +211,7 @@ def artifact_key(
         "runtime": mode,
         "max_seq": int(max_seq),
         "prefill_chunk": None if prefill_chunk is None else int(prefill_chunk),
-        "code": code_digest("runtime.py", "ops.py", "functional.py", "runtimes/executorch.py"),
+        "code": code_digest(*STATIC_SOURCES, "functional.py", "runtimes/executorch.py"),
     }
     key.update(_versions())
     if mode in ("executorch-int8", PT2E):
@@ -314,6 +316,12 @@ class ExecuTorchRuntime(ChildRuntime):
         if rows != self.host.prefill_chunk:
             self.host.prefill_chunk, self.steps = rows, None
 
+    def prepare(self, input_ids, extra_inputs) -> None:
+        """Lower (or take from the artifact cache) and load the programs for the prefill chunk the
+        driver has set; int8 calibrates on this prompt."""
+        if self.steps is None:
+            self._load([int(t) for t in torch.as_tensor(input_ids).reshape(-1)], extra_inputs)
+
     def prefill(self, input_ids, extra_inputs, probe):
         """The prefill program once per chunk of the plan, the caches carried from one run to the
         next; each run's new rows go to the probe, stitched by position (ChunkProbe)."""
@@ -339,14 +347,15 @@ def create(loaded, max_seq: int, choice):
     return ExecuTorchRuntime(loaded, max_seq, choice.name, choice.capture)
 
 
-def export_command(
-    model_dir, mode: str, max_seq: int, out_dir, force: bool = False, calibration_prompt=None, prefill_chunk=None
-) -> str:
-    """`trace export-pte`: write prefill.pte and decode.pte into out_dir, both or neither (the
-    artifact cache's files); return a summary line. int8 calibrates on calibration_prompt
-    ((prompt ids, extra inputs) of a REF). prefill_chunk: --prefill-chunk N, resolved as a replay
-    resolves it (resolve_prefill_chunk)."""
+def export_command(request) -> str:
+    """`trace export --runtime executorch[-int8]` (`export-pte`; `request` an ExportRequest,
+    spec.py): write prefill.pte and decode.pte into its folder, both or neither (the artifact
+    cache's files); return a summary line. int8 calibrates on the calibration prompt ((prompt
+    ids, extra inputs) of a REF). --prefill-chunk N is resolved as a replay resolves it."""
     from gemma4_trace.hf.model import load_model
+
+    model_dir, mode, max_seq, out_dir, force = request.basics()
+    calibration_prompt, prefill_chunk = request.calibration_prompt, request.prefill_chunk
 
     if mode not in MODES[:2]:
         raise TraceToolError(f"--runtime {mode!r}: export-pte writes executorch or executorch-int8 programs")

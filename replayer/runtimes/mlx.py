@@ -47,7 +47,7 @@ from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.schema import sites_of
 
 from ..child import ChildRuntime, EngineError, quiet_fd2
-from .captures import MLX
+from .mlx_spec import MLX
 
 ENGINE = "gemma4_trace.replayer.runtimes.mlx:MLXEngine"
 GROUP = 64  # mlx-lm's default group size for affine quantization

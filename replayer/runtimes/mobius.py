@@ -52,9 +52,11 @@ from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.layers import layer_infos_from_config
 
 from ..artifacts import artifact_folder, code_digest, model_hash
-from ..child import ORT_ENGINE, ORT_SESSION, ChildRuntime
+from ..child import ChildRuntime
 from ..functional import capture_key, capture_note, quiet
-from .captures import MOBIUS
+from .mobius_spec import MOBIUS
+from .onnx_engine import ENGINE as ORT_ENGINE
+from .onnx_engine import SESSION as ORT_SESSION
 
 MOBIUS_VERSION = "0.1.0"  # the release tested; the extra [mobius] pins it
 FORMAT = 1  # bump when the promoted outputs or the saved files change (the cache key holds it)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from gemma4_trace.traces.errors import TraceToolError, install_hint
@@ -36,7 +35,10 @@ from ..artifacts import (
     model_folder_files,
     model_hash,
 )
-from ..child import ORT_ENGINE, ORT_SESSION, ChildRuntime
+from ..functional import StepGraphRuntime
+from ..runtime import SOURCES as STATIC_SOURCES
+from .onnx_engine import ENGINE as ORT_ENGINE
+from .onnx_engine import SESSION as ORT_SESSION
 
 OPSET = 18
 FORMAT = 1  # bump when the graphs' inputs or outputs change meaning (the cache key holds it)
@@ -102,7 +104,7 @@ def cache_key(loaded, max_seq: int, kinds=None) -> dict:
         "torch": torch.__version__,
         "onnx": version("onnx"),
         "onnxscript": version("onnxscript"),
-        "code": code_digest("runtime.py", "ops.py", "functional.py"),
+        "code": code_digest(*STATIC_SOURCES, "functional.py"),
         **F.capture_key(kinds),
     }
 
@@ -123,52 +125,6 @@ def exported(loaded, max_seq: int, kinds=None):
     )
 
 
-class StepGraphRuntime(ChildRuntime):
-    """The step graphs of replayer/functional.py run by an engine in the child process (the
-    replayer/child.py protocol of OrtEngine: "load" {graph: path}, "run" graph {input: array} ->
-    outputs in the graph's order); the host keeps the caches between steps."""
-
-    def load_graphs(self, label: str, engine: str, loaded, max_seq: int, artifact, suffix: str, options) -> None:
-        """Start the child, build the host's prefill inputs, take the graphs from `artifact()` (an
-        artifact-cache entry holding prefill<suffix> and decode<suffix>) and load them."""
-        child = self.start(label, engine)
-        try:
-            self.host = F.FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
-            art = artifact()
-            try:
-                paths = {g: str(art.path / f"{g}{suffix}") for g in GRAPHS}
-                meta = child.call("load", paths, options, phase="loading")[1]
-            finally:
-                art.close()  # a loaded graph is in memory; a temporary folder (cache off) goes now
-        except BaseException:
-            self.close()
-            raise
-        self.outputs = {g: outs for g, (_, outs) in meta.items()}
-        self.artifact_note = art.note
-        self.caches = {n: c.numpy() for n, c in zip(F.cache_names(self.host), F.zero_caches(self.host))}
-
-    def _run(self, graph: str, feeds: dict, probe, rows: slice):
-        names = self.outputs[graph]
-        outs = dict(
-            zip(names, self.child.call("run", graph, {**feeds, **self.caches}, phase=self.phase(graph == "prefill"))[1])
-        )
-        for n in self.caches:
-            self.caches[n] = outs[f"{n}_out"]
-        kinds = [n for n in names if n != "logits" and not n.endswith("_cache_out")]
-        self.report(probe, ((F.output_site(n), outs[n]) for n in kinds), rows)
-        return torch.from_numpy(outs["logits"])
-
-    def prefill(self, input_ids, extra_inputs, probe):
-        args = self.host.prepare_prefill(input_ids, extra_inputs)
-        feeds = {n: a.cpu().numpy() for n, a in zip(F.PREFILL_INPUTS, args)}
-        return self._run("prefill", feeds, probe, slice(0, len(input_ids)))
-
-    def decode(self, token_id, position, probe):
-        tok = self.host.pad_id if int(token_id) in self.host.mm_token_ids else int(token_id)
-        feeds = {"token": np.array([[tok]], dtype=np.int64), "input_pos": np.array([position], dtype=np.int64)}
-        return self._run("decode", feeds, probe, slice(0, 1))
-
-
 class OnnxRuntime(StepGraphRuntime):
     """The exported graphs run by onnxruntime on CPU (in the child process)."""
 
@@ -184,12 +140,14 @@ def create(loaded, max_seq: int, choice=None):
     return OnnxRuntime(loaded, max_seq, None if choice is None else choice.capture)
 
 
-def export_command(model_dir, max_seq: int, out_dir, force: bool = False) -> str:
-    """`trace export-onnx`: write prefill.onnx and decode.onnx into out_dir, both or neither (the
-    artifact cache's graphs, exported into it first when absent); return a summary line. Output
-    paths are checked before the model loads."""
+def export_command(request) -> str:
+    """`trace export --runtime onnx` (`export-onnx`; `request` an ExportRequest, spec.py): write
+    prefill.onnx and decode.onnx into its folder, both or neither (the artifact cache's graphs,
+    exported into it first when absent); return a summary line. Output paths are checked before
+    the model loads."""
     from gemma4_trace.hf.model import load_model
 
+    model_dir, max_seq, out_dir, force = request.model_dir, request.max_seq, request.out, request.force
     out = Path(out_dir)
     targets = [out / f"{g}.onnx" for g in GRAPHS]
     names = [t.name for t in targets] + [t.name + ".data" for t in targets]

@@ -48,8 +48,9 @@ from ..artifacts import (
     model_folder_files,
     model_hash,
 )
-from ..child import OPENVINO_ENGINE
-from .onnx import StepGraphRuntime
+from ..functional import StepGraphRuntime
+from ..runtime import SOURCES as STATIC_SOURCES
+from .openvino_engine import ENGINE as OPENVINO_ENGINE
 
 FORMAT = 1  # bump when the IR's inputs or outputs change meaning (the cache key holds it)
 CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}  # the CPU plugin's float32 kernels (its default may be bf16)
@@ -181,7 +182,7 @@ def cache_key(loaded, max_seq: int, mode: str, kinds=None) -> dict:
         "mode": mode,
         "torch": torch.__version__,
         "openvino": version("openvino"),
-        "code": code_digest("runtime.py", "ops.py", "functional.py", "runtimes/openvino.py"),
+        "code": code_digest(*STATIC_SOURCES, "functional.py", "runtimes/openvino.py"),
         **F.capture_key(kinds),
     }
     if mode != "openvino":
@@ -237,11 +238,14 @@ def create(loaded, max_seq: int, choice):
     return OpenVINORuntime(loaded, max_seq, choice.name, choice.capture)
 
 
-def export_command(model_dir, mode: str, max_seq: int, out_dir, force: bool = False) -> str:
-    """`trace export-openvino`: write prefill.xml/.bin and decode.xml/.bin of `mode` into out_dir,
-    all or none (from the artifact cache, built into it first when absent); return a summary line.
-    Output paths are checked before the model loads."""
+def export_command(request) -> str:
+    """`trace export --runtime openvino*` (`export-openvino`; `request` an ExportRequest, spec.py):
+    write prefill.xml/.bin and decode.xml/.bin into its folder, all or none (from the artifact
+    cache, built into it first when absent); return a summary line. Output paths are checked
+    before the model loads."""
     from gemma4_trace.hf.model import load_model
+
+    model_dir, mode, max_seq, out_dir, force = request.basics()
 
     out = Path(out_dir)
     names = [f"{g}.{ext}" for g in F.STEPS for ext in ("xml", "bin")]

@@ -1,364 +1,62 @@
-"""The built-in runtimes: one `RuntimeSpec` row each, and `--runtime TEXT` parsed once.
+"""The built-in runtimes: every family's rows discovered, and `--runtime TEXT` parsed once.
 
-Everything that asks "which runtimes exist" or "does this one support X" reads this table: the
-`--runtime` help, the README's runtime table (tests/test_registry.py checks that they agree),
-the early refusals (an unknown name, a missing extra, `--isolate`, an image for a text-only
-runtime, a bfloat16 REF for a float32-only one, `--device cuda` for a CPU-only one) and the
-replay driver. A row names its factory as "module:function" and nothing here imports torch, so
-the command line reads the table before anything heavy loads. A built-in factory is
+A runtime family declares its rows (spec.py's `RuntimeSpec`, with its facets) in its own spec
+module beside its adapter: replayer/runtimes/NAME_spec.py, or spec.py in the family's package.
+Each holds `ORDER` (where its rows stand in the table), `RUNTIMES` and, where it runs a file of
+the user's, `FILES`. This module finds them (nothing imports torch: the command line reads the
+table before anything heavy loads) and is everything that asks "which runtimes exist" or "does
+this one support X": the `--runtime` help, the README's runtime table (tests/runtimes/
+test_registry.py checks that they agree), the early refusals (an unknown name, a missing extra,
+`--isolate`, an image for a text-only runtime, a bfloat16 REF for a float32-only one, `--device
+cuda` for a CPU-only one, a user's file for the runtime that runs it), `trace export` and the
+replay driver. A row names its factory as "module:function"; a built-in factory is
 
     create(loaded: LoadedModel, max_seq: int, choice: RuntimeChoice) -> runtime
 
-(the plug-in contract, docs/runtime-api.md, plus the parsed choice). Adding a runtime: its
-module under replayer/runtimes/, its row here, its pyproject extra, its docs page.
+(the plug-in contract, docs/runtime-api.md, plus the parsed choice). Adding a runtime family:
+its adapter module(s) and spec module under replayer/runtimes/, its pyproject extra, its docs
+page (docs/runtime-api.md, "Adding a built-in runtime"); no shared table is edited.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 import importlib.util
 import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 
-from . import captures as C
+from .spec import Export, ExportRequest, FileInput, RuntimeSpec
 
-RT = "gemma4_trace.replayer.runtimes"  # where the adapters live
-# llama.cpp's own type names of the GGUF files a replay can run (replayer/runtimes/llamacpp/gguf_writer.py
-# maps them to llama_ftype values); F32 is what the project's writer converts to
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M")
+__all__ = ["Export", "ExportRequest", "FileInput", "RuntimeSpec"]  # the types the rows are made of
+DEFAULT = "static"  # --runtime's default
 
 
-@dataclass(frozen=True)
-class RuntimeSpec:
-    """What one built-in runtime is, needs and can do."""
-
-    name: str  # the --runtime name ("llama.cpp"; with `types`, "llama.cpp:Q8_0" too)
-    # (third_party below: an adapter to another project's engine, whose failures are one line naming
-    # the adapter's code, as a plug-in's are; the project's own runtimes' failures are its bugs)
-    factory: str  # "module:function", imported only when the runtime is made
-    what: str  # what runs (the README table's second column)
-    precision: str
-    extra: str | None = None  # the pip extra that installs what it needs
-    needs: tuple[str, ...] = ()  # importable modules it needs (checked with importlib.util.find_spec)
-    tools: tuple[tuple[str, str], ...] = ()  # (program on PATH it needs, how to install it)
-    types: tuple[str, ...] = ()  # ":TYPE" suffixes it takes; the first is the default
-    isolation: bool = False  # continues with the tensors the probe returns (--isolate)
-    text_only: bool = False  # takes token ids only: an image prompt is refused before the model loads
-    float32_only: bool = False  # a bfloat16 REF is refused before the model loads
-    cpu_only: bool = False  # --device cuda is refused before the model loads
-    weightless: bool = False  # never computes with HF's weights: the model is built without them
-    profile: str | None = None  # its float tolerance profile (diff/profiles/NAME.toml), where its kernels need one
-    export: str | None = None  # the command that writes its artifacts
-    artifacts: str = ""  # what it builds (kept in the artifact cache)
-    doc: str | None = None  # its docs page
-    recipe: bool = False  # a quantized runtime a precision recipe (trace precision) can vary
-    baseline: str | None = None  # the runtime whose trace is its natural --baseline
-    third_party: bool = True  # False: the project's own runtime (static and its quantized variants)
-    # what its adapter reads from its engine, as which kinds (captures.py): what it captures is derived from it
-    capture_map: C.CaptureMap = field(kw_only=True)
-
-    @property
-    def not_captured(self) -> tuple[str, ...]:
-        """The canonical kinds it cannot expose (absent, never zeros): those its capture map lacks."""
-        return self.capture_map.not_captured()
-
-    def kinds_text(self) -> str:
-        return self.capture_map.text()
+def _families() -> list:
+    """Every family's spec module, in ORDER: NAME_spec.py here and spec.py in each subpackage."""
+    here = Path(__file__).parent
+    names = [f"{__package__}.{p.stem}" for p in here.glob("*_spec.py")]
+    names += [f"{__package__}.{p.parent.name}.spec" for p in here.glob("*/spec.py")]
+    modules = sorted((importlib.import_module(n) for n in names), key=lambda m: m.ORDER)
+    orders = [m.ORDER for m in modules]
+    if len(set(orders)) != len(orders):  # two families claiming one place: a bug of ours
+        raise RuntimeError(f"runtime families share an ORDER: {sorted(m.__name__ for m in modules)}")
+    return modules
 
 
-_QUANT = dict(extra="quant", needs=("torchao",), isolation=True, recipe=True, third_party=False, capture_map=C.PROBE)
-_EXECUTORCH = dict(extra="executorch", needs=("executorch",), float32_only=True, cpu_only=True, export="export-pte")
-_EXECUTORCH["capture_map"] = C.STEP_GRAPH
-
-RUNTIMES: tuple[RuntimeSpec, ...] = (
-    RuntimeSpec(
-        "static",
-        "gemma4_trace.replayer.runtime:create",
-        "the project's static-shape PyTorch Gemma 4 (fixed max_seq, preallocated KV, chunked prefill)",
-        "REF's dtype (float32 or bfloat16)",
-        isolation=True,
-        third_party=False,
-        capture_map=C.PROBE,
-    ),
-    *(
-        RuntimeSpec(
-            name,
-            "gemma4_trace.replayer.quant:create",
-            f"the static runtime with quantize-dequantized Linear weights ({scheme})",
-            "quantized (simulated)",
-            doc="docs/quantized.md",
-            **_QUANT,
-        )
-        for name, scheme in (
-            ("static-w8", "int8"),
-            ("static-w4g32", "int4 in groups of 32"),
-            ("static-w8a8", "int8 weights and dynamic int8 activations"),
-        )
-    ),
-    RuntimeSpec(
-        "tico",
-        f"{RT}.tico:create",
-        "TICO's own static Gemma 4 runtime (its PTQ wrappers)",
-        "float",
-        extra="tico",
-        needs=("tico",),
-        doc="docs/runtime-tico.md",
-        capture_map=C.TICO,
-    ),
-    RuntimeSpec(
-        "tico-quant",
-        f"{RT}.tico:create",
-        "the same in TICO's fake-quant mode (int16), calibrated on REF's prompt",
-        "quantized (simulated)",
-        extra="tico",
-        needs=("tico",),
-        doc="docs/runtime-tico.md",
-        capture_map=C.TICO,
-    ),
-    RuntimeSpec(
-        "onnx",
-        f"{RT}.onnx:create",
-        "the static runtime's steps exported to ONNX, run by onnxruntime (CPU)",
-        "float32",
-        extra="onnx",
-        needs=("onnxruntime", "onnx", "onnxscript"),
-        float32_only=True,
-        export="export-onnx",
-        artifacts="prefill/decode .onnx",
-        doc="docs/runtime-onnx.md",
-        capture_map=C.STEP_GRAPH,
-    ),
-    RuntimeSpec(
-        "llama.cpp",
-        f"{RT}.llamacpp.runtime:create",
-        "llama.cpp on the project's GGUF conversion, TYPE `F32` (default) ... `Q3_K_M`",
-        "float (F32, F16, BF16) or quantized (llama.cpp's kernels)",
-        extra="llamacpp",
-        needs=("llama_cpp", "gguf"),
-        types=GGUF_TYPES,
-        text_only=True,
-        float32_only=True,
-        weightless=True,
-        capture_map=C.LLAMACPP,
-        profile="llamacpp-f32",
-        export="export-gguf",
-        artifacts=".gguf files",
-        doc="docs/runtime-llamacpp.md",
-        recipe=True,
-        baseline="static --weights-from",
-    ),
-    RuntimeSpec(
-        "executorch",
-        f"{RT}.executorch:create",
-        "the static runtime's steps lowered to ExecuTorch's XNNPACK backend, run by `executorch.runtime`",
-        "float32",
-        profile="executorch-f32",
-        artifacts=".pte programs",
-        doc="docs/runtime-executorch.md",
-        **_EXECUTORCH,
-    ),
-    RuntimeSpec(
-        "executorch-int8",
-        f"{RT}.executorch:create",
-        "the same, PT2E int8 (XNNPACKQuantizer) calibrated on REF's prompt, XNNPACK's int8 kernels",
-        "quantized",
-        artifacts=".pte programs",
-        doc="docs/runtime-executorch.md",
-        baseline="executorch-int8-reference",
-        **_EXECUTORCH,
-    ),
-    RuntimeSpec(
-        "executorch-int8-reference",
-        f"{RT}.executorch:create",
-        "that converted PT2E int8 program run by PyTorch before lowering (its `--baseline`)",
-        "quantized (simulated)",
-        artifacts="converted .pt2 programs",
-        doc="docs/runtime-executorch.md",
-        **_EXECUTORCH,
-    ),
-    RuntimeSpec(
-        "mobius",
-        f"{RT}.mobius:create",
-        "mobius-onnx's own ONNX Gemma 4 text decoder (not traced from PyTorch), run by onnxruntime (CPU)",
-        "float32",
-        extra="mobius",
-        needs=("mobius", "onnxruntime", "onnx_ir"),
-        text_only=True,
-        float32_only=True,
-        capture_map=C.MOBIUS,
-        artifacts="model.onnx",
-        doc="docs/runtime-mobius.md",
-    ),
-)
-_LITERT = dict(
-    extra="litert",
-    needs=("litert_torch", "ai_edge_litert", "litert_quantizer"),
-    text_only=True,
-    float32_only=True,
-    cpu_only=True,
-    weightless=True,
-    export="export-litert",
-    doc="docs/runtime-litert.md",
-    capture_map=C.LITERT,
-)
-_LITERT_QUANT = {
-    "litert-int8": "litert-quantizer's `dynamic_wi8_afp32` (int8 weights, dynamic int8 activations)",
-    "litert-wi8": "litert-quantizer's `weight_only_wi8_afp32` (int8 weights, float activations)",
-    "litert-int4": "litert-quantizer's `dynamic_wi4_afp32` (int4 weights, dynamic int8 activations)",
-}
-RUNTIMES += (
-    RuntimeSpec(
-        "litert",
-        f"{RT}.litert.runtime:create",
-        "REF's checkpoint exported by litert-torch's Gemma 4 path, run by ai-edge-litert (XNNPACK, CPU)",
-        "float32",
-        profile="litert-f32",
-        artifacts=".tflite files, .litertlm",
-        **_LITERT,
-    ),
-    *(
-        RuntimeSpec(
-            name,
-            f"{RT}.litert.runtime:create",
-            f"the same, model.tflite quantized with {recipe}",
-            "quantized",
-            artifacts="quantized model.tflite",
-            baseline=f"{name}-dq",
-            **_LITERT,
-        )
-        for name, recipe in _LITERT_QUANT.items()
-    ),
-    *(
-        RuntimeSpec(
-            f"{name}-dq",
-            f"{RT}.litert.runtime:create",
-            f"the float model.tflite with {name}'s quantized weights dequantized into it (its `--baseline`)",
-            "quantized weights, float32 kernels",
-            artifacts="model.tflite",
-            **_LITERT,
-        )
-        for name in _LITERT_QUANT
-    ),
-    RuntimeSpec(
-        "litert-lm",
-        f"{RT}.litert.lm:create",
-        "LiteRT-LM's engine (CPU, greedy) on the .litertlm litert-torch exports from REF's checkpoint, or "
-        "`--litertlm FILE`; text in and out",
-        "float32 (or the file's)",
-        extra="litert",
-        needs=("litert_lm", "litert_torch"),
-        text_only=True,
-        float32_only=True,
-        cpu_only=True,
-        weightless=True,
-        capture_map=C.TOKENS_ONLY,
-        artifacts=".litertlm",
-        doc="docs/runtime-litert.md",
-    ),
-    RuntimeSpec(
-        "litert-convert",
-        f"{RT}.litert.convert:create",
-        "transformers' own Gemma 4 forward converted by `litert_torch.convert`, run by ai-edge-litert "
-        "(whole sequence per step)",
-        "float32",
-        artifacts="converted .tflite",
-        **{**_LITERT, "export": None, "capture_map": C.HF_FORWARD},
-    ),
-)
-_OPENVINO = dict(
-    extra="openvino",
-    float32_only=True,
-    cpu_only=True,
-    export="export-openvino",
-    doc="docs/runtime-openvino.md",
-    capture_map=C.STEP_GRAPH,
-)
-_OPENVINO_QUANT = {"openvino-int8": "INT8_ASYM", "openvino-int4": "INT4_SYM in groups of 32"}
-RUNTIMES += (
-    RuntimeSpec(
-        "openvino",
-        f"{RT}.openvino:create",
-        "the static runtime's steps converted to OpenVINO IR, compiled for OpenVINO's CPU plugin (f32)",
-        "float32",
-        needs=("openvino",),
-        profile="openvino-f32",
-        artifacts="prefill/decode IR (.xml, .bin)",
-        **_OPENVINO,
-    ),
-    *(
-        RuntimeSpec(
-            name,
-            f"{RT}.openvino:create",
-            f"the same IR with NNCF weight compression {scheme}, the CPU plugin's compressed-weight kernels",
-            "quantized weights, activations dynamically int8 in those kernels",
-            needs=("openvino", "nncf"),
-            artifacts="compressed IR",
-            baseline=f"{name}-dq",
-            **_OPENVINO,
-        )
-        for name, scheme in _OPENVINO_QUANT.items()
-    ),
-    *(
-        RuntimeSpec(
-            f"{name}-dq",
-            f"{RT}.openvino:create",
-            f"{name}'s IR with its weight decompression folded into float32 weights (its `--baseline`)",
-            "quantized weights, float32 kernels",
-            needs=("openvino", "nncf"),
-            artifacts="folded IR",
-            **_OPENVINO,
-        )
-        for name in _OPENVINO_QUANT
-    ),
-)
-_MLX = dict(
-    extra="mlx",
-    needs=("mlx", "mlx_lm"),
-    text_only=True,
-    float32_only=True,
-    cpu_only=True,
-    weightless=True,
-    capture_map=C.MLX,
-    tools=(("g++", "MLX compiles its CPU kernels with it; install it (Debian/Ubuntu: apt install g++)"),),
-    doc="docs/runtime-mlx.md",
-)
-RUNTIMES += (
-    RuntimeSpec(
-        "mlx",
-        f"{RT}.mlx:create",
-        "REF's checkpoint loaded by mlx-lm, run through its own Gemma 4 modules and caches (MLX, CPU)",
-        "float32",
-        profile="mlx-f32",
-        **_MLX,
-    ),
-    *(
-        RuntimeSpec(
-            f"mlx-q{bits}",
-            f"{RT}.mlx:create",
-            f"the same, quantized by mlx-lm's quantize_model ({bits}-bit affine, group size 64)",
-            "quantized",
-            baseline=f"mlx-q{bits}-dq",
-            **_MLX,
-        )
-        for bits in (8, 4)
-    ),
-    *(
-        RuntimeSpec(
-            f"mlx-q{bits}-dq",
-            f"{RT}.mlx:create",
-            f"mlx-q{bits}'s weights dequantized into float32 layers (its `--baseline`)",
-            "quantized weights, float32 kernels",
-            **_MLX,
-        )
-        for bits in (8, 4)
-    ),
-)
+FAMILIES = _families()
+RUNTIMES: tuple[RuntimeSpec, ...] = tuple(s for m in FAMILIES for s in m.RUNTIMES)
+FILES: tuple[FileInput, ...] = tuple(f for m in FAMILIES for f in getattr(m, "FILES", ()))
 BY_NAME = {s.name: s for s in RUNTIMES}
+FILE_BY_DEST = {f.dest: f for f in FILES}
+if len(BY_NAME) != len(RUNTIMES) or len(FILE_BY_DEST) != len(FILES) or not {f.runtime for f in FILES} <= set(BY_NAME):
+    raise RuntimeError("runtime families declare a name twice, or a file input for a runtime none declares")
 PLUGIN = "MODULE:FACTORY"
 
 
@@ -516,9 +214,6 @@ def _check_plugin_module(text: str) -> None:
         )
 
 
-FLOAT_GGUF_TYPES = ("F32", "F16", "BF16")
-
-
 def quantized_runtime(name: str) -> RuntimeSpec | None:
     """The registry row of a trace's provenance runtime name when that runtime quantizes (static-w8,
     llama.cpp:Q8_0, mlx-q4, a recipe's static-w8+recipe, a quantized plug-in's bug+w8: the static
@@ -535,27 +230,98 @@ def quantized_runtime(name: str) -> RuntimeSpec | None:
     if spec is None:
         return None
     if spec.types:
-        return spec if choice.type not in FLOAT_GGUF_TYPES else None
+        return spec if choice.type not in spec.float_types else None
     return spec if spec.precision.startswith("quantized") else None
 
 
 _SCHEME_MARK = re.compile(r"w\d+(?:g\d+)?(?:a\d+)?")  # a static scheme in a derived name: bug+w8, x+w4g32
 
 
-def exporter(command: str) -> RuntimeSpec:
-    """The runtime whose artifacts `trace COMMAND` writes (its row's `export`)."""
-    return next(s for s in RUNTIMES if s.export == command)
+def exporters() -> list[RuntimeSpec]:
+    """The runtimes `trace export --runtime NAME` writes the artifacts of."""
+    return [s for s in RUNTIMES if s.export is not None]
 
 
-def check_export(command: str) -> RuntimeSpec:
-    """Refuse `trace COMMAND` (an export) in one line when what its runtime needs is not installed."""
-    spec = exporter(command)
+def exporter(alias: str) -> list[RuntimeSpec]:
+    """The runtimes a family's own export command (`trace export-onnx`, ...) writes for."""
+    return [s for s in RUNTIMES if s.export is not None and s.export.alias == alias]
+
+
+def check_export(choice, command: str = "export") -> RuntimeChoice:
+    """Refuse `trace export --runtime NAME` (or the family's alias, `command`) in one line for a
+    runtime that builds no artifacts or whose extra is not installed."""
+    choice = parse_runtime(choice)
+    if choice.spec is None or choice.spec.export is None:
+        raise TraceToolError(
+            f"--runtime {choice.text} builds no artifacts to export; these do: {', '.join(s.name for s in exporters())}"
+        )
+    spec = choice.spec
     missing = [m for m in spec.needs if importlib.util.find_spec(m) is None]
     if missing:
         raise TraceToolError(
             f"trace {command} needs {', '.join(missing)}, which is not installed: {install_hint(spec.extra)}"
         )
-    return spec
+    return choice
+
+
+def run_export(choice: RuntimeChoice, request: ExportRequest) -> str:
+    """Build (or take from the artifact cache) the runtime's artifacts and write them where
+    `request.out` says; the summary line."""
+    module, _, function = choice.spec.export.function.partition(":")
+    return getattr(importlib.import_module(module), function)(request)
+
+
+def resolve_file(choice, files: dict, *, isolate: bool = False, recipe=None) -> tuple[RuntimeChoice, FileInput | None]:
+    """The runtime a replay runs when a file of the user's is given (`files`: {dest: path or None},
+    e.g. {"gguf": "m.gguf"}), with its file input; one line for a combination it cannot run: two
+    files, a --runtime other than the one that runs the file, --isolate or --recipe where that
+    runtime cannot take them, a reader not installed. No file: the choice as it was."""
+    choice = parse_runtime(choice)
+    given = [FILE_BY_DEST[dest] for dest, path in files.items() if path is not None]
+    if not given:
+        return choice, None
+    if len(given) > 1:
+        a, b = given[:2]
+        raise TraceToolError(f"{a.option} runs {a.what} in {a.runtime}, {b.option} in {b.runtime}: give one")
+    (fi,) = given
+    if choice.text not in (DEFAULT, fi.runtime):
+        raise TraceToolError(f"{fi.option} FILE is run by --runtime {fi.runtime}; it takes no --runtime {choice.text}")
+    if isolate and not BY_NAME[fi.runtime].isolation:
+        raise TraceToolError(f"runtime {fi.runtime} does not support --isolate")
+    if recipe is not None:
+        raise TraceToolError(f"--recipe is for the quantized static runtimes; {fi.what} brings its own quantization")
+    for module in fi.needs:
+        if importlib.util.find_spec(module) is None:
+            raise TraceToolError(f"{fi.option} needs {module}, which is not installed: {install_hint(fi.extra)}")
+    return parse_runtime(fi.runtime), fi
+
+
+def read_file_header(fi: FileInput, path):
+    """The file's header, read and checked within bounds by its family's reader (one line if bad)."""
+    module, _, function = fi.check.partition(":")
+    return getattr(importlib.import_module(module), function)(path)
+
+
+def file_runtime(fi: FileInput, loaded, max_seq: int, header, allow_config_mismatch: bool, base):
+    """The runtime that runs the user's file (the family's hand-over); `base()` makes the row's own."""
+    module, _, function = fi.create.partition(":")
+    return getattr(importlib.import_module(module), function)(loaded, max_seq, header, allow_config_mismatch, base)
+
+
+def recipe_runtime(choice: RuntimeChoice, loaded, max_seq: int, units: dict):
+    """The runtime of a precision recipe over `choice` (its row's `recipe` facet)."""
+    module, _, function = choice.spec.recipe.partition(":")
+    return getattr(importlib.import_module(module), function)(loaded, max_seq, choice, units)
+
+
+def typed_recipe_choice(text) -> RuntimeChoice | None:
+    """`NAME:TYPE` of a recipe runtime with types (llama.cpp:Q4_K_M), parsed; None for anything else."""
+    try:
+        choice = parse_runtime(text)
+    except TraceToolError:
+        return None
+    spec = choice.spec
+    return choice if spec is not None and spec.recipe and spec.types and choice.text != spec.name else None
 
 
 def quantized_names() -> list[str]:
@@ -563,7 +329,7 @@ def quantized_names() -> list[str]:
     out = []
     for s in RUNTIMES:
         if s.recipe:
-            out += [f"{s.name}:{t}" for t in s.types if t.startswith("Q")] if s.types else [s.name]
+            out += [f"{s.name}:{t}" for t in s.types if t not in s.float_types] if s.types else [s.name]
     return out
 
 

@@ -23,12 +23,12 @@ import shutil
 import pytest
 
 from gemma4_trace.recorder.golden import golden_path
-from gemma4_trace.replayer.runtimes import captures as C
 from gemma4_trace.replayer.runtimes import registry as R
+from gemma4_trace.replayer.runtimes.litert.spec import LITERT
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke, one_line_error
+from tests.support.cli import invoke, one_line_error
 
 SHORT = golden_path("short")  # 13 prompt tokens and 3 steps: max_seq 16
 LITERT_CHUNK = ("--prefill-chunk", "3")  # test_litert.py's export (max_seq 16, prefill chunks of 3)
@@ -49,7 +49,7 @@ def _rows() -> list:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """test_executorch.py's 3-layer model and its REF (built once here; its .pte files are the cache's)."""
-    from tests import tiny_models
+    from tests.support import tiny_models
 
     model, ref = tiny_models.executorch_case(tmp_path_factory.mktemp("conformance"))
     return ref, ("--model", model, "--max-seq", ET_MAX_SEQ, "--prefill-chunk", ET_CHUNK)
@@ -71,7 +71,7 @@ def _case(name: str, request) -> tuple:
         return request.getfixturevalue("tiny")
     if name == "litert-lm":
         return request.getfixturevalue("text")
-    if R.BY_NAME[name].capture_map is C.LITERT:
+    if R.BY_NAME[name].capture_map is LITERT:
         return SHORT, LITERT_CHUNK
     return SHORT, ()
 
@@ -96,7 +96,10 @@ def test_a_replay_holds_exactly_the_sites_its_capture_map_declares(name, tmp_pat
     )
 
 
-MAPS = {name: m for name, m in vars(C).items() if isinstance(m, C.CaptureMap)}
+MAPS = {}  # every map a row uses, named by the first runtime that uses it
+for _spec in R.RUNTIMES:
+    if all(m is not _spec.capture_map for m in MAPS.values()):
+        MAPS[_spec.name] = _spec.capture_map
 
 
 @pytest.mark.parametrize("name", sorted(MAPS))

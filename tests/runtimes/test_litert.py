@@ -15,12 +15,12 @@ pytest.importorskip("litert_torch", reason="litert-torch is not installed (pip i
 
 from gemma4_trace.diff import diff_traces  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402
-from gemma4_trace.replayer.runtimes.captures import LITERT  # noqa: E402
 from gemma4_trace.replayer.runtimes.litert import export as E  # noqa: E402
 from gemma4_trace.replayer.runtimes.litert import graph as G  # noqa: E402
+from gemma4_trace.replayer.runtimes.litert.spec import LITERT  # noqa: E402
 from gemma4_trace.traces.errors import TraceToolError  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests.support import invoke, one_line_error  # noqa: E402
+from tests.support.cli import invoke, one_line_error  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, lowers or converts programs; make test-fast skips it
 
@@ -228,7 +228,7 @@ def test_export_litert_writes_the_files_the_replay_ran(runs, tmp_path):
 
 
 def test_checkpoints_the_export_cannot_take_are_refused_before_it_runs(tmp_path):
-    from tests import tiny_models
+    from tests.support import tiny_models
 
     model = tiny_models.build(
         tmp_path / "causal",
@@ -462,7 +462,7 @@ def test_litert_lm_bad_files_are_one_line(runs, tmp_path):
     good = (art.path / E.BUNDLE).read_bytes()
     out = tmp_path / "o.h5"
     r = invoke("replay", runs["ref"], "--runtime", "litert", "--litertlm", art.path / E.BUNDLE, "-o", out)
-    one_line_error(r, "--litertlm FILE is run by --runtime litert-lm, not litert", out=out)
+    one_line_error(r, "--litertlm FILE is run by --runtime litert-lm; it takes no --runtime litert", out=out)
     r = invoke("replay", runs["ref"], "--runtime", "litert-lm", "--litertlm", tmp_path / "none.litertlm", "-o", out)
     one_line_error(r, "none.litertlm", out=out)
     # REF's prompt is token ids that are no text LiteRT-LM's tokenizer makes: refused, not guessed

@@ -22,7 +22,7 @@ from gemma4_trace.replayer.runtimes.litert import outputs as O  # noqa: E402
 from gemma4_trace.replayer.runtimes.litert.runtime import LiteRTRuntime  # noqa: E402
 from gemma4_trace.traces.errors import TraceToolError  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests.support import invoke  # noqa: E402
+from tests.support.cli import invoke  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports (once, cached) and runs the interpreter; make test-fast skips it
 
@@ -111,7 +111,7 @@ def test_a_layer_out_replay_gives_the_full_replays_layer_out_and_logits(replays)
 def test_the_narrowed_runtime_runs_a_graph_returning_the_taps_without_keeping_tensors():
     full, narrow = _runtime(None), _runtime(frozenset({"layer_out", "final_hidden"}))
     for rt in (full, narrow):
-        rt.name  # noqa: B018 - loads the files
+        rt.prepare()  # exports (or takes from the cache) and loads the files
     try:
         assert full.kept == ["model"] and narrow.kept == []  # preserve_all_tensors on, then off
         src, rewritten = G.read(full.model_file), G.read(narrow.model_file)

@@ -18,8 +18,11 @@ import pytest
 pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install -e '.[onnx]')")
 
 from gemma4_trace.replayer import child as NC  # noqa: E402
+from gemma4_trace.replayer.runtimes.executorch_engine import ENGINE as EXECUTORCH_ENGINE  # noqa: E402
+from gemma4_trace.replayer.runtimes.onnx_engine import ENGINE as ORT_ENGINE  # noqa: E402
+from gemma4_trace.replayer.runtimes.onnx_engine import SESSION as ORT_SESSION  # noqa: E402
 from gemma4_trace.traces.errors import TraceToolError  # noqa: E402
-from tests.support import invoke, one_line_error  # noqa: E402
+from tests.support.cli import invoke, one_line_error  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, lowers or converts programs; make test-fast skips it
 
@@ -32,7 +35,7 @@ needs_executorch = pytest.mark.skipif(not HAVE_EXECUTORCH, reason="executorch is
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 1-layer random Gemma 4, a trace of it (3 generated tokens) and its ONNX graphs in the cache."""
-    from tests import tiny_models
+    from tests.support import tiny_models
 
     d = tmp_path_factory.mktemp("native")
     model = tiny_models.build(
@@ -112,12 +115,12 @@ def test_the_child_runs_a_session_bit_identically_to_one_in_process(tiny):
         feeds[n] = rng.standard_normal((1, info.num_kv_heads, MAX_SEQ, info.head_dim), dtype=np.float32)
     art = OR.exported(loaded, MAX_SEQ)
     path = art.path / "prefill.onnx"
-    engine = NC.Child("onnx (test)", NC.ORT_ENGINE)
+    engine = NC.Child("onnx (test)", ORT_ENGINE)
     try:
-        (inputs, outputs) = engine.call("load", {"prefill": str(path)}, NC.ORT_SESSION, phase="loading")[1]["prefill"]
+        (inputs, outputs) = engine.call("load", {"prefill": str(path)}, ORT_SESSION, phase="loading")[1]["prefill"]
         got = engine.call("run", "prefill", feeds, phase="prefill")[1]
         opts = ort.SessionOptions()
-        opts.log_severity_level = NC.ORT_SESSION["log_severity_level"]
+        opts.log_severity_level = ORT_SESSION["log_severity_level"]
         sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         want = sess.run(None, feeds)
     finally:
@@ -135,15 +138,15 @@ def test_an_error_the_engine_reports_is_one_line_and_the_child_lives_on(tiny):
     from gemma4_trace.replayer.runtimes import onnx as OR
 
     art = OR.exported(load_model(tiny[0]), MAX_SEQ)
-    engine = NC.Child("onnx (test)", NC.ORT_ENGINE)
+    engine = NC.Child("onnx (test)", ORT_ENGINE)
     try:
-        engine.call("load", {"decode": str(art.path / "decode.onnx")}, NC.ORT_SESSION, phase="loading")
+        engine.call("load", {"decode": str(art.path / "decode.onnx")}, ORT_SESSION, phase="loading")
         with pytest.raises(TraceToolError) as e:
             engine.call("run", "decode", {"token": np.zeros((1, 1), dtype=np.int64)}, phase="decode step 1")
         assert str(e.value).startswith("onnx (test) failed in decode step 1: ValueError: Required inputs"), e.value
         assert "\n" not in str(e.value)
         with pytest.raises(TraceToolError, match=r"failed in loading: .*NoSuchFile"):
-            engine.call("load", {"x": str(art.path / "missing.onnx")}, NC.ORT_SESSION, phase="loading")
+            engine.call("load", {"x": str(art.path / "missing.onnx")}, ORT_SESSION, phase="loading")
         assert engine.proc.poll() is None
     finally:
         engine.close()
@@ -188,7 +191,7 @@ def test_the_child_runs_an_executorch_program_bit_identically_to_one_in_process(
 
     x = np.random.default_rng(1).standard_normal((4, 16), dtype=np.float32)
     y = np.arange(4, dtype=np.float32)
-    engine = NC.Child("executorch (test)", NC.EXECUTORCH_ENGINE)
+    engine = NC.Child("executorch (test)", EXECUTORCH_ENGINE)
     try:
         engine.call("load", {"small": str(pte)}, {}, phase="loading")
         got = engine.call("run", "small", [x, y], phase="prefill")[1]

@@ -12,7 +12,7 @@ import pytest
 from gemma4_trace.replayer.runtimes import registry as R
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
-from tests.support import invoke
+from tests.support.cli import invoke
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,10 +33,15 @@ def test_every_row_names_what_exists():
             assert callable(getattr(importlib.import_module(module), function)), s.name
         assert s.doc is None or (ROOT / s.doc).is_file(), s.doc
         assert s.profile is None or s.profile in profile_names(), s.profile
-        assert s.export is None or s.export in main.commands, s.export
+        assert s.export is None or s.export.alias in main.commands, s.export
+        for where in (s.export and s.export.function, s.recipe):  # the facets' functions exist
+            if where and all(importlib.util.find_spec(m) for m in s.needs):
+                module, _, function = where.partition(":")
+                assert callable(getattr(importlib.import_module(module), function)), where
         assert set(s.not_captured) <= set(S.KIND_NAMES), s.name
         assert s.extra is None or s.extra in _extras(), s.extra
-        assert s.baseline is None or s.baseline.split()[0] in R.BY_NAME, s.baseline
+        assert s.baseline is None or s.baseline.runtime in R.BY_NAME, s.baseline
+        assert s.baseline is None or s.baseline.weights is None or s.baseline.weights in [f.option for f in R.FILES]
 
 
 def _extras() -> set[str]:
@@ -49,7 +54,7 @@ def test_the_gguf_types_are_llamacpps():
     pytest.importorskip("gguf")
     from gemma4_trace.replayer.runtimes.llamacpp.gguf_writer import GGUF_TYPES
 
-    assert tuple(GGUF_TYPES) == R.BY_NAME["llama.cpp"].types == R.GGUF_TYPES
+    assert tuple(GGUF_TYPES) == R.BY_NAME["llama.cpp"].types
 
 
 def test_the_replay_help_lists_every_runtime():
@@ -110,7 +115,7 @@ def test_a_third_party_adapter_that_fails_to_start_is_one_line_naming_its_code(t
     """An adapter over another project's engine fails like a plug-in: one line naming where."""
     pytest.importorskip("onnxruntime")
     from gemma4_trace.recorder.golden import golden_path
-    from tests.support import one_line_error
+    from tests.support.cli import one_line_error
 
     def broken(loaded, max_seq, kinds=None):
         raise RuntimeError("no session today")
@@ -134,3 +139,77 @@ def test_the_capture_benchmark_measures_every_built_in_runtime_by_default():
     narrowed = {n for n, (_, kinds) in zip(names, choices) if kinds}
     assert {"litert:k+v", "llama.cpp:Q4_K_M:layer_out"} <= narrowed
     assert dict(zip(names, choices))["litert:k+v"][1] == ("k", "v")
+
+
+def test_every_family_declares_its_rows_in_its_own_spec_module():
+    """A family's rows live beside its adapter (NAME_spec.py, or spec.py in its package); the
+    registry finds every one, and its table is theirs in ORDER."""
+    here = ROOT / "replayer" / "runtimes"
+    files = sorted([*here.glob("*_spec.py"), *here.glob("*/spec.py")])
+    assert sorted(Path(m.__file__) for m in R.FAMILIES) == files
+    assert [m.ORDER for m in R.FAMILIES] == sorted({m.ORDER for m in R.FAMILIES})
+    assert R.RUNTIMES == tuple(s for m in R.FAMILIES for s in m.RUNTIMES)
+    assert {f.runtime for f in R.FILES} <= set(R.BY_NAME)
+
+
+RUNTIME_NAME_CALLS = ("startswith", "endswith", "removeprefix", "partition")
+
+
+def runtime_name_tests(path: Path, names: set[str]) -> list[str]:
+    """Where `path` compares a value with a built-in runtime's name (==, !=, in, startswith, ...):
+    a fact about one runtime that belongs in its registry row."""
+    import ast
+
+    def named(node) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.rstrip(":") in names
+
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        operands = []
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            operands += [e for c in node.comparators if isinstance(c, (ast.Tuple, ast.List, ast.Set)) for e in c.elts]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) in RUNTIME_NAME_CALLS:
+            operands = list(node.args)
+        bad += [f"{path.name}:{node.lineno} tests the name {o.value!r}" for o in operands if named(o)]
+    return bad
+
+
+def test_no_runtime_name_is_tested_outside_the_runtimes_wing(tmp_path):
+    """`choice.name != "litert-lm"`, `runtime.startswith("llama.cpp:")`: a runtime's facts are its
+    row's facets; only the families' own modules (replayer/runtimes/) may name themselves."""
+    names = set(R.BY_NAME)
+    bad = []
+    for top in ("analysis", "diff", "gemma4_trace", "hf", "importer", "recorder", "replayer", "traces"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if "runtimes" not in path.relative_to(ROOT).parts:
+                bad += runtime_name_tests(path, names)
+    assert not bad, "\n".join(bad)
+    planted = tmp_path / "planted.py"
+    planted.write_text('if rt == "litert-lm" or text.startswith("llama.cpp:") or name in ("static", "x"):\n    pass\n')
+    assert len(runtime_name_tests(planted, names)) == 3
+
+
+def test_export_takes_any_runtime_that_builds_artifacts_and_refuses_the_rest_in_one_line(tmp_path):
+    from tests.support.cli import one_line_error
+
+    assert "--runtime TEXT" in invoke("export", "--help").output
+    for args, words in (
+        (("--runtime", "static"), "--runtime static builds no artifacts to export; these do: onnx, llama.cpp"),
+        (("--runtime", "onnx"), "--runtime onnx needs --max-seq N"),
+        (("--runtime", "llama.cpp", "--max-seq", "8"), "--runtime llama.cpp takes no --max-seq"),
+        (("--runtime", "openvino", "--max-seq", "8", "--calibrate", "x.h5"), "openvino takes no --calibrate"),
+    ):
+        line = one_line_error(invoke("export", *args, "-o", tmp_path / "out"))
+        assert words in line, line
+
+
+def test_export_and_its_alias_write_the_same_file(tmp_path):
+    """`trace export --runtime llama.cpp:F32` is what `trace export-gguf` writes (one cache entry)."""
+    pytest.importorskip("gguf")
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    first = invoke("export", "--runtime", "llama.cpp:F32", "-o", a, "--cache-dir", tmp_path / "cache")
+    second = invoke("export-gguf", "-o", b, "--cache-dir", tmp_path / "cache")
+    assert first.exit_code == second.exit_code == 0, (first.output, second.output)
+    assert a.read_bytes() == b.read_bytes() and a.stat().st_size > 0
+    assert "F32" in first.output and "cached" in second.output

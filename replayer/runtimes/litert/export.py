@@ -285,9 +285,12 @@ if __name__ == "__main__":
         _quantize(*args)
 
 
-def export_command(model_dir, mode: str, max_seq: int, out_dir, force: bool = False, prefill_chunk=None) -> str:
-    """`trace export-litert`: the files `--runtime MODE` runs, copied from the artifact cache into
-    out_dir, all or none; return a summary line."""
+def export_command(request) -> str:
+    """`trace export --runtime litert*` (`export-litert`; `request` an ExportRequest, spec.py): the
+    files that runtime runs, copied from the artifact cache into its folder, all or none; return
+    a summary line."""
+    model_dir, mode, max_seq, out_dir, force = request.basics()
+    prefill_chunk = request.prefill_chunk
     from gemma4_trace.hf.model import load_model
 
     from ...artifacts import check_output_folder, copy_all_or_none, model_folder_files

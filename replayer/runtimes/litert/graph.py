@@ -33,7 +33,7 @@ import numpy as np
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.schema import rope_kinds
 
-from ..captures import LITERT
+from .spec import LITERT
 
 # the capture map's rows (runtimes/captures.py: LITERT) this module reads the graph by
 IN_LAYER, TOP = LITERT.row("q"), LITERT.row("layer_out")  # a tensor of layer i's scope, and the scope itself

@@ -27,8 +27,8 @@ ENGINE = "gemma4_trace.replayer.runtimes.litert.engine:LiteRTLMEngine"
 
 
 class LiteRTLM(ChildRuntime):
-    """The bundle is exported (or taken from the artifact cache) at the first prefill, after the
-    driver has set `prefill_chunk` (the export's prefill length; LiteRT-LM's results do not depend
+    """The bundle is exported (or taken from the artifact cache) when the driver prepares it, after
+    it has set `prefill_chunk` (the export's prefill length; LiteRT-LM's results do not depend
     on it, so replays of one REF share the litert runtime's export)."""
 
     supports_prefill_chunk = True
@@ -67,12 +67,16 @@ class LiteRTLM(ChildRuntime):
             raise TraceToolError(f"{path}: its BOS token is {bos}; REF's model's is {want}")
         self.ready = True
 
+    def prepare(self, input_ids=None, extra_inputs=None) -> None:
+        """Export (or take from the artifact cache) the bundle, or check the user's, and load it."""
+        if not self.ready:
+            self._load()
+
     def _next(self, phase: str) -> TokenOnly:
         return TokenOnly(self.child.call("next", list(self.context), phase=phase)[1])
 
     def prefill(self, input_ids, extra_inputs, probe):
-        if not self.ready:
-            self._load()
+        self.prepare()
         self.context = [int(t) for t in torch.as_tensor(input_ids).reshape(-1)]
         return self._next(self.phase(True))
 
@@ -81,5 +85,11 @@ class LiteRTLM(ChildRuntime):
         return self._next(self.phase(False))
 
 
-def create(loaded, max_seq: int, choice=None, litertlm=None):
-    return LiteRTLM(loaded, max_seq, litertlm)
+def create(loaded, max_seq: int, choice=None):
+    return LiteRTLM(loaded, max_seq)
+
+
+def run_bundle(loaded, max_seq: int, path, allow_config_mismatch: bool = False, base=None):
+    """`trace replay --litertlm FILE`: LiteRT-LM on the user's bundle (litert/spec.py); the engine
+    checks the bundle's BOS token against REF's model when it loads it."""
+    return LiteRTLM(loaded, max_seq, path)

@@ -37,11 +37,11 @@ from gemma4_trace.traces.schema import KIND_NAMES
 
 from ...child import ChildRuntime
 from ...ops import resolve_prefill_chunk
-from ..captures import LITERT
 from ..registry import captures
 from . import export as E
 from . import graph as G
 from . import outputs as O
+from .spec import LITERT
 
 ENGINE = "gemma4_trace.replayer.runtimes.litert.engine:LiteRTEngine"
 K_CACHE, V_CACHE = (LITERT.row(k).prefix() for k in ("k", "v"))  # the cache outputs the K and V rows are read from
@@ -63,7 +63,8 @@ class LiteRTRuntime(ChildRuntime):
     def __init__(self, loaded, max_seq: int, mode: str, capture: frozenset | None = None):
         self.vers = E.versions()
         self.capture = capture  # the kinds the replay keeps (RuntimeChoice.capture); None: every kind
-        self.start(f"{mode} (ai-edge-litert {self.vers['ai-edge-litert']})", ENGINE)
+        self.label = f"{mode} (ai-edge-litert {self.vers['ai-edge-litert']})"
+        self.start(self.label, ENGINE)
         cfg = loaded.text_config
         self.loaded, self.max_seq, self.mode = loaded, int(max_seq), mode
         self.infos = layer_infos_from_config(cfg)
@@ -86,8 +87,13 @@ class LiteRTRuntime(ChildRuntime):
 
     @property
     def name(self) -> str:
+        """What runs, and what its graph lacks once prepared (before: the mode and the engine)."""
+        return self._name or self.label
+
+    def prepare(self, input_ids=None, extra_inputs=None) -> None:
+        """Export (or take from the artifact cache) and load the files, once, after the driver has
+        set prefill_chunk (the export's prefill length)."""
         self._load()
-        return self._name
 
     def _load(self) -> None:
         if self.graph is not None:

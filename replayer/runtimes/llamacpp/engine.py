@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from gemma4_trace.replayer.child import EngineError
-from gemma4_trace.replayer.runtimes.captures import LLAMACPP
+from gemma4_trace.replayer.runtimes.llamacpp.spec import LLAMACPP
 from gemma4_trace.traces.schema import sites_of
 
 # the nodes read, by name (set by the gemma4 graph's `cb(tensor, name, layer)`): the capture map's

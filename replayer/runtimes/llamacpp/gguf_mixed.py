@@ -223,3 +223,8 @@ def resolve(mixed: MixedFiles, units: dict, default: str) -> dict:
                 "layer.0.mlp, layer.0.ple, ple_model_proj)"
             )
     return {mu: units.get(mu, units.get(lu, default)) for mu, (lu, _) in mixed.units.items()}
+
+
+def from_recipe(loaded, max_seq: int, choice, units: dict):
+    """A precision recipe's runtime (the registry's `recipe` facet): llama.cpp:TYPE on the mixed file."""
+    return recipe_runtime(loaded, max_seq, choice.type, units)

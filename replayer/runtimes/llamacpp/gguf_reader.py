@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
+from gemma4_trace.traces.errors import TraceToolError, one_line
 from gemma4_trace.traces.inputs import open_regular
 
 from . import gguf_writer as GW
@@ -191,29 +191,6 @@ class _Cursor:
                 return ArrayInfo(item, count)
             return [self.string(f"an item of {what}") for _ in range(count)]
         self.fail(f"{what} is an array of type {item} (arrays of arrays are not read)")
-
-
-def check_gguf_options(runtime: str, gguf, weights_from, isolate: bool, recipe) -> str:
-    """The runtime a replay with --gguf / --weights-from runs ("llama.cpp" / "static"), or a
-    one-line refusal of the options it cannot be combined with."""
-    if gguf is not None and weights_from is not None:
-        raise TraceToolError("--gguf runs a GGUF in llama.cpp, --weights-from in the static runtime: give one")
-    if gguf is not None:
-        if runtime not in ("static", "llama.cpp"):  # static: the option's default
-            raise TraceToolError(f"--gguf runs the file in llama.cpp as it is; it takes no --runtime {runtime}")
-        if isolate:
-            raise TraceToolError("runtime llama.cpp does not support --isolate")
-        runtime = "llama.cpp"
-    elif runtime != "static":
-        raise TraceToolError(f"--weights-from runs the static runtime on the file's weights; not --runtime {runtime}")
-    if recipe is not None:
-        raise TraceToolError("--recipe is for the quantized static runtimes; a GGUF brings its own quantization")
-    for module, what in (("gguf", "gguf"),) + ((("llama_cpp", "llama-cpp-python"),) if gguf is not None else ()):
-        import importlib.util
-
-        if importlib.util.find_spec(module) is None:
-            raise TraceToolError(f"reading a GGUF needs {what}: {install_hint('llamacpp')}")
-    return runtime
 
 
 def _ggml_name(t: int) -> str:

@@ -172,28 +172,40 @@ def create(loaded, max_seq: int, choice):
     return LlamaCppRuntime(loaded, max_seq, choice.type, capture=choice.capture)
 
 
-def gguf_runtime(loaded, max_seq: int, header, allow_config_mismatch: bool, weights_from: bool, make_static):
-    """`trace replay --gguf FILE` (llama.cpp on the user's file) or `--runtime static --weights-from
-    FILE` (the static runtime on its dequantized weights; make_static(loaded, max_seq) builds it),
-    after the file's metadata is checked against REF's model config (gguf_reader.py)."""
+def _config_notes(header, loaded, allow_config_mismatch: bool) -> list[str]:
+    """The file's metadata checked against REF's model config (gguf_reader.py): refused, or noted."""
     from . import gguf_reader as GR
 
     diffs = GR.check_config(header, loaded, allow_config_mismatch)
-    notes = [f"config differs from REF: {', '.join(diffs)}"] if diffs else []
-    if weights_from:
-        GR.load_weights(header, loaded)
-        rt = make_static(loaded, max_seq)
-        more = "".join(f"; {n}" for n in notes)
-        rt.name = f"{rt.name} (weights from {header.path.name}, {header.type_name()}, dequantized{more})"
-        return rt
+    return [f"config differs from REF: {', '.join(diffs)}"] if diffs else []
+
+
+def run_gguf(loaded, max_seq: int, header, allow_config_mismatch: bool = False, base=None):
+    """`trace replay --gguf FILE`: llama.cpp on the user's file as it is (llamacpp/spec.py)."""
+    notes = _config_notes(header, loaded, allow_config_mismatch)
     return LlamaCppRuntime(loaded, max_seq, header.type_name(), notes=notes, header=header)
 
 
-def export_command(model_dir, gguf_type: str, output, force: bool = False) -> str:
-    """`trace export-gguf`: the converted (and quantized) file, written to `output`."""
+def static_on_weights(loaded, max_seq: int, header, allow_config_mismatch: bool, base):
+    """`trace replay --weights-from FILE`: the static runtime (`base()`) on the file's weights,
+    dequantized into the model first (llamacpp/spec.py)."""
+    from . import gguf_reader as GR
+
+    notes = _config_notes(header, loaded, allow_config_mismatch)
+    GR.load_weights(header, loaded)
+    rt = base()
+    more = "".join(f"; {n}" for n in notes)
+    rt.name = f"{rt.name} (weights from {header.path.name}, {header.type_name()}, dequantized{more})"
+    return rt
+
+
+def export_command(request) -> str:
+    """`trace export --runtime llama.cpp:TYPE` (`export-gguf`): the converted (and quantized) file,
+    written to `request.out` (an ExportRequest, replayer/runtimes/spec.py)."""
     from gemma4_trace.hf.model import load_model
     from gemma4_trace.traces.atomic import check_output_path
 
+    model_dir, gguf_type, output, force = request.model_dir, request.type, request.out, request.force
     check_output_path(output, force, inputs=model_folder_files(model_dir))
     loaded = load_model(model_dir, weights=False)  # the weights are loaded only if it must convert
     art = gguf_artifact(loaded, gguf_type)

@@ -1,0 +1,57 @@
+"""`--runtime executorch*`: the static runtime's step graphs lowered to ExecuTorch's XNNPACK
+backend, float32 or PT2E int8 (replayer/runtimes/executorch.py)."""
+
+from __future__ import annotations
+
+from . import captures as C
+from .spec import Baseline, Export, RuntimeSpec
+
+ORDER = 40
+RT = "gemma4_trace.replayer.runtimes.executorch"
+_EXPORT = Export(
+    "export-pte",
+    f"{RT}:export_command",
+    "folder for the .pte files",
+    "lowering the programs",
+    prefill_chunk=True,
+    calibrate=True,
+)
+_EXECUTORCH = dict(
+    extra="executorch",
+    needs=("executorch",),
+    float32_only=True,
+    cpu_only=True,
+    doc="docs/runtime-executorch.md",
+    capture_map=C.STEP_GRAPH,
+)
+
+RUNTIMES = (
+    RuntimeSpec(
+        "executorch",
+        f"{RT}:create",
+        "the static runtime's steps lowered to ExecuTorch's XNNPACK backend, run by `executorch.runtime`",
+        "float32",
+        profile="executorch-f32",
+        export=_EXPORT,
+        artifacts=".pte programs",
+        **_EXECUTORCH,
+    ),
+    RuntimeSpec(
+        "executorch-int8",
+        f"{RT}:create",
+        "the same, PT2E int8 (XNNPACKQuantizer) calibrated on REF's prompt, XNNPACK's int8 kernels",
+        "quantized",
+        export=_EXPORT,
+        artifacts=".pte programs",
+        baseline=Baseline("executorch-int8-reference"),
+        **_EXECUTORCH,
+    ),
+    RuntimeSpec(
+        "executorch-int8-reference",
+        f"{RT}:create",
+        "that converted PT2E int8 program run by PyTorch before lowering (its `--baseline`)",
+        "quantized (simulated)",
+        artifacts="converted .pt2 programs",
+        **_EXECUTORCH,
+    ),
+)

@@ -1,0 +1,144 @@
+"""What a built-in runtime is, as a type: `RuntimeSpec` and its facets.
+
+A runtime family (replayer/runtimes/*_spec.py, */spec.py) declares its rows with these types and
+nothing else; the registry (registry.py) discovers the families, parses `--runtime` and checks a
+choice against its row. A facet is one thing a runtime may have, typed, so that what the
+command line, the replay driver and the docs do with it is written once:
+
+- `Export`: the artifacts it builds, written by `trace export --runtime NAME -o OUT` (and the
+  family's `trace export-*` alias);
+- `FileInput`: a file of the user's it runs (`--gguf FILE`): the option, the check of its header
+  before the model loads, and how the file reaches the engine;
+- `Baseline`: the run whose trace is its natural `--baseline` (a runtime, or the static runtime
+  on the weights of RUN's own file);
+- tokens-only (a capture map without rows) and `recipe` (a quantized runtime a precision recipe
+  can vary).
+
+Nothing here imports torch or an engine: the command line reads the rows before anything heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import captures as C
+
+
+@dataclass(frozen=True)
+class Export:
+    """`trace export --runtime NAME -o OUT`: what the runtime's artifacts are and which of the
+    command's options its builder takes. `function` ("module:function") is called with an
+    `ExportRequest` and returns the summary line."""
+
+    alias: str  # the family's own command, kept: "export-onnx"
+    function: str
+    output: str  # what -o names: "folder for prefill.onnx and decode.onnx"
+    doing: str  # the progress line's words while it builds: "exporting the ONNX graphs"
+    file: bool = False  # -o is one file (a GGUF), not a folder
+    max_seq: bool = True  # needs --max-seq (the static length of its graphs)
+    prefill_chunk: bool = False  # takes --prefill-chunk
+    calibrate: bool = False  # takes --calibrate REF.h5 (the prompt a quantized build calibrates on)
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """One export, as `trace export` (or an alias) parsed it: handed to `Export.function`."""
+
+    model_dir: str | None
+    runtime: str  # the row's name (with its :TYPE where it takes one)
+    type: str | None  # the :TYPE, for a runtime with types
+    out: str
+    force: bool = False
+    max_seq: int | None = None
+    prefill_chunk: int | None = None
+    calibration_prompt: tuple | None = None  # (ids, extra inputs) of --calibrate's REF
+
+    def basics(self) -> tuple:
+        """(model_dir, runtime, max_seq, out, force): what every builder reads."""
+        return self.model_dir, self.runtime, self.max_seq, self.out, self.force
+
+
+@dataclass(frozen=True)
+class FileInput:
+    """A file of the user's that a runtime runs instead of the tool's own conversion.
+
+    `check` ("module:function") reads the file's header within bounds before any model loads:
+    `check(path) -> header` or one line; `create` ("module:function") hands it to the engine:
+    `create(loaded, max_seq, header, allow_config_mismatch, base) -> runtime`, where `base()`
+    makes the row's own runtime (for a file that only brings weights). The header's config is
+    compared with REF's checkpoint there, a difference refused unless --allow-config-mismatch."""
+
+    option: str  # "--gguf"
+    runtime: str  # the row that runs it
+    what: str  # "a GGUF file" (in refusals)
+    help: str
+    check: str
+    create: str
+    extra: str | None = None  # the pip extra its reader needs
+    needs: tuple[str, ...] = ()  # modules its reader and engine need
+    weightless: bool = True  # the engine never computes with HF's weights: the model loads without them
+    float32_only: bool = False  # replays against float32 references only
+
+    @property
+    def dest(self) -> str:
+        """The option's keyword: "--weights-from" -> "weights_from"."""
+        return self.option.lstrip("-").replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The run whose trace is a runtime's natural `--baseline`: `runtime`, on the weights of RUN's
+    own file when `weights` names the file input that takes them (llama.cpp: the static runtime
+    with --weights-from the GGUF)."""
+
+    runtime: str
+    weights: str | None = None
+
+    def __str__(self) -> str:
+        return self.runtime + (f" {self.weights}" if self.weights else "")
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """What one built-in runtime is, needs and can do."""
+
+    name: str  # the --runtime name ("llama.cpp"; with `types`, "llama.cpp:Q8_0" too)
+    # (third_party below: an adapter to another project's engine, whose failures are one line naming
+    # the adapter's code, as a plug-in's are; the project's own runtimes' failures are its bugs)
+    factory: str  # "module:function", imported only when the runtime is made
+    what: str  # what runs (the README table's second column)
+    precision: str
+    extra: str | None = None  # the pip extra that installs what it needs
+    needs: tuple[str, ...] = ()  # importable modules it needs (checked with importlib.util.find_spec)
+    tools: tuple[tuple[str, str], ...] = ()  # (program on PATH it needs, how to install it)
+    types: tuple[str, ...] = ()  # ":TYPE" suffixes it takes; the first is the default (and a recipe's float)
+    float_types: tuple[str, ...] = ()  # those of its types that do not quantize
+    isolation: bool = False  # continues with the tensors the probe returns (--isolate)
+    text_only: bool = False  # takes token ids only: an image prompt is refused before the model loads
+    float32_only: bool = False  # a bfloat16 REF is refused before the model loads
+    cpu_only: bool = False  # --device cuda is refused before the model loads
+    weightless: bool = False  # never computes with HF's weights: the model is built without them
+    profile: str | None = None  # its float tolerance profile (diff/profiles/NAME.toml), where its kernels need one
+    export: Export | None = None  # the artifacts `trace export --runtime NAME` writes
+    artifacts: str = ""  # what it builds (kept in the artifact cache)
+    doc: str | None = None  # its docs page
+    # a quantized runtime a precision recipe (trace precision) can vary: "module:function" making it
+    # with the recipe's units at their precisions, (loaded, max_seq, choice, units) -> runtime
+    recipe: str | None = None
+    baseline: Baseline | None = None  # the run whose trace is its natural --baseline
+    third_party: bool = True  # False: the project's own runtime (static and its quantized variants)
+    # what its adapter reads from its engine, as which kinds (captures.py): what it captures is derived from it
+    capture_map: C.CaptureMap = field(kw_only=True)
+
+    @property
+    def not_captured(self) -> tuple[str, ...]:
+        """The canonical kinds it cannot expose (absent, never zeros): those its capture map lacks."""
+        return self.capture_map.not_captured()
+
+    @property
+    def tokens_only(self) -> bool:
+        """An engine that gives the chosen token alone (text out): no logits, no tensor kinds."""
+        return not self.capture_map.rows
+
+    def kinds_text(self) -> str:
+        return self.capture_map.text()
