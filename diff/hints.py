@@ -1,6 +1,6 @@
 """Likely causes: does the first divergence look like a known Gemma 4 porting bug?
 
-Each signature is one known bug class (tests/bug_zoo.py, tests/quant_bugs.py, docs/bug-zoo.md)
+Each signature is one known bug class (tests/support/bug_zoo.py, tests/support/quant_bugs.py, docs/bug-zoo.md)
 decided from the numbers alone: the first divergence's kind, step, layer and position, the
 layer's metadata (type, KV role and source), and a bounded look at the rows around it in both
 traces (mask key sets, RoPE rows, per-row errors, zero rows, the logits against the

@@ -1,4 +1,4 @@
-"""Regenerate docs/bug-zoo.md: replay every bug of tests/bug_zoo.py and copy what `trace diff` says.
+"""Regenerate docs/bug-zoo.md: replay every bug of tests/support/bug_zoo.py and copy what `trace diff` says.
 
     python scripts/bug_zoo_report.py            # writes docs/bug-zoo.md
     python scripts/bug_zoo_report.py --stdout   # prints it instead
@@ -21,14 +21,14 @@ sys.path.insert(0, str(ROOT))
 from gemma4_trace.diff import diff_traces, format_text  # noqa: E402
 from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
 from gemma4_trace.traces.errors import TraceToolError  # noqa: E402
-from tests.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, runtime_spec  # noqa: E402
+from tests.support.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, runtime_spec  # noqa: E402
 
 DOC = ROOT / "docs" / "bug-zoo.md"
 KEPT = "\n## Likely causes"  # the doc's hand-written tail from this heading on is kept (tests/test_hints.py)
 
 HEADER = """# The bug zoo: what `trace diff` says about known Gemma 4 porting bugs
 
-`tests/bug_zoo.py` holds runtimes derived from the static runtime through the public
+`tests/support/bug_zoo.py` holds runtimes derived from the static runtime through the public
 plug-in API (docs/runtime-api.md), each with ONE bug from the classes seen in a real
 static Gemma 4 port. `tests/test_bug_zoo.py` checks that the first divergence is exactly
 where each bug starts (step, layer, kind and position derived from the model and prompt,
@@ -36,7 +36,7 @@ not from the tool's output), and that `trace diff` exits 1 and never claims a ma
 
 Try one:
 
-    trace replay traces/golden/short.h5 --runtime tests.bug_zoo:make_no_softcap -o run.h5
+    trace replay traces/golden/short.h5 --runtime tests.support.bug_zoo:make_no_softcap -o run.h5
     trace diff traces/golden/short.h5 run.h5
 
 References: `short`, `window`, `image` are the golden traces in traces/golden/ (13-token

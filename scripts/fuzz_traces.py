@@ -13,7 +13,7 @@ attribute, an attribute of the wrong type, a dataset rewritten with another shap
 values, a dangling link; or a hostile class (links, external storage, bombs, deep trees, huge
 attributes). A third of the cases (--tower-share; a draw of its own, so the other cases are the
 mutations they always were) start from a version-2 trace with a vision and an audio tower instead
-(written by tests/synth.py) and apply a tower class: the towers/<tower> attributes and item
+(written by tests/support/synth.py) and apply a tower class: the towers/<tower> attributes and item
 datasets, the tensors/<tower>/ layout, the schema version, the model config's sub-configs and
 token ids (see TOWER); those that change nothing else must be refused or read as the format says.
 The allowed outcomes are exit 0 or 2 for `show`, 0, 1 or 2 for
@@ -585,7 +585,7 @@ HOSTILE = {
 
 # ---------------------------------------------------------------- version 2: encoder towers (issue 49)
 # A share of the cases (TOWER_SHARE, drawn from a stream of its own, so every other case is the
-# mutation it always was) starts from a version-2 trace instead of the golden: tests/synth.py's
+# mutation it always was) starts from a version-2 trace instead of the golden: tests/support/synth.py's
 # writer with a two-image vision tower and a one-clip audio tower, their sub-configs and token ids
 # in the model config, the prompt holding their soft tokens. Such a case applies one TOWER class
 # below (alone, or with one damage or hostile class), or the classes above alone. A TOWER class
@@ -626,7 +626,7 @@ def tower_golden(path: Path) -> Path:
     if "bytes" in _TOWER_GOLDEN:
         path.write_bytes(_TOWER_GOLDEN["bytes"])
         return path
-    from tests import synth
+    from tests.support import synth
 
     ids = dict(TOKEN_IDS.values())
     sizes = {"hidden_size": synth.HIDDEN, "vocab_size": synth.VOCAB}  # so the text widths are bounded too

@@ -3,9 +3,9 @@
     python scripts/screenshot_report.py OUT_DIR [--chromium chromium]
 
 On the embedded tiny model (CPU, a few minutes): records ref.h5, replays an int8 BASE
-(`static-w8`), an int8 RUN with a planted bug (tests/quant_bugs.py: the per-layer inputs of the
+(`static-w8`), an int8 RUN with a planted bug (tests/support/quant_bugs.py: the per-layer inputs of the
 first decode step reused by every later step) and a float RUN with a planted bug
-(tests/bug_zoo.py: decode attends to one key too few), writes three reports and their PNGs:
+(tests/support/bug_zoo.py: decode attends to one key too few), writes three reports and their PNGs:
 
     quant.html / quant.png                  the int8 RUN against the float tolerances
     quant-baseline.html / quant-baseline.png  the same with --baseline base.h5 (the second map)
@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-QUANT_BUG = "tests.quant_bugs:make_stale_ple_in_decode__static_w8"
-FLOAT_BUG = "tests.bug_zoo:make_decode_slice_short"
+QUANT_BUG = "tests.support.quant_bugs:make_stale_ple_in_decode__static_w8"
+FLOAT_BUG = "tests.support.bug_zoo:make_decode_slice_short"
 CHROMIUM_FLAGS = [
     "--headless",
     "--no-sandbox",

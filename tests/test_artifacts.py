@@ -6,7 +6,7 @@ import os
 import pytest
 
 from gemma4_trace.replayer import artifacts as A
-from tests.support import invoke
+from tests.support.cli import invoke
 
 KEY = {"model": "m0", "max_seq": 16}
 
@@ -186,7 +186,7 @@ def test_an_unwritable_cache_folder_is_one_line(tmp_path):
 def test_replay_with_an_unwritable_cache_is_one_line(tmp_path):
     pytest.importorskip("onnxruntime")
     from gemma4_trace.recorder.golden import golden_path
-    from tests.support import one_line_error
+    from tests.support.cli import one_line_error
 
     (tmp_path / "file").write_text("x")
     res = invoke(

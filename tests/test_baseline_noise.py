@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from gemma4_trace.diff import diff_traces, format_text
-from tests.support import site_of
-from tests.synth import write_trace
+from tests.support.cli import site_of
+from tests.support.synth import write_trace
 
 NOISE = 1e-5  # every float row of BASE and RUN, relative to the row's RMS (inside the float32 tolerance)
 FLIP = 0.5  # a "near-tie flip": one row's attn_out moved by half its norm

@@ -14,8 +14,8 @@ from gemma4_trace.recorder.record import record_trace
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceCorruptError
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke
-from tests.synth import write_trace
+from tests.support.cli import invoke
+from tests.support.synth import write_trace
 
 
 @pytest.fixture(scope="module")

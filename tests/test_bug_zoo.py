@@ -1,4 +1,4 @@
-"""The bug zoo (tests/bug_zoo.py): `trace diff` must put the first divergence exactly where
+"""The bug zoo (tests/support/bug_zoo.py): `trace diff` must put the first divergence exactly where
 each known Gemma 4 porting bug starts, and say so (exit 1, never "match").
 
 Every expected (step, layer, kind, position) is derived here from the model's structure
@@ -20,8 +20,8 @@ from gemma4_trace.replayer.replay import default_max_seq, replay_trace
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
-from tests.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, replayed_zoo, runtime_spec
-from tests.support import invoke, one_line_error, site_of
+from tests.support.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, replayed_zoo, runtime_spec
+from tests.support.cli import invoke, one_line_error, site_of
 
 
 @pytest.fixture(scope="module")

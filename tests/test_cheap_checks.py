@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from gemma4_trace.recorder import golden
-from tests.support import invoke, one_line_error
+from tests.support.cli import invoke, one_line_error
 
 REF = str(golden.golden_path("short"))
 
@@ -33,7 +33,7 @@ def no_model(monkeypatch):
 
 
 def _refused(args, needle, tmp_path):
-    """`trace ARGS -o OUT`: the shared check of a refusal (tests/support.py), nothing written at OUT."""
+    """`trace ARGS -o OUT`: the shared check of a refusal (tests/support/cli.py), nothing written at OUT."""
     out = tmp_path / "out.h5"
     return one_line_error(invoke(*args, "-o", out), needle, out=out)
 

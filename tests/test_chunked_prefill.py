@@ -14,7 +14,7 @@ from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.replayer.runtime import StaticGemma4Runtime
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke, one_line_error
+from tests.support.cli import invoke, one_line_error
 
 
 @pytest.mark.parametrize(

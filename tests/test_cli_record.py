@@ -9,8 +9,8 @@ import time
 import pytest
 
 from gemma4_trace.traces import TraceReader
-from tests import tiny_models
-from tests.support import invoke, one_line_error
+from tests.support import tiny_models
+from tests.support.cli import invoke, one_line_error
 
 pytestmark = pytest.mark.slow  # records interrupted by signals in subprocesses; make test-fast skips it
 

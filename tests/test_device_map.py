@@ -11,7 +11,7 @@ import torch
 from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.recorder import golden
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke, one_line_error
+from tests.support.cli import invoke, one_line_error
 
 pytest.importorskip("accelerate")
 
@@ -69,7 +69,7 @@ def test_replay_on_cuda_matches(tmp_path):
 @pytest.mark.parametrize("max_memory", [None, "cpu=20KB"], ids=["one-device", "disk"])
 def test_text_only_checkpoint_records_with_device_map(tmp_path, max_memory):
     """Gemma4ForCausalLM: a model that fits on one device is not dispatched (no hf_device_map)."""
-    from tests import tiny_models
+    from tests.support import tiny_models
 
     model = tiny_models.build(tmp_path / "m", "base")
     args = ["record", "--model", str(model), "--input-ids", "2,10,11,12", "--max-new-tokens", "3"]

@@ -12,9 +12,9 @@ import gemma4_trace.diff.blocks as diff_blocks
 from gemma4_trace.diff import diff_traces, format_text, load_tolerances, render_html, write_html
 from gemma4_trace.diff.result import Skipped
 from gemma4_trace.traces import TraceToolError
-from tests.diff_fixtures import chain
-from tests.support import site_of
-from tests.synth import LAYERS, WINDOW, write_trace
+from tests.support.cli import site_of
+from tests.support.diff_fixtures import chain
+from tests.support.synth import LAYERS, WINDOW, write_trace
 
 
 def plant(**where):

@@ -8,8 +8,8 @@ from html.parser import HTMLParser
 
 import pytest
 
-from tests.support import invoke, one_line_error
-from tests.synth import LAYERS, write_trace
+from tests.support.cli import invoke, one_line_error
+from tests.support.synth import LAYERS, write_trace
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """`trace diff` output on golden-derived pairs is byte-identical to the checked-in fixtures.
 
 The fixtures (tests/data/diff/) were written by the diff code before its dicts became
-dataclasses, so JSON consumers see the same keys and values; see tests/diff_fixtures.py
+dataclasses, so JSON consumers see the same keys and values; see tests/support/diff_fixtures.py
 for how the candidate traces are made and how paths are kept stable. Regenerated once on
 purpose when the report gained logit metrics, per-step jumps from the embeddings, the
 "not compared" status and the reference-as-free-running note (issue 11).
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.diff_fixtures import CASES, expected_path, run_case
+from tests.support.diff_fixtures import CASES, expected_path, run_case
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

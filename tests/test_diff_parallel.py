@@ -13,8 +13,8 @@ from gemma4_trace.diff.core import compare
 from gemma4_trace.diff.logits import _step_metrics, step_metrics
 from gemma4_trace.diff.metrics import row_sums
 from gemma4_trace.recorder import golden
-from tests.diff_fixtures import CASES, copy_trace, expected_path, noise, run_case, set_at
-from tests.support import invoke, one_line_error
+from tests.support.cli import invoke, one_line_error
+from tests.support.diff_fixtures import CASES, copy_trace, expected_path, noise, run_case, set_at
 
 
 @pytest.mark.parametrize("name", ["numeric", "mask", "nonfinite", "token", "shape", "image_numeric", "missing"])

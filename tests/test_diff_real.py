@@ -5,7 +5,7 @@ import pytest
 from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.recorder import golden
 from gemma4_trace.recorder.record import record_trace
-from tests.support import site_of
+from tests.support.cli import site_of
 
 
 @pytest.fixture(scope="module")

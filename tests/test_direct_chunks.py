@@ -15,7 +15,7 @@ from benchmarks.writer_variants import before
 from gemma4_trace.traces import chunks, writer
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.reader import TraceReader
-from tests.synth import write_trace
+from tests.support.synth import write_trace
 
 
 def _filtered(tmp_path, data: np.ndarray) -> h5py.Dataset:

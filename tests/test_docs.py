@@ -8,10 +8,10 @@ is an error: write it with prompts). Blocks of output only, TOML and Python are 
 
 Each document runs in its own temporary folder, in document order, on the embedded model;
 the folder links the repository's traces/, tests/, hf/, benchmarks/, scripts/ and docs/ so
-the docs' relative paths work, PYTHONPATH is the repository root (`tests.bug_zoo:...`
+the docs' relative paths work, PYTHONPATH is the repository root (`tests.support.bug_zoo:...`
 plug-ins import), this interpreter's environment is first on PATH and GEMMA4_TRACE_CACHE is an
 empty folder of that document (no artifact converted by an earlier document is "cached"). `trace` there is the
-console script's `main()` run in a process forked from a warm one (tests/docs_trace_server.py:
+console script's `main()` run in a process forked from a warm one (tests/support/docs_trace_server.py:
 each command its own process, without the 2 s of imports); GEMMA4_DOCS_REAL_TRACE=1 runs the
 environment's own `trace` instead.
 A command must exit 0, 1 for a `trace diff` that reports a divergence (or a `trace sweep` in
@@ -249,7 +249,7 @@ def trace_bin(tmp_path_factory):
     d = tmp_path_factory.mktemp("trace-bin")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     srv = subprocess.Popen(
-        [sys.executable, "-m", "tests.docs_trace_server", str(d / "s"), str(d)],
+        [sys.executable, "-m", "tests.support.docs_trace_server", str(d / "s"), str(d)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -12,7 +12,7 @@ from gemma4_trace.traces import (
     TraceWriter,
     schema,
 )
-from tests.synth import LAYERS, write_trace
+from tests.support.synth import LAYERS, write_trace
 
 
 def test_golden_kind_names_in_dataflow_order():
@@ -127,7 +127,7 @@ def test_existing_output_kept_without_force_and_after_failed_force(tmp_path):
 def test_rows_must_match_positions(tmp_path):
     with pytest.raises(ValueError, match="rows for"):
         with TraceWriter(tmp_path / "t.h5") as w:
-            from tests.synth import provenance
+            from tests.support.synth import provenance
 
             w.write_header(
                 TraceHeader(Provenance.from_dict(provenance()), [1, 2, 3], LAYERS, max_new_tokens=1, eos_token_ids=[1])

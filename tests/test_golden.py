@@ -88,7 +88,7 @@ def pytester(_gemma4_imported, pytester):
 
 
 def test_plugin_cases_one_item_per_golden(pytester):
-    pytester.makepyfile(test_bad=CASE_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"))
+    pytester.makepyfile(test_bad=CASE_TEST.format(runtime="tests.support.plugin_runtime:make_no_softcap"))
     res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-v")
     res.assert_outcomes(failed=len(golden.GOLDENS))  # the soft-cap bug shows in every golden
     res.stdout.fnmatch_lines(
@@ -102,7 +102,7 @@ def test_plugin_cases_one_item_per_golden(pytester):
 def test_plugin_passes_a_correct_runtime_and_fails_a_buggy_one(pytester):
     pytester.makepyfile(test_ok=USER_TEST.format(runtime="static"))
     pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
-    pytester.makepyfile(test_bad=USER_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"))
+    pytester.makepyfile(test_bad=USER_TEST.format(runtime="tests.support.plugin_runtime:make_no_softcap"))
     res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "test_bad.py")
     res.assert_outcomes(failed=1)
     res.stdout.fnmatch_lines(
@@ -186,8 +186,8 @@ def test_plugin_escapes_golden_names(pytester, tmp_path):
     evil = "short\x1b]0;owned\x07\x1b[2J"
     shutil.copy(golden.golden_path("short"), folder / f"{evil}.h5")
     pytester.makepyfile(
-        test_bad=USER_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"),
-        test_case=CASE_TEST.format(runtime="tests.plugin_runtime:make_no_softcap"),
+        test_bad=USER_TEST.format(runtime="tests.support.plugin_runtime:make_no_softcap"),
+        test_case=CASE_TEST.format(runtime="tests.support.plugin_runtime:make_no_softcap"),
     )
     res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-v", "--golden-dir", str(folder))
     res.assert_outcomes(failed=2)

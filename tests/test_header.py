@@ -13,8 +13,8 @@ import pytest
 
 from gemma4_trace.recorder.golden import golden_path
 from gemma4_trace.traces import Provenance, TraceHeader, TraceReader
-from tests.diff_fixtures import copy_trace
-from tests.synth import LAYERS, provenance
+from tests.support.diff_fixtures import copy_trace
+from tests.support.synth import LAYERS, provenance
 
 
 @pytest.mark.parametrize("name", ["short", "image"])

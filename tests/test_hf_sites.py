@@ -26,7 +26,7 @@ def embedded():
 @pytest.fixture(scope="module")
 def text_only(tmp_path_factory):
     from gemma4_trace.hf.model import load_model
-    from tests.tiny_models import build
+    from tests.support.tiny_models import build
 
     return load_model(build(tmp_path_factory.mktemp("text_only")))
 
@@ -84,7 +84,7 @@ def test_the_encoder_towers_are_where_the_table_places_them(embedded):
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    from tests.tiny_models import BASE_TEXT, VISION
+    from tests.support.tiny_models import BASE_TEXT, VISION
 
     vision = S.TOWERS[S.VISION]
     assert type(S.tower_model(embedded.model, S.VISION)).__name__ == "Gemma4VisionModel"

@@ -1,7 +1,7 @@
 """Likely causes (diff/hints.py): each hint fires on its own zoo bug and on no other zoo entry.
 
-Every entry of the float zoo (tests/bug_zoo.py) and of the quantized zoo on the embedded model
-(tests/quant_bugs.py, both weight schemes, judged with --baseline as tests/test_quant_bugs.py
+Every entry of the float zoo (tests/support/bug_zoo.py) and of the quantized zoo on the embedded model
+(tests/support/quant_bugs.py, both weight schemes, judged with --baseline as tests/test_quant_bugs.py
 does) is replayed once and diffed; its hint must be exactly the one expected for its bug class
 (None where no signature applies), so a hint firing on another entry fails that entry. The
 byte-identical fixtures (tests/test_diff_json_stable.py) hold that no planted numeric, mask,
@@ -19,8 +19,8 @@ from gemma4_trace.diff import diff_traces, format_text, render_html
 from gemma4_trace.diff import hints as H
 from gemma4_trace.diff.fmt import sci
 from gemma4_trace.replayer.replay import replay_trace
-from tests.bug_zoo import BUGS, reference_path, replayed_zoo
-from tests.support import invoke
+from tests.support.bug_zoo import BUGS, reference_path, replayed_zoo
+from tests.support.cli import invoke
 
 # zoo entry -> the hint it must get (None: no signature applies; docs/bug-zoo.md says why)
 FLOAT = {
@@ -52,7 +52,7 @@ BASELINE_FACTOR = 1.5  # as tests/test_quant_bugs.py: BASE is the same simulated
 
 
 def test_every_zoo_entry_has_an_expectation():
-    from tests.quant_bugs import BUGS as QUANT_BUGS
+    from tests.support.quant_bugs import BUGS as QUANT_BUGS
 
     assert set(FLOAT) == set(BUGS) and set(QUANT) == set(QUANT_BUGS)
     assert set(FLOAT.values()) | set(QUANT.values()) == set(H.NAMES) | {None}  # every hint is tested
@@ -84,7 +84,7 @@ def test_float_zoo_hint(zoo, bug):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_quantized_zoo_hints(workdir, scheme):
     pytest.importorskip("torchao")
-    from tests.quant_bugs import runtime_spec as quant_spec
+    from tests.support.quant_bugs import runtime_spec as quant_spec
 
     ref = reference_path("prompt5", workdir)
     base = workdir / f"base-{scheme}.h5"

@@ -1,4 +1,4 @@
-"""`trace import`: dumps of the static runtime (tests/dump_fixture.py, one layout per kind)
+"""`trace import`: dumps of the static runtime (tests/support/dump_fixture.py, one layout per kind)
 import to a trace equal to a direct replay; a planted bug is localised exactly; bad maps
 and files are one line, exit 2, naming the file."""
 
@@ -15,7 +15,7 @@ from gemma4_trace.importer import import_dump
 from gemma4_trace.recorder.golden import golden_path
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke, one_line_error, site_of
+from tests.support.cli import invoke, one_line_error, site_of
 
 GOLDEN = golden_path("short")  # 13 prompt tokens, 3 steps
 
@@ -27,7 +27,7 @@ def _dump(folder, bug=None):
     if bug:
         os.environ["GEMMA4_TRACE_DUMP_BUG"] = bug
     try:
-        replay_trace(GOLDEN, folder / "tee.h5", runtime="tests.dump_fixture:make_dumper")
+        replay_trace(GOLDEN, folder / "tee.h5", runtime="tests.support.dump_fixture:make_dumper")
     finally:
         for k, v in old.items():
             if v is None:

@@ -1,5 +1,5 @@
 """`trace import` of encoder kinds (docs/import.md, "Encoder towers"): a dump of a synthetic
-version-2 trace (tests/synth.py: a two-image vision tower of 2 layers, 6 + 3 patches, 2 + 1 soft
+version-2 trace (tests/support/synth.py: a two-image vision tower of 2 layers, 6 + 3 patches, 2 + 1 soft
 tokens) imports back to a trace `trace diff` finds equal to it, one changed encoder row is found
 at its layer and patch, and bad maps and files are one line, exit 2, nothing written."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.reader import TraceReader
-from tests import synth
-from tests.support import invoke, one_line_error
+from tests.support import synth
+from tests.support.cli import invoke, one_line_error
 
 TOWERS = dict(towers=(synth.VISION,), config=synth.vision_config())
 PAD = 16  # the patch embeddings are dumped padded to this many rows

@@ -1,5 +1,5 @@
 """The plug-in API when things go wrong (issue 12, section 4), with the plug-ins of
-tests/crashy_runtime.py on the embedded model's golden traces.
+tests/support/crashy_runtime.py on the embedded model's golden traces.
 
 - a plug-in's exception is one line naming the plug-in's file:line and what the step had
   reported before it ("after layer 4 q"); --debug / GEMMA4_TRACE_DEBUG=1 print the chained traceback;
@@ -21,19 +21,19 @@ import pytest
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceCorruptError
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke, one_line_error, site_of
+from tests.support.cli import invoke, one_line_error, site_of
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "traces" / "golden" / "short.h5"
 IMAGE = ROOT / "traces" / "golden" / "image.h5"
-PLUGIN = "tests.crashy_runtime"
-SOURCE = (ROOT / "tests" / "crashy_runtime.py").read_text().splitlines()
+PLUGIN = "tests.support.crashy_runtime"
+SOURCE = (ROOT / "tests" / "support" / "crashy_runtime.py").read_text().splitlines()
 
 
 def site(marker: str) -> str:
-    """'tests/crashy_runtime.py:N' of the line carrying `marker`."""
+    """'tests/support/crashy_runtime.py:N' of the line carrying `marker`."""
     n = next(i for i, line in enumerate(SOURCE, 1) if marker in line)
-    return f"tests/crashy_runtime.py:{n}"
+    return f"tests/support/crashy_runtime.py:{n}"
 
 
 @pytest.fixture(autouse=True)
@@ -256,7 +256,10 @@ def test_mask_divergence_names_the_image_block(tmp_path):
     assert d["n_blocked_in_run_allowed_in_ref"] == last - first
     # a text prompt's mask divergence names no image
     text_run = tmp_path / "text.h5"
-    assert invoke("replay", GOLDEN, "--runtime", "tests.bug_zoo:make_window_off_by_one", "-o", text_run).exit_code == 0
+    assert (
+        invoke("replay", GOLDEN, "--runtime", "tests.support.bug_zoo:make_window_off_by_one", "-o", text_run).exit_code
+        == 0
+    )
     d = json.loads(invoke("diff", GOLDEN, text_run, "--json").output)["first_divergence"]
     assert d["kind"] == "mask" and "image_blocks" not in d and "= image" not in d["sentence"]
 

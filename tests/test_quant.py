@@ -27,9 +27,9 @@ from gemma4_trace.replayer.quant import (
 )
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.reader import TraceReader
-from tests import tiny_models
-from tests.bug_zoo import reference_path
-from tests.support import invoke, one_line_error, site_of
+from tests.support import tiny_models
+from tests.support.bug_zoo import reference_path
+from tests.support.cli import invoke, one_line_error, site_of
 
 pytest.importorskip("torchao")
 

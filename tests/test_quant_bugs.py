@@ -1,9 +1,9 @@
-"""Planted bugs on top of the quantized runtimes (tests/quant_bugs.py) are localised exactly
+"""Planted bugs on top of the quantized runtimes (tests/support/quant_bugs.py) are localised exactly
 under quantization noise: to the step, layer, kind and position where each starts, with
 tolerances calibrated from the quantized runtime alone; and that runtime alone is a match.
 
 Models: the embedded tiny model (window 8, prompt of 5: decode crosses the window) and two
-random variants of tests/tiny_models.py (k_eq_v; MoE), window 4. Every expected place is
+random variants of tests/support/tiny_models.py (k_eq_v; MoE), window 4. Every expected place is
 derived from the model's structure and REF's tokens, never from the tool's output.
 """
 
@@ -18,10 +18,10 @@ from gemma4_trace.diff.calibrate import write_calibration
 from gemma4_trace.recorder.record import record_trace
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.reader import TraceReader
-from tests import tiny_models
-from tests.bug_zoo import reference_path
-from tests.quant_bugs import BUGS, LOW_LAYER, WEIGHT_SCHEMES, runtime_spec
-from tests.support import site_of
+from tests.support import tiny_models
+from tests.support.bug_zoo import reference_path
+from tests.support.cli import site_of
+from tests.support.quant_bugs import BUGS, LOW_LAYER, WEIGHT_SCHEMES, runtime_spec
 from tests.test_bug_zoo import FIRST_ROPE_KIND, Facts
 
 pytestmark = pytest.mark.slow  # every quantized bug of the zoo replayed and diffed; make test-fast skips it

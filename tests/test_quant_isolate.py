@@ -13,9 +13,9 @@ from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
-from tests.bug_zoo import reference_path
-from tests.quant_bugs import LOW_LAYER, WEIGHT_SCHEMES, runtime_spec
-from tests.support import invoke, one_line_error
+from tests.support.bug_zoo import reference_path
+from tests.support.cli import invoke, one_line_error
+from tests.support.quant_bugs import LOW_LAYER, WEIGHT_SCHEMES, runtime_spec
 
 pytest.importorskip("torchao")
 
@@ -74,8 +74,10 @@ def test_low_precision_layer_ranks_first_when_isolated(ref, scheme):
 def test_isolate_is_refused_where_it_cannot_work(ref, tmp_path):
     out = tmp_path / "x.h5"
     with pytest.raises(TraceToolError, match="does not support --isolate"):
-        replay_trace(ref, out, runtime="tests.plugin_runtime:make_exported", isolate=True)
-    r = invoke("replay", str(ref), "--isolate", "--runtime", "tests.plugin_runtime:make_exported", "-o", str(out))
+        replay_trace(ref, out, runtime="tests.support.plugin_runtime:make_exported", isolate=True)
+    r = invoke(
+        "replay", str(ref), "--isolate", "--runtime", "tests.support.plugin_runtime:make_exported", "-o", str(out)
+    )
     one_line_error(r, "does not support --isolate")
     r = invoke("replay", str(ref), "--isolate", "--free-running", "-o", str(out))
     one_line_error(r, "--free-running")

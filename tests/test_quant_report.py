@@ -9,7 +9,7 @@ import pytest
 from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.recorder.record import record_trace
 from gemma4_trace.replayer.replay import replay_trace
-from tests.bug_zoo import reference_path, runtime_spec
+from tests.support.bug_zoo import reference_path, runtime_spec
 
 pytest.importorskip("torchao")
 
@@ -67,7 +67,7 @@ def test_a_second_reference_is_compared_as_free_running(tmp_path):
     """Two recordings of one prompt by two checkpoints of one config (random weights of two seeds),
     each fed its own tokens: their tokens differ, and after the first step whose token differs
     nothing is compared, with a note saying why."""
-    from tests import tiny_models
+    from tests.support import tiny_models
 
     refs = []
     for seed in (0, 1):

@@ -8,7 +8,7 @@ import torch
 from gemma4_trace.hf.model import load_model
 from gemma4_trace.recorder.record import PromptInputs, record_loaded
 from gemma4_trace.traces import TraceReader
-from tests import tiny_models
+from tests.support import tiny_models
 
 PROMPT = [2, 5, 9, 13, 7, 3]
 NEW = 12  # prompt 6 + 12 decode steps: crosses the window of 4 several times

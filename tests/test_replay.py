@@ -14,8 +14,8 @@ from gemma4_trace.recorder.record import record_trace
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
-from tests import tiny_models
-from tests.support import invoke, one_line_error
+from tests.support import tiny_models
+from tests.support.cli import invoke, one_line_error
 
 REL = 5e-5
 PROMPT = [2, 5, 9, 17, 33, 4, 8, 60, 61, 62, 11]  # 11 tokens, window 4: crossed several times
@@ -91,7 +91,7 @@ def test_cli_replay_and_plugin(recorded, tmp_path):
         "--model",
         str(model),
         "--runtime",
-        "tests.plugin_runtime:make_exported",
+        "tests.support.plugin_runtime:make_exported",
         "--free-running",
         "-o",
         str(run),
@@ -115,7 +115,7 @@ def test_cli_replay_and_plugin(recorded, tmp_path):
 def test_buggy_plugin_is_visible_in_logits_only(recorded, tmp_path):
     model, ref = recorded("base")
     run = tmp_path / "run.h5"
-    replay_trace(ref, run, model_dir=model, runtime="tests.plugin_runtime:make_no_softcap")
+    replay_trace(ref, run, model_dir=model, runtime="tests.support.plugin_runtime:make_no_softcap")
     with TraceReader(ref) as a, TraceReader(run) as b:
         assert np.allclose(a.read("final_hidden"), b.read("final_hidden"), rtol=1e-4, atol=1e-4)
         assert not np.allclose(a.read("logits"), b.read("logits"), rtol=1e-3, atol=1e-3)
@@ -141,11 +141,11 @@ def test_bad_inputs_exit_2_one_line(recorded, tmp_path):
     assert "exceeds --max-seq 16" in _fails([ref, "--model", model, "--max-seq", 16], out)
     msg = _fails([ref, "--model", model, "--runtime", "no_such_pkg_xyz.rt:make"], out)
     assert "cannot import runtime plug-in module 'no_such_pkg_xyz.rt'" in msg
-    msg = _fails([ref, "--model", model, "--runtime", "tests.plugin_runtime:make_nothing"], out)
+    msg = _fails([ref, "--model", model, "--runtime", "tests.support.plugin_runtime:make_nothing"], out)
     assert "has no 'make_nothing'" in msg
-    msg = _fails([ref, "--model", model, "--runtime", "tests.plugin_runtime:make_incomplete"], out)
+    msg = _fails([ref, "--model", model, "--runtime", "tests.support.plugin_runtime:make_incomplete"], out)
     assert "lacks decode" in msg
-    msg = _fails([ref, "--model", model, "--runtime", "tests.plugin_runtime:not_a_factory"], out)
+    msg = _fails([ref, "--model", model, "--runtime", "tests.support.plugin_runtime:not_a_factory"], out)
     assert "not callable" in msg
     assert "MODULE:FACTORY" in _fails([ref, "--model", model, "--runtime", "nonsense"], out)
 

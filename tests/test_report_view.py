@@ -1,6 +1,6 @@
 """What a user sees in a diff report (issue 21): "not compared" is never a number, `--full`
 reads every row, the heatmap's scale and frames. Candidates are goldens with seeded edits
-(tests/diff_fixtures.py), so the numbers do not depend on the CPU's kernels."""
+(tests/support/diff_fixtures.py), so the numbers do not depend on the CPU's kernels."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 from gemma4_trace.diff import diff_traces, format_text, render_html
 from gemma4_trace.diff.html import EXACT, NONFINITE, NOT_COMPARED, _Scale
 from gemma4_trace.recorder import golden
-from tests.diff_fixtures import chain, copy_trace, noise, set_at
-from tests.support import invoke
+from tests.support.cli import invoke
+from tests.support.diff_fixtures import chain, copy_trace, noise, set_at
 
 
 @pytest.fixture(scope="module")

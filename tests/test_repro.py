@@ -21,7 +21,7 @@ import torch
 from gemma4_trace.analysis.repro import write_repro
 from gemma4_trace.recorder.golden import GOLDEN_DIR
 from gemma4_trace.replayer.replay import replay_trace
-from tests.support import invoke, one_line_error
+from tests.support.cli import invoke, one_line_error
 
 REF = GOLDEN_DIR / "window.h5"  # prompt 13 > sliding window 8; decode to position 35
 SITE_PACKAGES = str(Path(torch.__file__).resolve().parents[1])
@@ -93,7 +93,7 @@ def test_repro_fails_when_ref_output_is_not_reproduced(tmp_path):
 
 
 def make_hostile_name_window_bug(loaded, max_seq):
-    from tests.bug_zoo import WindowOffByOne
+    from tests.support.bug_zoo import WindowOffByOne
 
     rt = WindowOffByOne(loaded, max_seq)
     rt.name = HOSTILE
@@ -129,11 +129,11 @@ def test_cli_repro_follows_a_baseline_and_reports_runs_excess_over_it(tmp_path):
     repro there); with it, the site is the bug's layer, BASE's layer_out is written beside RUN's,
     and repro.py prints RUN's excess over BASE, as the .npz files give it."""
     pytest.importorskip("torchao")
-    from tests.quant_bugs import LOW_LAYER
+    from tests.support.quant_bugs import LOW_LAYER
 
     base, run = tmp_path / "base.h5", tmp_path / "run.h5"
     replay_trace(REF, base, runtime="static-w8")
-    replay_trace(REF, run, runtime="tests.quant_bugs:make_low_precision_layer__static_w8")
+    replay_trace(REF, run, runtime="tests.support.quant_bugs:make_low_precision_layer__static_w8")
     plain = tmp_path / "plain"  # without --baseline: the quantization noise of the per-layer inputs is the site
     res = invoke("repro", str(REF), str(run), "-o", str(plain))
     assert res.exit_code == 0 and "per_layer_inputs at step 0" in res.output, res.output

@@ -1,7 +1,7 @@
 """`trace sensitivity` / `trace precision` / `trace replay --recipe` on the embedded model.
 
 The planted weak layer is the quant bug zoo's one-layer-at-lower-precision bug
-(tests.quant_bugs:make_low_precision_layer__static_w8: layer LOW_LAYER at int4, groups of
+(tests.support.quant_bugs:make_low_precision_layer__static_w8: layer LOW_LAYER at int4, groups of
 32, among int8 layers), written as a recipe; the recipe runtime is checked to be that bug
 bit for bit. Metrics are recomputed here with numpy from written traces.
 """
@@ -19,8 +19,8 @@ from gemma4_trace.recorder.golden import GOLDEN_DIR
 from gemma4_trace.replayer.replay import replay_trace
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
-from tests.quant_bugs import LOW_LAYER, runtime_spec
-from tests.support import invoke
+from tests.support.cli import invoke
+from tests.support.quant_bugs import LOW_LAYER, runtime_spec
 
 pytest.importorskip("torchao")
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke, one_line_error, site_of
+from tests.support.cli import invoke, one_line_error, site_of
 
 PROMPT = ["--input-ids", "2,100,101,102,103,104,105,106,107,108,109", "--max-new-tokens", 5]
 ROW_KINDS = ("mask", "q", "attn_out", "layer_out")
@@ -74,7 +74,7 @@ def test_diff_and_replay_leave_absent_rows_out(traces):
 def test_a_bug_in_the_sharing_layers_is_still_found(traces):
     """Reusing layers reading their own empty cache: found at prefill, layer 5, the last prompt position."""
     last, out = traces / "last.h5", traces / "bug.h5"
-    res = invoke("replay", last, "--runtime", "tests.bug_zoo:make_reuse_own_empty_cache", "-o", out)
+    res = invoke("replay", last, "--runtime", "tests.support.bug_zoo:make_reuse_own_empty_cache", "-o", out)
     assert res.exit_code == 0, res.output
     res = invoke("diff", last, out, "--json")
     assert res.exit_code == 1, res.output
@@ -95,7 +95,7 @@ def test_image_prompt_and_a_model_without_sharing(tmp_path):
     layers all own their K/V has nothing to leave out."""
     from PIL import Image
 
-    from tests import tiny_models
+    from tests.support import tiny_models
 
     img = tmp_path / "i.png"
     Image.new("RGB", (40, 30), (200, 30, 90)).save(img)

@@ -1,4 +1,4 @@
-"""The shared checks of tests/support.py can fail: each rule of one_line_error rejects what it must."""
+"""The shared checks of tests/support/cli.py can fail: each rule of one_line_error rejects what it must."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.support import invoke, one_line_error, site_of
+from tests.support.cli import invoke, one_line_error, site_of
 
 GOOD = "error: x.h5 is not a valid trace: no /meta\n"
 

@@ -14,7 +14,7 @@ import pytest
 
 from gemma4_trace.hf.model import embedded_model_dir
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke, one_line_error
+from tests.support.cli import invoke, one_line_error
 
 pytestmark = pytest.mark.slow  # a record, replays and a diff per prompt; make test-fast skips it
 
@@ -238,34 +238,6 @@ def test_ray_missing_is_refused_with_the_extra_to_install(tmp_path, monkeypatch)
     p.write_text("hello\n")
     one_line_error(invoke("sweep", p, "--runtime", "static", "--ray", "auto", "-o", tmp_path / "o"), "[cluster]", "ray")
     assert not (tmp_path / "o").exists()
-
-
-def test_prompt_files_read_only_what_they_name_inside_their_folder(tmp_path):
-    """A prompts file is untrusted: its images must be regular files inside its own folder (links
-    followed), and the file itself a bounded regular file; each refusal is one line, before work."""
-    import os
-
-    from gemma4_trace.hf.model import embedded_model_dir
-
-    d = tmp_path / "set"
-    d.mkdir()
-    outside = tmp_path / "outside.png"
-    outside.write_bytes((embedded_model_dir() / "example.png").read_bytes())
-    (d / "link.png").symlink_to(outside)
-    (d / "folder.png").mkdir()
-    cases = {
-        '{"text": "a", "image": "../outside.png"}': "outside the prompts file's folder",
-        f'{{"text": "a", "image": "{outside}"}}': "outside the prompts file's folder",
-        '{"text": "a", "image": "link.png"}': "outside the prompts file's folder",
-        '{"text": "a", "image": "folder.png"}': "not a regular file",
-    }
-    for line, needle in cases.items():
-        (d / "p.jsonl").write_text(line + "\n")
-        one_line_error(invoke("sweep", d / "p.jsonl", "--runtime", "static", "-o", tmp_path / "out"), "line 1", needle)
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)  # reading it would block for ever
-    one_line_error(invoke("sweep", fifo, "--runtime", "static", "-o", tmp_path / "out"), "not a regular file")
-    assert not (tmp_path / "out").exists()
 
 
 def test_a_pool_worker_told_to_stop_starts_no_further_prompt_and_finishes_its_clean_up(monkeypatch):

@@ -1,4 +1,4 @@
-"""A planted quantized bug (one layer's weights at int4 inside static-w8, tests/quant_bugs.py) shows in
+"""A planted quantized bug (one layer's weights at int4 inside static-w8, tests/support/quant_bugs.py) shows in
 a sweep's aggregates: every prompt's first divergence at that layer in the histogram, KL far above
 the quantized base's; the quantized base alone, judged against a coarser baseline, crosses nothing."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from tests.quant_bugs import LOW_LAYER, runtime_spec
-from tests.support import invoke
+from tests.support.cli import invoke
+from tests.support.quant_bugs import LOW_LAYER, runtime_spec
 from tests.test_sweep import subset_file
 
 pytestmark = pytest.mark.slow  # a record, replays and a diff per prompt; make test-fast skips it

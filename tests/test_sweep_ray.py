@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.support import invoke
+from tests.support.cli import invoke
 from tests.test_sweep import subset_file
 
 pytestmark = pytest.mark.slow  # a record, replays and a diff per prompt; make test-fast skips it

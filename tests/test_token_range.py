@@ -17,7 +17,7 @@ import pytest
 from gemma4_trace.recorder.golden import golden_path
 from gemma4_trace.traces import TraceReader
 from gemma4_trace.traces import schema as S
-from tests.support import invoke
+from tests.support.cli import invoke
 
 # 2^32: past the tokenizer's u32 ids; 10^6: a u32 the tokenizer does not know; the largest int64
 BAD_IDS = [2**32, 10**6, 2**63 - 1]

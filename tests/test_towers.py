@@ -1,7 +1,7 @@
 """Encoder towers in the trace (schema version 2): written and read back, refused when damaged,
 walked by the diff before the text tower, selected and tolerated by TOWER.KIND.
 
-The traces are synthetic (tests/synth.py: a two-image vision tower of 2 layers) written by the real
+The traces are synthetic (tests/support/synth.py: a two-image vision tower of 2 layers) written by the real
 writer; a text-only trace stays version 1 (tests/test_golden.py checks the goldens' content hashes).
 """
 
@@ -18,8 +18,8 @@ from gemma4_trace.traces import TraceReader, TraceWriter
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.selection import Selection
-from tests import synth
-from tests.support import invoke, one_line_error
+from tests.support import synth
+from tests.support.cli import invoke, one_line_error
 
 TOWERS = dict(towers=(synth.VISION,), config=synth.vision_config())
 

@@ -13,8 +13,8 @@ import pytest
 
 from gemma4_trace.traces import writer
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke
-from tests.synth import write_trace
+from tests.support.cli import invoke
+from tests.support.synth import write_trace
 
 
 def _writer_threads() -> list[threading.Thread]:
@@ -23,7 +23,7 @@ def _writer_threads() -> list[threading.Thread]:
 
 def _failing_write(monkeypatch, exc: BaseException, after: int = 2):
     """Make the writer thread's `after`+1-th write raise `exc`; return the threads that wrote."""
-    real, seen = writer._Series.write, []
+    real, seen = writer.Series.write, []
 
     def write(self, blocks, final=False):
         seen.append(threading.current_thread())
@@ -31,7 +31,7 @@ def _failing_write(monkeypatch, exc: BaseException, after: int = 2):
             raise exc
         return real(self, blocks, final)
 
-    monkeypatch.setattr(writer._Series, "write", write)
+    monkeypatch.setattr(writer.Series, "write", write)
     return seen
 
 
@@ -69,14 +69,14 @@ def test_writer_thread_error_is_raised_in_the_model_thread(tmp_path, monkeypatch
 
 def test_interrupt_while_the_writer_thread_writes_leaves_nothing(tmp_path, monkeypatch):
     busy, release = threading.Event(), threading.Event()
-    real = writer._Series.write
+    real = writer.Series.write
 
     def slow(self, blocks, final=False):
         busy.set()
         release.wait(10)
         return real(self, blocks, final)
 
-    monkeypatch.setattr(writer._Series, "write", slow)
+    monkeypatch.setattr(writer.Series, "write", slow)
     monkeypatch.setattr(writer, "MAX_CHUNK_ROWS", 1)
 
     def edit(kind, layer, step, rows):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke
+from tests.support.cli import invoke
 
 pytestmark = pytest.mark.slow  # exports, lowers or converts programs; make test-fast skips it
 
@@ -43,7 +43,7 @@ LAYER_OUTS = [f"L{i:02d}.layer_out" for i in range(N_LAYERS)]
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     from gemma4_trace.hf.model import load_model
-    from tests import tiny_models
+    from tests.support import tiny_models
 
     d = tmp_path_factory.mktemp("capture")
     S, F = tiny_models.S, tiny_models.F

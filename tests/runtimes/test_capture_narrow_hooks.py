@@ -14,7 +14,7 @@ from gemma4_trace.replayer.api import close_runtime
 from gemma4_trace.replayer.core import default_max_seq, make_runtime, read_reference
 from gemma4_trace.replayer.runtimes.registry import parse_runtime
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke
+from tests.support.cli import invoke
 
 pytestmark = pytest.mark.slow  # several engines per runtime; make test-fast skips it
 

@@ -15,7 +15,7 @@ import pytest
 from gemma4_trace.replayer import child as NC
 from gemma4_trace.traces.errors import TraceToolError
 
-ENGINE = "tests.runtimes.stream_engine:StreamEngine"
+ENGINE = "tests.support.stream_engine:StreamEngine"
 
 
 @pytest.fixture

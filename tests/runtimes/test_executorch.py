@@ -22,8 +22,8 @@ from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
 from gemma4_trace.replayer.runtimes import executorch as ET  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests import tiny_models  # noqa: E402
-from tests.support import invoke, one_line_error  # noqa: E402
+from tests.support import tiny_models  # noqa: E402
+from tests.support.cli import invoke, one_line_error  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, lowers or converts programs; make test-fast skips it
 

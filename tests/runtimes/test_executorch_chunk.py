@@ -22,14 +22,14 @@ from gemma4_trace.replayer.core import read_reference  # noqa: E402
 from gemma4_trace.replayer.ops import chunk_plan  # noqa: E402
 from gemma4_trace.replayer.runtime import StaticGemma4Runtime  # noqa: E402
 from gemma4_trace.replayer.runtimes import executorch as ET  # noqa: E402
-from tests.support import invoke, one_line_error  # noqa: E402
+from tests.support.cli import invoke, one_line_error  # noqa: E402
 
 PROMPT = [2, 17, 33, 40, 51, 60, 71]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tests import tiny_models
+    from tests.support import tiny_models
 
     S, F = tiny_models.S, tiny_models.F
     d = tmp_path_factory.mktemp("et-chunk")

@@ -19,7 +19,7 @@ from gemma4_trace.replayer.runtimes.llamacpp import gguf_writer as GW  # noqa: E
 from gemma4_trace.replayer.runtimes.llamacpp.runtime import GGUF_NAME, conversion_key  # noqa: E402
 from gemma4_trace.replayer.runtimes.registry import BY_NAME  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests.support import invoke, one_line_error, plant_gguf  # noqa: E402
+from tests.support.cli import invoke, one_line_error, plant_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, lowers or converts programs; make test-fast skips it
 
@@ -279,9 +279,9 @@ KQ_WIDTHS = dict(
 
 @pytest.fixture(scope="module")
 def kquant_model(tmp_path_factory):
-    """A random Gemma 4 (tests/tiny_models.py, no tokenizer) whose matrix widths are multiples of
+    """A random Gemma 4 (tests/support/tiny_models.py, no tokenizer) whose matrix widths are multiples of
     256, so llama.cpp's K-quants are really K-quants; two KV-sharing layers, the layout llama.cpp reads."""
-    from tests import tiny_models
+    from tests.support import tiny_models
 
     d = tmp_path_factory.mktemp("kquant")
     model = tiny_models.build(d / "model", num_kv_shared_layers=2, **KQ_WIDTHS)
@@ -333,9 +333,9 @@ def test_f32_of_a_second_model_matches_under_the_profile(tmp_path, kquant_model)
 
 
 def test_kv_sharing_llamacpp_cannot_express_is_refused_in_one_line(tmp_path):
-    """tests/tiny_models.py's base layout [S,S,F,S | F,S,F]: HF's layer 4 reads layer 2's K/V,
+    """tests/support/tiny_models.py's base layout [S,S,F,S | F,S,F]: HF's layer 4 reads layer 2's K/V,
     llama.cpp would read layer 3 (the last before the sharing ones), a sliding layer."""
-    from tests import tiny_models
+    from tests.support import tiny_models
 
     model = tiny_models.build(tmp_path / "model")
     res = invoke("export-gguf", "--model", str(model), "-o", str(tmp_path / "x.gguf"))

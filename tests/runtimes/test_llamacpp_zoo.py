@@ -12,7 +12,7 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip 
 from gemma4_trace.diff.tolerances import resolve_tolerances  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer.artifacts import CACHE_ENV  # noqa: E402
-from tests.support import invoke, one_line_error, plant_gguf  # noqa: E402
+from tests.support.cli import invoke, one_line_error, plant_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, lowers or converts programs; make test-fast skips it
 

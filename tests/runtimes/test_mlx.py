@@ -14,7 +14,7 @@ from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer.runtimes import mlx as M  # noqa: E402
 from gemma4_trace.traces.errors import TraceToolError  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests.support import float_differences, invoke, one_line_error  # noqa: E402
+from tests.support.cli import float_differences, invoke, one_line_error  # noqa: E402
 
 pytestmark = pytest.mark.slow  # loads a second engine per replay; make test-fast skips it
 

@@ -9,7 +9,7 @@ import pytest
 from gemma4_trace.recorder.golden import golden_path
 from gemma4_trace.replayer import artifacts
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke, one_line_error
+from tests.support.cli import invoke, one_line_error
 
 pytestmark = pytest.mark.slow  # exports, lowers or converts programs; make test-fast skips it
 

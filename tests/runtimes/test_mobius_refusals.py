@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from gemma4_trace.recorder.golden import golden_path
-from tests.support import invoke, one_line_error
+from tests.support.cli import invoke, one_line_error
 
 HAVE_MOBIUS = all(importlib.util.find_spec(m) for m in ("mobius", "onnxruntime", "onnx_ir"))
 

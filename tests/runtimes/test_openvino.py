@@ -16,7 +16,7 @@ from gemma4_trace.diff import diff_traces  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer.runtimes import openvino as V  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests.support import float_differences, invoke, one_line_error  # noqa: E402
+from tests.support.cli import float_differences, invoke, one_line_error  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, lowers or converts programs; make test-fast skips it
 

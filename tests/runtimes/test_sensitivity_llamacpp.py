@@ -17,8 +17,8 @@ from gemma4_trace.analysis.recipe import Recipe, load_recipe  # noqa: E402
 from gemma4_trace.hf.model import load_model  # noqa: E402
 from gemma4_trace.replayer.runtimes.llamacpp.gguf_mixed import MixedFiles, read_tensors  # noqa: E402
 from gemma4_trace.traces.errors import TraceToolError  # noqa: E402
-from tests.quant_bugs import LOW_LAYER  # noqa: E402
-from tests.support import invoke  # noqa: E402
+from tests.support.cli import invoke  # noqa: E402
+from tests.support.quant_bugs import LOW_LAYER  # noqa: E402
 from tests.test_sensitivity import REF, kl_top1  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, lowers or converts programs; make test-fast skips it

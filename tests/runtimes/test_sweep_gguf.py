@@ -13,7 +13,7 @@ pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[lla
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llamacpp]')")
 
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests.support import invoke, one_line_error  # noqa: E402
+from tests.support.cli import invoke, one_line_error  # noqa: E402
 
 pytestmark = pytest.mark.slow  # converts a GGUF and runs llama.cpp per prompt; make test-fast skips it
 

@@ -13,7 +13,7 @@ from gemma4_trace.diff import diff_traces  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests.support import invoke, one_line_error, site_of  # noqa: E402
+from tests.support.cli import invoke, one_line_error, site_of  # noqa: E402
 
 pytestmark = pytest.mark.slow  # TICO's own runtime on every golden; make test-fast skips it
 
@@ -73,7 +73,7 @@ def test_per_layer_kv_heads_config(tmp_path):
     # attention_k_eq_v: full layers have their own KV head count (per_layer_config); TICO 0.3.0
     # sizes every cache from the sliding layers' count unless the adapter sizes them per layer
     from gemma4_trace.recorder.record import record_trace
-    from tests import tiny_models
+    from tests.support import tiny_models
 
     model = tiny_models.build(tmp_path / "model", "k_eq_v", multimodal=True)
     ref, run, static = tmp_path / "ref.h5", tmp_path / "tico.h5", tmp_path / "static.h5"

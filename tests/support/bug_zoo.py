@@ -3,15 +3,16 @@
 Every factory `make_<bug>(loaded, max_seq)` is a plug-in for the public runtime API
 (docs/runtime-api.md), so
 
-    trace replay traces/golden/short.h5 --runtime tests.bug_zoo:make_zero_prefill_mask -o run.h5
+    trace replay traces/golden/short.h5 --runtime tests.support.bug_zoo:make_zero_prefill_mask -o run.h5
     trace diff traces/golden/short.h5 run.h5
 
 shows what the tool reports for that bug. Each runtime subclasses
 `replayer.runtime.StaticGemma4Runtime` and overrides one piece (a table built in
-`__init__`, or one of the hooks `_prefill_masks`, `_decode_masks`, `_write_kv`,
-`_read_kv`, `prepare_prefill`). The bug classes are those of "Bug classes seen in a real
-static Gemma 4 runtime" (docs/design.md); tests/test_bug_zoo.py checks that `trace diff`
-puts the first divergence exactly where each bug starts, docs/bug-zoo.md lists the reports.
+`__init__`, or one of the hooks `_prefill_masks`, `_decode_masks` (replayer/static_masks.py),
+`_write_kv`, `_read_kv` (replayer/static_kv.py), `prepare_prefill`). The bug classes are
+those of "Bug classes seen in a real static Gemma 4 runtime" (docs/design.md);
+tests/test_bug_zoo.py checks that `trace diff` puts the first divergence exactly where each
+bug starts, docs/bug-zoo.md lists the reports.
 
 `BUGS` maps each bug name to (factory name, reference, one line of what is wrong); the
 references are the golden traces or `prompt5`, a 5-token prompt with 8 new tokens
@@ -393,8 +394,8 @@ CRASHING = {
 
 
 def runtime_spec(bug: str) -> str:
-    """The --runtime value of a bug of BUGS or CRASHING: 'tests.bug_zoo:make_xxx'."""
-    return f"tests.bug_zoo:{(BUGS | CRASHING)[bug][0]}"
+    """The --runtime value of a bug of BUGS or CRASHING: 'tests.support.bug_zoo:make_xxx'."""
+    return f"tests.support.bug_zoo:{(BUGS | CRASHING)[bug][0]}"
 
 
 def replayed_zoo(workdir: Path):

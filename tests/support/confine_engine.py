@@ -1,4 +1,4 @@
-"""A child engine for tests/runtimes/test_confine.py: it does what a hostile file could make a
+"""A child engine for tests/trust/test_confinement.py: it does what a hostile file could make a
 native engine do (write a file, open a connection, allocate, spin) and reports what happened."""
 
 from __future__ import annotations

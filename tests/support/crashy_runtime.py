@@ -1,7 +1,7 @@
 """Runtime plug-ins that crash, or report only some rows, for tests/test_plugin_api.py.
 
 Each crashes at a line of THIS file that the one-line error must name ("at
-tests/crashy_runtime.py:N"), after reporting something the line must name too ("after
+tests/support/crashy_runtime.py:N"), after reporting something the line must name too ("after
 layer 4 q"). They wrap the static runtime, so everything before the crash is real.
 """
 

@@ -10,7 +10,7 @@ Paths in the output are stable because every case runs with the working folder s
 scratch folder holding `ref.h5` (a byte copy of the golden) and the candidate, named by
 relative path. Regenerate (only when the goldens or the report format change on purpose):
 
-    .venv/bin/python -m tests.diff_fixtures --update
+    .venv/bin/python -m tests.support.diff_fixtures --update
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import numpy as np
 from gemma4_trace.recorder import golden
 from gemma4_trace.traces import TraceReader, TraceWriter
 from gemma4_trace.traces import schema as S
-from tests.support import invoke
+from tests.support.cli import invoke
 
-DATA = Path(__file__).parent / "data" / "diff"
+DATA = Path(__file__).resolve().parents[1] / "data" / "diff"
 
 
 def copy_trace(src, dst, edit=None, mode=None, stop_after=None, omit=()):
@@ -213,6 +213,6 @@ if __name__ == "__main__":
     import tempfile
 
     if sys.argv[1:] != ["--update"]:
-        sys.exit("usage: python -m tests.diff_fixtures --update")
+        sys.exit("usage: python -m tests.support.diff_fixtures --update")
     with tempfile.TemporaryDirectory() as d:
         update(Path(d))

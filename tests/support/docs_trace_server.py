@@ -1,7 +1,7 @@
 """A warm `trace` for tests/test_docs.py: the docs' shell lines run as written, each `trace`
 command in a process forked from one that has torch, transformers and the CLI imported.
 
-`python -m tests.docs_trace_server SOCKET BINDIR` imports the CLI, writes BINDIR/trace (a
+`python -m tests.support.docs_trace_server SOCKET BINDIR` imports the CLI, writes BINDIR/trace (a
 stdlib-only client, first on the docs' PATH) and serves: the client sends its argv, working
 folder and environment with its stdin/stdout/stderr file descriptors; the server forks, the
 child takes those descriptors, folder and environment and runs the console script's `main()`

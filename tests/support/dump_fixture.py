@@ -3,10 +3,10 @@
 `make_dumper` is a runtime plug-in: the static runtime, whose probe reports are passed on
 unchanged to the driver's probe and also saved as files under $GEMMA4_TRACE_DUMP_DIR, each
 kind in another layout (MAP below says which). `trace replay REF --runtime
-tests.dump_fixture:make_dumper` therefore writes the direct replay and the dump of the same
+tests.support.dump_fixture:make_dumper` therefore writes the direct replay and the dump of the same
 run; `trace import DUMP --reference REF --map DUMP/map.toml` must give the same tensors.
 
-    GEMMA4_TRACE_DUMP_DIR=/tmp/dump trace replay REF.h5 --runtime tests.dump_fixture:make_dumper -o RUN.h5
+    GEMMA4_TRACE_DUMP_DIR=/tmp/dump trace replay REF.h5 --runtime tests.support.dump_fixture:make_dumper -o RUN.h5
 
 $GEMMA4_TRACE_DUMP_BUG="LAYER:STEP" perturbs the v rows that layer writes at that step
 (+5e-3 at channel 0 rising to +1.5e-2 at the last) in the dump only: a planted bug that trace

@@ -1,4 +1,4 @@
-"""Runtime plug-ins that misbehave on purpose (tests/test_trust.py): each must end a replay as
+"""Runtime plug-ins that misbehave on purpose (tests/trust/test_other.py): each must end a replay as
 exit 2 and one sanitised line, never as a silent success, a hang or a terminal full of escapes."""
 
 from __future__ import annotations

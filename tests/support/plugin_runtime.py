@@ -1,6 +1,6 @@
 """Runtime plug-ins written against the public API only (docs/runtime-api.md).
 
-    trace replay REF.h5 --runtime tests.plugin_runtime:make_exported -o RUN.h5
+    trace replay REF.h5 --runtime tests.support.plugin_runtime:make_exported -o RUN.h5
 
 `make_exported` runs the torch.export'ed prefill and decode graphs of the static runtime (the step
 graphs of gemma4_trace.replayer.functional, K/V caches in and out, kept here between steps): it

@@ -2,7 +2,7 @@
 
 Each bug is the quantized runtime plus ONE fault, so the tool has to find the fault under
 quantization noise. `runtime_spec(bug, scheme)` is its `--runtime` value, e.g.
-`tests.quant_bugs:make_decode_rope_offset__static_w8`. Bug classes (docs/design.md):
+`tests.support.quant_bugs:make_decode_rope_offset__static_w8`. Bug classes (docs/design.md):
 
 - decode_rope_offset: decode steps take the RoPE row of position + 1 (prefill is right)
 - reuse_own_cache_in_decode: in decode, KV-reusing layers read their own never-written cache
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from gemma4_trace.replayer.quant import LAYER_WEIGHTS, SCHEMES, quantize_, quantize_weight
 from gemma4_trace.replayer.runtime import StaticGemma4Runtime
-from tests.bug_zoo import ReuseOwnCacheInDecode, WindowOffByOne, _Bug
+from tests.support.bug_zoo import ReuseOwnCacheInDecode, WindowOffByOne, _Bug
 
 LOW_LAYER = 1  # early: its input carries little accumulated quantization noise
 LOW_GROUP = 32
@@ -87,4 +87,4 @@ for _scheme in WEIGHT_SCHEMES:
 
 
 def runtime_spec(bug: str, scheme: str) -> str:
-    return f"tests.quant_bugs:{_factory_name(bug, scheme)}"
+    return f"tests.support.quant_bugs:{_factory_name(bug, scheme)}"

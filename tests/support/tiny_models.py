@@ -96,7 +96,7 @@ EXECUTORCH_PROMPT = "2,17,33,40,51,60,71"
 
 def executorch_case(folder: Path) -> tuple[Path, Path]:
     """(the model, its REF over EXECUTORCH_PROMPT with 3 new tokens), built in `folder`."""
-    from tests.support import invoke
+    from tests.support.cli import invoke
 
     model = build(folder / "model", num_hidden_layers=3, layer_types=[S, F, S], num_kv_shared_layers=1)
     ref = folder / "ref.h5"

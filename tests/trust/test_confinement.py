@@ -1,6 +1,6 @@
 """The native engines' child process is confined (replayer/confine.py): no core, an address-space,
 a memory and a CPU-time limit, writes only to its own folder and no TCP (Landlock, where the
-kernel has it). The probe engine (tests/runtimes/confine_engine.py) does what a hostile file could
+kernel has it). The probe engine (tests/support/confine_engine.py) does what a hostile file could
 make an engine do."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from gemma4_trace.replayer import confine
 from gemma4_trace.replayer.child import Child, strip_dirs
 from gemma4_trace.traces.errors import TraceToolError
 
-ENGINE = "tests.runtimes.confine_engine:ProbeEngine"
+ENGINE = "tests.support.confine_engine:ProbeEngine"
 
 
 def _landlock_abi() -> int:

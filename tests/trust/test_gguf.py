@@ -1,34 +1,126 @@
-"""A user's GGUF as input (extra gemma4-trace[llamacpp]): `trace replay REF --gguf FILE` (llama.cpp
-on the file, its metadata checked against REF's config first), `--runtime static --weights-from
-FILE.gguf` (the static runtime on the file's dequantized weights, the baseline of a three-way
-diff), and the bounded header reader that refuses malformed files in one line."""
+"""A GGUF file is untrusted input (extra gemma4-trace[llamacpp]): `trace replay REF --gguf FILE`
+(llama.cpp on the file, its metadata checked against REF's config first), `--runtime static
+--weights-from FILE.gguf` (the static runtime on the file's dequantized weights, the baseline of a
+three-way diff), and the bounded header reader that refuses malformed files in one line: a file
+that is no regular file is never read, metadata is bounded before it is parsed, bytes past the last
+tensor and weights of integer types are refused before any engine starts, and the file run is the
+file checked."""
 
 from __future__ import annotations
 
+import os
 import struct
 
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
-pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llamacpp]')")
+from gemma4_trace.diff import diff_traces
+from gemma4_trace.diff.tolerances import resolve_tolerances
+from gemma4_trace.recorder.golden import golden_path
+from gemma4_trace.replayer.replay import replay_trace
+from gemma4_trace.replayer.runtimes.llamacpp import gguf_writer as GW
+from gemma4_trace.traces.reader import TraceReader
+from tests.support.cli import invoke, one_line_error
 
-from gemma4_trace.diff import diff_traces  # noqa: E402
-from gemma4_trace.diff.tolerances import resolve_tolerances  # noqa: E402
-from gemma4_trace.recorder.golden import golden_path  # noqa: E402
-from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
-from gemma4_trace.replayer.runtimes.llamacpp import gguf_writer as GW  # noqa: E402
-from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests.support import invoke, one_line_error  # noqa: E402
-
-pytestmark = pytest.mark.slow  # exports, lowers or converts programs; make test-fast skips it
-
+REF = golden_path("short")
 PROFILE = str(resolve_tolerances("llamacpp-f32"))
 KINDS = ("embeddings", "per_layer_inputs", "q", "k", "v", "attn_out", "layer_out", "final_hidden", "logits")
 
 
+# ---------------------------------------------------------------- special files, tails, bounded metadata, weight types
+@pytest.mark.parametrize("option", [["--runtime", "llama.cpp", "--gguf"], ["--weights-from"]])
+@pytest.mark.parametrize("special", ["fifo", "folder", "/dev/zero"])
+def test_a_gguf_input_that_is_no_regular_file_is_one_line_without_reading(tmp_path, option, special):
+    pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+    if option[-1] == "--gguf":
+        pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    path = {"fifo": tmp_path / "fifo", "folder": tmp_path, "/dev/zero": "/dev/zero"}[special]
+    if special == "fifo":
+        os.mkfifo(path)  # a plain open would wait for a writer forever
+    out = tmp_path / "o.h5"
+    r = invoke("replay", REF, *option, path, "-o", out)
+    kind = "a folder" if special == "folder" else "a device, FIFO or socket"
+    one_line_error(r, "GGUF file", f"not a regular file ({kind})", out=out)
+
+
+def test_a_gguf_with_a_tail_after_its_last_tensor_is_refused(tmp_path):
+    """llama.cpp maps the whole file: bytes past the last tensor's data (a sparse 1 TiB tail made
+    the child touch 22 GB) are refused in the header check, before any engine starts."""
+    pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+    g = tmp_path / "m.gguf"
+    assert invoke("export-gguf", "-o", g).exit_code == 0
+    out = tmp_path / "o.h5"
+    assert invoke("replay", REF, "--weights-from", g, "-o", out).exit_code == 0  # the file as written: fine
+    with open(g, "ab") as f:
+        f.truncate(g.stat().st_size + (1 << 30))  # a sparse GiB after the data
+    r = invoke("replay", REF, "--weights-from", g, "-o", tmp_path / "o2.h5")
+    one_line_error(r, "bytes after its last tensor's data", out=tmp_path / "o2.h5")
+
+
+def _gguf_with_one_key(path, key: bytes, vtype: int, payload: bytes) -> None:
+    import struct
+
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", vtype)
+    path.write_bytes(head + payload)
+
+
+def test_gguf_metadata_is_bounded_before_it_is_parsed(tmp_path):
+    """An array of 2^24 empty strings took 76 s to parse; a 64 MiB architecture name made a 67 MB
+    error line."""
+    import struct
+
+    pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+    from gemma4_trace.replayer.runtimes.llamacpp import gguf_reader as R
+
+    g = tmp_path / "a.gguf"
+    _gguf_with_one_key(g, b"x", 9, struct.pack("<IQ", 8, (1 << 24)) + bytes(64))  # ARRAY of STRING
+    r = invoke("replay", REF, "--weights-from", g, "-o", tmp_path / "o.h5")
+    one_line_error(r, f"claims {1 << 24} items (at most {R.MAX_ARRAY})")
+    name = b"general.architecture"
+    big = b"q" * (1 << 20)
+    _gguf_with_one_key(g, name, 8, struct.pack("<Q", len(big)) + big)  # STRING
+    r = invoke("replay", REF, "--weights-from", g, "-o", tmp_path / "o.h5")
+    line = one_line_error(r, "architecture 'qqqq")
+    assert len(line) < 600, len(line)
+
+
+def _retype_tensor(path, name: bytes, ggml_type: int) -> None:
+    """Rewrite one tensor's type field in a GGUF header (name, n_dims, dims, then the type)."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, ggml_type)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("ggml_type,name", [(24, "I8"), (25, "I16"), (26, "I32")])  # F64 overlaps: refused before
+def test_a_weight_of_an_integer_or_double_type_is_refused_even_when_mismatches_are_allowed(tmp_path, ggml_type, name):
+    """Such weights crashed llama.cpp's child; they are no config mismatch to allow."""
+    pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+    g = tmp_path / "m.gguf"
+    assert invoke("export-gguf", "-o", g).exit_code == 0
+    _retype_tensor(g, b"blk.0.attn_q.weight", ggml_type)
+    for more in ((), ("--allow-config-mismatch",)):
+        out = tmp_path / "o.h5"
+        r = invoke("replay", REF, "--weights-from", g, *more, "-o", out)
+        one_line_error(r, f"tensor 'blk.0.attn_q.weight' has type {name}", out=out)
+
+
+# ---------------------------------------------------------------- a user's GGUF through --gguf and --weights-from
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def llamacpp_installed():
+    """These tests need gguf and llama-cpp-python: skipped, with the extra to install, without them."""
+    pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llamacpp]')")
+
+
+needs_llamacpp = pytest.mark.usefixtures("llamacpp_installed")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, llamacpp_installed):
     """`trace export-gguf` of the embedded tiny model: F32 and Q8_0."""
     d = tmp_path_factory.mktemp("gguf")
     out = {}
@@ -44,6 +136,8 @@ def _tensors(path):
         return {(k, layer): r.read(k, layer) for k, layer in r.kinds_present() if k in KINDS}
 
 
+@pytest.mark.slow
+@needs_llamacpp
 def test_exported_file_replays_like_the_runtime(tmp_path, exported):
     """--gguf of the file `trace export-gguf` wrote: the same tensors as --runtime llama.cpp (the
     same file, the same kernels), and a match under the llama.cpp profile."""
@@ -60,6 +154,8 @@ def test_exported_file_replays_like_the_runtime(tmp_path, exported):
     assert diff_traces(ref, run, PROFILE).match
 
 
+@pytest.mark.slow
+@needs_llamacpp
 def test_mismatched_metadata_is_refused_in_one_line_and_allowed_on_request(tmp_path):
     from gemma4_trace.hf.model import load_model
 
@@ -86,8 +182,10 @@ def test_mismatched_metadata_is_refused_in_one_line_and_allowed_on_request(tmp_p
     assert (first["layer"], first["kind"], first["position"]) == (0, "mask", 8), first
 
 
+@pytest.mark.slow
+@needs_llamacpp
 def test_gguf_of_another_model_is_refused_naming_the_differences(tmp_path):
-    from tests import tiny_models
+    from tests.support import tiny_models
 
     model = tiny_models.build(tmp_path / "model", num_kv_shared_layers=2)
     path = tmp_path / "other.gguf"
@@ -139,6 +237,8 @@ LIES = {
 }
 
 
+@pytest.mark.slow
+@needs_llamacpp
 @pytest.mark.parametrize("lie", LIES)
 @pytest.mark.parametrize("option", ["--gguf", "--weights-from"])
 def test_malformed_gguf_is_refused_in_one_line(tmp_path, exported, lie, option):
@@ -149,6 +249,8 @@ def test_malformed_gguf_is_refused_in_one_line(tmp_path, exported, lie, option):
     assert line.startswith(f"error: {path}: not a valid GGUF file: "), line
 
 
+@pytest.mark.slow
+@needs_llamacpp
 def test_weights_from_an_f32_export_reproduces_the_static_runtime(tmp_path, exported):
     ref, plain, loaded = golden_path("short"), tmp_path / "static.h5", tmp_path / "from-f32.h5"
     replay_trace(ref, plain)
@@ -161,6 +263,8 @@ def test_weights_from_an_f32_export_reproduces_the_static_runtime(tmp_path, expo
     assert diff_traces(plain, loaded).match
 
 
+@pytest.mark.slow
+@needs_llamacpp
 def test_q8_0_three_way_diff_is_a_match(tmp_path, exported):
     """REF (HF float32), RUN (llama.cpp on the Q8_0 file), BASE (the static runtime on the same
     file's dequantized weights): llama.cpp's kernels add nothing beyond its weights' rounding."""
@@ -179,18 +283,20 @@ def test_q8_0_three_way_diff_is_a_match(tmp_path, exported):
     assert not diff_traces(ref, run, PROFILE, baseline_path=static).match
 
 
+@pytest.mark.slow
+@needs_llamacpp
 def test_weights_from_needs_the_static_runtime(tmp_path, exported):
     run = tmp_path / "r.h5"
     res = invoke("replay", golden_path("short"), "--runtime", "llama.cpp", "--weights-from", exported["F32"], "-o", run)
-    one_line_error(
-        res, "--weights-from runs the static runtime on the file's weights; not --runtime llama.cpp", out=run
-    )
+    one_line_error(res, "--weights-from FILE is run by --runtime static; it takes no --runtime llama.cpp", out=run)
     res = invoke(
         "replay", golden_path("short"), "--gguf", exported["F32"], "--weights-from", exported["F32"], "-o", run
     )
     one_line_error(res, "give one", out=run)
 
 
+@pytest.mark.slow
+@needs_llamacpp
 def test_the_file_run_is_the_file_checked(tmp_path, exported, monkeypatch):
     """The header is read once, from a descriptor that llama.cpp then reads too: a file swapped in
     under the checked one's name after the check does not run; one rewritten in place is refused."""

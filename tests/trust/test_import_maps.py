@@ -19,7 +19,7 @@ import pytest
 
 from gemma4_trace.recorder.golden import golden_path
 from gemma4_trace.traces.reader import TraceReader
-from tests.support import invoke, one_line_error
+from tests.support.cli import invoke, one_line_error
 
 GOLDEN = golden_path("short")  # 13 prompt tokens, 3 steps, hidden 64
 STEPS = [(0, 13), (13, 14), (14, 15)]
@@ -394,7 +394,7 @@ def test_fuzzer_import_classes_end_cleanly():
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "fuzz_traces", Path(__file__).resolve().parents[1] / "scripts" / "fuzz_traces.py"
+        "fuzz_traces", Path(__file__).resolve().parents[2] / "scripts" / "fuzz_traces.py"
     )
     fz = importlib.util.module_from_spec(spec)
     sys.modules["fuzz_traces"] = fz

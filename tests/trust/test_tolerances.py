@@ -1,11 +1,15 @@
-"""Tolerance files and the files `trace calibrate` writes are untrusted input (issue 18, items 2
-and 7): a file name cannot write configuration, a tolerances file is bounded in size, in pattern
-count and in matching cost, and refuses non-finite values and deep nesting in one line. Each
-test here failed before the change it covers."""
+"""A tolerances file (`trace diff --tolerances`) and the files `trace calibrate` writes are
+untrusted input: an invalid or hostile file is one line naming it; a file name cannot write
+configuration; a tolerances file is bounded in size, in pattern count and in matching cost, and
+refuses non-finite values and deep nesting in one line; the fuzzer's tolerance classes
+(scripts/fuzz_traces.py --tolerance-cases) end cleanly. (Recipes have no trust test of their own:
+scripts/fuzz_inputs.py mutates them, run by tests/trust/test_other.py.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -13,9 +17,8 @@ import pytest
 
 from gemma4_trace.diff import tolerances as T
 from gemma4_trace.recorder import golden
-from tests.support import invoke, one_line_error
-
-from .diff_fixtures import copy_trace, noise
+from tests.support.cli import invoke, one_line_error
+from tests.support.diff_fixtures import copy_trace, noise
 
 GOLDEN = golden.golden_path("short")
 INJECTED = "\ntokens = {accept_near_ties = true, near_tie_margin = 1e308}\n#"
@@ -32,6 +35,36 @@ def diff_with(ref: Path, tmp_path: Path, text: str):
     tol = tmp_path / "tol.toml"
     tol.write_text(text, encoding="utf-8")
     return invoke("diff", ref, ref, "--tolerances", tol)
+
+
+# ---------------------------------------------------------------- invalid or hostile files: one line naming the file
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("[[rule]\n", "not valid TOML"),
+        ('[[rule]]\nkind = "q"\nrel_l2 = -1\n', "rel_l2 must be >= 0"),
+        ('[[rule]]\nkind = "nope"\nrel_l2 = 1\n', "matches no kind"),
+        ("\xff\xfe", "not valid TOML"),
+        ("rule = 3\n", "array of tables"),
+    ],
+)
+def test_invalid_tolerances_file(tmp_path, text, needle):
+    p = tmp_path / "tol.toml"
+    p.write_bytes(text.encode("latin-1"))
+    one_line_error(invoke("diff", GOLDEN, GOLDEN, "--tolerances", p), str(p), needle)
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("x = " + "[" * 50_000 + "]" * 50_000 + "\n", "nested too deeply"),
+        ("[tokens]\nnear_tie_margin = nan\n", "near_tie_margin must be a number >= 0"),
+    ],
+)
+def test_hostile_tolerances_file(tmp_path, text, needle):
+    p = tmp_path / "tol.toml"
+    p.write_text(text)
+    one_line_error(invoke("diff", GOLDEN, GOLDEN, "--tolerances", p), str(p), needle)
 
 
 # ---------------------------------------------------------------- calibrate: names are data
@@ -158,3 +191,31 @@ def test_deep_dotted_keys_are_refused_before_parsing(ref, tmp_path, text):
     tol = tmp_path / "deep.toml"
     tol.write_text(text)
     one_line_error(invoke("diff", ref, ref, "--tolerances", tol), "line 1: a key nested more than 64 deep")
+
+
+# ---------------------------------------------------------------- the fuzzer's tolerance classes
+def _fuzzer():
+    spec = importlib.util.spec_from_file_location(
+        "fuzz_traces", Path(__file__).resolve().parents[2] / "scripts" / "fuzz_traces.py"
+    )
+    fz = importlib.util.module_from_spec(spec)
+    sys.modules["fuzz_traces"] = fz
+    spec.loader.exec_module(fz)
+    return fz
+
+
+@pytest.mark.slow
+def test_fuzzer_tolerance_classes_end_cleanly():
+    """Hostile tolerance files: `trace diff --tolerances` exits 0, 1 or 2 with one line; hostile
+    REF/BASE/OUT names: calibrate writes a TOML that resolves to the same thresholds as plain names.
+    Nothing outside the inputs opened, no run over 60 s or 2 GiB."""
+    fz = _fuzzer()
+    for cls in [*fz.TOLERANCE, "calibrate_name"]:
+        rep = fz.fuzz_tolerances(2, SEED, only=cls)
+        summary = fz.format_tolerance_report(rep, f"fuzz_tolerances(2, {SEED}, only={cls})")
+        assert rep.cases == 2 and rep.mutations[cls] == 2, summary
+        assert not rep.failures, summary + "\n" + "\n".join(rep.failures)
+        assert rep.watch_ok and not rep.outside and not rep.slow and not rep.big, summary
+
+
+SEED = 3  # a seed whose two cases per class run in seconds (seed 18 draws a 100,000-deep TOML header: 30 s)
