@@ -30,17 +30,22 @@ not timed; the timed runs then load them from there.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root
 
-from benchmarks.bench_llamacpp_e2b import cli  # noqa: E402  (a trace command in a fresh process)
-from benchmarks.e2b_shaped import bench_setup, build  # noqa: E402
+from benchmarks.bench_llamacpp_e2b import cli  # a trace command in a fresh process
+from benchmarks.e2b_shaped import bench_setup, build, token_ids
+
+ROOT = repo_root.ROOT
 
 GGUF = ("F32", "Q4_K_M")
 # the --kinds selections that meet the target where every kind does not (docs/benchmarks.md)
@@ -175,23 +180,30 @@ def measure(name: str, loaded, ref, ref_path, max_seq: int, repeats: int) -> dic
 # on benchmarks/bench_litert_e2b.py's checkpoint (the same E2B-shaped text decoder, a small vision
 # tower, the embedded model's tokenizer)
 WITH_VISION = ("tico", "litert")
-BUILD_WITH_VISION = "import sys; sys.path.insert(0, sys.argv[2]); from pathlib import Path; " + (
-    "from benchmarks.bench_litert_e2b import build; build(Path(sys.argv[1]))"
+BUILD_WITH_VISION = (
+    "import sys; from pathlib import Path; from benchmarks.bench_litert_e2b import build; build(Path(sys.argv[1]))"
 )
 
 
+def has_vision(model: Path) -> bool:
+    """Does the checkpoint have a vision tower (hf/tiny_model does: the runtimes of WITH_VISION run on it)?"""
+    return "vision_config" in json.loads((Path(model) / "config.json").read_text())
+
+
 def context(work: Path, model: Path, ids: str, new: int, multimodal: bool):
-    """(loaded model, REF, REF's path, max_seq) of the text checkpoint, or of the same text decoder
-    with a small vision tower (built once, in a child process) for the runtimes that need one."""
+    """(loaded model, REF, REF's path, max_seq) of the text checkpoint, or, for the runtimes that need
+    one, of the same text decoder with a small vision tower (built once, in a child process; a
+    checkpoint with a vision tower of its own is used as it is)."""
     import subprocess
 
     from gemma4_trace.hf.model import load_model
     from gemma4_trace.replayer.core import default_max_seq, read_reference
 
+    multimodal = multimodal and not has_vision(model)
     if multimodal:
         model = work / "model-mm"
         if not (model / "config.json").exists():
-            subprocess.run([sys.executable, "-c", BUILD_WITH_VISION, str(model), str(ROOT)], check=True)
+            subprocess.run([sys.executable, "-c", BUILD_WITH_VISION, str(model)], check=True, cwd=ROOT)
     ref_path = work / ("ref-mm.h5" if multimodal else "ref.h5")
     if not ref_path.exists():
         cli(None, "record", "--model", model, "--input-ids", ids, "--max-new-tokens", new, "-o", ref_path)
@@ -216,14 +228,6 @@ def prepare(a, name: str, how: str, ids: str, model: Path) -> None:
         close_runtime(rt)
 
 
-def prompt(n: int) -> str:
-    """The benchmark's prompt: n token ids, the same every run (its REF is recorded once)."""
-    import random
-
-    rng = random.Random(0)
-    return ",".join(str(rng.randrange(10, 16000)) for _ in range(n))
-
-
 def main() -> None:
     a, model = bench_setup(
         __doc__,
@@ -239,12 +243,12 @@ def main() -> None:
     from gemma4_trace.traces.errors import TraceToolError
 
     os.environ.setdefault("GEMMA4_TRACE_CACHE", str(a.work / "cache"))
-    ids = prompt(a.prompt)
+    ids = token_ids(a.prompt, model)  # the same every run: REF is recorded once
     a.runtimes = a.runtimes or every_runtime()
     if a.prepare:  # a child of the loop below
         prepare(a, *a.prepare.split("@"), ids, model)
         return
-    flags = [str(a.work), "--prompt", str(a.prompt), "--new", str(a.new)]
+    flags = [str(a.work), "--prompt", str(a.prompt), "--new", str(a.new), *a.model_flags]
     failed = {}
     for name in [] if a.built else a.runtimes.split(","):
         for how in ("alone", "capture"):

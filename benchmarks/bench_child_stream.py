@@ -18,14 +18,14 @@ and prints each one's best ms per prompt token and per decode step, and the rati
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root  # noqa: F401
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root  # noqa: F401
 
-from benchmarks.bench_capture import alone, captured, context, parse, prompt, variants  # noqa: E402
-from benchmarks.e2b_shaped import bench_setup, build  # noqa: E402
+from benchmarks.bench_capture import alone, captured, context, parse, variants
+from benchmarks.e2b_shaped import bench_setup, build, token_ids
 
 HOW = {"alone": {}, "each": {"FLUSH": "0", "WIRE": "inband"}, "in band": {"WIRE": "inband"}, "batched": {}}
 
@@ -66,7 +66,8 @@ def main() -> None:
         __doc__, __file__, build, repeats=dict(type=int, default=3), runtimes=dict(default="llama.cpp:Q4_K_M")
     )
     os.environ.setdefault("GEMMA4_TRACE_CACHE", str(a.work / "cache"))
-    loaded, ref, ref_path, max_seq = context(a.work, model, prompt(a.prompt), a.new, False)  # bench_capture's REF
+    ids = token_ids(a.prompt, model)
+    loaded, ref, ref_path, max_seq = context(a.work, model, ids, a.new, False)  # bench_capture's REF
     head = ("prompt ms/token", "decode ms/step")
     print(f"\n{'runtime':28s} " + " ".join(f"{h + ': alone, each, in band, batched':>58s}" for h in head))
     for name in a.runtimes.split(","):

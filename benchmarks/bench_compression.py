@@ -12,19 +12,21 @@ hidden-state rows, the mask), MiB on disk and seconds to write, the minimum of -
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root  # noqa: F401
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root  # noqa: F401
 
-import h5py  # noqa: E402
-import numpy as np  # noqa: E402
+import h5py
+import numpy as np
 
-from gemma4_trace.traces import chunks as C  # noqa: E402
-from gemma4_trace.traces import writer as W  # noqa: E402
-from gemma4_trace.traces.reader import TraceReader  # noqa: E402
+from gemma4_trace.traces import chunks as C
+from gemma4_trace.traces import writer as W
+from gemma4_trace.traces.reader import TraceReader
 
 SETTINGS = {
     "gzip1+shuffle": dict(compression="gzip", compression_opts=1, shuffle=True),
@@ -47,7 +49,7 @@ def write_all(tensors, storage: str, setting: dict, path: Path) -> tuple[dict, d
         for name, data in tensors.items():
             kind = name.split("/")[0]
             if storage == "bf16" and data.dtype == np.float32:
-                data = W._bf16_bits(data)
+                data = W.bf16_bits(data)
                 assert data is not None, f"{name}: not bf16 values"
             row_bytes = max(1, data[0].nbytes)
             rows = int(max(1, min(W.MAX_CHUNK_ROWS, W.CHUNK_BYTES // row_bytes)))

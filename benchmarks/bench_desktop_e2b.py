@@ -21,16 +21,15 @@ The table is printed at the end. On a busy machine every time is a bound, not a 
 from __future__ import annotations
 
 import os
-import random
 import shutil
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root  # noqa: F401
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root  # noqa: F401
 
-from benchmarks.bench_llamacpp_e2b import cli, diff_first_line, print_table  # noqa: E402  (a trace command in a fresh process)
-from benchmarks.e2b_shaped import bench_setup, build  # noqa: E402
+from benchmarks.bench_llamacpp_e2b import cli, diff_first_line, print_table  # a trace command in a fresh process
+from benchmarks.e2b_shaped import bench_setup, build, token_ids
 
 FAMILIES = {
     "openvino": ("openvino", "openvino-int8", "openvino-int8-dq", "openvino-int4", "openvino-int4-dq"),
@@ -39,16 +38,24 @@ FAMILIES = {
 
 
 def main() -> None:
-    a, model = bench_setup(__doc__, __file__, build, ("family", dict(choices=FAMILIES)))
+    a, model = bench_setup(
+        __doc__,
+        __file__,
+        build,
+        ("family", dict(choices=FAMILIES)),
+        modes=dict(help="comma-separated, some of the family's runtimes (default: all five)"),
+    )
+    modes = FAMILIES[a.family] if a.modes is None else tuple(a.modes.split(","))
+    if not set(modes) <= set(FAMILIES[a.family]):
+        raise SystemExit(f"--modes: {a.family}'s runtimes are {', '.join(FAMILIES[a.family])}")
     cache = a.work / "cache"
     shutil.rmtree(cache, ignore_errors=True)
     env = {**os.environ, "GEMMA4_TRACE_CACHE": str(cache)}
-    rng = random.Random(0)
-    ids = ",".join(str(rng.randrange(10, 16000)) for _ in range(a.prompt))
+    ids = token_ids(a.prompt, model)
     ref = a.work / "ref.h5"
     cli(env, "record", "--model", model, "--input-ids", ids, "--max-new-tokens", a.new, "-o", ref, "--force")
     max_seq = a.prompt + a.new
-    rows, runs, modes = [], {}, FAMILIES[a.family]
+    rows, runs = [], {}
     for mode in modes if a.family == "openvino" else ():
         out = a.work / "ir"  # one folder, replaced each time: the IR of E2B width is 4.4 GiB (two graphs)
         r = cli(env, "export-openvino", "--model", model, "--runtime", mode, "--max-seq", max_seq, "-o", out, "--force")
@@ -58,16 +65,12 @@ def main() -> None:
         args = ("--model", model, "--runtime", mode, "--max-seq", max_seq, "-o", runs[mode], "--force")
         r = cli(env, "replay", ref, *args)
         rows.append((f"replay --runtime {mode}", r))
-    float_, q8, _, q4, _ = modes
+    # each run against REF (not the -dq baselines), then each quantized run against its -dq baseline
+    pairs = [(name, ()) for name in modes if not name.endswith("-dq")]
+    pairs += [(name, ("--baseline", runs[name + "-dq"])) for name, _ in pairs if name + "-dq" in runs]
     diffs = [
         (name + (f" --baseline {name}-dq" if more else ""), diff_first_line(env, ref, runs[name], *more))
-        for name, more in (
-            (float_, ()),
-            (q8, ()),
-            (q4, ()),
-            (q8, ("--baseline", runs[q8 + "-dq"])),
-            (q4, ("--baseline", runs[q4 + "-dq"])),
-        )
+        for name, more in pairs
     ]
     print_table(rows, diffs)
 

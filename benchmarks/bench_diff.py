@@ -28,8 +28,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gemma4_trace.traces import LayerInfo, Provenance, TraceHeader, TraceWriter  # noqa: E402
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root  # noqa: F401
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root  # noqa: F401
+from gemma4_trace.traces import LayerInfo, Provenance, TraceHeader, TraceWriter
 
 HIDDEN, PLE, VOCAB, HEADS = 1536, 256, 32768, 8
 TYPES = ["sliding_attention"] * 3 + ["full_attention"]

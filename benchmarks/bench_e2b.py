@@ -3,6 +3,7 @@
     python benchmarks/make_e2b_random.py /tmp/e2b/bf16/e2b-random
     python benchmarks/make_e2b_random.py /tmp/e2b/f32/e2b-random --dtype float32
     python benchmarks/bench_e2b.py --bf16 /tmp/e2b/bf16/e2b-random --f32 /tmp/e2b/f32/e2b-random
+    python benchmarks/bench_e2b.py --bf16 hf/tiny_model --prompt-len 16 --new-tokens 4 --work /tmp/e2b/tiny  # quick
 
 Each measured command runs in its own process (one at a time), which reports the seconds of
 its timed part and its own peak RSS (VmHWM). Traces go to --work (kept). Before any timing the
@@ -10,10 +11,14 @@ checkpoint's files are read once (into the page cache), so that the first comman
 pay the disk reads the others skip; and the machine's matmul speed (GFLOP/s of one E2B-sized
 linear, the MLP's up projection over the prompt, in bf16 and float32) is measured and printed
 beside every ratio, so that figures from two machines can be compared. `--rounds N` runs
-generate, record and record-last N times, alternating, and prints each ratio's median (the
-machine's speed drifts between processes by as much as the changes measured). Steps:
+generate, forward, record and record-last N times, alternating, and prints each ratio's median
+(the machine's speed drifts between processes by as much as the changes measured). Steps:
 
   generate   plain HF generate() (bf16), the same greedy settings as the recorder
+  forward    HF computing every prompt row, without the recorder's hooks: the same generate() with
+             logits_to_keep an index tensor, as `trace record` calls it, so that the KV-sharing
+             layers run over the whole prompt (generate() alone runs them on its last row only:
+             on E2B 20 of 35 layers); `record / forward` is what the hooks and the trace cost
   record     trace record (bf16)                      -> BASE.h5   (HF bf16)
   record-last  trace record --shared-kv-prefill last  -> LAST.h5   (generate()'s prefill shortcut)
   replay     trace replay BASE (static runtime, bf16) -> RUN.h5   (the whole command: model load included,
@@ -21,6 +26,10 @@ machine's speed drifts between processes by as much as the changes measured). St
   diff       trace diff BASE RUN
   ref        trace record (float32, same weights)     -> REF.h5    (skipped without --f32)
   three-way  trace diff REF RUN --baseline BASE, and rel-L2 of prefill layer_out vs REF
+
+Ratios printed (timed parts, each against the same round's): record / generate, record / forward
+(goal <= 1.10x), record-last / generate (goal <= 1.05x). Any Gemma 4 checkpoint folder runs
+(hf/tiny_model, or make_e2b_random.py --tiny): the figures are E2B's only on E2B's dimensions.
 """
 
 from __future__ import annotations
@@ -34,7 +43,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root
+
+ROOT = repo_root.ROOT
 PY = sys.executable
 
 
@@ -53,7 +67,9 @@ def prompt_ids(n: int, vocab: int = 262_144, seed: int = 0) -> list[int]:
 
 
 # ------------------------------------------------------------------ children (one command each)
-def child_generate(model_dir: str, dtype: str, n_prompt: int, n_new: int) -> dict:
+def child_generate(model_dir: str, dtype: str, n_prompt: int, n_new: int, every_row: bool = False) -> dict:
+    """Plain generate(); `every_row`: with logits_to_keep an index tensor, as trace record calls it
+    (recorder/record.py), so that HF computes every prompt row of the KV-sharing layers too."""
     import torch
 
     from gemma4_trace.hf.model import load_model
@@ -67,8 +83,7 @@ def child_generate(model_dir: str, dtype: str, n_prompt: int, n_new: int) -> dic
     with torch.no_grad():
         out = lm.model.generate(
             ids,
-            max_new_tokens=n_new,
-            min_new_tokens=n_new,
+            max_new_tokens=n_new,  # no min_new_tokens: it bans EOS, which ends a recording (same tokens, same steps)
             do_sample=False,
             num_beams=1,
             eos_token_id=eos_ids(lm),
@@ -76,6 +91,7 @@ def child_generate(model_dir: str, dtype: str, n_prompt: int, n_new: int) -> dic
             top_k=None,
             top_p=None,
             temperature=None,
+            **({"logits_to_keep": torch.tensor([-1])} if every_row else {}),
         )
     return dict(load_s=load_s, seconds=time.perf_counter() - t0, tokens=out[0, n_prompt:].tolist())
 
@@ -182,30 +198,32 @@ def available_gib() -> float:
     return 0.0
 
 
+# (ratio's name, its numerator's row, its denominator's row, the goal printed beside it)
+RATIOS = (
+    ("record / generate", "record", "generate", ""),
+    ("record / forward", "record", "forward", "goal <= 1.10x"),
+    ("record-last / generate", "record-last", "generate", "goal <= 1.05x"),
+)
+
+
 def one_round(a, rows: dict, ratios: dict, show, speed: str, base: str, first: bool) -> None:
-    """generate(), record and record-last once each, in that order; their ratios appended to `ratios`."""
+    """generate(), forward, record and record-last once each, in that order; the round's ratios
+    (RATIOS, each of two rows measured in this round) appended to `ratios`."""
     T, n, skip, work = a.prompt_len, a.new_tokens, set(a.skip.split(",")), Path(a.work)
+    now: dict = {}  # this round's rows
     if "generate" not in skip:
-        show("generate", run_child("generate", a.bf16, "bfloat16", T, n))
-
-    def ratio(r: dict, name: str, label: str) -> None:
-        if "generate" in rows:
-            ratios[name].append(r["seconds"] / rows["generate"]["seconds"])
-            print(
-                f"{label} / generate = {ratios[name][-1]:.2f}x (timed parts; {speed}); "
-                f"tokens equal: {r['tokens'] == rows['generate']['tokens']}",
-                flush=True,
-            )
-
+        now["generate"] = run_child("generate", a.bf16, "bfloat16", T, n)
+        show("generate", now["generate"])
+    if "forward" not in skip:
+        now["forward"] = r = run_child("generate", a.bf16, "bfloat16", T, n, True)
+        show("forward", r, "generate() over every prompt row, no hooks")
     if "record" not in skip:
-        r = run_child("record", a.bf16, "bfloat16", T, n, base)
+        now["record"] = r = run_child("record", a.bf16, "bfloat16", T, n, base)
         show("record", r, f"trace {os.path.getsize(base) / 2**20:.1f} MiB")
-        ratio(r, "record", "record")
     if "record-last" not in skip:
         last = str(work / "LAST.h5")
-        r = run_child("record", a.bf16, "bfloat16", T, n, last, "last")
+        now["record-last"] = r = run_child("record", a.bf16, "bfloat16", T, n, last, "last")
         show("record-last", r, f"trace {os.path.getsize(last) / 2**20:.1f} MiB")
-        ratio(r, "record-last", "record --shared-kv-prefill last")
         if first and Path(base).exists():
             d = run_child("cli", "diff", base, last)
             print(
@@ -213,11 +231,26 @@ def one_round(a, rows: dict, ratios: dict, show, speed: str, base: str, first: b
                 f"{d['out'].strip().splitlines()[0] if d['out'].strip() else ''}",
                 flush=True,
             )
+    for name, top, bottom, goal in RATIOS:
+        if top in now and bottom in now:
+            ratios[name].append(now[top]["seconds"] / now[bottom]["seconds"])
+            same = now[top]["tokens"] == now[bottom]["tokens"]
+            print(
+                f"{name} = {ratios[name][-1]:.2f}x{f' ({goal})' if goal else ''} "
+                f"(timed parts: {now[top]['seconds']:.2f} / {now[bottom]['seconds']:.2f} s; {speed}); "
+                f"tokens equal: {same}",
+                flush=True,
+            )
+
+
+def layers_to_compare(n_layers: int) -> list[int]:
+    """Five layers spread over the model for the rel-L2 table: E2B's 35 give 0, 5, 10, 20, 34."""
+    return sorted({0, n_layers // 7, 2 * n_layers // 7, 4 * n_layers // 7, n_layers - 1})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--bf16", required=False)
+    ap.add_argument("--bf16", help="the checkpoint folder, loaded in bfloat16 (required but for --child)")
     ap.add_argument("--f32", default=None, help="the float32 checkpoint of the same weights (REF)")
     ap.add_argument("--prompt-len", type=int, default=600)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -229,10 +262,12 @@ def main() -> None:
         "--rounds",
         type=int,
         default=1,
-        help="generate, record and record-last this many times, alternating (the machine's speed drifts)",
+        help="generate, forward, record and record-last this many times, alternating (the machine's speed drifts)",
     )
     ap.add_argument(
-        "--skip", default="", help="comma-separated steps to skip (generate,record,record-last,replay,diff,ref)"
+        "--skip",
+        default="",
+        help="comma-separated steps to skip (generate,forward,record,record-last,replay,diff,ref)",
     )
     ap.add_argument(
         "--writer-before",
@@ -259,6 +294,8 @@ def main() -> None:
         print("RESULT " + json.dumps(res), flush=True)
         return
 
+    if not a.bf16:
+        ap.error("--bf16 DIR is required")
     if a.writer_before:
         os.environ["BENCH_WRITER_BEFORE"] = "1"
         print("trace writer as before: writes on the model's thread, bf16 upcast and stored as float32", flush=True)
@@ -272,13 +309,13 @@ def main() -> None:
     def show(name, r, extra=""):
         rows[name] = r
         print(
-            f"{name:11s} {r['seconds']:8.1f} s timed  {r['wall_s']:8.1f} s process  peak RSS "
+            f"{name:11s} {r['seconds']:8.2f} s timed  {r['wall_s']:8.1f} s process  peak RSS "
             f"{r['peak_mib'] / 1024:6.2f} GiB  {extra}",
             flush=True,
         )
 
     print(
-        f"E2B-dimension random checkpoint {a.bf16}; prompt {T} tokens, {n} new tokens; 2 threads; "
+        f"checkpoint {a.bf16}; prompt {T} tokens, {n} new tokens; 2 threads; "
         f"available memory {available_gib():.1f} GiB; load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
@@ -286,17 +323,17 @@ def main() -> None:
     mm = run_child("matmul", T)["gflops"]
     speed = f"matmul {mm['bfloat16']:.0f} GFLOP/s bf16, {mm['float32']:.0f} GFLOP/s float32"
     print(f"{speed} (one ({T}, 1536) x (1536 -> 6144) linear, best of 5)", flush=True)
-    ratios: dict = {"record": [], "record-last": []}
+    ratios: dict = {name: [] for name, *_ in RATIOS}
     for k in range(a.rounds):
         if a.rounds > 1:
             print(f"round {k + 1} of {a.rounds}", flush=True)
         one_round(a, rows, ratios, show, speed, base, k == 0)
     if a.rounds > 1:
-        for name, rs in ratios.items():
-            if rs:
+        for name, *_, goal in RATIOS:
+            if rs := ratios[name]:
                 print(
-                    f"{name} / generate over {len(rs)} rounds: median {statistics.median(rs):.2f}x "
-                    f"(each round: {', '.join(f'{r:.2f}' for r in rs)})",
+                    f"{name} over {len(rs)} rounds: median {statistics.median(rs):.2f}x"
+                    f"{f' ({goal})' if goal else ''} (each round: {', '.join(f'{r:.2f}' for r in rs)})",
                     flush=True,
                 )
     if "replay" not in skip:
@@ -332,7 +369,10 @@ def main() -> None:
             f"\n$ trace diff REF RUN --baseline BASE   (exit {r['exit']}, {r['seconds']:.1f} s)\n{r['out'].strip()}\n",
             flush=True,
         )
-        layers = [0, 5, 10, 20, 34]
+        from gemma4_trace.traces.reader import TraceReader
+
+        with TraceReader(ref) as r:
+            layers = layers_to_compare(len(r.layers))
         pre = slice(0, T)
         b, c = rel_l2_layer_out(ref, base, layers, pre), rel_l2_layer_out(ref, run, layers, pre)
         print("prefill layer_out rel-L2 vs REF (float32), layers " + " / ".join(map(str, layers)))

@@ -12,17 +12,18 @@ encoded MiB for each; the same bytes go in every time.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import zlib
-from pathlib import Path
 
 import h5py
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root  # noqa: F401
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root  # noqa: F401
 
-from gemma4_trace.traces import chunks  # noqa: E402
+from gemma4_trace.traces import chunks
 
 
 def chunks_of(path: str) -> list[np.ndarray]:
@@ -53,7 +54,7 @@ def _zlib_compressor(setting: int):
 
 def zlib_rle(chunk: np.ndarray) -> bytes:
     """The writer before ISA-L: noise planes stored, the rest zlib Z_RLE, one stream."""
-    body = chunks._deflate_planes(chunks._shuffle(chunk), _zlib_compressor)
+    body = chunks.deflate_planes(chunks.shuffle(chunk), _zlib_compressor)
     return body + chunks.fletcher32(body).to_bytes(4, "little")
 
 
@@ -62,9 +63,9 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    chunks = chunks_of(a.trace)
-    raw = sum(c.nbytes for c in chunks) / 2**20
-    print(f"{a.trace}: {len(chunks)} stored chunks, {raw:.1f} MiB of values")
+    blocks = chunks_of(a.trace)
+    raw = sum(c.nbytes for c in blocks) / 2**20
+    print(f"{a.trace}: {len(blocks)} stored chunks, {raw:.1f} MiB of values")
     ways = {
         "zlib Z_RLE per plane (before)": zlib_rle,
         "encode_chunk (ISA-L level 1 per plane)": chunks.encode_chunk,
@@ -74,10 +75,10 @@ def main() -> None:
         best = float("inf")
         for _ in range(a.repeats):
             t0 = time.perf_counter()
-            out = [fn(c) for c in chunks]
+            out = [fn(c) for c in blocks]
             best = min(best, time.perf_counter() - t0)
-        for c, o in zip(chunks[:50], out[:50]):  # every way is a zlib stream of the shuffled bytes
-            assert zlib.decompress(o[:-4]) == chunks._shuffle(c).tobytes()
+        for c, o in zip(blocks[:50], out[:50]):  # every way is a zlib stream of the shuffled bytes
+            assert zlib.decompress(o[:-4]) == chunks.shuffle(c).tobytes()
         print(f"{name:42s} {best:6.3f} s  {sum(len(o) for o in out) / 2**20:7.1f} MiB", flush=True)
 
 

@@ -21,19 +21,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root  # noqa: F401
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root  # noqa: F401
 
-from benchmarks.bench_llamacpp_e2b import cli  # noqa: E402  (a trace command in a fresh process)
-from benchmarks.make_e2b_random import E2B_TEXT  # noqa: E402
+from benchmarks.bench_llamacpp_e2b import cli  # a trace command in a fresh process
+from benchmarks.make_e2b_random import E2B_TEXT, TINY
 
 S, F = "sliding_attention", "full_attention"
 
 
-def layer_config(n: int) -> dict:
+def layer_config(n: int, tiny: bool = False) -> dict:
     """E2B's text config with n layers: the last round(4n/7) reuse K/V (E2B: the last 20 of 35),
     each part E2B's pattern of 4 sliding + 1 full cut to its length and ending full (transformers
-    wants a layer of each type among the layers that own K/V when some reuse it)."""
+    wants a layer of each type among the layers that own K/V when some reuse it); `tiny`: at the
+    widths of make_e2b_random.py's TINY."""
     shared = min(round(n * 20 / 35), n - 2) if n > 1 else 0
 
     def part(k: int) -> list[str]:
@@ -41,13 +44,14 @@ def layer_config(n: int) -> dict:
 
     return {
         **E2B_TEXT,
+        **(TINY if tiny else {}),
         "num_hidden_layers": n,
         "layer_types": part(n - shared) + part(shared),
         "num_kv_shared_layers": shared,
     }
 
 
-def build(out: Path, n: int) -> Path:
+def build(out: Path, n: int, tiny: bool = False) -> Path:
     """The float32 checkpoint of n layers (in a child process: its memory is not the benchmark's)."""
     if not (out / "config.json").exists():
         code = (
@@ -61,7 +65,7 @@ def build(out: Path, n: int) -> Path:
         )
         import json
 
-        subprocess.run([sys.executable, "-c", code, str(out), json.dumps(layer_config(n))], check=True)
+        subprocess.run([sys.executable, "-c", code, str(out), json.dumps(layer_config(n, tiny))], check=True)
     return out
 
 
@@ -82,22 +86,24 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new", type=int, default=4)
     ap.add_argument("--budget", type=float, default=24.0, help="memory to fit in, GiB")
+    ap.add_argument("--tiny", action="store_true", help="E2B's structure at tiny widths (a quick check, not E2B)")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    ids = ",".join(str(10 + 997 * i % 260_000) for i in range(a.prompt))
+    vocab = layer_config(1, a.tiny)["vocab_size"]
+    ids = ",".join(str(10 + 997 * i % (vocab - 10)) for i in range(a.prompt))  # E2B: the ids it always used
     rows, peaks = [], {}
     for n in (int(x) for x in a.layers.split(",")):
-        model = build(a.work / f"model-{n}", n)
+        tag = f"{n}-tiny" if a.tiny else str(n)
+        model = build(a.work / f"model-{tag}", n, a.tiny)
         weights = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**30
-        ref = a.work / f"ref-{n}.h5"
+        ref = a.work / f"ref-{tag}.h5"
         if not ref.exists():
             cli(None, "record", "--model", model, "--input-ids", ids, "--max-new-tokens", a.new, "-o", ref)
         for mode in a.modes.split(","):
-            env = {**os.environ, "GEMMA4_TRACE_CACHE": str(a.work / f"cache-{n}-{mode}")}
+            env = {**os.environ, "GEMMA4_TRACE_CACHE": str(a.work / f"cache-{tag}-{mode}")}
             subprocess.run(["rm", "-rf", env["GEMMA4_TRACE_CACHE"]], check=True)
-            r = cli(
-                env, "replay", ref, "--model", model, "--runtime", mode, "-o", a.work / f"run-{n}-{mode}.h5", "--force"
-            )
+            run = a.work / f"run-{tag}-{mode}.h5"
+            r = cli(env, "replay", ref, "--model", model, "--runtime", mode, "-o", run, "--force")
             rows.append((n, weights, mode, r["wall"], r["rss"] / 1024, r["child_rss"] / 1024))
             peaks.setdefault(mode, []).append((n, max(r["rss"], r["child_rss"]) / 1024))
             print(

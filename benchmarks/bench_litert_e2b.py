@@ -21,16 +21,16 @@ The table is printed at the end. On a busy machine every time is a bound, not a 
 from __future__ import annotations
 
 import os
-import random
 import shutil
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root  # noqa: F401
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root  # noqa: F401
 
-from benchmarks.bench_llamacpp_e2b import cli, diff_first_line, print_table  # noqa: E402  (a trace command in a fresh process)
-from benchmarks.e2b_shaped import E2B_TEXT, bench_setup  # noqa: E402
+from benchmarks.bench_llamacpp_e2b import cli, diff_first_line, print_table  # a trace command in a fresh process
+from benchmarks.e2b_shaped import E2B_TEXT, bench_setup, token_ids
 
 VISION = dict(
     hidden_size=64,
@@ -66,40 +66,42 @@ def build(out: Path) -> Path:
     return out
 
 
+MODES = ("litert", "litert-int8", "litert-int8-dq")
+
+
 def main() -> None:
-    a, model = bench_setup(__doc__, __file__, build)
+    a, model = bench_setup(
+        __doc__,
+        __file__,
+        build,
+        modes=dict(default=",".join(MODES), help="comma-separated, some of MODES (default: all)"),
+    )
+    modes = tuple(a.modes.split(","))
+    if not set(modes) <= set(MODES):
+        raise SystemExit(f"--modes: some of {', '.join(MODES)}")
     cache = a.work / "cache"
     shutil.rmtree(cache, ignore_errors=True)
     env = {**os.environ, "GEMMA4_TRACE_CACHE": str(cache)}
-    rng = random.Random(0)
-    ids = ",".join(str(rng.randrange(10, 600)) for _ in range(a.prompt))
+    ids = token_ids(a.prompt, model, high=600)
     ref = a.work / "ref.h5"
     cli(env, "record", "--model", model, "--input-ids", ids, "--max-new-tokens", a.new, "-o", ref, "--force")
     max_seq = a.prompt + a.new
     rows = []
-    for mode in ("litert", "litert-int8"):
-        r = cli(
-            env,
-            "export-litert",
-            "--model",
-            model,
-            "--runtime",
-            mode,
-            "--max-seq",
-            max_seq,
-            "-o",
-            a.work / mode,
-            "--force",
-        )
+    for mode in dict.fromkeys(m.removesuffix("-dq") for m in modes):  # a -dq baseline replays the int8 export
+        out = a.work / mode
+        r = cli(env, "export-litert", "--model", model, "--runtime", mode, "--max-seq", max_seq, "-o", out, "--force")
         rows.append((f"export-litert --runtime {mode}", r))
     runs = {}
-    for mode in ("litert", "litert-int8", "litert-int8-dq"):
+    for mode in modes:
         runs[mode] = a.work / f"{mode}.h5"
         r = cli(env, "replay", ref, "--model", model, "--runtime", mode, "-o", runs[mode], "--force")
         rows.append((f"replay --runtime {mode}", r))
+    # each run against REF (not the -dq baseline), then the int8 run against its -dq baseline
+    pairs = [(name, ()) for name in modes if not name.endswith("-dq")]
+    pairs += [(name, ("--baseline", runs[name + "-dq"])) for name, _ in pairs if name + "-dq" in runs]
     diffs = [
-        (name + (" --baseline litert-int8-dq" if more else ""), diff_first_line(env, ref, runs[name], *more))
-        for name, more in (("litert", ()), ("litert-int8", ()), ("litert-int8", ("--baseline", runs["litert-int8-dq"])))
+        (name + (f" --baseline {name}-dq" if more else ""), diff_first_line(env, ref, runs[name], *more))
+        for name, more in pairs
     ]
     print_table(rows, diffs)
 

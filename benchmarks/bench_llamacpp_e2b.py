@@ -33,7 +33,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root
+
+ROOT = repo_root.ROOT
 PY = sys.executable
 
 # a `trace` command in this process's child, reporting its own peak RSS and its children's
@@ -63,11 +68,12 @@ def cli(env, *args) -> dict:
 
 
 def diff_first_line(env, ref, run, *more) -> str:
-    """The first line `trace diff REF RUN [more]` prints (its verdict or first divergence)."""
+    """The first line `trace diff REF RUN [more]` prints (its verdict or first divergence); when it
+    prints nothing, its exit status and the last line of its error output."""
     p = subprocess.run(
         [PY, "-m", "gemma4_trace", "diff", ref, run, *more], capture_output=True, text=True, env=env, cwd=ROOT
     )
-    return (p.stdout.splitlines() or [""])[0]
+    return (p.stdout.splitlines() or [f"(exit {p.returncode}) {(p.stderr.strip().splitlines() or [''])[-1]}"])[0]
 
 
 def print_table(rows, diffs) -> None:
@@ -82,8 +88,9 @@ def print_table(rows, diffs) -> None:
         print(f"diff REF {name}: {line}")
 
 
-def _seconds(note: str, word: str) -> float:
-    m = re.search(rf"{word} in ([0-9.]+) s", note)
+def seconds_in(note: str) -> float:
+    """The seconds of export-gguf's "built in N s" (its own time, model load excluded)."""
+    m = re.search(r"(?:built|quantized) in ([0-9.]+) s", note)
     return float(m.group(1)) if m else float("nan")
 
 
@@ -113,31 +120,30 @@ def child_speed(gguf_path: str, ids: list[int], n_new: int) -> dict:
     """Prompt and decode tokens/s of llama.cpp on the file, without and with the capture callback."""
     import ctypes
 
-    import llama_cpp as L
+    from gemma4_trace.replayer.child import send_msg
+    from gemma4_trace.replayer.runtimes.llamacpp.engine import GGML_TYPE_F32, LlamaCppEngine
 
-    from gemma4_trace.replayer.runtimes.llamacpp import engine as C
-
-    quiet = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda *a: None)
-    L.llama_log_set(quiet, None)
-    L.llama_backend_init()
+    sink = open(os.devnull, "wb")  # noqa: SIM115 - lives as long as the process
+    send = lambda kind, layer, arr: send_msg(sink, ("tensors", [(kind, layer, arr)]))  # noqa: E731  (pickled as the child does)
+    # the replay's engine: llama.cpp's backend started, its log kept quiet, and the replay's capture
+    # callback (engine.cap); the engine lives as long as this function, as its log callback must
+    engine = LlamaCppEngine(send)
+    L = engine.L
     mp = L.llama_model_default_params()
     mp.n_gpu_layers, mp.use_extra_bufts = 0, False
     model = L.llama_model_load_from_file(gguf_path.encode(), mp)
     vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-    sink = open(os.devnull, "wb")  # noqa: SIM115 - lives as long as the process
-    from gemma4_trace.replayer.child import send_msg
-
-    send = lambda kind, layer, arr: send_msg(sink, ("tensors", [(kind, layer, arr)]))  # noqa: E731  (pickled as the child does)
+    engine.cap.ask_for(None, L.llama_model_n_layer(model))  # every kind, as a replay without --kinds asks
     threads = max(1, min(4, os.cpu_count() or 1))
     n_ctx = len(ids) + n_new
     result = {"threads": threads}
     # a first pass pages the file in (the weights are memory-mapped): not timed
-    for label, capture in (("warm-up", None), ("plain", None), ("capture", C.Capture(C._ggml_lib(L), send))):
+    for label, capture in (("warm-up", None), ("plain", None), ("capture", engine.cap)):
         cp = L.llama_context_default_params()
         cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx
         cp.n_seq_max = 1
         cp.n_threads = cp.n_threads_batch = threads
-        cp.type_k = cp.type_v = C.GGML_TYPE_F32
+        cp.type_k = cp.type_v = GGML_TYPE_F32
         if capture is not None:
             capture.n_ctx = n_ctx
             cp.cb_eval = ctypes.cast(capture.c_callback, type(cp.cb_eval))
@@ -170,7 +176,7 @@ def main() -> None:
         return
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-llamacpp-"))
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "GEMMA4_TRACE_CACHE": str(work / "cache"), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "GEMMA4_TRACE_CACHE": str(work / "cache")}  # PYTHONPATH: repo_root put the root there
     config = json.loads((Path(args.model) / "config.json").read_text())
     text = config.get("text_config", config)
     import random
@@ -218,16 +224,16 @@ def main() -> None:
     rows = [
         (
             "F32 GGUF: convert (writer)",
-            f"{_seconds(conv['out'], 'built'):.1f} s",
+            f"{seconds_in(conv['out']):.1f} s",
             f"wall {conv['wall']:.1f} s with model load, peak RSS {conv['rss']:.0f} MiB",
         ),
-        ("F32 GGUF: size", f"{f32.stat().st_size / mib:.0f} MiB", ""),
+        ("F32 GGUF: size", f"{f32.stat().st_size / mib:.1f} MiB", ""),
         (
             "Q4_K_M: quantize (llama.cpp)",
-            f"{_seconds(quant['out'], 'quantized'):.1f} s",
+            f"{seconds_in(quant['out']):.1f} s",
             f"wall {quant['wall']:.1f} s with model load",
         ),
-        ("Q4_K_M: size", f"{q4.stat().st_size / mib:.0f} MiB", ""),
+        ("Q4_K_M: size", f"{q4.stat().st_size / mib:.1f} MiB", ""),
         (
             "replay llama.cpp:Q4_K_M",
             f"{rep['wall']:.1f} s",

@@ -16,8 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root
+
+ROOT = repo_root.ROOT
 
 RUN_CLI = (
     "import resource, runpy, sys\n"
@@ -49,7 +53,7 @@ def main():
             [
                 sys.executable,
                 "-c",
-                "import sys; from tests import tiny_models; "
+                "import sys; from tests.support import tiny_models; "
                 "tiny_models.build(sys.argv[1], 'base', max_position_embeddings=16384)",
                 str(model),
             ],

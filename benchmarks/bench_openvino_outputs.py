@@ -19,15 +19,15 @@ The whole replay, with the trace written, is bench_capture.py's row.
 from __future__ import annotations
 
 import os
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root  # noqa: F401
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root  # noqa: F401
 
-from benchmarks.bench_capture import context, prompt  # noqa: E402
-from benchmarks.e2b_shaped import bench_setup, build  # noqa: E402
+from benchmarks.bench_capture import context
+from benchmarks.e2b_shaped import bench_setup, build, token_ids
 
 KINDS = {"none": (), "layer_out": ("layer_out",), "every": None}
 
@@ -117,7 +117,7 @@ def main() -> None:
         repeats=dict(type=int, default=5),
     )
     os.environ.setdefault("GEMMA4_TRACE_CACHE", str(a.work / "cache"))
-    loaded, ref, _, max_seq = context(a.work, model, prompt(a.prompt), a.new, False)
+    loaded, ref, _, max_seq = context(a.work, model, token_ids(a.prompt, model), a.new, False)
     T = len(ref.prompt_ids)
     print(f"\n{'mode':16s} {'part':9s} {'prefill ms/token: none':>23s} {'layer_out':>16s} {'every':>16s}", end="")
     print(f" {'decode ms/step: none':>21s} {'layer_out':>16s} {'every':>16s}")

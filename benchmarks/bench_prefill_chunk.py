@@ -18,7 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root
+
+ROOT = repo_root.ROOT
 
 CHILD = """
 import json, sys, time
@@ -65,7 +70,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from gemma4_trace.diff import diff_traces
     from gemma4_trace.recorder.record import record_trace
-    from tests import tiny_models
+    from tests.support import tiny_models
 
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)

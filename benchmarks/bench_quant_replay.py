@@ -13,28 +13,32 @@ peak RSS <= 1.10x and time <= 1.5x the float replay's.
 
 from __future__ import annotations
 
-import random
-import sys
-from pathlib import Path
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root  # noqa: F401
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.bench_llamacpp_e2b import cli, diff_first_line  # noqa: E402  (a trace command in a fresh process)
-from benchmarks.e2b_shaped import bench_setup, build  # noqa: E402
+from benchmarks.bench_llamacpp_e2b import cli, diff_first_line  # a trace command in a fresh process
+from benchmarks.e2b_shaped import bench_setup, build, token_ids
 
 RUNTIMES = ("static", "static-w8", "static-w4g32", "static-w8a8")
 
 
 def main() -> None:
-    a, model = bench_setup(__doc__, __file__, build)
-    rng = random.Random(0)
-    ids = ",".join(str(rng.randrange(10, 16000)) for _ in range(a.prompt))
+    a, model = bench_setup(
+        __doc__,
+        __file__,
+        build,
+        runtimes=dict(
+            default=",".join(RUNTIMES), help="comma-separated, the float one first: the ratios are to it (default: all)"
+        ),
+    )
+    ids = token_ids(a.prompt, model)
     ref = a.work / "ref.h5"
     env = None
     cli(env, "record", "--model", model, "--input-ids", ids, "--max-new-tokens", a.new, "-o", ref, "--force")
     rows = []
-    for name in RUNTIMES:
+    for name in a.runtimes.split(","):
         run = a.work / f"{name}.h5"
         rows.append((name, cli(env, "replay", ref, "--model", model, "--runtime", name, "-o", run, "--force")))
     base = rows[0][1]

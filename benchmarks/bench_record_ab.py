@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root  # noqa: F401
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root  # noqa: F401
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.bench_e2b import prompt_ids  # noqa: E402
-from benchmarks.bench_encode import zlib_rle  # noqa: E402
-from gemma4_trace.hf.model import load_model  # noqa: E402
-from gemma4_trace.recorder.record import PromptInputs, eos_ids, record_loaded  # noqa: E402
-from gemma4_trace.traces import writer  # noqa: E402
+from benchmarks.bench_e2b import prompt_ids
+from benchmarks.bench_encode import zlib_rle
+from gemma4_trace.hf.model import load_model
+from gemma4_trace.recorder.record import PromptInputs, eos_ids, record_loaded
+from gemma4_trace.traces import writer
 
 
 def main() -> None:
@@ -40,7 +42,8 @@ def main() -> None:
     torch.set_num_threads(2)
     lm = load_model(a.model_dir, dtype="bfloat16")
     ids = prompt_ids(a.prompt_len, lm.text_config.vocab_size)
-    out = Path(tempfile.mkdtemp()) / "last.h5"
+    tmp = tempfile.TemporaryDirectory()  # removed at exit
+    out = Path(tmp.name) / "last.h5"
     current = writer.encode_chunk
 
     def generate() -> float:
@@ -48,7 +51,7 @@ def main() -> None:
         t0 = time.perf_counter()
         with torch.no_grad():
             lm.model.generate(
-                x, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False, num_beams=1,
+                x, max_new_tokens=a.new_tokens, do_sample=False, num_beams=1,  # EOS ends it as it ends a recording
                 eos_token_id=eos_ids(lm), pad_token_id=0, top_k=None, top_p=None, temperature=None,
             )  # fmt: skip
         return time.perf_counter() - t0

@@ -18,7 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root  # noqa: F401
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root  # noqa: F401
 
 REPEATS = 3
 

@@ -23,7 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root
+
+ROOT = repo_root.ROOT
 RAY_DRIVER = (
     "import sys, ray; ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024, "
     "log_to_driver=False)\nfrom gemma4_trace.cli import main\nmain(sys.argv[1:])"
@@ -47,7 +52,7 @@ def subset(folder: Path, n: int) -> Path:
 
 
 def run(label: str, args: list[str], work: Path, ray: bool = False) -> float:
-    env = {**os.environ, "GEMMA4_TRACE_CACHE": str(work / f"cache-{label}"), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "GEMMA4_TRACE_CACHE": str(work / f"cache-{label}")}  # PYTHONPATH: repo_root put the root there
     cmd = [sys.executable, "-c", RAY_DRIVER] if ray else [str(Path(sys.executable).parent / "trace")]
     t0 = time.perf_counter()
     p = subprocess.run(

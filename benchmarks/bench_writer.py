@@ -16,20 +16,22 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root  # noqa: F401
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root  # noqa: F401
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks import e2b_shaped  # noqa: E402
-from benchmarks.bench_record import plain_generate  # noqa: E402
-from benchmarks.writer_variants import before  # noqa: E402
-from gemma4_trace.hf.model import load_model  # noqa: E402
-from gemma4_trace.recorder.record import PromptInputs, record_loaded  # noqa: E402
+from benchmarks import e2b_shaped
+from benchmarks.bench_record import plain_generate
+from benchmarks.writer_variants import before
+from gemma4_trace.hf.model import load_model
+from gemma4_trace.recorder.record import PromptInputs, record_loaded
 
 VARIANTS = {  # name: writer_variants.before's (threaded, bits, hand_over, direct)
     "record (before: writes on the model thread, float32)": (False, False, False, False),
@@ -46,13 +48,17 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--shared-kv-prefill", default="all")
-    ap.add_argument("--model-dir", help="where the E2B-shaped checkpoint is built once (default: a temporary folder)")
+    ap.add_argument(
+        "--model-dir",
+        help="where the E2B-shaped checkpoint is built once (default: a temporary folder); a folder that holds a "
+        "checkpoint already is used as it is (hf/tiny_model: a quick check)",
+    )
     args = ap.parse_args()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         lm = load_model(e2b_shaped.build(args.model_dir or tmp / "e2b"), dtype="bfloat16")
-        ids = torch.randint(3, 16000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+        ids = e2b_shaped.random_prompt(args.prompt_len, lm.text_config.vocab_size)
         plain_generate(lm, ids, 2)  # warm up
         times: dict = {"generate()": []}
         sizes = {}
@@ -76,7 +82,8 @@ def main():
                 sizes[name] = out.stat().st_size
         g = statistics.median(times["generate()"])
         print(
-            f"E2B-shaped bf16, prompt {args.prompt_len}, {args.steps} new tokens, --shared-kv-prefill "
+            f"{'E2B-shaped' if args.model_dir is None else args.model_dir} bf16, prompt {args.prompt_len}, "
+            f"{args.steps} new tokens, --shared-kv-prefill "
             f"{args.shared_kv_prefill}, median of {args.repeats}; load average now {os.getloadavg()[0]:.1f}"
         )
         m = min(times["generate()"])

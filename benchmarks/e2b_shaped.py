@@ -7,6 +7,8 @@ per-layer inputs of 256, MLP 6144 (double-wide on KV-reusing layers), window 512
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -45,25 +47,56 @@ def build(out_dir: str | Path, dtype: str = "float32", seed: int = 0, **override
     return out
 
 
+def vocab_size(model_dir: str | Path) -> int:
+    """The text vocabulary of a checkpoint folder (its config.json; a ConditionalGeneration's text_config)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(config.get("text_config", config)["vocab_size"])
+
+
+def token_ids(n: int, model_dir: str | Path, high: int = 16000) -> str:
+    """n seeded random token ids in [10, min(high, the model's vocabulary)), comma-separated: the
+    benchmarks' prompt (on the E2B-shaped model, vocabulary 16,384, the ids they always used)."""
+    rng = random.Random(0)
+    return ",".join(str(rng.randrange(10, min(high, vocab_size(model_dir)))) for _ in range(n))
+
+
+def random_prompt(n: int, vocab: int, high: int = 16000) -> list[int]:
+    """n seeded random token ids in [3, min(high, vocab)): the in-process benchmarks' prompt (on the
+    E2B-shaped model, vocabulary 16,384, the ids they always used)."""
+    import torch
+
+    return torch.randint(3, min(high, vocab), (n,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
 def bench_setup(
     doc: str, script: str, make, *leading: tuple[str, dict], **options: dict
 ) -> tuple[argparse.Namespace, Path]:
     """An E2B benchmark's command line (`leading` positional arguments as (name, add_argument's
-    keywords), then WORK, --prompt, --new and `options` (--name: keywords)) and its model,
-    WORK/model: built by `make(folder)` in a
+    keywords), then WORK, --prompt, --new, --model and `options` (--name: keywords)) and its model:
+    --model's folder as it is, else WORK/model, built by `make(folder)` in a
     child process (`script ... --build-only`, which ends there), since a process's peak RSS counts
-    what it inherits at fork, so the benchmark's own stays small."""
+    what it inherits at fork, so the benchmark's own stays small. `a.model_flags` repeats --model
+    for the script's own children."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     for name, kw in leading:
         ap.add_argument(name, **kw)
     ap.add_argument("work", type=Path)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=8)
+    ap.add_argument(
+        "--model",
+        type=Path,
+        help="a Gemma 4 checkpoint folder to run on instead of building the E2B-shaped one "
+        "(hf/tiny_model: the embedded tiny model, a quick check that the benchmark runs)",
+    )
     for name, kw in options.items():
         ap.add_argument(f"--{name}", **kw)
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
+    a.model_flags = [] if a.model is None else ["--model", str(a.model.resolve())]
+    if a.model is not None:
+        return a, a.model.resolve()
     model = a.work / "model"
     if a.build_only:
         make(model)

@@ -2,6 +2,7 @@
 
     python benchmarks/make_e2b_random.py /tmp/e2b/bf16/e2b-random                  # bfloat16, ~10 GB
     python benchmarks/make_e2b_random.py /tmp/e2b/f32/e2b-random --dtype float32   # same values, float32
+    python benchmarks/make_e2b_random.py /tmp/e2b/tiny --tiny    # E2B's structure at tiny widths: 1 MB, seconds
 
 E2B's text decoder (google/gemma-4-e2b-it, the checkpoint transformers' Gemma4TextConfig
 documents; the defaults there are the larger variant's, so every E2B value is set here):
@@ -15,7 +16,10 @@ Weights are N(0, 0.02) (norm scales and layer scalars 1), drawn tensor by tensor
 generator in bfloat16 and written in safetensors shards of <= 2 GB, so building never holds
 more than one shard (the per-layer embedding table, 4.7 GB in bf16, is a shard of its own).
 The float32 variant holds exactly the bf16 values (a float32 REF of the same weights).
-No tokenizer: give prompts with --input-ids.
+No tokenizer: give prompts with --input-ids. `--tiny` keeps every E2B structure (35 layers, the
+pattern, the last 20 reusing K/V, the double-wide MLP, the soft-cap, the RoPE settings) at the
+widths of TINY (hidden 64, vocabulary 512, ...): a checkpoint the benchmarks run on in seconds, to
+check that they run (tests/test_benchmarks.py), not to measure E2B.
 """
 
 from __future__ import annotations
@@ -52,11 +56,25 @@ E2B_TEXT = dict(
     bos_token_id=2,
     tie_word_embeddings=True,
 )
+# --tiny: E2B_TEXT with these widths (every layer count and pattern, the sharing and the settings kept)
+TINY = dict(
+    vocab_size=512,
+    vocab_size_per_layer_input=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    hidden_size_per_layer_input=8,
+    sliding_window=8,
+    max_position_embeddings=2048,
+)
 SHARD_BYTES = 2 << 30
 FILL_ROWS = 1 << 24  # values drawn per randn call (64 MB of float32)
 
 
-def build(out_dir: str | Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
+def build(out_dir: str | Path, dtype: str = "bfloat16", seed: int = 0, tiny: bool = False) -> Path:
+    """Write the checkpoint to out_dir (nothing when it holds one already); `tiny`: at TINY's widths."""
     import torch
     from safetensors.torch import save_file
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
@@ -65,7 +83,7 @@ def build(out_dir: str | Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
     if (out / "config.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    config = Gemma4TextConfig(**E2B_TEXT)
+    config = Gemma4TextConfig(**{**E2B_TEXT, **(TINY if tiny else {})})
     with torch.device("meta"):  # names and shapes only: nothing allocated
         model = Gemma4ForCausalLM(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
@@ -113,7 +131,9 @@ def build(out_dir: str | Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
     model.generation_config.eos_token_id = [1]
     model.generation_config.save_pretrained(out)
     n_params = sum(int(torch.Size(s).numel()) for s in shapes.values())
-    print(f"wrote {out}: {n_params / 1e9:.2f} B parameters, {total / 2**30:.1f} GiB in {len(files)} shards ({dtype})")
+    params = f"{n_params / 1e9:.2f} B" if n_params >= 1e8 else f"{n_params / 1e6:.2f} M"
+    size = f"{total / 2**30:.1f} GiB" if total >= 2**28 else f"{total / 2**20:.1f} MiB"
+    print(f"wrote {out}: {params} parameters, {size} in {len(files)} shards ({dtype})")
     return out
 
 
@@ -122,8 +142,9 @@ def main() -> None:
     ap.add_argument("out_dir")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="every E2B structure at tiny widths (TINY): for quick checks")
     args = ap.parse_args()
-    build(args.out_dir, args.dtype, args.seed)
+    build(args.out_dir, args.dtype, args.seed, args.tiny)
 
 
 if __name__ == "__main__":

@@ -14,19 +14,21 @@ import argparse
 import cProfile
 import io
 import pstats
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
+    import repo_root  # noqa: F401
+except ModuleNotFoundError:  # imported as benchmarks.NAME
+    from benchmarks import repo_root  # noqa: F401
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks import e2b_shaped  # noqa: E402
-from benchmarks.bench_record import plain_generate  # noqa: E402
-from gemma4_trace.hf.model import DEMO_PROMPT, load_model  # noqa: E402
-from gemma4_trace.recorder.record import PromptInputs, prepare_inputs, record_loaded  # noqa: E402
+from benchmarks import e2b_shaped
+from benchmarks.bench_record import plain_generate
+from gemma4_trace.hf.model import DEMO_PROMPT, load_model
+from gemma4_trace.recorder.record import PromptInputs, prepare_inputs, record_loaded
 
 
 def main():
@@ -38,7 +40,11 @@ def main():
     ap.add_argument("--shared-kv-prefill", default="all")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--replay", action="store_true")
-    ap.add_argument("--model-dir", help="where the E2B-shaped checkpoint is built once (default: a temporary folder)")
+    ap.add_argument(
+        "--model-dir",
+        help="where the E2B-shaped checkpoint is built once (default: a temporary folder); a folder that holds a "
+        "checkpoint already is used as it is (hf/tiny_model: a quick check)",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
@@ -48,7 +54,7 @@ def main():
         if args.model == "tiny":
             ids = prepare_inputs(lm, DEMO_PROMPT, None, [], chat=True).input_ids
         else:
-            ids = torch.randint(3, 16000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+            ids = e2b_shaped.random_prompt(args.prompt_len, lm.text_config.vocab_size)
         plain_generate(lm, ids, 2)  # warm up
         t0 = time.perf_counter()
         plain_generate(lm, ids, args.steps)

@@ -326,7 +326,7 @@ class _StepRecorder:
                 t = np.zeros(tuple(t.shape), dtype=bool if t.dtype == torch.bool else np.float32)
             n = t.shape[0]  # fewer rows than positions: the last ones (generate()'s prefill shortcut)
             rows = None if n == len(self.positions) else range(self.positions.stop - n, self.positions.stop)
-            w.add(kind, _rows(t) if hasattr(t, "detach") else t, layer=layer, positions=rows)
+            w.add(kind, writer_rows(t) if hasattr(t, "detach") else t, layer=layer, positions=rows)
 
         put("embeddings", b["embeddings"])
         n_layers = self.n_layers
@@ -343,7 +343,7 @@ class _StepRecorder:
                     put(kind, b[(kind, i)], layer=i)
         put("final_hidden", b["final_hidden"])
         logits = S.output_of(S.LOGITS, out)[0, -1]
-        w.add("logits", _rows(logits))
+        w.add("logits", writer_rows(logits))
         self.n_steps += 1
         self.pending_token_step = True
         self.buf = {}
@@ -354,9 +354,9 @@ class _StepRecorder:
         self.pending_token_step = False
 
 
-def _rows(t):
+def writer_rows(t):
     """A step's rows for the writer: bf16 as their 16-bit patterns (no upcast, half the bytes to
-    copy, and copied once: here or by the writer), the rest as _np."""
+    copy, and copied once: here or by the writer), the rest as numpy_rows."""
     import torch
 
     t = t.detach()
@@ -364,10 +364,10 @@ def _rows(t):
         bits = t.contiguous().view(torch.int16).cpu().numpy()
         # a transposed view (q, K, V) or a GPU tensor was copied here: the writer need not copy it again
         return Bf16Rows(bits, owned=bits.ctypes.data != t.data_ptr())
-    return _np(t)
+    return numpy_rows(t)
 
 
-def _np(t):
+def numpy_rows(t):
     """float32 numpy for floating tensors (bf16 upcast losslessly); bool and int kept."""
     t = t.detach()
     return (t.float() if t.is_floating_point() else t).cpu().numpy()
@@ -423,7 +423,7 @@ def record_loaded(
                 eos_token_ids=eos,
                 prompt_text=inputs.text,
                 chat_template_applied=inputs.chat,
-                extra_inputs={k: _np(v) for k, v in extra.items()},
+                extra_inputs={k: numpy_rows(v) for k, v in extra.items()},
             )
         )
         rec = _StepRecorder(lm, w, prompt_len, shortcut)

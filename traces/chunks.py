@@ -60,7 +60,7 @@ def _compressor(setting: int):
     return isal_zlib.compressobj(1, isal_zlib.DEFLATED, -15)
 
 
-def _shuffle(a: np.ndarray) -> np.ndarray:
+def shuffle(a: np.ndarray) -> np.ndarray:
     """HDF5's shuffle filter: (itemsize, n) bytes, plane i holding byte i of every value."""
     values = a.view(np.uint8).reshape(-1, a.dtype.itemsize)
     planes = np.empty((a.dtype.itemsize, values.shape[0]), np.uint8)
@@ -69,8 +69,8 @@ def _shuffle(a: np.ndarray) -> np.ndarray:
     return planes
 
 
-def _deflate_planes(planes: np.ndarray, compressor=_compressor) -> bytes:
-    """One zlib stream over the shuffled chunk `planes` (_shuffle), each run of byte planes with the
+def deflate_planes(planes: np.ndarray, compressor=_compressor) -> bytes:
+    """One zlib stream over the shuffled chunk `planes` (shuffle), each run of byte planes with the
     same setting deflated by a raw deflate compressor of its own (`compressor(setting)`). The pieces
     are byte-aligned (Z_SYNC_FLUSH; only the last ends with a final block) and none refers back into
     another, so together they are one valid deflate stream: any zlib inflates it, HDF5's gzip filter
@@ -97,9 +97,9 @@ def encode_chunk(chunk: np.ndarray, strategy: int | None = PLANES) -> bytes:
     (little-endian) appended. By default each byte plane gets its own deflate setting
     (_plane_setting); given one zlib `strategy`, the chunk is one zlib stream at level 1, and with
     zlib's default strategy its bytes equal HDF5's own."""
-    planes = _shuffle(np.ascontiguousarray(chunk))
+    planes = shuffle(np.ascontiguousarray(chunk))
     if strategy is PLANES:
-        body = _deflate_planes(planes)
+        body = deflate_planes(planes)
     else:
         z = zlib.compressobj(1, zlib.DEFLATED, 15, 8, strategy)
         body = z.compress(planes) + z.flush()

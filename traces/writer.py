@@ -31,6 +31,7 @@ from .atomic import atomic_output
 from .chunks import encode_chunk
 from .header import TraceHeader
 from .layers import LayerInfo, TowerInfo
+from .partial_rows import present_flags, spread_rows
 from .rows import tower_rows
 
 # h5py serialises its calls with one lock, but not every low-level one takes it (H5Dwrite_chunk in
@@ -82,7 +83,7 @@ def _to_array(value, source_dtype: str | None) -> tuple[np.ndarray, str]:
     return arr.astype(np.float32, copy=False), source_dtype or str(arr.dtype)
 
 
-def _bf16_bits(data: np.ndarray) -> np.ndarray | None:
+def bf16_bits(data: np.ndarray) -> np.ndarray | None:
     """float32 values -> their bfloat16 bit patterns (uint16); None unless every value is a bfloat16 exactly."""
     bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
     if (bits & 0xFFFF).any():
@@ -96,7 +97,7 @@ def _bf16_to_float32(bits: np.ndarray) -> np.ndarray:
     return wide.view(np.float32)
 
 
-class _Series:
+class Series:
     """One resizable dataset fed row blocks; the mask may grow along its key axis.
 
     The model thread appends copied rows and hands full chunks to the writer thread (`_Writes`);
@@ -157,7 +158,7 @@ class _Series:
             self.ds.resize(width, axis=1)
         if self.grow_last and stored.shape[1] < self.ds.shape[1]:
             stored = np.pad(stored, ((0, 0), (0, self.ds.shape[1] - stored.shape[1])))
-        if self._direct(stored):
+        if self.direct(stored):
             self.carry = stored if self.carry is None else np.concatenate([self.carry, stored], axis=0)
             self._write_chunks(final)
             return
@@ -168,7 +169,8 @@ class _Series:
         if self.grow_last:
             self.row_shape = (self.ds.shape[1],)
 
-    def _direct(self, stored: np.ndarray) -> bool:
+    def direct(self, stored: np.ndarray) -> bool:
+        """Are `stored` rows written as whole chunks encoded here (encode_chunk)? Not the mask, nor one-byte values."""
         return not self.grow_last and stored.dtype.itemsize > 1 and stored.dtype.kind in "uif"
 
     def _write_chunks(self, final: bool) -> None:
@@ -195,7 +197,7 @@ class _Series:
     def _stored(self, blocks: list[np.ndarray]) -> np.ndarray:
         """The blocks as stored: bfloat16 bit patterns while every value is one, else float32 (or as given)."""
         if self.bf16:
-            bits = [b if b.dtype == np.uint16 else _bf16_bits(b) for b in blocks]
+            bits = [b if b.dtype == np.uint16 else bf16_bits(b) for b in blocks]
             if all(b is not None for b in bits):
                 return np.concatenate(bits, axis=0) if len(bits) > 1 else bits[0]
             self._widen()  # not bfloat16 values after all: store them (and the rows so far) as float32
@@ -263,7 +265,7 @@ class _Writes:
         if self.threaded:
             self.thread.start()
 
-    def submit(self, series: _Series, blocks: list[np.ndarray], final: bool = False) -> None:
+    def submit(self, series: Series, blocks: list[np.ndarray], final: bool = False) -> None:
         if not self.threaded:
             series.write(blocks, final)
             return
@@ -318,38 +320,6 @@ class _Writes:
                 self.cond.notify_all()
 
 
-def _spread_rows(kind, layer, arr: np.ndarray, positions, start: int, stop: int, by_step: bool):
-    """Rows reported at some of a step's positions -> the step's full rows (zeros where absent) and
-    the absent row ranges [a, b) relative to `start`."""
-    if by_step:
-        raise ValueError(f"{kind} has one row per step; positions= is for position-indexed kinds")
-    pos = np.asarray(positions.tolist() if hasattr(positions, "tolist") else list(positions)).reshape(-1)
-    if pos.dtype.kind not in "iu":
-        raise ValueError(f"{kind} layer {layer}: positions must be integers, got {pos.dtype}")
-    n = stop - start
-    if pos.size == 0 or pos.size > n or np.any(np.diff(pos) <= 0) or pos[0] < start or pos[-1] >= stop:
-        raise ValueError(
-            f"{kind} layer {layer}: positions must be increasing absolute positions within this "
-            f"step's {start}..{stop - 1}, got {pos[:8].tolist()}{' ...' if pos.size > 8 else ''}"
-        )
-    if arr.ndim == 0 or arr.shape[0] != pos.size:
-        raise ValueError(f"{kind} layer {layer}: {arr.shape[0] if arr.ndim else 0} rows for {pos.size} positions")
-    full = np.zeros((n, *arr.shape[1:]), dtype=arr.dtype)
-    full[pos - start] = arr
-    present = np.zeros(n + 2, dtype=bool)
-    present[1:-1][pos - start] = True
-    edges = np.flatnonzero(np.diff(present.astype(np.int8)))  # run boundaries, shifted by one
-    runs = list(zip(edges[::2], edges[1::2]))  # present runs [a, b)
-    absent, prev = [], 0
-    for a, b in runs:
-        if a > prev:
-            absent.append((prev, int(a)))
-        prev = int(b)
-    if prev < n:
-        absent.append((prev, n))
-    return full, absent
-
-
 class TraceWriter:
     """Write a trace: `with TraceWriter(path, force=...) as w:` then header, steps, tensors.
 
@@ -373,7 +343,7 @@ class TraceWriter:
         self._ctx = None
         self.f: h5py.File | None = None
         self._writes: _Writes | None = None
-        self._series: dict[str, _Series] = {}
+        self._series: dict[str, Series] = {}
         self._steps: list[tuple[int, int]] = []
         self._step_open = False
         self._n_layers = 0
@@ -502,7 +472,7 @@ class TraceWriter:
         start, stop = self._steps[-1]
         absent = []
         if positions is not None:
-            arr, absent = _spread_rows(kind, layer, arr, positions, start, stop, spec.by_step)
+            arr, absent = spread_rows(kind, layer, arr, positions, start, stop, spec.by_step)
             owned = True
         if self.selection is not None and not self.selection.keeps_step(kind, self.step):
             arr, absent = np.zeros_like(arr), [(0, stop - start)]  # a step left out: zero rows, flagged absent
@@ -513,7 +483,7 @@ class TraceWriter:
             raise ValueError(f"{kind} layer {layer}: {arr.shape[0]} rows for {stop - start} positions")
         series = self._series.get(path)
         if series is None:
-            series = self._series[path] = _Series(self.f, path, arr.shape[1:], arr.dtype, src, grow_last=spec.grows)
+            series = self._series[path] = Series(self.f, path, arr.shape[1:], arr.dtype, src, grow_last=spec.grows)
         expected_rows = self.step if spec.by_step else start
         if series.accepted != expected_rows:
             raise ValueError(f"{kind} layer {layer}: rows out of order at step {self.step}")
@@ -539,7 +509,7 @@ class TraceWriter:
         want = tower_rows(site.spec, info)
         series = self._series.get(site.path)
         if series is None:
-            series = self._series[site.path] = _Series(self.f, site.path, arr.shape[1:], arr.dtype, src, False)
+            series = self._series[site.path] = Series(self.f, site.path, arr.shape[1:], arr.dtype, src, False)
             series.expected = want
         if series.accepted + arr.shape[0] > want:
             raise ValueError(f"{site}: {series.accepted + arr.shape[0]} rows, more than the {want} its tower declares")
@@ -564,9 +534,7 @@ class TraceWriter:
         self._writes.drain()  # every row written: the rest is written here, on the caller's thread
         for s in self._series.values():
             if s.absent:  # rows reported only in part: say which rows are data
-                present = np.ones(s.rows, dtype=bool)
-                for a, b in s.absent:
-                    present[a:b] = False
+                present = present_flags(s.rows, s.absent)
                 self.f.create_dataset(
                     s.path + S.ROWS_PRESENT_SUFFIX, data=present, chunks=(min(s.rows, 1 << 16),), **COMPRESSION
                 )
