@@ -24,7 +24,7 @@ whose engine runs there (one phase counter, output sites turned into probe calls
 `Engine(emit)` with `handle(command, *arguments) -> reply`; `emit(kind, layer, array)` streams a
 tensor. Every engine lives beside its adapter (replayer/runtimes/onnx_engine.py: sessions of .onnx
 files, also mobius's; executorch_engine.py, openvino_engine.py, llamacpp/engine.py,
-litert/engine.py, mlx's in mlx.py's own engine module). An engine runs as it
+litert/engine.py, mlx's in mlx.py itself). An engine runs as it
 would in-process (the child inherits the environment and CPU affinity), so results are
 bit-identical.
 
