@@ -10,6 +10,7 @@ from .core import compare
 from .hints import likely_cause
 from .html import render_html, write_html
 from .metrics import METRICS, Metric
+from .patch_map import patch_map
 from .report import divergence_sentence, format_text, hint_evidence
 from .result import DiffResult, Divergence, Hint
 from .tolerances import Tolerances, load_tolerances
@@ -47,4 +48,5 @@ def diff_traces(
         result.hint = likely_cause(result, ref_path, run_path)
         if result.hint is not None:
             result.hint.evidence = hint_evidence(result.hint)
+        result.patch_map = patch_map(result, ref_path, run_path)
     return result

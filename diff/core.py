@@ -21,7 +21,7 @@ from .align import Plan, check_compatible, dataflow_sequence, make_plan, plan_no
 from .baseline import DEFAULT_FACTOR, Baseline, check_baseline, quantization_note
 from .blocks import Block, Task, absent_rows, compared_blocks, tasks_of
 from .isolation import rank_layers
-from .ledger import KeptRows, Ledger
+from .ledger import KeptRows, Ledger, image_grids
 from .logits import logit_metrics, logit_steps
 from .metrics import METRIC_ORDER, RowStats, RowSums, compare_mask_block, image_blocks, mask_row_detail
 from .origin import growth as growth_table
@@ -77,6 +77,7 @@ class _Differ:
         self.towers = {**run.towers, **ref.towers}  # encoder towers either trace records (REF's table wins)
         self.seq = dataflow_sequence(layer_counts(len(self.layers), self.towers))
         self.book = Ledger(self.seq, self.towers, baseline)
+        self.book.grids = image_grids(ref, self.towers)
 
     # ------------------------------------------------------------ main pass
     def run_all(self) -> None:

@@ -12,6 +12,7 @@ from gemma4_trace.traces.atomic import atomic_output, check_output_path
 from .align import PRE_KINDS
 from .fmt import fmt, sci
 from .metrics import METRIC, PRIMARY, THRESHOLD_METRICS
+from .patch_map import render as patch_map_html
 from .report import format_text, growth_summary, logits_text, token_summary
 from .result import DiffResult, Divergence, Growth, IsolationRanking, LogitMetrics, TensorSummary, TokenInfo
 from .svg import CSS, LogPlot, svg
@@ -450,6 +451,7 @@ def render_html(result: DiffResult, about: list[tuple[str, str]] | None = None) 
             else []
         ),
         f'<div class="verdict {"good" if result.match else "bad"}">{e(format_text(result))}</div>',
+        *([patch_map_html(result.patch_map, _Scale)] if result.patch_map is not None else []),
         *(
             ["<h2>Layers by local error (isolated replay)</h2>", _ranking(result.isolation)]
             if result.isolation is not None

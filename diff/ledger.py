@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from gemma4_trace.traces import schema as S
-from gemma4_trace.traces.rows import item_of, row_word
+from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.rows import grid_place, item_of, patch_grids, row_word
 
 from .align import Plan
 from .baseline import Baseline
@@ -30,6 +31,21 @@ def element_names(kind: str, idx: tuple) -> dict[str, int]:
     return {a.report: i for a, i in zip(axes, idx) if a.report} | {"channel": idx[-1]}
 
 
+def image_grids(ref, towers: dict) -> dict[str, tuple[list[np.ndarray], int | None]]:
+    """{"vision": (each image's real patches (x, y), the pooling kernel)} from REF's
+    image_position_ids and config, where they fit its tower table; {} otherwise."""
+    info = towers.get("vision")
+    if info is None:
+        return {}
+    try:
+        grids = patch_grids(ref.extra_input("image_position_ids"), info)
+    except (TraceToolError, ValueError, TypeError):
+        return {}
+    pooling = (ref.model_config.get("vision_config") or {}).get("pooling_kernel_size")
+    ok = isinstance(pooling, int) and not isinstance(pooling, bool) and 1 <= pooling <= 64
+    return {} if grids is None else {"vision": (grids, pooling if ok else None)}
+
+
 class Ledger:
     """The records of one diff: `offer` keeps the earliest divergence, the rest fill the tensors'
     summaries and the figures the result is computed from after the walk."""
@@ -47,6 +63,8 @@ class Ledger:
         self.res.absent = self.absent  # the growth table's steps with no row compared are "not compared"
         self.plan: Plan | None = None
         self.row_steps: np.ndarray | None = None
+        # {tower: (each item's grid of real patches (x, y), the pooling kernel)}: where a row sits in its image
+        self.grids: dict[str, tuple[list[np.ndarray], int | None]] = {}
 
     def begin(self, plan: Plan, row_steps: np.ndarray) -> None:
         """The aligned steps, once known: where each row sits."""
@@ -84,10 +102,15 @@ class Ledger:
         return int(self.row_steps[row]), row
 
     def row_words(self, spec: S.Kind, row: int) -> str:
-        """'patch 17 (image 2, its patch 5)': an encoder row for people."""
+        """'patch 17 (image 2, its patch 5: row 0, col 5)': an encoder row for people."""
         item, within = item_of(spec, self.towers[spec.tower], row)
         what = S.TOWER_BY_NAME[spec.tower].item
-        return f"{row_word(spec)} {row} ({what} {item + 1}, its {row_word(spec)} {within})"
+        place = ""
+        if spec.tower in self.grids:
+            grids, pooling = self.grids[spec.tower]
+            at = grid_place(spec, grids[item], within, pooling)
+            place = "" if at is None else f": row {at[0]}, col {at[1]}"
+        return f"{row_word(spec)} {row} ({what} {item + 1}, its {row_word(spec)} {within}{place})"
 
     def last_prefill_position(self) -> int:  # where step-indexed kinds' step 0 sits
         return self.plan.step_positions[0][1] - 1

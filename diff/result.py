@@ -408,6 +408,7 @@ class DiffResult:
     isolation: IsolationRanking | None = None  # for an isolated candidate
     logits: LogitMetrics | None = None  # when both traces store logits
     hint: Hint | None = None  # a known bug's signature matched (diff/hints.py); JSON only when set
+    patch_map: object | None = None  # a vision divergence over its image (diff/patch_map.py); HTML only
 
     def to_json(self) -> dict:
         return jsonable(

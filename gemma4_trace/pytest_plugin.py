@@ -165,7 +165,7 @@ class GoldenChecker:
     def update(self) -> None:
         """Re-record each golden from its own inputs with the installed transformers; every
         golden's inputs are checked before the first is rewritten."""
-        from gemma4_trace.recorder.record import check_extra_inputs, rerecord_trace
+        from gemma4_trace.recorder.rerecord import check_extra_inputs, rerecord_trace
         from gemma4_trace.traces import TraceReader
         from gemma4_trace.traces.errors import TraceToolError, one_line
 

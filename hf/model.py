@@ -33,6 +33,7 @@ def embedded_model_dir() -> Path:
 DEMO_PROMPT = "Tell me a story."
 DEMO_IMAGE_PROMPT = "Describe the image."
 DEMO_IMAGE = embedded_model_dir() / "example.png"
+DEMO_WIDE_IMAGE = embedded_model_dir() / "example_wide.png"  # another size: two images pad differently
 GEMMA4_TYPES = ("gemma4", "gemma4_text")
 # config keys that say nothing about the network: left out of the config hash
 VOLATILE_CONFIG_KEYS = (

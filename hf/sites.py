@@ -15,8 +15,9 @@ are the caller's, read with `output_of` and `attention_tensors`.
 
 Towers: each row carries its tower ("text" for the decoder's kinds, as traces/schema.py names
 towers). TOWERS also places the encoder towers (checked against transformers 5.24's
-modeling_gemma4.py and tests/test_hf_sites.py): their kinds' rows join the table when the
-encoder hooks record them.
+modeling_gemma4.py and tests/test_hf_sites.py). The vision tower's rows keep HF's image axis
+(every image runs in one batch, padding patches included): the recorder drops the padding rows.
+`install` skips the rows of a tower the model does not have (a text-only checkpoint).
 
 No torch import: the rows are data, the helpers only call the modules they are given.
 """
@@ -86,6 +87,8 @@ class HFSite:
 
 _TEXT = TOWERS[TEXT].root
 _LAYER = f"{_TEXT}.layers.{LAYER}"
+_VISION = TOWERS[VISION].root
+_VLAYER = f"{_VISION}.{TOWERS[VISION].layers}.{LAYER}"
 
 
 def _rope_rows() -> tuple[HFSite, ...]:
@@ -112,6 +115,17 @@ SITES: tuple[HFSite, ...] = (
     HFSite("layer_out", TEXT, _LAYER, OUTPUT),
     HFSite("final_hidden", TEXT, f"{_TEXT}.norm", OUTPUT),
     HFSite("logits", TEXT, "", OUTPUT, "logits"),  # lm_head, soft-capped, in the model's forward
+    # the vision tower (Gemma4VisionModel), run once in the prefill on every image at once
+    HFSite("patch_embeddings", VISION, f"{_VISION}.patch_embedder", OUTPUT),
+    HFSite("q", VISION, f"{_VLAYER}.self_attn", ATTENTION, "query"),
+    HFSite("k", VISION, f"{_VLAYER}.self_attn", ATTENTION, "key"),
+    HFSite("v", VISION, f"{_VLAYER}.self_attn", ATTENTION, "value"),
+    HFSite("attn_out", VISION, f"{_VLAYER}.self_attn", OUTPUT, 0),
+    HFSite("mlp_out", VISION, f"{_VLAYER}.mlp", OUTPUT),
+    HFSite("layer_out", VISION, _VLAYER, OUTPUT),
+    # pooled, padding stripped and standardized: no image axis (soft tokens image after image)
+    HFSite("pooled", VISION, _VISION, OUTPUT, "last_hidden_state"),
+    HFSite("soft_tokens", VISION, TOWERS[VISION].embedder, OUTPUT),  # embed_vision: no image axis either
 )
 BY_KEY: dict[str, HFSite] = {s.key: s for s in SITES}
 LOGITS = BY_KEY["logits"]
@@ -160,10 +174,15 @@ def input_of(site: HFSite, args: tuple, kwargs: dict):
     return _arg(args, kwargs, site.position, site.item)
 
 
-def attention_tensors(query, key, value, attention_mask) -> dict[str, object]:
-    """{kind: tensor} of the text tower's ATTENTION rows, from one call of the attention function."""
+def attention_tensors(query, key, value, attention_mask, tower: str = TEXT) -> dict[str, object]:
+    """{kind: tensor} of a tower's ATTENTION rows, from one call of the attention function."""
     given = dict(zip(ATTENTION_ARGS, (query, key, value, attention_mask)))
-    return {s.kind: given[s.item] for s in SITES if s.tensor == ATTENTION and s.tower == TEXT}
+    return {s.kind: given[s.item] for s in SITES if s.tensor == ATTENTION and s.tower == tower}
+
+
+def has_tower(model, tower: str) -> bool:
+    """Does `model` hold this tower (a text-only checkpoint has the text tower alone)?"""
+    return tower == TEXT or _has(model, TOWERS[tower].root)
 
 
 def install(model, put, sites: tuple[HFSite, ...] = SITES) -> list:
@@ -173,6 +192,8 @@ def install(model, put, sites: tuple[HFSite, ...] = SITES) -> list:
     handles = []
     for site in sites:
         if site.tensor == ATTENTION or site.module == "":  # the caller's (see the module docstring)
+            continue
+        if not has_tower(model, site.tower):
             continue
         for layer in range(layer_count(model, site.tower)) if site.each_layer else (None,):
             module = submodule(model, site, layer)

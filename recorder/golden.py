@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib.resources import files
 from pathlib import Path
 
-from gemma4_trace.hf.model import DEMO_IMAGE, DEMO_IMAGE_PROMPT, DEMO_PROMPT
+from gemma4_trace.hf.model import DEMO_IMAGE, DEMO_IMAGE_PROMPT, DEMO_PROMPT, DEMO_WIDE_IMAGE
 from gemma4_trace.traces import TraceReader
 
 # the package data folder traces/golden (the only definition of where the goldens live)
@@ -21,6 +21,8 @@ GOLDENS = {
     "short": (DEMO_PROMPT, [], 3),  # a short text prompt, a few decode steps
     "window": (DEMO_PROMPT, [], 24),  # 13 + 24 positions: crosses the sliding window (8) several times
     "image": (DEMO_IMAGE_PROMPT, [DEMO_IMAGE], 16),  # image + text, bidirectional vision mask, ends at EOS
+    # two images of different sizes (64 and 55 soft tokens): the vision tower's padding and rows image after image
+    "two_images": ("Describe the images.", [DEMO_IMAGE, DEMO_WIDE_IMAGE], 8),
     "eos": (DEMO_PROMPT, [], 64),  # decodes until the model's end-of-turn token
 }
 

@@ -34,6 +34,8 @@ from gemma4_trace.traces.errors import TraceToolError, one_line
 from gemma4_trace.traces.schema import LAYER_KIND_NAMES, rope_kinds
 from gemma4_trace.traces.writer import Bf16Rows, spare_core
 
+from .towers import VisionRows, tower_infos
+
 
 @dataclass
 class PromptInputs:
@@ -213,8 +215,9 @@ def eos_ids(lm: LoadedModel) -> list[int]:
 class _StepRecorder:
     """Hooks that gather one forward call's canonical tensors, then write them as a step."""
 
-    def __init__(self, lm: LoadedModel, writer: TraceWriter, prompt_len: int, shortcut: bool = False):
+    def __init__(self, lm: LoadedModel, writer: TraceWriter, prompt_len: int, shortcut: bool = False, extra=None):
         self.lm, self.w, self.T = lm, writer, prompt_len
+        self.vision = VisionRows(lm.model, extra or {})  # the vision tower's rows (prefill only)
         self.shortcut = shortcut  # generate()'s prefill shortcut: KV-sharing layers see only the last row
         self.text_model = S.tower_model(lm.model)
         self.n_layers = S.layer_count(lm.model)
@@ -233,6 +236,9 @@ class _StepRecorder:
         def wrapped(module, query, key, value, attention_mask, **kwargs):
             i = text_attention.get(id(module))
             if i is None:  # the vision tower's attention
+                j = self.vision.attention_layers.get(id(module))
+                if j is not None:
+                    self.vision.attention(j, query, key, value, attention_mask)
                 return original(module, query, key, value, attention_mask, **kwargs)
             t = S.attention_tensors(query, key, value, attention_mask)
             q_len, k_len = t["q"].shape[2], t["k"].shape[2]
@@ -310,6 +316,9 @@ class _StepRecorder:
     def _put(self, site, layer, t):
         """A hooked module's tensor (hf/sites.py): batch 1's rows, by kind (and layer: per_layer_inputs
         too, one slice per layer)."""
+        if site.tower != S.TEXT:
+            self.vision.put(site, layer, t)
+            return
         self.buf[site.kind if layer is None else (site.kind, layer)] = t[0]
 
     def _on_return(self, module, args, out):
@@ -328,6 +337,8 @@ class _StepRecorder:
             rows = None if n == len(self.positions) else range(self.positions.stop - n, self.positions.stop)
             w.add(kind, writer_rows(t) if hasattr(t, "detach") else t, layer=layer, positions=rows)
 
+        if self.n_steps == 0:  # the encoder towers ran in the prefill, before the text tower
+            self.vision.write(w, writer_rows)
         put("embeddings", b["embeddings"])
         n_layers = self.n_layers
         if ("per_layer_inputs", 0) in b and w.keeps("per_layer_inputs"):
@@ -393,8 +404,9 @@ def record_loaded(
     layers = layer_infos_from_config(lm.text_config)
     prompt_len = ids.shape[1]
     check_positions(lm.text_config, prompt_len, max_new_tokens)
+    towers = tower_infos(lm.model, extra)
     if selection is not None:
-        selection.check(len(layers), max_new_tokens)
+        selection.check(len(layers), max_new_tokens, {t.name: t.layers for t in towers})
     if shared_kv_prefill not in ("all", "last"):
         raise TraceToolError(f"--shared-kv-prefill must be all or last, got {shared_kv_prefill!r}")
     # HF slices only a prefill of 2+ positions (and not under flash / flex attention, GPU only)
@@ -424,9 +436,10 @@ def record_loaded(
                 prompt_text=inputs.text,
                 chat_template_applied=inputs.chat,
                 extra_inputs={k: numpy_rows(v) for k, v in extra.items()},
+                towers=towers,
             )
         )
-        rec = _StepRecorder(lm, w, prompt_len, shortcut)
+        rec = _StepRecorder(lm, w, prompt_len, shortcut, extra)
         out = _generate(lm, rec, ids, extra, max_new_tokens, eos, shortcut, streamer)
         generated = out[0, prompt_len:].tolist()
         if rec.pending_token_step:
@@ -487,75 +500,3 @@ class _ProgressStreamer:
 
     def end(self) -> None:
         pass
-
-
-# inputs of the model's forward that generate() or the model compute, or that carry state:
-# never taken from a trace (one from a trace would steer, not reproduce, the recording)
-_NOT_EXTRA = frozenset(
-    {
-        "self",
-        "input_ids",
-        "attention_mask",
-        "position_ids",
-        "cache",
-        "past_key_values",
-        "inputs_embeds",
-        "labels",
-        "use_cache",
-        "logits_to_keep",
-        "per_layer_inputs",
-        "mm_encoder_outputs",
-        "cache_position",
-    }
-)
-
-
-def check_extra_inputs(reader) -> None:
-    """Refuse (one line) a trace whose extra inputs are not inputs of the recorded model's forward.
-
-    A trace's extra inputs are passed to generate() as keyword arguments when it is re-recorded:
-    a name generate() itself takes (suppress_tokens, max_new_tokens) would change or break the
-    recording. Checked by name against the forward of the class the trace's config loads, and by
-    shape where the prompt fixes it; nothing is read but shapes.
-    """
-    import inspect
-
-    from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
-
-    cls = Gemma4ForConditionalGeneration if reader.model_config.get("model_type") == "gemma4" else Gemma4ForCausalLM
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    takes = {n for n, p in inspect.signature(cls.forward).parameters.items() if p.kind in kinds} - _NOT_EXTRA
-    shapes = reader.extra_shapes()
-    expected = {"mm_token_type_ids": (1, reader.prompt_len)}
-    if "pixel_values" in shapes:
-        expected["image_position_ids"] = (*shapes["pixel_values"][:2], 2)
-    where = one_line(reader.path)
-    for name, shape in shapes.items():
-        if name not in takes:
-            raise TraceToolError(
-                f"{where}: extra input {one_line(repr(name))} is not an input of {cls.__name__}'s "
-                f"forward ({', '.join(sorted(takes)) or 'it takes none'}); not re-recording it"
-            )
-        if name in expected and tuple(shape) != expected[name]:
-            raise TraceToolError(
-                f"{where}: extra input {name} has shape {tuple(shape)}, expected {expected[name]} "
-                "for this prompt; not re-recording it"
-            )
-
-
-def rerecord_trace(reference, output, *, model_dir=None, device: str = "cpu", force: bool = False) -> list[int]:
-    """Record HF again on the exact inputs of an existing trace (ids, pixels, settings)."""
-    import numpy as np
-    import torch
-
-    from gemma4_trace.hf.model import load_for_reference
-    from gemma4_trace.traces import TraceReader
-
-    check_output_path(output, force)
-    with TraceReader(reference) as r:
-        check_extra_inputs(r)
-        prov, ids, n_new = dict(r.provenance), [int(i) for i in r.prompt_ids], r.max_new_tokens
-        extra = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in r.extra_inputs().items()}
-        text, chat = r.prompt_text, r.chat_template_applied
-    lm = load_for_reference(prov, model_dir, device=device)
-    return record_loaded(lm, PromptInputs(ids, extra, text, chat), output, max_new_tokens=n_new, force=force)

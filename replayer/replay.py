@@ -149,7 +149,7 @@ def _check(reference, output, opts: ReplayOptions):
         check_capture(choice, [k for k in selection.kinds if k not in ALWAYS_KEPT])
     selection = ref.selection if selection is None else selection
     if selection is not None:
-        selection.check(len(ref.layer_types()), n_new)
+        selection.check(len(ref.layer_types()), n_new, {t.name: t.layers for t in ref.towers})
         if not opts.isolate:  # an isolated replay feeds every layer REF's input: the static runtime, whole
             choice = choice.with_capture(selection.kinds)
     return choice, user_file, header, ref, max_seq, selection

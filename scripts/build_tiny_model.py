@@ -208,6 +208,14 @@ def draw_image(shape: str, fg: str, bg: str, size: int = IMAGE_SIZE) -> Image.Im
     return img
 
 
+def wide_image() -> Image.Image:
+    """The second demo image (example_wide.png, 96 x 48): another size and aspect ratio than
+    example.png, so a prompt with both has images of different patch counts (the processor pads)."""
+    img = Image.new("RGB", (96, 48), COLORS["white"])
+    ImageDraw.Draw(img).rectangle((30, 8, 65, 39), fill=COLORS["green"])
+    return img
+
+
 def image_examples():
     out = []
     for shape, fg, bg in IMAGE_SPECS:
@@ -622,6 +630,7 @@ def build(out_dir: Path, steps: int, lr: float, use_bidirectional: str | None = 
         json.dumps(processor_config_dict(image_processor), indent=2, sort_keys=True) + "\n"
     )
     example_image.save(out_dir / "example.png", optimize=False)
+    wide_image().save(out_dir / "example_wide.png", optimize=False)
     print(f"saved to {out_dir} in {time.time() - t_start:.0f}s")
     return out_dir
 
@@ -768,6 +777,8 @@ def write_readme(out_dir: Path, results: dict):
         f" {t['min_margin']:.2f}: {t['text']!r}",
         f"- Demo (greedy) example.png + `{DEMO_IMAGE_PROMPT}`: prompt {i['prompt_len']} tokens -> {i['n_new']} tokens,"
         f" min margin {i['min_margin']:.2f}: {i['text']!r}",
+        "- example_wide.png (96x48, a green rectangle on white): the second demo image, of another size",
+        "  (220 real patches of the processor's 280 -> 55 soft tokens; example.png 256 -> 64).",
         "- Without torchvision, transformers 5.x cannot instantiate `Gemma4Processor` (its video processor is "
         "mandatory);",
         "  AutoTokenizer / AutoImageProcessor / the model load fine. `prepare_inputs()` and `real_processor()` in the "

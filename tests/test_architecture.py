@@ -278,8 +278,8 @@ def test_every_site_of_the_shipped_model_parses_back():
             counts[tower.name] = sizes["layers"]
     assert set(counts) == {"text", "vision"}  # the tiny model has no audio tower: absent, never empty
     sites = S.dataflow(counts)
-    # text: 9 global kinds + 6 kinds in each of 8 layers; vision: 3 global + 5 in each of 2 layers
-    assert len(sites) == len({s.path for s in sites}) == 9 + 6 * 8 + 3 + 5 * 2
+    # text: 9 global kinds + 6 kinds in each of 8 layers; vision: 3 global + 6 in each of 2 layers
+    assert len(sites) == len({s.path for s in sites}) == 9 + 6 * 8 + 3 + 6 * 2
     for site in sites:
         assert S.Site.parse(site.path) == site, site
         assert S.Site.of(site.key, site.layer) == site

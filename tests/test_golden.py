@@ -8,7 +8,7 @@ import pytest
 from gemma4_trace.diff import diff_traces, format_text
 from gemma4_trace.hf.model import DEMO_IMAGE_PROMPT
 from gemma4_trace.recorder import golden
-from gemma4_trace.recorder.record import rerecord_trace
+from gemma4_trace.recorder.rerecord import rerecord_trace
 from gemma4_trace.traces import TraceReader
 
 pytestmark = pytest.mark.slow  # the pytest plug-in replaying every golden; make test-fast skips it
@@ -166,7 +166,7 @@ def test_update_golden_refuses_extra_inputs_the_forward_does_not_take(pytester, 
 def test_extra_input_shapes_are_checked(tmp_path):
     import numpy as np
 
-    from gemma4_trace.recorder.record import check_extra_inputs
+    from gemma4_trace.recorder.rerecord import check_extra_inputs
     from gemma4_trace.traces.errors import TraceToolError
 
     with TraceReader(golden.golden_path("image")) as r:

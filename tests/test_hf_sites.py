@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from gemma4_trace.hf import sites as S
-from gemma4_trace.traces.schema import KIND_NAMES, LAYER_KIND_NAMES, rope_kinds
+from gemma4_trace.traces.schema import KIND_NAMES, LAYER_KIND_NAMES, TOWER_BY_NAME, rope_kinds
 
 IDS = [2, 30, 31, 32, 33, 34, 35, 36, 37, 38]  # plain text tokens (7..13 are multimodal ones), past the sliding window
 
@@ -34,6 +34,8 @@ def text_only(tmp_path_factory):
 def test_every_kind_hf_computes_has_one_row_in_the_schemas_order():
     text = [s for s in S.SITES if s.tower == S.TEXT]
     assert [s.kind for s in text] == [k for k in KIND_NAMES if k != "token"]  # the token is generate()'s
+    vision = [s.kind for s in S.SITES if s.tower == S.VISION]
+    assert vision == [k.name for k in TOWER_BY_NAME[S.VISION].kinds]  # every vision kind, in the schema's order
     assert len(S.BY_KEY) == len(S.SITES)
     for s in S.SITES:
         assert s.tower in S.TOWERS and s.tensor in (S.OUTPUT, S.INPUT, S.ATTENTION), s
@@ -52,8 +54,11 @@ def test_every_row_names_a_real_module_for_every_layer(which, request):
     n = lm.text_config.num_hidden_layers
     assert S.layer_count(model) == n
     assert S.root_path(model) == ("model.language_model" if which == "embedded" else S.TEXT_ONLY_ROOT)
+    assert S.has_tower(model, S.VISION) == (which == "embedded")
     for s in S.SITES:
-        for layer in range(n) if s.each_layer else (None,):
+        if not S.has_tower(model, s.tower):
+            continue
+        for layer in range(S.layer_count(model, s.tower)) if s.each_layer else (None,):
             path = S.module_path(model, s, layer)
             module = model.get_submodule(path)  # AttributeError: no such module
             params = list(inspect.signature(module.forward).parameters)
@@ -62,7 +67,7 @@ def test_every_row_names_a_real_module_for_every_layer(which, request):
             if s.layer_type is not None:
                 assert params[S.LAYER_TYPE_ARG[0]] == S.LAYER_TYPE_ARG[1], (s, path, params)
             if s.tensor == S.ATTENTION:  # the module calls the attention function
-                assert type(module).__name__ == "Gemma4TextAttention", (s, path)
+                assert type(module).__name__ == f"Gemma4{s.tower.title()}Attention", (s, path)
     if which == "embedded":
         assert S.module_path(model, S.BY_KEY["q"], 3) == "model.language_model.layers.3.self_attn"
     else:
@@ -117,6 +122,7 @@ def wrong_rows(lm, sites: tuple[S.HFSite, ...]) -> list[str]:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.gemma4 import modeling_gemma4
 
+    sites = tuple(s for s in sites if s.tower == S.TEXT)  # the vision rows: tests/test_record_vision.py
     model, cfg = lm.model, lm.text_config
     tm = S.tower_model(model)
     n = S.layer_count(model)

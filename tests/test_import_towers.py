@@ -66,6 +66,10 @@ kind = "vision.attn_out"
 file = "vision/L{layer}_attn.npy"
 layers = [0, 1]
 
+[[tensor]]
+kind = "vision.mlp_out"
+file = "vision/L{layer}_mlp.npy"
+
 [[tensor]]  # (patches, hidden): the default layout
 kind = "vision.layer_out"
 file = "vision/layer{layer}_out.npy"
@@ -115,6 +119,8 @@ def _save_encoder(dump, name, layer, data):
         np.save(dump / "vision" / f"L{layer}_vision.{name}.npy", data)
     elif name == "attn_out":
         np.save(dump / "vision" / f"L{layer}_attn.npy", data)
+    elif name == "mlp_out":
+        np.save(dump / "vision" / f"L{layer}_mlp.npy", data)
     elif name == "layer_out":
         np.save(dump / "vision" / f"layer{layer}_out.npy", data)
     elif name == "pooled":
@@ -178,7 +184,8 @@ def test_encoder_kinds_without_files_are_absent(dump, made, tmp_path):
     shutil.rmtree(dump / "vision")
     res = _import(made, dump, tmp_path)
     assert res.exit_code == 0, res.output
-    assert "absent: vision.q, vision.k, vision.v, vision.attn_out, vision.layer_out, vision.pooled" in res.stdout
+    absent = "absent: vision.q, vision.k, vision.v, vision.attn_out, vision.mlp_out, vision.layer_out, vision.pooled"
+    assert absent in res.stdout
     with TraceReader(tmp_path / "imp.h5") as r:
         assert r.towers == {"vision": synth.VISION}
         assert r.has("vision.patch_embeddings") and not r.has("vision.q", 0)

@@ -151,6 +151,14 @@ class TraceReader:
             out[k] = read_small(self.path, ds)
         return out
 
+    def extra_input(self, name: str) -> np.ndarray | None:
+        """One extra input (None when the trace has none of that name)."""
+        if name not in self._extra_names:
+            return None
+        ds = self.f[S.input_extra_path(name)]
+        self._check_memory(ds, nbytes(ds.shape, ds.dtype))
+        return read_small(self.path, ds)
+
     def header(self) -> TraceHeader:
         """The trace's header, whole (the extra inputs are read): what a copy of it writes."""
         return TraceHeader(

@@ -63,3 +63,30 @@ def steps_of_rows(spec: S.Kind, n_rows: int, position_steps: np.ndarray, n_steps
     if spec.encoder:
         return np.zeros(n_rows, dtype=np.int64)
     return position_steps
+
+
+def patch_grids(position_ids, info: TowerInfo) -> list[np.ndarray] | None:
+    """(x, y) of each image's real patches in row order, from the processor's image_position_ids
+    (images, patches, 2; padding (-1, -1)); None where they do not fit the tower's table (a trace is
+    untrusted: then no row names a place in its image)."""
+    pos = np.asarray(position_ids)
+    if pos.ndim != 3 or pos.shape[-1] != 2 or pos.shape[0] != len(info.item_rows) or pos.dtype.kind not in "iu":
+        return None
+    grids = [p[(p != -1).all(axis=-1)] for p in pos]
+    if [len(g) for g in grids] != list(info.item_rows) or any(len(g) and g.min() < 0 for g in grids):
+        return None
+    return grids
+
+
+def grid_place(spec: S.Kind, grid: np.ndarray, within: int, pooling: int | None) -> tuple[int, int] | None:
+    """(row, col) in its image of an image's `within`-th patch, or of its pooled token (the pooled
+    grid is pooling x pooling patches a cell, row-major): None where the grid cannot say."""
+    if spec.index == S.ROW_PATCH:
+        if within >= len(grid):
+            return None
+        x, y = grid[within]
+        return int(y), int(x)
+    if spec.index == S.ROW_SOFT_TOKEN and pooling and len(grid):
+        width = (int(grid[:, 0].max()) + 1) // pooling
+        return (within // width, within % width) if width > 0 else None
+    return None

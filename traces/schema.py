@@ -280,14 +280,17 @@ LAYER_INPUT_KINDS = tuple(k.name for k in KINDS if k.layer_input)
 _ENC_HEADS = Axis("heads", "heads", report="head", dump="head")
 
 
-def _encoder_kinds(tower: str, row: str, first: Kind, last: tuple[Kind, ...]) -> tuple[Kind, ...]:
-    """An encoder tower's kinds in data-flow order: its input rows, q/k/v, attention and layer
-    outputs per encoder layer, then what it hands the text tower."""
+def _encoder_kinds(
+    tower: str, row: str, first: Kind, last: tuple[Kind, ...], mlp: str | None = None
+) -> tuple[Kind, ...]:
+    """An encoder tower's kinds in data-flow order: its input rows, q/k/v, attention (and MLP, where
+    `mlp` says what it is) and layer outputs per encoder layer, then what it hands the text tower."""
     layer = (
         Kind("q", True, row, "float", (_ENC_HEADS, _HEAD_DIM), "query after q_norm and RoPE"),
         Kind("k", True, row, "float", (_ENC_HEADS, _HEAD_DIM), "key after k_norm and RoPE"),
         Kind("v", True, row, "float", (_ENC_HEADS, _HEAD_DIM), "value after v_norm"),
         Kind("attn_out", True, row, "float", (_HIDDEN,), "attention output after o_proj"),
+        *((Kind("mlp_out", True, row, "float", (_HIDDEN,), mlp),) if mlp else ()),
         Kind("layer_out", True, row, "float", (_HIDDEN,), "encoder layer output", residual=True),
     )
     return tuple(replace(k, tower=tower) for k in (first, *layer, *last))
@@ -338,6 +341,7 @@ TOWERS: tuple[Tower, ...] = (
                 Kind("pooled", False, ROW_SOFT_TOKEN, "float", (_HIDDEN,), "patches pooled k x k (std scaled)"),
                 _SOFT_TOKENS,
             ),
+            mlp="MLP output (down_proj, before post_feedforward_layernorm)",
         ),
         "embeddings",
         "image_token_id",

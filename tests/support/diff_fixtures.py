@@ -40,6 +40,13 @@ def copy_trace(src, dst, edit=None, mode=None, stop_after=None, omit=()):
         for step, (a, b) in enumerate(r.step_positions[:stop_after]):
             w.begin_step(range(a, b))
             for kind, layer in present:
+                spec = S.KIND_BY_NAME[kind]
+                if spec.encoder:  # an encoder tower's rows: all of them in the prefill
+                    if step == 0:
+                        rows = r.read(kind, layer)
+                        rows = rows if edit is None else edit(kind, layer, step, rows.copy())
+                        w.add(spec.name, rows, layer=layer, source_dtype=r.source_dtype(kind, layer), tower=spec.tower)
+                    continue
                 rows = r.read(
                     kind, layer, slice(step, step + 1) if S.KIND_BY_NAME[kind].index == "step" else slice(a, b)
                 )

@@ -37,7 +37,7 @@ LITERT = CaptureMap(
 # replayer/runtimes/litert/convert.py: HF's forward hooked where hf/sites.py says HF computes each kind
 HF_FORWARD = CaptureMap(
     "transformers' Gemma 4 modules (hf/sites.py)",
-    tuple(Capture(s.module or "model", s.key, via=f"{s.tensor} {s.item}") for s in H.SITES),
+    tuple(Capture(s.module or "model", s.key, via=f"{s.tensor} {s.item}") for s in H.SITES if s.tower == H.TEXT),
 )
 
 _LITERT = dict(
