@@ -21,7 +21,7 @@ GOLDENS = {
     "short": (DEMO_PROMPT, [], 3),  # a short text prompt, a few decode steps
     "window": (DEMO_PROMPT, [], 24),  # 13 + 24 positions: crosses the sliding window (8) several times
     "image": (DEMO_IMAGE_PROMPT, [DEMO_IMAGE], 16),  # image + text, bidirectional vision mask, ends at EOS
-    # two images of different sizes (64 and 55 soft tokens): the vision tower's padding and rows image after image
+    # two images of different sizes (64 soft tokens, padded; 70, the whole budget): padding and rows image after image
     "two_images": ("Describe the images.", [DEMO_IMAGE, DEMO_WIDE_IMAGE], 8),
     "eos": (DEMO_PROMPT, [], 64),  # decodes until the model's end-of-turn token
 }

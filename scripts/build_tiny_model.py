@@ -209,10 +209,11 @@ def draw_image(shape: str, fg: str, bg: str, size: int = IMAGE_SIZE) -> Image.Im
 
 
 def wide_image() -> Image.Image:
-    """The second demo image (example_wide.png, 96 x 48): another size and aspect ratio than
-    example.png, so a prompt with both has images of different patch counts (the processor pads)."""
-    img = Image.new("RGB", (96, 48), COLORS["white"])
-    ImageDraw.Draw(img).rectangle((30, 8, 65, 39), fill=COLORS["green"])
+    """The second demo image (example_wide.png, 80 x 56): another size and aspect ratio than
+    example.png, one that fills the processor's patch budget exactly (280 patches, no padding), so a
+    prompt with both has one padded image and one not."""
+    img = Image.new("RGB", (80, 56), COLORS["white"])
+    ImageDraw.Draw(img).rectangle((24, 12, 55, 43), fill=COLORS["green"])
     return img
 
 
@@ -777,8 +778,8 @@ def write_readme(out_dir: Path, results: dict):
         f" {t['min_margin']:.2f}: {t['text']!r}",
         f"- Demo (greedy) example.png + `{DEMO_IMAGE_PROMPT}`: prompt {i['prompt_len']} tokens -> {i['n_new']} tokens,"
         f" min margin {i['min_margin']:.2f}: {i['text']!r}",
-        "- example_wide.png (96x48, a green rectangle on white): the second demo image, of another size",
-        "  (220 real patches of the processor's 280 -> 55 soft tokens; example.png 256 -> 64).",
+        "- example_wide.png (80x56, a green square on white): the second demo image, of another size that",
+        "  fills the processor's budget (280 patches, no padding -> 70 soft tokens; example.png 256 of 280 -> 64).",
         "- Without torchvision, transformers 5.x cannot instantiate `Gemma4Processor` (its video processor is "
         "mandatory);",
         "  AutoTokenizer / AutoImageProcessor / the model load fine. `prepare_inputs()` and `real_processor()` in the "

@@ -58,7 +58,7 @@ def test_a_pooled_row_names_its_cell_of_the_pooled_grid(tmp_path):
     copy_trace(REF, run, edit=bump("vision.pooled", None, 70))  # image 2 (64 + 6): its 6th pooled token
     res = invoke("diff", REF, run)
     assert res.exit_code == 1
-    # image 2 is 22 x 10 patches: pooled 2 x 2, 11 cells a row -> token 6 is row 0, col 6
+    # image 2 is 20 x 14 patches: pooled 2 x 2, 10 cells a row -> token 6 is row 0, col 6
     assert "kind pooled, soft token 70 (image 2, its soft token 6: row 0, col 6)" in res.stdout
 
 
@@ -72,7 +72,7 @@ def test_the_report_lays_the_errors_over_each_image(tmp_path):
     assert "<h2>Vision: error of vision.layer_out of layer 0 over each image</h2>" in text
     image, within, r, c = place(300)
     assert "image 1: 16 x 16 cells, 0 over the tolerance" in text  # 64 x 64 pixels, patch 4
-    assert "image 2: 10 x 22 cells, 1 over the tolerance" in text
+    assert "image 2: 14 x 20 cells, 1 over the tolerance" in text
     assert f"<title>row {r}, col {c}: rel-L2 " in text
     assert text.count('stroke="#000" stroke-width="2"/>') >= 1  # the first divergence framed
     with TraceReader(REF) as t:

@@ -34,7 +34,7 @@ def real_rows(r: TraceReader, name: str) -> np.ndarray:
     return np.concatenate([x[(p != -1).all(-1)] for x, p in zip(r.extra_inputs()[name], pos)])
 
 
-@pytest.mark.parametrize("name,rows,tokens", [("image", (256,), (64,)), ("two_images", (256, 220), (64, 55))])
+@pytest.mark.parametrize("name,rows,tokens", [("image", (256,), (64,)), ("two_images", (256, 280), (64, 70))])
 def test_the_goldens_hold_the_tower_as_the_processor_cut_the_images(name, rows, tokens):
     with TraceReader(golden_path(name)) as r:
         t = r.towers["vision"]
