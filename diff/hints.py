@@ -20,6 +20,7 @@ import numpy as np
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
 
+from . import vision_hints
 from .metrics import ranges_text, rel_l2_of_sums
 from .result import DiffResult, Divergence, Hint
 
@@ -60,6 +61,7 @@ NAMES = (
     STALE_PLE,
     VISION_SCALED,
     VISION_SHIFTED,
+    *vision_hints.NAMES,  # inside the vision tower (diff/vision_hints.py)
 )
 
 
@@ -455,4 +457,5 @@ CHECKS: dict[str, tuple[Callable[[_Site], Hint | None], ...]] = {
     "layer_out": (_ple_missing,),
     "per_layer_inputs": (_ple_image_ids, _stale_ple),
     "embeddings": (_vision,),
+    **vision_hints.CHECKS,
 }

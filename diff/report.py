@@ -259,7 +259,8 @@ def logits_text(m: LogitMetrics, isolated: bool = False) -> str:
 
 def hint_evidence(h: Hint) -> str:
     """The hint's evidence with its numbers written as every report writes them."""
-    return h.template.format(**{k: sci(v) if style == "sci" else val(v) for k, (v, style) in h.numbers.items()})
+    styles = {"sci": sci, "val": val, "pct": lambda v: f"{100 * v:.1f}%"}
+    return h.template.format(**{k: styles[style](v) for k, (v, style) in h.numbers.items()})
 
 
 def format_text(result: DiffResult) -> str:

@@ -245,7 +245,7 @@ class Hint:
 
     name: str
     template: str  # the evidence, with {field}s for its numbers (diff/report.py hint_evidence fills them)
-    numbers: dict[str, tuple[float, str]] = field(default_factory=dict)  # field -> (value, "sci" | "val")
+    numbers: dict[str, tuple[float, str]] = field(default_factory=dict)  # field -> (value, "sci" | "val" | "pct")
     evidence: str | None = None  # the filled-in template (diff_traces sets it)
 
     def to_json(self) -> dict:

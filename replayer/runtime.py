@@ -5,9 +5,9 @@ KV caches are preallocated buffers (1, kv_heads, max_seq, head_dim), and the RoP
 tables are built once for max_seq and indexed by position; the masks are computed per
 step from positions. Prefill runs the whole padded prompt (right padding to max_seq) and
 writes only the valid K/V rows; the decode step writes one row at its position and
-attends over all max_seq slots through the mask. Nothing here calls HF's decoder layers,
-attention, rotary embedding or text model; only the vision tower (pixels -> soft tokens)
-runs through HF.
+attends over all max_seq slots through the mask. Nothing here calls HF's forward code: not
+its decoder layers, attention, rotary embedding or text model, nor its vision tower (pixels
+-> soft tokens is ported too: static_vision.py).
 
 The class is the runtime contract (prepare_prefill, prefill, decode: replayer/api.py) over
 four pieces it inherits, each a module of its own:
@@ -16,6 +16,9 @@ four pieces it inherits, each a module of its own:
     static_kv.py       StaticKV: the per-layer K/V caches, _write_kv / _read_kv
     static_masks.py    StaticMasks: _prefill_masks / _decode_masks, per step from positions
     static_graph.py    StaticGraph: prefill_step, prefill_chunk_step, decode_step (exportable)
+
+and holds the vision tower's port, static_vision.py's StaticVision (`self.vision_tower`), which
+prepare_prefill runs on the prompt's images (reporting the vision sites to prefill's probe).
 
 A derived runtime overrides any of their methods (tests/support/bug_zoo.py, replayer/functional.py).
 The canonical tensors go to an optional probe: `probe.tensor(kind, value, layer=None)`.
@@ -39,12 +42,21 @@ from .ops import (
 from .static_graph import StaticGraph
 from .static_kv import StaticKV
 from .static_masks import StaticMasks
+from .static_vision import StaticVision
 from .static_weights import StaticWeights
 
 UNSUPPORTED_INPUTS = ("pixel_values_videos", "input_features", "input_features_mask")
 # the files the static runtime's code is in (relative to replayer/): what an artifact built from its
 # step graphs depends on (artifacts.code_digest)
-SOURCES = ("runtime.py", "static_weights.py", "static_kv.py", "static_masks.py", "static_graph.py", "ops.py")
+SOURCES = (
+    "runtime.py",
+    "static_weights.py",
+    "static_kv.py",
+    "static_masks.py",
+    "static_graph.py",
+    "static_vision.py",
+    "ops.py",
+)
 
 
 class StaticGemma4Runtime(StaticWeights, StaticKV, StaticMasks, StaticGraph, nn.Module, Runtime):
@@ -68,12 +80,17 @@ class StaticGemma4Runtime(StaticWeights, StaticKV, StaticMasks, StaticGraph, nn.
         self._bind_weights(model)
         self._allocate_kv()
         self._build_rope()
-        # the HF multimodal model, for get_image_features only; kept out of this module's state
-        self.__dict__["vision"] = model.model if self.multimodal else None
+        # the vision tower's port (a module of its own: its buffers are not the text step graphs')
+        self.__dict__["vision_tower"] = self.vision_port(model) if self.multimodal else None
+
+    def vision_port(self, model) -> StaticVision:
+        """The vision tower's port (a plug-in with a planted vision bug returns its own)."""
+        return StaticVision(model)
 
     # ------------------------------------------------------------------ public API
-    def prepare_prefill(self, input_ids, extra_inputs: dict) -> tuple:
-        """Prompt ids (T,) + processor outputs -> the static tensors prefill_step takes."""
+    def prepare_prefill(self, input_ids, extra_inputs: dict, probe=None) -> tuple:
+        """Prompt ids (T,) + processor outputs -> the static tensors prefill_step takes (the images
+        through the vision tower's port, its sites reported to `probe`)."""
         ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
         T = int(ids.shape[0])
         if T > self.max_seq:
@@ -93,14 +110,16 @@ class StaticGemma4Runtime(StaticWeights, StaticKV, StaticMasks, StaticGraph, nn.
         mm_embeds = torch.zeros(1, S, Hd, dtype=self.dtype, device=dev)
         image_slots = torch.zeros(S, dtype=torch.bool)
         if "pixel_values" in extra:
-            if self.vision is None:
+            if self.vision_tower is None:
                 raise TraceToolError("pixel_values given to a text-only model")
+            if "image_position_ids" not in extra:
+                raise TraceToolError("pixel_values given without image_position_ids")
             image_slots[:T] = ids == self.loaded.model.config.image_token_id
             with torch.no_grad():
-                feats = self.vision.get_image_features(
-                    extra["pixel_values"].to(dev, self.dtype), extra["image_position_ids"].to(dev), return_dict=True
-                ).pooler_output
-            feats = torch.cat(list(feats), dim=0).to(self.dtype)  # (n_soft, H)
+                feats = self.vision_tower.encode(
+                    extra["pixel_values"].to(dev, self.dtype), extra["image_position_ids"].to(dev), probe
+                )
+            feats = feats.to(self.dtype)  # (n_soft, H)
             n_slots = int(image_slots.sum())
             if feats.shape[0] != n_slots:
                 raise TraceToolError(
@@ -130,7 +149,7 @@ class StaticGemma4Runtime(StaticWeights, StaticKV, StaticMasks, StaticGraph, nn.
         see chunk_plan), else over the whole padded max_seq in one step.
         """
         ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
-        args = self.prepare_prefill(ids, extra_inputs or {})
+        args = self.prepare_prefill(ids, extra_inputs or {}, probe)
         N = self.prefill_chunk
         if N is None or N >= self.max_seq:
             return self.prefill_step(*args, probe=probe, report_rows=len(ids))

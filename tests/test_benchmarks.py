@@ -101,6 +101,7 @@ RUN_HERE = {  # script -> the test below that runs it
     "bench_record_ab.py": "test_bench_record_ab",
     "bench_replay.py": "test_bench_replay",
     "bench_sweep.py": "test_bench_sweep",
+    "bench_vision.py": "test_bench_vision",
     "bench_writer.py": "test_bench_writer",
     "make_e2b_random.py": "test_record_cost_on_the_e2b_structure",
     "profile_record.py": "test_profile_record",
@@ -195,6 +196,16 @@ def test_bench_record_ab():
     out = bench("bench_record_ab.py", TINY, "--rounds", 1, "--prompt-len", 8, "--new-tokens", 2)
     for name in ("record-last, ISA-L", "record-last, zlib Z_RLE"):
         assert figure(out, rf"^{re.escape(name)}\s+median\s+{NUM} s\s+({NUM})x generate\(\)") > 0
+
+
+def test_bench_vision():
+    out = bench("bench_vision.py", "--tiny", "--tokens", 64, "--rounds", 1)
+    assert "vision tower: 2 layers, hidden 32" in out and "64 soft tokens" in out
+    tower, gen, rec = (after(out, label)[0] for label in ("tower forward", "generate() 1 token", "trace record"))
+    assert min(tower, gen, rec) > 0
+    ratio = figure(out, rf"record / generate: ({NUM})x")
+    assert ratio == pytest.approx(rec / gen, rel=0.05, abs=0.01)
+    assert figure(out, rf"trace size: ({NUM}) MiB") > 0
 
 
 def test_bench_writer():

@@ -45,6 +45,9 @@ class Facts:
             self.layers = r.layers
             self.prompt_ids = [int(x) for x in r.prompt_ids]
             cfg = r.model_config
+            pos = r.extra_inputs().get("image_position_ids")
+            self.patch_budget = None if pos is None else pos.shape[1]
+            self.grids = [] if pos is None else [p[(p != -1).all(-1)] for p in pos]  # real patches (x, y)
         text = cfg.get("text_config", cfg)
         self.window = int(text["sliding_window"])
         self.image_token_id = cfg.get("image_token_id")
@@ -103,6 +106,17 @@ def expected(bug: str, f: Facts) -> tuple[int, int | None, str, int]:
         return 0, None, "per_layer_inputs", f.first_image_slot
     if bug in ("vision_scaled", "vision_wrong_slots"):
         return 0, None, "embeddings", f.first_image_slot
+    if bug == "vision_rope_axes":
+        # q comes before k in the vision layer; x and y swapped change nothing where x == y: the first
+        # patch off the diagonal, in image 1's row order
+        xy = f.grids[0]
+        return 0, 0, "vision.q", int(np.flatnonzero(xy[:, 0] != xy[:, 1])[0])
+    if bug == "vision_pool_order":
+        # the cell index transposed: the first pooled token whose (row, col) is not its own transpose
+        width = (int(f.grids[0][:, 0].max()) + 1) // 2  # the embedded model pools 2 x 2
+        return 0, None, "vision.pooled", next(t for t in range(width * width) if t // width != t % width)
+    if bug == "vision_pool_scale":
+        return 0, None, "vision.pooled", 0  # every pooled row is scaled
     raise AssertionError(f"no expectation for {bug}")
 
 
@@ -153,6 +167,9 @@ def test_bug_is_localised(zoo, bug):
     f = Facts(ref)
     assert not result.match
     d = result.to_json()["first_divergence"]
+    if bug == "vision_padding":  # not positional: layer 0's attention output of the padded image (image 1)
+        assert site_of(d)[:3] == (0, 0, "vision.attn_out") and d["position"] < len(f.grids[0]) < f.patch_budget
+        return
     step, layer, kind, position = expected(bug, f)
     assert site_of(d) == (step, layer, kind, position), d["sentence"]
     assert d["phase"] == ("prefill" if step == 0 else "decode")

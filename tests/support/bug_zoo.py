@@ -27,6 +27,7 @@ import torch
 
 from gemma4_trace.recorder.golden import GOLDEN_DIR
 from gemma4_trace.replayer.runtime import StaticGemma4Runtime
+from gemma4_trace.replayer.static_vision import StaticVision
 
 # a prompt shorter than the sliding window, decoding past it (positions 0..12)
 RECORDED = {"prompt5": dict(input_ids=[2, 100, 101, 102, 103], max_new_tokens=8)}
@@ -125,8 +126,8 @@ class PleRawImageIds(_Bug):
 
     name = "bug-ple-raw-image-ids"
 
-    def prepare_prefill(self, input_ids, extra_inputs):
-        ids, ple_ids, *rest = super().prepare_prefill(input_ids, extra_inputs)
+    def prepare_prefill(self, input_ids, extra_inputs, probe=None):
+        ids, ple_ids, *rest = super().prepare_prefill(input_ids, extra_inputs, probe)
         raw = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
         ple_ids = ple_ids.clone()
         ple_ids[0, : raw.shape[0]] = raw.to(ple_ids.device)
@@ -234,8 +235,8 @@ class VisionScaled(_Bug):
 
     name = "bug-vision-scaled"
 
-    def prepare_prefill(self, input_ids, extra_inputs):
-        ids, ple_ids, mm_embeds, *rest = super().prepare_prefill(input_ids, extra_inputs)
+    def prepare_prefill(self, input_ids, extra_inputs, probe=None):
+        ids, ple_ids, mm_embeds, *rest = super().prepare_prefill(input_ids, extra_inputs, probe)
         return (ids, ple_ids, mm_embeds * self.embed_scale, *rest)
 
 
@@ -244,12 +245,92 @@ class VisionWrongSlots(_Bug):
 
     name = "bug-vision-wrong-slots"
 
-    def prepare_prefill(self, input_ids, extra_inputs):
-        ids, ple_ids, mm_embeds, mm_slots, *rest = super().prepare_prefill(input_ids, extra_inputs)
+    def prepare_prefill(self, input_ids, extra_inputs, probe=None):
+        ids, ple_ids, mm_embeds, mm_slots, *rest = super().prepare_prefill(input_ids, extra_inputs, probe)
         return (ids, ple_ids, mm_embeds.roll(1, dims=1), mm_slots.roll(1, dims=1), *rest)
 
 
-# --------------------------------------------------------------------- 10. sliding window off by one
+# --------------------------------------------------------------------- 10. the vision tower (its port's seams)
+class _VisionBug(_Bug):
+    """The static runtime with its vision tower's port replaced by `port`, a StaticVision subclass."""
+
+    port = StaticVision
+
+    def vision_port(self, model):
+        return self.port(model)
+
+
+class _RopeAxesSwapped(StaticVision):
+    def rope_tables(self, positions):
+        return super().rope_tables(positions.flip(-1))  # the first half rotated by y, the second by x
+
+
+class _PaddingUnmasked(StaticVision):
+    def attention_mask(self, valid):
+        return torch.ones_like(valid)[:, None, :].expand(-1, valid.shape[1], -1)  # padding keys attended
+
+
+class _PoolTransposed(StaticVision):
+    def pool(self, x, positions, valid):
+        return super().pool(x, positions.flip(-1), valid)  # cells indexed column-major (x and y swapped)
+
+
+class _PoolUnscaled(StaticVision):
+    def pool(self, x, positions, valid):
+        pooled, kept = super().pool(x, positions, valid)
+        return pooled / self.hidden**0.5, kept  # the pooler's sqrt(hidden) scale left out
+
+
+class _StdSkipped(StaticVision):
+    def standardized(self, pooled):
+        return pooled  # std_bias / std_scale left out
+
+
+class _ClipSkipped(StaticVision):
+    def __init__(self, model):
+        super().__init__(model)
+        for layer in self.layers:
+            for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down):
+                lin.clipped = False  # the clipped linears' bounds left out
+
+
+class VisionStdSkipped(_VisionBug):
+    """The vision tower leaves out its standardization (std_bias / std_scale)."""
+
+    name, port = "bug-vision-std-skipped", _StdSkipped
+
+
+class VisionClipSkipped(_VisionBug):
+    """The vision tower's clipped linears run unclipped."""
+
+    name, port = "bug-vision-clip-skipped", _ClipSkipped
+
+
+class VisionRopeAxesSwapped(_VisionBug):
+    """The vision tower's 2D RoPE rotates the first half of each head by y and the second by x."""
+
+    name, port = "bug-vision-rope-axes", _RopeAxesSwapped
+
+
+class VisionPaddingUnmasked(_VisionBug):
+    """The vision tower's attention lets every patch attend to the padding patches."""
+
+    name, port = "bug-vision-padding", _PaddingUnmasked
+
+
+class VisionPoolTransposed(_VisionBug):
+    """The vision pooler numbers its k x k cells column by column (x and y swapped)."""
+
+    name, port = "bug-vision-pool-order", _PoolTransposed
+
+
+class VisionPoolUnscaled(_VisionBug):
+    """The vision pooler leaves out its sqrt(hidden) scale."""
+
+    name, port = "bug-vision-pool-scale", _PoolUnscaled
+
+
+# --------------------------------------------------------------------- 11. sliding window off by one
 class WindowOffByOne(_Bug):
     """Sliding layers see window + 1 keys (q - window <= k instead of q - window < k)."""
 
@@ -317,6 +398,30 @@ def make_vision_wrong_slots(loaded, max_seq):
     return VisionWrongSlots(loaded, max_seq)
 
 
+def make_vision_rope_axes(loaded, max_seq):
+    return VisionRopeAxesSwapped(loaded, max_seq)
+
+
+def make_vision_padding(loaded, max_seq):
+    return VisionPaddingUnmasked(loaded, max_seq)
+
+
+def make_vision_pool_order(loaded, max_seq):
+    return VisionPoolTransposed(loaded, max_seq)
+
+
+def make_vision_pool_scale(loaded, max_seq):
+    return VisionPoolUnscaled(loaded, max_seq)
+
+
+def make_vision_std_skipped(loaded, max_seq):
+    return VisionStdSkipped(loaded, max_seq)
+
+
+def make_vision_clip_skipped(loaded, max_seq):
+    return VisionClipSkipped(loaded, max_seq)
+
+
 def make_window_off_by_one(loaded, max_seq):
     return WindowOffByOne(loaded, max_seq)
 
@@ -382,6 +487,24 @@ BUGS = {
         "vision soft tokens are multiplied by sqrt(hidden) like text embeddings",
     ),
     "vision_wrong_slots": ("make_vision_wrong_slots", "image", "vision soft tokens are merged one slot late"),
+    "vision_rope_axes": (
+        "make_vision_rope_axes",
+        "image",
+        "the vision tower's 2D RoPE has its x and y axes swapped",
+    ),
+    "vision_padding": (
+        "make_vision_padding",
+        "two_images",
+        "the vision tower's attention does not mask the padding patches",
+    ),
+    "vision_pool_order": ("make_vision_pool_order", "image", "the vision pooler's cells are numbered column by column"),
+    "vision_pool_scale": ("make_vision_pool_scale", "image", "the vision pooler leaves out its sqrt(hidden) scale"),
+}
+# bugs of what the embedded model's vision tower does not use: run on tests/support/tiny_models.py's
+# vision_variant (standardize, clipped linears), by tests/test_static_vision.py
+VARIANT_BUGS = {
+    "vision_std_skipped": ("make_vision_std_skipped", "the vision tower leaves out std_bias / std_scale"),
+    "vision_clip_skipped": ("make_vision_clip_skipped", "the vision tower's clipped linears run unclipped"),
 }
 # bugs that cannot run: replay must stop with one line naming the layer
 CRASHING = {

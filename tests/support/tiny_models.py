@@ -103,3 +103,42 @@ def executorch_case(folder: Path) -> tuple[Path, Path]:
     res = invoke("record", "--model", model, "--input-ids", EXECUTORCH_PROMPT, "--max-new-tokens", "3", "-o", ref)
     assert res.exit_code == 0, res.output
     return model, ref
+
+
+def vision_variant(out_dir: str | Path, seed: int = 0) -> Path:
+    """The embedded model with a vision tower that uses what the embedded one leaves off: standardize
+    (std_bias / std_scale), clipped linears (bounds that bite) and fewer K/V heads than query heads;
+    the tokenizer and processor of hf/tiny_model beside it. Everything else is the embedded model's."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from gemma4_trace.hf.model import embedded_model_dir
+
+    src, out = embedded_model_dir(), Path(out_dir)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["vision_config"] |= dict(standardize=True, use_clipped_linears=True, num_key_value_heads=1)
+    config = Gemma4Config(**{k: v for k, v in cfg.items() if k != "architectures"})
+    model = Gemma4ForConditionalGeneration.from_pretrained(src, config=config, ignore_mismatched_sizes=True)
+    g = torch.Generator().manual_seed(seed)
+    tower = model.model.vision_tower
+    with torch.no_grad():
+        tower.std_bias.copy_(torch.randn(tower.std_bias.shape, generator=g))
+        tower.std_scale.copy_(torch.rand(tower.std_scale.shape, generator=g) + 0.5)
+        for layer in tower.encoder.layers:
+            for attn in (layer.self_attn.k_proj, layer.self_attn.v_proj):  # resized for one K/V head
+                attn.linear.weight.copy_(torch.randn(attn.linear.weight.shape, generator=g) * 0.2)
+            for lin in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.self_attn.o_proj):
+                (
+                    lin.input_min.fill_(-1.5),
+                    lin.input_max.fill_(1.5),
+                    lin.output_min.fill_(-2.0),
+                    lin.output_max.fill_(2.0),
+                )
+    model.save_pretrained(out)
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors", "generation_config.json", "README.md"):
+            shutil.copy(f, out / f.name)
+    return out
