@@ -12,7 +12,7 @@ from gemma4_trace.traces.atomic import atomic_output, check_output_path
 from .align import PRE_KINDS
 from .fmt import fmt, sci
 from .metrics import METRIC, PRIMARY, THRESHOLD_METRICS
-from .patch_map import render as patch_map_html
+from .patch_svg import render as patch_map_html
 from .report import format_text, growth_summary, logits_text, token_summary
 from .result import DiffResult, Divergence, Growth, IsolationRanking, LogitMetrics, TensorSummary, TokenInfo
 from .svg import CSS, LogPlot, svg

@@ -109,16 +109,38 @@ def record_trace(
     return f"wrote {output}: {len(inputs.input_ids)} prompt tokens, {len(tokens)} generated{text}"
 
 
+MAX_IMAGE_BYTES = 256 << 20  # an image file read whole at most
+MAX_IMAGE_PIXELS = 64 << 20  # width x height an image's header may claim (the processor resizes it anyway)
+
+
 def open_image(path: str):
+    """A prompt image as RGB: a regular file within MAX_IMAGE_BYTES whose header claims at most
+    MAX_IMAGE_PIXELS, else one line (a FIFO is never opened: it would block)."""
+    import os
+    import stat
+
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(path) as im:
-            return im.convert("RGB")
+        st = os.stat(path)
     except FileNotFoundError:
-        raise TraceToolError(f"image {path} does not exist") from None
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise TraceToolError(f"image {path} is not a readable image ({type(e).__name__})") from None
+        raise TraceToolError(f"image {one_line(path, 80)} does not exist") from None
+    except OSError as e:
+        raise TraceToolError(f"image {one_line(path, 80)} cannot be read ({type(e).__name__})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise TraceToolError(f"image {one_line(path, 80)} is not a regular file")
+    if st.st_size > MAX_IMAGE_BYTES:
+        raise TraceToolError(f"image {one_line(path, 80)} is {st.st_size} bytes, more than {MAX_IMAGE_BYTES} read")
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+            if w * h > MAX_IMAGE_PIXELS:
+                raise TraceToolError(
+                    f"image {one_line(path, 80)} claims {w} x {h} pixels, more than the {MAX_IMAGE_PIXELS} read"
+                )
+            return im.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise TraceToolError(f"image {one_line(path, 80)} is not a readable image ({type(e).__name__})") from None
 
 
 def prepare_inputs(lm: LoadedModel, prompt, input_ids, images, chat: bool) -> PromptInputs:

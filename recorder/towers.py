@@ -13,24 +13,13 @@ from gemma4_trace.hf import sites as S
 from gemma4_trace.traces import schema
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.layers import TowerInfo, tower_sizes
+from gemma4_trace.traces.rows import image_counts
 
 VISION = schema.TOWER_BY_NAME[S.VISION]
 # the vision kinds whose tensors keep HF's image axis: (images, patches, ...) or, from the attention
 # function, (images, heads, patches, head_dim); pooled and soft_tokens are stripped by HF already
 _BY_HEAD = frozenset(s.kind for s in S.SITES if s.tower == S.VISION and s.tensor == S.ATTENTION)
 _STRIPPED = frozenset(("pooled", "soft_tokens"))
-
-
-def image_counts(position_ids, pooling: int) -> tuple[list[int], list[int]]:
-    """(real patches, soft tokens) of each image, from the processor's image_position_ids
-    (images, patches, 2) as Gemma4Model.get_image_features splits them."""
-    images, patches = int(position_ids.shape[0]), int(position_ids.shape[1])
-    output_length = patches // (pooling * pooling)
-    if output_length < 1:
-        raise TraceToolError(f"the images have {patches} patches, fewer than one pooled {pooling} x {pooling} token")
-    k_squared = int((patches // output_length) ** 0.5) ** 2
-    real = (position_ids != -1).all(dim=-1).sum(dim=-1).tolist()
-    return [int(r) for r in real], [int(r) // k_squared for r in real][:images]
 
 
 def tower_infos(model, extra: dict) -> tuple[TowerInfo, ...]:
@@ -43,7 +32,13 @@ def tower_infos(model, extra: dict) -> tuple[TowerInfo, ...]:
     missing = [k for k in schema.TOWER_ATTRS if k not in (sizes or {})]
     if missing:
         raise TraceToolError(f"the model's vision_config has no valid {', '.join(missing)}")
-    rows, tokens = image_counts(pos, int(model.config.vision_config.pooling_kernel_size))
+    pooling = int(model.config.vision_config.pooling_kernel_size)
+    counts = image_counts(pos.cpu().numpy(), pooling)
+    if counts is None:
+        raise TraceToolError(
+            f"the images have {pos.shape[1]} patches, fewer than one pooled {pooling} x {pooling} token"
+        )
+    rows, tokens = counts
     return (TowerInfo(S.VISION, **sizes, item_rows=rows, item_tokens=tokens),)
 
 

@@ -212,10 +212,23 @@ def report(probe, kind: str, value, layer: int | None = None, positions=None, to
     if probe is None:
         return value
     more = {} if positions is None else {"positions": positions}
-    if tower != S.TEXT:  # a probe of the text tower alone (older plug-ins' probes) is never asked for towers
+    if tower != S.TEXT:  # a probe of the text tower alone (one whose tensor() takes no `tower`) is never asked
+        if not takes_towers(probe):
+            return value
         more["tower"] = tower
     got = probe.tensor(kind, value, layer, **more)
     return value if got is None else got
+
+
+def takes_towers(probe) -> bool:
+    """Does the probe's tensor() take a `tower` (or any keyword)? A text-only probe does not."""
+    import inspect
+
+    try:
+        params = inspect.signature(probe.tensor).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "tower" or p.kind == p.VAR_KEYWORD for p in params)
 
 
 def progress_words(last: tuple[str, int | None] | None) -> str:

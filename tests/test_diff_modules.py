@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 DIFF = Path(__file__).resolve().parents[1] / "diff"
-RENDERERS = {"report", "html", "fmt", "svg"}
+RENDERERS = {"report", "html", "fmt", "svg", "patch_svg"}
 COMPUTE = (
     "align",
     "baseline",
@@ -22,9 +22,11 @@ COMPUTE = (
     "metrics",
     "origin",
     "parallel",
+    "patch_map",
     "result",
     "tokens",
     "tolerances",
+    "vision_hints",
 )
 
 

@@ -150,3 +150,59 @@ def test_the_tower_selection_round_trips_and_reads_for_people():
     assert s.describe().startswith("layers 0-3,vision:0-1; kinds ")
     assert s.keeps("vision.q", 1) and not s.keeps("q", 5) and s.keeps("q", 3)
     assert Selection.parse("vision:1").keeps("q", 7)  # a tower not named keeps every layer
+
+
+def _png(path, width: int, height: int) -> None:
+    """A PNG whose header claims width x height (its pixel data a few bytes)."""
+    import struct
+    import zlib
+
+    def chunk(tag, data):
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    head = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", head) + chunk(b"IDAT", zlib.compress(b"\0" * 8)) + chunk(b"IEND", b"")
+    )
+
+
+@pytest.mark.parametrize(
+    "make,needle",
+    [
+        (lambda p: p.write_bytes(golden_image().read_bytes()[:150]), "is not a readable image"),  # truncated
+        (lambda p: _png(p, 0, 0), "is not a readable image"),
+        (lambda p: _png(p, 100_000, 100_000), "is not a readable image (DecompressionBombError)"),
+        (lambda p: _png(p, 9000, 9000), "claims 9000 x 9000 pixels"),
+        (lambda p: __import__("os").mkfifo(p), "is not a regular file"),  # opening it would block
+        (lambda p: p.mkdir(), "is not a regular file"),
+    ],
+    ids=["truncated", "0x0", "100k-square", "81-megapixel", "fifo", "folder"],
+)
+def test_an_image_the_tool_cannot_read_is_one_line(make, needle, tmp_path):
+    bad, out = tmp_path / "bad.png", tmp_path / "out.h5"
+    make(bad)
+    one_line_error(invoke("record", "--image", bad, "--prompt", "hi", "-o", out), needle, out=out)
+
+
+@pytest.mark.parametrize(
+    "path,value,needle",
+    [
+        ("towers/vision/item_rows", [250, 286], "declares 250+286 patches and 64+70 soft tokens, but its images"),
+        ("inputs/extra/image_position_ids", None, "give 255+280 and 63+70"),  # one patch of image 1 made padding
+    ],
+)
+def test_a_tower_table_that_disagrees_with_its_images_is_refused(path, value, needle, tmp_path):
+    import shutil
+
+    import h5py
+
+    t = tmp_path / "t.h5"
+    shutil.copyfile(golden_path("two_images"), t)
+    with h5py.File(t, "r+") as f:
+        a = f[path][()]
+        if value is None:
+            a[0, 100] = -1
+        else:
+            a[...] = value
+        f[path][...] = a
+    one_line_error(invoke("show", t), needle)

@@ -144,12 +144,13 @@ def test_images_match_hf(models, bidir):
         assert sliding[3, 6] and not p.d[("mask", 2)][3, 6]  # image token sees a later one; full layer does not
     else:
         assert not sliding[3, 6]
-    # soft tokens are merged unscaled at the image slots; PLE uses pad ids there
+    # soft tokens (of the port of the vision tower: HF's to float32 rounding) are merged unscaled at the
+    # image slots; PLE uses pad ids there
     soft = torch.cat(
         list(lm.model.model.get_image_features(extra["pixel_values"], extra["image_position_ids"]).pooler_output)
     )
     emb = p.d[("embeddings", None)]
-    assert torch.equal(emb[[i for i, t in enumerate(ids) if t == IMG]], soft)
+    assert rel_rows(emb[[i for i, t in enumerate(ids) if t == IMG]], soft) <= REL
 
 
 def test_masks_far_past_the_window(models):

@@ -90,3 +90,17 @@ def grid_place(spec: S.Kind, grid: np.ndarray, within: int, pooling: int | None)
         width = (int(grid[:, 0].max()) + 1) // pooling
         return (within // width, within % width) if width > 0 else None
     return None
+
+
+def image_counts(position_ids, pooling: int) -> tuple[list[int], list[int]] | None:
+    """(real patches, soft tokens) of each image from the processor's image_position_ids (images,
+    patches, 2; padding (-1, -1)), as Gemma4Model.get_image_features splits its soft tokens; None
+    when the pooling kernel leaves no token."""
+    pos = np.asarray(position_ids)
+    patches = int(pos.shape[1])
+    output_length = patches // (pooling * pooling) if pooling >= 1 else 0
+    if output_length < 1:
+        return None
+    k_squared = int((patches // output_length) ** 0.5) ** 2
+    real = [int(x) for x in (pos != -1).all(axis=-1).sum(axis=-1)]
+    return real, [r // k_squared for r in real]

@@ -14,7 +14,8 @@ from . import limits as LIM
 from . import schema as S
 from .errors import one_line
 from .layers import LayerInfo, TowerInfo, tower_sizes
-from .objects import ObjectChecks, as_int, attr_text, describe, file_error
+from .objects import ObjectChecks, as_int, attr_text, describe, file_error, read_small
+from .rows import image_counts
 
 _TOWER_CAPS = {"layers": LIM.MAX_LAYERS, "hidden": LIM.MAX_HIDDEN, "heads": LIM.MAX_HEADS, "head_dim": LIM.MAX_HEAD_DIM}
 _METADATA = f"the per-layer metadata under '{S.GROUP_MODEL}/'"
@@ -23,6 +24,9 @@ _HEAD_CAPS = (
     (S.FIELD_NUM_HEADS, LIM.MAX_HEADS),
     (S.FIELD_NUM_KV_HEADS, LIM.MAX_HEADS),
 )
+
+
+MAX_IMAGE_PATCHES = 1 << 16  # patches of one image (E2B's largest budget, 1,120 tokens, is 10,080)
 
 
 class HeaderChecks(ObjectChecks):
@@ -230,7 +234,34 @@ class HeaderChecks(ObjectChecks):
                     f"{path!r} declares {sum(counts[1])} soft tokens, but the prompt holds {n} of its "
                     f"{tower.token_id} ({token_id})"
                 )
+        if tower.name == "vision":
+            self._images_agree(path, counts, tower)
         return TowerInfo(tower.name, item_rows=counts[0], item_tokens=counts[1], **sizes)
+
+    def _images_agree(self, path: str, counts: list, tower: S.Tower) -> None:
+        """The vision tower's table against the images it was recorded from: each image's real
+        patches (image_position_ids) and the soft tokens they pool to."""
+        where = S.input_extra_path("image_position_ids")
+        if "image_position_ids" not in (getattr(self.out, "extra_names", None) or ()):
+            return  # rows of images the trace does not hold: nothing to check them against
+        ds = self.f[where]  # a dataset, checked with the extra inputs (_check_extra_inputs)
+        if ds.dtype.kind not in "iu" or ds.ndim != 3:
+            self._bad(f"{where!r} has dtype {ds.dtype} and shape {ds.shape}, expected integers (images, patches, 2)")
+        if ds.shape[0] != len(counts[0]) or ds.shape[2] != 2 or ds.shape[1] > MAX_IMAGE_PATCHES:
+            self._bad(
+                f"{where!r} has shape {ds.shape}, expected ({len(counts[0])} images, at most {MAX_IMAGE_PATCHES} "
+                "patches, 2)"
+            )
+        pooling = self.out.config.get(tower.config, {}).get("pooling_kernel_size")
+        if not isinstance(pooling, int) or isinstance(pooling, bool) or not 1 <= pooling <= 64:
+            self._bad(f"its model config's {tower.config} gives no pooling_kernel_size in 1..64")
+        found = image_counts(read_small(self.path, ds), pooling)
+        if found is None or (tuple(found[0]), tuple(found[1])) != (counts[0], counts[1]):
+            self._bad(
+                f"{path!r} declares {'+'.join(map(str, counts[0]))} patches and "
+                f"{'+'.join(map(str, counts[1]))} soft tokens, but its images ({where!r}) give "
+                + ("none" if found is None else f"{'+'.join(map(str, found[0]))} and {'+'.join(map(str, found[1]))}")
+            )
 
     def _check_steps(self) -> None:
         self._members(self._group(S.GROUP_STEPS), S.GROUP_STEPS, S.MEMBERS[S.GROUP_STEPS])

@@ -131,13 +131,15 @@ class CaptureMap:
 
     def text(self) -> str:
         """What it captures, for people (the README's "kinds captured"): "all kinds", "tokens only",
-        "all but mask and RoPE"."""
+        "all but mask and RoPE"; "; the vision tower's too" where it captures an encoder tower's."""
         missing = self.not_captured()
+        towers = [t for t in S.ENCODER_TOWERS if any(S.KIND_BY_NAME[k].tower == t for k in self.kinds)]
+        more = "".join(f"; the {t} tower's too" for t in towers)
         if not missing:
-            return "all kinds"
+            return "all kinds" + more
         if set(missing) >= set(S.KIND_NAMES) - {S.KIND_TOKEN}:
-            return "tokens only"
-        return "all but " + " and ".join(_kind_words(missing))
+            return "tokens only" + more
+        return "all but " + " and ".join(_kind_words(missing)) + more
 
     def check(self, kinds, who: str) -> None:
         """Refuse kinds asked of `who` (`--kinds`) that this map does not capture, in one line."""
@@ -148,9 +150,16 @@ class CaptureMap:
                 f"--kinds {','.join(missing)}: {who} cannot capture {' or '.join(missing)} (it captures {self.text()})"
             )
 
-    def sites(self, n_layers: int) -> list[S.Site]:
-        """Every site of the kinds captured in a text tower of n_layers layers (the model may lack some)."""
-        return [s for k in self.kinds for s in S.sites_of(k, n_layers)]
+    def sites(self, n_layers: int, towers: dict[str, int] | None = None) -> list[S.Site]:
+        """Every site of the kinds captured in a text tower of n_layers layers and the encoder towers
+        `towers` ({tower: its layer count}; a tower not given: none of its sites) (the model may lack some)."""
+        counts = {S.TEXT: n_layers, **(towers or {})}
+        out = []
+        for k in self.kinds:
+            tower = S.KIND_BY_NAME[k].tower
+            if tower in counts:
+                out += S.sites_of(k, counts[tower])
+        return out
 
     def rows_of(self, kind: str) -> tuple[Capture, ...]:
         return tuple(r for r in self.rows if r.kind == kind)
@@ -180,10 +189,20 @@ def _kind_words(kinds: tuple[str, ...]) -> list[str]:
     return [k for k in kinds if k not in rope] + (["RoPE"] if rope else [])
 
 
-def _probe_rows(name) -> tuple[Capture, ...]:
-    """One row per kind the static runtime hands its probe: `name(kind)` its native name."""
-    kinds = (k for k in S.KIND_NAMES if k not in ("logits", S.KIND_TOKEN))
+def _probe_rows(name, towers: tuple[str, ...] = ()) -> tuple[Capture, ...]:
+    """One row per kind the static runtime hands its probe: `name(kind)` its native name; the kinds
+    of the text tower, and of the encoder `towers` it ports."""
+    kinds = [k for k in S.KIND_NAMES if k not in ("logits", S.KIND_TOKEN)]
+    kinds += [k.key for t in towers for k in S.TOWER_BY_NAME[t].kinds]
     return tuple(Capture(name(k), k) for k in kinds)
+
+
+def _probe_call(key: str) -> str:
+    """The static runtime's probe call of a kind key: probe.tensor("q", layer={layer}, tower="vision")."""
+    spec = S.KIND_BY_NAME[key]
+    args = [f'"{spec.name}"'] + (["layer={layer}"] if S.layered(key) else [])
+    args += [f'tower="{spec.tower}"'] if spec.encoder else []
+    return f"probe.tensor({', '.join(args)})"
 
 
 ROPE = tuple(k for t in S.LAYER_TYPE_SHORT for k in S.rope_kinds(t))
@@ -192,7 +211,7 @@ ROPE = tuple(k for t in S.LAYER_TYPE_SHORT for k in S.rope_kinds(t))
 PROBE = CaptureMap(
     "the static runtime's probe calls (replayer/runtime.py)",
     (
-        *_probe_rows(lambda k: f'probe.tensor("{k}", layer={{layer}})' if S.layered(k) else f'probe.tensor("{k}")'),
+        *_probe_rows(_probe_call, towers=("vision",)),  # the vision tower's port: replayer/static_vision.py
         Capture("prefill() / decode()", "logits", via="the step's result"),
     ),
 )
