@@ -6,8 +6,8 @@ replayer/functional.py (K/V caches in and out, every canonical kind an extra out
 `<kind>` or `L07.<kind>`), so a replay sees what the exported graph computed, with
 onnxruntime's kernels. A replay that keeps some kinds (`--kinds`: RuntimeChoice.capture) runs
 graphs exported with only those kinds as outputs (their own cache entry). The vision tower is
-not exported: its soft tokens are computed on the host by HF, as in the static runtime, and fed
-to the prefill graph.
+not exported: its soft tokens are computed on the host by the static runtime's port of it
+(replayer/static_vision.py) and fed to the prefill graph.
 
     trace export-onnx [--model DIR] --max-seq 32 -o DIR    # writes prefill.onnx, decode.onnx
     trace replay REF.h5 --runtime onnx -o RUN.h5
