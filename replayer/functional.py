@@ -27,9 +27,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from gemma4_trace.traces import schema as S
+
+from .api import report
 from .child import ChildRuntime
 from .runtime import StaticGemma4Runtime, chunk_plan
-from .runtimes.captures import STEP_GRAPH
+from .runtimes.captures import STEP_GRAPH_VISION
 
 PREFILL_INPUTS = ("ids", "ple_ids", "mm_embeds", "mm_slots", "block_ids", "n_valid")
 PREFILL_CHUNK_INPUTS = (*PREFILL_INPUTS, "start")
@@ -46,24 +49,27 @@ class ListProbe:
         self.names: list[str] = []
         self.values: list[torch.Tensor] = []
 
-    def tensor(self, kind, value, layer=None):
-        if self.kinds is not None and kind not in self.kinds:
+    def tensor(self, kind, value, layer=None, tower=S.TEXT):
+        key = S.kind_key(kind, tower)
+        if self.kinds is not None and key not in self.kinds:
             return
-        self.names.append(output_name(kind, layer))
+        self.names.append(output_name(key, layer))
         self.values.append(value)
 
 
 def output_name(kind: str, layer: int | None) -> str:
-    """A reported kind's output name (the step graphs' capture map, runtimes/captures.py): "L07.q", "embeddings"."""
-    return STEP_GRAPH.name_of(kind, layer)
+    """A reported kind's output name (the step graphs' capture map, runtimes/captures.py): "L07.q",
+    "embeddings", "vision.L00.q"."""
+    return STEP_GRAPH_VISION.name_of(kind, layer)
 
 
 def output_site(name: str) -> tuple[str, int | None]:
-    """An extra output's name -> (kind, layer): "L07.q" -> ("q", 7), "embeddings" -> ("embeddings", None)."""
-    site = STEP_GRAPH.site_of(name)
+    """An extra output's name -> (kind key, layer): "L07.q" -> ("q", 7), "embeddings" -> ("embeddings",
+    None), "vision.L00.q" -> ("vision.q", 0)."""
+    site = STEP_GRAPH_VISION.site_of(name)
     if site is None:
         raise ValueError(f"{name!r} is no output name of a step graph")
-    return site.kind, site.layer
+    return site.key, site.layer
 
 
 class FunctionalKV(StaticGemma4Runtime):
@@ -131,6 +137,46 @@ class StepGraph(nn.Module):
             logits = rt.prefill_step(*step, probe=probe)
         self.names = probe.names
         return (logits, *(t for i in rt.owners() for t in rt._kv[i]), *probe.values)
+
+
+class VisionGraph(nn.Module):
+    """The vision tower's port as a function of tensors, every shape static: (pixels (images, patches,
+    3 p^2), positions (images, patches, 2)) -> ("kept": which pooled tokens cover real patches, then
+    every vision site with its padding rows, "vision.soft_tokens" among them); the host strips the
+    padding (VisionOutputs)."""
+
+    def __init__(self, rt: FunctionalKV):
+        super().__init__()
+        self.tower, self.names = rt.vision_tower, None
+
+    def forward(self, pixels, positions):
+        probe = ListProbe()
+        _, kept = self.tower.run(pixels, positions, probe, padded=True)
+        self.names = ["kept", *probe.names]
+        return (kept, *probe.values)
+
+
+def vision_inputs(rt: FunctionalKV, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Example inputs of the vision graph for `shape` (images, patches): one real patch per image."""
+    images, patches = shape
+    side = rt.vision_tower.patch_proj.shape[1]
+    positions = torch.full((images, patches, 2), -1, dtype=torch.long)
+    positions[:, 0] = 0
+    return torch.zeros(images, patches, side, dtype=rt.dtype), positions
+
+
+def strip_vision(outputs: dict, positions: np.ndarray, probe) -> torch.Tensor:
+    """A vision graph's outputs ({name: array}) -> the soft tokens of the real patches (tokens, hidden),
+    each site's real rows reported to `probe` (patches: the real ones; pooled tokens: `kept`)."""
+    valid, kept = (positions != -1).all(axis=-1), outputs["kept"].astype(bool)
+    for name, value in outputs.items():
+        if name == "kept":
+            continue
+        key, layer = output_site(name)
+        spec = S.KIND_BY_NAME[key]
+        rows = value[kept] if spec.index == S.ROW_SOFT_TOKEN else value[valid]
+        report(probe, spec.name, torch.from_numpy(np.ascontiguousarray(rows)), layer=layer, tower=spec.tower)
+    return torch.from_numpy(np.ascontiguousarray(outputs["vision.soft_tokens"][kept]))
 
 
 def graph(rt: FunctionalKV, step: str, chunked: bool = False, kinds=None) -> StepGraph:
@@ -244,12 +290,19 @@ class StepGraphRuntime(ChildRuntime):
     replayer/child.py protocol of runtimes/onnx_engine.py: "load" {graph: path}, "run" graph {input: array} ->
     outputs in the graph's order); the host keeps the caches between steps."""
 
+    vision_artifact = None  # (images, patches) -> the artifact holding vision<suffix>; None: the host's port
+
     def load_graphs(self, label: str, engine: str, loaded, max_seq: int, artifact, suffix: str, options) -> None:
         """Start the child, build the host's prefill inputs, take the graphs from `artifact()` (an
-        artifact-cache entry holding prefill<suffix> and decode<suffix>) and load them."""
+        artifact-cache entry holding prefill<suffix> and decode<suffix>) and load them. With a
+        `vision_artifact`, the prompt's images run through the engine's vision graph (built for
+        their shape when first seen), else through the host's port of the tower."""
         child = self.start(label, engine)
+        self.suffix, self.options, self.vision_shape = suffix, options, None
         try:
-            self.host = FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
+            self.host = FunctionalKV(loaded, max_seq)  # prepares prefill inputs
+            if self.vision_artifact is not None and self.host.multimodal:
+                self.host.encode_images = self.encode_images
             art = artifact()
             try:
                 paths = {g: str(art.path / f"{g}{suffix}") for g in STEPS}
@@ -274,8 +327,24 @@ class StepGraphRuntime(ChildRuntime):
         self.report(probe, ((output_site(n), outs[n]) for n in kinds), rows)
         return torch.from_numpy(outs["logits"])
 
+    def encode_images(self, pixels, positions, probe=None) -> torch.Tensor:
+        """The images through the engine's vision graph (loaded for their shape on first use)."""
+        shape = tuple(int(d) for d in pixels.shape[:2])
+        if self.vision_shape != shape:
+            art = self.vision_artifact(shape)
+            try:
+                meta = self.child.call("load", {"vision": str(art.path / f"vision{self.suffix}")}, self.options,
+                                       phase="loading")[1]  # fmt: skip
+            finally:
+                art.close()
+            self.outputs["vision"], self.vision_shape = meta["vision"][1], shape
+        pos = positions.cpu().numpy()
+        feeds = {"pixels": pixels.cpu().numpy(), "positions": pos}
+        outs = self.child.call("run", "vision", feeds, phase=self.phase(True))[1]
+        return strip_vision(dict(zip(self.outputs["vision"], outs)), pos, probe)
+
     def prefill(self, input_ids, extra_inputs, probe):
-        args = self.host.prepare_prefill(input_ids, extra_inputs)
+        args = self.host.prepare_prefill(input_ids, extra_inputs, probe)
         feeds = {n: a.cpu().numpy() for n, a in zip(PREFILL_INPUTS, args)}
         return self._run("prefill", feeds, probe, slice(0, len(input_ids)))
 

@@ -87,6 +87,11 @@ class StaticGemma4Runtime(StaticWeights, StaticKV, StaticMasks, StaticGraph, nn.
         """The vision tower's port (a plug-in with a planted vision bug returns its own)."""
         return StaticVision(model)
 
+    def encode_images(self, pixels, positions, probe=None) -> torch.Tensor:
+        """The prompt's images -> their soft tokens (tokens, hidden), the vision sites to `probe`: the
+        port here; a runtime that runs the tower elsewhere (an engine's graph) hands in its own."""
+        return self.vision_tower.encode(pixels, positions, probe)
+
     # ------------------------------------------------------------------ public API
     def prepare_prefill(self, input_ids, extra_inputs: dict, probe=None) -> tuple:
         """Prompt ids (T,) + processor outputs -> the static tensors prefill_step takes (the images
@@ -116,7 +121,7 @@ class StaticGemma4Runtime(StaticWeights, StaticKV, StaticMasks, StaticGraph, nn.
                 raise TraceToolError("pixel_values given without image_position_ids")
             image_slots[:T] = ids == self.loaded.model.config.image_token_id
             with torch.no_grad():
-                feats = self.vision_tower.encode(
+                feats = self.encode_images(
                     extra["pixel_values"].to(dev, self.dtype), extra["image_position_ids"].to(dev), probe
                 )
             feats = feats.to(self.dtype)  # (n_soft, H)

@@ -102,27 +102,38 @@ class StaticVision(nn.Module):
     def encode(self, pixels: torch.Tensor, positions: torch.Tensor, probe=None) -> torch.Tensor:
         """(images, patches, 3 p^2) pixels and (images, patches, 2) positions -> the soft tokens of
         the real patches, image after image: (tokens, text hidden)."""
+        return self.run(pixels, positions, probe)[0]
+
+    def run(self, pixels: torch.Tensor, positions: torch.Tensor, probe=None, padded: bool = False):
+        """The tower: (soft tokens, which pooled tokens cover real patches). `padded`: every shape
+        static, (images, tokens, text hidden) and its (images, tokens) mask, each site reported with
+        its padding rows (a step graph's outputs: replayer/functional.py's VisionGraph strips them on
+        the host); else only the real rows, image after image."""
         positions = positions.long()
         valid = (positions != -1).all(dim=-1)  # (images, patches): the real patches
+        rows = None if padded else valid
         pixels = pixels.to(self.patch_proj.dtype)
         x = self.patch_embed(pixels, positions, valid)
-        self._report(probe, "patch_embeddings", x, valid)
+        self._report(probe, "patch_embeddings", x, rows)
         cos, sin = self.rope_tables(positions)
         mask = self.attention_mask(valid)
         for i, layer in enumerate(self.layers):
-            x = self.layer(layer, i, x, cos, sin, mask, valid, probe)
+            x = self.layer(layer, i, x, cos, sin, mask, rows, probe)
         pooled, kept = self.pool(x, positions, valid)
         pooled = self.standardized(pooled).to(x.dtype)
-        pooled = pooled[kept]  # the pooled tokens that cover real patches, image after image
+        if not padded:
+            pooled = pooled[kept]  # the pooled tokens that cover real patches, image after image
         report(probe, "pooled", pooled, tower=VISION)
         soft = F.linear(rms_norm(pooled, None, self.embed_eps), self.embed_proj)
         report(probe, "soft_tokens", soft, tower=VISION)
-        return soft
+        return soft, kept
 
     @staticmethod
-    def _report(probe, kind: str, x: torch.Tensor, valid: torch.Tensor, layer: int | None = None) -> None:
+    def _report(probe, kind: str, x: torch.Tensor, rows, layer: int | None = None) -> None:
+        """Report x (images, patches, ...): its real rows (`rows` the real patches' mask), or all of
+        them (rows None)."""
         if probe is not None:
-            report(probe, kind, x[valid], layer=layer, tower=VISION)  # (images, patches, ...) -> real rows
+            report(probe, kind, x if rows is None else x[rows], layer=layer, tower=VISION)
 
     # ------------------------------------------------------------------ the seams
     def patch_embed(self, pixels, positions, valid) -> torch.Tensor:
@@ -155,23 +166,24 @@ class StaticVision(nn.Module):
         """allowed[image, query, key]: every real key, no padding key (bidirectional)."""
         return valid[:, None, :].expand(-1, valid.shape[1], -1)
 
-    def layer(self, w: _Layer, i: int, x, cos, sin, mask, valid, probe) -> torch.Tensor:
+    def layer(self, w: _Layer, i: int, x, cos, sin, mask, rows, probe) -> torch.Tensor:
+        """One encoder layer; its sites reported as `_report` says (`rows`: the real patches, or None)."""
         n, p = x.shape[:2]
         h = rms_norm(x, w.input_norm, self.eps)
         q = self.apply_rope(rms_norm(w.q(h).view(n, p, self.heads, -1), w.q_norm, self.eps), cos, sin)
         k = self.apply_rope(rms_norm(w.k(h).view(n, p, self.kv_heads, -1), w.k_norm, self.eps), cos, sin)
         v = rms_norm(w.v(h).view(n, p, self.kv_heads, -1), None, self.eps)
         for kind, t in (("q", q), ("k", k), ("v", v)):
-            self._report(probe, kind, t, valid, i)
+            self._report(probe, kind, t, rows, i)
         attn = self.attend(q, k, v, mask)
         attn = w.o(attn.reshape(n, p, -1))
-        self._report(probe, "attn_out", attn, valid, i)
+        self._report(probe, "attn_out", attn, rows, i)
         x = x + rms_norm(attn, w.post_attn_norm, self.eps)
         h = rms_norm(x, w.pre_ffn_norm, self.eps)
         mlp = w.down(self.act(w.gate(h)) * w.up(h))
-        self._report(probe, "mlp_out", mlp, valid, i)
+        self._report(probe, "mlp_out", mlp, rows, i)
         x = x + rms_norm(mlp, w.post_ffn_norm, self.eps)
-        self._report(probe, "layer_out", x, valid, i)
+        self._report(probe, "layer_out", x, rows, i)
         return x
 
     def attend(self, q, k, v, mask) -> torch.Tensor:

@@ -222,5 +222,17 @@ STEP_GRAPH = CaptureMap(
     (Capture("logits", "logits"), *_probe_rows(lambda k: f"L{{layer:02d}}.{k}" if S.layered(k) else k)),
 )
 
+# onnx, openvino: the step graphs and the vision tower's graph (replayer/functional.py's VisionGraph)
+STEP_GRAPH_VISION = CaptureMap(
+    "the step graphs' and the vision graph's output names (replayer/functional.py)",
+    (
+        *STEP_GRAPH.rows,
+        *(
+            Capture(f"vision.L{{layer:02d}}.{k.name}" if k.per_layer else f"vision.{k.name}", k.key)
+            for k in S.TOWER_BY_NAME["vision"].kinds
+        ),
+    ),
+)
+
 # replayer/runtimes/litert/lm.py: text in, text out, the token alone
 TOKENS_ONLY = CaptureMap("LiteRT-LM's text (the chosen token alone)", ())

@@ -5,9 +5,10 @@ Each step is one ONNX graph with static shapes (max_seq): the step graphs of
 replayer/functional.py (K/V caches in and out, every canonical kind an extra output named
 `<kind>` or `L07.<kind>`), so a replay sees what the exported graph computed, with
 onnxruntime's kernels. A replay that keeps some kinds (`--kinds`: RuntimeChoice.capture) runs
-graphs exported with only those kinds as outputs (their own cache entry). The vision tower is
-not exported: its soft tokens are computed on the host by the static runtime's port of it
-(replayer/static_vision.py) and fed to the prefill graph.
+graphs exported with only those kinds as outputs (their own cache entry). An image prompt runs
+a third graph, vision.onnx: the static runtime's port of the vision tower (replayer/static_vision.py)
+for the prompt's (images, patches), every vision site an output, exported when that shape is first
+seen; its soft tokens are fed to the prefill graph.
 
     trace export-onnx [--model DIR] --max-seq 32 -o DIR    # writes prefill.onnx, decode.onnx
     trace replay REF.h5 --runtime onnx -o RUN.h5
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from gemma4_trace.traces.errors import TraceToolError, install_hint
+from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 
 from .. import functional as F
 from ..artifacts import (
@@ -89,6 +90,37 @@ def export_onnx(loaded, max_seq: int, out_dir, kinds=None) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
+def export_vision_onnx(loaded, shape: tuple[int, int], out_dir) -> Path:
+    """Write vision.onnx: the vision tower's port (replayer/functional.py's VisionGraph) for images of
+    `shape` (images, patches: the processor's patch budget), every vision site an output."""
+    out = Path(out_dir) / "vision.onnx"
+    rt = F.FunctionalKV(loaded, 1)  # the tower's port; the text tower's caches are not needed here
+    g = F.VisionGraph(rt).eval()
+    example = F.vision_inputs(rt, shape)
+    with torch.no_grad(), F.quiet():
+        g(*example)
+        try:
+            torch.onnx.export(
+                g, example, str(out), input_names=["pixels", "positions"], output_names=g.names,
+                opset_version=OPSET, dynamo=True, verbose=False, optimize=False,
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - the exporter fails in many ways; one line for the user
+            raise TraceToolError(
+                f"ONNX export of the vision tower failed: {type(e).__name__}: {one_line(e, 200)}"
+            ) from None
+    return out
+
+
+def vision_exported(loaded, shape: tuple[int, int]):
+    """The artifact holding vision.onnx for images of `shape` (cached like the step graphs)."""
+    key = {**cache_key(loaded, 1), "graph": "vision", "images": list(shape)}
+    del key["max_seq"]
+    return artifact_folder(
+        "onnx", key, lambda folder: export_vision_onnx(loaded, shape, folder),
+        what=f"exporting ONNX (the vision tower, {shape[0]} image(s) of {shape[1]} patches) for {loaded.name}",
+    )  # fmt: skip
+
+
 def cache_key(loaded, max_seq: int, kinds=None) -> dict:
     """What the exported graphs depend on: the checkpoint's bytes, the shapes, the exporter's
     versions, the code that is exported (a change to it exports again) and, for a narrowed
@@ -133,6 +165,7 @@ class OnnxRuntime(StepGraphRuntime):
 
         self.name = f"onnx (onnxruntime {ort.__version__}, CPU)"
         label, artifact = f"onnx (onnxruntime {ort.__version__})", lambda: exported(loaded, max_seq, kinds)
+        self.vision_artifact = lambda shape: vision_exported(loaded, shape)
         self.load_graphs(label, ORT_ENGINE, loaded, max_seq, artifact, ".onnx", ORT_SESSION)
 
 

@@ -25,6 +25,6 @@ RUNTIMES = (
         ),
         artifacts="prefill/decode .onnx",
         doc="docs/runtime-onnx.md",
-        capture_map=C.STEP_GRAPH,
+        capture_map=C.STEP_GRAPH_VISION,
     ),
 )

@@ -6,7 +6,9 @@ The graphs are the step graphs of replayer/functional.py (the ones the ONNX and 
 runtimes run: K/V caches in and out, every canonical kind an extra output named `<kind>` or
 `L07.<kind>`), taken by torch.export and converted by OpenVINO's PyTorch frontend
 (`openvino.convert_model`), so a replay sees what OpenVINO's kernels computed for each kind. As
-for ONNX, the vision tower runs on the host (HF) and its soft tokens are fed to the prefill graph.
+for ONNX, an image prompt runs the vision tower's graph too (vision.xml, float32, for `openvino`;
+the compressed modes take the soft tokens from the host's port) and feeds its soft tokens to the
+prefill graph.
 
     openvino           float32 IR, INFERENCE_PRECISION_HINT f32 (no bf16/f16 down-casting)
     openvino-int8      NNCF `compress_weights` INT8_ASYM: int8 weights, per output channel
@@ -109,6 +111,42 @@ def convert(loaded, max_seq: int, out: Path, kinds=None) -> None:
         examples = (*F.step_inputs(rt, step), *F.zero_caches(rt))
         model.reshape({port: ov.PartialShape(list(t.shape)) for port, t in zip(model.inputs, examples)})
         ov.save_model(model, str(out / f"{step}.xml"), compress_to_fp16=False)
+
+
+def convert_vision(loaded, shape: tuple[int, int], out: Path) -> None:
+    """Write vision.xml/.bin: the vision tower's port (replayer/functional.py's VisionGraph) for images
+    of `shape` (images, patches), torch.export-ed and converted as the step graphs are."""
+    ov = _modules()
+    rt = F.FunctionalKV(loaded, 1)  # the tower's port; the text tower's caches are not needed here
+    g = F.VisionGraph(rt).eval()
+    example = F.vision_inputs(rt, shape)
+    import torch
+
+    try:
+        with torch.no_grad(), F.quiet():
+            g(*example)
+            program = torch.export.export(g, example, strict=False)
+            model = ov.convert_model(program)
+    except Exception as e:  # noqa: BLE001 - the exporter and the frontend fail in many ways; one line
+        raise TraceToolError(f"OpenVINO conversion of the vision tower failed: {_first_line(e)}") from None
+    if len(model.outputs) != len(g.names):
+        raise TraceToolError(f"OpenVINO's vision graph has {len(model.outputs)} outputs; expected {len(g.names)}")
+    for port, name in (*zip(model.inputs, ("pixels", "positions")), *zip(model.outputs, g.names)):
+        port.get_tensor().set_names({name})
+    model.reshape({port: ov.PartialShape(list(t.shape)) for port, t in zip(model.inputs, example)})
+    ov.save_model(model, str(out / "vision.xml"), compress_to_fp16=False)
+
+
+def vision_ir(loaded, shape: tuple[int, int]):
+    """The artifact holding vision.xml for images of `shape` (float32 whatever the mode: NNCF compresses
+    the text decoder's IR only)."""
+    key = {**cache_key(loaded, 1, "openvino"), "graph": "vision", "images": list(shape)}
+    del key["max_seq"]
+    return artifact_folder(
+        "openvino", key, lambda out: convert_vision(loaded, shape, out),
+        what=f"converting to OpenVINO IR (the vision tower, {shape[0]} image(s) of {shape[1]} patches) for "
+        f"{loaded.name}",
+    )  # fmt: skip
 
 
 def compress(src: Path, out: Path, mode: str) -> None:
@@ -231,6 +269,8 @@ class OpenVINORuntime(StepGraphRuntime):
         what += "; decompressed into float32 weights" if mode.endswith("-dq") else ""
         self.name = f"{mode} (OpenVINO {v}, CPU, f32 inference precision{what})"
         label, artifact = f"{mode} (OpenVINO {v})", lambda: ir(loaded, max_seq, mode, kinds)
+        if mode == "openvino":  # the compressed modes keep the host's port of the vision tower
+            self.vision_artifact = lambda shape: vision_ir(loaded, shape)
         self.load_graphs(label, OPENVINO_ENGINE, loaded, max_seq, artifact, ".xml", CONFIG)
 
 

@@ -33,7 +33,7 @@ RUNTIMES = (
         needs=("openvino",),
         profile="openvino-f32",
         artifacts="prefill/decode IR (.xml, .bin)",
-        **_OPENVINO,
+        **(_OPENVINO | dict(capture_map=C.STEP_GRAPH_VISION)),  # an image prompt runs vision.xml too
     ),
     *(
         RuntimeSpec(

@@ -14,6 +14,7 @@ pytest.importorskip("onnxscript", reason="onnxscript is not installed (pip insta
 from gemma4_trace.diff import diff_traces  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
+from gemma4_trace.traces import schema as S  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
 from tests.support.cli import float_differences, invoke, one_line_error  # noqa: E402
 
@@ -33,11 +34,15 @@ def test_onnx_matches_reference_with_kernel_sized_differences(tmp_path):
         assert differ >= 10 and 1e-8 < worst < 1e-5, (differ, worst)
 
 
-def test_image_prompt_matches_reference(tmp_path):
-    ref, run = golden_path("image"), tmp_path / "onnx.h5"
-    assert "11/11 tokens agree" in replay_trace(ref, run, runtime="onnx")
+def test_image_prompt_matches_reference_through_the_vision_graph(tmp_path):
+    # two images, one padded: the vision tower runs as vision.onnx, every vision site an output
+    ref, run = golden_path("two_images"), tmp_path / "onnx.h5"
+    assert "8/8 tokens agree" in replay_trace(ref, run, runtime="onnx")
     res = diff_traces(ref, run)
     assert res.match, res.to_json()["first_divergence"]
+    vision = {k.key for k in S.TOWER_BY_NAME["vision"].kinds}
+    assert vision <= {t.kind for t in res.tensors}  # compared, none only in REF
+    assert not [s for s in res.skipped if s.kind in vision]
 
 
 def test_export_onnx_writes_checked_graphs(tmp_path):

@@ -13,8 +13,9 @@ pytest.importorskip("openvino", reason="openvino is not installed (pip install -
 pytest.importorskip("nncf", reason="nncf is not installed (pip install -e '.[openvino]')")
 
 from gemma4_trace.diff import diff_traces  # noqa: E402
-from gemma4_trace.recorder.golden import golden_path  # noqa: E402
+from gemma4_trace.recorder.golden import golden_path
 from gemma4_trace.replayer.runtimes import openvino as V  # noqa: E402
+from gemma4_trace.traces import schema as S  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
 from tests.support.cli import float_differences, invoke, one_line_error  # noqa: E402
 
@@ -53,13 +54,16 @@ def test_float_replay_matches_reference_with_kernel_sized_differences(runs, tmp_
         assert differ >= 10 and 1e-8 < worst < 1e-5, (differ, worst)
 
 
-def test_image_prompt_matches_reference(tmp_path):
+def test_image_prompt_matches_reference_through_the_vision_graph(tmp_path):
+    # two images, one padded: the vision tower runs as vision.xml, every vision site an output
     run = tmp_path / "image.h5"
-    r = invoke("replay", golden_path("image"), "--runtime", "openvino", "-o", run)
+    r = invoke("replay", golden_path("two_images"), "--runtime", "openvino", "-o", run)
     assert r.exit_code == 0, r.output
-    assert "11/11 tokens agree" in r.stdout
-    res = diff_traces(golden_path("image"), run)
+    assert "8/8 tokens agree" in r.stdout
+    res = diff_traces(golden_path("two_images"), run)
     assert res.match, res.to_json()["first_divergence"]
+    vision = {k.key for k in S.TOWER_BY_NAME["vision"].kinds}
+    assert vision <= {t.kind for t in res.tensors} and not [s for s in res.skipped if s.kind in vision]
 
 
 def test_compressed_replays_diverge_from_hf_and_stay_within_their_baseline(runs):
