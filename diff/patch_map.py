@@ -23,6 +23,7 @@ from gemma4_trace.traces.rows import patch_grids
 from .result import DiffResult
 
 MAX_ROWS = 1 << 16  # rows of the tensor (every image's patches) a map reads
+MAX_SIDE = 1 << 12  # patches along an image's side a map draws (a hostile position would make it huge)
 
 
 @dataclass
@@ -68,6 +69,8 @@ def _map(ref: TraceReader, run: TraceReader, spec: S.Kind, d) -> PatchMap | None
     pixels = ref.extra_input("pixel_values")
     pooling = (ref.model_config.get("vision_config") or {}).get("pooling_kernel_size")
     if grids is None or pixels is None or pixels.ndim != 3 or pixels.shape[:2] != positions.shape[:2]:
+        return None
+    if any(len(g) and int(g.max()) >= MAX_SIDE for g in grids):
         return None
     a, b = ref.read(d.kind, d.layer), run.read(d.kind, d.layer)
     if a.shape != b.shape:
