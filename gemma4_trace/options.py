@@ -69,7 +69,11 @@ def selection(fn):
     """--layers / --kinds / --steps: a selective trace (logits and tokens are always kept)."""
     fn = click.option("--steps", default=None, help="keep only these steps, e.g. 0-4 (0 = prefill) [default: all]")(fn)
     fn = click.option("--kinds", default=None, help="keep only these kinds, e.g. q,k,v,layer_out [default: all]")(fn)
-    return click.option("--layers", default=None, help="keep only these layers, e.g. 0-3,17 [default: all]")(fn)
+    return click.option(
+        "--layers",
+        default=None,
+        help="keep only these layers, e.g. 0-3,17 (the text tower's) or vision:0-1 (a tower's) [default: all]",
+    )(fn)
 
 
 def cache(fn):
