@@ -121,9 +121,8 @@ class StaticGemma4Runtime(StaticWeights, StaticKV, StaticMasks, StaticGraph, nn.
                 raise TraceToolError("pixel_values given without image_position_ids")
             image_slots[:T] = ids == self.loaded.model.config.image_token_id
             with torch.no_grad():
-                feats = self.encode_images(
-                    extra["pixel_values"].to(dev, self.dtype), extra["image_position_ids"].to(dev), probe
-                )
+                # the pixels as the processor made them (float32): the port scales them before the cast
+                feats = self.encode_images(extra["pixel_values"].to(dev), extra["image_position_ids"].to(dev), probe)
             feats = feats.to(self.dtype)  # (n_soft, H)
             n_slots = int(image_slots.sum())
             if feats.shape[0] != n_slots:

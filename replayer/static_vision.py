@@ -112,7 +112,6 @@ class StaticVision(nn.Module):
         positions = positions.long()
         valid = (positions != -1).all(dim=-1)  # (images, patches): the real patches
         rows = None if padded else valid
-        pixels = pixels.to(self.patch_proj.dtype)
         x = self.patch_embed(pixels, positions, valid)
         self._report(probe, "patch_embeddings", x, rows)
         cos, sin = self.rope_tables(positions)
@@ -137,8 +136,9 @@ class StaticVision(nn.Module):
 
     # ------------------------------------------------------------------ the seams
     def patch_embed(self, pixels, positions, valid) -> torch.Tensor:
-        """Pixels scaled to [-1, 1] and projected, plus the x and y position tables (zero at padding)."""
-        h = F.linear(2 * (pixels - 0.5), self.patch_proj)
+        """Pixels scaled to [-1, 1] (in their own dtype, then cast to the weights': HF's rounding in
+        bfloat16) and projected, plus the x and y position tables (zero at padding)."""
+        h = F.linear((2 * (pixels - 0.5)).to(self.patch_proj.dtype), self.patch_proj)
         p = positions.clamp(min=0)
         pos = F.embedding(p[..., 0], self.position_table[0]) + F.embedding(p[..., 1], self.position_table[1])
         return h + torch.where(valid[..., None], pos, torch.zeros((), dtype=pos.dtype))

@@ -228,7 +228,7 @@ STEP_GRAPH_VISION = CaptureMap(
     (
         *STEP_GRAPH.rows,
         *(
-            Capture(f"vision.L{{layer:02d}}.{k.name}" if k.per_layer else f"vision.{k.name}", k.key)
+            Capture(f"vision.L{{layer:02d}}.{k.name}" if S.layered(k.key) else f"vision.{k.name}", k.key)
             for k in S.TOWER_BY_NAME["vision"].kinds
         ),
     ),

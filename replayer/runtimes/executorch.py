@@ -192,6 +192,33 @@ def write_programs(rt: F.FunctionalKV, out_dir, quantized: dict | None = None, k
     return paths
 
 
+def vision_program(loaded, shape: tuple[int, int]):
+    """The artifact holding vision.pte (and vision.json, its outputs' names): the vision tower's port
+    (replayer/functional.py's VisionGraph) for images of `shape` (images, patches), lowered to XNNPACK
+    in float32 (executorch; the int8 modes take the soft tokens from the host's port)."""
+    key = {**artifact_key(loaded, "executorch", 1), "graph": "vision", "images": list(shape)}
+    del key["max_seq"], key["prefill_chunk"]
+
+    def build(folder: Path) -> None:
+        rt = F.FunctionalKV(loaded, 1)  # the tower's port; no text caches needed
+        g, example = F.VisionGraph(rt).eval(), F.vision_inputs(rt, shape)
+        try:
+            with torch.no_grad(), F.quiet():
+                g(*example)
+                data = _lower(torch.export.export(g, example, strict=False))
+        except Exception as e:  # noqa: BLE001 - export and lowering fail in many ways; one line for the user
+            raise _one_line("lowering the vision program to XNNPACK", e) from None
+        (folder / "vision.pte").write_bytes(data)
+        (folder / "vision.json").write_text(json.dumps(g.names))
+
+    return artifact_folder(
+        "executorch",
+        key,
+        build,
+        what=f"lowering the vision program ({shape[0]} image(s) of {shape[1]} patches) to ExecuTorch XNNPACK, float32",
+    )
+
+
 def _prompt_digest(prompt, extra) -> str:
     h = hashlib.sha256(json.dumps([int(t) for t in prompt]).encode())
     for k in sorted(extra or {}):
@@ -268,7 +295,10 @@ class ExecuTorchRuntime(ChildRuntime):
             self.name = (
                 f"executorch-int8-reference (PyTorch {versions['torch']} on the converted PT2E program; {INT8_SCHEME})"
             )
-        self.host = F.FunctionalKV(loaded, max_seq)  # prepares prefill inputs (vision tower on the host)
+        self.host = F.FunctionalKV(loaded, max_seq)  # prepares prefill inputs
+        self.vision = None  # (shape, output names) of the vision program loaded in the child
+        if mode == "executorch" and self.host.multimodal:  # the int8 modes: the host's port of the tower
+            self.host.encode_images = self.encode_images
         self.n_caches = 2 * len(self.host.owners())
         self.names = {name: F.output_names(self.host, name, chunked=True, kinds=kinds) for name in PROGRAMS}
         self.steps = None  # name -> callable(list of tensors, phase) -> list of tensors
@@ -322,13 +352,29 @@ class ExecuTorchRuntime(ChildRuntime):
         if self.steps is None:
             self._load([int(t) for t in torch.as_tensor(input_ids).reshape(-1)], extra_inputs)
 
+    def encode_images(self, pixels, positions, probe=None) -> torch.Tensor:
+        """The images through the vision program (lowered for their shape on first use)."""
+        shape = tuple(int(d) for d in pixels.shape[:2])
+        if self.vision is None or self.vision[0] != shape:
+            art = vision_program(self.loaded, shape)
+            try:
+                names = json.loads((art.path / "vision.json").read_text())
+                self.child.call("load", {"vision": str(art.path / "vision.pte")}, {}, phase="loading")
+            finally:
+                art.close()
+            self.vision = (shape, names)
+        outs = _in_child(self.child, "vision", [pixels.float().contiguous(), positions.long().contiguous()],
+                         self.phase(True))  # fmt: skip
+        pos = positions.cpu().numpy()
+        return F.strip_vision(dict(zip(self.vision[1], (o.numpy() for o in outs))), pos, probe)
+
     def prefill(self, input_ids, extra_inputs, probe):
         """The prefill program once per chunk of the plan, the caches carried from one run to the
         next; each run's new rows go to the probe, stitched by position (ChunkProbe)."""
         ids = [int(t) for t in torch.as_tensor(input_ids).reshape(-1)]
         if self.steps is None:
             self._load(ids, extra_inputs)
-        args = self.host.prepare_prefill(ids, extra_inputs)
+        args = self.host.prepare_prefill(ids, extra_inputs, probe)
         self.caches = F.zero_caches(self.host)
         chunks = ChunkProbe(probe) if probe is not None else None
         for c0, rows in F.prefill_plan(self.host, args, len(ids)):

@@ -34,7 +34,7 @@ RUNTIMES = (
         profile="executorch-f32",
         export=_EXPORT,
         artifacts=".pte programs",
-        **_EXECUTORCH,
+        **(_EXECUTORCH | dict(capture_map=C.STEP_GRAPH_VISION)),  # an image prompt runs vision.pte too
     ),
     RuntimeSpec(
         "executorch-int8",

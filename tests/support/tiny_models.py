@@ -105,10 +105,11 @@ def executorch_case(folder: Path) -> tuple[Path, Path]:
     return model, ref
 
 
-def vision_variant(out_dir: str | Path, seed: int = 0) -> Path:
+def vision_variant(out_dir: str | Path, seed: int = 0, pooling_kernel_size: int | None = None) -> Path:
     """The embedded model with a vision tower that uses what the embedded one leaves off: standardize
     (std_bias / std_scale), clipped linears (bounds that bite) and fewer K/V heads than query heads;
-    the tokenizer and processor of hf/tiny_model beside it. Everything else is the embedded model's."""
+    the tokenizer and processor of hf/tiny_model beside it. Everything else is the embedded model's,
+    but `pooling_kernel_size` (the tower's and the processor's: k x k patches a soft token)."""
     import json
     import shutil
 
@@ -120,6 +121,8 @@ def vision_variant(out_dir: str | Path, seed: int = 0) -> Path:
     src, out = embedded_model_dir(), Path(out_dir)
     cfg = json.loads((src / "config.json").read_text())
     cfg["vision_config"] |= dict(standardize=True, use_clipped_linears=True, num_key_value_heads=1)
+    if pooling_kernel_size is not None:
+        cfg["vision_config"]["pooling_kernel_size"] = pooling_kernel_size
     config = Gemma4Config(**{k: v for k, v in cfg.items() if k != "architectures"})
     model = Gemma4ForConditionalGeneration.from_pretrained(src, config=config, ignore_mismatched_sizes=True)
     g = torch.Generator().manual_seed(seed)
@@ -141,4 +144,8 @@ def vision_variant(out_dir: str | Path, seed: int = 0) -> Path:
     for f in src.iterdir():
         if f.name not in ("config.json", "model.safetensors", "generation_config.json", "README.md"):
             shutil.copy(f, out / f.name)
+    if pooling_kernel_size is not None:
+        proc = json.loads((out / "processor_config.json").read_text())
+        proc["image_processor"]["pooling_kernel_size"] = pooling_kernel_size
+        (out / "processor_config.json").write_text(json.dumps(proc, indent=2))
     return out
