@@ -127,7 +127,8 @@ class StaticGemma4Runtime(StaticWeights, StaticKV, StaticMasks, StaticGraph, nn.
             n_slots = int(image_slots.sum())
             if feats.shape[0] != n_slots:
                 raise TraceToolError(
-                    f"the images give {feats.shape[0]} soft tokens for {n_slots} image-token slots in the prompt"
+                    f"the images give {feats.shape[0]} soft tokens for {n_slots} image-token slots in the prompt "
+                    "(the vision tower pools or resizes otherwise than the processor did)"
                 )
             mm_embeds[0, image_slots.to(dev)] = feats
         block_ids = torch.full((S,), -1, dtype=torch.long)

@@ -223,3 +223,14 @@ def test_sliding_head_dim_cache_fails_naming_the_layer(workdir):
     assert not out.exists()
     r = invoke("replay", str(ref), "--runtime", runtime_spec("sliding_head_dim_cache"), "-o", str(out))
     one_line_error(r, f"layer {layer} (full_attention)", out=out)
+
+
+def test_a_pooling_kernel_that_changes_the_token_count_is_one_line(workdir):
+    """Pooling 3 x 3 where the model pools 2 x 2 gives another number of soft tokens than the prompt
+    has image slots: the replay cannot run, and says why in one line (no trace)."""
+    ref, out = reference_path(CRASHING["vision_pool_kernel"][1], workdir), workdir / "kernel.h5"
+    with TraceReader(ref) as r:
+        slots = r.towers["vision"].tokens
+    r = invoke("replay", str(ref), "--runtime", runtime_spec("vision_pool_kernel"), "-o", str(out))
+    line = one_line_error(r, f"for {slots} image-token slots in the prompt", "pools or resizes otherwise", out=out)
+    assert f"give {slots} soft tokens" not in line

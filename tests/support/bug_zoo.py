@@ -281,6 +281,12 @@ class _PoolUnscaled(StaticVision):
         return pooled / self.hidden**0.5, kept  # the pooler's sqrt(hidden) scale left out
 
 
+class _PoolKernel3(StaticVision):
+    def pool(self, x, positions, valid):
+        self.pooling = 3  # 3 x 3 cells where the model (and its processor) pool 2 x 2
+        return super().pool(x, positions, valid)
+
+
 class _StdSkipped(StaticVision):
     def standardized(self, pooled):
         return pooled  # std_bias / std_scale left out
@@ -292,6 +298,12 @@ class _ClipSkipped(StaticVision):
         for layer in self.layers:
             for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down):
                 lin.clipped = False  # the clipped linears' bounds left out
+
+
+class VisionPoolKernel3(_VisionBug):
+    """The vision pooler pools 3 x 3 patches where the model pools 2 x 2: fewer soft tokens."""
+
+    name, port = "bug-vision-pool-kernel", _PoolKernel3
 
 
 class VisionStdSkipped(_VisionBug):
@@ -414,6 +426,10 @@ def make_vision_pool_scale(loaded, max_seq):
     return VisionPoolUnscaled(loaded, max_seq)
 
 
+def make_vision_pool_kernel(loaded, max_seq):
+    return VisionPoolKernel3(loaded, max_seq)
+
+
 def make_vision_std_skipped(loaded, max_seq):
     return VisionStdSkipped(loaded, max_seq)
 
@@ -512,6 +528,11 @@ CRASHING = {
         "make_sliding_head_dim_cache",
         "short",
         "K/V caches allocated with the sliding head_dim for every layer",
+    ),
+    "vision_pool_kernel": (
+        "make_vision_pool_kernel",
+        "image",
+        "the vision pooler pools 3 x 3 patches where the model pools 2 x 2",
     ),
 }
 
