@@ -88,6 +88,7 @@ def test_pip_install_puts_only_gemma4_trace_into_site_packages(tmp_path):
         "eos.h5",
         "image.h5",
         "short.h5",
+        "two_images.h5",
         "window.h5",
     ]
 
@@ -112,7 +113,7 @@ def test_own_modules():
 
 def test_our_plugin_is_loaded_and_finds_its_goldens(pytestconfig, gemma4_golden):
     assert pytestconfig.pluginmanager.hasplugin("gemma4_trace")
-    assert gemma4_golden.folder == GOLDEN_DIR and len(gemma4_golden.paths) == 4
+    assert gemma4_golden.folder == GOLDEN_DIR and len(gemma4_golden.paths) == 5
 """
 
 

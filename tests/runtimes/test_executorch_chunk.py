@@ -50,6 +50,7 @@ class _Probe:
 def _eager(loaded, max_seq: int, chunk: int | None):
     """An ExecuTorch runtime whose programs are the exported graphs run by PyTorch; counts the runs."""
     rt = ET.ExecuTorchRuntime(loaded, max_seq, "executorch")
+    rt.host.__dict__.pop("encode_images", None)  # images by the host's port in PyTorch too, not vision.pte
     rt.prefill_chunk = chunk
     rt.runs = []
 
