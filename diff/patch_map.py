@@ -18,7 +18,7 @@ import numpy as np
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
-from gemma4_trace.traces.rows import patch_grids
+from gemma4_trace.traces.rows import item_of, patch_grids
 
 from .result import DiffResult
 
@@ -86,17 +86,8 @@ def _map(ref: TraceReader, run: TraceReader, spec: S.Kind, d) -> PatchMap | None
         colours = _patch_colours(pixels[i][(positions[i] != -1).all(-1)])
         images.append(_image(grid, err[start : start + n], colours, None if patch else pooling))
         start += n
-    item, within = _item(counts, d.position)
+    item, within = item_of(spec, info, d.position)
     return PatchMap(d.kind, d.layer, d.threshold, images, (item, within))
-
-
-def _item(counts, row: int) -> tuple[int, int]:
-    start = 0
-    for i, n in enumerate(counts):
-        if row < start + n:
-            return i, row - start
-        start += n
-    return len(counts) - 1, 0
 
 
 def _patch_colours(rows: np.ndarray) -> np.ndarray:
