@@ -1194,7 +1194,34 @@ def _resplit(f, tower: str, rng) -> str:
     return f"{tower} items {rows.tolist()}/{tokens.tolist()} -> {new_rows}/{new_tokens}{MUST_READ}"
 
 
+def t_images(f, rng):
+    """inputs/extra/image_position_ids beside the vision tower (the trace's own images, which its
+    table must agree with): positions giving other patch or soft-token counts, another dtype, rank or
+    width, a declared patch count past the bound. All refused: the synthetic table (6+3 patches, 2+1
+    soft tokens) has no positions that agree with it at any pooling kernel."""
+    cfg = _config(f)
+    cfg.setdefault("vision_config", {})["pooling_kernel_size"] = int(rng.choice([1, 2, 3]))
+    _set_config(f, cfg)
+    patches = int(rng.choice([8, 16, 64]))
+    pos = np.full((2, patches, 2), -1, dtype=np.int64)
+    for i in range(2):
+        n = int(rng.integers(patches + 1))
+        pos[i, :n] = np.stack([np.arange(n) % 4, np.arange(n) // 4], axis=-1)
+    how = int(rng.integers(4))
+    if how == 1:
+        pos = pos.astype(_pick(rng, ["float32", "bool", "S4"]))
+    elif how == 2:
+        pos = _pick(rng, [pos[..., 0], pos[:1], np.concatenate([pos, pos[:1]]), np.concatenate([pos, pos], -1)])
+    path = S.input_extra_path("image_position_ids")
+    if how == 3:  # declared past the bound: never read
+        f.create_dataset(path, shape=(2, (1 << 16) + 1, 2), dtype=np.int64)
+        return f"image_position_ids declared (2, 65537, 2){MUST_REFUSE}"
+    f[path] = pos
+    return f"image_position_ids {pos.dtype} {pos.shape}{MUST_REFUSE}"
+
+
 TOWER = {
+    "tower_images": t_images,
     "tower_attr": t_attr,
     "tower_items": t_items,
     "tower_tensors": t_tensors,

@@ -615,7 +615,7 @@ def test_a_selection_attribute_selecting_millions_is_refused_before_it_is_built(
 
 # ---------------------------------------------------------------- the fuzzer (scripts/fuzz_traces.py), a short run
 SCRIPT = ROOT / "scripts" / "fuzz_traces.py"
-FUZZ_CASES, SEED = 150, 2024
+FUZZ_CASES, SEED = 200, 2024
 
 
 def _load():
