@@ -26,7 +26,9 @@ from .runtimes.registry import (
     FILE_BY_DEST,
     check_available,
     check_capture,
+    check_companion,
     check_inputs,
+    companion_files,
     file_runtime,
     parse_runtime,
     read_file_header,
@@ -75,7 +77,7 @@ def replay_trace(reference, output, options: ReplayOptions | None = None, **give
     if options is not None and given:
         raise TypeError("replay_trace takes ReplayOptions or keywords, not both")
     opts = options if options is not None else ReplayOptions.of(**given)
-    choice, user_file, header, ref, max_seq, selection = _check(reference, output, opts)
+    choice, user_file, header, ref, max_seq, selection, companions = _check(reference, output, opts)
     phase(opts.progress, "loading the model")
     # a runtime that never computes with HF's weights (llama.cpp) gets the model built without them
     # (a bf16 checkpoint would take 4 bytes per parameter in float32), loaded only to convert a GGUF
@@ -88,10 +90,12 @@ def replay_trace(reference, output, options: ReplayOptions | None = None, **give
     if limit is not None and max_seq > limit:
         raise TraceToolError(f"--max-seq {max_seq} exceeds the model's {limit} positions (max_position_embeddings)")
     loaded.single_use = True  # this replay is the model's only user
+    allow = opts.allow_config_mismatch
+    choice = choice.with_files((fi.dest, h, check_companion(fi, loaded, h, allow)) for fi, h in companions)
     phase(opts.progress, f"preparing the {choice.text} runtime")  # an export or a lowering, where it has one
     if user_file is not None:
         base = lambda: make_runtime(choice, loaded, max_seq)  # noqa: E731 - the row's own runtime, if the file wants it
-        rt = file_runtime(user_file, loaded, max_seq, header, opts.allow_config_mismatch, base)
+        rt = file_runtime(user_file, loaded, max_seq, header, allow, base, choice=choice)
     elif opts.make is not None:
         rt = opts.make(loaded, max_seq)
     else:
@@ -131,6 +135,7 @@ def _check(reference, output, opts: ReplayOptions):
     if user_file is not None:
         choice = check_available(choice, opts.isolate)
         header = read_file_header(user_file, opts.files[user_file.dest])  # malformed: refused before the model loads
+    companions = [(fi, read_file_header(fi, opts.files[fi.dest])) for fi in companion_files(choice, opts.files)]
     ref = read_reference(reference)
     check_inputs(choice, dtype=ref.dtype, extra=ref.extra, device=opts.device)
     if user_file is not None and user_file.float32_only and ref.dtype != "float32":
@@ -152,4 +157,4 @@ def _check(reference, output, opts: ReplayOptions):
         selection.check(len(ref.layer_types()), n_new, {t.name: t.layers for t in ref.towers})
         if not opts.isolate:  # an isolated replay feeds every layer REF's input: the static runtime, whole
             choice = choice.with_capture(selection.kinds)
-    return choice, user_file, header, ref, max_seq, selection
+    return choice, user_file, header, ref, max_seq, selection, companions

@@ -77,6 +77,7 @@ class RuntimeChoice:
     # it exposes (a graph's extra outputs, an interpreter keeping every tensor, hooks) exposes only
     # these; None: every kind; empty: none (tokens and logits only, the runtime alone)
     capture: frozenset[str] | None = None
+    files: tuple = ()  # the companion files given ((dest, header, notes), ...): FileInput.companion
 
     @property
     def name(self) -> str:
@@ -105,6 +106,14 @@ class RuntimeChoice:
     def with_capture(self, kinds) -> RuntimeChoice:
         """This choice asked to capture only `kinds` (None: every kind; a Selection's kinds)."""
         return replace(self, capture=None if kinds is None else frozenset(kinds) - {"logits", "token"})
+
+    def with_files(self, files) -> RuntimeChoice:
+        """This choice with its companion files ((dest, header, notes), ...)."""
+        return replace(self, files=tuple(files))
+
+    def file(self, dest: str):
+        """(header, notes) of the companion file given by its option's keyword ("mmproj"), or None."""
+        return next(((h, n) for d, h, n in self.files if d == dest), None)
 
     def __str__(self) -> str:
         return self.text
@@ -277,7 +286,7 @@ def resolve_file(choice, files: dict, *, isolate: bool = False, recipe=None) -> 
     files, a --runtime other than the one that runs the file, --isolate or --recipe where that
     runtime cannot take them, a reader not installed. No file: the choice as it was."""
     choice = parse_runtime(choice)
-    given = [FILE_BY_DEST[dest] for dest, path in files.items() if path is not None]
+    given = [FILE_BY_DEST[d] for d, path in files.items() if path is not None and not FILE_BY_DEST[d].companion]
     if not given:
         return choice, None
     if len(given) > 1:
@@ -296,16 +305,41 @@ def resolve_file(choice, files: dict, *, isolate: bool = False, recipe=None) -> 
     return parse_runtime(fi.runtime), fi
 
 
+def companion_files(choice: RuntimeChoice, files: dict) -> list[FileInput]:
+    """The companion files given (`files` as resolve_file's), each refused in one line unless the
+    replay runs its row (`choice`: after resolve_file) and its reader is installed."""
+    out = []
+    for dest, path in files.items():
+        fi = FILE_BY_DEST[dest]
+        if path is None or not fi.companion:
+            continue
+        if choice.spec is None or choice.spec.name != fi.runtime:
+            raise TraceToolError(f"{fi.option} FILE goes with --runtime {fi.runtime}; not with --runtime {choice.text}")
+        for module in fi.needs:
+            if importlib.util.find_spec(module) is None:
+                raise TraceToolError(f"{fi.option} needs {module}, which is not installed: {install_hint(fi.extra)}")
+        out.append(fi)
+    return out
+
+
+def check_companion(fi: FileInput, loaded, header, allow_config_mismatch: bool) -> list[str]:
+    """A companion file checked against REF's loaded checkpoint: its notes, or one line."""
+    module, _, function = fi.create.partition(":")
+    return getattr(importlib.import_module(module), function)(loaded, header, allow_config_mismatch)
+
+
 def read_file_header(fi: FileInput, path):
     """The file's header, read and checked within bounds by its family's reader (one line if bad)."""
     module, _, function = fi.check.partition(":")
     return getattr(importlib.import_module(module), function)(path)
 
 
-def file_runtime(fi: FileInput, loaded, max_seq: int, header, allow_config_mismatch: bool, base):
-    """The runtime that runs the user's file (the family's hand-over); `base()` makes the row's own."""
+def file_runtime(fi: FileInput, loaded, max_seq: int, header, allow_config_mismatch: bool, base, choice=None):
+    """The runtime that runs the user's file (the family's hand-over); `base()` makes the row's own;
+    `choice` holds the companion files given with it (RuntimeChoice.files)."""
     module, _, function = fi.create.partition(":")
-    return getattr(importlib.import_module(module), function)(loaded, max_seq, header, allow_config_mismatch, base)
+    make = getattr(importlib.import_module(module), function)
+    return make(loaded, max_seq, header, allow_config_mismatch, base, choice=choice)
 
 
 def recipe_runtime(choice: RuntimeChoice, loaded, max_seq: int, units: dict):

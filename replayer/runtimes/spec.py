@@ -78,6 +78,10 @@ class FileInput:
     needs: tuple[str, ...] = ()  # modules its reader and engine need
     weightless: bool = True  # the engine never computes with HF's weights: the model loads without them
     float32_only: bool = False  # replays against float32 references only
+    # a file that goes with the row's own run or its other file input (--mmproj with llama.cpp or
+    # --gguf) instead of replacing it: `create(loaded, header, allow_config_mismatch) -> notes` checks
+    # it against REF's checkpoint, and the runtime finds it in RuntimeChoice.files
+    companion: bool = False
 
     @property
     def dest(self) -> str:

@@ -126,7 +126,7 @@ def test_every_row_captures_what_its_map_says_and_the_readme_says_it():
             == tuple(k for k in S.KIND_NAMES if k not in s.capture_map.kinds)
         ), s.name
         assert S.KIND_TOKEN in s.capture_map.kinds  # every runtime chooses a token
-    assert R.BY_NAME["llama.cpp"].kinds_text() == "all but RoPE"
+    assert R.BY_NAME["llama.cpp"].kinds_text() == "all but RoPE; the vision tower's too"
     assert R.BY_NAME["mobius"].kinds_text() == R.BY_NAME["mlx"].kinds_text() == "all but mask and RoPE"
     assert R.BY_NAME["litert-lm"].kinds_text() == "tokens only"
 

@@ -103,12 +103,6 @@ def test_malformed_gguf_is_refused_in_one_line(tmp_path, monkeypatch):
     assert not run.exists()
 
 
-def test_image_trace_is_refused_in_one_line(tmp_path):
-    run = tmp_path / "img.h5"
-    res = invoke("replay", str(golden_path("image")), "--runtime", "llama.cpp", "-o", str(run))
-    one_line_error(res, "--runtime llama.cpp runs a text decoder, which takes token ids only", out=run)
-
-
 def test_unknown_type_is_refused_before_any_work(tmp_path):
     res = invoke("replay", str(golden_path("short")), "--runtime", "llama.cpp:Q9_X", "-o", str(tmp_path / "r.h5"))
     one_line_error(res, "unknown GGUF type 'Q9_X'; expected one of F32, F16, BF16, Q8_0")

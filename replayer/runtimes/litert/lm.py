@@ -89,7 +89,7 @@ def create(loaded, max_seq: int, choice=None):
     return LiteRTLM(loaded, max_seq)
 
 
-def run_bundle(loaded, max_seq: int, path, allow_config_mismatch: bool = False, base=None):
+def run_bundle(loaded, max_seq: int, path, allow_config_mismatch: bool = False, base=None, choice=None):
     """`trace replay --litertlm FILE`: LiteRT-LM on the user's bundle (litert/spec.py); the engine
     checks the bundle's BOS token against REF's model when it loads it."""
     return LiteRTLM(loaded, max_seq, path)

@@ -20,12 +20,13 @@ import os
 import numpy as np
 
 from gemma4_trace.replayer.child import EngineError
+from gemma4_trace.replayer.runtimes.llamacpp.mtmd import MtmdEngine
 from gemma4_trace.replayer.runtimes.llamacpp.spec import LLAMACPP
 from gemma4_trace.traces.schema import sites_of
 
 # the nodes read, by name (set by the gemma4 graph's `cb(tensor, name, layer)`): the capture map's
 # rows read from a node of their own (runtimes/captures.py)
-NAMED = tuple(r for r in LLAMACPP.rows if not r.ops and r.kind != "logits")
+NAMED = tuple(r for r in LLAMACPP.rows if not r.ops and r.kind != "logits" and "." not in r.kind)  # the text tower's
 # attn_out (o_proj's output) has no name of its own in the graph: it is the matrix product whose
 # operand 0 is the layer's attention output weight (its row: "blk.{layer}.attn_output.weight" via MUL_MAT[0])
 ATTN_OUT = LLAMACPP.row("attn_out")
@@ -209,8 +210,9 @@ class Capture:
             return True
 
 
-class LlamaCppEngine:
-    """The child's engine (replayer/child.py): llama.cpp through llama-cpp-python's C API."""
+class LlamaCppEngine(MtmdEngine):
+    """The child's engine (replayer/child.py): llama.cpp through llama-cpp-python's C API (and its
+    multimodal library for images: mtmd.py)."""
 
     def __init__(self, emit):
         import llama_cpp as L
@@ -225,12 +227,14 @@ class LlamaCppEngine:
         L.llama_log_set(self._log, None)
         L.llama_backend_init()
         self.cap = Capture(_ggml_lib(L), emit)
+        self.ggml_tensor = _Tensor  # the head of a graph node, for the vision tower's callback too
         self.model = self.ctx = None
         self.n_vocab = 0
         self.threads = max(1, min(4, os.cpu_count() or 1))
 
     def close(self) -> None:
-        """Free the context and the model (the child's exit does it too)."""
+        """Free mtmd, the context and the model (the child's exit does it too)."""
+        self.close_mtmd()
         if self.ctx:
             self.L.llama_free(self.ctx)
         if self.model:
@@ -287,20 +291,36 @@ class LlamaCppEngine:
         return ("ready", desc.value.decode(errors="replace"), self.n_vocab)
 
     def decode(self, ids: list, first: int):
-        L, n, cap = self.L, len(ids), self.cap
-        batch = L.llama_batch_init(n, 0, 1)
-        try:
+        def tokens(batch):
             for j, tok in enumerate(ids):
                 batch.token[j] = tok
+
+        return self.run_batch(len(ids), first, tokens)
+
+    def run_batch(self, n: int, first: int, fill, n_embd: int = 0, non_causal: bool = False):
+        """One llama_decode of n rows at positions first.. (`fill(batch)` puts their tokens or, with
+        n_embd, their embeddings in), the eval callback on; the last row's logits. `non_causal`: the
+        text model attends both ways over the batch (mtmd's choice for an image)."""
+        L, cap = self.L, self.cap
+        batch = L.llama_batch_init(n, n_embd, 1)
+        try:
+            fill(batch)
+            for j in range(n):
                 batch.pos[j] = first + j
                 batch.n_seq_id[j] = 1
                 batch.seq_id[j][0] = 0
                 batch.logits[j] = j == n - 1
             batch.n_tokens = n
             cap.first, cap.mask_rows = first, {}
+            if non_causal:
+                L.llama_set_causal_attn(self.ctx, False)
             cap.on = True
-            rc = L.llama_decode(self.ctx, batch)
-            cap.on = False
+            try:
+                rc = L.llama_decode(self.ctx, batch)
+            finally:
+                cap.on = False
+                if non_causal:
+                    L.llama_set_causal_attn(self.ctx, True)
         finally:
             L.llama_batch_free(batch)
         if rc != 0:

@@ -24,6 +24,7 @@ process, engine.py). Converted files are artifact-cache entries (runtime.py gguf
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -278,10 +279,7 @@ def write_f32(loaded, path, mutate=None, metadata=None) -> None:
     tensors, `metadata` {key: value} replaces the values of keys the writer wrote (same GGUF type)."""
     gguf = gguf_module()
     check_supported(loaded)
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         w = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GEMMA4])
         _metadata(w, loaded)
         for key, value in (metadata or {}).items():
@@ -303,6 +301,17 @@ def write_f32(loaded, path, mutate=None, metadata=None) -> None:
             for _, t in items:
                 w.write_tensor_data(t)
         w.close()
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """A temporary file's name beside `path`, renamed to `path` when the block ends without an
+    error (removed when it fails): a GGUF file is never seen half-written."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    os.close(fd)
+    try:
+        yield tmp
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(tmp, 0o666 & ~mask)  # mkstemp made it private; a written file gets the user's usual mode

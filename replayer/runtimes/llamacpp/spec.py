@@ -34,6 +34,16 @@ LLAMACPP = CaptureMap(
         Capture("l_out-{layer}", "layer_out"),
         Capture("h_nextn", "final_hidden"),
         Capture("llama_get_logits_ith(-1)", "logits"),
+        # the vision tower, run by mtmd from the mmproj (llamacpp/mtmd.py): its gemma4v graph's names
+        Capture("pos_embd", "vision.patch_embeddings"),
+        Capture("Qcur_pos-{layer}", "vision.q"),
+        Capture("Kcur_pos-{layer}", "vision.k"),
+        Capture("Vcur_normed-{layer}", "vision.v"),
+        Capture("attn_out-{layer}", "vision.attn_out"),
+        Capture("ffn_out-{layer}", "vision.mlp_out"),
+        Capture("layer_out-{layer}", "vision.layer_out"),
+        Capture("pooled", "vision.pooled", via="std_scaled instead where the tower standardizes"),
+        Capture("projected", "vision.soft_tokens"),
     ),
 )
 
@@ -47,7 +57,6 @@ RUNTIMES = (
         needs=("llama_cpp", "gguf"),
         types=GGUF_TYPES,
         float_types=FLOAT_GGUF_TYPES,
-        text_only=True,
         float32_only=True,
         weightless=True,
         capture_map=LLAMACPP,
@@ -78,6 +87,18 @@ FILES = (
         extra="llamacpp",
         needs=("gguf", "llama_cpp"),
         float32_only=True,
+    ),
+    FileInput(
+        "--mmproj",
+        "llama.cpp",
+        "an mmproj GGUF file",
+        "the vision tower from this mmproj GGUF, with --runtime llama.cpp or --gguf (extra [llamacpp])",
+        f"{RT}.gguf_mmproj:read_header",
+        f"{RT}.runtime:check_mmproj",
+        extra="llamacpp",
+        needs=("gguf", "llama_cpp"),
+        float32_only=True,
+        companion=True,
     ),
     FileInput(
         "--weights-from",
