@@ -37,7 +37,8 @@ def _rel(x, y) -> float:
 
 @pytest.fixture(scope="module")
 def replays(tmp_path_factory):
-    """The two image goldens replayed through llama.cpp (F32): {name: (REF, RUN)}."""
+    """The two image goldens replayed through llama.cpp (F32): {name: (REF, RUN)}; the GGUF and
+    mmproj conversions cached (a one-line test's stderr then holds no "converting" line)."""
     out = {}
     for name in ("image", "two_images"):
         run = tmp_path_factory.mktemp("llama-vision") / f"{name}.h5"
@@ -80,7 +81,7 @@ def test_the_image_handed_to_mtmd_is_the_processors_pixels():
     assert image_runs([5, 9, 9, 9, 5, 9, 9, 6], 9) == [(1, 3), (5, 2)]
 
 
-def test_mtmds_own_token_budget_is_a_count_mismatch_in_one_line(tmp_path, monkeypatch):
+def test_mtmds_own_token_budget_is_a_count_mismatch_in_one_line(tmp_path, monkeypatch, replays):
     """mtmd's default budget is 70 to 1120 soft tokens: the 64-token image is resized to 81."""
     monkeypatch.setenv(IMAGE_TOKENS_ENV, "mtmd")
     run = tmp_path / "run.h5"
@@ -144,7 +145,7 @@ def mmprojs(tmp_path_factory):
     return out
 
 
-def test_mtmd_without_use_gelu_runs_quick_gelu_and_without_scale_factor_pools_3(tmp_path, mmprojs):
+def test_mtmd_without_use_gelu_runs_quick_gelu_and_without_scale_factor_pools_3(tmp_path, mmprojs, replays):
     """docs/upstream/llamacpp-gemma4v-mmproj.md: an mmproj without clip.use_gelu runs the vision MLP
     with quick GELU (the first divergence: vision layer 0's mlp_out, nothing before it); without
     scale_factor mtmd pools 3x3 (25 soft tokens for the processor's 64). Fails once mtmd chooses
@@ -202,3 +203,22 @@ def test_an_mmproj_of_another_kind_or_model_is_refused_in_one_line(tmp_path, mmp
     one_line_error(res, "does not match REF's vision tower: vision layers 3 (REF 2); patch size 8 (REF 4)", out=run)
     res = invoke("replay", golden_path("image"), "--mmproj", mmprojs["own"], "-o", run)
     one_line_error(res, "--mmproj FILE goes with --runtime llama.cpp; not with --runtime static", out=run)
+
+
+def test_an_mmproj_whose_tensors_mtmd_cannot_use_is_one_line(tmp_path, monkeypatch, replays):
+    """A position table too small for the image (refused by the config check; forced, ggml's
+    assertion in the child is the one line) and a missing tensor (mtmd refuses the file)."""
+    loaded, tensors, run = load_model(), GM.tensors, tmp_path / "run.h5"
+    small, missing = tmp_path / "small.gguf", tmp_path / "missing.gguf"
+    shrink = {"v.position_embd.weight": lambda a: a[:, :2]}
+    monkeypatch.setattr(GM, "tensors", lambda m: ((n, shrink.get(n, lambda a: a)(a)) for n, a in tensors(m)))
+    GM.write(loaded, small)
+    monkeypatch.setattr(GM, "tensors", lambda m: ((n, a) for n, a in tensors(m) if n != "v.blk.1.ffn_down.weight"))
+    GM.write(loaded, missing)
+    monkeypatch.undo()
+    args = ("replay", golden_path("image"), "--runtime", "llama.cpp", "-o", run)
+    one_line_error(invoke(*args, "--mmproj", small), "position table 2x2x32 (REF 2x160x32)", out=run)
+    res = invoke(*args, "--mmproj", small, "--allow-config-mismatch")
+    one_line_error(res, "llama.cpp (F32) crashed in prefill (image 1)", "GGML_ASSERT", out=run)
+    res = invoke(*args, "--mmproj", missing)
+    one_line_error(res, "llama.cpp's mtmd could not load the mmproj file", out=run)

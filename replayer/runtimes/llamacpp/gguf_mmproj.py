@@ -200,6 +200,14 @@ def config_differences(header, loaded) -> tuple[list[str], list[str]]:
     if pooling != want[SCALE_FACTOR]:
         given = f"absent: mtmd pools {MTMD_POOLING}" if SCALE_FACTOR not in meta else one_line(pooling, 40)
         diffs.append(f"pooling {given} (REF {want[SCALE_FACTOR]})")
+    table, size, hidden = (
+        header.tensors.get("v.position_embd.weight"),
+        vision_config(loaded).position_embedding_size,
+        want["clip.vision.embedding_length"],
+    )
+    if table is None or tuple(table.dims) != (hidden, size, 2):
+        got = "absent" if table is None else "x".join(map(str, table.dims[::-1]))
+        diffs.append(f"position table {got} (REF 2x{size}x{hidden})")
     proj = header.tensors.get("mm.input_projection.weight")
     width = want["clip.vision.projection_dim"]
     if proj is None or len(proj.dims) != 2 or proj.dims[1] != width:
