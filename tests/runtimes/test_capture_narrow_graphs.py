@@ -3,10 +3,12 @@ reference) and mobius: a replay that keeps some kinds (`--kinds`) runs a graph w
 are those kinds only, and a runtime asked for none (`with_capture(())`: the runtime alone) a graph
 of logits and caches. The narrowed graphs give the full graph's values, bit for bit: the tests
 compare real runs of both. executorch-int8's narrowed programs are the int8 reference's converted
-programs lowered as executorch's float ones are (both replayed here); that their quantization is
-the full program's is test_int8_narrowed_programs_quantize_as_the_full_ones. Their XNNPACK
-lowering itself (about 4 minutes a program on 2 cores) is not repeated here: the suite lowers
-executorch-int8's full programs once, in tests/runtimes/test_executorch.py.
+programs lowered as executorch's float ones are; that their quantization is the full program's is
+test_int8_narrowed_programs_quantize_as_the_full_ones. Neither int8 mode is replayed narrowed
+here: executorch-int8's XNNPACK lowering takes about 4 minutes a program on 2 cores (the suite
+lowers its full programs once, in tests/runtimes/test_executorch.py), and the int8 reference's
+narrowing is executorch's own code path (the step graphs' outputs, replayer/functional.py) on
+programs whose quantization that test compares; replaying it cost the suite about 3 minutes.
 
 One 3-layer random Gemma 4 (sliding, full, and a sliding layer reusing layer 0's K/V; the model,
 prompt, max_seq and prefill chunk of tests/runtimes/test_executorch.py, whose full-capture
@@ -35,7 +37,7 @@ NEEDS = {  # runtime -> the modules it needs
     "mobius": ("mobius", "onnxruntime", "onnx_ir"),
 }
 LAYER_OUT = frozenset({"layer_out"})
-REPLAYED = [n for n in NEEDS if n != "executorch-int8"]  # its XNNPACK lowering: not repeated (docstring)
+REPLAYED = [n for n in NEEDS if not n.startswith("executorch-int8")]  # not replayed narrowed (docstring)
 LAYER_OUTS = [f"L{i:02d}.layer_out" for i in range(N_LAYERS)]
 
 
@@ -248,7 +250,7 @@ def test_int8_narrowed_programs_quantize_as_the_full_ones(model):
     """Calibrating a narrowed program gives the full program's quantization: the same observers on
     the same computation, so the same quantize nodes with the same scales and zero points, in
     order; the programs differ only by the full one's output slices and the dequantize nodes that
-    feed them (executorch-int8-reference, which runs these programs, is bit-identical narrowed)."""
+    feed them."""
     if any(importlib.util.find_spec(m) is None for m in NEEDS["executorch-int8"]):
         pytest.skip("executorch-int8 needs executorch and torchao")
     from collections import Counter
