@@ -221,4 +221,6 @@ def test_an_mmproj_whose_tensors_mtmd_cannot_use_is_one_line(tmp_path, monkeypat
     res = invoke(*args, "--mmproj", small, "--allow-config-mismatch")
     one_line_error(res, "llama.cpp (F32) crashed in prefill (image 1)", "GGML_ASSERT", out=run)
     res = invoke(*args, "--mmproj", missing)
-    one_line_error(res, "llama.cpp's mtmd could not load the mmproj file", out=run)
+    one_line_error(
+        res, "llama.cpp's mtmd could not load the mmproj file", "unable to find tensor v.blk.1.ffn_down", out=run
+    )

@@ -70,7 +70,7 @@ class VisionCapture:
 
 class MtmdEngine:
     """The engine's mtmd commands (a mix-in of engine.py's LlamaCppEngine: self.L, self.model,
-    self.cap, self.ggml_tensor, self.threads, self.said, self.run_batch)."""
+    self.cap, self.ggml_tensor, self.threads, self._log, self.said, self.run_batch)."""
 
     mtmd = None
 
@@ -89,6 +89,7 @@ class MtmdEngine:
         p.image_max_tokens = int(max_tokens) or -1
         p.cb_eval = ctypes.cast(self.vcap.c_callback, type(p.cb_eval))
         p.cb_eval_user_data = None
+        M.mtmd_log_set(ctypes.cast(self._log, self.L.llama_log_callback), None)  # its error lines: self.said
         self.said.clear()
         self.mtmd = M.mtmd_init_from_file(path.encode(), self.model, p)
         if not self.mtmd:
