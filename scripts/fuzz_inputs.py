@@ -7,6 +7,9 @@ through click's CliRunner with GEMMA4_TRACE_DEBUG=1 (a bug of ours escapes as an
   fields of 1, 2, 4 or 8 bytes set to edge values or random bytes), truncated, or given a tail; run
   by `trace replay GOLDEN --weights-from FILE` and (every other case, with llama-cpp-python
   installed) `trace replay GOLDEN --gguf FILE`, llama.cpp in its confined child;
+- `mmproj`: the embedded model's vision tower as the project writes its mmproj
+  (replayer/runtimes/llamacpp/gguf_mmproj.py), mutated as `gguf` is; run by `trace replay
+  IMAGE_GOLDEN --runtime llama.cpp --mmproj FILE` (with llama-cpp-python installed; else not run);
 - `recipe`: a valid recipe with its text mutated (keys, values, types, nesting, long or odd
   strings, bytes); run by `trace replay GOLDEN --runtime static-w8 --recipe FILE`;
 - `prompts`: a small JSON-lines prompt set with lines mutated (wrong types, control characters,
@@ -35,7 +38,7 @@ import time
 from pathlib import Path
 
 EDGE = [0, 1, 2, 3, 7, 8, 255, 256, 0x7FFF, 0xFFFF, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63, 2**64 - 1]
-CLASSES = ("gguf", "recipe", "prompts")
+CLASSES = ("gguf", "mmproj", "recipe", "prompts")
 
 
 class Timeout(Exception):
@@ -175,7 +178,7 @@ def run(cases: int, seed: int, classes=CLASSES, timeout: float = 60.0, say=print
     from gemma4_trace.recorder.golden import golden_path
     from gemma4_trace.replayer.runtimes.llamacpp import gguf_reader as GR
 
-    ref = str(golden_path("short"))
+    ref, image_ref = str(golden_path("short")), str(golden_path("image"))
     work = Path(tempfile.mkdtemp(prefix="fuzz-inputs-"))
     # set for each command only (CliRunner restores the environment): a caller's process (a pytest
     # worker) must not keep printing tracebacks afterwards
@@ -187,6 +190,18 @@ def run(cases: int, seed: int, classes=CLASSES, timeout: float = 60.0, say=print
     header = GR.read_header(good)
     header_end = min(t.offset for t in header.tensors.values())
     llama = importlib.util.find_spec("llama_cpp") is not None
+    classes = tuple(c for c in classes if llama or c != "mmproj")  # mtmd reads it
+    if "mmproj" in classes:
+        from gemma4_trace.hf.model import load_model
+        from gemma4_trace.replayer.runtimes.llamacpp import gguf_mmproj as GM
+
+        good_mmproj = work / "good-mmproj.gguf"
+        GM.write(load_model(), good_mmproj)
+        mmproj_end = min(t.offset for t in GR.read_header(good_mmproj).tensors.values())
+        # the valid pair runs (and the text GGUF is converted before any case, whose stderr holds one line)
+        args = ["replay", image_ref, "--runtime", "llama.cpp", "--mmproj", str(good_mmproj), "-o", str(work / "w.h5")]
+        res = runner.invoke(main, args)
+        assert res.exit_code == 0, res.output
     rng = random.Random(seed)
     counts = {c: {"cases": 0, "exit": {0: 0, 1: 0, 2: 0}, "failures": []} for c in classes}
     old = signal.signal(signal.SIGALRM, _alarm)
@@ -202,6 +217,11 @@ def run(cases: int, seed: int, classes=CLASSES, timeout: float = 60.0, say=print
                 path = folder / "in.gguf"
                 how = ["--gguf"] if llama and n % 2 else ["--weights-from"]  # llama.cpp reads it, or gguf's dequantizer
                 args = ["replay", ref, *how, str(path), "-o", str(folder / "o.h5")]
+            elif cls == "mmproj":
+                data, what = gguf_case(case_rng, good_mmproj.read_bytes(), mmproj_end)
+                path = folder / "mmproj.gguf"
+                args = ["replay", image_ref, "--runtime", "llama.cpp", "--mmproj", str(path)]
+                args += ["-o", str(folder / "o.h5")]
             elif cls == "recipe":
                 data, what = recipe_case(case_rng)
                 path = folder / "r.toml"

@@ -426,10 +426,11 @@ def test_hostile_gguf_recipe_and_prompt_files_are_one_line_each(monkeypatch, tmp
     spec.loader.exec_module(mod)
     monkeypatch.setenv("GEMMA4_TRACE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    counts = mod.run(120, 2024, say=lambda line: None)
-    failures = [f for c in mod.CLASSES for f in counts[c]["failures"]]
+    classes = tuple(c for c in mod.CLASSES if c != "mmproj" or importlib.util.find_spec("llama_cpp"))
+    counts = mod.run(40 * len(classes), 2024, say=lambda line: None)
+    failures = [f for c in classes for f in counts[c]["failures"]]
     assert not failures, failures[:5]
-    for c in mod.CLASSES:
+    for c in classes:
         assert counts[c]["cases"] == 40
         assert counts[c]["exit"][2] > 10  # the mutations reach the checks
-    assert sum(counts[c]["exit"][0] for c in mod.CLASSES) > 3  # and some still run: the base inputs are valid
+    assert sum(counts[c]["exit"][0] for c in classes) > 3  # and some still run: the base inputs are valid
