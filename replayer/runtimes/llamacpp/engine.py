@@ -20,13 +20,16 @@ import os
 import numpy as np
 
 from gemma4_trace.replayer.child import EngineError
-from gemma4_trace.replayer.runtimes.llamacpp.mtmd import MtmdEngine
+from gemma4_trace.replayer.runtimes.llamacpp.mtmd import MtmdEngine, read_f32
 from gemma4_trace.replayer.runtimes.llamacpp.spec import LLAMACPP
+from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.schema import sites_of
 
 # the nodes read, by name (set by the gemma4 graph's `cb(tensor, name, layer)`): the capture map's
 # rows read from a node of their own (runtimes/captures.py)
-NAMED = tuple(r for r in LLAMACPP.rows if not r.ops and r.kind != "logits" and "." not in r.kind)  # the text tower's
+NAMED = tuple(  # the text tower's
+    r for r in LLAMACPP.rows if not r.ops and r.kind != "logits" and S.KIND_BY_NAME[r.kind].tower == S.TEXT
+)
 # attn_out (o_proj's output) has no name of its own in the graph: it is the matrix product whose
 # operand 0 is the layer's attention output weight (its row: "blk.{layer}.attn_output.weight" via MUL_MAT[0])
 ATTN_OUT = LLAMACPP.row("attn_out")
@@ -196,15 +199,9 @@ class Capture:
                 if allowed is not None:
                     self.emit(MASK.kind, target[1], allowed)
                 return True
-            if target is None or t.type != GGML_TYPE_F32:
-                return True
-            ne = [int(x) for x in t.ne]
-            contiguous = t.nb[0] == 4 and all(t.nb[i] == t.nb[i - 1] * ne[i - 1] for i in range(1, 4))
-            if not contiguous:
-                return True
-            arr = np.empty(ne[::-1], dtype=np.float32)
-            self.ggml.ggml_backend_tensor_get(ptr, arr.ctypes.data, 0, arr.nbytes)
-            self.emit(*target, arr)  # numpy order (ne3, ne2, ne1, ne0): rows lead
+            arr = None if target is None else read_f32(self.ggml, t, ptr)
+            if arr is not None:
+                self.emit(*target, arr)  # numpy order (ne3, ne2, ne1, ne0): rows lead
             return True
         except Exception:  # noqa: BLE001 - never let a Python error unwind into C
             return True

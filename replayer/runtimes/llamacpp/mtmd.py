@@ -3,7 +3,7 @@ its named graph nodes read through the tower's own eval callback, and the soft t
 the text model as an embeddings batch. Commands (the child protocol's, engine.py's engine):
 
     ("vision", mmproj_path, n_layers, kinds, min_tokens, max_tokens) -> ("ready", n_embd)
-    ("encode", rgb_bytes, width, height) -> ("vision.*", layer, array)..., ("embd", array, nx, ny, non_causal)
+    ("encode", rgb_bytes, width, height) -> ("vision.*", layer, array)..., ("embd", array, non_causal)
     ("decode_embd", embd, first, non_causal) -> ("tensors", ...)..., ("logits", array)
 
 `encode` hands mtmd one image as 8-bit RGB; mtmd sizes it to its token budget (min_tokens and
@@ -28,6 +28,18 @@ VISION_ROWS = tuple(r for r in LLAMACPP.rows if S.KIND_BY_NAME[r.kind].tower != 
 # a kind also read from a later node where the graph has it: the standardized pooled tokens
 LATER = {"vision.pooled": "std_scaled"}
 TEXT_OF_IMAGE = b"<__media__>"  # mtmd's default media marker: a prompt of the image alone
+
+
+def read_f32(ggml, t, ptr) -> np.ndarray | None:
+    """A contiguous F32 graph node's values in numpy order (ne3, ne2, ne1, ne0); None for another
+    type or layout."""
+    ne = [int(x) for x in t.ne]
+    contiguous = t.nb[0] == 4 and all(t.nb[i] == t.nb[i - 1] * ne[i - 1] for i in range(1, 4))
+    if t.type != GGML_TYPE_F32 or not contiguous:
+        return None
+    arr = np.empty(ne[::-1], dtype=np.float32)
+    ggml.ggml_backend_tensor_get(ptr, arr.ctypes.data, 0, arr.nbytes)
+    return arr
 
 
 class VisionCapture:
@@ -56,13 +68,9 @@ class VisionCapture:
             target = self.named.get(t.name)
             if ask:
                 return target is not None
-            ne = [int(x) for x in t.ne]
-            contiguous = t.nb[0] == 4 and all(t.nb[i] == t.nb[i - 1] * ne[i - 1] for i in range(1, 4))
-            if target is None or t.type != GGML_TYPE_F32 or not contiguous:
-                return True
-            arr = np.empty(ne[::-1], dtype=np.float32)
-            self.ggml.ggml_backend_tensor_get(ptr, arr.ctypes.data, 0, arr.nbytes)
-            self.emit(*target, arr)  # (batch, patches, heads, head_dim) / (batch, patches, hidden)
+            arr = None if target is None else read_f32(self.ggml, t, ptr)
+            if arr is not None:
+                self.emit(*target, arr)  # (batch, patches, heads, head_dim) / (batch, patches, hidden)
             return True
         except Exception:  # noqa: BLE001 - never let a Python error unwind into C
             return True
@@ -121,8 +129,6 @@ class MtmdEngine:
                 raise EngineError(f"mtmd made {len(found)} image chunks of one image")
             chunk = found[0]
             n = int(M.mtmd_input_chunk_get_n_tokens(chunk))
-            image = M.mtmd_input_chunk_get_tokens_image(chunk)
-            nx, ny = int(M.mtmd_image_tokens_get_nx(image)), int(M.mtmd_image_tokens_get_ny(image))
             self.vcap.on = True
             rc = M.mtmd_encode_chunk(self.mtmd, chunk)
             self.vcap.on = False
@@ -130,7 +136,7 @@ class MtmdEngine:
                 raise EngineError(f"mtmd_encode_chunk returned {rc}")
             embd = np.ctypeslib.as_array(M.mtmd_get_output_embd(self.mtmd), shape=(n * self.n_embd,))
             non_causal = bool(M.mtmd_decode_use_non_causal(self.mtmd, chunk))
-            return ("embd", embd.reshape(n, self.n_embd).copy(), nx, ny, non_causal)
+            return ("embd", embd.reshape(n, self.n_embd).copy(), non_causal)
         finally:
             self.vcap.on = False
             M.mtmd_input_chunks_free(chunks)

@@ -247,14 +247,14 @@ class LlamaCppRuntime(ChildRuntime):
     def _load_vision(self, hf_budget: int) -> None:
         """mtmd on the mmproj, once (a replay's images share the budget: the trace's patch budget)."""
         budget = image_budget(hf_budget)
-        if self.mmproj is not None:
+        if self.budget is not None:  # mtmd is loaded
             if budget != self.budget:
                 raise TraceToolError(f"the prompt's images have another token budget ({budget}) than {self.budget}")
             return
         vc = GM.vision_config(self.loaded)
-        kinds = None if self.capture is None else sorted(k for k in self.capture if "." in k)
+        kinds = None if self.capture is None else sorted(k for k in self.capture if S.KIND_BY_NAME[k].tower != S.TEXT)
         if self.mmproj_file is not None:  # the user's file: the child's copy of its checked descriptor
-            self.mmproj, path = False, f"/proc/self/fd/{self.mmproj_file.descriptor()}"
+            path = f"/proc/self/fd/{self.mmproj_file.descriptor()}"
         else:
             self.mmproj = mmproj_artifact(self.loaded)
             path = str(self.mmproj.path / GM.MMPROJ_NAME)
@@ -286,7 +286,7 @@ class LlamaCppRuntime(ChildRuntime):
                 phase=f"prefill (image {i + 1})",
                 tensor=lambda kind, layer, arr, one=one: one.__setitem__((kind, layer), arr),
             )
-            _, embd, _nx, _ny, non_causal = reply
+            _, embd, non_causal = reply
             if len(embd) != slots:
                 lo, hi = self.budget
                 words = f"{lo} to {hi}" if lo else "mtmd's own, 70 to 1120"
@@ -319,9 +319,9 @@ class LlamaCppRuntime(ChildRuntime):
 
     def close(self) -> None:
         super().close()
-        if self.mmproj:
+        if self.mmproj is not None:
             self.mmproj.close()
-        self.mmproj = None
+            self.mmproj = None
         if self.artifact is not None:
             self.artifact.close()  # a temporary (cache off) conversion goes with the runtime
             self.artifact = None
