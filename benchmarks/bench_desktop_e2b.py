@@ -6,7 +6,7 @@
 Builds (once, in a child process) the E2B-shaped random checkpoint of benchmarks/e2b_shaped.py
 (every E2B text width, 10 layers, vocabulary 16,384, float32), records REF on a seeded random
 prompt, then runs each command in a fresh process with the artifact cache in WORK/cache, empty at
-the start:
+the start (--cache DIR: that cache as it is, so an export found there is a cache hit):
 
   export    (openvino) trace export-openvino --runtime MODE: the float IR converted (torch.export +
             the PyTorch frontend), then each compressed IR from it (NNCF), each folded baseline from that
@@ -20,16 +20,13 @@ The table is printed at the end. On a busy machine every time is a bound, not a 
 
 from __future__ import annotations
 
-import os
-import shutil
-
 try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
     import repo_root  # noqa: F401
 except ModuleNotFoundError:  # imported as benchmarks.NAME
     from benchmarks import repo_root  # noqa: F401
 
 from benchmarks.bench_llamacpp_e2b import cli, diff_first_line, print_table  # a trace command in a fresh process
-from benchmarks.e2b_shaped import bench_setup, build, token_ids
+from benchmarks.e2b_shaped import CACHE_OPTION, artifact_env, bench_setup, build, token_ids
 
 FAMILIES = {
     "openvino": ("openvino", "openvino-int8", "openvino-int8-dq", "openvino-int4", "openvino-int4-dq"),
@@ -44,13 +41,12 @@ def main() -> None:
         build,
         ("family", dict(choices=FAMILIES)),
         modes=dict(help="comma-separated, some of the family's runtimes (default: all five)"),
+        cache=CACHE_OPTION,
     )
     modes = FAMILIES[a.family] if a.modes is None else tuple(a.modes.split(","))
     if not set(modes) <= set(FAMILIES[a.family]):
         raise SystemExit(f"--modes: {a.family}'s runtimes are {', '.join(FAMILIES[a.family])}")
-    cache = a.work / "cache"
-    shutil.rmtree(cache, ignore_errors=True)
-    env = {**os.environ, "GEMMA4_TRACE_CACHE": str(cache)}
+    env = artifact_env(a.cache, a.work / "cache")
     ids = token_ids(a.prompt, model)
     ref = a.work / "ref.h5"
     cli(env, "record", "--model", model, "--input-ids", ids, "--max-new-tokens", a.new, "-o", ref, "--force")

@@ -1,22 +1,21 @@
-"""ExecuTorch at full E2B dimensions: what lowering and replaying costs as the layers grow, and
-how many layers fit in this machine's memory.
+"""ExecuTorch at full E2B dimensions: what lowering and replaying costs as the layers grow, and how
+many layers fit in this machine's memory.
 
     python benchmarks/bench_executorch_e2b.py /tmp/et-e2b --layers 2,4,6 --modes executorch,executorch-int8
 
 For each layer count L, a random checkpoint with every E2B dimension but L layers (vocabulary
 262,144, hidden 1536, per-layer embeddings of 256 per layer, MLP 6144, double-wide on the layers
-that reuse K/V; layer_config) in float32, a REF recorded from it, then for each mode `trace
-replay REF --runtime MODE` in a fresh process with an empty artifact cache (so it really
-exports, calibrates and lowers): wall time, peak RSS of the trace process (where the programs
-are exported and lowered) and of its ExecuTorch child (where they run). A least-squares line
-through the peaks in L gives the projection to E2B's 35 layers and the largest L under --budget
-GiB.
+that reuse K/V; layer_config) in float32, a REF recorded from it, then for each mode `trace replay
+REF --runtime MODE` in a fresh process with an empty artifact cache (so it really exports,
+calibrates and lowers; --cache DIR uses that cache as it is instead): wall time, peak RSS of the
+trace process (where the programs are exported and lowered) and of its ExecuTorch child (where they
+run). A least-squares line through the peaks in L gives the projection to E2B's 35 layers and the
+largest L under --budget GiB.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ except ModuleNotFoundError:  # imported as benchmarks.NAME
     from benchmarks import repo_root  # noqa: F401
 
 from benchmarks.bench_llamacpp_e2b import cli  # a trace command in a fresh process
+from benchmarks.e2b_shaped import CACHE_OPTION, artifact_env
 from benchmarks.make_e2b_random import E2B_TEXT, TINY
 
 S, F = "sliding_attention", "full_attention"
@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=4)
     ap.add_argument("--budget", type=float, default=24.0, help="memory to fit in, GiB")
     ap.add_argument("--tiny", action="store_true", help="E2B's structure at tiny widths (a quick check, not E2B)")
+    ap.add_argument("--cache", **CACHE_OPTION)
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     vocab = layer_config(1, a.tiny)["vocab_size"]
@@ -100,8 +101,7 @@ def main() -> None:
         if not ref.exists():
             cli(None, "record", "--model", model, "--input-ids", ids, "--max-new-tokens", a.new, "-o", ref)
         for mode in a.modes.split(","):
-            env = {**os.environ, "GEMMA4_TRACE_CACHE": str(a.work / f"cache-{tag}-{mode}")}
-            subprocess.run(["rm", "-rf", env["GEMMA4_TRACE_CACHE"]], check=True)
+            env = artifact_env(a.cache, a.work / f"cache-{tag}-{mode}")
             run = a.work / f"run-{tag}-{mode}.h5"
             r = cli(env, "replay", ref, "--model", model, "--runtime", mode, "-o", run, "--force")
             rows.append((n, weights, mode, r["wall"], r["rss"] / 1024, r["child_rss"] / 1024))

@@ -6,7 +6,8 @@ Builds (once) an E2B-shaped Gemma4ForConditionalGeneration checkpoint in WORK/mo
 text width, 10 layers [S,S,S,S,F] x 2 with the last 5 reusing K/V, vocabulary 16,384, float32; a
 one-layer vision tower, as litert-torch's Gemma 4 path exports ConditionalGeneration checkpoints;
 the embedded model's tokenizer, which the export bundles), records REF on a seeded random prompt,
-then runs each command in a fresh process with the artifact cache in WORK/cache, empty at the start:
+then runs each command in a fresh process with the artifact cache in WORK/cache, empty at the start
+(--cache DIR: that cache as it is, so an export found there is a cache hit):
 
   export        trace export-litert --max-seq (prompt + new)   litert-torch's export (wall, peak RSS
                 of the trace process and of its export child)
@@ -20,7 +21,6 @@ The table is printed at the end. On a busy machine every time is a bound, not a 
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -30,7 +30,7 @@ except ModuleNotFoundError:  # imported as benchmarks.NAME
     from benchmarks import repo_root  # noqa: F401
 
 from benchmarks.bench_llamacpp_e2b import cli, diff_first_line, print_table  # a trace command in a fresh process
-from benchmarks.e2b_shaped import E2B_TEXT, bench_setup, token_ids
+from benchmarks.e2b_shaped import CACHE_OPTION, E2B_TEXT, artifact_env, bench_setup, token_ids
 
 VISION = dict(
     hidden_size=64,
@@ -75,13 +75,12 @@ def main() -> None:
         __file__,
         build,
         modes=dict(default=",".join(MODES), help="comma-separated, some of MODES (default: all)"),
+        cache=CACHE_OPTION,
     )
     modes = tuple(a.modes.split(","))
     if not set(modes) <= set(MODES):
         raise SystemExit(f"--modes: some of {', '.join(MODES)}")
-    cache = a.work / "cache"
-    shutil.rmtree(cache, ignore_errors=True)
-    env = {**os.environ, "GEMMA4_TRACE_CACHE": str(cache)}
+    env = artifact_env(a.cache, a.work / "cache")
     ids = token_ids(a.prompt, model, high=600)
     ref = a.work / "ref.h5"
     cli(env, "record", "--model", model, "--input-ids", ids, "--max-new-tokens", a.new, "-o", ref, "--force")

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +68,23 @@ def random_prompt(n: int, vocab: int, high: int = 16000) -> list[int]:
     import torch
 
     return torch.randint(3, min(high, vocab), (n,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+# --cache DIR: the artifact cache to use as it is (kept) instead of WORK/cache emptied at the start;
+# the export rows then time what the cache already holds (the suite's tests pass their own cache)
+CACHE_OPTION = dict(
+    type=Path,
+    help="an artifact cache to use as it is, instead of an empty WORK/cache: "
+    "exports found there are not built again, so their rows time a cache hit",
+)
+
+
+def artifact_env(cache: Path | None, fresh: Path) -> dict:
+    """The environment of a benchmark's `trace` commands: GEMMA4_TRACE_CACHE is `cache` (--cache) as
+    it is, else `fresh`, emptied first (every export, conversion and lowering is built, and timed)."""
+    if cache is None:
+        shutil.rmtree(fresh, ignore_errors=True)
+    return {**os.environ, "GEMMA4_TRACE_CACHE": str(cache or fresh)}
 
 
 def bench_setup(

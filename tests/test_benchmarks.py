@@ -50,6 +50,12 @@ def bench(script: str, *args) -> str:
     return p.stdout
 
 
+def suite_cache() -> str:
+    """The suite's artifact cache (tests/conftest.py), for a benchmark's --cache: its exports are
+    built once and found there by the next run (the export code is tested by each runtime's tests)."""
+    return os.environ["GEMMA4_TRACE_CACHE"]
+
+
 def figure(out: str, pattern: str) -> float:
     """The number `pattern` (a regular expression with one group of NUM) finds in `out`."""
     m = re.search(pattern, out, re.MULTILINE)
@@ -327,7 +333,7 @@ def test_bench_openvino_outputs(tmp_path):
     ],
 )
 def test_bench_desktop_e2b(tmp_path, family, modes):
-    args = (family, tmp_path, "--model", TINY, "--prompt", 4, "--new", 2, "--modes", modes)
+    args = (family, tmp_path, "--model", TINY, "--prompt", 4, "--new", 2, "--modes", modes, "--cache", suite_cache())
     out = bench("bench_desktop_e2b.py", *args)
     for mode in modes.split(","):
         wall, rss, child = after(out, f"replay --runtime {mode} ")
@@ -341,7 +347,8 @@ def test_bench_desktop_e2b(tmp_path, family, modes):
 
 @engine("litert_torch", "litert")
 def test_bench_litert_e2b(tmp_path):
-    out = bench("bench_litert_e2b.py", tmp_path, "--model", TINY, "--prompt", 4, "--new", 2, "--modes", "litert")
+    args = ("--model", TINY, "--prompt", 4, "--new", 2, "--modes", "litert", "--cache", suite_cache())
+    out = bench("bench_litert_e2b.py", tmp_path, *args)
     for name in ("export-litert --runtime litert ", "replay --runtime litert "):
         wall, rss, child = after(out, name)
         assert wall > 0 and rss > 0, name
@@ -350,6 +357,6 @@ def test_bench_litert_e2b(tmp_path):
 
 @engine("executorch", "executorch")
 def test_bench_executorch_e2b(tmp_path):
-    args = ("--tiny", "--layers", 2, "--modes", "executorch", "--prompt", 4, "--new", 2)
+    args = ("--tiny", "--layers", 2, "--modes", "executorch", "--prompt", 4, "--new", 2, "--cache", suite_cache())
     out = bench("bench_executorch_e2b.py", tmp_path, *args)
     assert figure(out, rf"^\| 2 \| {NUM} GiB \| executorch \| ({NUM}) s \|") > 0
