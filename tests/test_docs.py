@@ -9,8 +9,12 @@ is an error: write it with prompts). Blocks of output only, TOML and Python are 
 Each document runs in its own temporary folder, in document order, on the embedded model;
 the folder links the repository's traces/, tests/, hf/, benchmarks/, scripts/ and docs/ so
 the docs' relative paths work, PYTHONPATH is the repository root (`tests.support.bug_zoo:...`
-plug-ins import), this interpreter's environment is first on PATH and GEMMA4_TRACE_CACHE is an
-empty folder of that document (no artifact converted by an earlier document is "cached"). `trace` there is the
+plug-ins import), this interpreter's environment is first on PATH and GEMMA4_TRACE_CACHE is a
+folder of that document whose costly families (SHARED: exports, lowerings, IRs) link to the suite's
+artifact cache (tests/conftest.py; keyed by content, so a document finds there what it would build,
+and what it builds stays for the next run: that a build happened shows only on stderr); the GGUF
+files, whose `built in 0.1 s` or `cached` a document shows, are built in the document's own folder
+(a new user's empty cache; under a second each). `trace` there is the
 console script's `main()` run in a process forked from a warm one (tests/support/docs_trace_server.py:
 each command its own process, without the 2 s of imports); GEMMA4_DOCS_REAL_TRACE=1 runs the
 environment's own `trace` instead.
@@ -45,6 +49,7 @@ FENCE_LANGS = ("", "sh", "bash", "console", "shell")
 MARKER = re.compile(r"^\s*<!--\s*not run\b(.*?)-->\s*$")
 MARKER_START = re.compile(r"^\s*<!--\s*not run\b")
 COMMAND_TIMEOUT = 300
+SHARED = ("onnx", "openvino", "executorch", "litert", "litert-outputs", "mobius", "sweep-ref")  # docstring
 SHORTENED = "..."  # a shown output's last line when the command prints more than is shown
 
 
@@ -272,11 +277,21 @@ def _env(trace_bin) -> dict:
     return env
 
 
+def _document_cache(folder: Path) -> Path:
+    """A document's artifact cache: its SHARED families are links to the suite's (docstring)."""
+    suite = Path(os.environ["GEMMA4_TRACE_CACHE"])
+    folder.mkdir()
+    for family in SHARED:
+        (suite / family).mkdir(parents=True, exist_ok=True)
+        (folder / family).symlink_to(suite / family, target_is_directory=True)
+    return folder
+
+
 def _run_doc(path: Path, tmp: Path, trace_bin) -> int:
     for name in LINKED:
         (tmp / name).symlink_to(ROOT / name)
     env, ran, shortened = _env(trace_bin), 0, []
-    env["GEMMA4_TRACE_CACHE"] = str(tmp / ".artifact-cache")  # each document starts as a new user
+    env["GEMMA4_TRACE_CACHE"] = str(_document_cache(tmp / ".artifact-cache"))
     where = path.relative_to(ROOT)
     for _line_no, _lines, marker, commands in shell_blocks(path):
         if marker:
