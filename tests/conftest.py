@@ -1,4 +1,5 @@
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -21,3 +22,17 @@ def _test_artifact_cache():
     mp.setenv("GEMMA4_TRACE_CACHE", str(TEST_CACHE))
     yield
     mp.undo()
+
+
+SLOW_MODULE = re.compile(r"^pytestmark = pytest\.mark\.slow\b", re.MULTILINE)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under `-m "not slow"` (make test-fast) a test module marked slow as a whole is not imported at
+    all: every test in it would be deselected, and importing it costs its engines' imports in each
+    worker (litert-torch's TensorFlow alone about 4 s)."""
+    if config.option.markexpr.replace(" ", "") != "notslow":
+        return None
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return bool(SLOW_MODULE.search(collection_path.read_text())) or None
+    return None
