@@ -69,29 +69,74 @@ def _tflite_keys(path: Path, ref) -> dict[str, dict[tuple[str, int | None], str]
     return out
 
 
+PT2_MAX_ENTRIES = 1 << 16  # a program's archive holds a few hundred files
+PT2_MAX_JSON = 256 << 20  # models/model.json: about 1 MiB for the embedded model's step, 40 MiB at E2B
+
+
+def _pt2_json(path: Path, z, entry: str, limit: int):
+    """The JSON of the archive's one entry FOLDER/`entry`, read within `limit` bytes."""
+    found = [i for i in z.infolist() if i.filename.partition("/")[2] == entry and "/" in i.filename]
+    bad = f"no {entry}" if not found else f"{len(found)} entries {entry}" if len(found) > 1 else None
+    if bad is None and found[0].file_size > limit:
+        bad = f"{entry} of {found[0].file_size} bytes, over {limit}"
+    if bad:
+        raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote ({bad})")
+    with z.open(found[0]) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote ({entry} past {limit} bytes)")
+    return json.loads(data)
+
+
+def _output_name(spec) -> str | None:
+    """The graph value an output spec of torch.export's JSON names (`{"user_output": {"arg":
+    {"as_tensor": {"name": "mul_3"}}}}`, a mutation's `{"arg": {"name": ...}}`), else None."""
+    body = next(iter(spec.values())) if isinstance(spec, dict) and len(spec) == 1 else None
+    arg = body.get("arg") if isinstance(body, dict) else None
+    if isinstance(arg, dict) and len(arg) == 1 and "as_tensor" in arg:
+        arg = arg["as_tensor"]
+    name = arg.get("name") if isinstance(arg, dict) else None
+    return name if isinstance(name, str) and 0 < len(name) <= 200 else None
+
+
 def _pt2_keys(path: Path) -> dict[str, dict[tuple[str, int | None], str]]:
-    import torch
+    """The program's output nodes by kind, read from the archive's JSON parts alone: its
+    serialized graph (models/model.json) and the outputs' names `trace export-pt2` adds. Nothing
+    in it is unpickled or run (torch.export.load would unpickle its sample inputs and may
+    unpickle constants: a .pt2 is untrusted input like a trace)."""
+    import zipfile
+    import zlib
 
     from .functional import PT2_OUTPUTS, output_site
 
-    extra = {PT2_OUTPUTS: ""}
     try:
-        ep = torch.export.load(str(path), extra_files=extra)
-        names = json.loads(extra[PT2_OUTPUTS] or "null")
-    except Exception as e:  # noqa: BLE001 - a damaged archive fails in torch's many ways
+        with zipfile.ZipFile(path) as z:
+            if len(z.infolist()) > PT2_MAX_ENTRIES:
+                raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote (over {PT2_MAX_ENTRIES} files)")
+            model = _pt2_json(path, z, "models/model.json", PT2_MAX_JSON)
+            names = _pt2_json(path, z, f"extra/{PT2_OUTPUTS}", 1 << 20)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, OSError, EOFError, ValueError, RecursionError) as e:
         raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote ({type(e).__name__})") from None
-    specs = ep.graph_signature.output_specs
-    if not isinstance(names, list) or len(names) != len(specs):
+    except NotImplementedError:  # a compression method zipfile does not have
+        raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote (an unknown compression)") from None
+    graph = model.get("graph_module") if isinstance(model, dict) else None
+    signature = graph.get("signature") if isinstance(graph, dict) else None
+    specs = signature.get("output_specs") if isinstance(signature, dict) else None
+    if not isinstance(specs, list) or not isinstance(names, list) or len(names) != len(specs):
         raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote (no list of its outputs)")
     keys = {}
     for name, spec in zip(names, specs):
-        if name.endswith("_cache"):
+        if not isinstance(name, str) or name.endswith("_cache"):
             continue
+        node = _output_name(spec)
         try:
-            keys[("logits", None) if name == "logits" else output_site(name)] = spec.arg.name
+            site = ("logits", None) if name == "logits" else output_site(name)
         except ValueError:
+            node = None
+        if node is None:
             what = f"an output named {name[:60]!r}"
-            raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote ({what})") from None
+            raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote ({what})")
+        keys[site] = node
     return {"graph": keys}
 
 

@@ -11,7 +11,10 @@
 - the trace vocabulary stays in traces/: no module outside it compares a kind's row index with a
   literal ("position", "step", ...), reads a kind's per-layer flag, or writes a "tensors/..." path
   (schema.Site composes and parses them: `parse(path(site)) == site` for every site of the
-  shipped model).
+  shipped model);
+- nothing is unpickled from an input: no `weights_only` but True, no `allow_pickle` but False, and
+  no unpickling call (`pickle.loads`, `torch.load`, `torch.export.load`, ...) but the two of
+  UNPICKLING_ALLOWED, neither of which reads a user's file.
 
 Each checker is shown to catch a planted violation (as tests/test_layering.py does)."""
 
@@ -257,6 +260,59 @@ def vocabulary_leaks(root: Path) -> list[str]:
             elif (_text_start(node) or "").startswith("tensors/"):
                 bad.append(f"{where} writes a tensors/ path")
     return sorted(bad, key=lambda x: (x.split(":")[0], int(x.split(":")[1].split()[0])))  # stable: by file, line
+
+
+UNPICKLERS = {"pickle.load", "pickle.loads", "torch.load", "torch.export.load", "marshal.loads", "joblib.load"}
+UNPICKLERS |= {"dill.load", "dill.loads", "cloudpickle.loads", "shelve.open", "pickle.Unpickler"}
+UNPICKLING_ALLOWED = {  # (file, call): why what it reads is not an input
+    ("replayer/child.py", "pickle.loads"): "the child protocol: replies from the tool's own child process",
+    ("replayer/runtimes/executorch.py", "torch.export.load"): "the tool's own converted programs, hash-checked",
+}
+SAFE_KEYWORDS = {"weights_only": True, "allow_pickle": False}
+
+
+def unpickling(root: Path) -> list[str]:
+    """Every call that could unpickle what it reads, but those UNPICKLING_ALLOWED (by its dotted name
+    as written: `torch.load(...)`, `pickle.loads(...)`)."""
+    bad = []
+    for path in sources(root):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = ast.unparse(node.func)
+            for k in node.keywords:
+                want = SAFE_KEYWORDS.get(k.arg or "", k.value)
+                if k.value is not want and not (isinstance(k.value, ast.Constant) and k.value.value is want):
+                    bad.append(f"{rel}:{node.lineno} passes {k.arg}={ast.unparse(k.value)}")
+            if name in UNPICKLERS and (rel, name) not in UNPICKLING_ALLOWED:
+                bad.append(f"{rel}:{node.lineno} calls {name}")
+    return bad
+
+
+def test_nothing_is_unpickled_from_an_input():
+    bad = unpickling(ROOT)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_unpickling_checker_catches_each_call(tmp_path):
+    (tmp_path / "replayer").mkdir()
+    (tmp_path / "replayer" / "child.py").write_text("import pickle\npickle.loads(b'')\n")  # allowed
+    (tmp_path / "replayer" / "g.py").write_text(
+        "import pickle, torch, numpy as np\n\n\ndef f(p, w):\n    torch.load(p, weights_only=False)\n"
+        "    torch.load(p, weights_only=w)\n    torch.load(p, weights_only=True)\n    pickle.load(p)\n"
+        "    np.load(p, allow_pickle=True)\n    np.load(p, allow_pickle=False)\n    torch.export.load(p)\n"
+    )
+    assert unpickling(tmp_path) == [
+        "replayer/g.py:5 passes weights_only=False",
+        "replayer/g.py:5 calls torch.load",
+        "replayer/g.py:6 passes weights_only=w",
+        "replayer/g.py:6 calls torch.load",
+        "replayer/g.py:7 calls torch.load",
+        "replayer/g.py:8 calls pickle.load",
+        "replayer/g.py:9 passes allow_pickle=True",
+        "replayer/g.py:11 calls torch.export.load",
+    ]
 
 
 def test_the_trace_vocabulary_stays_in_traces():
