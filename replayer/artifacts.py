@@ -65,19 +65,35 @@ def code_digest(*names: str) -> str:
     return hashlib.sha256(b"".join((here / n).read_bytes() for n in names)).hexdigest()[:16]
 
 
-def model_hash(model_dir) -> str:
-    """sha256 over the checkpoint's config, tokenizer and weight files (names and bytes)."""
+CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".jinja", ".model")  # config, weights, tokenizer, chat template
+
+
+def checkpoint_files(model_dir) -> list[str]:
+    """The names of the checkpoint's files an artifact is built from (sorted): its configs, the
+    tokenizer (tokenizer.json, tokenizer.model), the chat template and the safetensors weights;
+    never a pickled checkpoint (pytorch_model.bin, *.pt) or code (*.py)."""
     d = Path(model_dir)
-    names = sorted(
-        p.name
-        for p in d.iterdir()
-        if p.is_file()
-        and (p.suffix in (".json", ".safetensors", ".jinja") or p.name.endswith(".safetensors.index.json"))
-    )
+    return sorted(p.name for p in d.iterdir() if p.is_file() and p.suffix in CHECKPOINT_SUFFIXES)
+
+
+def model_hash(model_dir) -> str:
+    """sha256 over checkpoint_files (names and bytes)."""
+    d = Path(model_dir)
     h = hashlib.sha256()
-    for n in names:
+    for n in checkpoint_files(d):
         h.update(n.encode() + b"\0" + sha256_file(d / n).encode())
     return h.hexdigest()
+
+
+def staged_checkpoint(model_dir, into: Path) -> Path:
+    """The folder `into`, made, with a link to each of checkpoint_files: what an engine that reads
+    a model folder itself is given, so it reads no file that model_hash (the artifact's key) does
+    not cover, and never a pickle beside the safetensors."""
+    d = Path(model_dir).resolve()
+    into.mkdir(parents=True)
+    for n in checkpoint_files(d):
+        (into / n).symlink_to(d / n)
+    return into
 
 
 def key_digest(key: dict) -> str:

@@ -254,6 +254,43 @@ def test_checkpoints_the_export_cannot_take_are_refused_before_it_runs(tmp_path)
     one_line_error(r, "is a Gemma4ForCausalLM checkpoint", "takes Gemma4ForConditionalGeneration")
 
 
+class _Marker:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):  # unpickling this creates the marker file: code from the checkpoint ran
+        return (open, (self.path, "w"))
+
+
+def test_the_export_reads_the_safetensors_never_a_pickled_checkpoint(tmp_path):
+    """A folder whose safetensors are a decoy beside a pytorch_model.bin: litert-torch's export
+    reads the folder itself, and it is given only the files the artifact key covers, so the
+    pickle is never loaded (the export fails on the decoy, in one line) and never keys a cache hit."""
+    import pickle
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from gemma4_trace.hf.model import resolve_model_dir
+    from gemma4_trace.replayer.artifacts import model_hash
+
+    embedded, model = resolve_model_dir(None)[0], tmp_path / "decoy"
+    shutil.copytree(embedded, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({"x": torch.zeros(1)}, model / "decoy.safetensors")
+    marker = tmp_path / "ran"
+    (model / "pytorch_model.bin").write_bytes(pickle.dumps(_Marker(marker)))
+    r = invoke("export-litert", "--model", model, "--max-seq", 8, "-o", tmp_path / "o")
+    assert not marker.exists(), "the export unpickled pytorch_model.bin"
+    assert r.exit_code == 2 and "no file named model.safetensors" in r.output, r.output
+    assert not any((tmp_path / "o").glob("*"))  # nothing written
+    before = model_hash(model)
+    (model / "pytorch_model.bin").write_bytes(b"another checkpoint")  # never read: not in the key either
+    assert model_hash(model) == before
+    (model / "tokenizer.model").write_bytes(b"a sentencepiece model")  # read by a tokenizer: in the key
+    assert model_hash(model) != before
+
+
 def test_text_only_and_float32_only_refusals_come_before_any_export(tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("exported before refusing")

@@ -31,7 +31,7 @@ import numpy as np
 
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 
-from ...artifacts import artifact_folder, code_digest, model_hash
+from ...artifacts import artifact_folder, code_digest, model_hash, staged_checkpoint
 from ...child import signal_words
 
 FORMAT = 1  # bump when the files' layout or the export flags change meaning (the cache key holds it)
@@ -130,7 +130,7 @@ def exported(loaded, max_seq: int, prefill: int):
                 sys.executable,
                 "-m",
                 "litert_torch.generative.export_hf",
-                str(Path(loaded.model_dir).resolve()),
+                str(staged_checkpoint(loaded.model_dir, folder / "checkpoint")),  # safetensors, never a .bin
                 str(work),
                 f"--prefill_lengths={int(prefill)}",
                 f"--cache_length={S}",
@@ -150,6 +150,7 @@ def exported(loaded, max_seq: int, prefill: int):
                 )
             (work / name).rename(folder / name)
         shutil.rmtree(work)
+        shutil.rmtree(folder / "checkpoint")
 
     return artifact_folder(
         "litert",
