@@ -49,13 +49,15 @@ def caching() -> bool:
 
 
 def cache_dir(override=None) -> Path:
+    """The cache folder as an absolute path (a relative --cache-dir is the current folder's, also for
+    a builder whose child process runs in a folder of its own)."""
     override = override if override is not None else _settings["cache"]
-    if override is not None:
-        return Path(override)
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "gemma4-trace"
+    if override is None and os.environ.get(CACHE_ENV):
+        override = os.environ[CACHE_ENV]
+    if override is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        override = os.path.join(base, "gemma4-trace")
+    return Path(os.path.abspath(override))
 
 
 def code_digest(*names: str) -> str:

@@ -30,6 +30,28 @@ def test_a_cache_entry_whose_manifest_is_a_fifo_is_rebuilt_not_read(tmp_path):
     assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
 
 
+@pytest.mark.parametrize("how", ["--cache-dir", "GEMMA4_TRACE_CACHE"])
+def test_a_relative_cache_folder_is_the_current_folders_for_every_builder(tmp_path, monkeypatch, how):
+    """A builder whose child runs in a folder of its own (litert-torch's export runs in its work
+    folder) gets an absolute entry folder, so a relative cache still names the current folder's."""
+    from gemma4_trace.replayer import artifacts
+
+    monkeypatch.chdir(tmp_path)
+    seen = []
+
+    def build(folder):
+        seen.append(folder)
+        (folder / "made").write_text("x")
+
+    if how == "--cache-dir":
+        art = artifacts.artifact_folder("probe", {"n": 1}, build, cache="rel-cache", say=None)
+    else:
+        monkeypatch.setenv("GEMMA4_TRACE_CACHE", "rel-cache")
+        art = artifacts.artifact_folder("probe", {"n": 1}, build, say=None)
+    assert seen[0].is_absolute() and art.path.is_absolute()
+    assert art.path.parent == tmp_path / "rel-cache" / "probe" and (art.path / "made").is_file()
+
+
 @pytest.mark.parametrize("swap", ["folder", "link"])
 def test_a_cached_gguf_that_is_a_folder_or_a_link_is_rebuilt(tmp_path, monkeypatch, swap):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
