@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 
-from . import memory
+from . import config_check, memory
 
 EMBEDDED_NAME = "tiny-gemma4 (embedded)"
 
@@ -95,10 +95,7 @@ def read_config_json(model_dir: Path) -> dict:
     cfg = model_dir / "config.json"
     if not cfg.is_file():
         raise TraceToolError(f"{model_dir} has no config.json; pass a save_pretrained folder")
-    try:
-        data = json.loads(cfg.read_text())
-    except (OSError, ValueError) as e:
-        raise TraceToolError(f"{cfg} is not readable JSON ({e})") from None
+    data = config_check.load(cfg)  # an object of the shape every reader relies on, or one line
     mtype = data.get("model_type")
     if mtype not in GEMMA4_TYPES:
         raise TraceToolError(f"{model_dir} holds a {mtype!r} model, not Gemma 4 (model_type gemma4 or gemma4_text)")
