@@ -1,10 +1,13 @@
 """Trust of the graph files `trace diff --node-data OUT --graph FILE` reads to place the overlay:
 a `.pt2` is read from its archive's JSON parts alone (nothing in it is unpickled or run), within
-bounds; every damaged or hostile archive is one line, exit 2, and no overlay written.
+bounds; a `.tflite`'s tensors, operators and signatures are counted before any is built, and its
+walks visit each tensor once; every damaged or hostile file is one line, exit 2, and no overlay
+written.
 docs/robustness.md, "Threat model"."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pickle
 import zipfile
@@ -134,3 +137,105 @@ def test_a_program_over_the_bounds_is_refused_before_it_is_read(program, tmp_pat
     raw = program.read_bytes().replace(size.to_bytes(4, "little"), (10).to_bytes(4, "little"))  # both headers
     lying.write_bytes(raw)
     one_line_error(diff(lying, nd), "lying.pt2", out=nd)
+
+
+# ---------------------------------------------------------------- .tflite (LiteRT)
+def tflite(path: Path, n_tensors: int, ops: list[tuple[int, list[int], list[int]]], signatures: int = 1) -> Path:
+    """A .tflite flatbuffer (ai-edge-litert's schema) of one subgraph: n_tensors tensors named
+    t0, t1, ... and ops (builtin code, inputs, outputs), under `signatures` signatures."""
+    import flatbuffers
+    from ai_edge_litert import schema_py_generated as fb
+
+    model, sg = fb.ModelT(), fb.SubGraphT()
+    model.version = 3
+    codes = sorted({c for c, _, _ in ops}) or [fb.BuiltinOperator.ADD]
+    model.operatorCodes = []
+    for c in codes:
+        oc = fb.OperatorCodeT()
+        oc.builtinCode, oc.deprecatedBuiltinCode = c, min(c, 127)
+        model.operatorCodes.append(oc)
+    sg.tensors = []
+    for i in range(n_tensors):
+        t = fb.TensorT()
+        t.name, t.shape = f"t{i}".encode(), [1]
+        sg.tensors.append(t)
+    sg.operators = []
+    for c, ins, outs in ops:
+        op = fb.OperatorT()
+        op.opcodeIndex, op.inputs, op.outputs = codes.index(c), ins, outs
+        sg.operators.append(op)
+    model.subgraphs, model.buffers, model.signatureDefs = [sg], [fb.BufferT()], []
+    for s in range(signatures):
+        sd = fb.SignatureDefT()
+        sd.signatureKey, sd.subgraphIndex, sd.inputs, sd.outputs = f"sig{s}".encode(), 0, [], []
+        model.signatureDefs.append(sd)
+    b = flatbuffers.Builder(1024)
+    b.Finish(model.Pack(b), file_identifier=b"TFL3")
+    path.write_bytes(bytes(b.Output()))
+    return path
+
+
+needs_litert = pytest.mark.skipif(
+    importlib.util.find_spec("ai_edge_litert") is None, reason="needs the [litert] extra (ai-edge-litert)"
+)
+
+
+@needs_litert
+def test_a_graph_that_reaches_one_tensor_by_many_paths_is_walked_once_per_tensor():
+    """A rotary table consumed by ops that list it, and output their result, many times over: the
+    walk from it (which layers its values reach) visits each op once; it used to follow every
+    path, (fan^2)^hops of them (a 692-byte file ran past 300 s)."""
+    from gemma4_trace.recorder.golden import golden_path
+    from gemma4_trace.replayer.runtimes.litert import graph as G
+    from gemma4_trace.traces.reader import TraceReader
+
+    fan, chain = 6, 6
+    tensors = [G.Tensor(0, "model/rotary_emb", (1, 8)), G.Tensor(1, "model/rotary_emb/cos", (1, 8))]
+    ops = [("COS", [0], [1])]
+    for k in range(chain):  # op k+1: tensor k+1 in `fan` times, tensor k+2 out `fan` times
+        tensors.append(G.Tensor(k + 2, f"model/x{k}", (1, 8)))
+        ops.append(("MUL", [k + 1] * fan, [k + 2] * fan))
+
+    class Counted(dict):
+        asked = 0
+
+        def get(self, key, default=None):
+            Counted.asked += 1
+            return super().get(key, default)
+
+    sig = G.Signature("decode", 0, tensors, ops, producer={}, consumers=Counted())
+    for k, (_, ins, outs) in enumerate(ops):
+        for t in outs:
+            sig.producer[t] = k
+        for t in ins:
+            sig.consumers.setdefault(t, []).append(k)
+    with TraceReader(golden_path("short")) as ref:
+        infos = list(ref.layers)
+    assert G.taps(sig, infos, 64, None) == []  # no layer is reached: no rotary table is kept
+    assert Counted.asked <= 4 * len(tensors)  # once a tensor and walk, not once a path (36^4 here)
+
+
+@needs_litert
+@pytest.mark.parametrize("case", ["tensors", "operators", "signatures"])
+def test_a_graph_over_the_entry_bounds_is_one_line_before_its_entries_are_built(tmp_path, monkeypatch, case):
+    from ai_edge_litert import schema_py_generated as fb
+
+    from gemma4_trace.replayer.runtimes.litert import graph as G
+
+    monkeypatch.setattr(G, "MAX_ENTRIES", 20)
+    monkeypatch.setattr(G, "MAX_SIGNATURES", 3)
+    add = fb.BuiltinOperator.ADD
+    shapes = {
+        "tensors": (21, [(add, [0], [1])], 1, "more than 20 tensors and operators (tensors)"),
+        "operators": (2, [(add, [0], [1])] * 19, 1, "more than 20 tensors and operators (operators)"),
+        "signatures": (2, [(add, [0], [1])], 4, "4 signatures, more than 3"),
+    }
+    n, ops, sigs, said = shapes[case]
+    path = tflite(tmp_path / "model.tflite", n, ops, sigs)
+    nd = tmp_path / "nd.json"
+    one_line_error(invoke("diff", GOLDEN, GOLDEN, "--node-data", nd, "--graph", path), "model.tflite", said, out=nd)
+    monkeypatch.setattr(G, "MAX_ENTRIES", 1 << 20)
+    monkeypatch.setattr(G, "MAX_SIGNATURES", 64)  # within the bounds: read, and no node is a compared kind
+    one_line_error(
+        invoke("diff", GOLDEN, GOLDEN, "--node-data", nd, "--graph", path), "none of its nodes is a kind", out=nd
+    )

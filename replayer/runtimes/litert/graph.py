@@ -83,19 +83,31 @@ class Signature:
         return [self.ops[k][0] for k in self.consumers.get(t, [])]
 
 
+MAX_ENTRIES = 1 << 20  # tensors and operators over every signature read (E2B's export: about 10^4 a signature)
+MAX_SIGNATURES = 64  # litert-torch writes one per prefill length and one decode
+
+
 class _Budget:
     """Bytes a parse may read: the file's vectors, counted as they are read. A well-formed file's
     vectors do not overlap, so they add up to less than the file; a hostile one can point every
-    entry at one long vector, and is refused before the parse turns quadratic."""
+    entry at one long vector, and is refused before the parse turns quadratic. And entries: the
+    tensors and operators made into Python objects, counted before any is made."""
 
     def __init__(self, size: int):
         self.left = 4 * size + (1 << 20)
+        self.entries = MAX_ENTRIES
 
     def take(self, count: int, width: int = 4) -> int:
         self.left -= max(int(count), 0) * width
         if self.left < 0:
             raise ValueError("its vectors add up to more than the file")
         return int(count)
+
+    def entries_of(self, count: int, what: str) -> int:
+        self.entries -= max(int(count), 0)
+        if self.entries < 0:
+            raise ValueError(f"more than {MAX_ENTRIES} tensors and operators ({what})")
+        return self.take(count)
 
 
 def read(path) -> dict[str, Signature]:
@@ -126,18 +138,20 @@ def _read(path, buf, fb) -> dict[str, Signature]:
             c = model.OperatorCodes(i)
             codes.append(opnames.get(max(c.BuiltinCode(), c.DeprecatedBuiltinCode()), "CUSTOM"))
         out = {}
+        if model.SignatureDefsLength() > MAX_SIGNATURES:
+            raise ValueError(f"{model.SignatureDefsLength()} signatures, more than {MAX_SIGNATURES}")
         for s in range(budget.take(model.SignatureDefsLength())):
             sd = model.SignatureDefs(s)
             sg = model.Subgraphs(sd.SubgraphIndex())
             tensors = []
-            for i in range(budget.take(sg.TensorsLength())):
+            for i in range(budget.entries_of(sg.TensorsLength(), "tensors")):
                 t = sg.Tensors(i)
                 name = t.Name() or b""
                 budget.take(len(name), 1)
                 shape = tuple(int(d) for d in t.ShapeAsNumpy()) if budget.take(t.ShapeLength()) else ()
                 tensors.append(Tensor(i, name.decode(errors="replace"), shape))
             ops = []
-            for k in range(budget.take(sg.OperatorsLength())):
+            for k in range(budget.entries_of(sg.OperatorsLength(), "operators")):
                 op = sg.Operators(k)
                 ins = [int(i) for i in op.InputsAsNumpy()] if budget.take(op.InputsLength()) else []
                 outs = [int(i) for i in op.OutputsAsNumpy()] if budget.take(op.OutputsLength()) else []
@@ -238,18 +252,29 @@ def _mask_operand(sig: Signature, xs: list[Tensor]) -> Tensor | None:
     return None
 
 
-def _reach(sig: Signature, t: int, hops: int) -> set[str]:
-    """The op names within `hops` operators downstream of tensor t."""
-    seen, frontier = set(), [t]
+def _downstream(sig: Signature, t: int, hops: int, stop=lambda o: False):
+    """(op position, its output tensors) of each op within `hops` operators downstream of tensor t,
+    each op and tensor visited once (a hostile graph that lists a tensor many times, or reaches
+    one tensor by many paths, costs its size, not its number of paths); a tensor for which
+    stop(tensor) holds is not walked past."""
+    ops, visited, frontier = set(), {t}, [t]
     for _ in range(hops):
         nxt = []
         for x in frontier:
-            for k in sig.consumers.get(x, []):
-                name, _, outs = sig.ops[k]
-                seen.add(name)
-                nxt += outs
+            for k in set(sig.consumers.get(x, ())) - ops:
+                ops.add(k)
+                outs = sig.ops[k][2]
+                yield k, outs
+                for o in outs:
+                    if o not in visited and not stop(o):
+                        visited.add(o)
+                        nxt.append(o)
         frontier = nxt
-    return seen
+
+
+def _reach(sig: Signature, t: int, hops: int) -> set[str]:
+    """The op names within `hops` operators downstream of tensor t."""
+    return {sig.ops[k][0] for k, _ in _downstream(sig, t, hops)}
 
 
 def _rope_taps(sig: Signature, produced: list[int], infos) -> list[Tap]:
@@ -274,20 +299,11 @@ def _rope_taps(sig: Signature, produced: list[int], infos) -> list[Tap]:
 
 
 def _reached_layers(sig: Signature, t: int, hops: int) -> set[int]:
-    """The layers of the tensors within `hops` operators downstream of tensor t."""
-    layers, frontier = set(), [t]
-    for _ in range(hops):
-        nxt = []
-        for x in frontier:
-            for k in sig.consumers.get(x, []):
-                for o in sig.ops[k][2]:
-                    layer = sig.tensors[o].layer()
-                    if layer is not None:
-                        layers.add(layer)
-                    else:
-                        nxt.append(o)
-        frontier = nxt
-    return layers
+    """The layers of the tensors within `hops` operators downstream of tensor t (the walk stops at
+    a tensor that belongs to a layer)."""
+    in_layer = lambda o: sig.tensors[o].layer() is not None  # noqa: E731
+    found = (o for _, outs in _downstream(sig, t, hops, in_layer) for o in outs)
+    return {layer for layer in (sig.tensors[o].layer() for o in found) if layer is not None}
 
 
 def cache_layers(sig: Signature, infos) -> dict[int, int]:
