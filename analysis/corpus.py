@@ -101,8 +101,17 @@ def prompt_record(ref_path, run_path, base_path, result) -> dict:
     return jsonable(rec)
 
 
+MAX_RECORD_INT = 1 << 53  # a count, position or integral value in a record: a float64 holds it exactly
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and abs(x) <= MAX_RECORD_INT
+
+
 def _num(x, none: bool = True) -> bool:
-    return (x is None and none) or (isinstance(x, (int, float)) and not isinstance(x, bool))
+    """None (when allowed), a float, or an int a float64 holds (a huge integer would overflow the
+    arrays the statistics are computed in)."""
+    return (x is None and none) or isinstance(x, float) or _int(x)
 
 
 def _positions_ok(pos) -> bool:
@@ -118,15 +127,15 @@ def record_ok(rec: dict) -> bool:
     d = rec.get("first_divergence")
     site_ok = d is None or (
         isinstance(d, dict)
-        and isinstance(d.get("step"), int)
-        and all(d.get(k) is None or isinstance(d.get(k), int) for k in ("layer", "position"))
+        and _int(d.get("step"))
+        and all(d.get(k) is None or _int(d.get(k)) for k in ("layer", "position"))
         and all(isinstance(d.get(k), str) for k in ("kind", "metric", "sentence"))
     )
     return (
         site_ok
         and isinstance(rec.get("match"), bool)
         and isinstance(rec.get("run_runtime"), str)
-        and isinstance(rec.get("tokens"), int)
+        and _int(rec.get("tokens"))
         and all(_num(rec.get(k)) for k in ("kl_mean", "kl_max", "top1"))
         and _positions_ok(rec.get("positions"))
         and ("base_positions" not in rec or _positions_ok(rec["base_positions"]))

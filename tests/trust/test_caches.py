@@ -134,15 +134,19 @@ def test_a_resumed_record_with_wrong_types_is_run_again(tmp_path):
     assert invoke(*args).exit_code == 0
     rec_path = out / "prompts" / "line00001.json"
     good = json.loads(rec_path.read_text())
-    edits = {
-        "kl_mean": "big",
-        "match": 1,
-        "tokens": None,
-        "positions": {"kl": ["x"]},
-        "first_divergence": {"step": "0"},
-        "id": "other",
-    }
-    for key, value in edits.items():
+    huge = {k: [10**400] * len(v) for k, v in good["positions"].items()}  # no float64 holds it
+    edits = [
+        ("kl_mean", "big"),
+        ("match", 1),
+        ("tokens", None),
+        ("positions", {"kl": ["x"]}),
+        ("first_divergence", {"step": "0"}),
+        ("id", "other"),
+        ("kl_max", 10**400),  # an int no float64 holds: it overflowed the statistics' arrays
+        ("positions", huge),
+        ("tokens", 10**30),
+    ]
+    for key, value in edits:
         rec_path.write_text(json.dumps({**good, key: value}))
         r = invoke(*args)
         assert r.exit_code == 0 and "1 prompt(s) run, 0 resumed" in r.stdout, (key, r.output)
