@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 from gemma4_trace.traces.atomic import atomic_output, check_output_path
-from gemma4_trace.traces.errors import TraceToolError
+from gemma4_trace.traces.errors import TraceToolError, install_hint
 
 MISMATCH = 1000.0  # a mask or token difference, in units of "tolerance"
 THRESHOLDS = [
@@ -146,6 +146,11 @@ def node_data(result_json: dict, ref, graph_path) -> dict:
     if not path.is_file():
         raise TraceToolError(f"--graph {path}: no such file")
     if path.suffix == ".tflite":
+        import importlib.util
+
+        if importlib.util.find_spec("ai_edge_litert") is None:  # its flatbuffer schema reads the file
+            hint = install_hint("litert")
+            raise TraceToolError(f"--graph {path.name}: reading a .tflite needs ai-edge-litert: {hint}")
         graphs = _tflite_keys(path, ref)
     elif path.suffix == ".pt2":
         graphs = _pt2_keys(path)

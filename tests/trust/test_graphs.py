@@ -239,3 +239,16 @@ def test_a_graph_over_the_entry_bounds_is_one_line_before_its_entries_are_built(
     one_line_error(
         invoke("diff", GOLDEN, GOLDEN, "--node-data", nd, "--graph", path), "none of its nodes is a kind", out=nd
     )
+
+
+def test_a_tflite_without_the_litert_extra_names_the_extra(tmp_path, monkeypatch):
+    """Without ai-edge-litert (whose schema reads the file) the overlay says which extra to install."""
+    import importlib.util as iu
+
+    real = iu.find_spec
+    monkeypatch.setattr(iu, "find_spec", lambda name, *a: None if name == "ai_edge_litert" else real(name, *a))
+    graph = tmp_path / "model.tflite"
+    graph.write_bytes(b"\0" * 64)
+    nd = tmp_path / "nd.json"
+    r = invoke("diff", GOLDEN, GOLDEN, "--node-data", nd, "--graph", graph)
+    one_line_error(r, "reading a .tflite needs ai-edge-litert", "pip install -e '.[litert]'", out=nd)
