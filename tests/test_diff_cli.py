@@ -119,3 +119,12 @@ def test_generated_text_shown_when_the_tokenizer_is_known():
     res = invoke("diff", path, path)
     assert res.exit_code == 0, res.output
     assert 'REF text: "Once upon"' in res.output and 'RUN text: "Once upon"' in res.output
+
+
+def test_each_file_written_is_said_on_stderr_and_stdout_stays_the_report(traces, tmp_path):
+    ref, _, bad = traces
+    html = tmp_path / "r.html"
+    r = invoke("diff", ref, bad, "--json", "--report", html)
+    assert r.exit_code == 1 and html.is_file()
+    json.loads(r.stdout)  # stdout: the JSON alone
+    assert r.stderr.strip().splitlines() == [f"wrote {html} (the HTML report)"]

@@ -81,13 +81,18 @@ def diff_cmd(
     if decode is not None:
         result.tokens.reference_text = decode(result.tokens.reference)
         result.tokens.candidate_text = decode(result.tokens.candidate)
+    written = []  # said on stderr after the report itself: stdout stays the text or the JSON
     if report:
         write_html(result, report, force=force)
+        written.append(f"wrote {report} (the HTML report)")
     if node_data:
         from gemma4_trace.replayer.node_data import write_node_data
 
         write_node_data(result, graph_path, node_data, force=force)
+        written.append(f"wrote {node_data} (Model Explorer node data over {Path(graph_path).name})")
     echo_lines(json.dumps(result.to_json(), indent=2) if as_json else format_text(result))
+    for line in written:
+        click.echo(one_line(line), err=True)
     sys.exit(0 if result.match else EXIT_DIVERGENCE)
 
 
