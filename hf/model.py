@@ -13,8 +13,6 @@ from importlib.metadata import version
 from importlib.resources import files
 from pathlib import Path
 
-from safetensors import SafetensorError
-
 from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 
@@ -168,7 +166,7 @@ def load_model(
             config = cls.config_class.from_pretrained(path, local_files_only=True)
             with torch.device("meta"):
                 model = cls._from_config(config, dtype=getattr(torch, dtype))
-        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - transformers' loader on the user's config (strict-dataclass errors too)
             raise TraceToolError(f"cannot load {path}: {one_line(e, 300)}") from None
         return LoadedModel(model.eval(), _load_processor(path), name, path, dtype, device)
     placement = (
@@ -183,7 +181,7 @@ def load_model(
             trust_remote_code=False,
             **placement,
         )
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError, SafetensorError) as e:  # a damaged file, say
+    except Exception as e:  # noqa: BLE001 - transformers' loader on the user's files: a damaged file, a config it rejects
         raise TraceToolError(f"cannot load {path}: {one_line(e, 300)}") from None
     if device_map is None:
         model.to(device)

@@ -14,7 +14,15 @@ through click's CliRunner with GEMMA4_TRACE_DEBUG=1 (a bug of ours escapes as an
   strings, bytes); run by `trace replay GOLDEN --runtime static-w8 --recipe FILE`;
 - `prompts`: a small JSON-lines prompt set with lines mutated (wrong types, control characters,
   invalid UTF-8, long lines, odd ids, images outside the folder); run by `trace sweep FILE
-  --runtime static --max-new-tokens 1`.
+  --runtime static --max-new-tokens 1`;
+- `config`: the embedded model's folder with its config.json mutated (a key of any depth set to an
+  edge value, removed, or the file truncated, nested or its bytes changed); run by `trace record
+  --model FOLDER --input-ids 2,3 --max-new-tokens 1`;
+- `pt2`: the embedded model's decode step as `trace export-pt2` writes it, its graph or outputs'
+  names JSON mutated as `config` is, or the archive's bytes changed or cut; run by `trace diff
+  GOLDEN GOLDEN --node-data OUT --graph FILE`.
+
+The first four run by default; `config` and `pt2` with `--only`.
 
 A failure is an exception other than SystemExit, an exit code outside 0/1/2, exit 2 without
 exactly one `error: ...` line, 'internal error', a traceback, or a case past `--timeout`.
@@ -38,7 +46,8 @@ import time
 from pathlib import Path
 
 EDGE = [0, 1, 2, 3, 7, 8, 255, 256, 0x7FFF, 0xFFFF, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63, 2**64 - 1]
-CLASSES = ("gguf", "mmproj", "recipe", "prompts")
+CLASSES = ("gguf", "mmproj", "recipe", "prompts", "config", "pt2")
+DEFAULT = CLASSES[:4]  # without --only; config and pt2 run with --only (a config case can load the model: seconds)
 
 
 class Timeout(Exception):
@@ -154,6 +163,75 @@ def prompts_case(rng: random.Random) -> tuple[bytes, str]:
     return text.encode("utf-8", "surrogatepass"), how
 
 
+# ------------------------------------------------------------------ JSON documents (config.json, a .pt2's parts)
+VALUES = [None, True, -1, 0, 1, 3.5, 2**31, 2**63, 10**400, "x", "", [], {}, [1, "a"], {"a": []}, "\u0000"]
+
+
+def json_mutation(rng: random.Random, doc) -> tuple[object, str]:
+    """doc with one mutation at a random depth: a value replaced or removed, or a subtree nested deep."""
+    path, node = [], doc
+    while isinstance(node, (dict, list)) and node and rng.random() < 0.75:
+        key = rng.choice(list(node)) if isinstance(node, dict) else rng.randrange(len(node))
+        path.append(key)
+        node = node[key]
+    if not path:
+        return rng.choice(VALUES), "the whole document replaced"
+    parent = doc
+    for key in path[:-1]:
+        parent = parent[key]
+    how = rng.choice(["value", "value", "value", "remove", "deep"])
+    if how == "remove":
+        del parent[path[-1]]
+    elif how == "deep":
+        depth = rng.choice([100, 10_000, 100_000])
+        parent[path[-1]] = json.loads("[" * 50 + "]" * 50) if depth == 100 else {"deep": depth}
+    else:
+        parent[path[-1]] = rng.choice(VALUES)
+    return doc, f"{how} at {'/'.join(map(str, path))[:80]}"
+
+
+def json_bytes(rng: random.Random, doc) -> bytes:
+    if isinstance(doc, dict) and isinstance(doc.get("deep"), int):  # a deep nesting, written by hand
+        return b"[" * doc["deep"] + b"]" * doc["deep"]
+    return json.dumps(doc).encode()
+
+
+def bytes_mutation(rng: random.Random, data: bytes) -> tuple[bytes, str]:
+    raw = bytearray(data)
+    if rng.random() < 0.3:
+        n = rng.randrange(len(raw))
+        return bytes(raw[:n]), f"cut to {n} bytes"
+    for _ in range(rng.randint(1, 4)):
+        raw[rng.randrange(len(raw))] = rng.randrange(256)
+    return bytes(raw), "random bytes"
+
+
+def config_case(rng: random.Random, good: bytes) -> tuple[bytes, str]:
+    if rng.random() < 0.2:
+        return bytes_mutation(rng, good)
+    doc, what = json_mutation(rng, json.loads(good))
+    return json_bytes(rng, doc), what
+
+
+def pt2_case(rng: random.Random, good: Path, out: Path) -> str:
+    """Write a mutation of the archive `good` to `out`; what it is."""
+    import zipfile
+
+    if rng.random() < 0.3:
+        data, what = bytes_mutation(rng, good.read_bytes())
+        out.write_bytes(data)
+        return what
+    target = rng.choice(["models/model.json", "extra/gemma4_trace_outputs.json"])
+    with zipfile.ZipFile(good) as a, zipfile.ZipFile(out, "w") as b:
+        for info in a.infolist():
+            data = a.read(info)
+            if info.filename.endswith(target):
+                doc, what = json_mutation(rng, json.loads(data))
+                data = json_bytes(rng, doc)
+            b.writestr(info.filename, data)
+    return f"{target}: {what}"
+
+
 # ------------------------------------------------------------------ the run
 def judge(res, timed_out: bool) -> str | None:
     """Why a command's result is a failure, or None."""
@@ -171,7 +249,7 @@ def judge(res, timed_out: bool) -> str | None:
     return None
 
 
-def run(cases: int, seed: int, classes=CLASSES, timeout: float = 60.0, say=print) -> dict:
+def run(cases: int, seed: int, classes=DEFAULT, timeout: float = 60.0, say=print) -> dict:
     from click.testing import CliRunner
 
     from gemma4_trace.cli import main
@@ -202,6 +280,15 @@ def run(cases: int, seed: int, classes=CLASSES, timeout: float = 60.0, say=print
         args = ["replay", image_ref, "--runtime", "llama.cpp", "--mmproj", str(good_mmproj), "-o", str(work / "w.h5")]
         res = runner.invoke(main, args)
         assert res.exit_code == 0, res.output
+    if "config" in classes:
+        from gemma4_trace.hf.model import embedded_model_dir
+
+        model = work / "model"
+        shutil.copytree(embedded_model_dir(), model)
+        good_config = (model / "config.json").read_bytes()
+    if "pt2" in classes:
+        res = runner.invoke(main, ["export-pt2", "--max-seq", "8", "-o", str(work / "pt2")])
+        assert res.exit_code == 0, res.output
     rng = random.Random(seed)
     counts = {c: {"cases": 0, "exit": {0: 0, 1: 0, 2: 0}, "failures": []} for c in classes}
     old = signal.signal(signal.SIGALRM, _alarm)
@@ -226,10 +313,20 @@ def run(cases: int, seed: int, classes=CLASSES, timeout: float = 60.0, say=print
                 data, what = recipe_case(case_rng)
                 path = folder / "r.toml"
                 args = ["replay", ref, "--runtime", "static-w8", "--recipe", str(path), "-o", str(folder / "o.h5")]
-            else:
+            elif cls == "prompts":
                 data, what = prompts_case(case_rng)
                 path = folder / "p.jsonl"
                 args = ["sweep", str(path), "--runtime", "static", "--max-new-tokens", "1", "-o", str(folder / "s")]
+            elif cls == "config":
+                data, what = config_case(case_rng, good_config)
+                path = model / "config.json"  # the one folder, its config rewritten each case
+                args = ["record", "--model", str(model), "--input-ids", "2,3", "--max-new-tokens", "1"]
+                args += ["-o", str(folder / "o.h5")]
+            else:
+                path = folder / "decode.pt2"
+                what = pt2_case(case_rng, work / "pt2" / "decode.pt2", path)
+                data = path.read_bytes()
+                args = ["diff", ref, ref, "--node-data", str(folder / "nd.json"), "--graph", str(path)]
             path.write_bytes(data)
             timed_out = False
             signal.setitimer(signal.ITIMER_REAL, timeout)
@@ -261,7 +358,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=CLASSES, default=None)
     ap.add_argument("--timeout", type=float, default=60.0)
     a = ap.parse_args(argv)
-    counts = run(a.cases, a.seed, (a.only,) if a.only else CLASSES, a.timeout)
+    counts = run(a.cases, a.seed, (a.only,) if a.only else DEFAULT, a.timeout)
     failed = 0
     for cls in CLASSES:
         if cls in counts:

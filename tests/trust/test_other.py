@@ -418,19 +418,36 @@ def test_ctrl_c_with_two_workers_is_one_line_and_leaves_nothing_half_done(tmp_pa
 SCRIPT = ROOT / "scripts" / "fuzz_inputs.py"
 
 
-def test_hostile_gguf_recipe_and_prompt_files_are_one_line_each(monkeypatch, tmp_path):
-    pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+def fuzzer(monkeypatch, tmp_path):
     spec = importlib.util.spec_from_file_location("fuzz_inputs", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["fuzz_inputs"] = mod
     spec.loader.exec_module(mod)
     monkeypatch.setenv("GEMMA4_TRACE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    classes = tuple(c for c in mod.CLASSES if c != "mmproj" or importlib.util.find_spec("llama_cpp"))
-    counts = mod.run(40 * len(classes), 2024, say=lambda line: None)
+    return mod
+
+
+def test_hostile_gguf_recipe_and_prompt_files_are_one_line_each(monkeypatch, tmp_path):
+    pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
+    mod = fuzzer(monkeypatch, tmp_path)
+    classes = ("gguf", "recipe", "prompts") + (("mmproj",) if importlib.util.find_spec("llama_cpp") else ())
+    counts = mod.run(40 * len(classes), 2024, classes, say=lambda line: None)
     failures = [f for c in classes for f in counts[c]["failures"]]
     assert not failures, failures[:5]
     for c in classes:
         assert counts[c]["cases"] == 40
         assert counts[c]["exit"][2] > 10  # the mutations reach the checks
     assert sum(counts[c]["exit"][0] for c in classes) > 3  # and some still run: the base inputs are valid
+
+
+@pytest.mark.slow  # about 40 s: the configs that pass their check load the model
+def test_hostile_model_configs_and_pt2_graphs_are_one_line_each(monkeypatch, tmp_path):
+    """16 cases of each (a config case loads the model when its config passes: about 2 s each;
+    scripts/fuzz_inputs.py --only config / --only pt2 runs hundreds)."""
+    mod = fuzzer(monkeypatch, tmp_path)
+    counts = mod.run(32, 7, ("config", "pt2"), say=lambda line: None)
+    failures = [f for c in ("config", "pt2") for f in counts[c]["failures"]]
+    assert not failures, failures[:5]
+    for c in ("config", "pt2"):
+        assert counts[c]["cases"] == 16 and counts[c]["exit"][2] > 3 and counts[c]["exit"][0] > 0, (c, counts[c])
