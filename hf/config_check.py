@@ -40,6 +40,19 @@ SIZES = (
     "position_embedding_size",
     "default_output_length",
 )
+TOKEN_IDS = (  # each a token id, or a list of them (eos_token_id)
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "image_token_id",
+    "audio_token_id",
+    "video_token_id",
+    "boi_token_id",
+    "eoi_token_id",
+    "boa_token_id",
+    "eoa_token_id",
+    "eoa_token_index",
+)
 NUMBERS = ("rms_norm_eps", "final_logit_softcapping", "attn_logit_softcapping", "rope_theta")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -72,6 +85,10 @@ def check(data, where: str) -> None:
             _size(part.get(key), f"{prefix}{key}", where)
         for key in NUMBERS:
             _number(part.get(key), f"{prefix}{key}", where)
+        for key in TOKEN_IDS:
+            ids = part.get(key)
+            for value in ids[:1024] if isinstance(ids, list) and len(ids) <= 1024 else [ids]:
+                _size(value, f"{prefix}{key}", where)
         per_layer = part.get("per_layer_config")
         if per_layer is not None and not isinstance(per_layer, dict):
             raise TraceToolError(f"{where}: {prefix}per_layer_config is a {type(per_layer).__name__}, not an object")

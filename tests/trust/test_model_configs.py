@@ -37,6 +37,8 @@ CASES = {  # name -> (edit of the parsed config, or raw file bytes; what the one
     "eps NaN": (b'{"model_type": "gemma4_text", "rms_norm_eps": NaN}', "rms_norm_eps is nan, not a finite number"),
     "layer_types bogus": (text(layer_types=["sliding_attention", "other"] * 4), "layer_types must list"),
     "layer_types short": (text(layer_types=["full_attention"]), "layer_types has 1 entries for 8 layers"),
+    "a token id past any vocabulary": (lambda c: {**c, "image_token_id": 10**400}, "image_token_id is 1000000"),
+    "eos a list with a string": (text(eos_token_id=[1, "x"]), "text_config.eos_token_id is 'x'"),
     "nested 100k deep": (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
     "over 64 MiB": (b" " * (64 << 20) + b"{}", "bytes, more than the 67108864 allowed"),
 }
