@@ -73,6 +73,10 @@ PT2_MAX_ENTRIES = 1 << 16  # a program's archive holds a few hundred files
 PT2_MAX_JSON = 256 << 20  # models/model.json: about 1 MiB for the embedded model's step, 40 MiB at E2B
 
 
+def _not_ours(path: Path, why: str) -> TraceToolError:
+    return TraceToolError(f"{path}: not a program `trace export-pt2` wrote ({why})")
+
+
 def _pt2_json(path: Path, z, entry: str, limit: int):
     """The JSON of the archive's one entry FOLDER/`entry`, read within `limit` bytes."""
     found = [i for i in z.infolist() if i.filename.partition("/")[2] == entry and "/" in i.filename]
@@ -80,11 +84,11 @@ def _pt2_json(path: Path, z, entry: str, limit: int):
     if bad is None and found[0].file_size > limit:
         bad = f"{entry} of {found[0].file_size} bytes, over {limit}"
     if bad:
-        raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote ({bad})")
+        raise _not_ours(path, bad)
     with z.open(found[0]) as f:
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote ({entry} past {limit} bytes)")
+        raise _not_ours(path, f"{entry} past {limit} bytes")
     return json.loads(data)
 
 
@@ -112,18 +116,18 @@ def _pt2_keys(path: Path) -> dict[str, dict[tuple[str, int | None], str]]:
     try:
         with zipfile.ZipFile(path) as z:
             if len(z.infolist()) > PT2_MAX_ENTRIES:
-                raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote (over {PT2_MAX_ENTRIES} files)")
+                raise _not_ours(path, f"over {PT2_MAX_ENTRIES} files")
             model = _pt2_json(path, z, "models/model.json", PT2_MAX_JSON)
             names = _pt2_json(path, z, f"extra/{PT2_OUTPUTS}", 1 << 20)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, OSError, EOFError, ValueError, RecursionError) as e:
-        raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote ({type(e).__name__})") from None
+        raise _not_ours(path, type(e).__name__) from None
     except NotImplementedError:  # a compression method zipfile does not have
-        raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote (an unknown compression)") from None
+        raise _not_ours(path, "an unknown compression") from None
     graph = model.get("graph_module") if isinstance(model, dict) else None
     signature = graph.get("signature") if isinstance(graph, dict) else None
     specs = signature.get("output_specs") if isinstance(signature, dict) else None
     if not isinstance(specs, list) or not isinstance(names, list) or len(names) != len(specs):
-        raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote (no list of its outputs)")
+        raise _not_ours(path, "no list of its outputs")
     keys = {}
     for name, spec in zip(names, specs):
         if not isinstance(name, str) or name.endswith("_cache"):
@@ -135,7 +139,7 @@ def _pt2_keys(path: Path) -> dict[str, dict[tuple[str, int | None], str]]:
             node = None
         if node is None:
             what = f"an output named {name[:60]!r}"
-            raise TraceToolError(f"{path}: not a program `trace export-pt2` wrote ({what})")
+            raise _not_ours(path, what)
         keys[site] = node
     return {"graph": keys}
 
