@@ -6,9 +6,8 @@ The graphs are the step graphs of replayer/functional.py (the ones the ONNX and 
 runtimes run: K/V caches in and out, every canonical kind an extra output named `<kind>` or
 `L07.<kind>`), taken by torch.export and converted by OpenVINO's PyTorch frontend
 (`openvino.convert_model`), so a replay sees what OpenVINO's kernels computed for each kind. As
-for ONNX, an image prompt runs the vision tower's graph too (vision.xml, float32, for `openvino`;
-the compressed modes take the soft tokens from the host's port) and feeds its soft tokens to the
-prefill graph.
+for ONNX, an image prompt runs the vision tower's graph too (vision.xml, converted, compressed and
+folded as the step graphs are) and feeds its soft tokens to the prefill graph.
 
     openvino           float32 IR, INFERENCE_PRECISION_HINT f32 (no bf16/f16 down-casting)
     openvino-int8      NNCF `compress_weights` INT8_ASYM: int8 weights, per output channel
@@ -137,20 +136,38 @@ def convert_vision(loaded, shape: tuple[int, int], out: Path) -> None:
     ov.save_model(model, str(out / "vision.xml"), compress_to_fp16=False)
 
 
-def vision_ir(loaded, shape: tuple[int, int]):
-    """The artifact holding vision.xml for images of `shape` (float32 whatever the mode: NNCF compresses
-    the text decoder's IR only)."""
-    key = {**cache_key(loaded, 1, "openvino"), "graph": "vision", "images": list(shape)}
+def vision_ir(loaded, shape: tuple[int, int], mode: str = "openvino"):
+    """The artifact holding vision.xml of `mode` for images of `shape`, built as the step graphs' IR
+    is: the float IR converted, a compressed one from it by the same NNCF scheme (the tower's
+    Linear and patch weights), a -dq one folded from that."""
+    key = {**cache_key(loaded, 1, mode), "graph": "vision", "images": list(shape)}
     del key["max_seq"]
+    base, graphs = mode.removesuffix("-dq"), ("vision",)
+    if mode.endswith("-dq"):
+        what = "dequantizing"
+        build = lambda out: _from_vision(loaded, shape, base, lambda src: dequantize(src, out, graphs))  # noqa: E731
+    elif mode != "openvino":
+        what = "compressing"
+        build = lambda out: _from_vision(loaded, shape, "openvino", lambda src: compress(src, out, mode, graphs))  # noqa: E731
+    else:
+        what, build = "converting to OpenVINO IR", lambda out: convert_vision(loaded, shape, out)
     return artifact_folder(
-        "openvino", key, lambda out: convert_vision(loaded, shape, out),
-        what=f"converting to OpenVINO IR (the vision tower, {shape[0]} image(s) of {shape[1]} patches) for "
-        f"{loaded.name}",
+        "openvino", key, build,
+        what=f"{what} ({mode}: the vision tower, {shape[0]} image(s) of {shape[1]} patches) for {loaded.name}",
     )  # fmt: skip
 
 
-def compress(src: Path, out: Path, mode: str) -> None:
-    """NNCF weight compression of the float IR in `src` (MODES[mode]) into `out`."""
+def _from_vision(loaded, shape: tuple[int, int], source: str, build) -> None:
+    art = vision_ir(loaded, shape, source)
+    try:
+        build(art.path)
+    finally:
+        art.close()
+
+
+def compress(src: Path, out: Path, mode: str, graphs=F.STEPS) -> None:
+    """NNCF weight compression of the float IR in `src` (MODES[mode]) into `out`: each of `graphs`
+    (the step graphs, or the vision tower's)."""
     ov = _modules()
     try:
         import nncf
@@ -167,7 +184,7 @@ def compress(src: Path, out: Path, mode: str) -> None:
             ),
         )
     core = ov.Core()
-    for step in F.STEPS:
+    for step in graphs:
         with F.quiet():  # NNCF prints a table and progress bars for a successful compression
             model = nncf.compress_weights(
                 core.read_model(str(src / f"{step}.xml")), mode=getattr(nncf.CompressWeightsMode, scheme), **kw
@@ -175,7 +192,7 @@ def compress(src: Path, out: Path, mode: str) -> None:
         ov.save_model(model, str(out / f"{step}.xml"), compress_to_fp16=False)
 
 
-def dequantize(src: Path, out: Path) -> None:
+def dequantize(src: Path, out: Path, graphs=F.STEPS) -> None:
     """The compressed IR in `src` with its weight-decompression subgraphs (int weights -> Convert ->
     Subtract -> Multiply) constant-folded into float32 weights. NNCF marks those subgraphs to be
     kept for the plugin's compressed kernels; the marks are dropped so that folding reaches them."""
@@ -183,7 +200,7 @@ def dequantize(src: Path, out: Path) -> None:
     from openvino import passes
 
     core = ov.Core()
-    for step in F.STEPS:
+    for step in graphs:
         model = core.read_model(str(src / f"{step}.xml"))
         for op in model.get_ops():
             info = op.get_rt_info()
@@ -269,8 +286,7 @@ class OpenVINORuntime(StepGraphRuntime):
         what += "; decompressed into float32 weights" if mode.endswith("-dq") else ""
         self.name = f"{mode} (OpenVINO {v}, CPU, f32 inference precision{what})"
         label, artifact = f"{mode} (OpenVINO {v})", lambda: ir(loaded, max_seq, mode, kinds)
-        if mode == "openvino":  # the compressed modes keep the host's port of the vision tower
-            self.vision_artifact = lambda shape: vision_ir(loaded, shape)
+        self.vision_artifact = lambda shape: vision_ir(loaded, shape, mode)
         self.load_graphs(label, OPENVINO_ENGINE, loaded, max_seq, artifact, ".xml", CONFIG)
 
 

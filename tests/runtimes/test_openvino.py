@@ -66,6 +66,35 @@ def test_image_prompt_matches_reference_through_the_vision_graph(tmp_path):
     assert vision <= {t.kind for t in res.tensors} and not [s for s in res.skipped if s.kind in vision]
 
 
+def test_compressed_modes_run_the_vision_tower_compressed_as_the_steps_are(tmp_path):
+    # openvino-int4 runs vision.xml compressed by the same NNCF scheme: every vision site is its
+    # own, the first divergence from HF is inside the tower, and its -dq baseline (the same vision
+    # weights folded into float32) accounts for it
+    ref, runs = golden_path("image"), {}
+    for mode in ("openvino-int4", "openvino-int4-dq"):
+        runs[mode] = tmp_path / f"{mode}.h5"
+        r = invoke("replay", ref, "--runtime", mode, "-o", runs[mode])
+        assert r.exit_code == 0, r.output
+    vision = {k.key for k in S.TOWER_BY_NAME["vision"].kinds}
+    first = diff_traces(ref, runs["openvino-int4"]).to_json()["first_divergence"]
+    assert first is not None and first["kind"] in vision, first
+    res = diff_traces(ref, runs["openvino-int4"], baseline_path=runs["openvino-int4-dq"])
+    assert res.match, res.to_json()["first_divergence"]
+    assert vision <= {t.kind for t in res.tensors}
+    import openvino as ov
+
+    from gemma4_trace.hf.model import load_model
+
+    with TraceReader(ref) as t:
+        shape = t.extra_inputs()["pixel_values"].shape[:2]  # (images, patches): the IR's static shape
+    art = V.vision_ir(load_model(None), shape, "openvino-int4")  # from the cache the replay filled
+    try:
+        ops = ov.Core().read_model(str(art.path / "vision.xml")).get_ops()
+        assert "i4" in {o.get_element_type().get_type_name() for o in ops if o.get_type_name() == "Constant"}
+    finally:
+        art.close()
+
+
 def test_compressed_replays_diverge_from_hf_and_stay_within_their_baseline(runs):
     ref = runs["ref"]
     for mode in ("openvino-int8", "openvino-int4"):
