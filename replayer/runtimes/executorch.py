@@ -114,22 +114,50 @@ def _calibration(rt: F.FunctionalKV, prompt, extra) -> dict:
 def _quantized(rt: F.FunctionalKV, calibration: dict, kinds=None) -> dict:
     """name -> the converted PT2E program (quantize/dequantize pairs around int8 weights), exported
     (with `kinds` as extra outputs; None: every kind)."""
+    out = {}
+    for name in PROGRAMS:
+        example = (*F.step_inputs(rt, name, chunked=True), *F.zero_caches(rt))
+        out[name] = _pt2e(F.export_step(rt, name, chunked=True, kinds=kinds), calibration[name], example)
+    return out
+
+
+def _pt2e(program: torch.export.ExportedProgram, calibration, example: tuple) -> torch.export.ExportedProgram:
+    """`program` quantized by PT2E with XNNPACKQuantizer (INT8_SCHEME), its observers fed each of
+    `calibration` (argument tuples), converted and exported again on `example`."""
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer,
         get_symmetric_quantization_config,
     )
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    out = {}
-    for name in PROGRAMS:
-        quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
-        with torch.no_grad(), F.quiet():
-            m = prepare_pt2e(F.export_step(rt, name, chunked=True, kinds=kinds).module(), quantizer)
-            for args in calibration[name]:
-                m(*args)
-            example = (*F.step_inputs(rt, name, chunked=True), *F.zero_caches(rt))
-            out[name] = torch.export.export(convert_pt2e(m), example, strict=False)
-    return out
+    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
+    with torch.no_grad(), F.quiet():
+        m = prepare_pt2e(_integer_scalars_kept(program.module()), quantizer)
+        for args in calibration:
+            m(*args)
+        return torch.export.export(convert_pt2e(m), example, strict=False)
+
+
+INT_SCALAR_OPS = {
+    torch.ops.aten.add.Tensor: torch.ops.aten.add.Scalar,
+    torch.ops.aten.mul.Tensor: torch.ops.aten.mul.Scalar,
+}
+
+
+def _integer_scalars_kept(m: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`integer tensor + scalar` (and `*`) moved to the ops' Scalar overloads, which XNNPACKQuantizer's
+    transform_for_annotation leaves alone: it turns the scalar operand of every aten.add.Tensor and
+    aten.mul.Tensor into a float32 tensor, so integer index arithmetic silently becomes float32 (the
+    vision port's pooling cells, `(max + 1) // k`, then fail in one_hot). An upstream bug, pinned by
+    tests/runtimes/test_executorch.py and written up in docs/upstream/executorch-xnnpack-int-scalars.md."""
+    for n in m.graph.nodes:
+        val = n.meta.get("val")
+        if n.op != "call_function" or n.target not in INT_SCALAR_OPS or val is None or val.dtype.is_floating_point:
+            continue
+        if len(n.args) == 2 and isinstance(n.args[0], torch.fx.Node) and not isinstance(n.args[1], torch.fx.Node):
+            n.target = INT_SCALAR_OPS[n.target]
+    m.recompile()
+    return m
 
 
 def _one_line(what: str, e: Exception) -> TraceToolError:
@@ -192,31 +220,113 @@ def write_programs(rt: F.FunctionalKV, out_dir, quantized: dict | None = None, k
     return paths
 
 
-def vision_program(loaded, shape: tuple[int, int]):
-    """The artifact holding vision.pte (and vision.json, its outputs' names): the vision tower's port
-    (replayer/functional.py's VisionGraph) for images of `shape` (images, patches), lowered to XNNPACK
-    in float32 (executorch; the int8 modes take the soft tokens from the host's port)."""
-    key = {**artifact_key(loaded, "executorch", 1), "graph": "vision", "images": list(shape)}
+def _vision_key(loaded, mode: str, images: tuple) -> dict:
+    """What a vision program depends on: the model, the images' shape (images, patches) and, for
+    the int8 modes, the images themselves (their calibration data)."""
+    pixels, positions = images
+    key = {**artifact_key(loaded, "executorch", 1), "runtime": mode, "graph": "vision"}
+    key["images"] = list(pixels.shape[:2])
     del key["max_seq"], key["prefill_chunk"]
+    if mode != "executorch":
+        key["calibration"] = _prompt_digest([], {"pixel_values": pixels, "image_position_ids": positions})
+    return key
+
+
+def _vision_graph(loaded, images: tuple) -> tuple[F.VisionGraph, tuple]:
+    """The vision tower's port as a graph (replayer/functional.py's VisionGraph), its output names
+    set, and its inputs for `images` (pixels and positions: float32 and int64)."""
+    g = F.VisionGraph(F.FunctionalKV(loaded, 1)).eval()  # no text caches needed
+    example = (images[0].float().contiguous(), images[1].long().contiguous())
+    with torch.no_grad(), F.quiet():
+        g(*example)
+    return g, example
+
+
+def _vision_calibration(images: tuple, k: int, table: int) -> tuple:
+    """The vision graph's calibration inputs from the replay's `images` (pixels, positions), each
+    image's padding patches made real: they extend its grid down into the pooled tokens no real
+    patch covers (k x k patches per token, positions below `table`), their pixels the image's real
+    ones in turn. As for the text programs' pad rows: a padding token pools to zero, its norm scales
+    it by 1/sqrt(eps), and per-tensor activation ranges set by it round the real tokens to zero (all
+    soft tokens 0 on the image golden). The real patches and what they pool to are computed as in
+    the replay (attention and pooling ignore padding), on ranges they set themselves."""
+    pixels, positions = (t.clone() for t in images)
+    tokens = pixels.shape[1] // (k * k)
+    for i in range(pixels.shape[0]):
+        valid = (positions[i] != -1).all(dim=-1)
+        real, pad = valid.nonzero()[:, 0], (~valid).nonzero()[:, 0]
+        if not len(real) or not len(pad):
+            continue
+        width = max(1, (int(positions[i, real, 0].max()) + 1) // k)
+        covered = {int(c) for c in positions[i, real, 0] // k + width * (positions[i, real, 1] // k)}
+        grid = [
+            (c % width * k + dx, c // width * k + dy)
+            for c in range(tokens) if c not in covered
+            for dy in range(k) for dx in range(k)
+        ]  # fmt: skip
+        grid = [p for p in grid if max(p) < table][: len(pad)]
+        pixels[i, pad] = pixels[i, real[torch.arange(len(pad)) % len(real)]]
+        positions[i, pad[: len(grid)]] = torch.tensor(grid, dtype=positions.dtype).reshape(-1, 2)
+        positions[i, pad[len(grid) :]] = positions[i, real[torch.arange(len(pad) - len(grid)) % len(real)]]
+    return pixels, positions
+
+
+def converted_vision(loaded, images: tuple):
+    """The artifact holding vision.pt2 (the vision graph PT2E-quantized as the step programs are,
+    calibrated on the replay's own `images`: pixels, positions) and vision.json (its outputs' names):
+    what executorch-int8 lowers and executorch-int8-reference runs."""
 
     def build(folder: Path) -> None:
-        rt = F.FunctionalKV(loaded, 1)  # the tower's port; no text caches needed
-        g, example = F.VisionGraph(rt).eval(), F.vision_inputs(rt, shape)
+        g, example = _vision_graph(loaded, images)
         try:
             with torch.no_grad(), F.quiet():
-                g(*example)
-                data = _lower(torch.export.export(g, example, strict=False))
+                calibration = _vision_calibration(example, g.tower.pooling, g.tower.position_table.shape[1])
+                program = _pt2e(torch.export.export(g, example, strict=False), [calibration], example)
+        except Exception as e:  # noqa: BLE001 - quantization and export fail in many ways; one line for the user
+            raise _one_line("quantizing the vision program (PT2E)", e) from None
+        torch.export.save(program, folder / "vision.pt2")
+        (folder / "vision.json").write_text(json.dumps(g.names))
+
+    shape = tuple(images[0].shape[:2])
+    return artifact_folder(
+        "executorch", _vision_key(loaded, PT2E, images), build,
+        what=f"quantizing the vision program ({shape[0]} image(s) of {shape[1]} patches; PT2E, calibrated on them)",
+    )  # fmt: skip
+
+
+def vision_program(loaded, mode: str, images: tuple):
+    """The artifact holding vision.pte (and vision.json, its outputs' names): the vision tower's port
+    for images of the shape of `images` (pixels, positions), lowered to XNNPACK: in float32
+    (executorch), or the converted int8 program calibrated on those images (executorch-int8)."""
+
+    def build(folder: Path) -> None:
+        if mode == "executorch":
+            g, example = _vision_graph(loaded, images)
+            names = g.names
+            program = lambda: torch.export.export(g, example, strict=False)  # noqa: E731
+        else:
+            art = converted_vision(loaded, images)
+            try:
+                names = json.loads((art.path / "vision.json").read_text())
+                with F.quiet():
+                    converted = torch.export.load(art.path / "vision.pt2")
+            finally:
+                art.close()
+            program = lambda: converted  # noqa: E731
+        try:
+            with torch.no_grad(), F.quiet():
+                data = _lower(program())
         except Exception as e:  # noqa: BLE001 - export and lowering fail in many ways; one line for the user
             raise _one_line("lowering the vision program to XNNPACK", e) from None
         (folder / "vision.pte").write_bytes(data)
-        (folder / "vision.json").write_text(json.dumps(g.names))
+        (folder / "vision.json").write_text(json.dumps(names))
 
+    shape = tuple(images[0].shape[:2])
+    what = "float32" if mode == "executorch" else "int8 (PT2E, calibrated on the images)"
     return artifact_folder(
-        "executorch",
-        key,
-        build,
-        what=f"lowering the vision program ({shape[0]} image(s) of {shape[1]} patches) to ExecuTorch XNNPACK, float32",
-    )
+        "executorch", _vision_key(loaded, mode, images), build,
+        what=f"lowering the vision program ({shape[0]} image(s) of {shape[1]} patches) to ExecuTorch XNNPACK, {what}",
+    )  # fmt: skip
 
 
 def _prompt_digest(prompt, extra) -> str:
@@ -296,8 +406,8 @@ class ExecuTorchRuntime(ChildRuntime):
                 f"executorch-int8-reference (PyTorch {versions['torch']} on the converted PT2E program; {INT8_SCHEME})"
             )
         self.host = F.FunctionalKV(loaded, max_seq)  # prepares prefill inputs
-        self.vision = None  # (shape, output names) of the vision program loaded in the child
-        if mode == "executorch" and self.host.multimodal:  # the int8 modes: the host's port of the tower
+        self.vision = None  # (its key, output names, run) of the vision program loaded for the last images
+        if self.host.multimodal:
             self.host.encode_images = self.encode_images
         self.n_caches = 2 * len(self.host.owners())
         self.names = {name: F.output_names(self.host, name, chunked=True, kinds=kinds) for name in PROGRAMS}
@@ -306,6 +416,16 @@ class ExecuTorchRuntime(ChildRuntime):
         self.prefill_chunk = resolve_prefill_chunk(None, max_seq)  # replay sets --prefill-chunk's; built at prefill
 
     def _load(self, prompt=None, extra=None) -> None:
+        # int8 calibrates its step programs on the soft tokens of the host's float port of the tower,
+        # whichever of the two int8 modes builds them first (they share the converted programs)
+        own = self.host.__dict__.pop("encode_images", None)
+        try:
+            self._load_steps(prompt, extra)
+        finally:
+            if own is not None:
+                self.host.encode_images = own
+
+    def _load_steps(self, prompt=None, extra=None) -> None:
         if self.mode == "executorch-int8-reference":  # PyTorch, in this process
             progs = _load_converted(self.loaded, self.max_seq, prompt, extra, self.host, self.kinds)
             mods = {n: progs[n].module() for n in PROGRAMS}
@@ -353,20 +473,34 @@ class ExecuTorchRuntime(ChildRuntime):
             self._load([int(t) for t in torch.as_tensor(input_ids).reshape(-1)], extra_inputs)
 
     def encode_images(self, pixels, positions, probe=None) -> torch.Tensor:
-        """The images through the vision program (lowered for their shape on first use)."""
-        shape = tuple(int(d) for d in pixels.shape[:2])
-        if self.vision is None or self.vision[0] != shape:
-            art = vision_program(self.loaded, shape)
-            try:
-                names = json.loads((art.path / "vision.json").read_text())
-                self.child.call("load", {"vision": str(art.path / "vision.pte")}, {}, phase="loading")
-            finally:
-                art.close()
-            self.vision = (shape, names)
-        outs = _in_child(self.child, "vision", [pixels.float().contiguous(), positions.long().contiguous()],
-                         self.phase(True))  # fmt: skip
+        """The images through the vision program (built for their shape on first use; the int8
+        modes' quantized on the images themselves, as the step programs are on the prompt)."""
+        images = (pixels.float().contiguous(), positions.long().contiguous())
+        key = _vision_key(self.loaded, self.mode, images)
+        if self.vision is None or self.vision[0] != key:
+            self.vision = (key, *self._load_vision(images))
+        outs = self.vision[2](list(images))
         pos = positions.cpu().numpy()
         return F.strip_vision(dict(zip(self.vision[1], (o.numpy() for o in outs))), pos, probe)
+
+    def _load_vision(self, images: tuple):
+        """(output names, run: list of tensors -> list of tensors) of the vision program for `images`."""
+        if self.mode == "executorch-int8-reference":  # the converted program, by PyTorch in this process
+            art = converted_vision(self.loaded, images)
+            try:
+                names = json.loads((art.path / "vision.json").read_text())
+                with F.quiet():
+                    module = torch.export.load(art.path / "vision.pt2").module()
+            finally:
+                art.close()
+            return names, lambda args: [t.detach() for t in module(*args)]
+        art = vision_program(self.loaded, self.mode, images)
+        try:
+            names = json.loads((art.path / "vision.json").read_text())
+            self.child.call("load", {"vision": str(art.path / "vision.pte")}, {}, phase="loading")
+        finally:
+            art.close()
+        return names, lambda args: _in_child(self.child, "vision", args, self.phase(True))
 
     def prefill(self, input_ids, extra_inputs, probe):
         """The prefill program once per chunk of the plan, the caches carried from one run to the

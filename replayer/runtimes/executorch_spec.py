@@ -22,7 +22,7 @@ _EXECUTORCH = dict(
     float32_only=True,
     cpu_only=True,
     doc="docs/runtime-executorch.md",
-    capture_map=C.STEP_GRAPH,
+    capture_map=C.STEP_GRAPH_VISION,  # an image prompt runs vision.pte (int8: quantized on its images) too
 )
 
 RUNTIMES = (
@@ -34,7 +34,7 @@ RUNTIMES = (
         profile="executorch-f32",
         export=_EXPORT,
         artifacts=".pte programs",
-        **(_EXECUTORCH | dict(capture_map=C.STEP_GRAPH_VISION)),  # an image prompt runs vision.pte too
+        **_EXECUTORCH,
     ),
     RuntimeSpec(
         "executorch-int8",
