@@ -495,6 +495,21 @@ def test_litert_lm_replays_tokens_only_and_the_diff_compares_them(runs, tmp_path
         ]
 
 
+def test_litert_lm_replays_the_shipped_goldens(tmp_path):
+    """short.h5's prompt and new tokens fill its max_seq (16): the last step prefills 15 tokens and
+    decodes one, and LiteRT-LM needs room past that in its cache (a bundle with a cache of max_seq
+    failed: `litert_lm_session_run_prefill failed` in decode step 2; lm.ROOM). In window.h5, decode
+    step 19's token is ".", which begins one of the bundle's stop sequences: LiteRT-LM withholds its
+    text (it decoded '' and the replay died); two tokens show it, and the replay says so."""
+    for name, steps in (("short", 3), ("window", 24)):
+        out = tmp_path / f"{name}.h5"
+        r = invoke("replay", golden_path(name), "--runtime", "litert-lm", "-o", out)
+        assert r.exit_code == 0, r.output
+        assert f"{steps}/{steps} tokens agree" in r.stdout
+        assert diff_traces(golden_path(name), out).match
+    assert "note: decode step 19: LiteRT-LM's token 291: its text withheld by a stop sequence" in r.stderr
+
+
 def test_litert_lm_bad_files_are_one_line(runs, tmp_path):
     from gemma4_trace.hf.model import load_model
 

@@ -65,10 +65,11 @@ class LiteRTLMEngine:
     """LiteRT-LM's `Engine` (CPU) on a .litertlm bundle: text in, text out.
 
     ("load", path, max_tokens) -> ("ready", {"bos": id, "eos": [[ids]]})
-    ("next", context_ids)      -> ("token", id): a new session prefilled with the context (as the
-                                  text LiteRT-LM's tokenizer turns back into exactly these ids),
-                                  one greedy token decoded, and that token's text turned back
-                                  into its one id; anything else is refused in one line.
+    ("next", context_ids)      -> ("token", id[, note]): a new session prefilled with the context
+                                  (as the text LiteRT-LM's tokenizer turns back into exactly these
+                                  ids), one greedy token decoded, and that token's text turned
+                                  back into its one id (a note when it showed no text); anything
+                                  else is refused in one line.
     """
 
     def __init__(self, emit):
@@ -97,18 +98,40 @@ class LiteRTLMEngine:
                 f"LiteRT-LM's tokenizer reads the context back as {len(again)} other ids "
                 f"(first difference at {_first_difference(again, context)}): it takes text, and this text is ambiguous"
             )
+        out = self._decode(text, 1, len(context))
+        if out:
+            ids = e.tokenize(out)
+            if len(ids) != 1:
+                raise EngineError(f"LiteRT-LM decoded {out!r}, which is {len(ids)} tokens, not one")
+            return ("token", int(ids[0]))
+        # no text: LiteRT-LM withholds a token that begins one of its stop sequences (the bundle's
+        # [".", "<turn|>", "\n"], say) and leaves a stop token out. Two tokens show the first, unless
+        # it was a stop token: then the bundle's first one-token stop is recorded, and said.
+        out = self._decode(text, 2, len(context))
+        if out:
+            return ("token", int(e.tokenize(out)[0]), f"its text withheld by a stop sequence; read from {out!r}")
+        stops = [int(seq[0]) for seq in (e.eos_token_ids or []) if len(seq) == 1]
+        if not stops:
+            raise EngineError("LiteRT-LM decoded no text, and its bundle has no one-token stop to record")
+        return ("token", stops[0], f"no text: a stop token, recorded as its first one, id {stops[0]}")
+
+    def _decode(self, text: str, count: int, n: int) -> str:
+        """The text of `count` greedy tokens after a new session prefilled with `text` (n tokens)."""
         greedy = self.lm.interfaces.SamplerConfig(top_k=1, temperature=0.0)
         with quiet_fd2():
-            s = e.create_session(apply_prompt_template=False, sampler_config=greedy, max_output_tokens=1)
+            s = self.engine.create_session(apply_prompt_template=False, sampler_config=greedy, max_output_tokens=count)
             try:
                 s.run_prefill([text])
                 out = s.run_decode().texts
+            except Exception as e:  # noqa: BLE001 - the engine's refusal, one line with what it was asked
+                raise EngineError(
+                    f"LiteRT-LM could not prefill {n} tokens and decode {count} "
+                    f"({' '.join(str(e).split())[:120]}); it runs at most its bundle's cache length - 2 per "
+                    "session (rounded down to even): a bundle of yours needs a longer cache"
+                ) from None
             finally:
                 s.close()
-        ids = e.tokenize(out[0]) if out else []
-        if len(ids) != 1:
-            raise EngineError(f"LiteRT-LM decoded {out[:1]!r}, which is {len(ids)} tokens, not one")
-        return ("token", int(ids[0]))
+        return out[0] if out else ""
 
 
 def _first_difference(a, b) -> int:

@@ -12,6 +12,7 @@ Teacher-forced and free-running both work (each step starts from its own context
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -20,18 +21,24 @@ from gemma4_trace.traces.errors import TraceToolError
 
 from ...api import TokenOnly
 from ...child import ChildRuntime
-from ...ops import resolve_prefill_chunk
 from . import export as E
 
 ENGINE = "gemma4_trace.replayer.runtimes.litert.engine:LiteRTLMEngine"
+# LiteRT-LM 0.18.1 prefills at most L - 2 tokens in a session whose bundle's cache holds S positions,
+# L being S rounded down to even (measured on litert-torch exports: caches 16, 17, 18 took prompts of
+# 14, 14, 16 tokens and one decoded token; at L - 2, a session asked for two tokens gives one). The
+# replay's last step prefills max_seq - 1 tokens and may ask for two (engine.py: a token withheld
+# by a stop sequence), so the bundle exported for a replay has a cache of max_seq + 3 (a cache of
+# max_seq failed there). Odd caches misbehave beyond that rule (a cache of 43 refused a prompt of 31
+# tokens): the cache is rounded up to even, and the bundle's prefill takes it whole (LiteRT-LM's
+# results do not depend on the prefill length; --prefill-chunk does not apply).
+ROOM = 3
 
 
 class LiteRTLM(ChildRuntime):
-    """The bundle is exported (or taken from the artifact cache) when the driver prepares it, after
-    it has set `prefill_chunk` (the export's prefill length; LiteRT-LM's results do not depend
-    on it, so replays of one REF share the litert runtime's export)."""
-
-    supports_prefill_chunk = True
+    """The bundle is exported (or taken from the artifact cache) when the driver prepares it: a cache
+    of max_seq + ROOM positions rounded up to even, its prefill taking the cache whole (an export
+    of its own, not the litert runtime's: LiteRT-LM needs the room)."""
 
     def __init__(self, loaded, max_seq: int, user_file=None):
         from importlib.metadata import version
@@ -43,7 +50,7 @@ class LiteRTLM(ChildRuntime):
         self.start(f"litert-lm (LiteRT-LM {ver})", ENGINE)
         note = "a user's file" if user_file is not None else "exported from REF's checkpoint by litert-torch"
         self.name = f"litert-lm (LiteRT-LM {ver}, CPU, greedy, text in and out: tokens only; {note})"
-        self.prefill_chunk, self.ready = resolve_prefill_chunk(None, max_seq), False
+        self.ready = False
         self.context: list[int] = []
 
     def _load(self) -> None:
@@ -53,10 +60,11 @@ class LiteRTLM(ChildRuntime):
                 path = Path(self.user_file)
                 meta = self.child.call("load", str(path), max_seq, phase="loading")[1]
             else:
-                art = E.exported(loaded, max_seq, self.prefill_chunk or max_seq)
+                S = max_seq + ROOM + (max_seq + ROOM) % 2  # room past the replay's last position; even
+                art = E.exported(loaded, S, S)
                 try:
                     path = art.path / E.BUNDLE
-                    meta = self.child.call("load", str(path), max_seq, phase="loading")[1]
+                    meta = self.child.call("load", str(path), S, phase="loading")[1]
                 finally:
                     art.close()
         except BaseException:
@@ -73,7 +81,10 @@ class LiteRTLM(ChildRuntime):
             self._load()
 
     def _next(self, phase: str) -> TokenOnly:
-        return TokenOnly(self.child.call("next", list(self.context), phase=phase)[1])
+        reply = self.child.call("next", list(self.context), phase=phase)
+        if len(reply) > 2:  # the token showed no text (engine.py): said, as the trace holds an id
+            print(f"note: {phase}: LiteRT-LM's token {reply[1]}: {reply[2]}", file=sys.stderr, flush=True)
+        return TokenOnly(reply[1])
 
     def prefill(self, input_ids, extra_inputs, probe):
         self.prepare()
