@@ -77,8 +77,23 @@ def run_pool(todo, cfg, out_dir: Path, workers: int, done) -> None:
     except BaseException:
         stop_pool(pool)
         clean_stale_partials(Path(cfg.cache) / "sweep-ref")  # a REF's partial file of a worker killed after its grace
+        _stop_resource_tracker()
         raise
     pool.shutdown()
+    _stop_resource_tracker()
+
+
+def _stop_resource_tracker() -> None:
+    """End multiprocessing's resource tracker, which the pool started: left alone, it exits only
+    after this process has (its pipe closed), an orphan that outlives `trace sweep` (found running
+    or a zombie right after exit). Its private `_stop` closes that pipe and reaps it; a Python
+    without it keeps the old behaviour."""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(getattr(resource_tracker, "_resource_tracker", None), "_stop", None)
+    if stop is not None:
+        with contextlib.suppress(Exception):
+            stop()
 
 
 def stop_pool(pool, grace: float = 30.0) -> None:

@@ -137,6 +137,40 @@ def test_two_workers_give_the_numbers_of_one(lab):
         assert a == b
 
 
+def test_two_workers_leave_no_process_behind(tmp_path):
+    """`trace sweep --workers 2` run under a subreaper (which adopts whatever the sweep orphans):
+    once it has exited, nothing of it is left, running or a zombie. multiprocessing's resource
+    tracker used to outlive it."""
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Tell me a story.\nWhat is 2+2?\n")
+    reaper = """
+import ctypes, os, subprocess, sys
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the sweep's orphans become ours
+rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+left = []
+while True:
+    try:
+        pid, _ = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        break
+    if pid == 0:
+        left.append("running")
+        break
+    left.append("exited after the sweep")
+print(rc, left)
+"""
+    trace = Path(sys.executable).with_name("trace")
+    args = [trace, "sweep", prompts, "--runtime", "static", "--workers", "2", "--max-new-tokens", "1"]
+    r = subprocess.run([sys.executable, "-c", reaper, *map(str, args), "-o", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split(" ", 1)[1].strip() == "[]", r.stdout
+    assert r.stdout.split(" ", 1)[0] in ("0", "1"), r.stdout
+
+
 @pytest.mark.parametrize(
     "content,needles",
     [
