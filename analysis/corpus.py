@@ -136,10 +136,10 @@ def record_ok(rec: dict) -> bool:
         and isinstance(rec.get("match"), bool)
         and isinstance(rec.get("run_runtime"), str)
         and _int(rec.get("tokens"))
-        and all(_num(rec.get(k)) for k in ("kl_mean", "kl_max", "top1"))
+        and all(k in rec and _num(rec[k]) for k in ("kl_mean", "kl_max", "top1"))  # the ranking reads each
         and _positions_ok(rec.get("positions"))
         and ("base_positions" not in rec or _positions_ok(rec["base_positions"]))
-        and isinstance(rec.get("report", ""), str)
+        and rec.get("report") == f"{rec.get('id')}.html"  # the summary links it: its own page, nothing else
     )
 
 

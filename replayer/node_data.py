@@ -62,7 +62,9 @@ def _tflite_keys(path: Path, ref) -> dict[str, dict[tuple[str, int | None], str]
         if any(k.startswith("kv_cache_") for k in sig.outputs):
             for j, layer in G.cache_layers(sig, infos).items():
                 for kind in ("k", "v"):
-                    names[(kind, layer)] = sig.tensors[sig.outputs[f"kv_cache_{kind}_{j}"]].name
+                    index = sig.outputs.get(f"kv_cache_{kind}_{j}")  # a cache the graph does not return: not drawn
+                    if index is not None:
+                        names[(kind, layer)] = sig.tensors[index].name
         if "logits" in sig.outputs:
             names[("logits", None)] = sig.tensors[sig.outputs["logits"]].name
         out[key] = names

@@ -125,6 +125,27 @@ def test_a_rerun_resumes_and_changed_settings_run_again(lab):
     assert (out / "summary.json").read_bytes() == before  # REF from the cache: the same numbers
 
 
+def test_a_record_missing_what_the_summary_reads_runs_again(lab, tmp_path):
+    """A resume record without kl_mean, kl_max, top1 or its report's name, or whose report is not its
+    own page (the summary links it), is not used: the prompt runs again. These passed the check and
+    ended the sweep in a KeyError (found by scripts/fuzz_inputs.py --only records)."""
+    from gemma4_trace.analysis.corpus import record_ok
+
+    out = tmp_path / "again"
+    shutil.copytree(lab["root"] / "one", out)
+    path = out / "prompts" / f"{SUBSET[0]}.json"
+    good = json.loads(path.read_text())
+    assert record_ok(good)
+    bad = [{k: v for k, v in good.items() if k != key} for key in ("kl_mean", "kl_max", "top1", "report")]
+    bad += [good | {"report": "../../elsewhere.html"}, good | {"report": "javascript:x"}]
+    for rec in bad:
+        assert not record_ok(rec)
+    path.write_text(json.dumps(bad[0]))
+    r = invoke(*lab["args"], "-o", out, env=lab["env"])
+    assert f"1 prompt(s) run, {len(SUBSET) - 1} resumed" in r.stdout, r.output
+    assert json.loads(path.read_text()) == good
+
+
 def test_two_workers_give_the_numbers_of_one(lab):
     out = lab["root"] / "two"
     r = invoke(*lab["args"], "--workers", 2, "-o", out, env=lab["env"])

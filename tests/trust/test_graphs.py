@@ -252,3 +252,31 @@ def test_a_tflite_without_the_litert_extra_names_the_extra(tmp_path, monkeypatch
     nd = tmp_path / "nd.json"
     r = invoke("diff", GOLDEN, GOLDEN, "--node-data", nd, "--graph", graph)
     one_line_error(r, "reading a .tflite needs ai-edge-litert", "pip install -e '.[litert]'", out=nd)
+
+
+@pytest.mark.slow  # a LiteRT export (cached)
+def test_a_litert_export_with_renamed_caches_is_drawn_or_refused_in_one_line(tmp_path):
+    """Found by scripts/fuzz_inputs.py --only tflite: a signature whose K cache has no V output among
+    its outputs was a KeyError, and cache names numbered past the model's layers would index past
+    them. Now the missing cache is not drawn, and a numbering that is not 0..n-1 is one line."""
+    import struct
+
+    pytest.importorskip("ai_edge_litert", reason="ai-edge-litert is not installed (pip install -e '.[litert]')")
+    out = tmp_path / "litert"
+    r = invoke("export-litert", "--max-seq", 8, "-o", out)
+    assert r.exit_code == 0, r.output
+    good = (out / "model.tflite").read_bytes()
+
+    def renamed(old: bytes, new: bytes) -> Path:
+        frame = lambda s: struct.pack("<I", len(s)) + s + b"\0"  # noqa: E731 - a flatbuffer string
+        assert len(old) == len(new) and good.count(frame(old)) > 0
+        path = tmp_path / f"{new.decode()}.tflite"
+        path.write_bytes(good.replace(frame(old), frame(new)))
+        return path
+
+    nd = tmp_path / "nd.json"
+    r = diff(renamed(b"kv_cache_v_1", b"kv_cache_x_1"), nd)
+    assert r.exit_code == 0 and "internal error" not in r.output, r.output
+    assert nd.is_file()
+    nd2 = tmp_path / "nd2.json"
+    one_line_error(diff(renamed(b"kv_cache_k_1", b"kv_cache_k_9"), nd2), "are not numbered 0 to", out=nd2)

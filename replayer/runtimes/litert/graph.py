@@ -309,12 +309,14 @@ def _reached_layers(sig: Signature, t: int, hops: int) -> set[int]:
 def cache_layers(sig: Signature, infos) -> dict[int, int]:
     """kv_cache_k_j -> the layer j-th of the layers that write a cache (their order in the model)."""
     owners = [i for i, info in enumerate(infos) if info.kv_role != "reuses"]
-    caches = sorted(int(k[len(K_CACHE) :]) for k in sig.inputs if k.startswith(K_CACHE))
-    if len(caches) != len(owners):
+    names = [k[len(K_CACHE) :] for k in sig.inputs if k.startswith(K_CACHE)]
+    if len(names) != len(owners):
         raise TraceToolError(
-            f"the LiteRT graph has {len(caches)} K/V caches; the model has {len(owners)} layers that write K/V"
+            f"the LiteRT graph has {len(names)} K/V caches; the model has {len(owners)} layers that write K/V"
         )
-    return {j: owners[j] for j in caches}
+    if sorted(names) != sorted(str(j) for j in range(len(owners))):
+        raise TraceToolError(f"the LiteRT graph's K/V caches are not numbered 0 to {len(owners) - 1}")
+    return {j: owners[j] for j in range(len(owners))}
 
 
 def layers_present(taps_: list[Tap]) -> set[int]:
