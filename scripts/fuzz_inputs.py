@@ -20,9 +20,16 @@ through click's CliRunner with GEMMA4_TRACE_DEBUG=1 (a bug of ours escapes as an
   --model FOLDER --input-ids 2,3 --max-new-tokens 1`;
 - `pt2`: the embedded model's decode step as `trace export-pt2` writes it, its graph or outputs'
   names JSON mutated as `config` is, or the archive's bytes changed or cut; run by `trace diff
-  GOLDEN GOLDEN --node-data OUT --graph FILE`.
+  GOLDEN GOLDEN --node-data OUT --graph FILE`;
+- `tflite`: the embedded model's model.tflite as `trace export-litert` writes it (with the
+  [litert] extra; else not run), one to three of its 4-byte words that hold small integers (the
+  flatbuffer's offsets, lengths and indices) set to edge values, other values or random bytes, or
+  its bytes changed or cut; run by `trace diff GOLDEN GOLDEN --node-data OUT --graph FILE`;
+- `records`: a finished sweep's folder (two prompts, `--runtime static --max-new-tokens 1`) with
+  one prompt's resume record mutated as `config` is; run by the same `trace sweep` again, which
+  resumes from the record or runs the prompt anew.
 
-The first four run by default; `config` and `pt2` with `--only`.
+The first four run by default; `config`, `pt2`, `tflite` and `records` with `--only`.
 
 A failure is an exception other than SystemExit, an exit code outside 0/1/2, exit 2 without
 exactly one `error: ...` line, 'internal error', a traceback, or a case past `--timeout`.
@@ -46,8 +53,9 @@ import time
 from pathlib import Path
 
 EDGE = [0, 1, 2, 3, 7, 8, 255, 256, 0x7FFF, 0xFFFF, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63, 2**64 - 1]
-CLASSES = ("gguf", "mmproj", "recipe", "prompts", "config", "pt2")
-DEFAULT = CLASSES[:4]  # without --only; config and pt2 run with --only (a config case can load the model: seconds)
+CLASSES = ("gguf", "mmproj", "recipe", "prompts", "config", "pt2", "tflite", "records")
+DEFAULT = CLASSES[:4]  # without --only; the others with --only (a config or records case may load the model)
+SWEEP_PROMPTS = '{"id": "story", "text": "Tell me a story."}\n{"id": "ids", "input_ids": [2, 3, 4]}\n'
 
 
 class Timeout(Exception):
@@ -232,6 +240,32 @@ def pt2_case(rng: random.Random, good: Path, out: Path) -> str:
     return f"{target}: {what}"
 
 
+def tflite_case(rng: random.Random, good: bytes) -> tuple[bytes, str]:
+    """good with one to three of its aligned words that hold a small integer (a flatbuffer offset,
+    length or index, rarely a weight's bits) changed, or its bytes changed or cut."""
+    if rng.random() < 0.25:
+        return bytes_mutation(rng, good)
+    data, what = bytearray(good), []
+    words = [i for i in (rng.randrange(0, len(good) // 4) * 4 for _ in range(4000)) if 0 < _word(good, i) < len(good)]
+    for at in rng.sample(words, min(len(words), rng.randint(1, 3))):
+        old = _word(good, at)
+        v = rng.choice([rng.choice(EDGE) % 2**32, old + rng.choice([-8, -4, -1, 1, 4, 8]) & 0xFFFFFFFF, len(good)])
+        if rng.random() < 0.2:
+            v = int.from_bytes(os.urandom(4), "little")
+        struct.pack_into("<I", data, at, v)
+        what.append(f"word at {at}: {old} -> {v}")
+    return bytes(data), "; ".join(what)
+
+
+def _word(data: bytes, at: int) -> int:
+    return struct.unpack_from("<I", data, at)[0]
+
+
+def records_case(rng: random.Random, record: bytes) -> tuple[bytes, str]:
+    """A prompt's resume record mutated as a config is."""
+    return config_case(rng, record)
+
+
 # ------------------------------------------------------------------ the run
 def judge(res, timed_out: bool) -> str | None:
     """Why a command's result is a failure, or None."""
@@ -289,6 +323,17 @@ def run(cases: int, seed: int, classes=DEFAULT, timeout: float = 60.0, say=print
     if "pt2" in classes:
         res = runner.invoke(main, ["export-pt2", "--max-seq", "8", "-o", str(work / "pt2")])
         assert res.exit_code == 0, res.output
+    litert = importlib.util.find_spec("ai_edge_litert") is not None
+    classes = tuple(c for c in classes if litert or c != "tflite")  # the overlay reads it with ai-edge-litert
+    if "tflite" in classes:
+        res = runner.invoke(main, ["export-litert", "--max-seq", "8", "-o", str(work / "tflite")])
+        assert res.exit_code == 0, res.output
+        good_tflite = (work / "tflite" / "model.tflite").read_bytes()
+    if "records" in classes:
+        sweep_args = ["--runtime", "static", "--max-new-tokens", "1", "-o"]
+        (work / "prompts.jsonl").write_text(SWEEP_PROMPTS)
+        res = runner.invoke(main, ["sweep", str(work / "prompts.jsonl"), *sweep_args, str(work / "sweep")])
+        assert res.exit_code in (0, 1), res.output
     rng = random.Random(seed)
     counts = {c: {"cases": 0, "exit": {0: 0, 1: 0, 2: 0}, "failures": []} for c in classes}
     old = signal.signal(signal.SIGALRM, _alarm)
@@ -322,6 +367,15 @@ def run(cases: int, seed: int, classes=DEFAULT, timeout: float = 60.0, say=print
                 path = model / "config.json"  # the one folder, its config rewritten each case
                 args = ["record", "--model", str(model), "--input-ids", "2,3", "--max-new-tokens", "1"]
                 args += ["-o", str(folder / "o.h5")]
+            elif cls == "tflite":
+                data, what = tflite_case(case_rng, good_tflite)
+                path = folder / "model.tflite"
+                args = ["diff", ref, ref, "--node-data", str(folder / "nd.json"), "--graph", str(path)]
+            elif cls == "records":
+                shutil.copytree(work / "sweep", folder / "s")
+                path = folder / "s" / "prompts" / f"{case_rng.choice(['story', 'ids'])}.json"
+                data, what = records_case(case_rng, path.read_bytes())
+                args = ["sweep", str(work / "prompts.jsonl"), *sweep_args, str(folder / "s")]
             else:
                 path = folder / "decode.pt2"
                 what = pt2_case(case_rng, work / "pt2" / "decode.pt2", path)

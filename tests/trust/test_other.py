@@ -451,3 +451,18 @@ def test_hostile_model_configs_and_pt2_graphs_are_one_line_each(monkeypatch, tmp
     assert not failures, failures[:5]
     for c in ("config", "pt2"):
         assert counts[c]["cases"] == 16 and counts[c]["exit"][2] > 3 and counts[c]["exit"][0] > 0, (c, counts[c])
+
+
+@pytest.mark.slow  # a LiteRT export (cached) and a sweep
+def test_hostile_tflite_graphs_and_sweep_records_are_one_line_each(monkeypatch, tmp_path):
+    """16 cases of each: a .tflite for the overlay (with the [litert] extra), and a sweep's resume
+    record, which a sweep takes or runs again, never dies on (scripts/fuzz_inputs.py --only tflite
+    / --only records runs hundreds)."""
+    mod = fuzzer(monkeypatch, tmp_path)
+    classes = ("records",) + (("tflite",) if importlib.util.find_spec("ai_edge_litert") else ())
+    counts = mod.run(16 * len(classes), 7, classes, say=lambda line: None)
+    failures = [f for c in classes for f in counts[c]["failures"]]
+    assert not failures, failures[:5]
+    assert counts["records"]["cases"] == 16 and counts["records"]["exit"][2] == 0  # a record never stops a sweep
+    if "tflite" in classes:
+        assert counts["tflite"]["cases"] == 16 and counts["tflite"]["exit"][2] > 3 and counts["tflite"]["exit"][0] > 0
