@@ -157,8 +157,11 @@ def _shut(proc: subprocess.Popen, log, folder: str) -> None:
     answered before the next is sent), so it is killed at once: a Python with torch loaded takes
     most of a second to exit by itself."""
     if proc.poll() is None:
-        proc.kill()
+        confine.kill_group(proc)  # the child leads its own process group: what it started goes too
         proc.wait()
+    elif confine.group_members(proc.pid):  # the child is gone, what it started is not (the id is still theirs)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
     for stream in (proc.stdin, proc.stdout, log):
         with contextlib.suppress(OSError):
             stream.close()
@@ -188,6 +191,7 @@ class Child:
                 stderr=self.log,
                 env={**os.environ, **limits, **(env or {})},
                 pass_fds=tuple(pass_fds),
+                start_new_session=True,  # a process group of its own, killed whole (confine.kill_group)
             )
         except BaseException:
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -220,7 +224,7 @@ class Child:
         try:
             msg = recv_msg(self.proc.stdout)
         except Malformed:
-            self.proc.kill()
+            confine.kill_group(self.proc)
             raise TraceToolError(f"{self.label} sent a malformed reply in {phase}{self._where()}") from None
         if msg is not None:
             if msg[0] == "error":

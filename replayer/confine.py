@@ -13,12 +13,17 @@ child that runs it is held to:
   it past GEMMA4_TRACE_MEMORY_LIMIT, or past the MemAvailable the machine had when it started;
 - **a CPU-time limit** (RLIMIT_CPU): GEMMA4_TRACE_CHILD_CPU_SECONDS, 8 hours by default;
 - **writes only to its own temporary folder** (TMPDIR points there; the parent removes it with the
-  child) and to /dev (/dev/null, /dev/shm), and **no TCP** at all, by Landlock (Linux 5.13 and
-  later, TCP from 6.7; `landlock()` returns the ABI version it applied, 0 where the kernel has none,
-  and then nothing but the limits above holds).
+  child) and to /dev/null (not /dev/shm, not /dev/kmsg), and **no TCP** at all, by Landlock (Linux
+  5.13 and later, TCP from 6.7; `landlock()` returns the ABI version it applied, 0 where the kernel
+  has none, and then nothing but the other parts holds); from 6.12 (ABI 6) **no abstract Unix
+  socket and no signal** outside the child;
+- **a network namespace of its own** (`own_network`): no datagram or connection leaves it;
+- **a process group of its own** (replayer/child.py starts it in a new session): the parent kills
+  the group, and the memory watch sums it.
 
-Not confined: what the child reads (it must read the model and its own Python), signals, other
-processes it could see, and system calls: there is no seccomp filter.
+Not confined: what the child reads (it must read the model and its own Python), metadata changes
+(chmod) outside its folder, Unix sockets by path, memory in a memfd it never maps, and other system
+calls: there is no seccomp filter (docs/robustness.md, "The engines' child process").
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from gemma4_trace.traces.limits import fmt_bytes, memory_limit
 AS_ENV = "GEMMA4_TRACE_CHILD_ADDRESS_SPACE"
 CPU_ENV = "GEMMA4_TRACE_CHILD_CPU_SECONDS"
 WRITABLE_ENV = "GEMMA4_TRACE_CHILD_WRITABLE"  # set by the parent: the child's own folder
+NETWORK_ENV = "GEMMA4_TRACE_CHILD_NETWORK"  # set by the child: "own" (a network namespace of its own) or "shared"
 DEFAULT_CPU_SECONDS = 8 * 3600
 MIN_ADDRESS_SPACE = 64 << 30
 POLL_SECONDS = 0.2
@@ -78,8 +84,10 @@ def child_env(folder: str) -> dict[str, str]:
 
 # ------------------------------------------------------------------ the child's side
 _FS_WRITE = {1: 0b1_1111_1111_0010, 2: 1 << 13, 3: 1 << 14}  # rights by the ABI that added them
-_DEV_RIGHTS = (1 << 1) | (1 << 14)  # WRITE_FILE, TRUNCATE: /dev/null and the like opened for writing
+_DEV_RIGHTS = (1 << 1) | (1 << 14)  # WRITE_FILE, TRUNCATE: /dev/null opened for writing
 _NET_TCP = 0b11  # BIND_TCP, CONNECT_TCP (ABI 4)
+_SCOPES = 0b11  # ABSTRACT_UNIX_SOCKET, SIGNAL (ABI 6): no abstract socket, no signal outside the child
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 _SYS_CREATE, _SYS_ADD_RULE, _SYS_RESTRICT = 444, 445, 446  # one number on every architecture
 PR_SET_NO_NEW_PRIVS = 38
 
@@ -90,7 +98,8 @@ class _PathBeneath(ctypes.Structure):
 
 
 def landlock(writable: list[str]) -> int:
-    """Allow file writes only beneath `writable` (and /dev), and no TCP; the ABI version applied, or 0."""
+    """Allow file writes only beneath `writable` (and to /dev/null), no TCP, no abstract Unix socket
+    and no signal to a process outside the child; the ABI version applied, or 0."""
     libc = ctypes.CDLL(None, use_errno=True)
     syscall = libc.syscall
     syscall.restype = ctypes.c_long
@@ -98,15 +107,16 @@ def landlock(writable: list[str]) -> int:
     if abi < 1:
         return 0
     fs = sum(bits for version, bits in _FS_WRITE.items() if abi >= version)
-    attr = (ctypes.c_uint64 * 2)(fs, _NET_TCP if abi >= 4 else 0)
-    ruleset = syscall(_SYS_CREATE, ctypes.byref(attr), ctypes.c_size_t(16 if abi >= 4 else 8), ctypes.c_uint32(0))
+    attr = (ctypes.c_uint64 * 3)(fs, _NET_TCP if abi >= 4 else 0, _SCOPES if abi >= 6 else 0)
+    size = 24 if abi >= 6 else 16 if abi >= 4 else 8
+    ruleset = syscall(_SYS_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
     if ruleset < 0:
         return 0
     try:
-        rules = [(p, fs) for p in writable] + [("/dev", _DEV_RIGHTS & fs), ("/dev/shm", fs)]
+        rules = [(p, fs) for p in writable] + [(os.devnull, _DEV_RIGHTS & fs)]  # not /dev/shm, not /dev/kmsg
         for path, rights in rules:
             try:
-                fd = os.open(path, os.O_PATH | os.O_DIRECTORY)
+                fd = os.open(path, os.O_PATH | (os.O_DIRECTORY if rights == fs else 0))
             except OSError:
                 continue
             try:
@@ -123,9 +133,31 @@ def landlock(writable: list[str]) -> int:
         os.close(ruleset)
 
 
+def own_network() -> bool:
+    """Move this process into a network namespace of its own: no interface but a loopback that is
+    down, so no datagram or connection reaches this machine or another, and abstract Unix sockets
+    are its own. Root needs no user namespace; anyone else gets one that maps their own ids. False
+    where the kernel refuses (then Landlock's TCP rule is what holds)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, gid = os.geteuid(), os.getegid()
+    if uid == 0 and libc.unshare(CLONE_NEWNET) == 0:
+        return True
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+        return False
+    try:  # the same ids inside: files are read and written as before
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as fh:
+                fh.write(text)
+    except OSError:
+        return False
+    return True
+
+
 def confine_self() -> int:
-    """In the child, before any engine is imported: the limits, then Landlock (its ABI, or 0)."""
+    """In the child, before any engine is imported: the limits, a network namespace of its own, then
+    Landlock (its ABI, or 0)."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash is reported by the parent, not dumped
+    os.environ[NETWORK_ENV] = "own" if own_network() else "shared"
     if os.environ.get(AS_ENV):
         space = int(os.environ[AS_ENV])
         hard = resource.getrlimit(resource.RLIMIT_AS)[1]
@@ -140,13 +172,44 @@ def confine_self() -> int:
 
 # ------------------------------------------------------------------ the parent's side
 def _used(pid: int) -> int | None:
-    """The child's anonymous plus shared resident memory in bytes; None once it is gone."""
+    """A process's anonymous plus shared resident memory in bytes; None once it is gone."""
     try:
         with open(f"/proc/{pid}/status") as fh:
             fields = dict(line.split(":", 1) for line in fh if ":" in line)
         return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem") if k in fields)
     except (OSError, ValueError, KeyError):
         return None
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of process group `pgid` (the child, and whatever it started that stayed in it)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as fh:
+                    fields = fh.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+                if int(fields[2]) == pgid:
+                    found.append(int(name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _group_used(pid: int) -> int | None:
+    """The memory of the child's process group (the child leads it); None once the child is gone."""
+    own = _used(pid)
+    if own is None:
+        return None
+    return own + sum(_used(p) or 0 for p in group_members(pid) if p != pid)
+
+
+def kill_group(proc) -> None:
+    """SIGKILL the child's process group: the child and what it started in it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
 
 
 class MemoryWatch:
@@ -160,10 +223,10 @@ class MemoryWatch:
 
     def _run(self) -> None:
         while self.proc.poll() is None:
-            used = _used(self.proc.pid)
+            used = _group_used(self.proc.pid)
             if used is not None and used > self.limit:
                 self.fired = True
-                self.proc.send_signal(signal.SIGKILL)
+                kill_group(self.proc)
                 return
             time.sleep(POLL_SECONDS)
 

@@ -30,6 +30,46 @@ class ProbeEngine:
         if command == "limits":
             names = ("RLIMIT_CORE", "RLIMIT_AS", "RLIMIT_CPU")
             return ("done", {n: resource.getrlimit(getattr(resource, n))[0] for n in names}, os.environ["TMPDIR"])
+        if command == "udp":  # a datagram to a port on this machine
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    s.sendto(b"hello", ("127.0.0.1", args[0]))
+                return ("done", "sent")
+            except OSError as e:
+                return ("done", type(e).__name__)
+        if command == "abstract":  # connect to an abstract Unix socket (args[0]: its name), or bind one
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.connect(b"\0" + args[0].encode()) if args[1] == "connect" else s.bind(b"\0" + args[0].encode())
+                    if args[1] == "bind":
+                        s.listen()
+                        self.held = s.dup()
+                return ("done", "ok")
+            except OSError as e:
+                return ("done", type(e).__name__)
+        if command == "open-write":  # /dev/shm/NAME, /dev/kmsg, ...
+            try:
+                with open(args[0], "wb") as fh:
+                    fh.write(b"x")
+                return ("done", "written")
+            except OSError as e:
+                return ("done", type(e).__name__)
+        if command == "signal":  # a signal to another process (args[0]: its pid)
+            try:
+                os.kill(args[0], 0 if len(args) < 2 else args[1])
+                return ("done", "sent")
+            except OSError as e:
+                return ("done", type(e).__name__)
+        if command == "grandchild":  # a process of its own that holds args[0] bytes and sleeps
+            import subprocess
+            import sys
+
+            code = f"b = bytearray({int(args[0])}); import time; time.sleep(600)"
+            self.grandchild = subprocess.Popen([sys.executable, "-c", code])
+            time.sleep(args[1] if len(args) > 1 else 0)
+            return ("done", self.grandchild.pid)
+        if command == "network":
+            return ("done", os.environ.get("GEMMA4_TRACE_CHILD_NETWORK"))
         if command == "alloc":
             self.block = bytearray(args[0])  # zero-filled: every page touched; kept
             time.sleep(1)  # the parent's watch looks every 0.2 s

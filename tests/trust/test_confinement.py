@@ -114,3 +114,91 @@ def test_a_bad_limit_is_one_line(monkeypatch, value):
 def test_engine_messages_name_no_folders():
     line = "/tmp/pip-install-q/llama-cpp-python_9/vendor/llama.cpp/ggml/src/ggml.c:1520: GGML_ASSERT(a/b) failed"
     assert strip_dirs(line) == "ggml.c:1520: GGML_ASSERT(a/b) failed"
+
+
+# ---------------------------------------------------------------- round five: what else a hostile engine tried
+def test_the_child_has_a_network_of_its_own(child):
+    """A network namespace of its own (root needs no user namespace; others get one mapping their
+    ids): a UDP datagram to a port on this machine is not delivered, and an abstract Unix socket
+    bound here cannot be reached from the child, nor the child's from here."""
+    assert child.call("network", phase="probing")[1] == "own"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.settimeout(0.5)
+        child.call("udp", server.getsockname()[1], phase="sending")  # fails, or goes nowhere
+        with pytest.raises(socket.timeout):
+            server.recvfrom(16)
+    name = f"gemma4-trace-probe-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as ours:
+        ours.bind(b"\0" + name.encode())
+        ours.listen()
+        assert child.call("abstract", name, "connect", phase="connecting")[1] != "ok"
+    assert child.call("abstract", name + "-child", "bind", phase="binding")[1] == "ok"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe, pytest.raises(OSError):
+        probe.connect(b"\0" + (name + "-child").encode())
+
+
+@needs_landlock
+def test_no_write_to_dev_shm_or_kmsg(child):
+    """/dev/null is the one device it may write: /dev/shm (files that outlive it, memory nobody counts)
+    and /dev/kmsg (the kernel log) are refused."""
+    name = f"/dev/shm/gemma4-trace-probe-{os.getpid()}"
+    assert child.call("open-write", name, phase="writing")[1] == "PermissionError"
+    assert not os.path.exists(name)
+    if os.path.exists("/dev/kmsg"):
+        assert child.call("open-write", "/dev/kmsg", phase="writing")[1] == "PermissionError"
+    assert child.call("open-write", os.devnull, phase="writing")[1] == "written"
+
+
+def test_no_signal_to_a_process_outside(child):
+    """Landlock's signal scope (ABI 6): the child cannot signal this process (nor any other outside it)."""
+    if _landlock_abi() < 6:
+        pytest.skip("this kernel's Landlock has no scopes (ABI 6)")
+    assert child.call("signal", os.getpid(), phase="signalling")[1] == "PermissionError"
+
+
+def test_a_grandchild_goes_with_the_child():
+    """The child leads a process group of its own, killed whole when it is closed: a process the
+    engine started does not outlive it."""
+    c = Child("probe", ENGINE)
+    try:
+        pid = c.call("grandchild", 1 << 20, phase="starting")[1]
+        assert os.path.exists(f"/proc/{pid}") and pid in confine.group_members(c.proc.pid)
+    finally:
+        c.close()
+    assert not _alive(pid)
+
+
+def test_a_grandchild_s_memory_counts(monkeypatch):
+    """The memory watch sums the child's process group: a grandchild holding 600 MB past a 300 MB limit
+    ends both, in one line."""
+    monkeypatch.setenv("GEMMA4_TRACE_MEMORY_LIMIT", "300M")
+    c = Child("probe", ENGINE)
+    try:
+        with pytest.raises(TraceToolError) as e:
+            c.call("grandchild", 600 << 20, 5, phase="allocating")
+        pid = max(p for p in confine.group_members(c.proc.pid)) if confine.group_members(c.proc.pid) else None
+    finally:
+        c.close()
+    assert str(e.value) == (
+        "probe crashed in allocating: killed by SIGKILL (it used more than the 300.0 MiB of memory it may; "
+        "GEMMA4_TRACE_MEMORY_LIMIT sets that)"
+    )
+    assert pid is None or not _alive(pid)
+
+
+def _alive(pid: int, grace: float = 5.0) -> bool:
+    """pid still runs `grace` seconds on (a SIGKILL takes a moment to land; a zombie not yet reaped by
+    its new parent counts as gone)."""
+    import time
+
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                running = fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+        except OSError:
+            running = False
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.05)
