@@ -19,11 +19,13 @@ child that runs it is held to:
   socket and no signal** outside the child;
 - **a network namespace of its own** (`own_network`): no datagram or connection leaves it;
 - **a process group of its own** (replayer/child.py starts it in a new session): the parent kills
-  the group, and the memory watch sums it.
+  the group, and the memory watch sums it;
+- **a seccomp filter** (x86_64, aarch64): `connect` (a Unix socket by its path) and `memfd_create`
+  (memory in no RSS field) are refused.
 
 Not confined: what the child reads (it must read the model and its own Python), metadata changes
-(chmod) outside its folder, Unix sockets by path, memory in a memfd it never maps, and other system
-calls: there is no seccomp filter (docs/robustness.md, "The engines' child process").
+(chmod) outside its folder, and every other system call (docs/robustness.md, "The engines' child
+process").
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from gemma4_trace.traces.limits import fmt_bytes, memory_limit
 AS_ENV = "GEMMA4_TRACE_CHILD_ADDRESS_SPACE"
 CPU_ENV = "GEMMA4_TRACE_CHILD_CPU_SECONDS"
 WRITABLE_ENV = "GEMMA4_TRACE_CHILD_WRITABLE"  # set by the parent: the child's own folder
+SECCOMP_ENV = "GEMMA4_TRACE_CHILD_SECCOMP"  # set by the child: "on" where its filter applied
 NETWORK_ENV = "GEMMA4_TRACE_CHILD_NETWORK"  # set by the child: "own" (a network namespace of its own) or "shared"
 DEFAULT_CPU_SECONDS = 8 * 3600
 MIN_ADDRESS_SPACE = 64 << 30
@@ -153,11 +156,50 @@ def own_network() -> bool:
     return True
 
 
+# seccomp: the system calls a child is refused, by architecture (AUDIT_ARCH_*: connect, memfd_create)
+_SECCOMP_DENY = {0xC000003E: (42, 319), 0xC00000B7: (203, 279)}  # x86_64, aarch64
+_X32 = 0x40000000  # x86_64's x32 system calls: refused whole
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+_RET_ALLOW, _RET_EPERM = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ERRNO | EPERM
+
+
+class _Filter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _Program(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_Filter))]
+
+
+def seccomp() -> bool:
+    """Refuse (EPERM) `connect` (a Unix socket by its path: the network namespace covers the rest) and
+    `memfd_create` (memory in no RSS field when it is written and never mapped). True where applied;
+    False on another architecture or where the kernel refuses."""
+    import platform
+
+    arch = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(platform.machine())
+    if arch is None:
+        return False
+    LD, JEQ, JGE, RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    deny = _SECCOMP_DENY[arch]
+    code = [(LD, 0, 0, 4), (JEQ, 1, 0, arch), (RET, 0, 0, _RET_ALLOW), (LD, 0, 0, 0)]  # arch, then nr
+    code.append((JGE, len(deny) + 1, 0, _X32) if arch == 0xC000003E else (JEQ, 0, 0, 0))
+    for i, nr in enumerate(deny):
+        code.append((JEQ, len(deny) - i, 0, nr))
+    code += [(RET, 0, 0, _RET_ALLOW), (RET, 0, 0, _RET_EPERM)]
+    prog = (_Filter * len(code))(*(_Filter(*c) for c in code))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        return False
+    return libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(_Program(len(code), prog)), 0, 0) == 0
+
+
 def confine_self() -> int:
     """In the child, before any engine is imported: the limits, a network namespace of its own, then
     Landlock (its ABI, or 0)."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash is reported by the parent, not dumped
     os.environ[NETWORK_ENV] = "own" if own_network() else "shared"
+    os.environ[SECCOMP_ENV] = "on" if seccomp() else "off"
     if os.environ.get(AS_ENV):
         space = int(os.environ[AS_ENV])
         hard = resource.getrlimit(resource.RLIMIT_AS)[1]

@@ -68,6 +68,23 @@ class ProbeEngine:
             self.grandchild = subprocess.Popen([sys.executable, "-c", code])
             time.sleep(args[1] if len(args) > 1 else 0)
             return ("done", self.grandchild.pid)
+        if command == "unix-path":  # connect to a Unix socket by its path
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.connect(args[0])
+                return ("done", "connected")
+            except OSError as e:
+                return ("done", type(e).__name__)
+        if command == "memfd":  # args[0] bytes written to a memfd, never mapped
+            try:
+                fd = os.memfd_create("probe")
+                os.write(fd, b"x" * args[0])
+                self.memfd = fd
+                return ("done", "held")
+            except OSError as e:
+                return ("done", type(e).__name__)
+        if command == "seccomp":
+            return ("done", os.environ.get("GEMMA4_TRACE_CHILD_SECCOMP"))
         if command == "network":
             return ("done", os.environ.get("GEMMA4_TRACE_CHILD_NETWORK"))
         if command == "alloc":

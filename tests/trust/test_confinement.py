@@ -202,3 +202,20 @@ def _alive(pid: int, grace: float = 5.0) -> bool:
         if not running or time.monotonic() > deadline:
             return running
         time.sleep(0.05)
+
+
+def test_no_unix_socket_by_path_and_no_memfd(child, tmp_path):
+    """The seccomp filter (x86_64, aarch64): `connect` is refused (a Unix socket by its path, which
+    Landlock and the network namespace leave open), and `memfd_create` (memory no RSS field shows
+    when it is written and never mapped)."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "aarch64"):
+        pytest.skip("the seccomp filter is built for x86_64 and aarch64")
+    assert child.call("seccomp", phase="probing")[1] == "on"
+    path = tmp_path / "s.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(path))
+        server.listen()
+        assert child.call("unix-path", str(path), phase="connecting")[1] == "PermissionError"
+    assert child.call("memfd", 1 << 20, phase="allocating")[1] == "PermissionError"
