@@ -77,8 +77,7 @@ def run_pool(todo, cfg, out_dir: Path, workers: int, done) -> None:
     except BaseException:
         stop_pool(pool)
         clean_stale_partials(Path(cfg.cache) / "sweep-ref")  # a REF's partial file of a worker killed after its grace
-        _stop_resource_tracker()
-        raise
+        raise  # the tracker is left to end with this process: stopped now, it warns of what the killed workers held
     pool.shutdown()
     _stop_resource_tracker()
 
