@@ -324,6 +324,7 @@ def _crash_here(at: str | None, phase: str | None = None, kind: str | None = Non
 
 def main() -> int:
     confine.confine_self()  # before any engine's code is loaded (confine.py: what it does and does not)
+    confine.end_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends this child
     # the replies get stdout's pipe on a descriptor of their own; fd 1 becomes stderr, so that
     # nothing the engines' C/C++ code prints can land in the reply stream
@@ -360,7 +361,8 @@ def main() -> int:
     engine = getattr(importlib.import_module(module), cls)(emit)  # imported before the first command
     while True:
         msg = recv_msg(inp)
-        if msg is None:
+        if msg is None:  # the parent closed its end, or is gone: nothing this process started stays
+            confine.end_group()
             return 0
         command, *args, phase = msg
         progress("")

@@ -19,7 +19,8 @@ child that runs it is held to:
   socket and no signal** outside the child;
 - **a network namespace of its own** (`own_network`): no datagram or connection leaves it;
 - **a process group of its own** (replayer/child.py starts it in a new session): the parent kills
-  the group, and the memory watch sums it;
+  the group, the memory watch sums it, and the child kills it when the parent is gone or its
+  input ends (`end_with_parent`);
 - **a seccomp filter** (x86_64, aarch64): `connect` (a Unix socket by its path) and `memfd_create`
   (memory in no RSS field) are refused.
 
@@ -210,6 +211,26 @@ def confine_self() -> int:
         resource.setrlimit(resource.RLIMIT_CPU, (cpu if hard < 0 else min(cpu, hard), hard))
     folder = os.environ.get(WRITABLE_ENV)
     return landlock([folder]) if folder else 0
+
+
+def end_group() -> None:
+    """Kill this process's group, itself included, where it leads the group (a child started by
+    replayer/child.py does; started otherwise, it kills nothing but returns)."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(0, signal.SIGKILL)
+
+
+def end_with_parent() -> None:
+    """In the child: when the parent is gone (killed outright, so it could not kill this process
+    group), end the group, this process and whatever it started. A thread watches its parent's id."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(POLL_SECONDS)
+        end_group()
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
 
 
 # ------------------------------------------------------------------ the parent's side

@@ -219,3 +219,21 @@ def test_no_unix_socket_by_path_and_no_memfd(child, tmp_path):
         server.listen()
         assert child.call("unix-path", str(path), phase="connecting")[1] == "PermissionError"
     assert child.call("memfd", 1 << 20, phase="allocating")[1] == "PermissionError"
+
+
+def test_a_grandchild_goes_when_the_parent_is_killed_outright(tmp_path):
+    """A parent killed by SIGKILL cannot kill the child's group: the child sees its parent gone (or its
+    input end) and ends the group, a process the engine started included."""
+    import subprocess
+    import sys
+
+    parent = f"""
+import os, sys
+from gemma4_trace.replayer.child import Child
+c = Child("probe", {ENGINE!r})
+print(c.call("grandchild", 1 << 20, phase="starting")[1], flush=True)
+os.kill(os.getpid(), 9)
+"""
+    r = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -9, r.stderr[-1000:]
+    assert not _alive(int(r.stdout.split()[0]))
