@@ -98,7 +98,9 @@ def _percentile_plot(series: list[tuple[str, dict, str]]) -> str:
     out = p.grid("#eee", label_first=True)
     for i, q in enumerate(qs):
         out.append(f'<text x="{p.x(i):.1f}" y="{p.height - 22}" font-size="10" text-anchor="middle">p{q:g}</text>')
-    for k, (name, vals, colour) in enumerate(lines):
+    # drawn last to first, RUN on top: where the lines meet, RUN's is the one seen (BASE's, drawn over it,
+    # hid it exactly when the two are close)
+    for k, (name, vals, colour) in reversed(list(enumerate(lines))):
         shown = [(i, v) for i, v in enumerate(vals) if v > 0]  # a KL of 0 has no place on a log scale
         out.append(p.polyline([(p.x(i), p.y(v)) for i, v in shown], colour, "1.5"))
         for i, v in shown:

@@ -37,6 +37,9 @@ def test_planted_bug_shows_in_the_aggregates_and_its_base_alone_does_not(tmp_pat
     page = (tmp_path / "bug" / "summary.html").read_text()
     assert "KL(REF||RUN) and KL(REF||BASE) percentiles" in page and page.count("<polyline") == 2
     assert all(f"<title>{who} p99: " in page for who in ("RUN", "BASE"))
+    # RUN drawn after BASE: on top where the two lines meet (BASE's grey line hid it)
+    assert page.index("<title>BASE p99: ") < page.index("<title>RUN p99: ")
+    assert page.index('stroke="#888888"') < page.index('stroke="#2c6fbb"')
     settings = page.split("<h2>Settings</h2>")[1]
     assert ">None<" not in settings and ">True<" not in settings and ">False<" not in settings
     assert '<td class="l">yes</td>' in settings  # chat
