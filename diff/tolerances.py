@@ -282,7 +282,9 @@ def _read_bounded(p: Path) -> str:
     try:
         st = p.stat()
     except OSError:
-        raise TraceToolError(f"tolerances file {p}: no such file") from None
+        raise TraceToolError(
+            f"tolerances file {p}: no such file, nor a shipped profile ({', '.join(profile_names())})"
+        ) from None
     if not stat.S_ISREG(st.st_mode):
         raise TraceToolError(f"tolerances file {p}: not a regular file")
     if st.st_size > MAX_FILE_BYTES:
@@ -367,4 +369,6 @@ def load_tolerances(path: str | Path | None) -> Tolerances:
     accept = tok.get("accept_near_ties", False)
     if not isinstance(accept, bool):
         raise TraceToolError(f"tolerances file {p}, [tokens]: accept_near_ties must be true or false")
-    return Tolerances(rules, source=str(p), near_tie_margin=float(margin), accept_near_ties=accept)
+    shipped = p.parent == PROFILES and p.stem in profile_names()
+    source = f"profile {p.stem}" if shipped else str(p)  # a shipped profile by its name, not its path in the install
+    return Tolerances(rules, source=source, near_tie_margin=float(margin), accept_near_ties=accept)

@@ -142,11 +142,13 @@ def no_chat(help: str = "feed the prompt as raw text, without the chat template"
 
 
 def tolerances(fn):
+    from gemma4_trace.diff.tolerances import profile_names
+
     return click.option(
         "--tolerances",
         type=click.Path(),
         default=None,
-        help="TOML file of tolerance rules, or a shipped profile by name (llamacpp-f32, executorch-f32)",
+        help=f"TOML file of tolerance rules, or a shipped profile by name ({', '.join(profile_names())})",
     )(fn)
 
 

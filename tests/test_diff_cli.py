@@ -128,3 +128,21 @@ def test_each_file_written_is_said_on_stderr_and_stdout_stays_the_report(traces,
     assert r.exit_code == 1 and html.is_file()
     json.loads(r.stdout)  # stdout: the JSON alone
     assert r.stderr.strip().splitlines() == [f"wrote {html} (the HTML report)"]
+
+
+def test_the_shipped_profiles_are_listed_and_named_not_pathed(tmp_path):
+    """`--help` lists every shipped profile, a name that is no file and no profile says which
+    profiles there are, and the report names a profile, not its path inside the install."""
+    from gemma4_trace.diff.tolerances import profile_names
+    from gemma4_trace.recorder import golden
+
+    names = profile_names()
+    assert len(names) >= 5
+    text = " ".join(invoke("diff", "--help").stdout.split())
+    assert all(n in text for n in names), text
+    ref = golden.golden_path("short")
+    r = invoke("diff", ref, ref, "--tolerances", "llamacpp-f3")
+    line = one_line_error(r, "no such file, nor a shipped profile")
+    assert all(n in line for n in names), line
+    r = invoke("diff", ref, ref, "--tolerances", "llamacpp-f32")
+    assert r.exit_code == 0 and "tolerances: profile llamacpp-f32" in r.stdout and "/profiles/" not in r.stdout
