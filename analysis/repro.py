@@ -379,12 +379,17 @@ def _layer_inputs(ref: TraceReader, step: int, layer: int, info, rows: slice) ->
     }
 
 
+CONFIG_LINE = "json.loads(__CONFIG__)  # noqa: F821 - the writer replaces __CONFIG__ with a JSON string literal"
+
+
 def _place(out: Path, site: _Site, onnx: bool) -> None:
     """Write every file into a private folder inside `out`, then rename them into place."""
     files = (*FILES, ONNX_FILE) if onnx else FILES
     source = TEMPLATE.read_text(encoding="utf-8").replace(
-        "json.loads(__CONFIG__)", f"json.loads({json.dumps(site.config)!r})", 1
+        CONFIG_LINE, f"json.loads({json.dumps(site.config)!r})  # the site, its tolerance and the runtimes", 1
     )
+    if CONFIG_LINE in source or "__CONFIG__" in source:
+        raise TraceToolError("the repro template's configuration line is not where trace repro expects it")
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".repro-", dir=out))
     try:  # every file complete before any lands in DIR, then all of them placed or none

@@ -115,8 +115,15 @@ def global_main(inp, w, out):
             print(f"BASE ({CONFIG['base_runtime']}) vs REF {kind}: rel-L2 {base_err:.3e}")
             print(f"RUN's excess over BASE: x{run_err / base_err if base_err > 0 else math.inf:.3g}")
     ok = e_ref <= TOLERANCE
-    print("recompute matches REF" if ok else "recompute does NOT match REF")
+    print(verdict(ok, "run_" + kind in out))
     return 0 if ok else 1
+
+
+def verdict(ok: bool, run: bool) -> str:
+    """The last line: what exit 0 or 1 says (this script's recompute against REF, not RUN's error)."""
+    if not ok:
+        return "recompute does NOT match REF (exit 1): this script does not compute the site as REF does"
+    return "recompute matches REF (exit 0)" + (": RUN's error above is RUN's own" if run else "")
 
 
 def rel_l2(a, b):
@@ -175,7 +182,7 @@ def main():
             print(f"RUN's excess over BASE: x{excess:.3g} (RUN vs REF over BASE vs REF)")
     e_onnx = onnx_check(out)
     ok = e_ref <= TOLERANCE and (e_onnx is None or e_onnx <= TOLERANCE)
-    print("recompute matches REF" if ok else "recompute does NOT match REF")
+    print(verdict(ok, "run_layer_out" in out))
     return 0 if ok else 1
 
 

@@ -171,6 +171,10 @@ def test_repro_of_the_tensors_before_the_layers_recomputes_ref(tmp_path, kind, s
     assert res.exit_code == 0 and f"{kind} at step {step}" in res.output, res.output
     p = run_repro(out)
     assert p.returncode == 0 and "recompute matches REF" in p.stdout, p.stdout + p.stderr
+    # the last line says what exit 0 judges; the script carries no note about how it was written
+    assert p.stdout.splitlines()[-1] == "recompute matches REF (exit 0): RUN's error above is RUN's own"
+    source = (out / "repro.py").read_text()
+    assert "__CONFIG__" not in source and "the writer" not in source
     with np.load(out / "inputs.npz") as z, np.load(out / "weights.npz") as w:
         ids, rows = z["token_ids"], w["embed_rows" if kind == "embeddings" else "ple_rows"]
     assert len(ids) == len(rows) == (13 if step == 0 else 1)
