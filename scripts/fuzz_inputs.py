@@ -261,11 +261,6 @@ def _word(data: bytes, at: int) -> int:
     return struct.unpack_from("<I", data, at)[0]
 
 
-def records_case(rng: random.Random, record: bytes) -> tuple[bytes, str]:
-    """A prompt's resume record mutated as a config is."""
-    return config_case(rng, record)
-
-
 # ------------------------------------------------------------------ the run
 def judge(res, timed_out: bool) -> str | None:
     """Why a command's result is a failure, or None."""
@@ -374,7 +369,7 @@ def run(cases: int, seed: int, classes=DEFAULT, timeout: float = 60.0, say=print
             elif cls == "records":
                 shutil.copytree(work / "sweep", folder / "s")
                 path = folder / "s" / "prompts" / f"{case_rng.choice(['story', 'ids'])}.json"
-                data, what = records_case(case_rng, path.read_bytes())
+                data, what = config_case(case_rng, path.read_bytes())  # a resume record: JSON, mutated as a config
                 args = ["sweep", str(work / "prompts.jsonl"), *sweep_args, str(folder / "s")]
             else:
                 path = folder / "decode.pt2"

@@ -294,6 +294,16 @@ def converted_vision(loaded, images: tuple):
     )  # fmt: skip
 
 
+def _load_converted_vision(loaded, images: tuple) -> tuple[list[str], torch.export.ExportedProgram]:
+    """(output names, the converted int8 vision program), from the artifact cache (built there first if needed)."""
+    art = converted_vision(loaded, images)
+    try:
+        with F.quiet():
+            return json.loads((art.path / "vision.json").read_text()), torch.export.load(art.path / "vision.pt2")
+    finally:
+        art.close()
+
+
 def vision_program(loaded, mode: str, images: tuple):
     """The artifact holding vision.pte (and vision.json, its outputs' names): the vision tower's port
     for images of the shape of `images` (pixels, positions), lowered to XNNPACK: in float32
@@ -302,20 +312,12 @@ def vision_program(loaded, mode: str, images: tuple):
     def build(folder: Path) -> None:
         if mode == "executorch":
             g, example = _vision_graph(loaded, images)
-            names = g.names
-            program = lambda: torch.export.export(g, example, strict=False)  # noqa: E731
+            names, program = g.names, None
         else:
-            art = converted_vision(loaded, images)
-            try:
-                names = json.loads((art.path / "vision.json").read_text())
-                with F.quiet():
-                    converted = torch.export.load(art.path / "vision.pt2")
-            finally:
-                art.close()
-            program = lambda: converted  # noqa: E731
+            names, program = _load_converted_vision(loaded, images)
         try:
             with torch.no_grad(), F.quiet():
-                data = _lower(program())
+                data = _lower(program or torch.export.export(g, example, strict=False))
         except Exception as e:  # noqa: BLE001 - export and lowering fail in many ways; one line for the user
             raise _one_line("lowering the vision program to XNNPACK", e) from None
         (folder / "vision.pte").write_bytes(data)
@@ -486,13 +488,8 @@ class ExecuTorchRuntime(ChildRuntime):
     def _load_vision(self, images: tuple):
         """(output names, run: list of tensors -> list of tensors) of the vision program for `images`."""
         if self.mode == "executorch-int8-reference":  # the converted program, by PyTorch in this process
-            art = converted_vision(self.loaded, images)
-            try:
-                names = json.loads((art.path / "vision.json").read_text())
-                with F.quiet():
-                    module = torch.export.load(art.path / "vision.pt2").module()
-            finally:
-                art.close()
+            names, program = _load_converted_vision(self.loaded, images)
+            module = program.module()
             return names, lambda args: [t.detach() for t in module(*args)]
         art = vision_program(self.loaded, self.mode, images)
         try:

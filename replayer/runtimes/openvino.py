@@ -145,24 +145,16 @@ def vision_ir(loaded, shape: tuple[int, int], mode: str = "openvino"):
     base, graphs = mode.removesuffix("-dq"), ("vision",)
     if mode.endswith("-dq"):
         what = "dequantizing"
-        build = lambda out: _from_vision(loaded, shape, base, lambda src: dequantize(src, out, graphs))  # noqa: E731
+        build = lambda out: _from(vision_ir(loaded, shape, base), lambda src: dequantize(src, out, graphs))  # noqa: E731
     elif mode != "openvino":
         what = "compressing"
-        build = lambda out: _from_vision(loaded, shape, "openvino", lambda src: compress(src, out, mode, graphs))  # noqa: E731
+        build = lambda out: _from(vision_ir(loaded, shape, "openvino"), lambda src: compress(src, out, mode, graphs))  # noqa: E731
     else:
         what, build = "converting to OpenVINO IR", lambda out: convert_vision(loaded, shape, out)
     return artifact_folder(
         "openvino", key, build,
         what=f"{what} ({mode}: the vision tower, {shape[0]} image(s) of {shape[1]} patches) for {loaded.name}",
     )  # fmt: skip
-
-
-def _from_vision(loaded, shape: tuple[int, int], source: str, build) -> None:
-    art = vision_ir(loaded, shape, source)
-    try:
-        build(art.path)
-    finally:
-        art.close()
 
 
 def compress(src: Path, out: Path, mode: str, graphs=F.STEPS) -> None:
@@ -252,10 +244,10 @@ def ir(loaded, max_seq: int, mode: str, kinds=None):
     base = mode.removesuffix("-dq")
     if mode.endswith("-dq"):
         what = "dequantizing"
-        build = lambda out: _from(loaded, max_seq, base, kinds, lambda src: dequantize(src, out))  # noqa: E731
+        build = lambda out: _from(ir(loaded, max_seq, base, kinds), lambda src: dequantize(src, out))  # noqa: E731
     elif mode != "openvino":
         what = "compressing"
-        build = lambda out: _from(loaded, max_seq, "openvino", kinds, lambda src: compress(src, out, mode))  # noqa: E731
+        build = lambda out: _from(ir(loaded, max_seq, "openvino", kinds), lambda src: compress(src, out, mode))  # noqa: E731
     else:
         what = "converting to OpenVINO IR"
         build = lambda out: convert(loaded, max_seq, out, kinds)  # noqa: E731
@@ -267,8 +259,8 @@ def ir(loaded, max_seq: int, mode: str, kinds=None):
     )
 
 
-def _from(loaded, max_seq: int, source: str, kinds, build) -> None:
-    art = ir(loaded, max_seq, source, kinds)
+def _from(art, build) -> None:
+    """build(folder) from the artifact `art` (the IR a compressed or folded one is made from), then release it."""
     try:
         build(art.path)
     finally:
