@@ -15,10 +15,10 @@ from .sensitivity import Sensitivity
 
 
 def _cell(x, top1: bool = False) -> str:
-    return "-" if x is None else f"{x:.3f}" if top1 else f"{x:.3e}"
+    return "-" if x is None else f"{x:.3f}" if top1 else f"{x:.2e}"  # the text summary's digits
 
 
-BAR = 120  # px: the longest bar; with the 13 number columns the table fits a 1400 px window
+BAR = 80  # px: the longest bar; with the 13 number columns the table fits a 1400 px window
 
 
 def _bar(value, top: float, color: str) -> str:
@@ -26,8 +26,9 @@ def _bar(value, top: float, color: str) -> str:
     return svg(width + 2, 10, f'<rect width="{width}" height="10" fill="{color}"/>', role=False)
 
 
-# the ranked table is wider than a text page: the page takes the window, a number never wraps
-WIDE = "body{max-width:none}td,th{white-space:nowrap}"
+# the ranked table is wider than a text page: the page takes the window, a number never wraps, a
+# heading wraps onto as many lines as it needs (the 16 columns fit a 1400 px window)
+WIDE = "body{max-width:none}td{white-space:nowrap}th{vertical-align:bottom}"
 
 
 def render_sensitivity_html(result: Sensitivity, summary: str, ref_name: str) -> str:
@@ -42,8 +43,8 @@ def render_sensitivity_html(result: Sensitivity, summary: str, ref_name: str) ->
     top_first = max((u.isolated for u in ranking if u.isolated is not None), default=0.0)
     head = (
         f"<tr><th>rank</th><th>unit</th><th>precision</th><th>{first}</th>"
-        "<th>only quantized: KL mean</th><th>KL p99</th><th>top-1</th><th>layer_out (all)</th>"
-        "<th>layer_out (its layer)</th><th>only float: KL mean</th><th>KL p99</th><th>top-1</th>"
+        "<th>only quantized: KL mean</th><th>KL p99</th><th>top&#8209;1</th><th>layer_out (all)</th>"
+        "<th>layer_out (its layer)</th><th>only float: KL mean</th><th>KL p99</th><th>top&#8209;1</th>"
         f"<th>layer_out (all)</th><th class=l>KL mean, only quantized</th><th class=l>{first}</th></tr>"
     )
     rows = []
@@ -81,7 +82,7 @@ def render_sensitivity_html(result: Sensitivity, summary: str, ref_name: str) ->
             f"<h1>{title} on {e(ref_name)}</h1>",
             f"<pre>{e(summary)}</pre>",
             "<h2>All quantized</h2>",
-            "<table><tr><th>KL mean</th><th>KL p99</th><th>top-1</th><th>layer_out</th></tr><tr>"
+            "<table><tr><th>KL mean</th><th>KL p99</th><th>top&#8209;1</th><th>layer_out</th></tr><tr>"
             + "".join(f"<td>{_cell(a[m], m == 'top1')}</td>" for m in METRICS)
             + "</tr></table>",
             "<h2>Units, ranked</h2>",

@@ -102,12 +102,14 @@ def _percentile_plot(series: list[tuple[str, dict, str]]) -> str:
     # hid it exactly when the two are close)
     for k, (name, vals, colour) in reversed(list(enumerate(lines))):
         shown = [(i, v) for i, v in enumerate(vals) if v > 0]  # a KL of 0 has no place on a log scale
+        out.append(f'<g data-series="{name.lower()}">')
         out.append(p.polyline([(p.x(i), p.y(v)) for i, v in shown], colour, "1.5"))
         for i, v in shown:
             out.append(
                 f'<circle cx="{p.x(i):.1f}" cy="{p.y(v):.1f}" r="3" fill="{colour}">'
                 f"<title>{name} p{qs[i]:g}: {sci(v)}</title></circle>"
             )
+        out.append("</g>")
         if len(lines) > 1:  # the legend
             x = p.left + 10 + 90 * k
             out.append(

@@ -24,6 +24,7 @@ COOL = ("#2b4c9b", "#4f86c6", "#8fc1de", "#d7ecf0")  # far under .. just under t
 WARM = ("#ffe680", "#fdae4b", "#f0582d", "#b2182b", "#5e0a3e", "#1a0014")  # at the limit .. far above
 EXACT, NOT_COMPARED, NONFINITE = "#ffffff", "#c8c8c8", "#000000"
 MIN_DECADES = 4
+LABEL_PX = 30  # px a decade's tick label ("1e-10", 10 px type) needs on the colour bar
 
 
 def _mix(stops: tuple[str, ...], t: float) -> str:
@@ -74,15 +75,21 @@ class _Scale:
                 f'<rect x="{x0 + width * i / n:.1f}" y="{y0}" width="{width / n + 0.3:.1f}" height="10" '
                 f'fill="{self.color(10.0**x)}"/>'
             )
+        decade = width / (self.hi - self.lo)
+        every = math.ceil(LABEL_PX / decade)  # a label on every decade that has room for one ("1e-10")
         for e in range(self.lo, self.hi + 1):
-            x = x0 + width * (e - self.lo) / (self.hi - self.lo)
+            x = x0 + decade * (e - self.lo)
             mark = e == 0
             out.append(
                 f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0 - (4 if mark else 0)}" y2="{y0 + 13}" '
                 f'stroke="#000" stroke-width="{2 if mark else 1}"/>'
-                f'<text x="{x:.1f}" y="{y0 + 24}" font-size="10" text-anchor="middle">'
-                f"{'1 = ' + limit if mark else f'1e{e}'}</text>"
             )
+            if e % every == 0:
+                label = "1" if mark else f"1e{e}"
+                out.append(f'<text x="{x:.1f}" y="{y0 + 24}" font-size="10" text-anchor="middle">{label}</text>')
+        # the limit's name under its mark, on a line of its own (no decade's label beside it to run into)
+        x = x0 + decade * -self.lo
+        out.append(f'<text x="{x:.1f}" y="{y0 + 36}" font-size="10" text-anchor="middle">= {limit}</text>')
         x = x0 + width + 16
         for color, label in ((EXACT, "0 (exact)"), (NOT_COMPARED, "not compared"), (NONFINITE, "NaN/Inf")):
             out.append(

@@ -12,32 +12,24 @@ first decode step reused by every later step) and a float RUN with a planted bug
     float-bug.html / float-bug.png          the float bug
 
 Traces already in OUT_DIR are reused. Needs torchao (the quantized runtimes) and a Chromium
-(Debian: `apt-get install chromium`). Run from the repository root (the bug runtimes are
+(Debian: `apt-get install chromium`; tests/support/browser.py finds it, takes the pictures and
+prints what the browser test would refuse). Run from the repository root (the bug runtimes are
 imported from tests/).
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.support.browser import WIDTH, find_chromium, layout_problems, screenshot  # noqa: E402
+
 QUANT_BUG = "tests.support.quant_bugs:make_stale_ple_in_decode__static_w8"
 FLOAT_BUG = "tests.support.bug_zoo:make_decode_slice_short"
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--hide-scrollbars",
-]
 
 
 def trace(*args: str) -> int:
@@ -54,29 +46,13 @@ def once(path: Path, *args: str) -> Path:
     return path
 
 
-def screenshot(chromium: str, page: Path, png: Path, size: str = "1400,1800") -> None:
-    with tempfile.TemporaryDirectory() as profile:
-        subprocess.run(
-            [
-                chromium,
-                *CHROMIUM_FLAGS,
-                f"--user-data-dir={profile}",
-                f"--screenshot={png}",
-                f"--window-size={size}",
-                page.resolve().as_uri(),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-    print(f"wrote {png}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser") or "chromium")
+    ap.add_argument("--chromium", default=find_chromium())
     args = ap.parse_args()
+    if not args.chromium:
+        sys.exit("no Chromium found: apt-get install chromium, or pass --chromium PATH")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     ref = once(out / "ref.h5", "record")
@@ -90,7 +66,10 @@ def main() -> None:
     ):
         page = out / f"{name}.html"
         trace("diff", str(ref), str(run), *extra, "--report", str(page), "--force")
-        screenshot(args.chromium, page, out / f"{name}.png")
+        screenshot(page, out / f"{name}.png", args.chromium)
+        print(f"wrote {out / name}.png")
+        for problem in layout_problems(page, args.chromium):  # what tests/test_browser.py refuses
+            print(f"  {name}.html at {WIDTH} px: {problem}")
 
 
 if __name__ == "__main__":

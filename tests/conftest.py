@@ -36,3 +36,15 @@ def pytest_ignore_collect(collection_path, config):
     if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
         return bool(SLOW_MODULE.search(collection_path.read_text())) or None
     return None
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Without a Chromium the browser check (tests/test_browser.py) did not run: say so in one line."""
+    from tests.support.browser import find_chromium
+
+    if find_chromium() is None and any(
+        "test_browser.py" in r.nodeid for r in terminalreporter.stats.get("skipped", [])
+    ):
+        terminalreporter.write_line(
+            "browser check: did not run, no Chromium found (apt-get install chromium, or set CHROMIUM=PATH)"
+        )

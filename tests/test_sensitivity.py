@@ -353,7 +353,7 @@ def test_target_parser_baseline_word():
 
 def test_cli_sensitivity_html_report_holds_every_unit_and_the_json_numbers(work):
     """--report: a self-contained page whose row per unit holds the JSON's numbers (as the
-    page prints them, 4 significant digits) and a bar; an existing report needs --force."""
+    page prints them, 3 significant digits as the text summary does) and a bar; an existing report needs --force."""
     import html
     import json
     import re
@@ -370,19 +370,19 @@ def test_cli_sensitivity_html_report_holds_every_unit_and_the_json_numbers(work)
     assert list(rows) == [u["unit"] for u in out["ranking"]]  # every unit, in rank order
     for u in out["ranking"]:
         cells = [html.unescape(c) for c in re.findall(r"<td[^>]*>([^<]*)</td>", rows[u["unit"]])]
-        want = [u["precision"], f"{u['isolated_layer_out']:.3e}"]
+        want = [u["precision"], f"{u['isolated_layer_out']:.2e}"]
         for run in (u["only_quantized"], u["only_float"]):
             if run is not None:
-                want += [f"{run['kl_mean']:.3e}", f"{run['kl_p99']:.3e}", f"{run['top1']:.3f}"]
-                want.append(f"{run['layer_out']:.3e}")
+                want += [f"{run['kl_mean']:.2e}", f"{run['kl_p99']:.2e}", f"{run['top1']:.3f}"]
+                want.append(f"{run['layer_out']:.2e}")
         for w in want:
             assert w in cells, (u["unit"], w, cells)
         assert rows[u["unit"]].count("<svg") == 2
-        assert all(int(w) <= 122 for w in re.findall(r'<svg width="(\d+)"', rows[u["unit"]]))  # bars fit the page
-    assert "td,th{white-space:nowrap}" in text and "body{max-width:none}" in text  # no number wrapped mid-number
+        assert all(int(w) <= 82 for w in re.findall(r'<svg width="(\d+)"', rows[u["unit"]]))  # bars fit the page
+    assert "td{white-space:nowrap}" in text and "body{max-width:none}" in text  # no number wrapped mid-number
     measured = [u for u in out["ranking"] if u["only_quantized"]]
-    assert len(measured) == 2 and all(f"{u['only_quantized']['kl_mean']:.3e}" in text for u in measured)
+    assert len(measured) == 2 and all(f"{u['only_quantized']['kl_mean']:.2e}" in text for u in measured)
     for m in ("kl_mean", "kl_p99", "layer_out"):
-        assert f"{out['all_quantized'][m]:.3e}" in text
+        assert f"{out['all_quantized'][m]:.2e}" in text
     again = invoke("sensitivity", str(REF), "--runtime", "static-w8", "--report", str(page))
     assert again.exit_code == 2 and "--force" in again.output
