@@ -11,7 +11,7 @@ from .hints import likely_cause
 from .html import render_html, write_html
 from .metrics import METRICS, Metric
 from .patch_map import patch_map
-from .report import divergence_sentence, format_text, hint_evidence
+from .report import base_against_ref, divergence_sentence, format_text, hint_evidence
 from .result import DiffResult, Divergence, Hint
 from .tolerances import Tolerances, load_tolerances
 
@@ -43,6 +43,8 @@ def diff_traces(
     """compare(), with the first divergence's sentence (the text report's first line, also in the JSON)
     and the known bug it looks like, if any (diff/hints.py)."""
     result = compare(ref_path, run_path, tolerances_path, baseline_path, baseline_factor, full)
+    if result.baseline is not None:  # the envelope's own standing: BASE judged against REF alone
+        result.baseline.against_ref = base_against_ref(compare(ref_path, baseline_path, tolerances_path))
     if result.first_divergence is not None:
         result.first_divergence.sentence = divergence_sentence(result)
         result.hint = likely_cause(result, ref_path, run_path)

@@ -25,7 +25,7 @@ from .ledger import KeptRows, Ledger, image_grids
 from .logits import logit_metrics, logit_steps
 from .metrics import METRIC_ORDER, RowStats, RowSums, compare_mask_block, image_blocks, mask_row_detail
 from .origin import growth as growth_table
-from .origin import origin
+from .origin import origin, own_error_outlier
 from .parallel import BlockPool, workers_wanted
 from .result import BaselineInfo, DiffResult, Divergence, MaskDetail, Steps, TensorSummary, TraceInfo
 from .tokens import judge_tokens
@@ -340,6 +340,8 @@ def _result(d: _Differ, ref_path, run_path, baseline_path) -> DiffResult:
             first.layer_info = ref.layers[first.layer]
         first.origin = origin(first, book.res, len(ref.layers))
     book.notes += book.closing_notes()
+    if first is None and run.mode != "isolated":  # under the tolerance: does one layer still stand out?
+        growth.outlier = own_error_outlier(growth)
     return DiffResult(
         match=first is None,
         first_divergence=first,

@@ -354,7 +354,8 @@ def _logits_plot(m: LogitMetrics) -> str:
     return svg(p.width, p.height, out)
 
 
-def _token_table(tokens: TokenInfo, limit: int = 300) -> str:
+def _token_table(tokens: TokenInfo, base: list[int] | None = None, limit: int = 300) -> str:
+    """REF's and RUN's token per step; `base`: BASE's (--baseline), a flip BASE makes too said so."""
     ref, run = tokens.reference, tokens.candidate
     n = max(len(ref), len(run))
     if not n:
@@ -369,6 +370,8 @@ def _token_table(tokens: TokenInfo, limit: int = 300) -> str:
         note = "" if ok else ("-" if a is None or b is None else "no")
         if s == tokens.first_mismatch_step:
             note = f"no - {tokens.flip.label}"
+        if not ok and base is not None and s < len(base) and b is not None and base[s] == b:
+            note += " (BASE chose it too: inside the envelope)"
         out.append(
             f'<tr class="{"" if ok else "x"}"><td>{s}</td><td>{"" if a is None else a}</td>'
             f'<td>{"" if b is None else b}</td><td class="l">{"yes" if ok else html.escape(note)}</td></tr>'
@@ -379,7 +382,7 @@ def _token_table(tokens: TokenInfo, limit: int = 300) -> str:
     return "".join(out)
 
 
-def _tensor_table(tensors: list[TensorSummary]) -> str:
+def _tensor_table(tensors: list[TensorSummary], baseline: bool = False) -> str:
     # the tolerance column is the primary metric's, next to it
     heads = "".join(
         f"<th>{m.summary_label} (worst row)</th>" + ("<th>tolerance</th>" if m.name == PRIMARY else "")
@@ -395,6 +398,8 @@ def _tensor_table(tensors: list[TensorSummary]) -> str:
             for m in THRESHOLD_METRICS
         )
         status = t.status + (f": {html.escape(t.reason)}" if t.reason else "")
+        if baseline and t.status == "ok" and not none and _beyond(worst.get(PRIMARY), t.threshold):
+            status = "ok: beyond the tolerance, inside BASE's envelope"
         cls = "x" if t.status in ("diverged", "shape", "rows") else "nc" if t.reason else ""
         out.append(
             f'<tr class="{cls}"><td class="l">{t.kind}</td>'
@@ -403,6 +408,15 @@ def _tensor_table(tensors: list[TensorSummary]) -> str:
         )
     out.append("</table>")
     return "".join(out)
+
+
+def _beyond(value, threshold) -> bool:
+    return value is not None and threshold is not None and math.isfinite(value) and value > threshold
+
+
+def _base_tokens(result: DiffResult) -> list[int] | None:
+    b = result.baseline
+    return b.against_ref.tokens if b is not None and b.against_ref is not None else None
 
 
 def _heatmaps(result: DiffResult, d: Divergence | None) -> list[str]:
@@ -470,7 +484,7 @@ def render_html(result: DiffResult, about: list[tuple[str, str]] | None = None) 
         f'<p class="legend">{e(growth_summary(result.growth, isolated=isolated))}</p>',
         "<h2>Tokens</h2>",
         f"<p>{e(token_summary(result.tokens, isolated)).replace(chr(10), '<br>')}</p>",
-        _token_table(result.tokens),
+        _token_table(result.tokens, _base_tokens(result)),
         *(
             [
                 "<h2>Logit distribution: KL(REF||RUN) per step</h2>",
@@ -481,7 +495,7 @@ def render_html(result: DiffResult, about: list[tuple[str, str]] | None = None) 
             else []
         ),
         "<h2>Tensors compared</h2>",
-        _tensor_table(result.tensors),
+        _tensor_table(result.tensors, baseline=result.baseline is not None),
         "<h2>Provenance</h2>",
         "<table>"
         + "".join(

@@ -13,10 +13,17 @@ from gemma4_trace.traces import schema as S
 
 from .align import PRE_KINDS, Plan
 from .metrics import METRIC, PRIMARY
-from .result import Divergence, Growth, InputError, Jump, Origin
+from .result import Divergence, Growth, InputError, Jump, Origin, Outlier
 from .tolerances import StepTolerance
 
 GROWTH_KIND = "layer_out"  # the growth table's rows
+# a layer whose own error stands out under the tolerance (a match's outlier note): at some step its
+# error is OUTLIER_RATIO times its input's, and OUTLIER_SPREAD times the typical (median) step-up of
+# the other layers. Errors count at least OUTLIER_FLOOR x their tolerance (float32: 1e-7, the size of
+# round-off in one layer), so an exact input makes no step-up out of round-off.
+OUTLIER_RATIO = 20.0
+OUTLIER_SPREAD = 10.0
+OUTLIER_FLOOR = 1e-3
 INTRODUCED_RATIO = 10.0  # error at least this many times the layer input's: introduced here
 
 Key = tuple[str, int | None]  # (kind, layer)
@@ -187,3 +194,50 @@ def _largest_jump(layers: list[int], table, thresholds, embed) -> Jump | None:
                     jump = Jump(l, v / base, prev[0], v, s)
             prev = (v, trow[s]) if v is not None else prev
     return jump
+
+
+def own_error_outlier(growth: Growth) -> Outlier | None:
+    """The layer and step where one layer's own error stands out against the rest (see OUTLIER_RATIO),
+    or None. Each layer's step-up is its layer_out rel-L2 over its input's (layer 0's input: the
+    embeddings, unless they are exact to round-off) at the same step, both counted at least
+    OUTLIER_FLOOR x the larger of their two tolerances; under --baseline each over BASE's first, so
+    the envelope's own growth (a quantized layer's) is no step-up."""
+    table, thresholds, layers = growth.table, growth.thresholds, growth.layers
+    if not table or not table[0]:
+        return None
+    embed = growth.globals.get("embeddings")
+    rows = ([(("embeddings", None), *embed)] if embed is not None else []) + [
+        ((GROWTH_KIND, l), row, trow) for l, row, trow in zip(layers, table, thresholds)
+    ]
+
+    def counted(key, v, floor, s):
+        v = max(v, floor)
+        if growth.base is None:
+            return v
+        b = (growth.base.get(key) or [None] * (s + 1))[s]
+        return v / max(b if b is not None else 0.0, floor)
+
+    ups = []  # (step-up, layer, step)
+    for s in range(len(table[0])):
+        prev = None  # (key, value, tolerance) of the last row with a value at this step
+        for key, values, tols in rows:
+            v, t = values[s], tols[s]
+            if v is None or t is None or not math.isfinite(v):
+                continue
+            floor = OUTLIER_FLOOR * max(t, prev[2]) if prev is not None else 0.0
+            # layer 0 fed exact embeddings: any port whose kernels differ from REF's starts its round-off
+            # there, so its step-up says nothing of a bug
+            if prev is not None and key[0] == GROWTH_KIND and not (prev[0][0] == "embeddings" and prev[1] < floor):
+                ups.append((counted(key, v, floor, s) / counted(prev[0], prev[1], floor, s), key[1], s))
+            prev = (key, v, t)
+    if not ups:
+        return None
+    top = max(ups)
+    others = [u[0] for u in ups if u[1] != top[1]]
+    typical = float(np.median(others)) if others else 1.0
+    if top[0] < OUTLIER_RATIO or top[0] < OUTLIER_SPREAD * max(typical, 1.0):
+        return None
+    ratio, layer, step = top
+    k = layers.index(layer)
+    before = (table[k - 1] if k else embed[0] if embed is not None else [0.0] * len(table[0]))[step]
+    return Outlier(layer, ratio, before or 0.0, table[k][step], step, typical, growth.base is not None)

@@ -10,7 +10,9 @@ from gemma4_trace.traces import schema as S
 from .fmt import fmt, sci, sci_pair, val
 from .metrics import METRIC, ROW_METRICS, Metric
 from .result import (
+    BaseAgainstRef,
     BaselineFigures,
+    BaselineInfo,
     DiffResult,
     Divergence,
     Growth,
@@ -18,6 +20,7 @@ from .result import (
     IsolationRanking,
     LogitMetrics,
     MaskDetail,
+    Outlier,
     Problem,
     RowDetail,
     TokenFlip,
@@ -93,7 +96,8 @@ def _mask_words(m: MaskDetail, position: int, n_positions: int) -> str:
     return "; ".join(parts) + f" (REF allows {m.ref_allowed}; RUN allows {m.run_allowed}){images}"
 
 
-def divergence_sentence(result: DiffResult) -> str:
+def divergence_sentence(result: DiffResult, run: str = "RUN") -> str:
+    """'first divergence: SITE: WHAT'; `run` names the candidate (BASE when a baseline is judged)."""
     d = result.first_divergence
     if d is None:
         return "no divergence"
@@ -112,7 +116,7 @@ def divergence_sentence(result: DiffResult) -> str:
     if isinstance(det, MaskDetail):
         return f"{head}: " + _mask_words(det, d.position, result.steps.positions_compared)
     if isinstance(det, TokenFlip):
-        return f"{head}: RUN chose token {det.candidate_token}, REF chose {det.reference_token} ({_tie_words(det)})"
+        return f"{head}: {run} chose token {det.candidate_token}, REF chose {det.reference_token} ({_tie_words(det)})"
     if isinstance(det, Problem):
         return f"{head}: {det.message}"
     elem = _element(det.first.names)
@@ -126,7 +130,7 @@ def divergence_sentence(result: DiffResult) -> str:
         cmp_ = f"{m.label} {v} {'<' if m.fails_below else '>'} {t}"
     else:
         cmp_ = f"{int(d.value)} non-finite value(s) (NaN/Inf never pass)"
-    return f"{head}{', ' + elem if elem else ''}: {cmp_} (REF {val(det.first.ref)} vs RUN {val(det.first.run)})"
+    return f"{head}{', ' + elem if elem else ''}: {cmp_} (REF {val(det.first.ref)} vs {run} {val(det.first.run)})"
 
 
 def _tie_words(t: TokenFlip) -> str:
@@ -284,6 +288,11 @@ def format_text(result: DiffResult) -> str:
         if result.hint is not None:
             h = result.hint
             lines.append(f"  looks like: {h.name} ({h.evidence or hint_evidence(h)})")
+    # a match under --baseline is relative to BASE: say where BASE itself stands (on a divergence the
+    # sentence above already weighs RUN against BASE)
+    standing = base_standing(result.baseline) if result.baseline is not None and d is None else None
+    if standing:
+        lines.append(standing)
     isolated = result.candidate.mode == "isolated"
     lines.append(token_summary(result.tokens, isolated))
     if result.logits is not None:
@@ -307,4 +316,43 @@ def format_text(result: DiffResult) -> str:
         )
     for n in result.notes:
         lines.append(f"note: {n}")
+    if result.growth.outlier is not None:
+        lines.append(f"note: {outlier_words(result.growth.outlier)}")
     return "\n".join(lines)
+
+
+def outlier_words(o: Outlier) -> str:
+    """A match's note on one layer whose own error stands out (diff/origin.py own_error_outlier)."""
+    at = f"{'prefill' if o.step == 0 else 'decode'} step {o.step}"
+    what = (
+        f"its error over BASE's grows x{o.ratio:.3g} from its input's"
+        if o.over_base
+        else f"its layer_out rel-L2 {sci(o.after)} is x{o.ratio:.3g} its input's {sci(o.before)}"
+    )
+    return (
+        f"layer {o.layer}'s own error stands out at {at}: {what}, where the other layers' typical step-up is "
+        f"x{o.typical:.2g}. It is under the tolerance, but layers that compute the same thing add errors alike: "
+        f"look at layer {o.layer} (trace replay --isolate gives each layer's own error)"
+    )
+
+
+def base_against_ref(against: DiffResult) -> BaseAgainstRef:
+    """The baseline judged against REF alone (a `compare(REF, BASE)` result), in short."""
+    first = against.first_divergence
+    sentence = None if first is None else divergence_sentence(against, "BASE").removeprefix("first divergence: ")
+    t = against.tokens
+    return BaseAgainstRef(against.match, sentence, t.matches, t.compared_steps, list(t.candidate))
+
+
+def base_standing(b: BaselineInfo) -> str | None:
+    """'BASE against REF: ...': whether the envelope RUN is judged by is itself within the tolerances."""
+    a = b.against_ref
+    if a is None:
+        return None
+    tokens = f"{a.tokens_matched}/{a.tokens_compared} tokens agree"
+    if a.match:
+        return f"BASE against REF: no divergence, {tokens} (the envelope is within the tolerances)"
+    return (
+        f"BASE against REF: BASE itself diverges, first at {a.first_divergence}; {tokens}. RUN is judged by BASE's "
+        "envelope: a match says RUN errs no more than BASE, not that either is within the tolerances"
+    )

@@ -318,6 +318,16 @@ class Jump:
 
 
 @dataclass
+class Outlier(Jump):
+    """One layer's own error standing out under the tolerance (a match's note; JSON: growth.outlier).
+    ratio: its step-up (under --baseline, of its error over BASE's); before, after: its input's and its
+    own layer_out rel-L2 at that step; typical: the other layers' median step-up."""
+
+    typical: float = 0.0
+    over_base: bool = False
+
+
+@dataclass
 class Growth:
     """rel-L2 of the residual stream (layer_out) per layer x step, against its tolerance."""
 
@@ -336,6 +346,7 @@ class Growth:
     base: dict[tuple[str, int | None], list[float | None]] | None = None
     # the heatmap's band of each encoder tower (prefill only): [(layer, layer_out rel-L2, tolerance)]
     towers: dict[str, list[tuple[int, float | None, float | None]]] = field(default_factory=dict)
+    outlier: Outlier | None = None  # set on a match (diff/origin.py own_error_outlier)
 
     def to_json(self) -> dict:
         return {
@@ -347,6 +358,7 @@ class Growth:
             "thresholds": self.thresholds,
             "max_over_steps": self.max_over_steps,
             "largest_jump": self.largest_jump,
+            **({"outlier": self.outlier} if self.outlier is not None else {}),
         }
 
 
@@ -456,9 +468,25 @@ class BaselineInfo:
 
     trace: TraceInfo
     factor: float
+    against_ref: BaseAgainstRef | None = None  # BASE judged against REF alone (diff_traces fills it)
 
     def to_json(self) -> dict:
-        return {**self.trace.to_json(), "factor": self.factor}
+        out = {**self.trace.to_json(), "factor": self.factor}
+        if self.against_ref is not None:
+            out["against_ref"] = json_fields(self.against_ref)
+        return out
+
+
+@dataclass
+class BaseAgainstRef:
+    """What `trace diff REF BASE` says of the baseline itself (JSON: baseline.against_ref): RUN's
+    match under --baseline is relative to this."""
+
+    match: bool
+    first_divergence: str | None  # its sentence, as the text report's first line
+    tokens_matched: int
+    tokens_compared: int
+    tokens: list[int]  # BASE's tokens over the compared steps
 
 
 @dataclass

@@ -20,7 +20,16 @@ from gemma4_trace.replayer.replay import default_max_seq, replay_trace
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
-from tests.support.bug_zoo import BUGS, CRASHING, RECORDED, reference_path, replayed_zoo, runtime_spec
+from tests.support.bug_zoo import (
+    BUGS,
+    CRASHING,
+    RECORDED,
+    SUBTLE,
+    SUBTLE_LAYER,
+    reference_path,
+    replayed_zoo,
+    runtime_spec,
+)
 from tests.support.cli import invoke, one_line_error, site_of
 
 
@@ -195,6 +204,33 @@ def test_static_runtime_matches_each_reference(workdir, name):
     if name in RECORDED:  # prompt5 exists to decode past the window from a shorter prompt
         f = Facts(ref)
         assert f.T < f.window < f.n_positions
+
+
+@pytest.mark.parametrize("bug", sorted(SUBTLE))
+def test_a_bug_under_the_tolerance_gets_a_note_naming_its_layer(zoo, bug):
+    """Under the tolerance the diff matches (exit 0), but the planted layer's own error stands out
+    against the others' round-off: a note names it, in the text and the JSON."""
+    ref, run, result = zoo(bug)
+    assert result.match, format_text(result)
+    o = result.growth.outlier
+    assert o is not None and o.layer == SUBTLE_LAYER and o.ratio >= 20 and o.typical < 2, o
+    if bug.startswith("decode_"):
+        assert o.step >= 1
+    r = invoke("diff", str(ref), str(run))
+    assert r.exit_code == 0 and f"note: layer {SUBTLE_LAYER}'s own error stands out at " in r.output, r.output
+    j = json.loads(invoke("diff", str(ref), str(run), "--json").output)
+    assert j["match"] is True and j["growth"]["outlier"]["layer"] == SUBTLE_LAYER
+
+
+@pytest.mark.parametrize("name", ["short", "window", "eos", "image", "two_images", "prompt5"])
+def test_a_clean_replay_gets_no_outlier_note(workdir, name):
+    """The static runtime's round-off grows alike through the layers: no layer is singled out."""
+    ref = reference_path(name, workdir)
+    run = workdir / f"clean_{name}.h5"
+    replay_trace(ref, run, force=True)
+    result = diff_traces(ref, run)
+    assert result.match and result.growth.outlier is None, format_text(result)
+    assert "stands out" not in format_text(result)
 
 
 @pytest.mark.parametrize("bug", sorted(BUGS))

@@ -15,7 +15,7 @@ from gemma4_trace.diff import diff_traces, format_text, render_html
 from gemma4_trace.diff.html import EXACT, NONFINITE, NOT_COMPARED, _Scale
 from gemma4_trace.recorder import golden
 from tests.support.cli import invoke
-from tests.support.diff_fixtures import chain, copy_trace, noise, set_at
+from tests.support.diff_fixtures import chain, copy_trace, noise, second_choice, set_at
 
 
 @pytest.fixture(scope="module")
@@ -273,3 +273,32 @@ def test_show_prints_the_total_and_the_per_layer_size(tmp_path):
         n = len(r.layers)
     line = next(x for x in text.splitlines() if x.strip().startswith("q "))
     assert line.endswith(f"{fmt_bytes(total)} in {n} layers ({fmt_bytes(total / n)} each on average)"), line
+
+
+def test_a_baseline_match_says_that_base_itself_diverges_from_ref(tmp_path):
+    """Under --baseline a green 'match' is relative to BASE: the verdict says where BASE itself leaves
+    REF, a token flip BASE makes too is labelled so, and a tensor beyond the tolerance but inside the
+    envelope is not a bare 'ok' (issue 56 item 6)."""
+    shutil.copyfile(golden.golden_path("window"), tmp_path / "ref.h5")
+    flip = set_at("token", None, 4, (), second_choice("window", 4))  # BASE and RUN both choose REF's runner-up
+    copy_trace(tmp_path / "ref.h5", tmp_path / "base.h5", edit=chain(noise("layer_out", 3, 0, 1e-2, seed=5), flip))
+    copy_trace(tmp_path / "ref.h5", tmp_path / "run.h5", edit=chain(noise("layer_out", 3, 0, 1e-2, seed=6), flip))
+    result = diff_traces(tmp_path / "ref.h5", tmp_path / "run.h5", baseline_path=tmp_path / "base.h5")
+    assert result.match
+    against = result.baseline.against_ref
+    assert not against.match and against.first_divergence.startswith("prefill step 0, layer 3 (")
+    assert "vs BASE " in against.first_divergence and against.tokens_matched == against.tokens_compared - 1
+    text = format_text(result)
+    assert text.splitlines()[1].startswith("BASE against REF: BASE itself diverges, first at prefill step 0, layer 3")
+    page = render_html(result)
+    verdict = page[page.index('<div class="verdict') : page.index("</div>")]
+    assert "BASE itself diverges" in verdict
+    flipped = re.search(r"<tr class=\"x\"><td>4</td>.*?</tr>", page)[0]
+    assert "BASE chose it too: inside the envelope" in flipped
+    row = re.search(r'<td class="l">layer_out</td><td>3</td>.*?</tr>', page)[0]
+    assert "ok: beyond the tolerance, inside BASE&#x27;s envelope" in row or "inside BASE's envelope" in row
+    assert json.loads(json.dumps(result.to_json()))["baseline"]["against_ref"]["match"] is False
+    # BASE within the tolerances: said as plainly
+    copy_trace(tmp_path / "ref.h5", tmp_path / "same.h5")
+    same = diff_traces(tmp_path / "ref.h5", tmp_path / "same.h5", baseline_path=tmp_path / "same.h5")
+    assert "BASE against REF: no divergence" in format_text(same)
