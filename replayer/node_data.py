@@ -47,15 +47,19 @@ def kind_values(result_json: dict) -> dict[tuple[str, int | None], float]:
     return out
 
 
-def _tflite_keys(path: Path, ref) -> dict[str, dict[tuple[str, int | None], str]]:
+def _tflite_keys(path: Path, ref) -> tuple[dict[str, dict[tuple[str, int | None], str]], int | None]:
+    """Per signature its kinds' tensor names, and the positions the graph holds (its mask's keys)."""
     from .runtimes.litert import graph as G
 
     cfg = ref.model_config
     text = cfg.get("text_config", cfg)
     ple = int(text.get("hidden_size_per_layer_input") or 0)
     infos = list(ref.layers)
-    out = {}
+    out, positions = {}, None
     for key, sig in G.read(path).items():
+        mask = sig.inputs.get("mask")
+        if mask is not None and sig.tensors[mask].shape:
+            positions = int(sig.tensors[mask].shape[-1])
         names = {}
         for tap in G.taps(sig, infos, int(text["hidden_size"]), (len(infos), ple) if ple else None):
             names[(tap.kind, tap.layer)] = sig.tensors[tap.index].name
@@ -68,7 +72,7 @@ def _tflite_keys(path: Path, ref) -> dict[str, dict[tuple[str, int | None], str]
         if "logits" in sig.outputs:
             names[("logits", None)] = sig.tensors[sig.outputs["logits"]].name
         out[key] = names
-    return out
+    return out, positions
 
 
 PT2_MAX_ENTRIES = 1 << 16  # a program's archive holds a few hundred files
@@ -105,9 +109,27 @@ def _output_name(spec) -> str | None:
     return name if isinstance(name, str) and 0 < len(name) <= 200 else None
 
 
-def _pt2_keys(path: Path) -> dict[str, dict[tuple[str, int | None], str]]:
+def _pt2_positions(graph: dict, signature: dict) -> int | None:
+    """The positions the program's K/V cache buffers hold (their third axis), from the JSON graph."""
+    values = graph.get("tensor_values")
+    for spec in signature.get("input_specs") or []:
+        buffer = spec.get("buffer") if isinstance(spec, dict) else None
+        if not isinstance(buffer, dict) or not str(buffer.get("buffer_name", "")).endswith("_cache"):
+            continue
+        arg = buffer.get("arg")
+        name = arg.get("name") if isinstance(arg, dict) else None
+        sizes = values.get(name, {}).get("sizes") if isinstance(values, dict) and isinstance(name, str) else None
+        if isinstance(sizes, list) and len(sizes) == 4 and isinstance(sizes[2], dict):
+            n = sizes[2].get("as_int")
+            if isinstance(n, int) and 0 < n < 1 << 40:
+                return n
+    return None
+
+
+def _pt2_keys(path: Path) -> tuple[dict[str, dict[tuple[str, int | None], str]], int | None]:
     """The program's output nodes by kind, read from the archive's JSON parts alone: its
-    serialized graph (models/model.json) and the outputs' names `trace export-pt2` adds. Nothing
+    serialized graph (models/model.json) and the outputs' names `trace export-pt2` adds; and the
+    positions its K/V cache holds. Nothing
     in it is unpickled or run (torch.export.load would unpickle its sample inputs and may
     unpickle constants: a .pt2 is untrusted input like a trace)."""
     import zipfile
@@ -143,11 +165,13 @@ def _pt2_keys(path: Path) -> dict[str, dict[tuple[str, int | None], str]]:
             what = f"an output named {name[:60]!r}"
             raise _not_ours(path, what)
         keys[site] = node
-    return {"graph": keys}
+    inner = graph.get("graph")
+    return {"graph": keys}, _pt2_positions(inner if isinstance(inner, dict) else {}, signature)
 
 
-def node_data(result_json: dict, ref, graph_path) -> dict:
-    """The ModelNodeData JSON (a dict) of a diff over the graph at graph_path."""
+def node_data(result_json: dict, ref, graph_path) -> tuple[dict, int | None]:
+    """The ModelNodeData JSON (a dict) of a diff over the graph at graph_path, and the positions the
+    graph holds (None where it does not say); a graph too short for the traces is refused."""
     path = Path(graph_path)
     if not path.is_file():
         raise TraceToolError(f"--graph {path}: no such file")
@@ -157,11 +181,16 @@ def node_data(result_json: dict, ref, graph_path) -> dict:
         if importlib.util.find_spec("ai_edge_litert") is None:  # its flatbuffer schema reads the file
             hint = install_hint("litert")
             raise TraceToolError(f"--graph {path.name}: reading a .tflite needs ai-edge-litert: {hint}")
-        graphs = _tflite_keys(path, ref)
+        graphs, positions = _tflite_keys(path, ref)
     elif path.suffix == ".pt2":
-        graphs = _pt2_keys(path)
+        graphs, positions = _pt2_keys(path)
     else:
         raise TraceToolError(f"--graph {path}: expected a .tflite (LiteRT) or a .pt2 (trace export-pt2) file")
+    if positions is not None and positions < ref.n_positions:
+        raise TraceToolError(
+            f"--graph {path.name} holds {positions} positions (its K/V cache) and the traces {ref.n_positions}: "
+            f"it is not the graph RUN ran (export it for this trace: --max-seq {ref.n_positions} or more)"
+        )
     values = kind_values(result_json)
     first = result_json.get("first_divergence") or {}
     first_key = (first.get("kind"), first.get("layer")) if first else None
@@ -182,16 +211,17 @@ def node_data(result_json: dict, ref, graph_path) -> dict:
             }
     if not out:
         raise TraceToolError(f"--graph {path}: none of its nodes is a kind the diff compared")
-    return out
+    return out, positions
 
 
-def write_node_data(result, graph_path, out_path, force: bool = False) -> Path:
-    """Write the overlay with the traces' atomic writer (complete or absent)."""
+def write_node_data(result, graph_path, out_path, force: bool = False) -> int | None:
+    """Write the overlay with the traces' atomic writer (complete or absent); the positions the graph
+    holds, where it says."""
     from gemma4_trace.traces.reader import TraceReader
 
     check_output_path(out_path, force, inputs=(result.reference.path, result.candidate.path, graph_path))
     with TraceReader(result.reference.path) as ref:
-        data = node_data(result.to_json(), ref, graph_path)
+        data, positions = node_data(result.to_json(), ref, graph_path)
     with atomic_output(out_path, force) as tmp:
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
-    return Path(out_path)
+    return positions

@@ -88,8 +88,9 @@ def diff_cmd(
     if node_data:
         from gemma4_trace.replayer.node_data import write_node_data
 
-        write_node_data(result, graph_path, node_data, force=force)
-        written.append(f"wrote {node_data} (Model Explorer node data over {Path(graph_path).name})")
+        positions = write_node_data(result, graph_path, node_data, force=force)
+        built = f", a graph of {positions} positions" if positions is not None else ""
+        written.append(f"wrote {node_data} (Model Explorer node data over {Path(graph_path).name}{built})")
     echo_lines(json.dumps(result.to_json(), indent=2) if as_json else format_text(result))
     for line in written:
         click.echo(one_line(line), err=True)

@@ -23,9 +23,9 @@ GOLDEN = ROOT / "traces" / "golden" / "short.h5"
 
 @pytest.fixture(scope="module")
 def program(tmp_path_factory) -> Path:
-    """The embedded model's decode step as `trace export-pt2` writes it."""
+    """The embedded model's decode step as `trace export-pt2` writes it, for GOLDEN's 15 positions."""
     out = tmp_path_factory.mktemp("pt2")
-    r = invoke("export-pt2", "--max-seq", 8, "-o", out)
+    r = invoke("export-pt2", "--max-seq", 16, "-o", out)
     assert r.exit_code == 0, r.output
     return out / "decode.pt2"
 
@@ -263,7 +263,7 @@ def test_a_litert_export_with_renamed_caches_is_drawn_or_refused_in_one_line(tmp
 
     pytest.importorskip("ai_edge_litert", reason="ai-edge-litert is not installed (pip install -e '.[litert]')")
     out = tmp_path / "litert"
-    r = invoke("export-litert", "--max-seq", 8, "-o", out)
+    r = invoke("export-litert", "--max-seq", 16, "--prefill-chunk", 3, "-o", out)  # the export test_litert.py caches
     assert r.exit_code == 0, r.output
     good = (out / "model.tflite").read_bytes()
 
@@ -280,3 +280,19 @@ def test_a_litert_export_with_renamed_caches_is_drawn_or_refused_in_one_line(tmp
     assert nd.is_file()
     nd2 = tmp_path / "nd2.json"
     one_line_error(diff(renamed(b"kv_cache_k_1", b"kv_cache_k_9"), nd2), "are not numbered 0 to", out=nd2)
+
+
+def test_a_graph_too_short_for_the_traces_is_refused_and_the_overlay_says_the_graphs_size(program, tmp_path):
+    """A graph exported for fewer positions than the traces hold is not the graph RUN ran: one line
+    naming both sizes and the --max-seq to export; a graph that fits is named with its size."""
+    nd = tmp_path / "nd.json"
+    r = diff(program, nd)
+    assert r.exit_code == 0 and "Model Explorer node data over decode.pt2, a graph of 16 positions" in r.output
+    short = tmp_path / "short"
+    assert invoke("export-pt2", "--max-seq", 8, "-o", short).exit_code == 0
+    one_line_error(
+        diff(short / "decode.pt2", tmp_path / "nd2.json"),
+        "holds 8 positions",
+        "--max-seq 15",
+        out=tmp_path / "nd2.json",
+    )
