@@ -559,3 +559,36 @@ def _rounding_masked(text: str) -> str:
     import re
 
     return re.sub(r"\b\d(\.\d+)?e-(0?[6-9]|[1-9]\d)\b", "~0", text)
+
+
+def test_the_softcap_repro_script_still_shows_the_missing_cap(tmp_path):
+    """Pinned: docs/upstream/litert_torch_softcap_repro.py, run on the suite's cached export (its
+    --exported option: the same export_hf command it runs itself), prints what the write-up shows
+    and exits 1. It imports nothing of this repository. When it exits 0, the bug is fixed upstream:
+    update docs/upstream/litert-torch-softcap.md and the LiteRT docs."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = root / "docs" / "upstream" / "litert_torch_softcap_repro.py"
+    imported = {
+        (n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+        for n in ast.walk(ast.parse(script.read_text()))
+        if isinstance(n, ast.Import) or (isinstance(n, ast.ImportFrom) and n.level == 0)
+        for a in n.names
+    }
+    assert imported <= {"__future__", "argparse", "json", "subprocess", "sys", "tempfile", "pathlib", "numpy",
+                        "torch", "ai_edge_litert", "transformers"}, imported  # fmt: skip
+    files = tmp_path / "files"
+    r = invoke("export-litert", "--max-seq", MAX_SEQ, "--prefill-chunk", CHUNK, "-o", files)
+    assert r.exit_code == 0, r.output
+    p = subprocess.run(
+        [sys.executable, str(script), "--exported", str(files)], capture_output=True, text=True, timeout=600, cwd=root
+    )
+    assert p.returncode == 1, p.stderr[-2000:]
+    doc = (root / "docs" / "upstream" / "litert-torch-softcap.md").read_text().splitlines()
+    start = doc.index("    $ python docs/upstream/litert_torch_softcap_repro.py") + 1
+    shown = [ln.strip() for ln in doc[start : start + 3]]
+    assert p.stdout.splitlines() == shown, (p.stdout, shown)
