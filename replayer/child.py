@@ -88,9 +88,34 @@ class Malformed(Exception):
     """Bytes on the stream that are no message of ours."""
 
 
-def recv_msg(stream, limit: int = MAX_REPLY):
+# what a child's reply may name: numpy's arrays, dtypes and scalars, nothing else (lists, tuples,
+# dicts, strings and numbers need no name). A child runs third-party native code on untrusted files:
+# a reply that named any other callable would run it in the parent, outside the confinement.
+REPLY_GLOBALS = (
+    {(module, name) for module in ("numpy._core.numeric", "numpy.core.numeric") for name in ("_frombuffer",)}
+    | {
+        (module, name)
+        for module in ("numpy._core.multiarray", "numpy.core.multiarray")
+        for name in ("scalar", "_reconstruct")
+    }
+    | {("numpy", "dtype"), ("numpy", "ndarray")}
+)
+
+
+class _ReplyUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) not in REPLY_GLOBALS:
+            raise pickle.UnpicklingError(f"a reply names {module}.{name}")
+        return super().find_class(module, name)
+
+
+def recv_msg(stream, limit: int = MAX_REPLY, trusted: bool = False):
     """The next message, or None where the stream ends before one is whole. Malformed: a head
-    asking for more than `limit` bytes or MAX_BUFFERS buffers, or a pickle that does not load."""
+    asking for more than `limit` bytes or MAX_BUFFERS buffers, or a pickle that does not load, or
+    (unless `trusted`: the parent's commands, read by the child) one naming anything but numpy's
+    array, dtype and scalar constructors (REPLY_GLOBALS)."""
+    import io
+
     import numpy
 
     head = stream.read(HEAD.size)
@@ -109,7 +134,9 @@ def recv_msg(stream, limit: int = MAX_REPLY):
     if len(data) < n or not all(_fill(stream, memoryview(b)) for b in bufs):
         return None
     try:
-        return pickle.loads(data, buffers=bufs)
+        if trusted:
+            return pickle.loads(data, buffers=bufs)
+        return _ReplyUnpickler(io.BytesIO(data), buffers=bufs).load()
     except Exception as e:  # noqa: BLE001 - whatever the bytes made pickle raise
         raise Malformed from e
 
@@ -360,7 +387,7 @@ def main() -> int:
     module, _, cls = sys.argv[1].partition(":")
     engine = getattr(importlib.import_module(module), cls)(emit)  # imported before the first command
     while True:
-        msg = recv_msg(inp)
+        msg = recv_msg(inp, trusted=True)  # the parent's command
         if msg is None:  # the parent closed its end, or is gone: nothing this process started stays
             confine.end_group()
             return 0

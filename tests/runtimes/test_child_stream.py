@@ -178,3 +178,34 @@ def test_a_malformed_reply_is_one_line_and_ends_the_child(child):
         child._receive("decode step 2")
     assert str(e.value) == "stream sent a malformed reply in decode step 2 before reporting anything"
     assert child.proc.wait(timeout=10) < 0  # killed
+
+
+class _Marker:
+    """Unpickled, this would create `path`: proof that a reply ran code in the parent."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_reply_that_names_a_callable_is_refused_and_runs_nothing(child, tmp_path):
+    """A child runs third-party native code on untrusted files, confined; a reply that named a
+    callable would run it in the parent, outside the confinement. Only numpy's array, dtype and scalar
+    constructors may be named: anything else is a malformed reply, and nothing ran."""
+    marker = tmp_path / "ran"
+    data = _wire(("outputs", [np.arange(3, dtype=np.float32), _Marker(marker)]))
+    with pytest.raises(NC.Malformed):
+        NC.recv_msg(io.BytesIO(data))
+    assert not marker.exists()
+    child.proc.stdout = io.BytesIO(data)  # as if the child had written it
+    with pytest.raises(TraceToolError, match="malformed reply"):
+        child._receive("prefill")
+    assert not marker.exists()
+    # what replies hold passes: arrays (contiguous or not, any dtype), numpy scalars, plain data
+    good = ("ready", {"a": (np.ones((2, 3), np.float16).T, np.float32(2.5), np.bool_(True), [1, "x", None], b"z")})
+    tag, body = NC.recv_msg(io.BytesIO(_wire(good)))
+    assert tag == "ready" and body["a"][1] == np.float32(2.5) and body["a"][0].shape == (3, 2)
+    # the parent's commands, read by the child, are trusted (they carry paths and engine names)
+    assert NC.recv_msg(io.BytesIO(_wire(("load", tmp_path))), trusted=True) == ("load", tmp_path)
