@@ -247,6 +247,9 @@ _READ = {
 
 
 # ------------------------------------------------------------------ the parent
+_SAID: set = set()  # the model folders and (folder, mode) pairs whose loading line this process wrote
+
+
 class MLXRuntime(ChildRuntime):
     """mlx-lm's Gemma 4 in the child; the host feeds token ids and hands the tapped kinds to the probe."""
 
@@ -260,10 +263,15 @@ class MLXRuntime(ChildRuntime):
         what = "float32" if base == "mlx" else f"mlx-lm's quantize_model: {MODES[base]}-bit affine, group size {GROUP}"
         if mode.endswith("-dq"):
             what += ", dequantized into float32 weights"
-        said = f"; config.json fixed for mlx-lm: {'; '.join(fixes)}" if fixes else ""
-        print(
-            f"{mode}: loading with mlx-lm (MLX compiles its CPU kernels with g++ on first use){said}", file=sys.stderr
-        )
+        # said once per process (a sweep loads the runtime for every prompt, and its baseline beside it)
+        model_key = str(Path(loaded.model_dir).resolve())
+        said = f"; config.json fixed for mlx-lm: {'; '.join(fixes)}" if fixes and model_key not in _SAID else ""
+        if (model_key, mode) not in _SAID:
+            print(
+                f"{mode}: loading with mlx-lm (MLX compiles its CPU kernels with g++ on first use){said}",
+                file=sys.stderr,
+            )
+        _SAID.update({model_key, (model_key, mode)})
         child = self.start(label, ENGINE, streams=True)
         try:
             kinds = None if capture is None else sorted(capture)  # the child taps only these (--kinds)

@@ -592,3 +592,15 @@ def test_the_softcap_repro_script_still_shows_the_missing_cap(tmp_path):
     start = doc.index("    $ python docs/upstream/litert_torch_softcap_repro.py") + 1
     shown = [ln.strip() for ln in doc[start : start + 3]]
     assert p.stdout.splitlines() == shown, (p.stdout, shown)
+
+
+def test_a_quantized_export_says_the_time_of_each_of_its_two_builds(tmp_path):
+    """export-litert --runtime litert-int8 builds the float export, then quantizes it: the summary
+    gives each its own time (it used to give the quantization's alone after a long export)."""
+    import re
+
+    r = invoke("export-litert", "--runtime", "litert-int8", "--max-seq", MAX_SEQ, "--prefill-chunk", CHUNK,
+               "-o", tmp_path / "q")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    how = r"(cached|built in [0-9.]+ s)"
+    assert re.search(rf"\(the float export {how}, the litert-int8 model {how}\)$", r.stdout.strip()), r.stdout

@@ -110,7 +110,8 @@ def _no_model_load(*a, **k):
     raise AssertionError("the model was loaded before the refusal")
 
 
-def test_a_crash_in_mlx_is_one_line_and_leaves_no_trace(tmp_path):
+def test_a_crash_in_mlx_is_one_line_and_leaves_no_trace(tmp_path, monkeypatch):
+    monkeypatch.setattr("gemma4_trace.replayer.runtimes.mlx._SAID", set())  # as in a process of its own
     out = tmp_path / "crash.h5"
     crash = {"GEMMA4_TRACE_TEST_NATIVE_CRASH": "attn_out@3"}
     r = invoke("replay", golden_path("short"), "--runtime", "mlx", "-o", out, env=crash)
@@ -158,3 +159,16 @@ except ValueError as e:
     assert load().startswith("Expected shape (2048, 64) but received shape (128, 64) for parameter ")
     (tmp_path / "config.json").write_text(json.dumps(M.fixed_config(cfg)[0]))
     assert load() == "loaded"
+
+
+def test_the_loading_line_and_the_config_fixes_are_said_once_per_process(tmp_path, monkeypatch):
+    """A sweep loads the runtime for every prompt: the loading line, with what was fixed in
+    config.json, is written the first time only."""
+    monkeypatch.setattr("gemma4_trace.replayer.runtimes.mlx._SAID", set())
+    first = invoke("replay", golden_path("short"), "--runtime", "mlx", "-o", tmp_path / "a.h5")
+    again = invoke("replay", golden_path("short"), "--runtime", "mlx", "-o", tmp_path / "b.h5")
+    assert first.exit_code == 0 and again.exit_code == 0, (first.output, again.output)
+    assert first.stderr.count("mlx: loading with mlx-lm") == 1 and "config.json fixed for mlx-lm" in first.stderr
+    assert "loading with mlx-lm" not in again.stderr and "config.json fixed" not in again.stderr, again.stderr
+    with TraceReader(tmp_path / "b.h5") as t:  # the trace still says what was fixed
+        assert "config fixed:" in t.provenance["runtime"]
