@@ -25,6 +25,7 @@ from .metrics import ranges_text, rel_l2_of_sums
 from .result import DiffResult, Divergence, Hint
 
 MAX_ROWS = 64  # rows past the first divergence a signature reads (masks, RoPE, logits, PLE)
+SCORES_FACTOR = 10.0  # wrong scores: attn_out this many times its tolerance (FP16 scores' rounding: about 2x)
 MAX_PREFILL_ROWS = 512  # prompt rows read to tell image from text positions (prompts with images only)
 MAX_LOGIT_ROWS = 8  # steps of logits (a vocabulary each) the soft-cap signature reads
 SHIFTS = range(-8, 9)  # RoPE position offsets tried
@@ -39,6 +40,7 @@ IDENTITY_ROPE = "RoPE not applied"
 ROPE_OFFSET = "RoPE position offset"
 UNWRITTEN_KV = "zeros read from a KV cache nobody wrote"
 KV_SOURCE_WRONG = "KV-sharing source wrong"
+SCORES_WRONG = "attention scores wrong"
 NO_SOFTCAP = "final logit soft-cap missing"
 PLE_MISSING = "per-layer inputs (PLE) missing"
 PLE_RAW_IMAGE_IDS = "PLE looked up with the raw image token ids"
@@ -55,6 +57,7 @@ NAMES = (
     ROPE_OFFSET,
     UNWRITTEN_KV,
     KV_SOURCE_WRONG,
+    SCORES_WRONG,
     NO_SOFTCAP,
     PLE_MISSING,
     PLE_RAW_IMAGE_IDS,
@@ -317,6 +320,44 @@ def _reused_kv(s: _Site) -> Hint | None:
     return None
 
 
+def _scores_wrong(s: _Site) -> Hint | None:
+    """attn_out is the first thing wrong, in the prefill, at a layer whose q, mask and K/V were compared
+    (and matched: they come first): right at every query that sees one key, wrong (SCORES_FACTOR times
+    its tolerance at least) from the first that sees two. One key gets softmax weight 1 whatever its
+    score, so only the scores (or their softmax) can be wrong: a K transpose lost where one KV head is
+    broadcast to the query heads (litert-torch's convert), or a wrong scale."""
+    d, li = s.d, s.layer
+    if li is None or d.phase != "prefill" or d.position is None or not 0 < d.position < MAX_ROWS:
+        return None
+    src = li.kv_source
+    if not (s.both("q", d.layer) and s.both("mask", d.layer) and s.both("k", src) and s.both("v", src)):
+        return None  # what the layer attends with and over was not all compared
+    masks, _ = s.rows("mask", d.layer, 0, d.position + 1)
+    seen = [len(_keys(row)) for row in masks]  # keys REF lets each query see
+    if len(seen) != d.position + 1 or seen[-1] < 2 or any(n != 1 for n in seen[:-1]):
+        return None  # not the first query with two keys, after queries with one
+    a, b = s.rows("attn_out", d.layer, 0, d.position + 1)
+    if a.shape[0] != d.position + 1:
+        return None
+    rel = _rel(a, b)
+    if (rel[:-1] > s.tol).any() or rel[-1] < SCORES_FACTOR * s.tol:
+        return None  # a query with one key differs, or the error is rounding's size (FP16 scores)
+    upto = "position 0" if d.position == 1 else f"positions 0-{d.position - 1}"
+    gqa = (
+        f"; this layer broadcasts {li.num_kv_heads} KV head(s) to {li.num_heads} query heads, where a lost K "
+        "transpose has been seen (litert-torch's convert, docs/upstream/litert-torch-gqa-transpose.md)"
+        if li.num_kv_heads < li.num_heads
+        else ""
+    )
+    return Hint(
+        SCORES_WRONG,
+        f"layer {d.layer}'s q, mask and K/V match; its attn_out is right at {upto} (one key visible: softmax "
+        f"gives it weight 1 whatever its score) and wrong from position {d.position}, the first query that sees "
+        f"two keys (rel-L2 {{rel}}): the scores q.K or their scale are computed wrong{gqa}",
+        {"rel": (float(rel[-1]), "sci")},
+    )
+
+
 # ---------------------------------------------------------------- logits
 def _softcap(s: _Site) -> Hint | None:
     """c * tanh(RUN / c) is REF's logits (c: the config's final_logit_softcapping) at every step read."""
@@ -452,7 +493,7 @@ def _vision(s: _Site) -> Hint | None:
 CHECKS: dict[str, tuple[Callable[[_Site], Hint | None], ...]] = {
     "mask": (_later_keys_visible, _current_key_left_out, _sliding_window),
     "rope": (_rope_identity, _rope_offset),
-    "attn_out": (_reused_kv,),
+    "attn_out": (_reused_kv, _scores_wrong),
     "logits": (_softcap,),
     "layer_out": (_ple_missing,),
     "per_layer_inputs": (_ple_image_ids, _stale_ple),

@@ -105,6 +105,10 @@ def expected(bug: str, f: Facts) -> tuple[int, int | None, str, int]:
     if bug == "padding_kv_read_by_slot":
         # prefill masks hide the padding rows; the first decode query sees the later slots
         return 1, 0, "mask", T
+    if bug == "full_attention_scaled":
+        # q, k, v and the mask are right; query 0 sees one key (softmax weight 1 whatever its score),
+        # query 1 two: the first full layer's attention output from position 1
+        return 0, f.first_full, "attn_out", 1
     if bug == "no_softcap":
         # nothing before the logits changes; logits are indexed by step, at the prefill's last position
         return 0, None, "logits", T - 1

@@ -34,6 +34,7 @@ FLOAT = {
     "reuse_own_cache_in_decode": H.UNWRITTEN_KV,
     "reuse_stale_current_row": H.KV_SOURCE_WRONG,
     "decode_slice_short": H.CURRENT_KEY_LEFT_OUT,
+    "full_attention_scaled": H.SCORES_WRONG,
     "padding_kv_read_by_slot": H.MASK_BY_FILLED_SLOT,
     "no_softcap": H.NO_SOFTCAP,
     "no_ple": H.PLE_MISSING,
@@ -149,3 +150,30 @@ def test_unreadable_trace_gives_no_hint(zoo, tmp_path):
     bad = tmp_path / "bad.h5"
     bad.write_bytes(b"not a trace")
     assert H.likely_cause(result, ref, bad) is None
+
+
+@pytest.mark.parametrize("rel,hinted", [(2e-4, False), (5e-2, True)])
+def test_scores_wrong_needs_more_than_rounding(tmp_path, rel, hinted):
+    """attention scores wrong fires on an attn_out that is right at position 0 (one key) and wrong from
+    position 1, its q, mask and K/V matching, only where the error is far above the tolerance: FP16
+    scores (llama.cpp) give about 2x the float32 tolerance there, with the same shape."""
+    import numpy as np
+
+    from gemma4_trace.recorder import golden
+    from tests.support.diff_fixtures import copy_trace
+
+    def edit(kind, layer, step, rows):
+        if (kind, layer, step) == ("attn_out", 0, 0):
+            rng = np.random.default_rng(5)
+            scale = rel * np.sqrt(np.mean(rows[1:].astype(np.float64) ** 2, axis=-1, keepdims=True))
+            rows[1:] += (rng.standard_normal(rows[1:].shape) * scale).astype(rows.dtype)
+        return rows
+
+    ref = golden.golden_path("short")
+    copy_trace(ref, tmp_path / "run.h5", edit=edit)
+    result = diff_traces(ref, tmp_path / "run.h5")
+    d = result.first_divergence
+    assert (d.step, d.layer, d.kind, d.position) == (0, 0, "attn_out", 1), d.sentence
+    assert _name(result) == (H.SCORES_WRONG if hinted else None), result.hint
+    if hinted:
+        assert "broadcasts 1 KV head(s) to 4 query heads" in result.hint.evidence

@@ -313,6 +313,9 @@ def test_litert_convert_of_hf_forward_finds_the_gqa_lowering_bug(runs, tmp_path)
     first = res["first_divergence"]
     assert (first["step"], first["layer"], first["kind"], first["position"]) == (0, 0, "attn_out", 1), first
     assert first["value"] > 0.1
+    # the signature is named: scores wrong from the first query with two keys, at a GQA broadcast
+    assert res["hint"]["name"] == "attention scores wrong", res.get("hint")
+    assert "broadcasts 1 KV head(s) to 4 query heads" in res["hint"]["evidence"], res["hint"]
     with TraceReader(runs["ref"]) as a, TraceReader(out) as b:
         assert "litert_torch.convert" in b.provenance["runtime"]
         for kind in ("q", "k", "v"):

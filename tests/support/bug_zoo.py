@@ -353,7 +353,20 @@ class WindowOffByOne(_Bug):
         self.window += 1  # the masks are computed from it (_mask_rows)
 
 
-# --------------------------------------------------------------------- 12. under the tolerance
+# --------------------------------------------------------------------- 12. attention scale
+class FullAttentionScaled(_Bug):
+    """Full-attention layers scale their scores by 1/sqrt(head_dim), the usual transformer scaling,
+    where Gemma 4's are unscaled (q and k are RMS-normed instead): the keys they read come scaled."""
+
+    name = "bug-full-attention-scaled"
+
+    def _read_kv(self, i, input_pos):
+        k, v = super()._read_kv(i, input_pos)
+        info = self.infos[i]
+        return (k * info.head_dim**-0.5, v) if info.layer_type == "full_attention" else (k, v)
+
+
+# --------------------------------------------------------------------- 13. under the tolerance
 # One layer computes something slightly wrong: every tensor stays within its tolerance, so the diff
 # matches, but that layer's own error stands out against float round-off (the diff's outlier note).
 SUBTLE_LAYER = 5
@@ -486,6 +499,10 @@ def make_one_layer_gelu_constant(loaded, max_seq):
     return OneLayerGeluConstant(loaded, max_seq)
 
 
+def make_full_attention_scaled(loaded, max_seq):
+    return FullAttentionScaled(loaded, max_seq)
+
+
 def make_window_off_by_one(loaded, max_seq):
     return WindowOffByOne(loaded, max_seq)
 
@@ -537,6 +554,11 @@ BUGS = {
         "make_padding_kv_read_by_slot",
         "short",
         "prefill writes padding K/V into the cache; decode masks by filled slot, not position",
+    ),
+    "full_attention_scaled": (
+        "make_full_attention_scaled",
+        "short",
+        "full-attention layers scale their scores by 1/sqrt(head_dim), where Gemma 4's are unscaled",
     ),
     "no_softcap": ("make_no_softcap", "short", "the final logit soft-cap is missing"),
     "no_ple": ("make_no_ple", "short", "per-layer embeddings (PLE) are missing"),
