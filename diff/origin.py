@@ -199,9 +199,11 @@ def _largest_jump(layers: list[int], table, thresholds, embed) -> Jump | None:
 def own_error_outlier(growth: Growth) -> Outlier | None:
     """The layer and step where one layer's own error stands out against the rest (see OUTLIER_RATIO),
     or None. Each layer's step-up is its layer_out rel-L2 over its input's (layer 0's input: the
-    embeddings, unless they are exact to round-off) at the same step, both counted at least
-    OUTLIER_FLOOR x the larger of their two tolerances; under --baseline each over BASE's first, so
-    the envelope's own growth (a quantized layer's) is no step-up."""
+    embeddings, unless they are exact to round-off) at the same step. The input's error counts at
+    least at its median over the steps (kernels whose round-off varies from step to step make a
+    quiet step now and then: no step-up out of that), and both at least OUTLIER_FLOOR x the larger
+    of their two tolerances; under --baseline each over BASE's first, so the envelope's own growth
+    (a quantized layer's) is no step-up."""
     table, thresholds, layers = growth.table, growth.thresholds, growth.layers
     if not table or not table[0]:
         return None
@@ -209,6 +211,8 @@ def own_error_outlier(growth: Growth) -> Outlier | None:
     rows = ([(("embeddings", None), *embed)] if embed is not None else []) + [
         ((GROWTH_KIND, l), row, trow) for l, row, trow in zip(layers, table, thresholds)
     ]
+    usual = {key: float(np.median([v for v in values if v is not None and math.isfinite(v)] or [0.0]))
+             for key, values, _ in rows}  # fmt: skip
 
     def counted(key, v, floor, s):
         v = max(v, floor)
@@ -217,7 +221,7 @@ def own_error_outlier(growth: Growth) -> Outlier | None:
         b = (growth.base.get(key) or [None] * (s + 1))[s]
         return v / max(b if b is not None else 0.0, floor)
 
-    ups = []  # (step-up, layer, step)
+    ups = []  # (step-up, layer, step, the input's error as counted)
     for s in range(len(table[0])):
         prev = None  # (key, value, tolerance) of the last row with a value at this step
         for key, values, tols in rows:
@@ -228,7 +232,8 @@ def own_error_outlier(growth: Growth) -> Outlier | None:
             # layer 0 fed exact embeddings: any port whose kernels differ from REF's starts its round-off
             # there, so its step-up says nothing of a bug
             if prev is not None and key[0] == GROWTH_KIND and not (prev[0][0] == "embeddings" and prev[1] < floor):
-                ups.append((counted(key, v, floor, s) / counted(prev[0], prev[1], floor, s), key[1], s))
+                fed = max(prev[1], usual[prev[0]], floor)
+                ups.append((counted(key, v, floor, s) / counted(prev[0], fed, floor, s), key[1], s, fed))
             prev = (key, v, t)
     if not ups:
         return None
@@ -237,7 +242,5 @@ def own_error_outlier(growth: Growth) -> Outlier | None:
     typical = float(np.median(others)) if others else 1.0
     if top[0] < OUTLIER_RATIO or top[0] < OUTLIER_SPREAD * max(typical, 1.0):
         return None
-    ratio, layer, step = top
-    k = layers.index(layer)
-    before = (table[k - 1] if k else embed[0] if embed is not None else [0.0] * len(table[0]))[step]
-    return Outlier(layer, ratio, before or 0.0, table[k][step], step, typical, growth.base is not None)
+    ratio, layer, step, fed = top
+    return Outlier(layer, ratio, fed, table[layers.index(layer)][step], step, typical, growth.base is not None)

@@ -320,8 +320,9 @@ class Jump:
 @dataclass
 class Outlier(Jump):
     """One layer's own error standing out under the tolerance (a match's note; JSON: growth.outlier).
-    ratio: its step-up (under --baseline, of its error over BASE's); before, after: its input's and its
-    own layer_out rel-L2 at that step; typical: the other layers' median step-up."""
+    ratio: its step-up (under --baseline, of its error over BASE's); before: its input's error as
+    counted (at least that input's median over the steps); after: its own layer_out rel-L2 at that
+    step; typical: the other layers' median step-up."""
 
     typical: float = 0.0
     over_base: bool = False
