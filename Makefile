@@ -25,11 +25,12 @@ demo: $(BIN)/.installed
 	$(BIN)/trace replay --force $(OUT)/ref.h5 -o $(OUT)/run.h5
 	$(BIN)/trace diff $(OUT)/ref.h5 $(OUT)/run.h5 --force --report $(OUT)/report.html
 
-# lint and format checks (ruff, configured in pyproject.toml) on the whole tree, then the suite
+# lint and format checks (ruff, configured in pyproject.toml) on the whole tree, then the suite (its 25
+# slowest tests listed at the end: where the suite's time goes, docs/benchmarks.md)
 test: $(BIN)/.installed-extras
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -n auto
+	$(BIN)/python -m pytest -q -n auto --durations=25
 
 # the inner loop: every test but those marked slow (the adapters that export or lower, docs, sweeps, fuzzing)
 test-fast: $(BIN)/.installed-extras
