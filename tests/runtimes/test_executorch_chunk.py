@@ -162,7 +162,10 @@ def test_a_failed_quantization_is_one_line_and_leaves_no_output(tmp_path, monkey
 
     monkeypatch.setattr(ET, "_quantized", fail)
     out = tmp_path / "o.h5"
-    r = invoke("replay", golden_path("short"), "--runtime", "executorch-int8-reference", "-o", out)
+    cache = tmp_path.parent / f"{tmp_path.name}-cache"  # its own: a converted program cached by any run would be used
+    r = invoke(
+        "replay", golden_path("short"), "--runtime", "executorch-int8-reference", "-o", out, "--cache-dir", cache
+    )
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     said = r.stderr.splitlines()  # the progress line, then the error
     assert said[0].startswith("quantizing the prefill and decode programs (PT2E"), said
