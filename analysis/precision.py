@@ -114,13 +114,15 @@ def baseline_judge(reference, baseline):
     --baseline` checks it), then a judge: does `trace diff --baseline BASE` of a replay's trace pass?"""
     if baseline is None:
         return None
-    from gemma4_trace.diff import diff_traces
+    from gemma4_trace.diff import compare
     from gemma4_trace.diff.baseline import check_baseline
     from gemma4_trace.traces.reader import TraceReader
 
     with TraceReader(reference) as ref, TraceReader(baseline) as base:
         check_baseline(ref, ref, base)  # REF stands in for the replays: same prompt, steps and mode
-    return lambda run: diff_traces(reference, run, None, baseline).match
+    # the verdict alone: compare, not diff_traces (whose sentence, hint and BASE-against-REF
+    # judgement would be recomputed for every candidate of the search)
+    return lambda run: compare(reference, run, None, baseline).match
 
 
 def check_target_baseline(target: Target, baseline) -> None:

@@ -25,6 +25,7 @@ MODES = ("mlx", "mlx-q8", "mlx-q8-dq", "mlx-q4", "mlx-q4-dq")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("mlx")
     out = {"ref": golden_path("window"), "dir": d}  # 24 steps: past the sliding window (mlx-lm's ring buffer)
+    M._SAID.clear()  # the loading line is said once per process: as in a process of its own
     for mode in MODES:
         out[mode] = d / f"{mode}.h5"
         r = invoke("replay", out["ref"], "--runtime", mode, "-o", out[mode])
