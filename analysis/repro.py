@@ -46,9 +46,9 @@ TEMPLATE = Path(__file__).with_name("repro_template.py")
 def first_divergence_site(ref_path, run_path, base_path=None) -> tuple[int, int]:
     """(step, layer) of the first divergence `trace diff REF RUN [--baseline BASE]` finds, for
     `trace repro` without --at."""
-    from gemma4_trace.diff import diff_traces
+    from gemma4_trace.diff import compare  # the site alone: no sentence, hint or BASE-against-REF judgement
 
-    d = diff_traces(ref_path, run_path, baseline_path=base_path).first_divergence
+    d = compare(ref_path, run_path, baseline_path=base_path).first_divergence
     if d is None:
         judged = " judged against BASE" if base_path is not None else ""
         raise TraceToolError(f"RUN matches REF{judged} (no divergence): pass --at STEP,LAYER to choose a layer")
