@@ -183,6 +183,8 @@ class TicoRuntime(Runtime):
             )
         batch = self._batch(input_ids, extra, has_image)
         if self.quantized:  # calibrate the fake-quant observers on this prompt, then freeze them
+            if has_image:  # TICO builds its vision step only outside calibration mode: built first
+                self.rt._get_or_create_vision_prefill(batch["image_position_ids"])
             self.rt.qmodel.enable_calibration()
             self.rt.prefill(batch)
             self.rt.qmodel.freeze_qparams()

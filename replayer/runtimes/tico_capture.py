@@ -6,14 +6,19 @@ what they saw during one call reported to the probe as canonical kinds.
   export module's (h, k, v) by the index of each kind;
 - q and the mask: the values handed to TICO's fake-quant observers (`_fq` wrapped);
 - RoPE rows from its mask/RoPE builders (its pre-negated sine undone);
-- `final_hidden`: its own final norm applied to the last layer's output rows."""
+- `final_hidden`: its own final norm applied to the last layer's output rows;
+- the vision tower's sites: hooks on its vision step (made at an image prompt's first prefill),
+  q and k the results of its 2D RoPE, reported as the real patches' rows (its static profile holds
+  the processor's padding patches too), pooled and soft tokens as it strips them."""
 
 from __future__ import annotations
 
 import torch
 
+from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.schema import rope_kinds, sites_of
 
+from ..api import report
 from .captures import ROPE
 from .registry import captures
 from .tico_spec import TICO
@@ -21,6 +26,7 @@ from .tico_spec import TICO
 NEG_ALLOWED_ABOVE = -1.0  # TICO's additive masks: 0 allowed, its fill value (-120) not
 # the observers of TICO's attention whose fake-quant input is a kind (the capture map's `via`): name -> kind
 OBSERVED = {r.via: r.kind for r in TICO.rows if r.native.endswith("._fq")}
+VISION_ROWS = tuple(r for r in TICO.rows if S.KIND_BY_NAME[r.kind].tower == "vision")
 
 
 def _resolve(obj, path: str):
@@ -39,6 +45,7 @@ class TicoCapture:
     def __init__(self, rt, capture: frozenset[str] | None, layer_types: set, max_seq: int):
         self.rt, self.capture, self.layer_types, self.max_seq = rt, capture, layer_types, max_seq
         self.rec: dict | None = None
+        self.valid = None  # the real patches of the image prompt's vision step (its profile's rows)
         self._hook(rt)
 
     def wants(self, *kinds: str) -> bool:
@@ -71,7 +78,8 @@ class TicoCapture:
 
         n, last = len(rt.prefill_layers), len(rt.prefill_layers) - 1
         for row in TICO.rows:  # the modules whose output is the kind: hooked as they are
-            if not row.via and "*" not in row.native and row.kind != "logits" and wants(row.kind):
+            text = S.KIND_BY_NAME[row.kind].tower == S.TEXT
+            if text and not row.via and "*" not in row.native and row.kind != "logits" and wants(row.kind):
                 for site in sites_of(row.kind, n):
                     module = _resolve(rt, row.name(site.layer))
                     if module is not None:  # no per-layer input projection without PLE
@@ -87,6 +95,59 @@ class TicoCapture:
         if wants(*(k for t in self.layer_types for k in rope_kinds(t))):
             for name in (a for a in dir(rt) if TICO.row(ROPE[0]).matches(a)):  # the mask and RoPE builders
                 setattr(rt, name, self._rope_tap(getattr(rt, name)))
+        if wants(*(r.kind for r in VISION_ROWS)):
+            rt._get_or_create_vision_prefill = self._vision_step_tap(rt._get_or_create_vision_prefill)
+
+    def _vision_step_tap(self, make):
+        """TICO's vision step, made at the first image prompt's prefill: its modules hooked once, and
+        the step's real patches (image_position_ids not -1) kept for the report."""
+        hooked = []
+
+        def made(image_position_ids):
+            step = make(image_position_ids)
+            if not isinstance(step, torch.nn.Module):  # a text prompt's bypass (replayer/runtimes/tico.py)
+                return step
+            if step not in hooked:
+                self._hook_vision(len(step.vision_model.wrapped_model.encoder.wrapped.layers))
+                hooked.append(step)
+            self.valid = (image_position_ids.reshape(-1, 2) != -1).all(dim=-1)
+            return step
+
+        return made
+
+    def _hook_vision(self, n: int) -> None:
+        """Hooks on the vision step's modules the capture map names; q and k: its 2D RoPE's results."""
+        for row in VISION_ROWS:
+            if not self.wants(row.kind):
+                continue
+            for site in sites_of(row.kind, n):
+                target = _resolve(self.rt, row.name(site.layer))
+                if row.native.endswith("._apply_multidimensional_rope"):
+                    attn = _resolve(self.rt, row.name(site.layer).rpartition(".")[0])
+                    if row.kind == "vision.q":  # one wrapper for both q and k
+                        attn._apply_multidimensional_rope = self._rope2d_tap(attn, target, site.layer)
+                else:
+                    target.register_forward_hook(self._vision_hook(row.kind, site.layer))
+
+    def _vision_hook(self, kind, layer):
+        def hook(module, args, out):
+            if self.rec is not None:
+                self.rec[(kind, layer)] = getattr(out, "last_hidden_state", out)
+
+        return hook
+
+    def _rope2d_tap(self, attn, apply, layer):
+        """Its 2D RoPE, seen: called with q's observers the result is q (B, S, heads, hd), with k's k."""
+
+        def tapped(x, cos, sin, obs_x1, *rest):
+            y = apply(x, cos, sin, obs_x1, *rest)
+            if self.rec is not None:
+                kind = {id(attn.obs_q_x1): "vision.q", id(attn.obs_k_x1): "vision.k"}.get(id(obs_x1))
+                if kind is not None and self.wants(kind):
+                    self.rec[(kind, layer)] = y
+            return y
+
+        return tapped
 
     def _layer_hook(self, i, last, outs: dict):
         """A layer export module's hook: what it returns, (h, k, v), by the index of each kind (`outs`)."""
@@ -165,6 +226,22 @@ class TicoCapture:
             norm = _resolve(self.rt, TICO.row("final_hidden").native)
             with torch.no_grad():
                 probe.tensor("final_hidden", norm(rec[("layer_out", L - 1)][:, rows])[0])
+        self._report_vision(probe)
+
+    def _report_vision(self, probe) -> None:
+        """The vision step's sites, in the tower's order: patch rows are the real patches (the
+        profile's padding patches dropped); pooled and soft tokens are TICO's own (stripped)."""
+        for key in (k.key for k in S.TOWER_BY_NAME["vision"].kinds):
+            kind = key.partition(".")[2]
+            for layer in sorted(layer for k, layer in self.rec if k == key and layer is not None) or [None]:
+                x = self.rec.get((key, layer))
+                if x is None:
+                    continue
+                if S.KIND_BY_NAME[key].index == S.ROW_PATCH:
+                    x = x.reshape(-1, *x.shape[2:])[self.valid]  # (1, patches, ...) -> the real patches' rows
+                else:
+                    x = x.reshape(-1, x.shape[-1])
+                report(probe, kind, x, layer=layer, tower="vision")
 
     def _mask(self, m: torch.Tensor, rows: slice, decode_pos: int | None) -> torch.Tensor:
         """TICO's additive mask -> allowed[query, key] over absolute key positions (max_seq wide).

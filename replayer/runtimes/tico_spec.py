@@ -9,6 +9,21 @@ from .spec import RuntimeSpec
 
 ORDER = 10
 RT = "gemma4_trace.replayer.runtimes.tico"
+# its vision step (made at the first image prompt's prefill): the wrapped tower, its encoder layers
+_VM = "vision_prefill.vision_model"
+_LAYER = f"{_VM}.wrapped_model.encoder.wrapped.layers.{{layer}}"
+_ATTN = f"{_LAYER}.wrapped.self_attn.wrapped"
+VISION = (
+    Capture(f"{_VM}.wrapped_model.patch_embedder_export", "vision.patch_embeddings"),
+    Capture(f"{_ATTN}._apply_multidimensional_rope", "vision.q", via="its result for obs_q_x1"),
+    Capture(f"{_ATTN}._apply_multidimensional_rope", "vision.k", via="its result for obs_k_x1"),
+    Capture(f"{_ATTN}.v_norm", "vision.v"),
+    Capture(f"{_ATTN}.o_proj", "vision.attn_out"),
+    Capture(f"{_LAYER}.wrapped.mlp", "vision.mlp_out"),
+    Capture(_LAYER, "vision.layer_out"),
+    Capture(_VM, "vision.pooled", via="last_hidden_state (standardized, padding stripped)"),
+    Capture("vision_prefill.vision_projection", "vision.soft_tokens"),
+)
 # replayer/runtimes/tico.py: attributes of TICO's StaticGemma4Runtime, hooked
 TICO = CaptureMap(
     "TICO's StaticGemma4Runtime (attribute paths of its modules)",
@@ -29,6 +44,7 @@ TICO = CaptureMap(
         Capture("*_layers.{layer}", "layer_out", via="output[0]"),
         Capture("lm_head.norm", "final_hidden", via="applied to the last layer's output rows"),
         Capture("prefill() / decode_one()", "logits"),
+        *VISION,
     ),
 )
 

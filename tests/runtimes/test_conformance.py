@@ -140,8 +140,9 @@ def test_a_kind_a_runtime_cannot_capture_is_refused_in_one_line():
     assert line.startswith("--kinds rope_cos_full,mask: runtime mobius cannot capture") and "\n" not in line, line
     assert "all but mask and RoPE" in line
     R.check_capture(R.parse_runtime("static"), {"layer_out", "vision.layer_out"})  # its port of the vision tower
-    with pytest.raises(TraceToolError, match="--kinds vision.layer_out: runtime tico cannot capture"):
-        R.check_capture(R.parse_runtime("tico"), {"layer_out", "vision.layer_out"})  # TICO's vision step is not tapped
+    R.check_capture(R.parse_runtime("tico"), {"layer_out", "vision.layer_out"})  # its own vision step, tapped
+    with pytest.raises(TraceToolError, match="--kinds vision.layer_out: runtime mobius cannot capture"):
+        R.check_capture(R.parse_runtime("mobius"), {"layer_out", "vision.layer_out"})  # token ids only
 
 
 def test_trace_replay_refuses_kinds_its_runtime_cannot_capture(tmp_path):

@@ -37,6 +37,15 @@ def test_image_prompt_mask_difference_is_located(tmp_path):
     assert site_of(fd, "step", "phase", "layer", "kind", "position") == (0, "prefill", 0, "mask", 4)
     with TraceReader(ref) as r:
         assert int(r.prompt_ids[4]) == r.model_config["image_token_id"] != int(r.prompt_ids[3])
+    # before that, TICO's own vision step (its wrappers, not HF's tower) at every vision site: the
+    # 256 real patches of the 280 its static profile runs (24 padding patches), then 64 soft tokens
+    res = diff_traces(ref, run, full=True).to_json()
+    vision = {(t["kind"], t["layer"]): t for t in res["tensors"] if t["kind"].startswith("vision.")}
+    with TraceReader(ref) as r:
+        assert set(vision) == {(s.key, s.layer) for s in r.sites() if s.tower == "vision"}
+    assert {t["rows"] for k, t in vision.items() if k[0] not in ("vision.pooled", "vision.soft_tokens")} == {256}
+    assert vision[("vision.soft_tokens", None)]["rows"] == 64
+    assert all(t["status"] == "ok" and t["max_rel_l2"] < 1e-5 for t in vision.values()), vision
 
 
 def test_quantized_runs_end_to_end_and_calibrates(tmp_path):
@@ -84,3 +93,13 @@ def test_per_layer_kv_heads_config(tmp_path):
         assert {li.num_kv_heads for li in r.layers} == {1, 2} and r.has("k", 2)
     res = diff_traces(static, run)  # TICO against our static runtime: float32 rounding only
     assert res.match, res.to_json()["first_divergence"]
+
+
+def test_quantized_image_prompt_calibrates_the_vision_step_too(tmp_path):
+    # TICO builds its vision step only outside calibration mode: the adapter builds it first, so the
+    # int16 fake quant is calibrated on the image as well and shows in the tower as small, real errors
+    ref, run = golden_path("image"), tmp_path / "q.h5"
+    replay_trace(ref, run, runtime="tico-quant")
+    vision = [t for t in diff_traces(ref, run, full=True).to_json()["tensors"] if t["kind"].startswith("vision.")]
+    assert len(vision) == 15
+    assert all(0 < t["max_rel_l2"] < 1e-2 for t in vision), vision
