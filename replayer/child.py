@@ -58,6 +58,7 @@ FLUSH_BYTES = 64 << 20  # streamed tensors the child holds before sending them a
 FLUSH_ENV = "GEMMA4_TRACE_CHILD_FLUSH_BYTES"  # benchmarks: another FLUSH_BYTES (0: one message a tensor)
 PROGRESS = "progress"  # in the child's folder: the last kind it streamed, "KIND LAYER" (or empty)
 MAX_REPLY = 1 << 34  # bytes in one message from a child (a step's tensors); more is no message of ours
+REPLY_FLOOR = 64 << 20  # a reply may hold this much besides a step's tensors (ChildRuntime.reply_limit)
 MAX_BUFFERS = 1 << 16  # out-of-band buffers in one message (one an array); more is no message of ours
 HEAD = struct.Struct("<QI")  # a message's head: the pickle's length, its buffers' count (their lengths follow)
 PIPE_BYTES = 1 << 20  # the pipes' size asked for (Linux's default pipe-max-size; its default size is 64 KiB)
@@ -204,8 +205,9 @@ class Child:
     last line a crash message quotes. The child ends with close(), when this object is collected,
     or with the parent (its stdin closes)."""
 
-    def __init__(self, label: str, engine: str, env=None, streams: bool = False, pass_fds=()):
+    def __init__(self, label: str, engine: str, env=None, streams: bool = False, pass_fds=(), limit=None):
         self.label, self.streams = label, streams
+        self.limit = limit or (lambda: MAX_REPLY)  # bytes one reply may hold, asked at each reply
         self.last: tuple[str, int | None] | None = None  # the last tensor streamed in this call
         self.folder = tempfile.mkdtemp(prefix="gemma4-trace-child-")  # the one place it may write (confine.py)
         try:
@@ -249,7 +251,7 @@ class Child:
 
     def _receive(self, phase: str):
         try:
-            msg = recv_msg(self.proc.stdout)
+            msg = recv_msg(self.proc.stdout, self.limit())
         except Malformed:
             confine.kill_group(self.proc)
             raise TraceToolError(f"{self.label} sent a malformed reply in {phase}{self._where()}") from None
@@ -295,11 +297,24 @@ class ChildRuntime(Runtime):
 
     name = "child"
     child: Child | None = None
+    _limit: tuple[int, int] | None = None  # (max_seq, the reply limit at it)
     decodes = 0  # decode steps since the prefill: the phase a crash names
 
     def start(self, label: str, engine: str, env=None, streams: bool = False, pass_fds=()) -> Child:
-        self.child = Child(label, engine, env, streams, pass_fds)
+        self.child = Child(label, engine, env, streams, pass_fds, limit=self.reply_limit)
         return self.child
+
+    def reply_limit(self) -> int:
+        """The bytes one reply of the child may hold: what a step of this replay may legitimately
+        hand over (traces/limits.py step_bytes: every kind of every layer at max_seq rows, the
+        caches, the vision tower's at every patch a prompt of max_seq could hold), plus REPLY_FLOOR,
+        at most MAX_REPLY. MAX_REPLY until the runtime knows its model and max_seq."""
+        loaded, max_seq = getattr(self, "loaded", None), getattr(self, "max_seq", None)
+        if loaded is None or not isinstance(max_seq, int):
+            return MAX_REPLY
+        if self._limit is None or self._limit[0] != max_seq:
+            self._limit = (max_seq, min(MAX_REPLY, REPLY_FLOOR + _step_bytes(loaded, max_seq)))
+        return self._limit[1]
 
     def phase(self, prefill: bool) -> str:
         """The next step's phase: "prefill", then "decode step 1", "decode step 2", ..."""
@@ -320,6 +335,22 @@ class ChildRuntime(Runtime):
     def close(self) -> None:
         if self.child is not None:
             self.child.close()
+
+
+def _step_bytes(loaded, max_seq: int) -> int:
+    """traces/limits.py step_bytes for a replay of `loaded` at max_seq: the vision tower's rows are
+    every patch max_seq soft tokens could come from, each image padded to the processor's budget."""
+    from gemma4_trace.hf.model import config_dict
+    from gemma4_trace.traces.layers import layer_infos_from_config
+    from gemma4_trace.traces.limits import step_bytes
+
+    cfg = config_dict(loaded.config)
+    vision = cfg.get("vision_config")
+    towers = {}
+    if isinstance(vision, dict):
+        per_token = int(vision.get("pooling_kernel_size") or 1) ** 2
+        towers["vision"] = max_seq * per_token * int(vision.get("default_output_length") or 1)
+    return step_bytes(cfg, layer_infos_from_config(loaded.text_config), max_seq, towers)
 
 
 # ---------------------------------------------------------------- the child

@@ -18,15 +18,17 @@ child that runs it is held to:
   has none, and then nothing but the other parts holds); from 6.12 (ABI 6) **no abstract Unix
   socket and no signal** outside the child;
 - **a network namespace of its own** (`own_network`): no datagram or connection leaves it;
+- **a mount namespace of its own in which every mount is read-only but its folder**
+  (`read_only_outside`, Linux 5.12's mount_setattr): metadata changes outside the folder (chmod,
+  chown, times, extended attributes), which Landlock does not cover, fail (EROFS);
 - **a process group of its own** (replayer/child.py starts it in a new session): the parent kills
   the group, the memory watch sums it, and the child kills it when the parent is gone or its
   input ends (`end_with_parent`);
 - **a seccomp filter** (x86_64, aarch64): `connect` (a Unix socket by its path) and `memfd_create`
   (memory in no RSS field) are refused.
 
-Not confined: what the child reads (it must read the model and its own Python), metadata changes
-(chmod) outside its folder, and every other system call (docs/robustness.md, "The engines' child
-process").
+Not confined: what the child reads (it must read the model and its own Python), and every other
+system call (docs/robustness.md, "The engines' child process").
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ CPU_ENV = "GEMMA4_TRACE_CHILD_CPU_SECONDS"
 WRITABLE_ENV = "GEMMA4_TRACE_CHILD_WRITABLE"  # set by the parent: the child's own folder
 SECCOMP_ENV = "GEMMA4_TRACE_CHILD_SECCOMP"  # set by the child: "on" where its filter applied
 NETWORK_ENV = "GEMMA4_TRACE_CHILD_NETWORK"  # set by the child: "own" (a network namespace of its own) or "shared"
+MOUNTS_ENV = "GEMMA4_TRACE_CHILD_MOUNTS"  # set by the child: "read-only" (all but its folder) or "shared"
 DEFAULT_CPU_SECONDS = 8 * 3600
 MIN_ADDRESS_SPACE = 64 << 30
 POLL_SECONDS = 0.2
@@ -91,7 +94,9 @@ _FS_WRITE = {1: 0b1_1111_1111_0010, 2: 1 << 13, 3: 1 << 14}  # rights by the ABI
 _DEV_RIGHTS = (1 << 1) | (1 << 14)  # WRITE_FILE, TRUNCATE: /dev/null opened for writing
 _NET_TCP = 0b11  # BIND_TCP, CONNECT_TCP (ABI 4)
 _SCOPES = 0b11  # ABSTRACT_UNIX_SOCKET, SIGNAL (ABI 6): no abstract socket, no signal outside the child
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWNS = 0x10000000, 0x40000000, 0x00020000
+_MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 1 << 18
+_SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1
 _SYS_CREATE, _SYS_ADD_RULE, _SYS_RESTRICT = 444, 445, 446  # one number on every architecture
 PR_SET_NO_NEW_PRIVS = 38
 
@@ -157,6 +162,34 @@ def own_network() -> bool:
     return True
 
 
+class _MountAttr(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in ("attr_set", "attr_clr", "propagation", "userns_fd")]
+
+
+def read_only_outside(folder: str) -> bool:
+    """Move this process into a mount namespace of its own where every mount is read-only except
+    `folder` (a bind mount of itself): chmod, chown, times and extended attributes outside it fail
+    with EROFS (Landlock confines writes, not metadata). Root needs no user namespace; anyone else
+    needs the one own_network made. False where the kernel refuses (before 5.12: no mount_setattr)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    path = folder.encode()
+
+    def setattr_(where: bytes, attr: _MountAttr) -> bool:
+        return (
+            libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, where, _AT_RECURSIVE, ctypes.byref(attr), ctypes.c_size_t(32))
+            == 0
+        )
+
+    return (
+        libc.unshare(CLONE_NEWNS) == 0
+        and libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) == 0  # nothing propagates out
+        and libc.mount(path, path, None, _MS_BIND | _MS_REC, None) == 0
+        and setattr_(b"/", _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0))
+        and setattr_(path, _MountAttr(0, _MOUNT_ATTR_RDONLY, 0, 0))
+    )
+
+
 # seccomp: the system calls a child is refused, by architecture (AUDIT_ARCH_*: connect, memfd_create)
 _SECCOMP_DENY = {0xC000003E: (42, 319), 0xC00000B7: (203, 279)}  # x86_64, aarch64
 _X32 = 0x40000000  # x86_64's x32 system calls: refused whole
@@ -196,8 +229,8 @@ def seccomp() -> bool:
 
 
 def confine_self() -> int:
-    """In the child, before any engine is imported: the limits, a network namespace of its own, then
-    Landlock (its ABI, or 0)."""
+    """In the child, before any engine is imported: the limits, a network namespace of its own, the
+    mounts read-only but its folder's, then Landlock (its ABI, or 0)."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash is reported by the parent, not dumped
     os.environ[NETWORK_ENV] = "own" if own_network() else "shared"
     os.environ[SECCOMP_ENV] = "on" if seccomp() else "off"
@@ -210,6 +243,7 @@ def confine_self() -> int:
         hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
         resource.setrlimit(resource.RLIMIT_CPU, (cpu if hard < 0 else min(cpu, hard), hard))
     folder = os.environ.get(WRITABLE_ENV)
+    os.environ[MOUNTS_ENV] = "read-only" if folder and read_only_outside(folder) else "shared"
     return landlock([folder]) if folder else 0
 
 

@@ -85,11 +85,36 @@ def text_config(cfg):
     return sub if isinstance(sub, dict) or (sub is not None and not isinstance(cfg, dict)) else cfg
 
 
-def row_limits(cfg, layers, towers=None) -> dict[str, int]:
+def step_bytes(cfg, layers, rows: int, tower_rows: dict[str, int] | None = None) -> int:
+    """The most bytes one step of a replay may hand over at `rows` text rows: every kind of every
+    layer at row_limits' widths (a mask `rows` keys wide), K and V twice (a step graph returns its
+    caches too), 8 bytes a value; and each encoder tower's kinds at its rows (`tower_rows`: {name:
+    rows}, its sizes read from `cfg`). What a child may send the parent in one message is bounded
+    by it (replayer/child.py)."""
+    from .layers import TowerInfo, tower_sizes
+
+    towers = {}
+    for name in tower_rows or {}:
+        sizes = tower_sizes(cfg, TOWER_BY_NAME[name])
+        if sizes and len(sizes) == 4:
+            towers[name] = TowerInfo(name, **sizes, item_rows=(), item_tokens=())
+    per = row_limits(cfg, layers, towers, keys=rows)
+    n = max(1, len(layers))
+    total = sum(per[k.name] * (n if k.per_layer else 1) * (2 if k.name in ("k", "v") else 1) * rows for k in KINDS)
+    for name, info in towers.items():
+        total += (
+            sum(per[k.key] * (info.layers if k.per_layer else 1) for k in TOWER_BY_NAME[name].kinds)
+            * (tower_rows[name])
+        )
+    return 8 * total
+
+
+def row_limits(cfg, layers, towers=None, keys: int | None = None) -> dict[str, int]:
     """Values one row of each kind may hold: ROW_SLACK times what the model config, the per-layer
     metadata and the encoder tower table (`towers`: {name: TowerInfo}) say. Widths need not match (a
     runtime reporting a wrong width is a `shape` divergence for the diff), but a width no config
-    justifies is refused before anything is read or copied."""
+    justifies is refused before anything is read or copied. `keys`: a mask row's width where it is
+    known (a replay's max_seq); else the largest a trace may have."""
     t = text_config(cfg) if isinstance(cfg, dict) else {}
     t = t if isinstance(t, dict) else {}
 
@@ -109,7 +134,7 @@ def row_limits(cfg, layers, towers=None) -> dict[str, int]:
         "heads": heads,
         "head_dim": hd,
         "vocab": vocab,
-        "keys": MAX_POSITIONS // ROW_SLACK,
+        "keys": keys or MAX_POSITIONS // ROW_SLACK,
         "model_hidden": hidden,
     }
     per = {k.name: math.prod(width[a.width] for a in k.axes) for k in KINDS}

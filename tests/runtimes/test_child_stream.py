@@ -209,3 +209,28 @@ def test_a_reply_that_names_a_callable_is_refused_and_runs_nothing(child, tmp_pa
     assert tag == "ready" and body["a"][1] == np.float32(2.5) and body["a"][0].shape == (3, 2)
     # the parent's commands, read by the child, are trusted (they carry paths and engine names)
     assert NC.recv_msg(io.BytesIO(_wire(("load", tmp_path))), trusted=True) == ("load", tmp_path)
+
+
+def test_a_reply_larger_than_the_replay_could_hold_is_refused_before_it_is_allocated():
+    """A child's reply is bounded by what a step of the replay may hold (its model's kinds at
+    max_seq rows: traces/limits.py step_bytes), not by MAX_REPLY alone: a 2 GB reply from a child
+    replaying the embedded model at max_seq 16 would be allocated under a 16 GiB limit."""
+    from gemma4_trace.hf.model import load_model
+
+    rt = NC.ChildRuntime()
+    assert rt.reply_limit() == NC.MAX_REPLY  # before the runtime knows its model
+    rt.loaded, rt.max_seq = load_model(weights=False), 16
+    limit = rt.reply_limit()
+    assert NC.REPLY_FLOOR < limit < NC.REPLY_FLOOR + (8 << 20)
+    rt.max_seq = 96  # the image golden's: its patches too
+    assert limit < rt.reply_limit() < NC.REPLY_FLOOR + (64 << 20)
+    rt.max_seq = 16
+    child = rt.start("stream", ENGINE, streams=True)
+    try:
+        row = limit // 4 + 1  # one float32 tensor a little over the limit (the child sends it whole)
+        with pytest.raises(TraceToolError) as e:
+            child.call("stream", 1, row, None, phase="prefill")
+        assert str(e.value) == "stream sent a malformed reply in prefill before reporting anything"
+        assert child.proc.wait(timeout=10) < 0  # killed
+    finally:
+        rt.close()

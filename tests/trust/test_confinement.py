@@ -16,6 +16,8 @@ from gemma4_trace.replayer.child import Child, strip_dirs
 from gemma4_trace.traces.errors import TraceToolError
 
 ENGINE = "tests.support.confine_engine:ProbeEngine"
+# a write refused: by Landlock (EACCES), or first by the read-only mounts around its folder (EROFS)
+REFUSED = ("PermissionError", "OSError")
 
 
 def _landlock_abi() -> int:
@@ -49,7 +51,7 @@ def test_limits_and_temporary_folder(child):
 @needs_landlock
 def test_writes_only_to_its_own_folder(child, tmp_path):
     assert child.call("write", os.path.join(child.folder, "scratch"), phase="writing")[1] == "written"
-    assert child.call("write", str(tmp_path / "outside"), phase="writing")[1] == "PermissionError"
+    assert child.call("write", str(tmp_path / "outside"), phase="writing")[1] in REFUSED
     assert child.call("write", os.devnull, phase="writing")[1] == "written"
     assert not (tmp_path / "outside").exists()
 
@@ -143,11 +145,35 @@ def test_no_write_to_dev_shm_or_kmsg(child):
     """/dev/null is the one device it may write: /dev/shm (files that outlive it, memory nobody counts)
     and /dev/kmsg (the kernel log) are refused."""
     name = f"/dev/shm/gemma4-trace-probe-{os.getpid()}"
-    assert child.call("open-write", name, phase="writing")[1] == "PermissionError"
+    assert child.call("open-write", name, phase="writing")[1] in REFUSED
     assert not os.path.exists(name)
     if os.path.exists("/dev/kmsg"):
-        assert child.call("open-write", "/dev/kmsg", phase="writing")[1] == "PermissionError"
+        assert child.call("open-write", "/dev/kmsg", phase="writing")[1] in REFUSED
     assert child.call("open-write", os.devnull, phase="writing")[1] == "written"
+
+
+def test_no_metadata_change_outside_its_folder(child, tmp_path):
+    """Every mount is read-only in the child's mount namespace but its folder's: chmod, chown and
+    times of a file outside fail (EROFS), which Landlock (writes only) does not cover; inside its
+    folder they work (a linker chmods what it writes)."""
+    import errno
+    import stat
+
+    release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    if release < (5, 12):
+        pytest.skip("this kernel has no mount_setattr (Linux 5.12): metadata outside the folder is not confined")
+    assert child.call("mounts", phase="probing")[1] == "read-only"
+    outside = tmp_path / "outside"
+    outside.write_text("x")
+    outside.chmod(0o644)
+    before = outside.stat()
+    assert child.call("chmod", str(outside), 0o4777, phase="probing")[1] == f"OSError {errno.EROFS}"
+    after = outside.stat()
+    assert stat.S_IMODE(after.st_mode) == 0o644 and after.st_mtime == before.st_mtime
+    inside = os.path.join(child.folder, "tool-output")
+    assert child.call("write", inside, phase="writing")[1] == "written"
+    assert child.call("chmod", inside, 0o755, phase="probing")[1] == "changed"
+    assert stat.S_IMODE(os.stat(inside).st_mode) == 0o755
 
 
 def test_no_signal_to_a_process_outside(child):
