@@ -5,12 +5,12 @@ calls `progress.phase(text)` (when the object has it) as it enters a phase: load
 preparing a runtime (an export or lowering), generating. It never imports this module.
 
 On a terminal one line is redrawn in place (a ticking clock during a phase, a bar over the
-steps); otherwise (a redirected log, or `--no-progress`) plain lines, one per phase with its
-time, no carriage returns, written when the command succeeds (a failure stays one line: the
-error). A log is never silent for long, though: a phase that runs past HEARTBEAT seconds is
-written as it goes, then again with its elapsed time every HEARTBEAT seconds, and from then on
-every line is written when it happens (`heartbeat` does the same for a command without phases:
-a sweep, a search). The step count is the steps really run: a run that stops at end of sequence
+steps); otherwise (a redirected log, or `--no-progress`) plain lines, no carriage returns: each
+phase with its time when it ends, in the order things happen, so a failed run's log says what
+it got through before its one error line (the phase it failed in is not reported as finished).
+A log is never silent for long: a phase that runs past HEARTBEAT seconds is written with its
+elapsed time every HEARTBEAT seconds (`heartbeat` does the same for a command without phases: a
+sweep, a search). The step count is the steps really run: a run that stops at end of sequence
 ends at its own count, not at --max-new-tokens.
 """
 
@@ -76,8 +76,6 @@ class Progress:
         self.done = self.total = 0
         self.steps_t0: float | None = None
         self.drawn = False  # a live line is on screen (needs a newline before anything else)
-        self.held: list[str] = []  # plain lines, written on success
-        self.streaming = False  # plain lines written as they happen (a phase ran past the heartbeat)
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.ticker: threading.Thread | None = None
@@ -101,16 +99,11 @@ class Progress:
                     self._draw(f"{self.label}: {self.what} ... {time.monotonic() - self.t0:.0f} s")
 
     def _beat(self) -> None:
-        """Plain lines: a phase past the heartbeat is written with its elapsed time (the lines held
-        so far first), and every line after it as it happens."""
+        """Plain lines: a phase past the heartbeat is written with its elapsed time, every heartbeat."""
         while not self.stop.wait(heartbeat_seconds()):
             with self.lock:
                 if self.what is None:
                     continue
-                if not self.streaming:
-                    self.streaming = True
-                    self.stream.write("".join(line + "\n" for line in self.held))
-                    self.held = []
                 steps = f"{self.done}/{self.total} steps, " if self.total else ""
                 self.stream.write(f"{self.label}: {self.what} ... {steps}{time.monotonic() - self.t0:.0f} s\n")
                 self.stream.flush()
@@ -152,11 +145,8 @@ class Progress:
 
     def _line(self, text: str) -> None:
         if not self.live:
-            if self.streaming:
-                self.stream.write(text + "\n")
-                self.stream.flush()
-            else:
-                self.held.append(text)
+            self.stream.write(text + "\n")
+            self.stream.flush()
             return
         self._draw(text)
         self.stream.write("\n")
@@ -173,7 +163,4 @@ class Progress:
         if self.drawn:
             self.stream.write("\n")
             self.drawn = False
-        if completed and self.held:
-            self.stream.write("".join(line + "\n" for line in self.held))
-        self.held = []
         self.stream.flush()

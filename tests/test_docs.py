@@ -21,7 +21,8 @@ environment's own `trace` instead.
 A command must exit 0, 1 for a `trace diff` that reports a divergence (or a `trace sweep` in
 which a prompt diverges), or 2 where the doc
 shows its `error: ...` line. Its shown output
-must be the first lines it prints (stdout; stderr when it prints nothing there), ending in a
+must be the first lines it prints (stdout; stderr when it prints nothing there, without the
+progress lines of the phases it got through, which the docs do not show), ending in a
 `...` line exactly when the command prints more than is shown (shortened output says so), numbers
 compared to the precision shown (one unit in the last digit shown; integers exactly),
 wall-clock figures such as `(0.7 s)` ignored, and figures of float32 rounding size (below
@@ -39,6 +40,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.cli import without_progress
 
 pytestmark = pytest.mark.slow  # runs every documented command; make test-fast skips it
 
@@ -322,7 +325,7 @@ def _run_doc(path: Path, tmp: Path, trace_bin) -> int:
                 or (p.returncode == 1 and diverged)
                 or (p.returncode == 2 and refused)
             ), f"{where}:{c.line_no}: `{c.cmd}` exited {p.returncode}{said}"
-            real = (p.stdout or p.stderr).split("\n")
+            real = (p.stdout or "".join(without_progress(p.stderr.splitlines(keepends=True)))).split("\n")
             shown_lines, cut = (
                 (c.shown[:-1], True) if c.shown and c.shown[-1].strip() == SHORTENED else (c.shown, False)
             )

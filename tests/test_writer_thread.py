@@ -13,7 +13,7 @@ import pytest
 
 from gemma4_trace.traces import writer
 from gemma4_trace.traces.reader import TraceReader
-from tests.support.cli import invoke
+from tests.support.cli import invoke, without_progress
 from tests.support.synth import write_trace
 
 
@@ -51,7 +51,7 @@ def test_disk_full_in_the_writer_thread_is_one_line_and_no_file(tmp_path, monkey
     monkeypatch.setattr(writer.os, "sched_getaffinity", lambda pid: set(range(64)))  # a core for the thread
     out = tmp_path / "t.h5"
     res = invoke("record", "--input-ids", "2,17,5", "--max-new-tokens", "6", "-o", str(out))
-    lines = [l for l in res.output.splitlines() if l.strip()]
+    lines = without_progress([l for l in res.output.splitlines() if l.strip()])
     assert res.exit_code == 2 and len(lines) == 1, res.output
     assert "no space left on device writing" in lines[0] and "Traceback" not in res.output, res.output
     assert seen[-1].name == "trace-writer"

@@ -167,7 +167,8 @@ def test_a_failed_quantization_is_one_line_and_leaves_no_output(tmp_path, monkey
         "replay", golden_path("short"), "--runtime", "executorch-int8-reference", "-o", out, "--cache-dir", cache
     )
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
-    said = r.stderr.splitlines()  # the progress line, then the error
-    assert said[0].startswith("quantizing the prefill and decode programs (PT2E"), said
-    assert said[1:] == ["error: quantizing the programs (PT2E) failed: RuntimeError: the exporter's own message"]
+    said = r.stderr.splitlines()  # the phase it got through, the build it started, then the error
+    assert said[0].startswith("replaying: loading the model: "), said
+    assert said[1].startswith("quantizing the prefill and decode programs (PT2E"), said
+    assert said[2:] == ["error: quantizing the programs (PT2E) failed: RuntimeError: the exporter's own message"]
     assert not any(tmp_path.iterdir())  # no output, partial or whole

@@ -5,6 +5,7 @@ site of a divergence or row as a tuple."""
 from __future__ import annotations
 
 import os
+import re
 
 from click.testing import CliRunner
 
@@ -31,13 +32,23 @@ def ours(text: str) -> str:
     )
 
 
+# a line of the progress a log gets (gemma4_trace/progress.py): "replaying: loading the model: 3.5 s",
+# "replaying: lowering ... 2/8 steps, 31 s"
+PROGRESS_LINE = re.compile(r"(?!error:)[a-z][a-z0-9 _.-]*: .+ \d+(\.\d)? s\n")
+
+
+def without_progress(lines: list[str]) -> list[str]:
+    """`lines` (stderr's, split) without the progress lines of the phases a run got through."""
+    return [ln for ln in lines if not PROGRESS_LINE.fullmatch(ln.rstrip("\n") + "\n")]
+
+
 def one_line_error(r, *needles, out=None) -> str:
-    """Assert the answer to bad input: exit 2, nothing on stdout, exactly one line on stderr
+    """Assert the answer to bad input: exit 2, nothing on stdout, exactly one error line on stderr
     that starts with 'error: ' and says something, ends in a newline and holds every needle
-    (str()-ed); no traceback, no 'internal error', no escape codes anywhere (third-party
-    start-up noise set aside, see `ours`). With `out`, nothing was written there (nor a
-    partial file beside it). `r` is a click result or a subprocess.CompletedProcess (text
-    mode). Returns the line."""
+    (str()-ed), after nothing but the progress lines of the phases the run got through; no
+    traceback, no 'internal error', no escape codes anywhere (third-party start-up noise set
+    aside, see `ours`). With `out`, nothing was written there (nor a partial file beside it). `r`
+    is a click result or a subprocess.CompletedProcess (text mode). Returns the line."""
     code = r.exit_code if hasattr(r, "exit_code") else r.returncode
     stdout, stderr = ours(r.stdout), ours(r.stderr)
     text = stdout + stderr
@@ -45,6 +56,8 @@ def one_line_error(r, *needles, out=None) -> str:
     assert "Traceback" not in text and "internal error" not in text and "\x1b" not in text, text
     assert stdout == "", text
     lines = stderr.splitlines(keepends=True)
+    while len(lines) > 1 and PROGRESS_LINE.fullmatch(lines[0]):
+        lines = lines[1:]
     assert len(lines) == 1 and lines[0].endswith("\n"), text
     line = lines[0].rstrip("\n")
     assert line.startswith("error: ") and line[len("error: ") :].strip(), text

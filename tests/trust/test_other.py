@@ -21,7 +21,7 @@ import pytest
 
 from gemma4_trace.hf.model import embedded_model_dir
 from gemma4_trace.recorder import golden
-from tests.support.cli import invoke, one_line_error, ours
+from tests.support.cli import invoke, one_line_error, ours, without_progress
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "traces" / "golden" / "short.h5"
@@ -343,7 +343,7 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path, command):
             continue
         assert p.returncode == 130, (delay, p.returncode, err)
         # blank lines aside: -X importtime's own report can leave one when the signal cuts it short
-        lines = [ln for ln in ours(err).splitlines() if ln.strip()]
+        lines = without_progress([ln for ln in ours(err).splitlines() if ln.strip()])
         assert len(lines) == 1 and lines[0].startswith("error: interrupted"), (delay, err)
         left = [f.name for f in tmp_path.iterdir() if f.name.startswith((f"{i}-", "."))]
         assert not left, left  # an interrupted diff leaves no report, not even a partial one
@@ -410,7 +410,7 @@ def test_ctrl_c_with_two_workers_is_one_line_and_leaves_nothing_half_done(tmp_pa
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
-    lines = err.decode().splitlines()
+    lines = without_progress(err.decode().splitlines())
     assert len(lines) == 1 and lines[0].startswith("error: interrupted; "), lines
     assert not [p.name for p in tmp.iterdir() if p.name.startswith("gemma4-")]
     assert not list((cache / "sweep-ref").glob(".*"))
