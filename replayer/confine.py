@@ -12,7 +12,7 @@ child that runs it is held to:
   memory (RssAnon + RssShmem of /proc/PID/status, not the file pages a mapping may evict) and kills
   it past GEMMA4_TRACE_MEMORY_LIMIT, or past the MemAvailable the machine had when it started;
 - **a CPU-time limit** (RLIMIT_CPU): GEMMA4_TRACE_CHILD_CPU_SECONDS, 8 hours by default;
-- **writes only to its own temporary folder** (TMPDIR points there; the parent removes it with the
+- **writes only to its own temporary folder** (TMPDIR and XDG_CACHE_HOME point there; the parent removes it with the
   child) and to /dev/null (not /dev/shm, not /dev/kmsg), and **no TCP** at all, by Landlock (Linux
   5.13 and later, TCP from 6.7; `landlock()` returns the ABI version it applied, 0 where the kernel
   has none, and then nothing but the other parts holds); from 6.12 (ABI 6) **no abstract Unix
@@ -85,6 +85,7 @@ def child_env(folder: str) -> dict[str, str]:
         CPU_ENV: str(_size(CPU_ENV, cpu) if cpu else DEFAULT_CPU_SECONDS),
         WRITABLE_ENV: folder,
         "TMPDIR": folder,
+        "XDG_CACHE_HOME": folder,  # what an engine keeps between runs (onnxruntime's device id) goes with the child
         "PYTHONDONTWRITEBYTECODE": "1",
     }
 
