@@ -31,6 +31,14 @@ Two config fixes: mlx-lm 0.32.2 reads a transformers-5.24 Gemma 4 config wrongly
 (docs/upstream/mlx-lm-gemma4-config.md); the checkpoint is loaded from a folder holding a fixed
 copy of config.json beside links to its weights, and each fix is said once on stderr and in the
 provenance.
+
+An image prompt (docs/vision.md): mlx-lm's Gemma 4 drops the vision weights, so the vision tower
+is mlx-vlm's own Gemma 4 `vision_tower` and `embed_vision`, loaded by mlx-vlm's loader from the
+same fixed folder (it misreads global_head_dim as mlx-lm does; said once on stderr), every image at
+once, each vision site tapped and kept at the real patches' rows. The soft tokens enter mlx-lm's
+text model as the image rows of `input_embeddings` (over its sqrt(hidden) scale, which it
+multiplies in), the per-layer inputs looked up with pad ids there, and, where the text model
+attends within an image both ways, HF's masks in place of mlx-lm's causal ones for the prefill.
 """
 
 from __future__ import annotations
@@ -43,11 +51,14 @@ from pathlib import Path
 
 import numpy as np
 
+from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.schema import sites_of
 
+from ..api import report
 from ..child import ChildRuntime, EngineError, quiet_fd2
 from .mlx_spec import MLX
+from .mlx_vision import PER_PATCH, VISION, VisionTaps, reads_both
 
 ENGINE = "gemma4_trace.replayer.runtimes.mlx:MLXEngine"
 GROUP = 64  # mlx-lm's default group size for affine quantization
@@ -98,11 +109,13 @@ def staged_checkpoint(model_dir: Path) -> tuple[Path, list[str]]:
 
 
 # ------------------------------------------------------------------ the child
-class MLXEngine:
-    """("load", folder, bits, dequantize, kinds) -> ("ready", info); ("step", [token ids], position)
-    -> the step's kinds streamed (the child's emit: ("tensors", [(kind, layer, array), ...])), then
-    ("logits", array). Only `kinds` are tapped and streamed (None: every kind; empty: none, the
-    logits alone)."""
+class MLXEngine(VisionTaps):
+    """("load", folder, bits, dequantize, kinds) -> ("ready", info); ("vision", kinds) -> ("ready",
+    info): mlx-vlm's vision tower loaded and tapped; ("step", [token ids], position[, image]) -> the
+    step's kinds streamed (the child's emit: ("tensors", [(kind, layer, array), ...])), then
+    ("logits", array); `image` (a prefill with images): pixel_values, image_position_ids,
+    image_token_id, pad_token_id and blocks (each position's image or -1; None: causal masks). Only
+    `kinds` are tapped and streamed (None: every kind; empty: none, the logits alone)."""
 
     def __init__(self, emit):
         self.emit = emit
@@ -119,16 +132,24 @@ class MLXEngine:
     def handle(self, command: str, *args):
         if command == "load":
             return self._load(*args)
-        ids, position = args
+        if command == "vision":
+            return self._load_vision(*args)
+        ids, position, image = args if len(args) == 3 else (*args, None)
         if position != self.offset:
             raise EngineError(f"asked for position {position} with {self.offset} positions in mlx-lm's cache")
         mx = self.mx
-        self.seen, self.rope_calls = [], {}
-        logits = self.model(mx.array([ids]), cache=self.cache)[0, -1]
+        self.seen, self.rope_calls, self.valid = [], {}, None
+        if image is None:
+            logits = self.model(mx.array([ids]), cache=self.cache)[0, -1]
+        else:
+            logits = self._prefill_images(ids, image)[0, -1]
         mx.eval(logits, *(v for _, _, v in self.seen))
         self.offset += len(ids)
         for kind, layer, value in self.seen:
-            self.emit(kind, layer, np.array(value.astype(mx.float32)))
+            value = np.array(value.astype(mx.float32))
+            if kind in PER_PATCH:  # the real patches' rows, image after image (padding patches dropped)
+                value = value[self.valid]
+            self.emit(kind, layer, value)
         return ("logits", np.array(logits.astype(mx.float32)))
 
     def _load(self, folder: str, bits, dequantize: bool, kinds):
@@ -142,7 +163,8 @@ class MLXEngine:
             if dequantize:
                 self._dequantize(model)
         self.model, self.cache, self.offset = model, model.make_cache(), 0
-        self._tap(model, None if kinds is None else frozenset(kinds))
+        self.folder, self.kinds = Path(folder), None if kinds is None else frozenset(kinds)
+        self._tap(model, self.kinds)
         return ("ready", info)
 
     def _dequantize(self, model) -> None:
@@ -165,6 +187,52 @@ class MLXEngine:
 
         model.update_modules(tree_map_with_path(back, model.leaf_modules(), is_leaf=nn.Module.is_module))
 
+    def _prefill_images(self, ids: list[int], image: dict):
+        """The prompt with images: mlx-vlm's vision tower and embed_vision on every image at once
+        (the soft tokens that cover real patches, image after image), then mlx-lm's text model on the
+        input embeddings: the token embeddings with the soft tokens in the image-token slots, the
+        per-layer inputs looked up with pad ids there (as HF), and, where the model attends within
+        an image both ways, HF's masks for the prefill (sliding layers: window AND (causal OR the
+        same image); full layers causal)."""
+        mx = self.mx
+        pixels, positions = image["pixel_values"], image["image_position_ids"]
+        self.valid = (positions != -1).all(axis=-1)  # (images, patches): the real patches
+        soft = self.tower.embed_vision(self.tower.vision_tower(mx.array(pixels), mx.array(positions)))[0]
+        ids_np = np.asarray(ids)
+        slots = ids_np == image["image_token_id"]
+        if soft.shape[0] != int(slots.sum()):
+            raise EngineError(
+                f"the images give {soft.shape[0]} soft tokens for {int(slots.sum())} image-token slots in the "
+                "prompt (mlx-vlm's vision tower pools or resizes otherwise than the processor did)"
+            )
+        lm = self.model.language_model.model if hasattr(self.model, "language_model") else self.model.model
+        plain = mx.array(np.where(slots, image["pad_token_id"], ids_np)[None])
+        embeds = lm.embed_tokens(plain)
+        # mlx-lm scales what it is given by sqrt(hidden); HF puts the soft tokens in unscaled: divide
+        # them by the scale first (exact where it is a power of two: the embedded model's 8)
+        rows = mx.array(np.maximum(np.cumsum(slots) - 1, 0))  # each position's soft token (its slot's)
+        merged = mx.where(mx.array(slots)[None, :, None], (soft[rows] / lm.embed_scale)[None], embeds)
+        per_layer = lm._get_per_layer_inputs(plain) if lm.hidden_size_per_layer_input else None
+        blocks = image.get("blocks")
+        if blocks is None:
+            return self.model(mx.array([ids]), cache=self.cache, input_embeddings=merged, per_layer_inputs=per_layer)
+        made = lm._make_masks
+        n = len(ids)
+        q, k = np.arange(n)[:, None], np.arange(n)[None, :]
+        same = (blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0)
+        sliding = mx.array((k > q - lm.window_size) & ((k <= q) | same))
+
+        def masks(h, cache):
+            return [
+                sliding if layer.layer_type == "sliding_attention" else m for layer, m in zip(lm.layers, made(h, cache))
+            ]
+
+        lm._make_masks = masks
+        try:
+            return self.model(mx.array([ids]), cache=self.cache, input_embeddings=merged, per_layer_inputs=per_layer)
+        finally:
+            del lm._make_masks
+
     def _tap(self, model, kinds) -> None:
         """Wrap the modules of mlx-lm's text model that its capture map names (runtimes/captures.py:
         MLX) so that each step records what they compute (self.seen): only those of the kinds in
@@ -172,7 +240,8 @@ class MLXEngine:
         lm = model.language_model.model if hasattr(model, "language_model") else model.model
         at: dict[str, list] = {}  # module path -> the (kind, layer) read there
         for row in MLX.rows:
-            if row.kind != "logits" and (kinds is None or row.kind in kinds):
+            text = S.KIND_BY_NAME[row.kind].tower == S.TEXT
+            if row.kind != "logits" and text and (kinds is None or row.kind in kinds):
                 for site in sites_of(row.kind, len(lm.layers)):
                     at.setdefault(row.name(site.layer), []).append((site.kind, site.layer))
         for path in sorted(at, key=lambda p: -p.count(".")):  # inside a layer before the layer itself
@@ -191,7 +260,7 @@ class MLXEngine:
         reads = [(k, n) for k, n in reads if owns or k not in ("k", "v")]
         if inner is None or not reads:  # no per-layer input projection in a model without PLE
             return
-        rope = _both(path, "q", "k")
+        rope = reads_both(path, "q", "k")
 
         def record(a, out):
             if rope:  # q and k come from the same RoPE call: k first where the layer owns K/V
@@ -228,9 +297,12 @@ class MLXEngine:
             setattr(parent, name, wrapped)
 
 
-def _both(path: str, *kinds: str) -> bool:
-    """Whether the capture map reads all of `kinds` at `path` (q and k: the same RoPE module)."""
-    return all(MLX.row(k).matches(path) for k in kinds)
+def image_blocks(mm_token_type_ids: np.ndarray) -> np.ndarray:
+    """Each position's image (0, 1, ...) or -1 for text, from mm_token_type_ids (1 or 2: vision), as
+    HF's get_block_sequence_ids_for_mask numbers them."""
+    vision = (mm_token_type_ids == 1) | (mm_token_type_ids == 2)
+    starts = vision & ~np.concatenate([[False], vision[:-1]])
+    return np.where(vision, np.cumsum(starts) - 1, -1)
 
 
 # how each kind is read from its module's call (args, output): one row of batch 1 (q, k: heads after rows)
@@ -253,9 +325,13 @@ _SAID: set = set()  # the model folders and (folder, mode) pairs whose loading l
 class MLXRuntime(ChildRuntime):
     """mlx-lm's Gemma 4 in the child; the host feeds token ids and hands the tapped kinds to the probe."""
 
+    vision: str | None = None  # what runs an image prompt's vision tower, once loaded
+
     def __init__(self, loaded, max_seq: int, mode: str, capture: frozenset[str] | None = None):
         from importlib.metadata import version
 
+        self.mode, self.capture, self.config = mode, capture, loaded.model.config
+        self.model_key = str(Path(loaded.model_dir).resolve())
         self.folder, fixes = staged_checkpoint(Path(loaded.model_dir))
         base = mode.removesuffix("-dq")
         v = {p: version(p) for p in ("mlx", "mlx-lm")}
@@ -280,20 +356,73 @@ class MLXRuntime(ChildRuntime):
             self.close()
             raise
         kept = f"; {info['quantized']} layers quantized, {info['kept']} kept float" if MODES[base] else ""
-        fixed = f"; config fixed: {'; '.join(fixes)}" if fixes else ""
-        self.name = f"{label[:-1]}, CPU; {what}{kept}{fixed})"
+        self.fixed = f"; config fixed: {'; '.join(fixes)}" if fixes else ""
+        self.head = f"{label[:-1]}, CPU; {what}{kept}"
+        self.name = f"{self.head}{self.fixed})"
 
-    def _step(self, ids: list[int], position: int, probe, prefill: bool):
+    def prepare(self, input_ids, extra_inputs) -> None:
+        """A prompt with images: mlx-vlm's vision tower loaded in the child, once (one line where
+        mlx-vlm is not installed)."""
+        if "pixel_values" not in (extra_inputs or {}) or self.vision is not None:
+            return
+        import importlib.util
+        from importlib.metadata import version
+
+        from gemma4_trace.traces.errors import install_hint
+
+        if importlib.util.find_spec("mlx_vlm") is None:  # refused before the model loads (registry.check_inputs)
+            raise TraceToolError(
+                f"--runtime {self.mode} runs an image prompt's vision tower with mlx_vlm, which is not installed: "
+                f"{install_hint('mlx')}"
+            )
+        if (self.model_key, "vision") not in _SAID:  # mlx-vlm reads the same fixed copy of config.json
+            print(
+                f"{self.mode}: the image's vision tower: mlx-vlm's Gemma 4 (its loader reads the same fixed "
+                "config.json: without global_head_dim it refuses the checkpoint, as mlx-lm does)",
+                file=sys.stderr,
+            )
+            _SAID.add((self.model_key, "vision"))
+        kinds = None if self.capture is None else sorted(k for k in self.capture if S.KIND_BY_NAME[k].tower == VISION)
+        info = self.child.call("vision", kinds, phase="loading mlx-vlm's vision tower")[1]
+        self.vision = f"vision tower: mlx-vlm {version('mlx-vlm')}, {'/'.join(info['dtypes'])}"
+        self.name = f"{self.head}; {self.vision}{self.fixed})"
+
+    def _step(self, ids: list[int], position: int, probe, prefill: bool, image=None):
         def tensor(kind, layer, array):
-            self.report(probe, [((kind, layer), array)])
+            spec = S.KIND_BY_NAME[kind]
+            if spec.tower == S.TEXT:
+                self.report(probe, [((kind, layer), array)])
+            elif probe is not None:
+                report(probe, spec.name, torch.from_numpy(array), layer, tower=spec.tower)
 
-        reply = self.child.call("step", ids, position, phase=self.phase(prefill), tensor=tensor)
         import torch
 
+        args = (ids, position) if image is None else (ids, position, image)
+        reply = self.child.call("step", *args, phase=self.phase(prefill), tensor=tensor)
         return torch.from_numpy(reply[1])
 
     def prefill(self, input_ids, extra_inputs, probe):
-        return self._step([int(t) for t in input_ids], 0, probe, True)
+        ids = [int(t) for t in input_ids]
+        if "pixel_values" not in (extra_inputs or {}):
+            return self._step(ids, 0, probe, True)
+        self.prepare(input_ids, extra_inputs)
+        config = self.config
+        text = config.get_text_config()
+        image = {
+            "pixel_values": np.asarray(extra_inputs["pixel_values"], dtype=np.float32),
+            "image_position_ids": np.asarray(extra_inputs["image_position_ids"]),
+            "image_token_id": int(config.image_token_id),
+            "pad_token_id": int(text.pad_token_id),
+            "blocks": None,
+        }
+        bidirectional = getattr(text, "use_bidirectional_attention", None)
+        if bidirectional == "vision" and "mm_token_type_ids" in extra_inputs:
+            image["blocks"] = image_blocks(np.asarray(extra_inputs["mm_token_type_ids"]).reshape(-1))
+        elif bidirectional not in (None, "vision"):
+            raise TraceToolError(
+                f"--runtime {self.mode}: use_bidirectional_attention={bidirectional!r} is not supported"
+            )
+        return self._step(ids, 0, probe, True, image)
 
     def decode(self, token_id, position, probe):
         return self._step([int(token_id)], int(position), probe, False)

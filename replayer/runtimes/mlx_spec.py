@@ -1,6 +1,6 @@
 """`--runtime mlx*`: REF's checkpoint loaded by mlx-lm and run through its own Gemma 4 modules,
-float32 or quantized by mlx-lm, and the quantized weights dequantized as its baseline
-(replayer/runtimes/mlx.py)."""
+float32 or quantized by mlx-lm, and the quantized weights dequantized as its baseline; an image
+prompt's vision tower run by mlx-vlm's own Gemma 4 vision model (replayer/runtimes/mlx.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,21 @@ from .spec import Baseline, RuntimeSpec
 
 ORDER = 80
 RT = "gemma4_trace.replayer.runtimes.mlx"
-# replayer/runtimes/mlx.py: mlx-lm's text model, module paths below it (the modules wrapped)
+# replayer/runtimes/mlx.py: mlx-lm's text model, module paths below it (the modules wrapped); an
+# image prompt's vision tower: mlx-vlm's Gemma 4 model, paths below it (vision_tower, embed_vision)
+VISION_LAYER = "vision_tower.encoder.layers.{layer}"
 MLX = CaptureMap(
-    "mlx-lm's Gemma 4 text model (module paths)",
+    "mlx-lm's Gemma 4 text model and mlx-vlm's Gemma 4 vision tower (module paths)",
     (
+        Capture("vision_tower.patch_embedder.embed_patches", "vision.patch_embeddings"),
+        Capture(f"{VISION_LAYER}.self_attn", "vision.q", via="its first apply_multidimensional_rope call"),
+        Capture(f"{VISION_LAYER}.self_attn", "vision.k", via="its second apply_multidimensional_rope call"),
+        Capture(f"{VISION_LAYER}.self_attn._v_norm", "vision.v"),
+        Capture(f"{VISION_LAYER}.self_attn.o_proj", "vision.attn_out"),
+        Capture(f"{VISION_LAYER}.mlp", "vision.mlp_out"),
+        Capture(VISION_LAYER, "vision.layer_out"),
+        Capture("vision_tower", "vision.pooled", via="its output: pooled, stripped of padding, standardized"),
+        Capture("embed_vision", "vision.soft_tokens"),
         Capture("layers.0", "embeddings", via="input"),  # layer 0's input: the scaled token embeddings
         Capture("_project_per_layer_inputs", "per_layer_inputs"),
         Capture("layers.{layer}.self_attn.rope", "q", via="its last call"),
@@ -28,7 +39,7 @@ MLX = CaptureMap(
 _MLX = dict(
     extra="mlx",
     needs=("mlx", "mlx_lm"),
-    text_only=True,
+    image_needs=("mlx_vlm",),  # an image prompt's vision tower: mlx-vlm's Gemma 4
     float32_only=True,
     cpu_only=True,
     weightless=True,
@@ -41,7 +52,8 @@ RUNTIMES = (
     RuntimeSpec(
         "mlx",
         f"{RT}:create",
-        "REF's checkpoint loaded by mlx-lm, run through its own Gemma 4 modules and caches (MLX, CPU)",
+        "REF's checkpoint loaded by mlx-lm, run through its own Gemma 4 modules and caches, an image's vision "
+        "tower through mlx-vlm's (MLX, CPU)",
         "float32",
         profile="mlx-f32",
         **_MLX,

@@ -187,7 +187,8 @@ def check_capture(choice: RuntimeChoice, kinds) -> None:
 
 def check_inputs(choice: RuntimeChoice, *, dtype: str | None = None, extra=None, device: str | None = None) -> None:
     """Refuse, before the model loads, a REF this runtime cannot replay: an image for a text-only
-    runtime, a bfloat16 REF for a float32-only one, a GPU for a CPU-only one."""
+    runtime (or one whose image path is not installed), a bfloat16 REF for a float32-only one, a GPU
+    for a CPU-only one."""
     spec = choice.spec
     if spec is None:
         return
@@ -195,6 +196,12 @@ def check_inputs(choice: RuntimeChoice, *, dtype: str | None = None, extra=None,
         raise TraceToolError(
             f"--runtime {spec.name} runs a text decoder, which takes token ids only; "
             "REF's prompt has an image: replay a text prompt"
+        )
+    missing = [m for m in spec.image_needs if importlib.util.find_spec(m) is None] if extra else []
+    if missing:
+        raise TraceToolError(
+            f"--runtime {spec.name} runs an image prompt's vision tower with {', '.join(missing)}, which is not "
+            f"installed: {install_hint(spec.extra)}"
         )
     if spec.float32_only and dtype is not None and dtype != "float32":
         raise TraceToolError(f"--runtime {spec.name} runs in float32; REF was recorded in {dtype}")
