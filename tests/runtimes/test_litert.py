@@ -296,8 +296,9 @@ def test_text_only_and_float32_only_refusals_come_before_any_export(tmp_path, mo
         raise AssertionError("exported before refusing")
 
     monkeypatch.setattr(E, "exported", refuse)
-    r = invoke("replay", golden_path("image"), "--runtime", "litert", "-o", tmp_path / "o.h5")
-    one_line_error(r, "--runtime litert runs a text decoder", out=tmp_path / "o.h5")
+    # litert runs images (tests/runtimes/test_litert_vision.py); litert-convert takes token ids only
+    r = invoke("replay", golden_path("image"), "--runtime", "litert-convert", "-o", tmp_path / "o.h5")
+    one_line_error(r, "--runtime litert-convert runs a text decoder", out=tmp_path / "o.h5")
     r = invoke("replay", golden_path("short"), "--runtime", "litert-int8", "--isolate", "-o", tmp_path / "o.h5")
     one_line_error(r, "does not support --isolate", out=tmp_path / "o.h5")
 

@@ -8,6 +8,13 @@ the dequantized baselines, each kept in the artifact cache (replayer/artifacts.p
     dequantize  the float model.tflite with each quantized weight written back into it as
                 float32 (scale * (q - zero_point), per channel): the same graph and float
                 kernels, the quantized weights; the `--baseline` of a quantized replay
+    vision      python -m gemma4_trace.replayer.runtimes.litert.export vision MODEL OUT SOFT
+                -> vision_encoder.tflite (signature vision_SOFT: images (1, SOFT k^2, 3 p^2) and
+                positions_xy -> features (1, SOFT, hidden), mask (1, SOFT)) and vision_adapter.tflite
+                (vision_adapter_SOFT: features -> mm_embedding (1, SOFT, text hidden)): what
+                `export_hf --export_vision_encoder` runs (litert-torch's load_model, in its Gemma 4
+                patch context, its exportable modules and converter), the encoder alone and the
+                adapter given the tower's hidden size as its sample width (adapter_note)
 
 Both tools run in a child process (their imports pull TensorFlow; a failure is one line). The
 export refuses Gemma 4 without --externalize_embedder and imports TensorFlow Lite's schema module
@@ -44,6 +51,8 @@ RECIPES = {
     "litert-wi8": "weight_only_wi8_afp32",
     "litert-int4": "dynamic_wi4_afp32",
 }
+VISION_FILES = ("vision_encoder.tflite", "vision_adapter.tflite")
+VISION_FORMAT = 1  # bump when the vision files' layout or the way they are exported changes
 PACKAGES = ("litert-torch", "ai-edge-litert", "litert-quantizer", "tensorflow-cpu")
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "GLOG_minloglevel": "3", "TQDM_DISABLE": "1"}
 
@@ -280,10 +289,104 @@ def _quantize(src: str, out_dir: str, recipe: str) -> None:
     q.quantize().export_model(str(Path(out_dir) / "model.tflite"), overwrite=True)
 
 
+# ------------------------------------------------------------------ the vision tower
+def adapter_note(vision_cfg) -> str | None:
+    """What the replay says on stderr when litert-torch's own adapter export would fail on this
+    model (its sample width is the patch width 3 p^2, not the tower's hidden size); None where the
+    two are equal (E2B, E4B: 768), where its export is this one."""
+    hidden, patch = int(vision_cfg.hidden_size), 3 * int(vision_cfg.patch_size) ** 2
+    if hidden == patch:
+        return None
+    return (
+        f"litert: vision_adapter.tflite (embed_vision) exported with the tower's hidden size {hidden} as its "
+        f"input width; litert-torch {version('litert-torch')}'s export_hf sizes it by the patch width 3 p^2 = "
+        f"{patch} and fails on this model (docs/upstream/litert-torch-gemma4-vision-adapter.md)"
+    )
+
+
+def vision_key(loaded, soft: int) -> dict:
+    """What the vision export reads: the checkpoint (configs, processor, weights), the patch budget
+    (SOFT pooled tokens), the tools' releases and this module (the child's export code)."""
+    return {
+        "format": VISION_FORMAT,
+        "graph": "vision",
+        "model": model_hash(loaded.model_dir),
+        "soft_tokens": int(soft),
+        "code": code_digest("runtimes/litert/export.py"),
+        **versions(),
+    }
+
+
+def vision_exported(loaded, soft: int):
+    """The artifact holding VISION_FILES for images of SOFT pooled tokens (SOFT k^2 patches)."""
+    check_checkpoint(loaded.model_dir)
+
+    def build(folder: Path) -> None:
+        staged = staged_checkpoint(loaded.model_dir, folder / "checkpoint")
+        run_tool(
+            [sys.executable, "-m", __name__, "vision", str(staged), str(folder), str(int(soft))],
+            "litert-torch's Gemma 4 vision encoder export",
+            cwd=folder,
+        )
+        for name in VISION_FILES:
+            if not (folder / name).is_file():
+                raise TraceToolError(f"litert-torch's vision export wrote no {name}")
+        shutil.rmtree(folder / "checkpoint")
+
+    return artifact_folder(
+        "litert",
+        vision_key(loaded, soft),
+        build,
+        what=f"exporting {loaded.name}'s vision tower with litert-torch ({soft} soft tokens an image, float32)",
+    )
+
+
+def _export_vision(model: str, out: str, soft: str) -> None:
+    """The child's work: litert-torch's vision encoder export (export_lib.export_vision_encoder_models'
+    steps: the model loaded by its load_model, hence in its Gemma 4 patch context, its exportable
+    modules, its converter), the encoder as it writes it; the adapter converted with a sample of the
+    tower's hidden size (litert-torch 0.10.0's sample is the patch width: adapter_note)."""
+    import torch
+    from litert_torch._convert import interface as converter_utils
+    from litert_torch.generative.export_hf.core import export_lib
+    from litert_torch.generative.export_hf.core import exportable_module as M
+    from litert_torch.generative.export_hf.model_ext import exportables
+
+    soft_n = int(soft)
+    cfg = M.ExportableModuleConfig(
+        model=model,
+        output_dir=out,
+        work_dir=out,
+        task="image_text_to_text",
+        quantization_recipe=None,
+        export_vision_encoder=True,
+        export_audio_encoder=False,
+        extra_kwargs={"gemma4_vision_max_soft_tokens": soft_n},
+    )
+    src = export_lib.load_model(model, cfg, task=cfg.task)
+    cfg = export_lib.update_export_config(cfg, src)
+    src.model.set_attn_implementation("eager")  # as export_vision_encoder_models
+    encoder_cls, adapter_cls, _ = exportables.get_vision_exportables(src.model_config)
+    encoder = encoder_cls(src.model, cfg).eval()
+    conv = converter_utils.Converter()
+    samples = encoder.get_sample_inputs(src.model_config, image_processor=src.image_processor, **cfg.extra_kwargs)
+    for name, (inputs, _) in samples.items():
+        conv.add_signature(name, encoder, sample_kwargs=inputs)
+    conv.convert(strict_export=False).export(str(Path(out) / "vision_encoder.tflite"))
+    adapter = adapter_cls(src.model, cfg, src.tokenizer).eval()
+    width = int(src.model_config.vision_config.hidden_size)
+    conv = converter_utils.Converter()
+    sample = {"soft_tokens": torch.zeros(1, soft_n, width)}
+    conv.add_signature(f"vision_adapter_{soft_n}", adapter, sample_kwargs=sample)
+    conv.convert(strict_export=False).export(str(Path(out) / "vision_adapter.tflite"))
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     if command == "quantize":
         _quantize(*args)
+    elif command == "vision":
+        _export_vision(*args)
 
 
 def export_command(request) -> str:

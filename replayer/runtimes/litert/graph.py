@@ -18,6 +18,18 @@ LiteRT's capture map's, runtimes/captures.py: LITERT):
                   that of the layers whose ops consume the table
     k, v          not taps: the rows the step wrote into the cache outputs (`kv_cache_k_j`, `_v_j`)
 
+The vision encoder's signature (vision_SOFT of vision_encoder.tflite, one image of the processor's
+patch budget) holds the tower's sites the same way (vision_taps; the capture map's vision rows):
+
+    vision.patch_embeddings  the patch embedder scope's last (1, n, hidden)
+    vision.q, vision.k       the first (1, n, heads, head_dim) CONCATENATION after layer i's q_norm
+                             (k_norm): its 2D RoPE's two halves joined
+    vision.v                 v_norm's output
+    vision.attn_out          o_proj's last (1, n, hidden)
+    vision.mlp_out           the MLP scope's last (1, n, hidden) (down_proj's output)
+    vision.layer_out         the last output of encoder layer i's own scope (1, n, hidden)
+    vision.pooled, .soft_tokens  not taps: the encoder's `features` output and the adapter's output
+
 A graph whose names do not give every layer's layer_out is refused in one line (another
 litert-torch release names its modules otherwise). Nothing here runs the graph.
 """
@@ -38,6 +50,8 @@ from .spec import LITERT
 # the capture map's rows (runtimes/captures.py: LITERT) this module reads the graph by
 IN_LAYER, TOP = LITERT.row("q"), LITERT.row("layer_out")  # a tensor of layer i's scope, and the scope itself
 O_PROJ, MASK, PLE, NORM = (LITERT.row(k) for k in ("attn_out", "mask", "per_layer_inputs", "final_hidden"))
+VISION_ROWS = {k: LITERT.row(f"vision.{k}") for k in ("q", "k", "v", "attn_out", "mlp_out", "layer_out")}
+PATCHES = LITERT.row("vision.patch_embeddings")
 ROPE_ROWS = tuple(r for r in LITERT.rows if r.kind.startswith("rope_"))
 K_CACHE = LITERT.row("k").prefix()  # the cache inputs and outputs: kv_cache_k_<j>, kv_cache_v_<j>
 
@@ -326,3 +340,53 @@ def layers_present(taps_: list[Tap]) -> set[int]:
 def rows(x: np.ndarray) -> np.ndarray:
     """A tapped tensor (1, n, ...) as its rows (n, ...)."""
     return np.ascontiguousarray(x[0])
+
+
+def vision_taps(sig: Signature, layers: int, hidden: int, dims: tuple) -> list[Tap]:
+    """The vision tower's sites in the encoder's signature (module docstring), in the order the
+    static port reports them; `dims` (heads, kv heads, head_dim) of the tower. A graph that does not
+    give every encoder layer's output is refused in one line."""
+    H, KV, D = dims
+    found: dict = {}  # (kind key, layer) -> tensor index; a later tensor replaces an earlier one
+    for t in sorted(sig.producer, key=lambda t: sig.producer[t]):
+        x = sig.tensors[t]
+        first, shape = x.parts()[0], x.shape
+        wide = len(shape) == 3 and shape[0] == 1 and shape[-1] == hidden
+        if PATCHES.matches(first) and wide:
+            found[("vision.patch_embeddings", None)] = t
+            continue
+        for kind, row in VISION_ROWS.items():
+            layer = row.layer_of(first)
+            if layer is None or not 0 <= layer < layers:
+                continue
+            if kind in ("q", "k") and shape == (1, shape[1], H if kind == "q" else KV, D):
+                found.setdefault((f"vision.{kind}", layer), _rope_concat(sig, t, shape))
+            elif kind == "v" and shape[2:] == (KV, D):
+                found[("vision.v", layer)] = t
+            elif kind in ("attn_out", "mlp_out", "layer_out") and wide:
+                found[(f"vision.{kind}", layer)] = t
+            break
+    have = {layer for (k, layer) in found if k == "vision.layer_out"}
+    if have != set(range(layers)):
+        raise TraceToolError(
+            f"the LiteRT vision encoder names layer outputs {sorted(have)}; REF's vision tower has {layers} layers "
+            "(another litert-torch release names its tensors otherwise)"
+        )
+    order = ["vision.patch_embeddings"] + [f"vision.{k}" for k in VISION_ROWS]
+    return [
+        Tap(found[(k, i)], k, i)
+        for k, i in sorted(
+            ((k, i) for (k, i), t in found.items() if t is not None),
+            key=lambda ki: (ki[1] is not None, ki[1] or 0, order.index(ki[0])),
+        )
+    ]
+
+
+def _rope_concat(sig: Signature, t: int, shape: tuple) -> int | None:
+    """The 2D RoPE's result after a q_norm / k_norm output t: the first CONCATENATION of t's shape
+    downstream (the halves rotated by x and y joined), not walking past the attention's transposes."""
+    stop = lambda o: sig.op_of(o) in ("TRANSPOSE", "BATCH_MATMUL")  # noqa: E731
+    for k, outs in _downstream(sig, t, 12, stop):
+        if sig.ops[k][0] == "CONCATENATION" and any(sig.tensors[o].shape == shape for o in outs):
+            return next(o for o in outs if sig.tensors[o].shape == shape)
+    return None

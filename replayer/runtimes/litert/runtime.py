@@ -24,6 +24,9 @@ from it, and so is the final norm. Their prefill rows come from a second pass th
 tokens through decode one at a time from empty caches (the provenance says which kinds); the
 caches carried on are the prefill graph's. K and V rows are read from the cache outputs (V
 stored transposed).
+
+An image prompt's vision tower runs on litert-torch's vision graphs (vision.py, LiteRTImages): its
+soft tokens replace the image tokens' embeddings.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from . import export as E
 from . import graph as G
 from . import outputs as O
 from .spec import LITERT
+from .vision import LiteRTImages
 
 ENGINE = "gemma4_trace.replayer.runtimes.litert.engine:LiteRTEngine"
 K_CACHE, V_CACHE = (LITERT.row(k).prefix() for k in ("k", "v"))  # the cache outputs the K and V rows are read from
@@ -73,6 +77,7 @@ class LiteRTRuntime(ChildRuntime):
         self.ple = (len(self.infos), ple) if ple else None
         self.graph, self._name = None, None
         self.prefill_chunk = resolve_prefill_chunk(None, max_seq)
+        self.images = LiteRTImages(self)  # an image prompt's vision tower (vision.py)
 
     @property
     def prefill_chunk(self) -> int | None:
@@ -216,10 +221,17 @@ class LiteRTRuntime(ChildRuntime):
         return out
 
     def _mask(self, positions: list[int | None]) -> np.ndarray:
+        """The full-attention layers' additive mask: causal, and an image's tokens see each other
+        (bidirectional vision attention) as far as this call writes them."""
         m = np.full((1, 1, len(positions), self.S), NEG, np.float32)
+        end = max((p for p in positions if p is not None), default=-1) + 1
         for r, p in enumerate(positions):
             if p is not None:
                 m[0, 0, r, : p + 1] = 0.0
+                blocks = self.images.blocks
+                b = blocks[p] if blocks is not None and p < len(blocks) else -1
+                if b >= 0:
+                    m[0, 0, r, np.flatnonzero(blocks[:end] == b)] = 0.0
         return m
 
     def _run(self, sig: str, tokens: list[int], start: int, n: int, caches: dict, phase: str, want=None):
@@ -229,6 +241,9 @@ class LiteRTRuntime(ChildRuntime):
         rows_in = self.P if sig != "decode" else 1
         toks = tokens + [tokens[-1]] * (rows_in - n)
         emb, ple = self._embed(toks, self.P if sig != "decode" else None, phase)
+        for r in range(n):  # an image token's embedding: its soft token
+            if start + r in self.images.soft:
+                emb[0, r] = self.images.soft[start + r]
         pos = np.arange(start, start + rows_in, dtype=np.int32)
         inputs = {
             "embeddings": emb,
@@ -270,6 +285,7 @@ class LiteRTRuntime(ChildRuntime):
         self._load()
         ids = [int(t) for t in torch.as_tensor(input_ids).reshape(-1)]
         T, phase = len(ids), self.phase(True)
+        ids = self.images.prompt(ids, extra_inputs or {}, probe)
         caches, parts = self._zero_caches(), {}
         for c0 in range(0, T - 1, self.P):
             n = min(self.P, T - 1 - c0)

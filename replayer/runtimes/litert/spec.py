@@ -17,6 +17,7 @@ ORDER = 60
 RT = "gemma4_trace.replayer.runtimes.litert"
 # replayer/runtimes/litert/graph.py and runtime.py: litert-torch's export, its tensors by name (torch
 # module paths, fused ops' parts joined by ';') and by the operators that make them
+_VL = "*Gemma4VisionEncoderLayer_{layer}"  # an encoder layer's scope in vision_encoder.tflite
 LITERT = CaptureMap(
     "litert-torch's Gemma 4 export (tensor names: module scopes; graph.py reads the operators)",
     (
@@ -31,6 +32,17 @@ LITERT = CaptureMap(
         Capture("*Gemma4TextDecoderLayer_{layer}", "layer_out", via="the scope's last (1, n, hidden)"),
         Capture("Gemma4RMSNorm_norm", "final_hidden", via="the scope's last (1, n, hidden)"),
         Capture("logits", "logits"),
+        # the vision tower: vision_encoder.tflite and vision_adapter.tflite (export.py), read by graph.py's
+        # vision_taps, each image's real patches kept (replayer/runtimes/litert/runtime.py)
+        Capture("*VisionPatchEmbedder_patch_embedder", "vision.patch_embeddings", via="its last (1, n, hidden)"),
+        Capture(f"{_VL}/*Gemma4RMSNorm_q_norm", "vision.q", via="CONCATENATION"),  # its 2D RoPE's halves joined
+        Capture(f"{_VL}/*Gemma4RMSNorm_k_norm", "vision.k", via="CONCATENATION"),
+        Capture(f"{_VL}/*Gemma4RMSNorm_v_norm", "vision.v"),
+        Capture(f"{_VL}/*Linear_o_proj*", "vision.attn_out", via="its last (1, n, hidden)"),
+        Capture(f"{_VL}/*VisionMLP_mlp*", "vision.mlp_out", via="the scope's last (1, n, hidden)"),
+        Capture(_VL, "vision.layer_out", via="the scope's last (1, n, hidden)"),
+        Capture("features", "vision.pooled", via="the encoder's output, the rows its mask keeps"),
+        Capture("mm_embedding", "vision.soft_tokens", via="the adapter's output, the rows the encoder's mask keeps"),
     ),
 )
 
@@ -43,13 +55,14 @@ HF_FORWARD = CaptureMap(
 _LITERT = dict(
     extra="litert",
     needs=("litert_torch", "ai_edge_litert", "litert_quantizer"),
-    text_only=True,
+    text_only=False,  # the vision tower: litert-torch's vision encoder export (export.py, runtime.py)
     float32_only=True,
     cpu_only=True,
     weightless=True,
     doc="docs/runtime-litert.md",
     capture_map=LITERT,
 )
+_TEXT_ONLY = {**_LITERT, "text_only": True, "capture_map": TOKENS_ONLY}  # litert-lm, litert-convert: token ids only
 _EXPORT = Export(
     "export-litert",
     f"{RT}.export:export_command",
@@ -106,7 +119,7 @@ RUNTIMES = (
         "`--litertlm FILE`; text in and out",
         "float32 (or the file's)",
         artifacts=".litertlm",
-        **{**_LITERT, "needs": ("litert_lm", "litert_torch"), "capture_map": TOKENS_ONLY},
+        **{**_TEXT_ONLY, "needs": ("litert_lm", "litert_torch")},
     ),
     RuntimeSpec(
         "litert-convert",
@@ -115,7 +128,7 @@ RUNTIMES = (
         "(whole sequence per step)",
         "float32",
         artifacts="converted .tflite",
-        **{**_LITERT, "capture_map": HF_FORWARD},
+        **{**_TEXT_ONLY, "capture_map": HF_FORWARD},
     ),
 )
 
