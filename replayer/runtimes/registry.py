@@ -193,9 +193,9 @@ def check_inputs(choice: RuntimeChoice, *, dtype: str | None = None, extra=None,
     if spec is None:
         return
     if spec.text_only and extra:
+        why = spec.text_only if isinstance(spec.text_only, str) else "replay a text prompt"
         raise TraceToolError(
-            f"--runtime {spec.name} runs a text decoder, which takes token ids only; "
-            "REF's prompt has an image: replay a text prompt"
+            f"--runtime {spec.name} runs a text decoder, which takes token ids only; REF's prompt has an image: {why}"
         )
     missing = [m for m in spec.image_needs if importlib.util.find_spec(m) is None] if extra else []
     if missing:

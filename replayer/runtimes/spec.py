@@ -119,7 +119,8 @@ class RuntimeSpec:
     types: tuple[str, ...] = ()  # ":TYPE" suffixes it takes; the first is the default (and a recipe's float)
     float_types: tuple[str, ...] = ()  # those of its types that do not quantize
     isolation: bool = False  # continues with the tensors the probe returns (--isolate)
-    text_only: bool = False  # takes token ids only: an image prompt is refused before the model loads
+    # takes token ids only: an image prompt is refused before the model loads (a str: why, said in that line)
+    text_only: bool | str = False
     float32_only: bool = False  # a bfloat16 REF is refused before the model loads
     cpu_only: bool = False  # --device cuda is refused before the model loads
     weightless: bool = False  # never computes with HF's weights: the model is built without them

@@ -514,6 +514,47 @@ def test_litert_lm_replays_the_shipped_goldens(tmp_path):
     assert "note: decode step 19: LiteRT-LM's token 291: its text withheld by a stop sequence" in r.stderr
 
 
+def test_litert_lm_refuses_an_image_prompt_in_one_line_saying_why(tmp_path, monkeypatch):
+    """LiteRT-LM takes an image only through its Conversation API and from a bundle whose vision metadata
+    litert-torch writes for 3 x 3 pooling (docs/runtime-litert.md, "LiteRT-LM and images"): refused
+    before any export or child process, the line saying so; also with a bundle of yours."""
+    from gemma4_trace.replayer.runtimes.litert import lm
+
+    def refuse(*a, **k):
+        raise AssertionError("started before refusing")
+
+    monkeypatch.setattr(E, "exported", refuse)
+    monkeypatch.setattr(lm.LiteRTLM, "start", refuse)
+    out = tmp_path / "o.h5"
+    (tmp_path / "yours.litertlm").write_bytes(b"a bundle")
+    for more in ((), ("--litertlm", tmp_path / "yours.litertlm")):
+        r = invoke("replay", golden_path("image"), "--runtime", "litert-lm", *more, "-o", out)
+        one_line_error(
+            r,
+            "--runtime litert-lm runs a text decoder, which takes token ids only; REF's prompt has an image: ",
+            "a Session refuses one: 'Image must be preprocessed before being used in SessionAdvanced'",
+            "docs/upstream/litert-torch-litertlm-vision-metadata.md",
+            out=out,
+        )
+
+
+def test_the_litertlm_vision_metadata_repro_script_still_shows_3x3_pooling():
+    """Pinned: docs/upstream/litert_torch_litertlm_vision_metadata_repro.py (litert-torch's Gemma 4
+    metadata builder asked as its package step asks it) exits 1 with the write-up's line. When it exits
+    0, a litert-torch bundle's vision metadata fits the embedded model: lm.py's refusal can be revisited."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = root / "docs" / "upstream" / "litert_torch_litertlm_vision_metadata_repro.py"
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=root)
+    assert p.returncode == 1, p.stderr[-2000:]
+    doc = (root / "docs" / "upstream" / "litert-torch-litertlm-vision-metadata.md").read_text().splitlines()
+    start = doc.index("    $ python docs/upstream/litert_torch_litertlm_vision_metadata_repro.py") + 1
+    assert p.stdout.splitlines()[-1] == doc[start].strip(), p.stdout
+
+
 def test_litert_lm_bad_files_are_one_line(runs, tmp_path):
     from gemma4_trace.hf.model import load_model
 
