@@ -114,8 +114,14 @@ def _num(x, none: bool = True) -> bool:
     return (x is None and none) or isinstance(x, float) or _int(x)
 
 
+POSITION_METRICS = ("kl", "top1", "logp_ref", "logp_run")  # what position_metrics gives, each a list per row
+
+
 def _positions_ok(pos) -> bool:
-    if not isinstance(pos, dict) or not all(isinstance(k, str) and isinstance(v, list) for k, v in pos.items()):
+    """Every metric of POSITION_METRICS and nothing else, lists of one length of numbers (or None)."""
+    if not isinstance(pos, dict) or sorted(pos) != sorted(POSITION_METRICS):
+        return False
+    if not all(isinstance(v, list) for v in pos.values()):
         return False
     lengths = {len(v) for v in pos.values()}
     return len(lengths) <= 1 and all(_num(x) for v in pos.values() for x in v)
@@ -188,7 +194,7 @@ def percentile_key(q: float) -> str:
 
 
 def _stats_of(records: list[dict], key: str) -> dict:
-    return statistics(*(_column(records, key, c) for c in ("kl", "top1", "logp_ref", "logp_run")))
+    return statistics(*(_column(records, key, c) for c in POSITION_METRICS))
 
 
 def _layer_order(layer) -> int:

@@ -145,6 +145,8 @@ def test_a_resumed_record_with_wrong_types_is_run_again(tmp_path):
         ("kl_max", 10**400),  # an int no float64 holds: it overflowed the statistics' arrays
         ("positions", huge),
         ("tokens", 10**30),
+        ("positions", {k: v for k, v in good["positions"].items() if k != "logp_run"}),  # the statistics' IndexError
+        ("positions", {**good["positions"], "extra": good["positions"]["kl"]}),
     ]
     for key, value in edits:
         rec_path.write_text(json.dumps({**good, key: value}))
