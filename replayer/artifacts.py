@@ -165,18 +165,20 @@ def artifact_folder(
     enabled: bool | None = None,
     what: str | None = None,
     say: Callable[[str], None] | None = _say,
+    needs: Callable[[], tuple[Artifact, ...]] | None = None,
 ) -> Artifact:
     """The cache entry of (kind, key), built by build(folder) when absent or stale. `what` (e.g.
     "exporting ONNX (prefill and decode)") is said on stderr before a build. With enabled=False (default:
-    as configure() set it) the artifact is built in a temporary folder that Artifact.close() removes."""
+    as configure() set it) the artifact is built in a temporary folder that Artifact.close() removes.
+    `needs`: the artifacts this one is made from, resolved only when it is built and before its line
+    is said (each built first where it is missing, with its own line: the lines come in the order the
+    builds run), then handed over, build(folder, *those), and closed after it."""
     t0 = time.perf_counter()
     enabled = _settings["enabled"] if enabled is None else enabled
     if not enabled:
         tmp = Path(tempfile.mkdtemp(prefix=f"gemma4-trace-{kind}-"))
         try:
-            if what and say:
-                say(f"{what} (cache off)")
-            build(tmp)
+            _build_with(build, tmp, needs, what and say and (lambda: say(f"{what} (cache off)")))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -188,9 +190,8 @@ def artifact_folder(
         return Artifact(final, "cached")
     tmp = Path(cache_write(root, lambda: tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".partial")))
     try:
-        if what and say:
-            say(f"{what}{f'; the cached copy was stale: {stale}' if stale != ABSENT else ''}")
-        build(tmp)
+        line = f"{what}{f'; the cached copy was stale: {stale}' if stale != ABSENT else ''}"
+        _build_with(build, tmp, needs, what and say and (lambda: say(line)))
         _write_manifest(tmp, key)
         won = _publish(tmp, final, key)
     except BaseException:
@@ -202,6 +203,19 @@ def artifact_folder(
 
 
 ABSENT = "absent"
+
+
+def _build_with(build, folder: Path, needs, announce) -> None:
+    """build(folder), or build(folder, *needs()) with what it needs resolved first; `announce` (or
+    None) says the build's line after those and before it runs."""
+    deps = tuple(needs()) if needs is not None else ()
+    try:
+        if announce:
+            announce()
+        build(folder, *deps)
+    finally:
+        for d in deps:
+            d.close()
 
 
 def cache_write(root: Path, make=None):

@@ -59,6 +59,42 @@ def test_built_once_then_cached(tmp_path):
     assert b.calls == 2 and other.path != first.path
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_what_a_build_needs_is_built_first_and_said_first(tmp_path, enabled):
+    """A build made from another artifact (a quantized file from the float one) resolves it only when
+    it is itself built, before its own line: the lines come in the order the builds run (the float
+    one's before the quantized one's, not the other way round), and the other artifact is handed
+    over and closed after the build."""
+    said, seen = [], []
+
+    def inner(folder):
+        (folder / "f32.bin").write_bytes(b"float")
+
+    def get_inner():
+        return A.artifact_folder(
+            "gguf", {"t": "F32"}, inner, cache=tmp_path, enabled=enabled, what="converting", say=said.append
+        )
+
+    def outer(folder, f32):
+        seen.append((f32.path, (f32.path / "f32.bin").read_bytes()))
+        (folder / "q8.bin").write_bytes(b"quantized")
+
+    def get_outer():
+        return A.artifact_folder(
+            "gguf", {"t": "Q8_0"}, outer, cache=tmp_path, enabled=enabled, what="quantizing", say=said.append,
+            needs=lambda: (get_inner(),),
+        )  # fmt: skip
+
+    first = get_outer()
+    assert [line.removesuffix(" (cache off)") for line in said] == ["converting", "quantizing"]
+    assert [data for _, data in seen] == [b"float"] and (first.path / "q8.bin").read_bytes() == b"quantized"
+    if enabled:  # cached: nothing needed, nothing said
+        assert get_outer().note == "cached" and len(said) == 2 and len(seen) == 1
+    else:  # the float one was built in a temporary folder, closed after the build
+        assert not seen[0][0].exists()
+    first.close()
+
+
 @pytest.mark.parametrize(
     "damage, why",
     [

@@ -185,14 +185,18 @@ def converted_programs(loaded, max_seq: int, prompt, extra, host: F.FunctionalKV
     )
 
 
-def _load_converted(loaded, max_seq: int, prompt, extra, host: F.FunctionalKV, kinds=None) -> dict:
-    """name -> the converted ExportedProgram, from the artifact cache (built there first if needed)."""
-    art = converted_programs(loaded, max_seq, prompt, extra, host, kinds)
+def _read_from(art, read):
+    """read(art) of an artifact (built first where it was missing), then the artifact released."""
     try:
-        with F.quiet():
-            return {n: torch.export.load(art.path / f"{n}.pt2") for n in PROGRAMS}
+        return read(art)
     finally:
         art.close()
+
+
+def _programs_in(art) -> dict:
+    """name -> the ExportedProgram of the converted programs' artifact `art` (the tool's own, hash-checked)."""
+    with F.quiet():
+        return {n: torch.export.load(art.path / f"{n}.pt2") for n in PROGRAMS}
 
 
 def _lower(program: torch.export.ExportedProgram) -> bytes:
@@ -294,14 +298,10 @@ def converted_vision(loaded, images: tuple):
     )  # fmt: skip
 
 
-def _load_converted_vision(loaded, images: tuple) -> tuple[list[str], torch.export.ExportedProgram]:
-    """(output names, the converted int8 vision program), from the artifact cache (built there first if needed)."""
-    art = converted_vision(loaded, images)
-    try:
-        with F.quiet():
-            return json.loads((art.path / "vision.json").read_text()), torch.export.load(art.path / "vision.pt2")
-    finally:
-        art.close()
+def _vision_in(art) -> tuple[list[str], torch.export.ExportedProgram]:
+    """(output names, the vision program) of the converted vision artifact `art` (the tool's own, hash-checked)."""
+    with F.quiet():
+        return json.loads((art.path / "vision.json").read_text()), torch.export.load(art.path / "vision.pt2")
 
 
 def vision_program(loaded, mode: str, images: tuple):
@@ -309,12 +309,12 @@ def vision_program(loaded, mode: str, images: tuple):
     for images of the shape of `images` (pixels, positions), lowered to XNNPACK: in float32
     (executorch), or the converted int8 program calibrated on those images (executorch-int8)."""
 
-    def build(folder: Path) -> None:
+    def build(folder: Path, *converted) -> None:
         if mode == "executorch":
             g, example = _vision_graph(loaded, images)
             names, program = g.names, None
         else:
-            names, program = _load_converted_vision(loaded, images)
+            names, program = _vision_in(converted[0])
         try:
             with torch.no_grad(), F.quiet():
                 data = _lower(program or torch.export.export(g, example, strict=False))
@@ -327,6 +327,7 @@ def vision_program(loaded, mode: str, images: tuple):
     what = "float32" if mode == "executorch" else "int8 (PT2E, calibrated on the images)"
     return artifact_folder(
         "executorch", _vision_key(loaded, mode, images), build,
+        needs=None if mode == "executorch" else lambda: (converted_vision(loaded, images),),
         what=f"lowering the vision program ({shape[0]} image(s) of {shape[1]} patches) to ExecuTorch XNNPACK, {what}",
     )  # fmt: skip
 
@@ -369,14 +370,15 @@ def cached_programs(
     what = "float32" if mode == "executorch" else "int8 (PT2E, calibrated on the prompt)"
     rows = f"{rt.prefill_chunk}-row chunk" if rt.prefill_chunk else f"max_seq {max_seq}"
 
-    def build(folder: Path) -> None:
-        int8 = mode == "executorch-int8"
-        write_programs(rt, folder, _load_converted(loaded, max_seq, prompt, extra, rt, kinds) if int8 else None, kinds)
+    def build(folder: Path, *converted) -> None:
+        write_programs(rt, folder, _programs_in(converted[0]) if converted else None, kinds)
 
+    int8 = mode == "executorch-int8"
     return artifact_folder(
         "executorch",
         artifact_key(loaded, mode, max_seq, prompt, extra, rt.prefill_chunk, kinds),
         build,
+        needs=(lambda: (converted_programs(loaded, max_seq, prompt, extra, rt, kinds),)) if int8 else None,
         what=f"lowering the prefill ({rows}) and decode programs to ExecuTorch XNNPACK, {what}{F.capture_note(kinds)}",
     )
 
@@ -429,7 +431,8 @@ class ExecuTorchRuntime(ChildRuntime):
 
     def _load_steps(self, prompt=None, extra=None) -> None:
         if self.mode == "executorch-int8-reference":  # PyTorch, in this process
-            progs = _load_converted(self.loaded, self.max_seq, prompt, extra, self.host, self.kinds)
+            art = converted_programs(self.loaded, self.max_seq, prompt, extra, self.host, self.kinds)
+            progs = _read_from(art, _programs_in)
             mods = {n: progs[n].module() for n in PROGRAMS}
             self.steps = {n: (lambda args, phase, m=mods[n]: list(m(*args))) for n in PROGRAMS}
             return
@@ -488,7 +491,7 @@ class ExecuTorchRuntime(ChildRuntime):
     def _load_vision(self, images: tuple):
         """(output names, run: list of tensors -> list of tensors) of the vision program for `images`."""
         if self.mode == "executorch-int8-reference":  # the converted program, by PyTorch in this process
-            names, program = _load_converted_vision(self.loaded, images)
+            names, program = _read_from(converted_vision(self.loaded, images), _vision_in)
             module = program.module()
             return names, lambda args: [t.detach() for t in module(*args)]
         art = vision_program(self.loaded, self.mode, images)

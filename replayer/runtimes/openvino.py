@@ -142,17 +142,17 @@ def vision_ir(loaded, shape: tuple[int, int], mode: str = "openvino"):
     Linear and patch weights), a -dq one folded from that."""
     key = {**cache_key(loaded, 1, mode), "graph": "vision", "images": list(shape)}
     del key["max_seq"]
-    base, graphs = mode.removesuffix("-dq"), ("vision",)
+    base, graphs, needs = mode.removesuffix("-dq"), ("vision",), None
     if mode.endswith("-dq"):
-        what = "dequantizing"
-        build = lambda out: _from(vision_ir(loaded, shape, base), lambda src: dequantize(src, out, graphs))  # noqa: E731
+        what, needs = "dequantizing", lambda: (vision_ir(loaded, shape, base),)
+        build = lambda out, src: dequantize(src.path, out, graphs)  # noqa: E731
     elif mode != "openvino":
-        what = "compressing"
-        build = lambda out: _from(vision_ir(loaded, shape, "openvino"), lambda src: compress(src, out, mode, graphs))  # noqa: E731
+        what, needs = "compressing", lambda: (vision_ir(loaded, shape, "openvino"),)
+        build = lambda out, src: compress(src.path, out, mode, graphs)  # noqa: E731
     else:
         what, build = "converting to OpenVINO IR", lambda out: convert_vision(loaded, shape, out)
     return artifact_folder(
-        "openvino", key, build,
+        "openvino", key, build, needs=needs,
         what=f"{what} ({mode}: the vision tower, {shape[0]} image(s) of {shape[1]} patches) for {loaded.name}",
     )  # fmt: skip
 
@@ -242,12 +242,13 @@ def ir(loaded, max_seq: int, mode: str, kinds=None):
     check, else built now with one line on stderr: a quantized IR from the float one, a -dq IR
     from its quantized one); `kinds`: the extra outputs (None: every kind)."""
     base = mode.removesuffix("-dq")
+    needs = None
     if mode.endswith("-dq"):
-        what = "dequantizing"
-        build = lambda out: _from(ir(loaded, max_seq, base, kinds), lambda src: dequantize(src, out))  # noqa: E731
+        what, needs = "dequantizing", lambda: (ir(loaded, max_seq, base, kinds),)
+        build = lambda out, src: dequantize(src.path, out)  # noqa: E731
     elif mode != "openvino":
-        what = "compressing"
-        build = lambda out: _from(ir(loaded, max_seq, "openvino", kinds), lambda src: compress(src, out, mode))  # noqa: E731
+        what, needs = "compressing", lambda: (ir(loaded, max_seq, "openvino", kinds),)
+        build = lambda out, src: compress(src.path, out, mode)  # noqa: E731
     else:
         what = "converting to OpenVINO IR"
         build = lambda out: convert(loaded, max_seq, out, kinds)  # noqa: E731
@@ -256,15 +257,8 @@ def ir(loaded, max_seq: int, mode: str, kinds=None):
         cache_key(loaded, max_seq, mode, kinds),
         build,
         what=f"{what} ({mode}: prefill and decode, max_seq {max_seq}{F.capture_note(kinds)}) for {loaded.name}",
+        needs=needs,
     )
-
-
-def _from(art, build) -> None:
-    """build(folder) from the artifact `art` (the IR a compressed or folded one is made from), then release it."""
-    try:
-        build(art.path)
-    finally:
-        art.close()
 
 
 class OpenVINORuntime(StepGraphRuntime):

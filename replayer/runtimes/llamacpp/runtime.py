@@ -94,8 +94,7 @@ def gguf_artifact(loaded, gguf_type: str, quantizer: ChildRuntime | None = None)
 
         return artifact_folder("gguf", key, build, what=f"converting {loaded.name} to GGUF (F32)")
 
-    def quantize(folder: Path) -> None:
-        f32 = gguf_artifact(loaded, "F32")
+    def quantize(folder: Path, f32) -> None:
         own = quantizer is None
         worker = start_child(f"{RUNTIME} ({gguf_type})") if own else quantizer
         try:
@@ -104,11 +103,16 @@ def gguf_artifact(loaded, gguf_type: str, quantizer: ChildRuntime | None = None)
             worker.child.call("quantize", src, dst, GW.GGUF_TYPES[gguf_type], phase=f"quantizing to {gguf_type}")
             shutil.move(dst, folder / GGUF_NAME)
         finally:
-            f32.close()
             if own:
                 worker.close()
 
-    return artifact_folder("gguf", key, quantize, what=f"quantizing {loaded.name} to {gguf_type} with llama.cpp")
+    return artifact_folder(
+        "gguf",
+        key,
+        quantize,
+        what=f"quantizing {loaded.name} to {gguf_type} with llama.cpp",
+        needs=lambda: (gguf_artifact(loaded, "F32"),),
+    )
 
 
 def mmproj_artifact(loaded):
