@@ -514,34 +514,76 @@ def test_litert_lm_replays_the_shipped_goldens(tmp_path):
     assert "note: decode step 19: LiteRT-LM's token 291: its text withheld by a stop sequence" in r.stderr
 
 
-def test_litert_lm_refuses_an_image_prompt_in_one_line_saying_why(tmp_path, monkeypatch):
-    """LiteRT-LM takes an image only through its Conversation API and from a bundle whose vision metadata
-    litert-torch writes for 3 x 3 pooling (docs/runtime-litert.md, "LiteRT-LM and images"): refused
-    before any export or child process, the line saying so; also with a bundle of yours."""
-    from gemma4_trace.replayer.runtimes.litert import lm
+def test_litert_lm_replays_the_image_golden_through_its_conversation_api(tmp_path):
+    """LiteRT-LM takes an image only as a file, through its Conversation API (docs/runtime-litert.md,
+    "LiteRT-LM and images"): the image a PNG rebuilt from REF's pixel_values, the bundle litert-torch's
+    export with its vision encoder, its adapter and its vision metadata fixed, each fix said on stderr
+    and in the runtime's name. 10 of 11 tokens are REF's; the 11th, REF's <turn|>, shows no text (a stop
+    token), recorded as the bundle's first one-token stop, <eos> (1). A bundle without vision sections
+    (yours, `--litertlm`) is one line; so is REF's image where the processor would not give its
+    pixel_values back from the PNG."""
+    import shutil
 
-    def refuse(*a, **k):
-        raise AssertionError("started before refusing")
+    import h5py
 
-    monkeypatch.setattr(E, "exported", refuse)
-    monkeypatch.setattr(lm.LiteRTLM, "start", refuse)
-    out = tmp_path / "o.h5"
-    (tmp_path / "yours.litertlm").write_bytes(b"a bundle")
-    for more in ((), ("--litertlm", tmp_path / "yours.litertlm")):
-        r = invoke("replay", golden_path("image"), "--runtime", "litert-lm", *more, "-o", out)
-        one_line_error(
-            r,
-            "--runtime litert-lm runs a text decoder, which takes token ids only; REF's prompt has an image: ",
-            "a Session refuses one: 'Image must be preprocessed before being used in SessionAdvanced'",
-            "docs/upstream/litert-torch-litertlm-vision-metadata.md",
-            out=out,
-        )
+    from gemma4_trace.hf.model import load_model
+
+    golden, out, yours = golden_path("image"), tmp_path / "image.h5", tmp_path / "yours.h5"
+    r = invoke("replay", golden, "--runtime", "litert-lm", "-o", out)
+    assert r.exit_code == 0, r.output
+    assert "10/11 tokens agree" in r.stdout
+    for said in (
+        "note: litert: vision_adapter.tflite (embed_vision) exported with the tower's hidden size 32",
+        "note: litert-lm: model.litertlm's Gemma 4 vision metadata rebuilt with the model's pooling_kernel_size 2 "
+        "and max_num_patches 280; litert-torch 0.10.0 writes 3 x 3 pooling (max_num_patches 630)",
+        "note: decode step 10: LiteRT-LM's token 1: no text: a stop token",
+    ):
+        assert said in r.stderr, r.stderr
+    with TraceReader(golden) as a, TraceReader(out) as b:
+        ref, got = list(a.tokens()), list(b.tokens())
+        name = b.provenance["runtime"]
+    assert got[:10] == ref[:10] and (ref[10], got[10]) == (6, 1), (ref, got)
+    fixes = ("its adapter's input sized by the tower's hidden size", "vision metadata rebuilt for 2 x 2 pooling")
+    for part in (
+        "tokens only",
+        "images: PNG files rebuilt from REF's pixel_values, through its Conversation API",
+        *fixes,
+    ):
+        assert part in name, name
+    first = diff_traces(golden, out).to_json()["first_divergence"]
+    assert (first["step"], first["kind"]) == (10, "token"), first
+    art = E.exported(load_model(weights=False), MAX_SEQ, CHUNK)  # a text-only bundle (the one the tests share)
+    try:
+        r = invoke("replay", golden, "--runtime", "litert-lm", "--litertlm", art.path / E.BUNDLE, "-o", yours)
+    finally:
+        art.close()
+    one_line_error(r, "the bundle has no vision sections (LiteRT-LM reads it as text only)", out=yours)
+    resized = tmp_path / "resized.h5"
+    shutil.copy(golden, resized)
+    with h5py.File(resized, "r+") as f:
+        f["inputs/extra/pixel_values"][0, 0, 0] += 0.5 / 255  # no 8-bit image's pixel
+    r = invoke("replay", resized, "--runtime", "litert-lm", "-o", tmp_path / "o.h5")
+    one_line_error(
+        r, "--runtime litert-lm takes an image as a file, and REF's image 1 is no file's", out=tmp_path / "o.h5"
+    )
+
+
+def test_litert_lm_says_its_vision_fixes_only_where_they_apply():
+    """Real checkpoints pool 3 x 3 (the bundle's metadata as litert-torch writes it) and their tower's
+    hidden size is the patch width (E2B: 768): neither fix applies, nothing is said."""
+    from types import SimpleNamespace
+
+    assert E.metadata_note(SimpleNamespace(pooling_kernel_size=3), 280) is None
+    assert E.adapter_note(SimpleNamespace(hidden_size=768, patch_size=16)) is None
+    assert "pooling_kernel_size 2 and max_num_patches 280" in E.metadata_note(
+        SimpleNamespace(pooling_kernel_size=2), 70
+    )
 
 
 def test_the_litertlm_vision_metadata_repro_script_still_shows_3x3_pooling():
     """Pinned: docs/upstream/litert_torch_litertlm_vision_metadata_repro.py (litert-torch's Gemma 4
     metadata builder asked as its package step asks it) exits 1 with the write-up's line. When it exits
-    0, a litert-torch bundle's vision metadata fits the embedded model: lm.py's refusal can be revisited."""
+    0, a litert-torch bundle's vision metadata fits the embedded model: export.py's metadata_note can go."""
     import subprocess
     import sys
     from pathlib import Path

@@ -62,14 +62,18 @@ class LiteRTEngine:
 
 
 class LiteRTLMEngine:
-    """LiteRT-LM's `Engine` (CPU) on a .litertlm bundle: text in, text out.
+    """LiteRT-LM's `Engine` (CPU) on a .litertlm bundle: text (and image files) in, text out.
 
-    ("load", path, max_tokens) -> ("ready", {"bos": id, "eos": [[ids]]})
-    ("next", context_ids)      -> ("token", id[, note]): a new session prefilled with the context
-                                  (as the text LiteRT-LM's tokenizer turns back into exactly these
-                                  ids), one greedy token decoded, and that token's text turned
-                                  back into its one id (a note when it showed no text); anything
-                                  else is refused in one line.
+    ("load", path, max_tokens, images) -> ("ready", {"bos": id, "eos": [[ids]]}); images: how many
+                                  image files a step takes (then the bundle must hold vision sections)
+    ("next", context_ids, runs) -> ("token", id[, note]): one greedy token after the context, its
+                                  text turned back into its one id (a note when it showed no text).
+                                  No runs: a new session prefilled with the context (as the text
+                                  LiteRT-LM's tokenizer turns back into exactly these ids). Runs
+                                  [(start, end, image file)], each an image's <|image> ... <image|>
+                                  positions: a new conversation whose chat template (LM_TEMPLATE)
+                                  writes the context's text verbatim, each image file where its run
+                                  stands (LiteRT-LM adds the BOS itself). Anything else is refused in one line.
     """
 
     def __init__(self, emit):
@@ -80,25 +84,11 @@ class LiteRTLMEngine:
 
     def handle(self, command: str, *args):
         if command == "load":
-            path, max_tokens = args
-            try:
-                with quiet_fd2():
-                    self.engine = self.lm.Engine(
-                        path, backend=self.lm.interfaces.Backend.CPU(), max_num_tokens=int(max_tokens)
-                    )
-            except Exception as e:  # noqa: BLE001 - the engine's refusal of a file, one line
-                raise EngineError(f"{path}: LiteRT-LM cannot load it ({' '.join(str(e).split())[:160]})") from None
-            return ("ready", {"bos": self.engine.bos_token_id, "eos": self.engine.eos_token_ids})
-        (context,) = args
+            return self._load(*args)
+        context, runs = list(args[0]), list(args[1])
         e = self.engine
-        text = e.detokenize(list(context))
-        again = e.tokenize(text)
-        if list(again) != list(context):
-            raise EngineError(
-                f"LiteRT-LM's tokenizer reads the context back as {len(again)} other ids "
-                f"(first difference at {_first_difference(again, context)}): it takes text, and this text is ambiguous"
-            )
-        out = self._decode(text, 1, len(context))
+        prompt = self._parts(context, runs) if runs else self._text(context)
+        out = self._decode(prompt, 1, len(context))
         if out:
             ids = e.tokenize(out)
             if len(ids) != 1:
@@ -107,7 +97,7 @@ class LiteRTLMEngine:
         # no text: LiteRT-LM withholds a token that begins one of its stop sequences (the bundle's
         # [".", "<turn|>", "\n"], say) and leaves a stop token out. Two tokens show the first, unless
         # it was a stop token: then the bundle's first one-token stop is recorded, and said.
-        out = self._decode(text, 2, len(context))
+        out = self._decode(prompt, 2, len(context))
         if out:
             return ("token", int(e.tokenize(out)[0]), f"its text withheld by a stop sequence; read from {out!r}")
         stops = [int(seq[0]) for seq in (e.eos_token_ids or []) if len(seq) == 1]
@@ -115,13 +105,62 @@ class LiteRTLMEngine:
             raise EngineError("LiteRT-LM decoded no text, and its bundle has no one-token stop to record")
         return ("token", stops[0], f"no text: a stop token, recorded as its first one, id {stops[0]}")
 
-    def _decode(self, text: str, count: int, n: int) -> str:
-        """The text of `count` greedy tokens after a new session prefilled with `text` (n tokens)."""
+    def _load(self, path: str, max_tokens: int, images: int = 0):
+        lm = self.lm
+        try:
+            with quiet_fd2():
+                if images:
+                    with lm.model_info.ModelInfo(path) as info:
+                        vision = bool(getattr(info.input_modalities, "vision", False))
+                    if not vision:
+                        raise EngineError(
+                            f"{path}: the bundle has no vision sections (LiteRT-LM reads it as text only); REF's "
+                            "prompt has an image: a .litertlm exported with its vision encoder is needed"
+                        )
+                cpu = lm.interfaces.Backend.CPU()
+                vision = dict(max_num_images=int(images), vision_backend=cpu) if images else {}
+                self.engine = lm.Engine(path, backend=cpu, max_num_tokens=int(max_tokens), **vision)
+        except EngineError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the engine's refusal of a file, one line
+            raise EngineError(f"{path}: LiteRT-LM cannot load it ({' '.join(str(e).split())[:160]})") from None
+        return ("ready", {"bos": self.engine.bos_token_id, "eos": self.engine.eos_token_ids})
+
+    def _text(self, ids: list) -> str:
+        """The text LiteRT-LM's tokenizer reads back as exactly `ids`, else refused."""
+        e = self.engine
+        text = e.detokenize(list(ids))
+        again = e.tokenize(text)
+        if list(again) != list(ids):
+            raise EngineError(
+                f"LiteRT-LM's tokenizer reads the context back as {len(again)} other ids "
+                f"(first difference at {_first_difference(again, ids)}): it takes text, and this text is ambiguous"
+            )
+        return text
+
+    def _parts(self, context: list, runs: list) -> list:
+        """The conversation's message content: the context's text between the images' runs (its
+        BOS left out: LiteRT-LM adds its own), each image file in its run's place."""
+        bos = self.engine.bos_token_id
+        if not context or context[0] != bos:
+            raise EngineError(f"LiteRT-LM's conversation begins with its BOS token {bos}; REF's prompt does not")
+        parts, at = [], 1
+        for start, end, image in runs:
+            parts += [{"type": "text", "text": self._text(context[at:start])}] if start > at else []
+            parts.append({"type": "image", "path": image})
+            at = end + 1
+        return parts + ([{"type": "text", "text": self._text(context[at:])}] if len(context) > at else [])
+
+    def _decode(self, prompt, count: int, n: int) -> str:
+        """The text of `count` greedy tokens after a new session prefilled with `prompt` (n tokens),
+        or after a new conversation's message of `prompt`'s parts (text and images)."""
         greedy = self.lm.interfaces.SamplerConfig(top_k=1, temperature=0.0)
         with quiet_fd2():
+            if isinstance(prompt, list):
+                return self._converse(prompt, count, greedy, n)
             s = self.engine.create_session(apply_prompt_template=False, sampler_config=greedy, max_output_tokens=count)
             try:
-                s.run_prefill([text])
+                s.run_prefill([prompt])
                 out = s.run_decode().texts
             except Exception as e:  # noqa: BLE001 - the engine's refusal, one line with what it was asked
                 raise EngineError(
@@ -132,6 +171,30 @@ class LiteRTLMEngine:
             finally:
                 s.close()
         return out[0] if out else ""
+
+    def _converse(self, parts: list, count: int, greedy, n: int) -> str:
+        c = self.engine.create_conversation(sampler_config=greedy, chat_template=LM_TEMPLATE, max_output_tokens=count)
+        try:
+            m = c.send_message({"role": "user", "content": parts})
+        except Exception as e:  # noqa: BLE001 - the engine's refusal, one line with what it was asked
+            images = sum(p["type"] == "image" for p in parts)
+            raise EngineError(
+                f"LiteRT-LM's conversation could not take {n} tokens with {images} image(s) and decode {count} "
+                f"({' '.join(str(e).split())[:160]}); a litert-torch bundle of a model that does not pool 3 x 3 needs "
+                "its vision metadata rebuilt (docs/upstream/litert-torch-litertlm-vision-metadata.md)"
+            ) from None
+        finally:
+            c.close()
+        content = m.get("content", []) if isinstance(m, dict) else [{"type": "text", "text": str(m)}]
+        return "".join(item.get("text", "") for item in content if item.get("type") == "text")
+
+
+# a conversation's chat template for LiteRT-LMEngine's image steps: the message's parts verbatim, each
+# image as LiteRT-LM's placeholder (it writes the image's <|image> soft tokens <image|> run there)
+LM_TEMPLATE = (
+    "{%- for item in messages[0]['content'] -%}{%- if item['type'] == 'image' -%}<|image|>"
+    "{%- else -%}{{- item['text'] -}}{%- endif -%}{%- endfor -%}"
+)
 
 
 def _first_difference(a, b) -> int:

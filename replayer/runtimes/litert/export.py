@@ -381,12 +381,118 @@ def _export_vision(model: str, out: str, soft: str) -> None:
     conv.convert(strict_export=False).export(str(Path(out) / "vision_adapter.tflite"))
 
 
+# ------------------------------------------------------------------ LiteRT-LM's vision bundle
+# the .tflite files of litert-torch's vision bundle, each section's type (litert_lm_builder.TfLiteModelType)
+LM_SECTIONS = {
+    **{"model": "PREFILL_DECODE", "embedder": "EMBEDDER", "per_layer_embedder": "PER_LAYER_EMBEDDER"},
+    **{"vision_encoder": "VISION_ENCODER", "vision_adapter": "VISION_ADAPTER", "eoi": "END_OF_VISION"},
+}
+
+
+def metadata_note(vision_cfg, soft: int) -> str | None:
+    """What the replay says when the bundle's Gemma 4 vision metadata is rebuilt: litert-torch
+    writes it for 3 x 3 pooling (docs/upstream/litert-torch-litertlm-vision-metadata.md); None where
+    the model pools 3 x 3 (every released Gemma 4), where the bundle is litert-torch's as written."""
+    k = int(vision_cfg.pooling_kernel_size)
+    if k == 3:
+        return None
+    return (
+        f"litert-lm: model.litertlm's Gemma 4 vision metadata rebuilt with the model's pooling_kernel_size {k} and "
+        f"max_num_patches {k * k * int(soft)}; litert-torch {version('litert-torch')} writes 3 x 3 pooling "
+        f"(max_num_patches {9 * int(soft)}), on which LiteRT-LM fails "
+        "(docs/upstream/litert-torch-litertlm-vision-metadata.md)"
+    )
+
+
+def lm_vision_exported(loaded, S: int, soft: int):
+    """The artifact holding BUNDLE with litert-torch's vision sections (`export_hf --task
+    image_text_to_text --export_vision_encoder=True`, prefill and cache S), the adapter sized by the
+    tower's hidden size where adapter_note says so, the vision metadata rebuilt where metadata_note does."""
+    check_checkpoint(loaded.model_dir)
+    v = loaded.config.vision_config
+    k, width = int(v.pooling_kernel_size), int(v.hidden_size)
+    fixes = {
+        "adapter_width": width if adapter_note(v) else None,
+        "vision_metadata": [k, k * k * int(soft)] if metadata_note(v, soft) else None,
+    }
+    key = {
+        **export_key(loaded, S, S),
+        "graph": "litert-lm vision",
+        "soft_tokens": int(soft),
+        **fixes,
+        "code": code_digest("runtimes/litert/export.py"),
+        "litert-lm-builder": version("litert-lm-builder"),
+    }
+
+    def build(folder: Path) -> None:
+        work = folder / "work"
+        work.mkdir()
+        staged = staged_checkpoint(loaded.model_dir, folder / "checkpoint")
+        args = [str(staged), str(work), str(int(S)), str(int(soft)), json.dumps(fixes)]
+        run_tool(
+            [sys.executable, "-m", __name__, "lm-vision", *args],
+            "litert-torch's Gemma 4 export with its vision encoder (export_hf --export_vision_encoder)",
+            cwd=work,
+        )
+        if not (work / BUNDLE).is_file():
+            raise TraceToolError(f"litert-torch's vision export wrote no {BUNDLE}")
+        (work / BUNDLE).rename(folder / BUNDLE)
+        shutil.rmtree(work)
+        shutil.rmtree(folder / "checkpoint")
+
+    return artifact_folder(
+        "litert",
+        key,
+        build,
+        what=f"exporting {loaded.name} with litert-torch for LiteRT-LM (cache {S}, {soft} soft tokens an image)",
+    )
+
+
+def _export_lm_vision(model: str, out: str, S: str, soft: str, fixes: str) -> None:
+    """The child's work: export_hf with the vision encoder; the adapter's sample width and the
+    bundle's Gemma 4 vision metadata as `fixes` says (lm_vision_exported), the bundle then rebuilt
+    from the files litert-torch kept, with the same sections."""
+    import torch
+    from litert_torch.generative.export_hf import export as X
+    from litert_torch.generative.export_hf.model_ext.gemma4 import vision_exportable as V
+
+    fix, n = json.loads(fixes), int(soft)
+    if fix["adapter_width"]:
+        sample = {f"vision_adapter_{n}": ({"soft_tokens": torch.zeros(1, n, int(fix["adapter_width"]))}, {})}
+        V.LiteRTExportableModuleForGemma4VisionAdapter.get_sample_inputs = lambda self, cfg, **kw: sample
+    X.export(
+        model, out, task="image_text_to_text", prefill_lengths=[int(S)], cache_length=int(S),
+        quantization_recipe="none", externalize_embedder=True, k_ts_idx=K_AXIS, v_ts_idx=V_AXIS,
+        keep_temporary_files=True, export_vision_encoder=True, gemma4_vision_max_soft_tokens=n,
+    )  # fmt: skip
+    if not fix["vision_metadata"]:
+        return
+    import litert_lm_builder as B
+    from litert_lm_builder.runtime.proto import llm_metadata_pb2
+
+    d = Path(out)
+    md = llm_metadata_pb2.LlmMetadata.FromString((d / "llm_metadata.pb").read_bytes())
+    md.llm_model_type.gemma4.pooling_kernel_size, md.llm_model_type.gemma4.max_num_patches = fix["vision_metadata"]
+    (d / "llm_metadata_fixed.pb").write_bytes(md.SerializeToString())
+    b = B.LitertLmFileBuilder()
+    b.add_system_metadata(B.Metadata(key="Authors", value="ODML", dtype=B.DType.STRING))
+    b.add_llm_metadata(str(d / "llm_metadata_fixed.pb"))
+    b.add_executor_metadata(str(d / "executor_metadata.pb"))
+    b.add_hf_tokenizer(str(d / "tokenizer.json"))
+    for name, t in LM_SECTIONS.items():
+        b.add_tflite_model(str(d / f"{name}.tflite"), getattr(B.TfLiteModelType, t))
+    with open(d / BUNDLE, "wb") as f:
+        b.build(f)
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     if command == "quantize":
         _quantize(*args)
     elif command == "vision":
         _export_vision(*args)
+    elif command == "lm-vision":
+        _export_lm_vision(*args)
 
 
 def export_command(request) -> str:

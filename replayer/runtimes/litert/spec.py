@@ -62,13 +62,6 @@ _LITERT = dict(
     doc="docs/runtime-litert.md",
     capture_map=LITERT,
 )
-# why litert-lm refuses an image prompt (docs/runtime-litert.md, "LiteRT-LM and images": what was tried)
-LM_IMAGES = (
-    "LiteRT-LM 0.18.1 takes an image only as a file, through its Conversation API (a Session refuses one: "
-    "'Image must be preprocessed before being used in SessionAdvanced'), from a bundle whose Gemma 4 vision "
-    "metadata litert-torch 0.10.0 writes for 3 x 3 pooling (docs/upstream/litert-torch-litertlm-vision-metadata.md); "
-    "this runtime does not drive that path yet (docs/runtime-litert.md, 'LiteRT-LM and images')"
-)
 _TEXT_ONLY = {**_LITERT, "text_only": True, "capture_map": TOKENS_ONLY}  # litert-lm, litert-convert: token ids only
 _EXPORT = Export(
     "export-litert",
@@ -123,10 +116,11 @@ RUNTIMES = (
         "litert-lm",
         f"{RT}.lm:create",
         "LiteRT-LM's engine (CPU, greedy) on the .litertlm litert-torch exports from REF's checkpoint, or "
-        "`--litertlm FILE`; text in and out",
+        "`--litertlm FILE`; text (and image files) in, text out",
         "float32 (or the file's)",
         artifacts=".litertlm",
-        **{**_TEXT_ONLY, "needs": ("litert_lm", "litert_torch"), "text_only": LM_IMAGES},
+        # an image prompt: its Conversation API, the image a PNG rebuilt from REF's patches (lm.py)
+        **{**_TEXT_ONLY, "needs": ("litert_lm", "litert_torch"), "text_only": False},
     ),
     RuntimeSpec(
         "litert-convert",
