@@ -297,7 +297,8 @@ def test_bench_capture(tmp_path):
 def test_bench_child_stream(tmp_path):
     args = ("--model", TINY, "--prompt", 4, "--new", 2, "--repeats", 1, "--runtimes", "llama.cpp:F32")
     cells = after(bench("bench_child_stream.py", tmp_path, *args), "llama.cpp:F32 ")
-    assert len(cells) == 14 and all(x > 0 for x in cells)  # prompt, decode: alone, then each, in band, batched, ratios
+    # prompt, decode: alone, then each, in band, batched, ratios (2 decimals: a tiny time or ratio reads 0.00)
+    assert len(cells) == 14 and cells[0] > 0 and all(x >= 0 for x in cells), cells
 
 
 @engine("llama_cpp", "llamacpp")
