@@ -140,3 +140,13 @@ class ChunkProbe:
     def flush(self) -> None:
         for (kind, layer), parts in self.parts.items():
             self.probe.tensor(kind, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0), layer=layer)
+
+
+def image_blocks(mm_token_type_ids):
+    """Each position's image (0, 1, ...) or -1 for text, from mm_token_type_ids (1 or 2: vision), as
+    HF's get_block_sequence_ids_for_mask numbers them."""
+    import numpy as np
+
+    vision = (mm_token_type_ids == 1) | (mm_token_type_ids == 2)
+    starts = vision & ~np.concatenate([[False], vision[:-1]])
+    return np.where(vision, np.cumsum(starts) - 1, -1)

@@ -297,14 +297,6 @@ class MLXEngine(VisionTaps):
             setattr(parent, name, wrapped)
 
 
-def image_blocks(mm_token_type_ids: np.ndarray) -> np.ndarray:
-    """Each position's image (0, 1, ...) or -1 for text, from mm_token_type_ids (1 or 2: vision), as
-    HF's get_block_sequence_ids_for_mask numbers them."""
-    vision = (mm_token_type_ids == 1) | (mm_token_type_ids == 2)
-    starts = vision & ~np.concatenate([[False], vision[:-1]])
-    return np.where(vision, np.cumsum(starts) - 1, -1)
-
-
 # how each kind is read from its module's call (args, output): one row of batch 1 (q, k: heads after rows)
 _READ = {
     "embeddings": lambda a, out: a[0][0],
@@ -417,6 +409,8 @@ class MLXRuntime(ChildRuntime):
         }
         bidirectional = getattr(text, "use_bidirectional_attention", None)
         if bidirectional == "vision" and "mm_token_type_ids" in extra_inputs:
+            from ..ops import image_blocks
+
             image["blocks"] = image_blocks(np.asarray(extra_inputs["mm_token_type_ids"]).reshape(-1))
         elif bidirectional not in (None, "vision"):
             raise TraceToolError(

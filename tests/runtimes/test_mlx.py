@@ -252,7 +252,8 @@ def test_without_hfs_image_mask_mlx_lm_diverges_at_the_first_image_token(tmp_pat
     pytest.importorskip("mlx_vlm", reason="mlx-vlm is not installed (pip install -e '.[mlx]')")
     import numpy as np
 
-    monkeypatch.setattr(M, "image_blocks", lambda types: np.full(types.size, -1))  # no image block: causal
+    no_block = lambda types: np.full(types.size, -1)  # noqa: E731 - no image block: causal
+    monkeypatch.setattr("gemma4_trace.replayer.ops.image_blocks", no_block)
     out = tmp_path / "causal.h5"
     r = invoke("replay", golden_path("image"), "--runtime", "mlx", "--kinds", "attn_out,layer_out", "-o", out)
     assert r.exit_code == 0, r.output

@@ -20,6 +20,7 @@ from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.errors import TraceToolError
 
 from ...api import report as report_site
+from ...ops import image_blocks
 from . import export as E
 from . import graph as G
 
@@ -67,9 +68,7 @@ class LiteRTImages:
         self.soft = dict(zip(slots, soft))
         tt = np.asarray(extra.get("mm_token_type_ids", np.zeros((1, 0)))).reshape(-1)[: len(ids)]
         if self.bidir_vision and tt.size:
-            vis = (tt == 1) | (tt == 2)
-            starts = vis & ~np.concatenate([[False], vis[:-1]])
-            self.blocks = np.where(vis, np.cumsum(starts) - 1, -1)
+            self.blocks = image_blocks(tt)
         return embedded
 
     def _load(self, soft: int, phase: str) -> None:
