@@ -19,6 +19,9 @@ from gemma4_trace.traces.errors import TraceToolError, install_hint, one_line
 from . import config_check, memory
 
 EMBEDDED_NAME = "tiny-gemma4 (embedded)"
+# the same text and vision weights with an audio tower (scripts/build_tiny_audio_model.py): a second
+# folder, so that the text and image goldens and every runtime's artifacts of the first stay as they are
+EMBEDDED_AUDIO_NAME = "tiny-gemma4-audio (embedded)"
 
 
 def embedded_model_dir() -> Path:
@@ -27,11 +30,26 @@ def embedded_model_dir() -> Path:
     return Path(str(files("gemma4_trace.hf") / "tiny_model"))
 
 
+def embedded_audio_model_dir() -> Path:
+    """The tiny checkpoint with an audio tower (hf/tiny_audio_model): the default for audio prompts."""
+    return Path(str(files("gemma4_trace.hf") / "tiny_audio_model"))
+
+
+def embedded_dir(model_name: str) -> Path | None:
+    """The folder of the embedded model a trace names (its provenance's model_name), else None."""
+    return {EMBEDDED_NAME: embedded_model_dir, EMBEDDED_AUDIO_NAME: embedded_audio_model_dir}.get(
+        model_name, lambda: None
+    )()
+
+
 # what `trace record` asks the embedded model when no prompt is given
 DEMO_PROMPT = "Tell me a story."
 DEMO_IMAGE_PROMPT = "Describe the image."
 DEMO_IMAGE = embedded_model_dir() / "example.png"
 DEMO_WIDE_IMAGE = embedded_model_dir() / "example_wide.png"  # another size: two images pad differently
+DEMO_AUDIO_PROMPT = "Transcribe the audio."
+DEMO_AUDIO = embedded_audio_model_dir() / "example.wav"  # espeak-ng reading DEMO_AUDIO_TEXT, 22.05 kHz
+DEMO_AUDIO_TEXT = "The quick brown fox jumps over the lazy dog."
 GEMMA4_TYPES = ("gemma4", "gemma4_text")
 # config keys that say nothing about the network: left out of the config hash
 VOLATILE_CONFIG_KEYS = (
@@ -79,10 +97,11 @@ class LoadedModel:
         return getattr(self.model.config, "vision_config", None) is not None
 
 
-def resolve_model_dir(model_dir: str | Path | None) -> tuple[Path, str]:
-    """The folder to load and the name a trace records for it (never an absolute path)."""
+def resolve_model_dir(model_dir: str | Path | None, audio: bool = False) -> tuple[Path, str]:
+    """The folder to load and the name a trace records for it (never an absolute path); with no
+    folder, the embedded model (the one with an audio tower for an audio prompt)."""
     if model_dir is None:
-        return embedded_model_dir(), EMBEDDED_NAME
+        return (embedded_audio_model_dir(), EMBEDDED_AUDIO_NAME) if audio else (embedded_model_dir(), EMBEDDED_NAME)
     path = Path(model_dir)
     return path, path.resolve().name
 
@@ -124,8 +143,10 @@ def load_model(
     max_memory: dict | None = None,
     offload_folder=None,
     weights: bool = True,
+    audio: bool = False,
 ) -> LoadedModel:
-    """Load a Gemma 4 checkpoint folder; raise TraceToolError (one line) on anything wrong.
+    """Load a Gemma 4 checkpoint folder (None: the embedded one, with its audio tower if `audio`);
+    raise TraceToolError (one line) on anything wrong.
 
     device_map ("auto" or an explicit map) places the model with accelerate (extra [big]) over
     the GPUs, the CPU (max_memory {device: size}) and disk (offload_folder), for a model larger
@@ -134,7 +155,7 @@ def load_model(
     no memory), for a runtime that never computes with HF's weights (llama.cpp on a cached or a
     user's GGUF); `has_weights` says which.
     """
-    path, name = resolve_model_dir(model_dir)
+    path, name = resolve_model_dir(model_dir, audio)
     data = read_config_json(path)
     if not any(path.glob("*.safetensors")):
         raise TraceToolError(f"{path} has no *.safetensors weights (only safetensors are loaded)")
@@ -336,11 +357,12 @@ def load_for_reference(prov: dict, model_dir=None, device: str = "cpu", weights:
     `model_dir` None means the embedded model, which only fits traces recorded from it:
     a trace stores the model's folder name, never its path.
     """
-    if model_dir is None and prov["model_name"] != EMBEDDED_NAME:
+    if model_dir is None and embedded_dir(prov["model_name"]) is None:
         raise TraceToolError(
             f"the reference was recorded with model {prov['model_name']!r}; pass its folder with --model"
         )
-    lm = load_model(model_dir, dtype=prov["dtype"], device=device, weights=weights)
+    audio = model_dir is None and prov["model_name"] == EMBEDDED_AUDIO_NAME  # the embedded audio variant
+    lm = load_model(model_dir, dtype=prov["dtype"], device=device, weights=weights, audio=audio)
     cfg = config_dict(lm.config)
     if config_sha256(cfg) != prov["model_config_sha256"]:
         try:

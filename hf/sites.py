@@ -16,7 +16,8 @@ are the caller's, read with `output_of` and `attention_tensors`.
 Towers: each row carries its tower ("text" for the decoder's kinds, as traces/schema.py names
 towers). TOWERS also places the encoder towers (checked against transformers 5.24's
 modeling_gemma4.py and tests/test_hf_sites.py). The vision tower's rows keep HF's image axis
-(every image runs in one batch, padding patches included): the recorder drops the padding rows.
+(every image runs in one batch, padding patches included), the audio tower's its clip axis
+(padding frames included): the recorder drops the padding rows.
 `install` skips the rows of a tower the model does not have (a text-only checkpoint).
 
 No torch import: the rows are data, the helpers only call the modules they are given.
@@ -89,6 +90,8 @@ _TEXT = TOWERS[TEXT].root
 _LAYER = f"{_TEXT}.layers.{LAYER}"
 _VISION = TOWERS[VISION].root
 _VLAYER = f"{_VISION}.{TOWERS[VISION].layers}.{LAYER}"
+_AUDIO = TOWERS[AUDIO].root
+_ALAYER = f"{_AUDIO}.{TOWERS[AUDIO].layers}.{LAYER}"
 
 
 def _rope_rows() -> tuple[HFSite, ...]:
@@ -126,6 +129,16 @@ SITES: tuple[HFSite, ...] = (
     # pooled, padding stripped and standardized: no image axis (soft tokens image after image)
     HFSite("pooled", VISION, _VISION, OUTPUT, "last_hidden_state"),
     HFSite("soft_tokens", VISION, TOWERS[VISION].embedder, OUTPUT),  # embed_vision: no image axis either
+    # the audio tower (Gemma4AudioModel), run once in the prefill on every clip at once: every row keeps
+    # the clip axis and the padding frames (the recorder drops them)
+    HFSite("subsampled", AUDIO, f"{_AUDIO}.subsample_conv_projection", OUTPUT, 0),  # (frames, mask)
+    HFSite("ff1_out", AUDIO, f"{_ALAYER}.feed_forward1", OUTPUT),
+    HFSite("attn_out", AUDIO, f"{_ALAYER}.self_attn", OUTPUT, 0),  # (post's output, attention weights)
+    HFSite("lconv_out", AUDIO, f"{_ALAYER}.lconv1d", OUTPUT),
+    HFSite("ff2_out", AUDIO, f"{_ALAYER}.feed_forward2", OUTPUT),
+    HFSite("layer_out", AUDIO, _ALAYER, OUTPUT),
+    HFSite("output_proj", AUDIO, f"{_AUDIO}.output_proj", OUTPUT),
+    HFSite("soft_tokens", AUDIO, TOWERS[AUDIO].embedder, OUTPUT),  # embed_audio, before HF strips the padding
 )
 BY_KEY: dict[str, HFSite] = {s.key: s for s in SITES}
 LOGITS = BY_KEY["logits"]

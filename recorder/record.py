@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from gemma4_trace.hf import sites as S
 from gemma4_trace.hf.memory import generation_bytes
-from gemma4_trace.hf.model import DEMO_IMAGE_PROMPT, DEMO_PROMPT, LoadedModel, load_model, provenance
+from gemma4_trace.hf.model import DEMO_AUDIO_PROMPT, DEMO_IMAGE_PROMPT, DEMO_PROMPT, LoadedModel, load_model, provenance
 from gemma4_trace.traces import Provenance, TraceHeader, TraceWriter, layer_infos_from_config
 from gemma4_trace.traces import limits as LIM
 from gemma4_trace.traces.atomic import check_output_path
@@ -34,7 +34,9 @@ from gemma4_trace.traces.errors import TraceToolError, one_line
 from gemma4_trace.traces.schema import LAYER_KIND_NAMES, rope_kinds
 from gemma4_trace.traces.writer import Bf16Rows, spare_core
 
-from .towers import VisionRows, tower_infos
+from .audio import audio_rate, load_clip, with_audio
+from .files import check_input_file
+from .towers import AudioRows, VisionRows, tower_infos
 
 
 @dataclass
@@ -51,6 +53,7 @@ def record_trace(
     prompt: str | None = None,
     input_ids: list[int] | None = None,
     images: list[str] = (),
+    audios: list[str] = (),
     max_new_tokens: int = 16,
     dtype: str = "float32",
     device: str = "cpu",
@@ -70,7 +73,8 @@ def record_trace(
     `device_map` "auto" (with max_memory, offload_folder): accelerate places the model over the
     GPUs, CPU and disk (hf/model.py); the hooks copy what they record to the CPU.
     `shared_kv_prefill` "all" (every prefill row of every layer) or "last" (generate()'s shortcut,
-    see the module docstring).
+    see the module docstring). `audios`: audio clips (recorder/audio.py), read before the model loads;
+    with no model folder they select the embedded model with an audio tower.
     """
     check_output_path(output, force)  # fail before loading anything
     if prompt is not None and input_ids is not None:
@@ -78,9 +82,10 @@ def record_trace(
     if prompt is None and input_ids is None:
         if model_dir is not None:
             raise TraceToolError("give the prompt with --prompt TEXT or --input-ids 2,10,11")
-        prompt = DEMO_IMAGE_PROMPT if images else DEMO_PROMPT  # the embedded model's demo
-    if images and prompt is None:
-        raise TraceToolError("--image needs --prompt (the processor places the image tokens)")
+        prompt = DEMO_AUDIO_PROMPT if audios else DEMO_IMAGE_PROMPT if images else DEMO_PROMPT  # the demos
+    if (images or audios) and prompt is None:
+        what = "--image" if images else "--audio"
+        raise TraceToolError(f"{what} needs --prompt (the processor places the image and audio tokens)")
     pil_images = [open_image(p) for p in images]
     _phase(progress, "loading the model")
     lm = load_model(
@@ -90,9 +95,11 @@ def record_trace(
         device_map=device_map,
         max_memory=max_memory,
         offload_folder=offload_folder,
+        audio=bool(audios),
     )
+    clips = [load_clip(p, audio_rate(lm)) for p in audios]
     _phase(progress, "generating")
-    inputs = prepare_inputs(lm, prompt, input_ids, pil_images, chat)
+    inputs = prepare_inputs(lm, prompt, input_ids, pil_images, chat, clips)
     tokens = record_loaded(
         lm,
         inputs,
@@ -106,7 +113,9 @@ def record_trace(
     text = ""
     if lm.tokenizer is not None:
         text = " -> " + repr(lm.tokenizer.decode(tokens, skip_special_tokens=False))
-    return f"wrote {output}: {len(inputs.input_ids)} prompt tokens, {len(tokens)} generated{text}"
+    notes = "; ".join(c.note for c in clips if c.note)  # what was done to fit the clips, said on the one line
+    notes = f" ({notes})" if notes else ""
+    return f"wrote {output}: {len(inputs.input_ids)} prompt tokens, {len(tokens)} generated{text}{notes}"
 
 
 MAX_IMAGE_BYTES = 256 << 20  # an image file read whole at most
@@ -116,21 +125,9 @@ MAX_IMAGE_PIXELS = 64 << 20  # width x height an image's header may claim (the p
 def open_image(path: str):
     """A prompt image as RGB: a regular file within MAX_IMAGE_BYTES whose header claims at most
     MAX_IMAGE_PIXELS, else one line (a FIFO is never opened: it would block)."""
-    import os
-    import stat
-
     from PIL import Image, UnidentifiedImageError
 
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise TraceToolError(f"image {one_line(path, 80)} does not exist") from None
-    except OSError as e:
-        raise TraceToolError(f"image {one_line(path, 80)} cannot be read ({type(e).__name__})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise TraceToolError(f"image {one_line(path, 80)} is not a regular file")
-    if st.st_size > MAX_IMAGE_BYTES:
-        raise TraceToolError(f"image {one_line(path, 80)} is {st.st_size} bytes, more than {MAX_IMAGE_BYTES} read")
+    check_input_file(path, "image", MAX_IMAGE_BYTES)
     try:
         with Image.open(path) as im:
             w, h = im.size
@@ -143,8 +140,8 @@ def open_image(path: str):
         raise TraceToolError(f"image {one_line(path, 80)} is not a readable image ({type(e).__name__})") from None
 
 
-def prepare_inputs(lm: LoadedModel, prompt, input_ids, images, chat: bool) -> PromptInputs:
-    """Token ids (and pixel inputs) exactly as the processor / chat template make them."""
+def prepare_inputs(lm: LoadedModel, prompt, input_ids, images, chat: bool, clips=()) -> PromptInputs:
+    """Token ids (and pixel and audio inputs) exactly as the processor / chat template make them."""
     vocab = lm.text_config.vocab_size
     if input_ids is not None:
         bad = [i for i in input_ids if not 0 <= i < vocab]
@@ -163,7 +160,9 @@ def prepare_inputs(lm: LoadedModel, prompt, input_ids, images, chat: bool) -> Pr
     if images and not hasattr(lm.processor, "image_processor"):
         raise TraceToolError(f"{lm.model_dir} has no image processor; it cannot take --image")
     use_chat = chat and getattr(lm.processor, "chat_template", None) is not None
-    if use_chat:
+    if clips:
+        enc = with_audio(lm, prompt, images, [c.samples for c in clips], use_chat)
+    elif use_chat:
         content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": prompt}]
         enc = lm.processor.apply_chat_template(
             [{"role": "user", "content": content}],
@@ -184,7 +183,7 @@ def prepare_inputs(lm: LoadedModel, prompt, input_ids, images, chat: bool) -> Pr
     enc = dict(enc)
     ids = enc.pop("input_ids")[0].tolist()
     enc.pop("attention_mask", None)
-    if not images:
+    if not images and not clips:
         enc.pop("mm_token_type_ids", None)
     if not ids:
         raise TraceToolError("the prompt tokenizes to no tokens")
@@ -240,6 +239,7 @@ class _StepRecorder:
     def __init__(self, lm: LoadedModel, writer: TraceWriter, prompt_len: int, shortcut: bool = False, extra=None):
         self.lm, self.w, self.T = lm, writer, prompt_len
         self.vision = VisionRows(lm.model, extra or {})  # the vision tower's rows (prefill only)
+        self.audio = AudioRows(lm.model, extra or {})  # the audio tower's rows (prefill only)
         self.shortcut = shortcut  # generate()'s prefill shortcut: KV-sharing layers see only the last row
         self.text_model = S.tower_model(lm.model)
         self.n_layers = S.layer_count(lm.model)
@@ -339,7 +339,7 @@ class _StepRecorder:
         """A hooked module's tensor (hf/sites.py): batch 1's rows, by kind (and layer: per_layer_inputs
         too, one slice per layer)."""
         if site.tower != S.TEXT:
-            self.vision.put(site, layer, t)
+            (self.audio if site.tower == S.AUDIO else self.vision).put(site, layer, t)
             return
         self.buf[site.kind if layer is None else (site.kind, layer)] = t[0]
 
@@ -361,6 +361,7 @@ class _StepRecorder:
 
         if self.n_steps == 0:  # the encoder towers ran in the prefill, before the text tower
             self.vision.write(w, writer_rows)
+            self.audio.write(w, writer_rows)
         put("embeddings", b["embeddings"])
         n_layers = self.n_layers
         if ("per_layer_inputs", 0) in b and w.keeps("per_layer_inputs"):

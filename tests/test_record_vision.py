@@ -114,7 +114,8 @@ def test_a_selection_keeps_the_towers_layers_and_kinds_it_names(tmp_path):
         assert ("layer_out", 7) in present  # no text layers named: every text layer kept
         assert not any(k == "vision.layer_out" for k, _ in present)
         assert t.selection == Selection(None, t.selection.kinds, None, (("vision", (1,)),))
-        np.testing.assert_array_equal(t.read("vision.q", 1), read_golden("vision.q", 1))
+        # the golden's own tensor, to float32 rounding (bit-exact only on the CPU that recorded it)
+        np.testing.assert_allclose(t.read("vision.q", 1), read_golden("vision.q", 1), rtol=0, atol=1e-5)
 
 
 def golden_image():

@@ -352,23 +352,31 @@ TOWERS: tuple[Tower, ...] = (
         "audio",
         "audio_config",
         ROW_FRAME,
-        _encoder_kinds(
-            "audio",
-            ROW_FRAME,
-            Kind(
-                "subsampled",
-                False,
-                ROW_FRAME,
-                "float",
-                (_HIDDEN,),
-                "log-mel frames after the subsampling convs",
-                residual=True,
-            ),
-            (_SOFT_TOKENS,),
+        tuple(
+            replace(k, tower="audio")
+            for k in (
+                Kind(
+                    "subsampled",
+                    False,
+                    ROW_FRAME,
+                    "float",
+                    (_HIDDEN,),
+                    "log-mel frames after the subsampling convs and their projection",
+                    residual=True,
+                ),
+                Kind("ff1_out", True, ROW_FRAME, "float", (_HIDDEN,), "feed_forward1's output, its half step added"),
+                Kind("attn_out", True, ROW_FRAME, "float", (_HIDDEN,), "chunked local attention's output (post)"),
+                Kind("lconv_out", True, ROW_FRAME, "float", (_HIDDEN,), "lconv1d's output (causal depthwise conv)"),
+                Kind("ff2_out", True, ROW_FRAME, "float", (_HIDDEN,), "feed_forward2's output, its half step added"),
+                Kind("layer_out", True, ROW_FRAME, "float", (_HIDDEN,), "conformer layer output", residual=True),
+                # output_proj_dims wide: bounded by the text tower's width (E2B/E4B: equal to it)
+                Kind("output_proj", False, ROW_FRAME, "float", (Axis("proj", "model_hidden"),), "output_proj"),
+                _SOFT_TOKENS,
+            )
         ),
         "embeddings",
         "audio_token_id",
-        "the audio encoder (conformer): rows are subsampled frames, clip after clip",
+        "the audio encoder (conformer): rows are subsampled frames, padding dropped, clip after clip",
         "clip",
     ),
     Tower("text", "text_config", ROW_POSITION, KINDS, None, None, "the text decoder: rows are token positions"),

@@ -160,11 +160,11 @@ def tokenizer_folder(model_dir, model_name: str):
     recorded from it (no torch import), else None."""
     from pathlib import Path
 
-    from gemma4_trace.hf.model import EMBEDDED_NAME, embedded_model_dir
+    from gemma4_trace.hf.model import embedded_dir
 
     if model_dir:
         return Path(model_dir)
-    return embedded_model_dir() if model_name == EMBEDDED_NAME else None
+    return embedded_dir(model_name)
 
 
 def selection_of(layers, kinds, steps):

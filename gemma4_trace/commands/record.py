@@ -42,6 +42,13 @@ def _max_memory(value):
 @click.option("--prompt", default=None, help="prompt text (needs a tokenizer in the model folder)")
 @click.option("--input-ids", callback=_int_list, default=None, help="comma-separated prompt token ids")
 @click.option("--image", "images", multiple=True, type=click.Path(), help="image file (repeatable)")
+@click.option(
+    "--audio",
+    "audios",
+    multiple=True,
+    type=click.Path(),
+    help="audio clip: WAV, FLAC, OGG, ... (repeatable; extra [audio]; no --model: the embedded audio model)",
+)
 @O.max_new_tokens
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @O.device()
@@ -78,9 +85,9 @@ def _max_memory(value):
 @O.debug
 @O.progress()
 @user_errors
-def record(model_dir, images, output, force, device_map, no_chat, layers, kinds, steps, progress, **kw):
+def record(model_dir, images, audios, output, force, device_map, no_chat, layers, kinds, steps, progress, **kw):
     """Run HF Gemma 4 greedy generation with hooks and write a reference trace."""
-    check_output_path(output, force, inputs=[*images, *model_files(model_dir)])
+    check_output_path(output, force, inputs=[*images, *audios, *model_files(model_dir)])
     selection = selection_of(layers, kinds, steps)
     check_model_dir(model_dir)  # cheap checks first: nothing below loads before they pass
     if device_map is not None:
@@ -94,6 +101,7 @@ def record(model_dir, images, output, force, device_map, no_chat, layers, kinds,
         model_dir=model_dir,
         output=output,
         images=list(images),
+        audios=list(audios),
         chat=not no_chat,
         force=force,
         selection=selection,
