@@ -38,7 +38,7 @@ AUDIO_CONFIG = dict(
     num_hidden_layers=2,
     num_attention_heads=2,
     # transformers 5.24 sizes input_proj_linear from subsampling_conv_channels[0] where it means the
-    # feature size (128): they must agree (docs/upstream/transformers-audio-proj-size.md)
+    # feature size (128): they must agree (docs/upstream/transformers-gemma4-audio-proj-size.md)
     subsampling_conv_channels=[128, 8],
     output_proj_dims=48,
     conv_kernel_size=5,

@@ -168,3 +168,16 @@ def test_a_model_without_an_audio_tower_refuses_audio(tmp_path):
         "record", "--model", str(embedded_model_dir()), "--audio", str(DEMO_AUDIO), "--prompt", "Hi", "-o", str(out)
     )
     one_line_error(r, "has no audio tower; it cannot take --audio", out=out)
+
+
+def test_the_audio_projection_repro_script_still_fails():
+    """docs/upstream/transformers-gemma4-audio-proj-size.md: fails once transformers sizes the linear right."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "docs/upstream/transformers_gemma4_audio_proj_repro.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "input_proj_linear.in_features = 8; the subsampled frames are 128 wide" in r.stdout
+    assert "mat1 and mat2 shapes cannot be multiplied (10x128 and 8x32)" in r.stdout
