@@ -181,3 +181,24 @@ def test_the_audio_projection_repro_script_still_fails():
     assert r.returncode == 1, r.stdout + r.stderr
     assert "input_proj_linear.in_features = 8; the subsampled frames are 128 wide" in r.stdout
     assert "mat1 and mat2 shapes cannot be multiplied (10x128 and 8x32)" in r.stdout
+
+
+@pytest.mark.slow
+def test_the_embedded_audio_model_rebuilds_bit_identical(tmp_path):
+    """scripts/build_tiny_audio_model.py writes the checked-in weights and speech clip again (espeak-ng's)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gemma4_trace.hf.model import embedded_audio_model_dir
+
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (.ci/run installs it)")
+    script = Path(__file__).resolve().parents[1] / "scripts/build_tiny_audio_model.py"
+    r = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("model.safetensors", "example.wav", "config.json", "chat_template.jinja"):
+        assert (tmp_path / name).read_bytes() == (embedded_audio_model_dir() / name).read_bytes(), name
