@@ -108,6 +108,7 @@ RUN_HERE = {  # script -> the test below that runs it
     "bench_replay.py": "test_bench_replay",
     "bench_sweep.py": "test_bench_sweep",
     "bench_vision.py": "test_bench_vision",
+    "bench_audio.py": "test_bench_audio",
     "bench_writer.py": "test_bench_writer",
     "make_e2b_random.py": "test_record_cost_on_the_e2b_structure",
     "profile_record.py": "test_profile_record",
@@ -202,6 +203,16 @@ def test_bench_record_ab():
     out = bench("bench_record_ab.py", TINY, "--rounds", 1, "--prompt-len", 8, "--new-tokens", 2)
     for name in ("record-last, ISA-L", "record-last, zlib Z_RLE"):
         assert figure(out, rf"^{re.escape(name)}\s+median\s+{NUM} s\s+({NUM})x generate\(\)") > 0
+
+
+def test_bench_audio():
+    out = bench("bench_audio.py", "--tiny", "--seconds", 2, "--rounds", 1)
+    assert "audio tower: 2 layers, hidden 32" in out and "clip: 2 s, 199 mel frames" in out
+    tower, gen, rec = (after(out, label)[0] for label in ("tower forward", "generate() 1 token", "trace record"))
+    assert min(tower, gen, rec) > 0
+    assert figure(out, rf"record / generate: ({NUM})x") == pytest.approx(rec / gen, rel=0.05, abs=0.01)
+    assert figure(out, rf"tower \+ audio sites / tower: ({NUM})x") == pytest.approx(1 + (rec - gen) / tower, abs=0.02)
+    assert figure(out, rf"audio sites on disk: {NUM} MiB, ({NUM}) KiB per second of audio") > 0
 
 
 def test_bench_vision():
