@@ -35,8 +35,8 @@ except ModuleNotFoundError:  # imported as benchmarks.NAME
 import numpy as np
 import torch
 
+from gemma4_trace.hf.audio import Clip, load_clip
 from gemma4_trace.hf.model import DEMO_AUDIO, embedded_audio_model_dir, load_model
-from gemma4_trace.recorder.audio import Clip, load_clip
 from gemma4_trace.recorder.record import eos_ids, prepare_inputs, record_loaded
 
 E2B_AUDIO: dict = {}  # Gemma4AudioConfig's defaults are E2B's audio_config

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gemma4_trace.hf import sites as S
+from gemma4_trace.hf.audio import audio_rate, load_clip, with_audio
+from gemma4_trace.hf.files import check_input_file
 from gemma4_trace.hf.memory import generation_bytes
 from gemma4_trace.hf.model import DEMO_AUDIO_PROMPT, DEMO_IMAGE_PROMPT, DEMO_PROMPT, LoadedModel, load_model, provenance
 from gemma4_trace.traces import Provenance, TraceHeader, TraceWriter, layer_infos_from_config
@@ -34,8 +36,6 @@ from gemma4_trace.traces.errors import TraceToolError, one_line
 from gemma4_trace.traces.schema import LAYER_KIND_NAMES, rope_kinds
 from gemma4_trace.traces.writer import Bf16Rows, spare_core
 
-from .audio import audio_rate, load_clip, with_audio
-from .files import check_input_file
 from .towers import AudioRows, VisionRows, tower_infos
 
 

@@ -195,7 +195,7 @@ class StaticGraph:
         """Prefill over the padded prompt; all shapes fixed by max_seq.
 
         ids, ple_ids (1, S) long: prompt ids, multimodal tokens replaced by pad, right-padded
-        mm_embeds (1, S, H): vision soft tokens at their slots; mm_slots (1, S) bool
+        mm_embeds (1, S, H): image and audio soft tokens at their slots; mm_slots (1, S) bool
         block_ids (S,) long: image block of each position (-1 for text) for bidirectional masks
         n_valid () long: prompt length T. Returns the logits (vocab,) at position T - 1.
         report_rows: how many leading rows the probe gets (the T prompt rows, never padding;

@@ -80,11 +80,13 @@ def test_pip_install_puts_only_gemma4_trace_into_site_packages(tmp_path):
     pkg = target / "gemma4_trace"
     for sub in ("traces", "diff", "recorder", "replayer", "replayer/runtimes", "hf", "importer", "analysis"):
         assert (pkg / sub / "__init__.py").is_file(), sub
-    assert sorted(p.name for p in (pkg / "hf" / "tiny_model").iterdir()) == sorted(  # package data travels
-        p.name for p in (ROOT / "hf" / "tiny_model").iterdir()
-    )
+    for model in ("tiny_model", "tiny_audio_model"):  # package data travels
+        assert sorted(p.name for p in (pkg / "hf" / model).iterdir()) == sorted(
+            p.name for p in (ROOT / "hf" / model).iterdir()
+        )
     assert not (pkg / "recorder" / "tiny_model").exists()
     assert sorted(p.name for p in (pkg / "traces" / "golden").glob("*.h5")) == [
+        "audio.h5",
         "eos.h5",
         "image.h5",
         "short.h5",
@@ -113,7 +115,7 @@ def test_own_modules():
 
 def test_our_plugin_is_loaded_and_finds_its_goldens(pytestconfig, gemma4_golden):
     assert pytestconfig.pluginmanager.hasplugin("gemma4_trace")
-    assert gemma4_golden.folder == GOLDEN_DIR and len(gemma4_golden.paths) == 5
+    assert gemma4_golden.folder == GOLDEN_DIR and len(gemma4_golden.paths) == 6
 """
 
 

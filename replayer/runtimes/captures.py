@@ -131,10 +131,12 @@ class CaptureMap:
 
     def text(self) -> str:
         """What it captures, for people (the README's "kinds captured"): "all kinds", "tokens only",
-        "all but mask and RoPE"; "; the vision tower's too" where it captures an encoder tower's."""
+        "all but mask and RoPE"; "; the vision tower's too" (or "the vision and audio towers' too") where it captures
+        an encoder tower's."""
         missing = self.not_captured()
         towers = [t for t in S.ENCODER_TOWERS if any(S.KIND_BY_NAME[k].tower == t for k in self.kinds)]
-        more = "".join(f"; the {t} tower's too" for t in towers)
+        more = f"; the {' and '.join(towers)} tower{'s' if len(towers) > 1 else ''}'s too" if towers else ""
+        more = more.replace("towers's", "towers'")
         if not missing:
             return "all kinds" + more
         if set(missing) >= set(S.KIND_NAMES) - {S.KIND_TOKEN}:
@@ -211,7 +213,8 @@ ROPE = tuple(k for t in S.LAYER_TYPE_SHORT for k in S.rope_kinds(t))
 PROBE = CaptureMap(
     "the static runtime's probe calls (replayer/runtime.py)",
     (
-        *_probe_rows(_probe_call, towers=("vision",)),  # the vision tower's port: replayer/static_vision.py
+        # the encoder towers' ports: replayer/static_vision.py, replayer/static_audio.py
+        *_probe_rows(_probe_call, towers=("vision", "audio")),
         Capture("prefill() / decode()", "logits", via="the step's result"),
     ),
 )

@@ -27,6 +27,7 @@ import torch
 
 from gemma4_trace.recorder.golden import GOLDEN_DIR
 from gemma4_trace.replayer.runtime import StaticGemma4Runtime
+from gemma4_trace.replayer.static_audio import StaticAudio
 from gemma4_trace.replayer.static_vision import StaticVision
 
 # a prompt shorter than the sliding window, decoding past it (positions 0..12)
@@ -342,6 +343,83 @@ class VisionPoolUnscaled(_VisionBug):
     name, port = "bug-vision-pool-scale", _PoolUnscaled
 
 
+# --------------------------------------------------------------------- 10b. the audio tower (its port's seams)
+class _AudioBug(_Bug):
+    """The static runtime with its audio tower's port replaced by `port`, a StaticAudio subclass."""
+
+    port = StaticAudio
+
+    def audio_port(self, model):
+        return self.port(model)
+
+
+class _AudioChunkOffByOne(StaticAudio):
+    def chunk_context(self, q, k):
+        # the chunks start one frame late: each chunk's first frame is put in the chunk before, whose
+        # context ends before it (it cannot attend to itself)
+        return super().chunk_context(q - 1, k)
+
+
+class _AudioNoLeftContext(StaticAudio):
+    def attention_mask(self, valid):
+        left, self.context_left = self.context_left, 1  # the left context dropped (attention_context_left 1)
+        try:
+            return super().attention_mask(valid)
+        finally:
+            self.context_left = left
+
+
+class _AudioConvCentred(StaticAudio):
+    def depthwise_conv(self, h, weight):
+        k = weight.shape[-1]  # centred padding: the conv reads (k - 1) // 2 future frames
+        y = torch.nn.functional.conv1d(
+            torch.nn.functional.pad(h.transpose(1, 2), ((k - 1) // 2, k - 1 - (k - 1) // 2)),
+            weight,
+            groups=weight.shape[0],
+        )
+        return y.transpose(1, 2)
+
+
+class _AudioNoLogitCap(StaticAudio):
+    def soft_cap(self, scores):
+        return scores  # the tanh logit cap left out
+
+
+class _AudioFullStepFF1(StaticAudio):
+    def residual_scale(self, which):
+        return 1.0 if which == 0 else super().residual_scale(which)  # feed_forward1's half step forgotten
+
+
+class AudioChunkOffByOne(_AudioBug):
+    """The audio attention's chunks start one frame late: each chunk's first frame cannot see itself."""
+
+    name, port = "bug-audio-chunk-off-by-one", _AudioChunkOffByOne
+
+
+class AudioNoLeftContext(_AudioBug):
+    """The audio attention's left context is dropped (attention_context_left 1)."""
+
+    name, port = "bug-audio-no-left-context", _AudioNoLeftContext
+
+
+class AudioConvCentred(_AudioBug):
+    """The audio light conv's depthwise conv is centred (reads future frames) where the model's is causal."""
+
+    name, port = "bug-audio-conv-centred", _AudioConvCentred
+
+
+class AudioNoLogitCap(_AudioBug):
+    """The audio attention's tanh logit soft cap is missing."""
+
+    name, port = "bug-audio-no-logit-cap", _AudioNoLogitCap
+
+
+class AudioFullStepFF1(_AudioBug):
+    """The audio layers' first feed-forward adds its output at scale 1.0 instead of residual_weight."""
+
+    name, port = "bug-audio-ff1-full-step", _AudioFullStepFF1
+
+
 # --------------------------------------------------------------------- 11. sliding window off by one
 class WindowOffByOne(_Bug):
     """Sliding layers see window + 1 keys (q - window <= k instead of q - window < k)."""
@@ -491,6 +569,26 @@ def make_vision_clip_skipped(loaded, max_seq):
     return VisionClipSkipped(loaded, max_seq)
 
 
+def make_audio_chunk_off_by_one(loaded, max_seq):
+    return AudioChunkOffByOne(loaded, max_seq)
+
+
+def make_audio_no_left_context(loaded, max_seq):
+    return AudioNoLeftContext(loaded, max_seq)
+
+
+def make_audio_conv_centred(loaded, max_seq):
+    return AudioConvCentred(loaded, max_seq)
+
+
+def make_audio_no_logit_cap(loaded, max_seq):
+    return AudioNoLogitCap(loaded, max_seq)
+
+
+def make_audio_ff1_full_step(loaded, max_seq):
+    return AudioFullStepFF1(loaded, max_seq)
+
+
 def make_decode_norm_eps(loaded, max_seq):
     return DecodeNormEps(loaded, max_seq)
 
@@ -591,6 +689,36 @@ BUGS = {
 VARIANT_BUGS = {
     "vision_std_skipped": ("make_vision_std_skipped", "the vision tower leaves out std_bias / std_scale"),
     "vision_clip_skipped": ("make_vision_clip_skipped", "the vision tower's clipped linears run unclipped"),
+}
+# bugs of the audio tower's port: run on an audio trace of the embedded audio model
+# (hf/tiny_audio_model) by tests/test_static_audio.py; bug: (factory, what is wrong, (kind, layer) where
+# `trace diff` must put the first divergence, tower audio)
+AUDIO_BUGS = {
+    "audio_chunk_off_by_one": (
+        "make_audio_chunk_off_by_one",
+        "the audio attention's chunks start one frame late (a chunk's first frame cannot see itself)",
+        ("audio.attn_out", 0),
+    ),
+    "audio_no_left_context": (
+        "make_audio_no_left_context",
+        "the audio attention's left context is dropped (attention_context_left 1)",
+        ("audio.attn_out", 0),
+    ),
+    "audio_conv_centred": (
+        "make_audio_conv_centred",
+        "the audio light conv's depthwise conv is centred where the model's is causal",
+        ("audio.lconv_out", 0),
+    ),
+    "audio_no_logit_cap": (
+        "make_audio_no_logit_cap",
+        "the audio attention's tanh logit cap is missing",
+        ("audio.attn_out", 0),
+    ),
+    "audio_ff1_full_step": (
+        "make_audio_ff1_full_step",
+        "feed_forward1 adds its output at scale 1.0 instead of residual_weight (its half step)",
+        ("audio.ff1_out", 0),
+    ),
 }
 # bugs that cannot run: replay must stop with one line naming the layer
 CRASHING = {
