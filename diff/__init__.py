@@ -5,6 +5,7 @@ nothing; the report modules (report.py: text, html.py: HTML, JSON: DiffResult.to
 render them, with numbers formatted by fmt.py.
 """
 
+from .audio_map import audio_map
 from .baseline import DEFAULT_FACTOR
 from .core import compare
 from .hints import likely_cause
@@ -51,4 +52,5 @@ def diff_traces(
         if result.hint is not None:
             result.hint.evidence = hint_evidence(result.hint)
         result.patch_map = patch_map(result, ref_path, run_path)
+        result.audio_map = audio_map(result, ref_path, run_path)
     return result

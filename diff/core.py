@@ -18,6 +18,7 @@ from gemma4_trace.traces.reader import TraceReader
 from gemma4_trace.traces.rows import layer_counts, row_count, steps_of_rows
 
 from .align import Plan, check_compatible, dataflow_sequence, make_plan, plan_notes
+from .audio_where import frame_ms
 from .baseline import DEFAULT_FACTOR, Baseline, check_baseline, quantization_note
 from .blocks import Block, Task, absent_rows, compared_blocks, tasks_of
 from .isolation import rank_layers
@@ -78,6 +79,7 @@ class _Differ:
         self.seq = dataflow_sequence(layer_counts(len(self.layers), self.towers))
         self.book = Ledger(self.seq, self.towers, baseline)
         self.book.grids = image_grids(ref, self.towers)
+        self.book.frame_ms = frame_ms(ref.model_config)
 
     # ------------------------------------------------------------ main pass
     def run_all(self) -> None:

@@ -52,3 +52,9 @@ def val(v) -> str:
     if not math.isfinite(v):
         return sci(v)
     return f"{v:.4g}"
+
+
+def seconds_text(s: float, ms: float) -> str:
+    """'0.68 s': a time into an audio clip (two decimals where a frame is a whole number of 10 ms, three
+    otherwise)."""
+    return f"{s:.{2 if ms % 10 == 0 else 3}f} s"

@@ -20,7 +20,7 @@ import numpy as np
 from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.reader import TraceReader
 
-from . import vision_hints
+from . import audio_hints, vision_hints
 from .metrics import ranges_text, rel_l2_of_sums
 from .result import DiffResult, Divergence, Hint
 
@@ -65,6 +65,7 @@ NAMES = (
     VISION_SCALED,
     VISION_SHIFTED,
     *vision_hints.NAMES,  # inside the vision tower (diff/vision_hints.py)
+    *audio_hints.NAMES,  # inside the audio tower (diff/audio_hints.py)
 )
 
 
@@ -499,4 +500,5 @@ CHECKS: dict[str, tuple[Callable[[_Site], Hint | None], ...]] = {
     "per_layer_inputs": (_ple_image_ids, _stale_ple),
     "embeddings": (_vision,),
     **vision_hints.CHECKS,
+    **audio_hints.CHECKS,
 }

@@ -10,6 +10,7 @@ from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.atomic import atomic_output, check_output_path
 
 from .align import PRE_KINDS
+from .audio_svg import render as audio_map_html
 from .fmt import fmt, sci
 from .metrics import METRIC, PRIMARY, THRESHOLD_METRICS
 from .patch_svg import render as patch_map_html
@@ -473,6 +474,7 @@ def render_html(result: DiffResult, about: list[tuple[str, str]] | None = None) 
         ),
         f'<div class="verdict {"good" if result.match else "bad"}">{e(format_text(result))}</div>',
         *([patch_map_html(result.patch_map, _Scale)] if result.patch_map is not None else []),
+        *([audio_map_html(result.audio_map, _Scale)] if result.audio_map is not None else []),
         *(
             ["<h2>Layers by local error (isolated replay)</h2>", _ranking(result.isolation)]
             if result.isolation is not None

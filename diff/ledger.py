@@ -13,6 +13,7 @@ from gemma4_trace.traces.errors import TraceToolError
 from gemma4_trace.traces.rows import grid_place, item_of, patch_grids, row_word
 
 from .align import Plan
+from .audio_where import DEFAULT_FRAME_MS, audio_place
 from .baseline import Baseline
 from .metrics import METRIC, PRIMARY, THRESHOLD_METRICS, RowStats, element_detail, ranges_text
 from .origin import Key, Residuals
@@ -65,6 +66,7 @@ class Ledger:
         self.row_steps: np.ndarray | None = None
         # {tower: (each item's grid of real patches (x, y), the pooling kernel)}: where a row sits in its image
         self.grids: dict[str, tuple[list[np.ndarray], int | None]] = {}
+        self.frame_ms = DEFAULT_FRAME_MS  # an audio frame's length (the config's audio_ms_per_token)
 
     def begin(self, plan: Plan, row_steps: np.ndarray) -> None:
         """The aligned steps, once known: where each row sits."""
@@ -77,6 +79,7 @@ class Ledger:
             d.tower = spec.tower
         if spec.encoder:
             d.row_words = self.row_words(spec, d.position)
+            d.audio = audio_place(d.kind, self.towers[spec.tower], d.position, self.frame_ms)
         key = (d.step, self.order[(d.kind, d.layer)], d.position)
         if self.best is None or key < self.best[0]:
             self.best = (key, d)

@@ -6,8 +6,10 @@ import json
 import math
 
 from gemma4_trace.traces import schema as S
+from gemma4_trace.traces.rows import row_word
 
-from .fmt import fmt, sci, sci_pair, val
+from .audio_where import AudioPlace
+from .fmt import fmt, sci, sci_pair, seconds_text, val
 from .metrics import METRIC, ROW_METRICS, Metric
 from .result import (
     BaseAgainstRef,
@@ -96,13 +98,23 @@ def _mask_words(m: MaskDetail, position: int, n_positions: int) -> str:
     return "; ".join(parts) + f" (REF allows {m.ref_allowed}; RUN allows {m.run_allowed}){images}"
 
 
+def audio_words(place: AudioPlace, kind: str, layer: int | None) -> str:
+    """'clip 1, audio layer 0, block lconv, frame 17 (0.68 s)'; a global kind: 'clip 1, audio tower,
+    kind subsampled, frame 3 (0.12 s)'."""
+    spec = S.KIND_BY_NAME[kind]
+    where = f"audio layer {layer}, block {place.block}" if layer is not None else f"audio tower, kind {spec.name}"
+    return f"clip {place.clip}, {where}, {row_word(spec)} {place.frame} ({seconds_text(place.time_s, place.ms)})"
+
+
 def divergence_sentence(result: DiffResult, run: str = "RUN") -> str:
     """'first divergence: SITE: WHAT'; `run` names the candidate (BASE when a baseline is judged)."""
     d = result.first_divergence
     if d is None:
         return "no divergence"
     where = [f"{d.phase} step {d.step}"]
-    if d.row_words is not None:  # an encoder tower's: its layer, its kind, its row (patch, frame, soft token)
+    if d.audio is not None:  # the audio tower's: its clip, layer, block and frame, with the frame's time
+        where.append(audio_words(d.audio, d.kind, d.layer))
+    elif d.row_words is not None:  # an encoder tower's: its layer, its kind, its row (patch, frame, soft token)
         tower, _, kind = d.kind.partition(".")
         where += [f"{tower} tower"] + ([f"layer {d.layer}"] if d.layer is not None else [])
         where += [f"kind {kind}", d.row_words]

@@ -18,6 +18,7 @@ import numpy as np
 
 from gemma4_trace.traces.layers import LayerInfo
 
+from .audio_where import AudioPlace
 from .metrics import PRIMARY, THRESHOLD_METRICS
 from .tolerances import Tolerances
 
@@ -209,6 +210,7 @@ class Divergence:
     baseline: BaselineFigures | None = None  # under --baseline
     tower: str | None = None  # its tower, once either trace holds an encoder tower (else the text tower's)
     row_words: str | None = None  # an encoder's row for people: "patch 17 (image 2, its patch 5)"
+    audio: AudioPlace | None = None  # an audio row's clip, frame, time and block (diff/audio_where.py)
 
     @property
     def phase(self) -> str:
@@ -228,6 +230,8 @@ class Divergence:
         }
         if self.tower is not None:  # additive: traces of the text tower alone keep their JSON byte for byte
             out["tower"] = self.tower
+        if self.audio is not None:  # additive: clip, frame, time_s, block
+            out.update(self.audio.to_json())
         if self.layer_info is not None:
             out.update(jsonable(self.layer_info))
         if self.origin is not None:
@@ -422,6 +426,7 @@ class DiffResult:
     logits: LogitMetrics | None = None  # when both traces store logits
     hint: Hint | None = None  # a known bug's signature matched (diff/hints.py); JSON only when set
     patch_map: object | None = None  # a vision divergence over its image (diff/patch_map.py); HTML only
+    audio_map: object | None = None  # an audio divergence over each clip's frames (diff/audio_map.py); HTML only
 
     def to_json(self) -> dict:
         return jsonable(

@@ -8,9 +8,12 @@ import ast
 from pathlib import Path
 
 DIFF = Path(__file__).resolve().parents[1] / "diff"
-RENDERERS = {"report", "html", "fmt", "svg", "patch_svg"}
+RENDERERS = {"report", "html", "fmt", "svg", "patch_svg", "audio_svg"}
 COMPUTE = (
     "align",
+    "audio_hints",
+    "audio_map",
+    "audio_where",
     "baseline",
     "blocks",
     "calibrate",

@@ -15,6 +15,7 @@ import json
 
 import pytest
 
+from gemma4_trace.diff import audio_hints as AH
 from gemma4_trace.diff import diff_traces, format_text, render_html
 from gemma4_trace.diff import hints as H
 from gemma4_trace.diff import vision_hints as VH
@@ -61,7 +62,8 @@ def test_every_zoo_entry_has_an_expectation():
     from tests.support.quant_bugs import BUGS as QUANT_BUGS
 
     assert set(FLOAT) == set(BUGS) and set(QUANT) == set(QUANT_BUGS)
-    elsewhere = {VH.VISION_STANDARDIZE}  # on a model the zoo's goldens lack: tests/test_static_vision.py
+    # on a model the zoo's goldens lack (tests/test_static_vision.py); the audio ones: tests/test_diff_audio.py
+    elsewhere = {VH.VISION_STANDARDIZE, *AH.NAMES}
     assert set(FLOAT.values()) | set(QUANT.values()) | elsewhere == set(H.NAMES) | {None}  # every hint is tested
 
 
