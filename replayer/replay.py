@@ -13,7 +13,7 @@ runs the steps.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gemma4_trace.hf.model import load_for_reference
 from gemma4_trace.traces.atomic import check_output_path
@@ -63,6 +63,7 @@ class ReplayOptions:
     make: Callable | None = None
     files: dict = field(default_factory=dict)
     allow_config_mismatch: bool = False
+    audio_features: str = "hf"  # --audio-features: "hf" (REF's log-mel features) or "native" (llama.cpp's own)
 
     @classmethod
     def of(cls, **given) -> ReplayOptions:
@@ -121,6 +122,27 @@ def replay_trace(reference, output, options: ReplayOptions | None = None, **give
     )
 
 
+def _audio_features(choice, opts: ReplayOptions, extra) -> object:
+    """--audio-features checked (native: llama.cpp on an audio REF, with the clip's waveform)."""
+    mode, clip = opts.audio_features, opts.files.get("audio")
+    if mode not in ("hf", "native"):
+        raise TraceToolError(f"--audio-features must be hf or native, got {str(mode)[:40]!r}")
+    if mode == "native":
+        if choice.spec is None or not choice.spec.native_audio_features:
+            why = "computes no audio features of its own (--audio-features native)"
+            raise TraceToolError(f"--runtime {choice.text} {why}")
+        if "input_features" not in (extra or {}):
+            raise TraceToolError("--audio-features native: REF has no audio (no input_features)")
+        if clip is None:
+            raise TraceToolError(
+                "--audio-features native needs the clip's waveform: REF holds only HF's log-mel features; "
+                "give --audio FILE (the clip REF was recorded from)"
+            )
+    elif clip is not None:
+        raise TraceToolError("--audio FILE is the waveform for --audio-features native (hf feeds REF's features)")
+    return replace(choice, audio_features=mode)
+
+
 def _check(reference, output, opts: ReplayOptions):
     """Everything refused before the model loads; (the runtime choice, the user's file input and
     its header, REF's inputs, max_seq, the selection to keep)."""
@@ -138,6 +160,7 @@ def _check(reference, output, opts: ReplayOptions):
     companions = [(fi, read_file_header(fi, opts.files[fi.dest])) for fi in companion_files(choice, opts.files)]
     ref = read_reference(reference)
     check_inputs(choice, dtype=ref.dtype, extra=ref.extra, device=opts.device)
+    choice = _audio_features(choice, opts, ref.extra)
     if user_file is not None and user_file.float32_only and ref.dtype != "float32":
         raise TraceToolError(
             f"{opts.files[user_file.dest]}: {user_file.what} replays against float32 references; "

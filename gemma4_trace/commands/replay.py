@@ -38,6 +38,13 @@ def file_options(fn):
 @O.recipe("precision recipe TOML (trace precision) for a quantized static runtime or llama.cpp:TYPE")
 @file_options
 @click.option(
+    "--audio-features",
+    type=click.Choice(["hf", "native"]),
+    default="hf",
+    show_default=True,
+    help="llama.cpp on an audio REF: feed HF's log-mel features (REF's), or compute its own from --audio FILE",
+)
+@click.option(
     "--allow-config-mismatch",
     is_flag=True,
     help="replay a file of yours whose metadata differs from REF's model config",

@@ -78,6 +78,7 @@ class RuntimeChoice:
     # these; None: every kind; empty: none (tokens and logits only, the runtime alone)
     capture: frozenset[str] | None = None
     files: tuple = ()  # the companion files given ((dest, header, notes), ...): FileInput.companion
+    audio_features: str = "hf"  # what feeds an audio tower (--audio-features): HF's features from REF, or native
 
     @property
     def name(self) -> str:

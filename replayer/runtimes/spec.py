@@ -115,6 +115,7 @@ class RuntimeSpec:
     extra: str | None = None  # the pip extra that installs what it needs
     needs: tuple[str, ...] = ()  # importable modules it needs (checked with importlib.util.find_spec)
     image_needs: tuple[str, ...] = ()  # the modules an image prompt needs besides those (checked where REF has one)
+    native_audio_features: bool = False  # computes an audio prompt's features itself (--audio-features native)
     tools: tuple[tuple[str, str], ...] = ()  # (program on PATH it needs, how to install it)
     types: tuple[str, ...] = ()  # ":TYPE" suffixes it takes; the first is the default (and a recipe's float)
     float_types: tuple[str, ...] = ()  # those of its types that do not quantize

@@ -126,7 +126,8 @@ def test_every_row_captures_what_its_map_says_and_the_readme_says_it():
             == tuple(k for k in S.KIND_NAMES if k not in s.capture_map.kinds)
         ), s.name
         assert S.KIND_TOKEN in s.capture_map.kinds  # every runtime chooses a token
-    assert R.BY_NAME["llama.cpp"].kinds_text() == "all but RoPE; the vision tower's too"
+    assert R.BY_NAME["llama.cpp"].kinds_text() == "all but RoPE; the vision and audio towers' too"  # mtmd's
+    assert R.BY_NAME["static"].kinds_text() == "all kinds; the vision and audio towers' too"  # its ports
     assert R.BY_NAME["mobius"].kinds_text() == "all but mask and RoPE"
     assert R.BY_NAME["mlx"].kinds_text() == "all but mask and RoPE; the vision tower's too"  # mlx-vlm's tower
     assert R.BY_NAME["litert-lm"].kinds_text() == "tokens only"
@@ -140,7 +141,7 @@ def test_a_kind_a_runtime_cannot_capture_is_refused_in_one_line():
     line = str(e.value)
     assert line.startswith("--kinds rope_cos_full,mask: runtime mobius cannot capture") and "\n" not in line, line
     assert "all but mask and RoPE" in line
-    R.check_capture(R.parse_runtime("static"), {"layer_out", "vision.layer_out"})  # its port of the vision tower
+    R.check_capture(R.parse_runtime("static"), {"layer_out", "vision.layer_out", "audio.lconv_out"})  # its ports
     R.check_capture(R.parse_runtime("tico"), {"layer_out", "vision.layer_out"})  # its own vision step, tapped
     with pytest.raises(TraceToolError, match="--kinds vision.layer_out: runtime mobius cannot capture"):
         R.check_capture(R.parse_runtime("mobius"), {"layer_out", "vision.layer_out"})  # token ids only

@@ -21,6 +21,7 @@ import numpy as np
 
 from gemma4_trace.replayer.child import EngineError
 from gemma4_trace.replayer.runtimes.llamacpp.mtmd import MtmdEngine, read_f32
+from gemma4_trace.replayer.runtimes.llamacpp.mtmd_audio import AudioMtmd
 from gemma4_trace.replayer.runtimes.llamacpp.spec import LLAMACPP
 from gemma4_trace.traces import schema as S
 from gemma4_trace.traces.schema import sites_of
@@ -207,9 +208,9 @@ class Capture:
             return True
 
 
-class LlamaCppEngine(MtmdEngine):
+class LlamaCppEngine(MtmdEngine, AudioMtmd):
     """The child's engine (replayer/child.py): llama.cpp through llama-cpp-python's C API (and its
-    multimodal library for images: mtmd.py)."""
+    multimodal library for images and audio: mtmd.py, mtmd_audio.py)."""
 
     def __init__(self, emit):
         import llama_cpp as L

@@ -24,7 +24,7 @@ from gemma4_trace.traces import schema as S
 from .spec import LLAMACPP
 
 GGML_TYPE_F32 = 0
-VISION_ROWS = tuple(r for r in LLAMACPP.rows if S.KIND_BY_NAME[r.kind].tower != S.TEXT)
+VISION_ROWS = tuple(r for r in LLAMACPP.rows if S.KIND_BY_NAME[r.kind].tower == "vision")
 # a kind also read from a later node where the graph has it: the standardized pooled tokens
 LATER = {"vision.pooled": "std_scaled"}
 TEXT_OF_IMAGE = b"<__media__>"  # mtmd's default media marker: a prompt of the image alone

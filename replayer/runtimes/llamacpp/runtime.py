@@ -21,7 +21,9 @@ rebuilt from the trace's pixels as 8-bit RGB at the processor's size, goes throu
 project's mmproj conversion of the vision tower (gguf_mmproj.py) and HF's token budget (at most
 the trace's patch budget / pooling^2 soft tokens, at least 1: mtmd's own default is 70 to 1120,
 GEMMA4_TRACE_LLAMACPP_IMAGE_TOKENS=mtmd keeps it), every named vision node captured; the soft
-tokens are decoded as an embeddings batch between the prompt's text tokens.
+tokens are decoded as an embeddings batch between the prompt's text tokens. An audio prompt runs
+the same way through mtmd's gemma4a audio tower (audio.py, mtmd_audio.py): fed HF's features from
+REF (--audio-features hf) or its own from the clip's waveform (native, --audio FILE).
 
 The converted and quantized files are artifact-cache entries (replayer/artifacts.py: a manifest
 with each file's hash, checked before every use), built when first needed.
@@ -45,8 +47,10 @@ from gemma4_trace.traces.errors import TraceToolError, one_line
 from ...api import report
 from ...artifacts import artifact_folder, code_digest, model_folder_files, model_hash
 from ...child import ChildRuntime
+from . import audio as AU
 from . import gguf_mmproj as GM
 from . import gguf_writer as GW
+from .gguf_mmproj_audio import audio_config
 from .gguf_reader import read_header
 
 RUNTIME = "llama.cpp"
@@ -183,6 +187,8 @@ class LlamaCppRuntime(ChildRuntime):
         header=None,
         capture=None,
         mmproj=None,
+        audio_features: str = "hf",
+        audio=None,
     ):
         """`user_file`: a GGUF file run as it is (a sensitivity search's mixed file); `header`: a
         user's GGUF, its header checked (gguf_reader.py), which the child reads through the checked
@@ -190,8 +196,12 @@ class LlamaCppRuntime(ChildRuntime):
         `capture`: the kinds to read (RuntimeChoice.capture; None: every kind); empty: llama.cpp
         without the eval callback, tokens and logits only (benchmarks/bench_capture.py's "runtime
         alone"); `mmproj`: (header, notes) of a user's mmproj file (--mmproj), else the project's
-        conversion of REF's vision tower runs an image prompt."""
+        conversion of REF's vision tower runs an image prompt; `audio_features`: "hf" or "native"
+        (audio.py), `audio`: (header, notes) of `--audio FILE`, the clip's waveform for native."""
         self.gguf_type, self.loaded, self.capture = gguf_type, loaded, capture
+        self.audio_features, self.audio_file = audio_features, audio[0] if audio is not None else None
+        self.frontend: list = []  # (REF's features, llama.cpp's) of each clip, native features only
+        self.audio_mmproj, self.audio_ready = None, False
         self.mmproj = self.budget = None
         self.mmproj_file = mmproj[0] if mmproj is not None else None
         user_file = header.path if header is not None else user_file
@@ -216,6 +226,8 @@ class LlamaCppRuntime(ChildRuntime):
         what = gguf_type if user_file is None else f"{one_line(Path(user_file).name, 100)} ({gguf_type})"
         held = (header or read_header(self.path)).types_note(gguf_type)
         mine = [f"mmproj {one_line(self.mmproj_file.path.name, 100)}", *mmproj[1]] if mmproj is not None else []
+        if audio_config(loaded) is not None:  # a model with an audio tower: how an audio prompt runs
+            mine += [AU.name_note(audio_features, self.audio_file), *(audio[1] if audio is not None else ())]
         more = "".join(f"; {n}" for n in (*notes, *([held] if held else []), *mine))
         self.name = f"llama.cpp:{what} (llama-cpp-python {_version()}, CPU{more})"
 
@@ -244,6 +256,9 @@ class LlamaCppRuntime(ChildRuntime):
 
     def prefill(self, input_ids, extra_inputs, probe):
         ids = [int(t) for t in input_ids]
+        if "input_features" in (extra_inputs or {}):
+            runs = image_runs(ids, int(self.loaded.model.config.audio_token_id))
+            return AU.prefill_audio(self, ids, extra_inputs, probe, runs)
         if "pixel_values" in (extra_inputs or {}):
             return self._prefill_images(ids, extra_inputs, probe)
         return self._step(ids, 0, probe)
@@ -305,6 +320,27 @@ class LlamaCppRuntime(ChildRuntime):
         for kind, layer in sorted(vision, key=lambda kl: (-1 if kl[1] is None else kl[1], order[kl[0]])):
             spec = S.KIND_BY_NAME[kind]
             report(probe, spec.name, torch.from_numpy(np.concatenate(vision[(kind, layer)])), layer, tower=spec.tower)
+        return self.decode_soft(ids, soft, probe)
+
+    def load_audio(self) -> None:
+        """mtmd on the audio mmproj (the user's --mmproj, or the project's conversion), once."""
+        if self.audio_ready:
+            return
+        ac = audio_config(self.loaded)
+        if ac is None:
+            raise TraceToolError(f"{self.loaded.name} has no audio tower: REF's audio cannot be replayed")
+        kinds = None if self.capture is None else sorted(k for k in self.capture if S.KIND_BY_NAME[k].tower == "audio")
+        if self.mmproj_file is not None:
+            path = f"/proc/self/fd/{self.mmproj_file.descriptor()}"
+        else:
+            self.audio_mmproj = AU.audio_artifact(self.loaded)
+            path = str(self.audio_mmproj.path / AU.GA.MMPROJ_NAME)
+        self.child.call("audio", path, int(ac.num_hidden_layers), kinds, phase="loading the audio mmproj file")
+        self.audio_ready = True
+
+    def decode_soft(self, ids: list[int], soft: list, probe):
+        """The prompt's text tokens and each media's soft tokens ((start, embd, non_causal), in
+        prompt order) decoded as they come; the text tower's sites reported as one prefill."""
         got: dict = {}
         keep, at, reply = self._keeper(got), 0, None
         self.phase(True)
@@ -323,16 +359,25 @@ class LlamaCppRuntime(ChildRuntime):
 
     def close(self) -> None:
         super().close()
-        if self.mmproj is not None:
-            self.mmproj.close()
-            self.mmproj = None
+        for art in (self.mmproj, self.audio_mmproj):
+            if art is not None:
+                art.close()
+        self.mmproj = self.audio_mmproj = None
         if self.artifact is not None:
             self.artifact.close()  # a temporary (cache off) conversion goes with the runtime
             self.artifact = None
 
 
 def create(loaded, max_seq: int, choice):
-    return LlamaCppRuntime(loaded, max_seq, choice.type, capture=choice.capture, mmproj=choice.file("mmproj"))
+    return LlamaCppRuntime(
+        loaded,
+        max_seq,
+        choice.type,
+        capture=choice.capture,
+        mmproj=choice.file("mmproj"),
+        audio_features=choice.audio_features,
+        audio=choice.file("audio"),
+    )
 
 
 def check_mmproj(loaded, header, allow_config_mismatch: bool) -> list[str]:
@@ -360,7 +405,8 @@ def run_gguf(loaded, max_seq: int, header, allow_config_mismatch: bool = False, 
     """`trace replay --gguf FILE [--mmproj FILE]`: llama.cpp on the user's file as it is (llamacpp/spec.py)."""
     notes = _config_notes(header, loaded, allow_config_mismatch)
     mmproj = choice.file("mmproj") if choice is not None else None
-    return LlamaCppRuntime(loaded, max_seq, header.type_name(), notes=notes, header=header, mmproj=mmproj)
+    audio = dict(audio_features=choice.audio_features, audio=choice.file("audio")) if choice is not None else {}
+    return LlamaCppRuntime(loaded, max_seq, header.type_name(), notes=notes, header=header, mmproj=mmproj, **audio)
 
 
 def static_on_weights(loaded, max_seq: int, header, allow_config_mismatch: bool, base, choice=None):

@@ -44,6 +44,17 @@ LLAMACPP = CaptureMap(
         Capture("layer_out-{layer}", "vision.layer_out"),
         Capture("pooled", "vision.pooled", via="std_scaled instead where the tower standardizes"),
         Capture("projected", "vision.soft_tokens"),
+        # the audio tower, run by mtmd from the mmproj (llamacpp/mtmd_audio.py): its gemma4a graph names no
+        # node of its own, so each is found by position: `via` is the chain of ops from the node down to
+        # the weight named (a clipped linear's output CLAMP over its MUL_MAT looked through)
+        Capture("a.input_projection.weight", "audio.subsampled", via="MUL_MAT[0]"),
+        Capture("a.blk.{layer}.ffn_post_norm.weight", "audio.ff1_out", via="ADD[1] SCALE[0] MUL[1]"),
+        Capture("a.blk.{layer}.attn_out.weight", "audio.attn_out", via="MUL_MAT[0]"),
+        Capture("a.blk.{layer}.conv_pw2.weight", "audio.lconv_out", via="ADD[1] MUL_MAT[0]"),
+        Capture("a.blk.{layer}.ffn_post_norm_1.weight", "audio.ff2_out", via="ADD[1] SCALE[0] MUL[1]"),
+        Capture("a.blk.{layer}.ln2.weight", "audio.layer_out", via="MUL[1]"),
+        Capture("a.pre_encode.out.bias", "audio.output_proj", via="ADD[1]"),
+        Capture("mm.a.input_projection.weight", "audio.soft_tokens", via="MUL_MAT[0]"),
     ),
 )
 
@@ -59,6 +70,7 @@ RUNTIMES = (
         float_types=FLOAT_GGUF_TYPES,
         float32_only=True,
         weightless=True,
+        native_audio_features=True,  # mtmd's own log-mel front end, from the waveform (--audio FILE)
         capture_map=LLAMACPP,
         profile="llamacpp-f32",
         export=Export(
@@ -95,6 +107,18 @@ FILES = (
         "the vision tower from this mmproj GGUF, with --runtime llama.cpp or --gguf (extra [llamacpp])",
         f"{RT}.gguf_mmproj:read_header",
         f"{RT}.runtime:check_mmproj",
+        extra="llamacpp",
+        needs=("gguf", "llama_cpp"),
+        float32_only=True,
+        companion=True,
+    ),
+    FileInput(
+        "--audio",
+        "llama.cpp",
+        "an audio file",
+        "the clip REF was recorded from, for --audio-features native with --runtime llama.cpp or --gguf",
+        f"{RT}.audio:read_audio",
+        f"{RT}.audio:check_audio",
         extra="llamacpp",
         needs=("gguf", "llama_cpp"),
         float32_only=True,
