@@ -39,6 +39,12 @@ once, each vision site tapped and kept at the real patches' rows. The soft token
 text model as the image rows of `input_embeddings` (over its sqrt(hidden) scale, which it
 multiplies in), the per-layer inputs looked up with pad ids there, and, where the text model
 attends within an image both ways, HF's masks in place of mlx-lm's causal ones for the prefill.
+
+An audio prompt (mlx_audio.py): mlx-vlm's own Gemma 4 `audio_tower` and `embed_audio`, from the same
+folder, on REF's log-mel features (HF's extractor's), every clip at once; each audio site tapped and
+kept at the valid subsampled frames' rows, clip after clip; the valid frames' soft tokens enter at
+the audio-token slots as the images' do (mlx-vlm's own merge, which scatters the padding frames
+too, is not used: docs/upstream/mlx-vlm-gemma4-audio-padding.md).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from gemma4_trace.traces.schema import sites_of
 
 from ..api import report
 from ..child import ChildRuntime, EngineError, quiet_fd2
+from .mlx_audio import AUDIO, PER_FRAME, AudioTaps
 from .mlx_spec import MLX
 from .mlx_vision import PER_PATCH, VISION, VisionTaps, reads_both
 
@@ -109,13 +116,15 @@ def staged_checkpoint(model_dir: Path) -> tuple[Path, list[str]]:
 
 
 # ------------------------------------------------------------------ the child
-class MLXEngine(VisionTaps):
-    """("load", folder, bits, dequantize, kinds) -> ("ready", info); ("vision", kinds) -> ("ready",
-    info): mlx-vlm's vision tower loaded and tapped; ("step", [token ids], position[, image]) -> the
-    step's kinds streamed (the child's emit: ("tensors", [(kind, layer, array), ...])), then
-    ("logits", array); `image` (a prefill with images): pixel_values, image_position_ids,
-    image_token_id, pad_token_id and blocks (each position's image or -1; None: causal masks). Only
-    `kinds` are tapped and streamed (None: every kind; empty: none, the logits alone)."""
+class MLXEngine(VisionTaps, AudioTaps):
+    """("load", folder, bits, dequantize, kinds) -> ("ready", info); ("vision", kinds) / ("audio",
+    kinds) -> ("ready", info): mlx-vlm's vision / audio tower loaded and tapped; ("step", [token ids],
+    position[, media]) -> the step's kinds streamed (the child's emit: ("tensors", [(kind, layer,
+    array), ...])), then ("logits", array); `media` (a prefill with images or audio clips):
+    pad_token_id, blocks (each position's image or -1; None: causal masks), and pixel_values,
+    image_position_ids, image_token_id where it has images, input_features, input_features_mask,
+    audio_token_id where it has clips. Only `kinds` are tapped and streamed (None: every kind;
+    empty: none, the logits alone)."""
 
     def __init__(self, emit):
         self.emit = emit
@@ -134,21 +143,25 @@ class MLXEngine(VisionTaps):
             return self._load(*args)
         if command == "vision":
             return self._load_vision(*args)
-        ids, position, image = args if len(args) == 3 else (*args, None)
+        if command == "audio":
+            return self._load_audio(*args)
+        ids, position, media = args if len(args) == 3 else (*args, None)
         if position != self.offset:
             raise EngineError(f"asked for position {position} with {self.offset} positions in mlx-lm's cache")
         mx = self.mx
-        self.seen, self.rope_calls, self.valid = [], {}, None
-        if image is None:
+        self.seen, self.rope_calls, self.valid, self.frames = [], {}, None, None
+        if media is None:
             logits = self.model(mx.array([ids]), cache=self.cache)[0, -1]
         else:
-            logits = self._prefill_images(ids, image)[0, -1]
+            logits = self._prefill_media(ids, media)[0, -1]
         mx.eval(logits, *(v for _, _, v in self.seen))
         self.offset += len(ids)
         for kind, layer, value in self.seen:
             value = np.array(value.astype(mx.float32))
             if kind in PER_PATCH:  # the real patches' rows, image after image (padding patches dropped)
                 value = value[self.valid]
+            elif kind in PER_FRAME:  # the valid frames' rows, clip after clip (padding frames dropped)
+                value = value[self.frames]
             self.emit(kind, layer, value)
         return ("logits", np.array(logits.astype(mx.float32)))
 
@@ -187,33 +200,46 @@ class MLXEngine(VisionTaps):
 
         model.update_modules(tree_map_with_path(back, model.leaf_modules(), is_leaf=nn.Module.is_module))
 
-    def _prefill_images(self, ids: list[int], image: dict):
-        """The prompt with images: mlx-vlm's vision tower and embed_vision on every image at once
-        (the soft tokens that cover real patches, image after image), then mlx-lm's text model on the
-        input embeddings: the token embeddings with the soft tokens in the image-token slots, the
-        per-layer inputs looked up with pad ids there (as HF), and, where the model attends within
-        an image both ways, HF's masks for the prefill (sliding layers: window AND (causal OR the
-        same image); full layers causal)."""
+    def _prefill_media(self, ids: list[int], media: dict):
+        """The prompt with images or audio clips: mlx-vlm's vision tower and embed_vision on every
+        image at once (the soft tokens that cover real patches, image after image), its audio tower
+        and embed_audio on every clip at once (the valid frames' soft tokens, clip after clip), then
+        mlx-lm's text model on the input embeddings: the token embeddings with the soft tokens in
+        the image- and audio-token slots, the per-layer inputs looked up with pad ids there (as HF),
+        and, where the model attends within an image both ways, HF's masks for the prefill (sliding
+        layers: window AND (causal OR the same image); full layers causal)."""
         mx = self.mx
-        pixels, positions = image["pixel_values"], image["image_position_ids"]
-        self.valid = (positions != -1).all(axis=-1)  # (images, patches): the real patches
-        soft = self.tower.embed_vision(self.tower.vision_tower(mx.array(pixels), mx.array(positions)))[0]
+        towers = []  # (the token id of its slots, its soft tokens, what gives them)
+        if "pixel_values" in media:
+            pixels, positions = media["pixel_values"], media["image_position_ids"]
+            self.valid = (positions != -1).all(axis=-1)  # (images, patches): the real patches
+            soft = self.tower.embed_vision(self.tower.vision_tower(mx.array(pixels), mx.array(positions)))[0]
+            why = "mlx-vlm's vision tower pools or resizes otherwise than the processor did"
+            towers.append((media["image_token_id"], soft, "images", why))
+        if "input_features" in media:
+            soft = self.encode_audio(media["input_features"], media["input_features_mask"])
+            why = "mlx-vlm's audio tower subsamples otherwise than HF's"
+            towers.append((media["audio_token_id"], soft, "audio clips", why))
         ids_np = np.asarray(ids)
-        slots = ids_np == image["image_token_id"]
-        if soft.shape[0] != int(slots.sum()):
-            raise EngineError(
-                f"the images give {soft.shape[0]} soft tokens for {int(slots.sum())} image-token slots in the "
-                "prompt (mlx-vlm's vision tower pools or resizes otherwise than the processor did)"
-            )
         lm = self.model.language_model.model if hasattr(self.model, "language_model") else self.model.model
-        plain = mx.array(np.where(slots, image["pad_token_id"], ids_np)[None])
-        embeds = lm.embed_tokens(plain)
+        plain = ids_np.copy()  # pad ids at every soft token's slot (HF's per-layer inputs take those)
+        for token, soft, what, why in towers:
+            slots = ids_np == token
+            if soft.shape[0] != int(slots.sum()):
+                raise EngineError(
+                    f"the {what} give {soft.shape[0]} soft tokens for {int(slots.sum())} slots in the prompt ({why})"
+                )
+            plain[slots] = media["pad_token_id"]
+        plain = mx.array(plain[None])
+        merged = lm.embed_tokens(plain)
         # mlx-lm scales what it is given by sqrt(hidden); HF puts the soft tokens in unscaled: divide
         # them by the scale first (exact where it is a power of two: the embedded model's 8)
-        rows = mx.array(np.maximum(np.cumsum(slots) - 1, 0))  # each position's soft token (its slot's)
-        merged = mx.where(mx.array(slots)[None, :, None], (soft[rows] / lm.embed_scale)[None], embeds)
+        for token, soft, _, _ in towers:
+            slots = ids_np == token
+            rows = mx.array(np.maximum(np.cumsum(slots) - 1, 0))  # each position's soft token (its slot's)
+            merged = mx.where(mx.array(slots)[None, :, None], (soft[rows] / lm.embed_scale)[None], merged)
         per_layer = lm._get_per_layer_inputs(plain) if lm.hidden_size_per_layer_input else None
-        blocks = image.get("blocks")
+        blocks = media.get("blocks")
         if blocks is None:
             return self.model(mx.array([ids]), cache=self.cache, input_embeddings=merged, per_layer_inputs=per_layer)
         made = lm._make_masks
@@ -312,12 +338,19 @@ _READ = {
 
 # ------------------------------------------------------------------ the parent
 _SAID: set = set()  # the model folders and (folder, mode) pairs whose loading line this process wrote
+_SAY = {  # said once per process where a tower first loads: mlx-vlm reads the same fixed copy of config.json
+    VISION: "the image's vision tower: mlx-vlm's Gemma 4 (its loader reads the same fixed config.json: without "
+    "global_head_dim it refuses the checkpoint, as mlx-lm does)",
+    AUDIO: "the clip's audio tower: mlx-vlm's Gemma 4 audio encoder, from the same fixed config.json, fed REF's "
+    "log-mel features (HF's feature extractor's, not mlx-vlm's own)",
+}
 
 
 class MLXRuntime(ChildRuntime):
     """mlx-lm's Gemma 4 in the child; the host feeds token ids and hands the tapped kinds to the probe."""
 
     vision: str | None = None  # what runs an image prompt's vision tower, once loaded
+    audio: str | None = None  # what runs an audio prompt's audio tower, once loaded
 
     def __init__(self, loaded, max_seq: int, mode: str, capture: frozenset[str] | None = None):
         from importlib.metadata import version
@@ -353,33 +386,40 @@ class MLXRuntime(ChildRuntime):
         self.name = f"{self.head}{self.fixed})"
 
     def prepare(self, input_ids, extra_inputs) -> None:
-        """A prompt with images: mlx-vlm's vision tower loaded in the child, once (one line where
-        mlx-vlm is not installed)."""
-        if "pixel_values" not in (extra_inputs or {}) or self.vision is not None:
+        """A prompt with images or audio clips: mlx-vlm's vision or audio tower loaded in the child,
+        once (one line where mlx-vlm is not installed, or the checkpoint has no audio tower)."""
+        extra = extra_inputs or {}
+        towers = [t for t, key in ((VISION, "pixel_values"), (AUDIO, "input_features")) if key in extra]
+        towers = [t for t in towers if getattr(self, t) is None]
+        if not towers:
             return
         import importlib.util
         from importlib.metadata import version
 
         from gemma4_trace.traces.errors import install_hint
 
+        what = {VISION: "an image prompt's vision tower", AUDIO: "an audio prompt's audio tower"}
         if importlib.util.find_spec("mlx_vlm") is None:  # refused before the model loads (registry.check_inputs)
             raise TraceToolError(
-                f"--runtime {self.mode} runs an image prompt's vision tower with mlx_vlm, which is not installed: "
+                f"--runtime {self.mode} runs {what[towers[0]]} with mlx_vlm, which is not installed: "
                 f"{install_hint('mlx')}"
             )
-        if (self.model_key, "vision") not in _SAID:  # mlx-vlm reads the same fixed copy of config.json
-            print(
-                f"{self.mode}: the image's vision tower: mlx-vlm's Gemma 4 (its loader reads the same fixed "
-                "config.json: without global_head_dim it refuses the checkpoint, as mlx-lm does)",
-                file=sys.stderr,
+        if AUDIO in towers and getattr(self.config, "audio_config", None) is None:
+            raise TraceToolError(
+                f"--runtime {self.mode}: REF has audio, and the model has no audio tower (no audio_config)"
             )
-            _SAID.add((self.model_key, "vision"))
-        kinds = None if self.capture is None else sorted(k for k in self.capture if S.KIND_BY_NAME[k].tower == VISION)
-        info = self.child.call("vision", kinds, phase="loading mlx-vlm's vision tower")[1]
-        self.vision = f"vision tower: mlx-vlm {version('mlx-vlm')}, {'/'.join(info['dtypes'])}"
-        self.name = f"{self.head}; {self.vision}{self.fixed})"
+        for tower in towers:
+            if (self.model_key, tower) not in _SAID:  # mlx-vlm reads the same fixed copy of config.json
+                print(f"{self.mode}: {_SAY[tower]}", file=sys.stderr)
+                _SAID.add((self.model_key, tower))
+            kinds = (
+                None if self.capture is None else sorted(k for k in self.capture if S.KIND_BY_NAME[k].tower == tower)
+            )
+            info = self.child.call(tower, kinds, phase=f"loading mlx-vlm's {tower} tower")[1]
+            setattr(self, tower, f"{tower} tower: mlx-vlm {version('mlx-vlm')}, {'/'.join(info['dtypes'])}")
+        self.name = f"{self.head}{''.join(f'; {v}' for v in (self.vision, self.audio) if v)}{self.fixed})"
 
-    def _step(self, ids: list[int], position: int, probe, prefill: bool, image=None):
+    def _step(self, ids: list[int], position: int, probe, prefill: bool, media=None):
         def tensor(kind, layer, array):
             spec = S.KIND_BY_NAME[kind]
             if spec.tower == S.TEXT:
@@ -389,34 +429,38 @@ class MLXRuntime(ChildRuntime):
 
         import torch
 
-        args = (ids, position) if image is None else (ids, position, image)
+        args = (ids, position) if media is None else (ids, position, media)
         reply = self.child.call("step", *args, phase=self.phase(prefill), tensor=tensor)
         return torch.from_numpy(reply[1])
 
     def prefill(self, input_ids, extra_inputs, probe):
         ids = [int(t) for t in input_ids]
-        if "pixel_values" not in (extra_inputs or {}):
+        extra = extra_inputs or {}
+        if "pixel_values" not in extra and "input_features" not in extra:
             return self._step(ids, 0, probe, True)
         self.prepare(input_ids, extra_inputs)
         config = self.config
         text = config.get_text_config()
-        image = {
-            "pixel_values": np.asarray(extra_inputs["pixel_values"], dtype=np.float32),
-            "image_position_ids": np.asarray(extra_inputs["image_position_ids"]),
-            "image_token_id": int(config.image_token_id),
-            "pad_token_id": int(text.pad_token_id),
-            "blocks": None,
-        }
+        media = {"pad_token_id": int(text.pad_token_id), "blocks": None}
+        if "pixel_values" in extra:
+            media["pixel_values"] = np.asarray(extra["pixel_values"], dtype=np.float32)
+            media["image_position_ids"] = np.asarray(extra["image_position_ids"])
+            media["image_token_id"] = int(config.image_token_id)
+        if "input_features" in extra:  # HF's log-mel features (REF's), not mlx-vlm's own extractor's
+            media["input_features"] = np.asarray(extra["input_features"], dtype=np.float32)
+            media["input_features_mask"] = np.asarray(extra["input_features_mask"], dtype=bool)
+            media["audio_token_id"] = int(config.audio_token_id)
         bidirectional = getattr(text, "use_bidirectional_attention", None)
-        if bidirectional == "vision" and "mm_token_type_ids" in extra_inputs:
+        if bidirectional == "vision" and "mm_token_type_ids" in extra:
             from ..ops import image_blocks
 
-            image["blocks"] = image_blocks(np.asarray(extra_inputs["mm_token_type_ids"]).reshape(-1))
+            blocks = image_blocks(np.asarray(extra["mm_token_type_ids"]).reshape(-1))
+            media["blocks"] = blocks if (blocks >= 0).any() else None  # an audio prompt alone: causal
         elif bidirectional not in (None, "vision"):
             raise TraceToolError(
                 f"--runtime {self.mode}: use_bidirectional_attention={bidirectional!r} is not supported"
             )
-        return self._step(ids, 0, probe, True, image)
+        return self._step(ids, 0, probe, True, media)
 
     def decode(self, token_id, position, probe):
         return self._step([int(token_id)], int(position), probe, False)

@@ -1,6 +1,7 @@
 """`--runtime mlx*`: REF's checkpoint loaded by mlx-lm and run through its own Gemma 4 modules,
 float32 or quantized by mlx-lm, and the quantized weights dequantized as its baseline; an image
-prompt's vision tower run by mlx-vlm's own Gemma 4 vision model (replayer/runtimes/mlx.py)."""
+prompt's vision tower run by mlx-vlm's own Gemma 4 vision model, an audio prompt's audio tower by
+mlx-vlm's own Gemma 4 audio encoder (replayer/runtimes/mlx.py, mlx_vision.py, mlx_audio.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from .spec import Baseline, RuntimeSpec
 ORDER = 80
 RT = "gemma4_trace.replayer.runtimes.mlx"
 # replayer/runtimes/mlx.py: mlx-lm's text model, module paths below it (the modules wrapped); an
-# image prompt's vision tower: mlx-vlm's Gemma 4 model, paths below it (vision_tower, embed_vision)
+# image prompt's vision tower: mlx-vlm's Gemma 4 model, paths below it (vision_tower, embed_vision);
+# an audio prompt's audio tower: the same model's audio_tower and embed_audio (mlx_audio.py)
 VISION_LAYER = "vision_tower.encoder.layers.{layer}"
+AUDIO_LAYER = "audio_tower.layers.{layer}"  # mlx-vlm's ConformerBlock
 MLX = CaptureMap(
-    "mlx-lm's Gemma 4 text model and mlx-vlm's Gemma 4 vision tower (module paths)",
+    "mlx-lm's Gemma 4 text model and mlx-vlm's Gemma 4 vision and audio towers (module paths)",
     (
         Capture("vision_tower.patch_embedder.embed_patches", "vision.patch_embeddings"),
         Capture(f"{VISION_LAYER}.self_attn", "vision.q", via="its first apply_multidimensional_rope call"),
@@ -24,6 +27,14 @@ MLX = CaptureMap(
         Capture(VISION_LAYER, "vision.layer_out"),
         Capture("vision_tower", "vision.pooled", via="its output: pooled, stripped of padding, standardized"),
         Capture("embed_vision", "vision.soft_tokens"),
+        Capture("audio_tower.subsample_conv_projection", "audio.subsampled", via="its output's frames (frames, mask)"),
+        Capture(f"{AUDIO_LAYER}.feed_forward1", "audio.ff1_out", via="its output: the half-step residual added"),
+        Capture(f"{AUDIO_LAYER}.self_attn", "audio.attn_out", via="its output: post's, before norm_post_attn"),
+        Capture(f"{AUDIO_LAYER}.lconv1d", "audio.lconv_out"),
+        Capture(f"{AUDIO_LAYER}.feed_forward2", "audio.ff2_out"),
+        Capture(AUDIO_LAYER, "audio.layer_out"),
+        Capture("audio_tower.output_proj", "audio.output_proj"),
+        Capture("embed_audio", "audio.soft_tokens"),
         Capture("layers.0", "embeddings", via="input"),  # layer 0's input: the scaled token embeddings
         Capture("_project_per_layer_inputs", "per_layer_inputs"),
         Capture("layers.{layer}.self_attn.rope", "q", via="its last call"),
@@ -39,7 +50,7 @@ MLX = CaptureMap(
 _MLX = dict(
     extra="mlx",
     needs=("mlx", "mlx_lm"),
-    image_needs=("mlx_vlm",),  # an image prompt's vision tower: mlx-vlm's Gemma 4
+    image_needs=("mlx_vlm",),  # an image prompt's vision tower, an audio prompt's audio tower: mlx-vlm's Gemma 4
     float32_only=True,
     cpu_only=True,
     weightless=True,
@@ -53,7 +64,7 @@ RUNTIMES = (
         "mlx",
         f"{RT}:create",
         "REF's checkpoint loaded by mlx-lm, run through its own Gemma 4 modules and caches, an image's vision "
-        "tower through mlx-vlm's (MLX, CPU)",
+        "tower and a clip's audio tower through mlx-vlm's (MLX, CPU)",
         "float32",
         profile="mlx-f32",
         **_MLX,
