@@ -25,8 +25,9 @@ tokens through decode one at a time from empty caches (the provenance says which
 caches carried on are the prefill graph's. K and V rows are read from the cache outputs (V
 stored transposed).
 
-An image prompt's vision tower runs on litert-torch's vision graphs (vision.py, LiteRTImages): its
-soft tokens replace the image tokens' embeddings.
+An image prompt's vision tower runs on litert-torch's vision graphs (vision.py, LiteRTImages), an
+audio prompt's audio tower on its audio graphs (audio.py, LiteRTAudio): their soft tokens replace the
+image and audio tokens' embeddings.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ..registry import captures
 from . import export as E
 from . import graph as G
 from . import outputs as O
+from .audio import LiteRTAudio
 from .spec import LITERT
 from .vision import LiteRTImages
 
@@ -78,6 +80,7 @@ class LiteRTRuntime(ChildRuntime):
         self.graph, self._name = None, None
         self.prefill_chunk = resolve_prefill_chunk(None, max_seq)
         self.images = LiteRTImages(self)  # an image prompt's vision tower (vision.py)
+        self.audio = LiteRTAudio(self)  # an audio prompt's audio tower (audio.py)
 
     @property
     def prefill_chunk(self) -> int | None:
@@ -97,8 +100,10 @@ class LiteRTRuntime(ChildRuntime):
 
     def prepare(self, input_ids=None, extra_inputs=None) -> None:
         """Export (or take from the artifact cache) and load the files, once, after the driver has
-        set prefill_chunk (the export's prefill length)."""
+        set prefill_chunk (the export's prefill length); an audio prompt's audio graphs too (their
+        provenance is then in the runtime's name, which the trace records)."""
         self._load()
+        self.audio.prepare(extra_inputs or {})
 
     def _load(self) -> None:
         if self.graph is not None:
@@ -241,9 +246,10 @@ class LiteRTRuntime(ChildRuntime):
         rows_in = self.P if sig != "decode" else 1
         toks = tokens + [tokens[-1]] * (rows_in - n)
         emb, ple = self._embed(toks, self.P if sig != "decode" else None, phase)
-        for r in range(n):  # an image token's embedding: its soft token
-            if start + r in self.images.soft:
-                emb[0, r] = self.images.soft[start + r]
+        for r in range(n):  # an image or audio token's embedding: its soft token
+            soft = self.images.soft.get(start + r, self.audio.soft.get(start + r))
+            if soft is not None:
+                emb[0, r] = soft
         pos = np.arange(start, start + rows_in, dtype=np.int32)
         inputs = {
             "embeddings": emb,
@@ -285,6 +291,7 @@ class LiteRTRuntime(ChildRuntime):
         self._load()
         ids = [int(t) for t in torch.as_tensor(input_ids).reshape(-1)]
         T, phase = len(ids), self.phase(True)
+        self.audio.prompt(ids, extra_inputs or {}, probe)
         ids = self.images.prompt(ids, extra_inputs or {}, probe)
         caches, parts = self._zero_caches(), {}
         for c0 in range(0, T - 1, self.P):

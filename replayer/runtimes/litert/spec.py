@@ -18,6 +18,7 @@ RT = "gemma4_trace.replayer.runtimes.litert"
 # replayer/runtimes/litert/graph.py and runtime.py: litert-torch's export, its tensors by name (torch
 # module paths, fused ops' parts joined by ';') and by the operators that make them
 _VL = "*Gemma4VisionEncoderLayer_{layer}"  # an encoder layer's scope in vision_encoder.tflite
+_AL = "*Gemma4AudioLayer_{layer}/*"  # a conformer layer's scope in audio_encoder.tflite
 LITERT = CaptureMap(
     "litert-torch's Gemma 4 export (tensor names: module scopes; graph.py reads the operators)",
     (
@@ -43,6 +44,21 @@ LITERT = CaptureMap(
         Capture(_VL, "vision.layer_out", via="the scope's last (1, n, hidden)"),
         Capture("features", "vision.pooled", via="the encoder's output, the rows its mask keeps"),
         Capture("mm_embedding", "vision.soft_tokens", via="the adapter's output, the rows the encoder's mask keeps"),
+        # the audio tower: audio_encoder.tflite and audio_adapter.tflite (audio.py: audio_taps, the rows of each
+        # clip's real subsampled frames); each row the scope's last (1, n, hidden)
+        Capture(
+            "*Gemma4AudioSubSampleConvProjection_subsample_conv_projection*", "audio.subsampled", via="FULLY_CONNECTED"
+        ),
+        Capture(f"{_AL}Gemma4AudioFeedForward_feed_forward1*", "audio.ff1_out", via="ADD"),
+        Capture(f"{_AL}Gemma4AudioAttention_self_attn*", "audio.attn_out", via="post's clamp (MINIMUM)"),
+        Capture(f"{_AL}Gemma4AudioLightConv1d_lconv1d*", "audio.lconv_out", via="ADD"),
+        Capture(f"{_AL}Gemma4AudioFeedForward_feed_forward2*", "audio.ff2_out", via="ADD"),
+        Capture(f"{_AL}Gemma4RMSNorm_norm_out", "audio.layer_out", via="its output"),
+        # the adapter's output first: the encoder's name pattern matches it too
+        Capture(
+            "audio_adapter_*_features_output", "audio.soft_tokens", via="the adapter's output, at the encoder's mask"
+        ),
+        Capture("audio_*_features_output", "audio.output_proj", via="the encoder's output, the rows its mask keeps"),
     ),
 )
 
@@ -55,7 +71,7 @@ HF_FORWARD = CaptureMap(
 _LITERT = dict(
     extra="litert",
     needs=("litert_torch", "ai_edge_litert", "litert_quantizer"),
-    text_only=False,  # the vision tower: litert-torch's vision encoder export (export.py, runtime.py)
+    text_only=False,  # the vision and audio towers: litert-torch's encoder exports (export.py, audio.py)
     float32_only=True,
     cpu_only=True,
     weightless=True,

@@ -53,9 +53,12 @@ class LiteRTImages:
             raise TraceToolError("pixel_values given to a text-only model")
         if "image_position_ids" not in extra:
             raise TraceToolError("pixel_values given without image_position_ids")
-        bad = sorted(k for k in extra if k not in ("pixel_values", "image_position_ids", "mm_token_type_ids"))
+        known = ("pixel_values", "image_position_ids", "mm_token_type_ids", "input_features", "input_features_mask")
+        bad = sorted(k for k in extra if k not in known)  # the audio's: audio.py
         if bad:
-            raise TraceToolError(f"--runtime {self.rt.mode} takes images and text only; REF has {', '.join(bad)}")
+            raise TraceToolError(
+                f"--runtime {self.rt.mode} takes images, audio and text only; REF has {', '.join(bad)}"
+            )
         soft = self._encode(
             np.asarray(extra["pixel_values"], np.float32), np.asarray(extra["image_position_ids"]), probe
         )
