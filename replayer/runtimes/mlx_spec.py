@@ -6,7 +6,7 @@ mlx-vlm's own Gemma 4 audio encoder (replayer/runtimes/mlx.py, mlx_vision.py, ml
 from __future__ import annotations
 
 from .captures import Capture, CaptureMap
-from .spec import Baseline, RuntimeSpec
+from .spec import Baseline, FileInput, RuntimeSpec
 
 ORDER = 80
 RT = "gemma4_trace.replayer.runtimes.mlx"
@@ -89,5 +89,29 @@ RUNTIMES = (
             **_MLX,
         )
         for bits in (8, 4)
+    ),
+)
+
+FOLDER = "gemma4_trace.replayer.runtimes.mlx_folder"
+_FOLDER = dict(extra="mlx", needs=("mlx", "mlx_lm"), float32_only=True)
+FILES = (
+    FileInput(
+        "--mlx-model",
+        "mlx",
+        "an mlx-lm folder",
+        "run this mlx-lm folder (config.json, model*.safetensors; quantized or not) in mlx-lm, "
+        "against REF's checkpoint (extra [mlx])",
+        f"{FOLDER}:read_folder",
+        f"{FOLDER}:run_folder",
+        **_FOLDER,
+    ),
+    FileInput(
+        "--mlx-model-dq",
+        "mlx",
+        "an mlx-lm folder",
+        "that folder's quantized weights dequantized into float32 layers: --mlx-model's --baseline (extra [mlx])",
+        f"{FOLDER}:read_folder",
+        f"{FOLDER}:run_folder_dq",
+        **_FOLDER,
     ),
 )
