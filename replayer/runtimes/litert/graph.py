@@ -36,6 +36,7 @@ litert-torch release names its modules otherwise). Nothing here runs the graph.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -124,11 +125,11 @@ class _Budget:
         return self.take(count)
 
 
-def read(path) -> dict[str, Signature]:
-    """Every signature of a .tflite file."""
+def read(path, file=None) -> dict[str, Signature]:
+    """Every signature of a .tflite file (`file`: the file already opened, and checked, by the caller)."""
     from ai_edge_litert import schema_py_generated as fb
 
-    with open(path, "rb") as f:
+    with open(path, "rb") if file is None else contextlib.nullcontext(file) as f:
         size = os.fstat(f.fileno()).st_size
         # mapped, not read: only the flatbuffer's tables are touched, not the weights (a 2 GiB model
         # read whole would be 2 GiB of this process's memory)

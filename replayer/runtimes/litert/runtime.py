@@ -115,14 +115,10 @@ class LiteRTRuntime(ChildRuntime):
             raise
 
     def _setup(self) -> None:
-        loaded, max_seq, mode = self.loaded, self.max_seq, self.mode
-        base = E.exported(loaded, max_seq, self.P)
-        arts = [base]
+        arts = []
         try:
-            if mode != "litert":
-                arts.append(E.quantized(loaded, max_seq, self.P, mode))
-            paths = {n: str(base.path / f"{n}.tflite") for n in ("embedder", "per_layer_embedder")}
-            paths["model"] = str(arts[-1].path / "model.tflite")
+            paths = self._files(arts)
+            self.embedders = [n for n in ("embedder", "per_layer_embedder") if n in paths]
             graph = G.read(paths["model"])
             self.taps = self._taps(graph)
             self.keep = self.capture is None  # every kind: the interpreter keeps every op's output
@@ -143,6 +139,17 @@ class LiteRTRuntime(ChildRuntime):
         self._name = self._describe()
         self.graph = graph
 
+    def _files(self, arts: list) -> dict:
+        """The .tflite files' paths by name (model, embedder, per_layer_embedder); the artifacts that
+        hold them appended to `arts` (held while they load; the last holds model.tflite)."""
+        loaded, max_seq, mode = self.loaded, self.max_seq, self.mode
+        arts.append(E.exported(loaded, max_seq, self.P))
+        if mode != "litert":
+            arts.append(E.quantized(loaded, max_seq, self.P, mode))
+        paths = {n: str(arts[0].path / f"{n}.tflite") for n in ("embedder", "per_layer_embedder")}
+        paths["model"] = str(arts[-1].path / "model.tflite")
+        return paths
+
     def _taps(self, graph: dict) -> dict:
         """Each signature's taps of the kinds the replay keeps (graph.py)."""
         for sig in (self.prefill_sig, "decode"):
@@ -151,9 +158,14 @@ class LiteRTRuntime(ChildRuntime):
         every = {sig: G.taps(graph[sig], self.infos, self.hidden, self.ple) for sig in (self.prefill_sig, "decode")}
         got = G.layers_present(every["decode"])
         if got != set(range(len(self.infos))):
+            found = {t.kind for taps in every.values() for t in taps}
+            text = [r.kind for r in LITERT.rows if "." not in r.kind]  # the text model's kinds
+            kinds = [k for k in dict.fromkeys(text) if k not in ("embeddings", "k", "v", "logits")]
             raise TraceToolError(
                 f"the LiteRT decode graph names layer outputs {sorted(got)}; REF's model has {len(self.infos)} "
-                "layers (another litert-torch release names its tensors otherwise)"
+                "layers (another litert-torch release names its tensors otherwise); kinds found: "
+                f"{', '.join(k for k in kinds if k in found) or 'none'}; not found: "
+                f"{', '.join(k for k in kinds if k not in found) or 'none'}"
             )
         return {sig: [t for t in taps if self.captures(t.kind)] for sig, taps in every.items()}
 
@@ -193,6 +205,13 @@ class LiteRTRuntime(ChildRuntime):
             what = f"{recipe}: {QUANT_WORDS[recipe]}"
             if self.mode.endswith("-dq"):
                 what = f"float32 graph with {recipe}'s weights dequantized into it"
+        return (
+            f"{self.mode} (litert-torch {vers['litert-torch']}, ai-edge-litert {vers['ai-edge-litert']}, "
+            f"XNNPACK CPU, {what}; prefill {self.P}, cache {self.S}{self._notes()})"
+        )
+
+    def _notes(self) -> str:
+        """What the graph lacks (the rows from decode steps) and the kinds asked for, as the name says them."""
         note = ""
         if self.stepped:
             layers = sorted({layer for _, layer in self.stepped if layer is not None})
@@ -205,10 +224,7 @@ class LiteRTRuntime(ChildRuntime):
             note += f"; --kinds {', '.join(kinds)}: no tensor kept" if kinds else "; tokens and logits only"
             if tapped:
                 note += f", {', '.join(k for k in kinds if k in tapped)} as extra graph outputs"
-        return (
-            f"{self.mode} (litert-torch {vers['litert-torch']}, ai-edge-litert {vers['ai-edge-litert']}, "
-            f"XNNPACK CPU, {what}; prefill {self.P}, cache {self.S}{note})"
-        )
+        return note
 
     # ---------------------------------------------------------------- steps
     def _zero_caches(self) -> dict:
@@ -219,11 +235,11 @@ class LiteRTRuntime(ChildRuntime):
         """Embeddings and per-layer embeddings of tokens (one row: the decode embedders)."""
         ids = {"token_ids": np.asarray([tokens], np.int32)}
         out = []
-        for name in ("embedder", "per_layer_embedder"):
+        for name in ("embedder", "per_layer_embedder")[: len(self.embedders)]:
             sig = f"prefill_{name}_{sig_rows}" if sig_rows else f"decode_{name}"
             got = self.child.call("run", name, sig, ids, [], phase=phase)[1]
             out.append(next(iter(got.values())))
-        return out
+        return (out + [None])[:2]  # no per_layer_embedder (a model without per-layer inputs): None
 
     def _mask(self, positions: list[int | None]) -> np.ndarray:
         """The full-attention layers' additive mask: causal, and an image's tokens see each other

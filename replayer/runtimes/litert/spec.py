@@ -1,7 +1,8 @@
 """`--runtime litert*`: REF's checkpoint exported by litert-torch and run by ai-edge-litert, float32
 or quantized by litert-quantizer (with the dequantized baselines); LiteRT-LM's engine on the
 .litertlm bundle, the tool's or the user's (`--litertlm FILE`), tokens only; and transformers' own
-forward converted whole (litert-convert)."""
+forward converted whole (litert-convert). `--tflite PATH`: the user's own litert-torch export (a
+folder, or a .litertlm bundle's TFLite sections) run per layer by `--runtime litert` (user_files.py)."""
 
 from __future__ import annotations
 
@@ -159,6 +160,19 @@ def check_bundle(path) -> Path:
 
 
 FILES = (
+    FileInput(
+        "--tflite",
+        "litert",
+        "a litert-torch export",
+        "run this litert-torch export per layer in ai-edge-litert (--runtime litert): a folder as "
+        "litert_torch.generative.export_hf writes it (model.tflite, embedder.tflite, per_layer_embedder.tflite) "
+        "or a .litertlm bundle's TFLite sections",
+        f"{RT}.user_files:read_files",
+        f"{RT}.user_runtime:run_files",
+        extra="litert",
+        needs=("ai_edge_litert", "litert_torch"),
+        float32_only=True,
+    ),
     FileInput(
         "--litertlm",
         "litert-lm",
