@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from gemma4_trace.hf.memory import config_dims
 from gemma4_trace.traces import limits as LIM
@@ -150,3 +151,22 @@ def image_blocks(mm_token_type_ids):
     vision = (mm_token_type_ids == 1) | (mm_token_type_ids == 2)
     starts = vision & ~np.concatenate([[False], vision[:-1]])
     return np.where(vision, np.cumsum(starts) - 1, -1)
+
+
+class ClippedLinear(nn.Module):
+    """A (possibly clipped) linear's weight and clamp bounds, as views of the HF module's tensors
+    (Gemma 4's encoders' Gemma4ClippableLinear: the static vision and audio ports)."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.register_buffer("weight", hf.linear.weight.detach(), persistent=False)
+        self.clipped = bool(getattr(hf, "use_clipped_linears", False))
+        if self.clipped:
+            for name in ("input_min", "input_max", "output_min", "output_max"):
+                self.register_buffer(name, getattr(hf, name).detach(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.clipped:
+            x = torch.clamp(x, self.input_min, self.input_max)
+        y = F.linear(x, self.weight)
+        return torch.clamp(y, self.output_min, self.output_max) if self.clipped else y

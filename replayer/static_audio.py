@@ -30,27 +30,9 @@ from torch import nn
 from gemma4_trace.traces.errors import TraceToolError
 
 from .api import report
-from .ops import ACTIVATIONS, rms_norm
+from .ops import ACTIVATIONS, ClippedLinear, rms_norm
 
 AUDIO = "audio"
-
-
-class _Linear(nn.Module):
-    """A (possibly clipped) linear's weight and clamp bounds, as views of the HF module's tensors."""
-
-    def __init__(self, hf):
-        super().__init__()
-        self.register_buffer("weight", hf.linear.weight.detach(), persistent=False)
-        self.clipped = bool(getattr(hf, "use_clipped_linears", False))
-        if self.clipped:
-            for name in ("input_min", "input_max", "output_min", "output_max"):
-                self.register_buffer(name, getattr(hf, name).detach(), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.clipped:
-            x = torch.clamp(x, self.input_min, self.input_max)
-        y = F.linear(x, self.weight)
-        return torch.clamp(y, self.output_min, self.output_max) if self.clipped else y
 
 
 class _Norms(nn.Module):
@@ -69,7 +51,7 @@ class _Norms(nn.Module):
 class _FeedForward(nn.Module):
     def __init__(self, hf):
         super().__init__()
-        self.up, self.down = _Linear(hf.ffw_layer_1), _Linear(hf.ffw_layer_2)
+        self.up, self.down = ClippedLinear(hf.ffw_layer_1), ClippedLinear(hf.ffw_layer_2)
         self.norms = _Norms({"pre": hf.pre_layer_norm, "post": hf.post_layer_norm})
 
 
@@ -77,11 +59,11 @@ class _Layer(nn.Module):
     def __init__(self, hf):
         super().__init__()
         a, c = hf.self_attn, hf.lconv1d
-        self.q, self.k, self.v, self.post = (_Linear(p) for p in (a.q_proj, a.k_proj, a.v_proj, a.post))
+        self.q, self.k, self.v, self.post = (ClippedLinear(p) for p in (a.q_proj, a.k_proj, a.v_proj, a.post))
         self.register_buffer("relative_k", a.relative_k_proj.weight.detach(), persistent=False)
         self.register_buffer("per_dim_scale", a.per_dim_scale.detach(), persistent=False)
         self.ff1, self.ff2 = _FeedForward(hf.feed_forward1), _FeedForward(hf.feed_forward2)
-        self.start, self.end = _Linear(c.linear_start), _Linear(c.linear_end)
+        self.start, self.end = ClippedLinear(c.linear_start), ClippedLinear(c.linear_end)
         self.register_buffer("depthwise", c.depthwise_conv1d.weight.detach(), persistent=False)  # (C, 1, K)
         self.norms = _Norms(
             {

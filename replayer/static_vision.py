@@ -26,35 +26,17 @@ from torch import nn
 from gemma4_trace.traces.errors import TraceToolError
 
 from .api import report
-from .ops import ACTIVATIONS, rms_norm, rotate_half
+from .ops import ACTIVATIONS, ClippedLinear, rms_norm, rotate_half
 
 VISION = "vision"
-
-
-class _Linear(nn.Module):
-    """A (possibly clipped) linear's weight and clamp bounds, as views of the HF module's tensors."""
-
-    def __init__(self, hf):
-        super().__init__()
-        self.register_buffer("weight", hf.linear.weight.detach(), persistent=False)
-        self.clipped = bool(getattr(hf, "use_clipped_linears", False))
-        if self.clipped:
-            for name in ("input_min", "input_max", "output_min", "output_max"):
-                self.register_buffer(name, getattr(hf, name).detach(), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.clipped:
-            x = torch.clamp(x, self.input_min, self.input_max)
-        y = F.linear(x, self.weight)
-        return torch.clamp(y, self.output_min, self.output_max) if self.clipped else y
 
 
 class _Layer(nn.Module):
     def __init__(self, hf):
         super().__init__()
         a, m = hf.self_attn, hf.mlp
-        self.q, self.k, self.v, self.o = (_Linear(p) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj))
-        self.gate, self.up, self.down = (_Linear(p) for p in (m.gate_proj, m.up_proj, m.down_proj))
+        self.q, self.k, self.v, self.o = (ClippedLinear(p) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj))
+        self.gate, self.up, self.down = (ClippedLinear(p) for p in (m.gate_proj, m.up_proj, m.down_proj))
         norms = {
             "input_norm": hf.input_layernorm,
             "post_attn_norm": hf.post_attention_layernorm,
