@@ -31,8 +31,10 @@ from gemma4_trace.traces import schema as S
 
 from .api import report
 from .child import ChildRuntime
+from .ops import rms_norm
 from .runtime import StaticGemma4Runtime, chunk_plan
-from .runtimes.captures import STEP_GRAPH_VISION
+from .runtimes.captures import STEP_GRAPH_TOWERS
+from .static_audio import AUDIO
 
 PREFILL_INPUTS = ("ids", "ple_ids", "mm_embeds", "mm_slots", "block_ids", "n_valid")
 PREFILL_CHUNK_INPUTS = (*PREFILL_INPUTS, "start")
@@ -59,14 +61,14 @@ class ListProbe:
 
 def output_name(kind: str, layer: int | None) -> str:
     """A reported kind's output name (the step graphs' capture map, runtimes/captures.py): "L07.q",
-    "embeddings", "vision.L00.q"."""
-    return STEP_GRAPH_VISION.name_of(kind, layer)
+    "embeddings", "vision.L00.q", "audio.L01.lconv_out"."""
+    return STEP_GRAPH_TOWERS.name_of(kind, layer)
 
 
 def output_site(name: str) -> tuple[str, int | None]:
     """An extra output's name -> (kind key, layer): "L07.q" -> ("q", 7), "embeddings" -> ("embeddings",
     None), "vision.L00.q" -> ("vision.q", 0)."""
-    site = STEP_GRAPH_VISION.site_of(name)
+    site = STEP_GRAPH_TOWERS.site_of(name)
     if site is None:
         raise ValueError(f"{name!r} is no output name of a step graph")
     return site.key, site.layer
@@ -177,6 +179,109 @@ def strip_vision(outputs: dict, positions: np.ndarray, probe) -> torch.Tensor:
         rows = value[kept] if spec.index == S.ROW_SOFT_TOKEN else value[valid]
         report(probe, spec.name, torch.from_numpy(np.ascontiguousarray(rows)), layer=layer, tower=spec.tower)
     return torch.from_numpy(np.ascontiguousarray(outputs["vision.soft_tokens"][kept]))
+
+
+class AudioGraph(nn.Module):
+    """The audio tower's port as a function of tensors, every shape static: (features (clips, mel
+    frames, bins) float32, mask (clips, mel frames) bool) -> ("valid": which subsampled frames are
+    real (clips, frames), then every audio site with its padding frames (clips, frames, width),
+    "audio.soft_tokens" among them); the host strips the padding (strip_audio). StaticAudio.run's
+    steps, each by the port's own method; only the valid frames' selection is left to the host."""
+
+    def __init__(self, rt: FunctionalKV):
+        super().__init__()
+        self.tower, self.names = rt.audio_tower, None
+
+    def forward(self, features, mask):
+        t, probe = self.tower, ListProbe()
+        x, valid = t.subsample(features, mask.bool())
+        report(probe, "subsampled", x, tower=AUDIO)
+        rel, allowed = t.relative_positions(x.dtype), t.attention_mask(valid)
+        for i, layer in enumerate(t.layers):
+            x = t.layer(layer, i, x, rel, allowed, ..., probe)  # `...`: each site's every frame (x[...] is x)
+        out = torch.nn.functional.linear(x, t.output_proj, t.output_bias)
+        report(probe, "output_proj", out, tower=AUDIO)
+        soft = torch.nn.functional.linear(rms_norm(out, None, t.embed_eps), t.embed_proj)  # per frame, as run's
+        report(probe, "soft_tokens", soft, tower=AUDIO)
+        self.names = ["valid", *probe.names]
+        return (valid, *probe.values)
+
+
+def audio_inputs(rt: FunctionalKV, shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Example inputs of the audio graph for `shape` (clips, mel frames, bins): every frame valid."""
+    return torch.zeros(shape, dtype=torch.float32), torch.ones(shape[:2], dtype=torch.bool)
+
+
+def strip_audio(outputs: dict, probe) -> torch.Tensor:
+    """An audio graph's outputs ({name: array}) -> the soft tokens of the valid frames (tokens, hidden),
+    clip after clip, each site's valid frames reported to `probe` (as StaticAudio reports them)."""
+    valid = outputs["valid"].astype(bool)
+    for name, value in outputs.items():
+        if name == "valid":
+            continue
+        key, layer = output_site(name)
+        spec = S.KIND_BY_NAME[key]
+        report(probe, spec.name, torch.from_numpy(np.ascontiguousarray(value[valid])), layer=layer, tower=spec.tower)
+    return torch.from_numpy(np.ascontiguousarray(outputs["audio.soft_tokens"][valid]))
+
+
+TOWER_GRAPHS = {"vision": ("pixels", "positions"), "audio": ("features", "mask")}  # each tower graph's inputs
+SHAPE_KEY = {"vision": "images", "audio": "clips"}  # the cache-key entry of a tower graph's static shape
+
+
+def tower_graph(rt: FunctionalKV, tower: str) -> VisionGraph | AudioGraph:
+    """The graph of the encoder `tower` ("vision", "audio") of rt's ports, in eval mode."""
+    return (VisionGraph if tower == "vision" else AudioGraph)(rt).eval()
+
+
+def tower_inputs(rt: FunctionalKV, tower: str, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Example inputs of a tower graph for `shape`: (images, patches) or (clips, mel frames, bins)."""
+    return vision_inputs(rt, shape) if tower == "vision" else audio_inputs(rt, shape)
+
+
+def shape_words(tower: str, shape: tuple) -> str:
+    """A tower graph's shape for people: "2 image(s) of 256 patches", "1 clip(s) of 308 mel frames"."""
+    what = "image(s) of {} patches" if tower == "vision" else "clip(s) of {} mel frames"
+    return f"{shape[0]} {what.format(shape[1])}"
+
+
+def vision_calibration(images: tuple, k: int, table: int) -> tuple:
+    """The vision graph's calibration inputs from the replay's `images` (pixels, positions), each
+    image's padding patches made real: they extend its grid down into the pooled tokens no real
+    patch covers (k x k patches per token, positions below `table`), their pixels the image's real
+    ones in turn. As for the text programs' pad rows: a padding token pools to zero, its norm scales
+    it by 1/sqrt(eps), and per-tensor activation ranges set by it round the real tokens to zero (all
+    soft tokens 0 on the image golden). The real patches and what they pool to are computed as in
+    the replay (attention and pooling ignore padding), on ranges they set themselves."""
+    pixels, positions = (t.clone() for t in images)
+    tokens = pixels.shape[1] // (k * k)
+    for i in range(pixels.shape[0]):
+        valid = (positions[i] != -1).all(dim=-1)
+        real, pad = valid.nonzero()[:, 0], (~valid).nonzero()[:, 0]
+        if not len(real) or not len(pad):
+            continue
+        width = max(1, (int(positions[i, real, 0].max()) + 1) // k)
+        covered = {int(c) for c in positions[i, real, 0] // k + width * (positions[i, real, 1] // k)}
+        grid = [
+            (c % width * k + dx, c // width * k + dy)
+            for c in range(tokens) if c not in covered
+            for dy in range(k) for dx in range(k)
+        ]  # fmt: skip
+        grid = [p for p in grid if max(p) < table][: len(pad)]
+        pixels[i, pad] = pixels[i, real[torch.arange(len(pad)) % len(real)]]
+        positions[i, pad[: len(grid)]] = torch.tensor(grid, dtype=positions.dtype).reshape(-1, 2)
+        positions[i, pad[len(grid) :]] = positions[i, real[torch.arange(len(pad) - len(grid)) % len(real)]]
+    return pixels, positions
+
+
+def calibration_inputs(g: VisionGraph | AudioGraph, inputs: tuple) -> tuple:
+    """A tower graph's calibration inputs (a PT2E quantization's: runtimes/executorch.py) from the
+    replay's own `inputs`: the images with their padding patches made real (vision_calibration); the
+    audio clips as they are (a padding frame is zeroed before each subsampling conv and stays within
+    the real frames' ranges: no norm scales it up)."""
+    if isinstance(g, VisionGraph):
+        return vision_calibration(inputs, g.tower.pooling, g.tower.position_table.shape[1])
+    return inputs
 
 
 def graph(rt: FunctionalKV, step: str, chunked: bool = False, kinds=None) -> StepGraph:
@@ -291,18 +396,22 @@ class StepGraphRuntime(ChildRuntime):
     outputs in the graph's order); the host keeps the caches between steps."""
 
     vision_artifact = None  # (images, patches) -> the artifact holding vision<suffix>; None: the host's port
+    audio_artifact = None  # (clips, mel frames, bins) -> the artifact holding audio<suffix>; None: the host's port
 
     def load_graphs(self, label: str, engine: str, loaded, max_seq: int, artifact, suffix: str, options) -> None:
         """Start the child, build the host's prefill inputs, take the graphs from `artifact()` (an
         artifact-cache entry holding prefill<suffix> and decode<suffix>) and load them. With a
-        `vision_artifact`, the prompt's images run through the engine's vision graph (built for
-        their shape when first seen), else through the host's port of the tower."""
+        `vision_artifact` (`audio_artifact`), the prompt's images (audio clips) run through the
+        engine's vision (audio) graph, built for their shape when first seen, else through the
+        host's port of the tower."""
         child = self.start(label, engine)
-        self.suffix, self.options, self.vision_shape = suffix, options, None
+        self.suffix, self.options, self.tower_shapes = suffix, options, {}
         try:
             self.host = FunctionalKV(loaded, max_seq)  # prepares prefill inputs
             if self.vision_artifact is not None and self.host.multimodal:
                 self.host.encode_images = self.encode_images
+            if self.audio_artifact is not None and self.host.audio_tower is not None:
+                self.host.encode_audio = self.encode_audio
             art = artifact()
             try:
                 paths = {g: str(art.path / f"{g}{suffix}") for g in STEPS}
@@ -327,21 +436,32 @@ class StepGraphRuntime(ChildRuntime):
         self.report(probe, ((output_site(n), outs[n]) for n in kinds), rows)
         return torch.from_numpy(outs["logits"])
 
-    def encode_images(self, pixels, positions, probe=None) -> torch.Tensor:
-        """The images through the engine's vision graph (loaded for their shape on first use)."""
-        shape = tuple(int(d) for d in pixels.shape[:2])
-        if self.vision_shape != shape:
-            art = self.vision_artifact(shape)
+    def run_tower(self, tower: str, artifact, shape: tuple, feeds: dict) -> dict:
+        """Tower graph `tower` ("vision", "audio") run on `feeds` ({input: array}): {output: array}; the
+        graph for `shape` taken from `artifact(shape)` and loaded when the shape is first seen."""
+        if self.tower_shapes.get(tower) != shape:
+            art = artifact(shape)
             try:
-                meta = self.child.call("load", {"vision": str(art.path / f"vision{self.suffix}")}, self.options,
+                meta = self.child.call("load", {tower: str(art.path / f"{tower}{self.suffix}")}, self.options,
                                        phase="loading")[1]  # fmt: skip
             finally:
                 art.close()
-            self.outputs["vision"], self.vision_shape = meta["vision"][1], shape
+            self.outputs[tower], self.tower_shapes[tower] = meta[tower][1], shape
+        outs = self.child.call("run", tower, feeds, phase=self.phase(True))[1]
+        return dict(zip(self.outputs[tower], outs))
+
+    def encode_images(self, pixels, positions, probe=None) -> torch.Tensor:
+        """The images through the engine's vision graph (loaded for their shape on first use)."""
         pos = positions.cpu().numpy()
         feeds = {"pixels": pixels.cpu().numpy(), "positions": pos}
-        outs = self.child.call("run", "vision", feeds, phase=self.phase(True))[1]
-        return strip_vision(dict(zip(self.outputs["vision"], outs)), pos, probe)
+        outs = self.run_tower("vision", self.vision_artifact, tuple(int(d) for d in pixels.shape[:2]), feeds)
+        return strip_vision(outs, pos, probe)
+
+    def encode_audio(self, features, features_mask, probe=None) -> torch.Tensor:
+        """The audio clips through the engine's audio graph (loaded for their shape on first use)."""
+        feeds = {"features": features.float().cpu().numpy(), "mask": features_mask.bool().cpu().numpy()}
+        outs = self.run_tower("audio", self.audio_artifact, tuple(int(d) for d in features.shape), feeds)
+        return strip_audio(outs, probe)
 
     def prefill(self, input_ids, extra_inputs, probe):
         args = self.host.prepare_prefill(input_ids, extra_inputs, probe)

@@ -125,6 +125,13 @@ class CaptureMap:
         have = {r.kind for r in self.rows} | {S.KIND_TOKEN}
         return tuple(k for k in S.KIND_BY_NAME if k in have)
 
+    @cached_property
+    def towers(self) -> tuple[str, ...]:
+        """The encoder towers whose kinds a replay by this runtime holds ("vision", "audio"). A map
+        without the audio tower's is a runtime that runs none: an audio REF is refused before the
+        model loads (RuntimeSpec.runs_audio, registry.check_inputs)."""
+        return tuple(t for t in S.ENCODER_TOWERS if any(S.KIND_BY_NAME[k].tower == t for k in self.kinds))
+
     def not_captured(self) -> tuple[str, ...]:
         """The text tower's kinds a replay by this runtime never holds (absent, never zeros)."""
         return tuple(k for k in S.KIND_NAMES if k not in self.kinds)
@@ -133,8 +140,7 @@ class CaptureMap:
         """What it captures, for people (the README's "kinds captured"): "all kinds", "tokens only",
         "all but mask and RoPE"; "; the vision tower's too" (or "the vision and audio towers' too") where it captures
         an encoder tower's."""
-        missing = self.not_captured()
-        towers = [t for t in S.ENCODER_TOWERS if any(S.KIND_BY_NAME[k].tower == t for k in self.kinds)]
+        missing, towers = self.not_captured(), self.towers
         more = f"; the {' and '.join(towers)} tower{'s' if len(towers) > 1 else ''}'s too" if towers else ""
         more = more.replace("towers's", "towers'")
         if not missing:
@@ -225,16 +231,25 @@ STEP_GRAPH = CaptureMap(
     (Capture("logits", "logits"), *_probe_rows(lambda k: f"L{{layer:02d}}.{k}" if S.layered(k) else k)),
 )
 
-# onnx, openvino: the step graphs and the vision tower's graph (replayer/functional.py's VisionGraph)
+
+def _tower_graph_rows(tower: str) -> tuple[Capture, ...]:
+    """A tower graph's output names (replayer/functional.py's VisionGraph, AudioGraph): "vision.L00.q"."""
+    return tuple(
+        Capture(f"{tower}.L{{layer:02d}}.{k.name}" if S.layered(k.key) else f"{tower}.{k.name}", k.key)
+        for k in S.TOWER_BY_NAME[tower].kinds
+    )
+
+
+# the step graphs and the vision tower's graph (replayer/functional.py's VisionGraph)
 STEP_GRAPH_VISION = CaptureMap(
     "the step graphs' and the vision graph's output names (replayer/functional.py)",
-    (
-        *STEP_GRAPH.rows,
-        *(
-            Capture(f"vision.L{{layer:02d}}.{k.name}" if S.layered(k.key) else f"vision.{k.name}", k.key)
-            for k in S.TOWER_BY_NAME["vision"].kinds
-        ),
-    ),
+    (*STEP_GRAPH.rows, *_tower_graph_rows("vision")),
+)
+
+# onnx, openvino, executorch: the step graphs and the encoder towers' graphs (VisionGraph, AudioGraph)
+STEP_GRAPH_TOWERS = CaptureMap(
+    "the step graphs' and the vision and audio graphs' output names (replayer/functional.py)",
+    (*STEP_GRAPH_VISION.rows, *_tower_graph_rows("audio")),
 )
 
 # replayer/runtimes/litert/lm.py: text in, text out, the token alone

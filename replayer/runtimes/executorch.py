@@ -33,6 +33,7 @@ by them too); int8 quantizes that narrowed program, calibrated on the same input
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from functools import partial
@@ -224,111 +225,100 @@ def write_programs(rt: F.FunctionalKV, out_dir, quantized: dict | None = None, k
     return paths
 
 
-def _vision_key(loaded, mode: str, images: tuple) -> dict:
-    """What a vision program depends on: the model, the images' shape (images, patches) and, for
-    the int8 modes, the images themselves (their calibration data)."""
-    pixels, positions = images
-    key = {**artifact_key(loaded, "executorch", 1), "runtime": mode, "graph": "vision"}
-    key["images"] = list(pixels.shape[:2])
+TOWER_INPUTS = {"vision": ("pixel_values", "image_position_ids"), "audio": ("input_features", "input_features_mask")}
+
+
+def _tower_key(loaded, mode: str, tower: str, inputs: tuple) -> dict:
+    """What an encoder tower's program depends on: the model, the tower, its inputs' shape ((images,
+    patches) or (clips, mel frames, bins)) and, for the int8 modes, the inputs themselves (their
+    calibration data)."""
+    key = {**artifact_key(loaded, "executorch", 1), "runtime": mode, "graph": tower}
+    key[F.SHAPE_KEY[tower]] = list(inputs[0].shape[:2] if tower == "vision" else inputs[0].shape)
     del key["max_seq"], key["prefill_chunk"]
     if mode != "executorch":
-        key["calibration"] = _prompt_digest([], {"pixel_values": pixels, "image_position_ids": positions})
+        key["calibration"] = _prompt_digest([], dict(zip(TOWER_INPUTS[tower], inputs)))
     return key
 
 
-def _vision_graph(loaded, images: tuple) -> tuple[F.VisionGraph, tuple]:
-    """The vision tower's port as a graph (replayer/functional.py's VisionGraph), its output names
-    set, and its inputs for `images` (pixels and positions: float32 and int64)."""
-    g = F.VisionGraph(F.FunctionalKV(loaded, 1)).eval()  # no text caches needed
-    example = (images[0].float().contiguous(), images[1].long().contiguous())
+def tower_inputs(tower: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tower program's inputs as it takes them: (pixels float32, positions int64) or (features
+    float32, mask bool)."""
+    return a.float().contiguous(), (b.long() if tower == "vision" else b.bool()).contiguous()
+
+
+def _tower_graph(loaded, tower: str, inputs: tuple):
+    """The port of the encoder `tower` as a graph (replayer/functional.py's VisionGraph, AudioGraph),
+    its output names set by a run on `inputs` (tower_inputs')."""
+    g = F.tower_graph(F.FunctionalKV(loaded, 1), tower)  # no text caches needed
     with torch.no_grad(), F.quiet():
-        g(*example)
-    return g, example
+        g(*inputs)
+    return g
 
 
-def _vision_calibration(images: tuple, k: int, table: int) -> tuple:
-    """The vision graph's calibration inputs from the replay's `images` (pixels, positions), each
-    image's padding patches made real: they extend its grid down into the pooled tokens no real
-    patch covers (k x k patches per token, positions below `table`), their pixels the image's real
-    ones in turn. As for the text programs' pad rows: a padding token pools to zero, its norm scales
-    it by 1/sqrt(eps), and per-tensor activation ranges set by it round the real tokens to zero (all
-    soft tokens 0 on the image golden). The real patches and what they pool to are computed as in
-    the replay (attention and pooling ignore padding), on ranges they set themselves."""
-    pixels, positions = (t.clone() for t in images)
-    tokens = pixels.shape[1] // (k * k)
-    for i in range(pixels.shape[0]):
-        valid = (positions[i] != -1).all(dim=-1)
-        real, pad = valid.nonzero()[:, 0], (~valid).nonzero()[:, 0]
-        if not len(real) or not len(pad):
-            continue
-        width = max(1, (int(positions[i, real, 0].max()) + 1) // k)
-        covered = {int(c) for c in positions[i, real, 0] // k + width * (positions[i, real, 1] // k)}
-        grid = [
-            (c % width * k + dx, c // width * k + dy)
-            for c in range(tokens) if c not in covered
-            for dy in range(k) for dx in range(k)
-        ]  # fmt: skip
-        grid = [p for p in grid if max(p) < table][: len(pad)]
-        pixels[i, pad] = pixels[i, real[torch.arange(len(pad)) % len(real)]]
-        positions[i, pad[: len(grid)]] = torch.tensor(grid, dtype=positions.dtype).reshape(-1, 2)
-        positions[i, pad[len(grid) :]] = positions[i, real[torch.arange(len(pad) - len(grid)) % len(real)]]
-    return pixels, positions
-
-
-def converted_vision(loaded, images: tuple):
-    """The artifact holding vision.pt2 (the vision graph PT2E-quantized as the step programs are,
-    calibrated on the replay's own `images`: pixels, positions) and vision.json (its outputs' names):
-    what executorch-int8 lowers and executorch-int8-reference runs."""
+def converted_tower(loaded, tower: str, inputs: tuple):
+    """The artifact holding <tower>.pt2 (the tower's graph PT2E-quantized as the step programs are,
+    calibrated on the replay's own `inputs`: pixels and positions, or features and mask) and
+    <tower>.json (its outputs' names): what executorch-int8 lowers and executorch-int8-reference runs."""
 
     def build(folder: Path) -> None:
-        g, example = _vision_graph(loaded, images)
+        g = _tower_graph(loaded, tower, inputs)
         try:
             with torch.no_grad(), F.quiet():
-                calibration = _vision_calibration(example, g.tower.pooling, g.tower.position_table.shape[1])
-                program = _pt2e(torch.export.export(g, example, strict=False), [calibration], example)
+                calibration = F.calibration_inputs(g, inputs)
+                program = _pt2e(torch.export.export(g, inputs, strict=False), [calibration], inputs)
         except Exception as e:  # noqa: BLE001 - quantization and export fail in many ways; one line for the user
-            raise _one_line("quantizing the vision program (PT2E)", e) from None
-        torch.export.save(program, folder / "vision.pt2")
-        (folder / "vision.json").write_text(json.dumps(g.names))
+            raise _one_line(f"quantizing the {tower} program (PT2E)", e) from None
+        torch.export.save(program, folder / f"{tower}.pt2")
+        (folder / f"{tower}.json").write_text(json.dumps(g.names))
 
-    shape = tuple(images[0].shape[:2])
     return artifact_folder(
-        "executorch", _vision_key(loaded, PT2E, images), build,
-        what=f"quantizing the vision program ({shape[0]} image(s) of {shape[1]} patches; PT2E, calibrated on them)",
+        "executorch", _tower_key(loaded, PT2E, tower, inputs), build,
+        what=f"quantizing the {tower} program ({F.shape_words(tower, inputs[0].shape)}; PT2E, calibrated on them)",
     )  # fmt: skip
 
 
-def _vision_in(art) -> tuple[list[str], torch.export.ExportedProgram]:
-    """(output names, the vision program) of the converted vision artifact `art` (the tool's own, hash-checked)."""
+def _tower_in(art, tower: str) -> tuple[list[str], torch.export.ExportedProgram]:
+    """(output names, the program) of the converted tower artifact `art` (the tool's own, hash-checked)."""
     with F.quiet():
-        return json.loads((art.path / "vision.json").read_text()), torch.export.load(art.path / "vision.pt2")
+        return json.loads((art.path / f"{tower}.json").read_text()), torch.export.load(art.path / f"{tower}.pt2")
 
 
-def vision_program(loaded, mode: str, images: tuple):
-    """The artifact holding vision.pte (and vision.json, its outputs' names): the vision tower's port
-    for images of the shape of `images` (pixels, positions), lowered to XNNPACK: in float32
-    (executorch), or the converted int8 program calibrated on those images (executorch-int8)."""
+def _buffers_persistent(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """`program` with its non-persistent buffers made persistent (moved from its constants to its
+    state dict). XNNPACK's lowering of a conv1d (the audio port's depthwise conv) writes the weight it
+    reshapes into the state dict, then refuses it there as a non-persistent buffer (SpecViolationError)."""
+    specs = program.graph_signature.input_specs
+    for i, spec in enumerate(specs):
+        if spec.kind == torch.export.graph_signature.InputKind.BUFFER and spec.persistent is False:
+            program.state_dict[spec.target] = program.constants.pop(spec.target)
+            specs[i] = dataclasses.replace(spec, persistent=True)
+    return program
+
+
+def tower_program(loaded, mode: str, tower: str, inputs: tuple):
+    """The artifact holding <tower>.pte (and <tower>.json, its outputs' names): the port of the encoder
+    `tower` for inputs of the shape of `inputs` (tower_inputs'), lowered to XNNPACK: in float32
+    (executorch), or the converted int8 program calibrated on those inputs (executorch-int8)."""
 
     def build(folder: Path, *converted) -> None:
         if mode == "executorch":
-            g, example = _vision_graph(loaded, images)
+            g = _tower_graph(loaded, tower, inputs)
             names, program = g.names, None
         else:
-            names, program = _vision_in(converted[0])
+            names, program = _tower_in(converted[0], tower)
         try:
             with torch.no_grad(), F.quiet():
-                data = _lower(program or torch.export.export(g, example, strict=False))
+                data = _lower(_buffers_persistent(program or torch.export.export(g, inputs, strict=False)))
         except Exception as e:  # noqa: BLE001 - export and lowering fail in many ways; one line for the user
-            raise _one_line("lowering the vision program to XNNPACK", e) from None
-        (folder / "vision.pte").write_bytes(data)
-        (folder / "vision.json").write_text(json.dumps(names))
+            raise _one_line(f"lowering the {tower} program to XNNPACK", e) from None
+        (folder / f"{tower}.pte").write_bytes(data)
+        (folder / f"{tower}.json").write_text(json.dumps(names))
 
-    shape = tuple(images[0].shape[:2])
-    what = "float32" if mode == "executorch" else "int8 (PT2E, calibrated on the images)"
+    what = "float32" if mode == "executorch" else "int8 (PT2E, calibrated on them)"
     return artifact_folder(
-        "executorch", _vision_key(loaded, mode, images), build,
-        needs=None if mode == "executorch" else lambda: (converted_vision(loaded, images),),
-        what=f"lowering the vision program ({shape[0]} image(s) of {shape[1]} patches) to ExecuTorch XNNPACK, {what}",
+        "executorch", _tower_key(loaded, mode, tower, inputs), build,
+        needs=None if mode == "executorch" else lambda: (converted_tower(loaded, tower, inputs),),
+        what=f"lowering the {tower} program ({F.shape_words(tower, inputs[0].shape)}) to XNNPACK, {what}",
     )  # fmt: skip
 
 
@@ -410,9 +400,11 @@ class ExecuTorchRuntime(ChildRuntime):
                 f"executorch-int8-reference (PyTorch {versions['torch']} on the converted PT2E program; {INT8_SCHEME})"
             )
         self.host = F.FunctionalKV(loaded, max_seq)  # prepares prefill inputs
-        self.vision = None  # (its key, output names, run) of the vision program loaded for the last images
+        self.towers = {}  # tower -> (its key, output names, run) of its program loaded for the last inputs
         if self.host.multimodal:
             self.host.encode_images = self.encode_images
+        if self.host.audio_tower is not None:
+            self.host.encode_audio = self.encode_audio
         self.n_caches = 2 * len(self.host.owners())
         self.names = {name: F.output_names(self.host, name, chunked=True, kinds=kinds) for name in PROGRAMS}
         self.steps = None  # name -> callable(list of tensors, phase) -> list of tensors
@@ -420,14 +412,13 @@ class ExecuTorchRuntime(ChildRuntime):
         self.prefill_chunk = resolve_prefill_chunk(None, max_seq)  # replay sets --prefill-chunk's; built at prefill
 
     def _load(self, prompt=None, extra=None) -> None:
-        # int8 calibrates its step programs on the soft tokens of the host's float port of the tower,
+        # int8 calibrates its step programs on the soft tokens of the host's float ports of the towers,
         # whichever of the two int8 modes builds them first (they share the converted programs)
-        own = self.host.__dict__.pop("encode_images", None)
+        own = {k: self.host.__dict__.pop(k) for k in ("encode_images", "encode_audio") if k in self.host.__dict__}
         try:
             self._load_steps(prompt, extra)
         finally:
-            if own is not None:
-                self.host.encode_images = own
+            self.host.__dict__.update(own)
 
     def _load_steps(self, prompt=None, extra=None) -> None:
         if self.mode == "executorch-int8-reference":  # PyTorch, in this process
@@ -480,27 +471,35 @@ class ExecuTorchRuntime(ChildRuntime):
     def encode_images(self, pixels, positions, probe=None) -> torch.Tensor:
         """The images through the vision program (built for their shape on first use; the int8
         modes' quantized on the images themselves, as the step programs are on the prompt)."""
-        images = (pixels.float().contiguous(), positions.long().contiguous())
-        key = _vision_key(self.loaded, self.mode, images)
-        if self.vision is None or self.vision[0] != key:
-            self.vision = (key, *self._load_vision(images))
-        outs = self.vision[2](list(images))
-        pos = positions.cpu().numpy()
-        return F.strip_vision(dict(zip(self.vision[1], (o.numpy() for o in outs))), pos, probe)
+        return F.strip_vision(self._run_tower("vision", pixels, positions), positions.cpu().numpy(), probe)
 
-    def _load_vision(self, images: tuple):
-        """(output names, run: list of tensors -> list of tensors) of the vision program for `images`."""
+    def encode_audio(self, features, features_mask, probe=None) -> torch.Tensor:
+        """The audio clips through the audio program (as the images through the vision program)."""
+        return F.strip_audio(self._run_tower("audio", features, features_mask), probe)
+
+    def _run_tower(self, tower: str, a, b) -> dict:
+        """The program of the encoder `tower` run on its inputs (a, b): {output name: array}; built and
+        loaded for them where the last one was another's."""
+        inputs = tower_inputs(tower, a, b)
+        key = _tower_key(self.loaded, self.mode, tower, inputs)
+        if self.towers.get(tower, (None,))[0] != key:
+            self.towers[tower] = (key, *self._load_tower(tower, inputs))
+        _, names, run = self.towers[tower]
+        return dict(zip(names, (o.numpy() for o in run(list(inputs)))))
+
+    def _load_tower(self, tower: str, inputs: tuple):
+        """(output names, run: list of tensors -> list of tensors) of the tower's program for `inputs`."""
         if self.mode == "executorch-int8-reference":  # the converted program, by PyTorch in this process
-            names, program = _read_from(converted_vision(self.loaded, images), _vision_in)
+            names, program = _read_from(converted_tower(self.loaded, tower, inputs), partial(_tower_in, tower=tower))
             module = program.module()
             return names, lambda args: [t.detach() for t in module(*args)]
-        art = vision_program(self.loaded, self.mode, images)
+        art = tower_program(self.loaded, self.mode, tower, inputs)
         try:
-            names = json.loads((art.path / "vision.json").read_text())
-            self.child.call("load", {"vision": str(art.path / "vision.pte")}, {}, phase="loading")
+            names = json.loads((art.path / f"{tower}.json").read_text())
+            self.child.call("load", {tower: str(art.path / f"{tower}.pte")}, {}, phase="loading")
         finally:
             art.close()
-        return names, lambda args: _in_child(self.child, "vision", args, self.phase(True))
+        return names, lambda args: _in_child(self.child, tower, args, self.phase(True))
 
     def prefill(self, input_ids, extra_inputs, probe):
         """The prefill program once per chunk of the plan, the caches carried from one run to the

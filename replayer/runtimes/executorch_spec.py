@@ -22,7 +22,7 @@ _EXECUTORCH = dict(
     float32_only=True,
     cpu_only=True,
     doc="docs/runtime-executorch.md",
-    capture_map=C.STEP_GRAPH_VISION,  # an image prompt runs vision.pte (int8: quantized on its images) too
+    capture_map=C.STEP_GRAPH_TOWERS,  # vision.pte and audio.pte for an image or audio prompt (int8: quantized on them)
 )
 
 RUNTIMES = (

@@ -8,7 +8,9 @@ onnxruntime's kernels. A replay that keeps some kinds (`--kinds`: RuntimeChoice.
 graphs exported with only those kinds as outputs (their own cache entry). An image prompt runs
 a third graph, vision.onnx: the static runtime's port of the vision tower (replayer/static_vision.py)
 for the prompt's (images, patches), every vision site an output, exported when that shape is first
-seen; its soft tokens are fed to the prefill graph.
+seen; its soft tokens are fed to the prefill graph. An audio prompt runs audio.onnx the same way: the
+port of the audio tower (replayer/static_audio.py) for the prompt's (clips, mel frames), every audio
+site an output with its padding frames (the host keeps the valid ones).
 
     trace export-onnx [--model DIR] --max-seq 32 -o DIR    # writes prefill.onnx, decode.onnx
     trace replay REF.h5 --runtime onnx -o RUN.h5
@@ -90,34 +92,36 @@ def export_onnx(loaded, max_seq: int, out_dir, kinds=None) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def export_vision_onnx(loaded, shape: tuple[int, int], out_dir) -> Path:
-    """Write vision.onnx: the vision tower's port (replayer/functional.py's VisionGraph) for images of
-    `shape` (images, patches: the processor's patch budget), every vision site an output."""
-    out = Path(out_dir) / "vision.onnx"
+def export_tower_onnx(loaded, tower: str, shape: tuple, out_dir) -> Path:
+    """Write <tower>.onnx: the port of the encoder `tower` (replayer/functional.py's VisionGraph for
+    images of `shape` (images, patches: the processor's patch budget), AudioGraph for clips of `shape`
+    (clips, mel frames, bins)), every site of the tower an output."""
+    out = Path(out_dir) / f"{tower}.onnx"
     rt = F.FunctionalKV(loaded, 1)  # the tower's port; the text tower's caches are not needed here
-    g = F.VisionGraph(rt).eval()
-    example = F.vision_inputs(rt, shape)
+    g = F.tower_graph(rt, tower)
+    example = F.tower_inputs(rt, tower, shape)
     with torch.no_grad(), F.quiet():
         g(*example)
         try:
             torch.onnx.export(
-                g, example, str(out), input_names=["pixels", "positions"], output_names=g.names,
+                g, example, str(out), input_names=list(F.TOWER_GRAPHS[tower]), output_names=g.names,
                 opset_version=OPSET, dynamo=True, verbose=False, optimize=False,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - the exporter fails in many ways; one line for the user
             raise TraceToolError(
-                f"ONNX export of the vision tower failed: {type(e).__name__}: {one_line(e, 200)}"
+                f"ONNX export of the {tower} tower failed: {type(e).__name__}: {one_line(e, 200)}"
             ) from None
     return out
 
 
-def vision_exported(loaded, shape: tuple[int, int]):
-    """The artifact holding vision.onnx for images of `shape` (cached like the step graphs)."""
-    key = {**cache_key(loaded, 1), "graph": "vision", "images": list(shape)}
+def tower_exported(loaded, tower: str, shape: tuple):
+    """The artifact holding <tower>.onnx for inputs of `shape` (cached like the step graphs; keyed by
+    the model, the graph and the shape)."""
+    key = {**cache_key(loaded, 1), "graph": tower, F.SHAPE_KEY[tower]: list(shape)}
     del key["max_seq"]
     return artifact_folder(
-        "onnx", key, lambda folder: export_vision_onnx(loaded, shape, folder),
-        what=f"exporting ONNX (the vision tower, {shape[0]} image(s) of {shape[1]} patches) for {loaded.name}",
+        "onnx", key, lambda folder: export_tower_onnx(loaded, tower, shape, folder),
+        what=f"exporting ONNX (the {tower} tower, {F.shape_words(tower, shape)}) for {loaded.name}",
     )  # fmt: skip
 
 
@@ -165,7 +169,8 @@ class OnnxRuntime(StepGraphRuntime):
 
         self.name = f"onnx (onnxruntime {ort.__version__}, CPU)"
         label, artifact = f"onnx (onnxruntime {ort.__version__})", lambda: exported(loaded, max_seq, kinds)
-        self.vision_artifact = lambda shape: vision_exported(loaded, shape)
+        self.vision_artifact = lambda shape: tower_exported(loaded, "vision", shape)
+        self.audio_artifact = lambda shape: tower_exported(loaded, "audio", shape)
         self.load_graphs(label, ORT_ENGINE, loaded, max_seq, artifact, ".onnx", ORT_SESSION)
 
 

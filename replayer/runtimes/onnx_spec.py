@@ -25,6 +25,6 @@ RUNTIMES = (
         ),
         artifacts="prefill/decode .onnx",
         doc="docs/runtime-onnx.md",
-        capture_map=C.STEP_GRAPH_VISION,
+        capture_map=C.STEP_GRAPH_TOWERS,  # an image (audio) prompt runs vision.onnx (audio.onnx) too
     ),
 )

@@ -7,7 +7,8 @@ runtimes run: K/V caches in and out, every canonical kind an extra output named 
 `L07.<kind>`), taken by torch.export and converted by OpenVINO's PyTorch frontend
 (`openvino.convert_model`), so a replay sees what OpenVINO's kernels computed for each kind. As
 for ONNX, an image prompt runs the vision tower's graph too (vision.xml, converted, compressed and
-folded as the step graphs are) and feeds its soft tokens to the prefill graph.
+folded as the step graphs are) and feeds its soft tokens to the prefill graph; an audio prompt the
+audio tower's (audio.xml, per (clips, mel frames), converted, compressed and folded the same way).
 
     openvino           float32 IR, INFERENCE_PRECISION_HINT f32 (no bf16/f16 down-casting)
     openvino-int8      NNCF `compress_weights` INT8_ASYM: int8 weights, per output channel
@@ -112,13 +113,14 @@ def convert(loaded, max_seq: int, out: Path, kinds=None) -> None:
         ov.save_model(model, str(out / f"{step}.xml"), compress_to_fp16=False)
 
 
-def convert_vision(loaded, shape: tuple[int, int], out: Path) -> None:
-    """Write vision.xml/.bin: the vision tower's port (replayer/functional.py's VisionGraph) for images
-    of `shape` (images, patches), torch.export-ed and converted as the step graphs are."""
+def convert_tower(loaded, tower: str, shape: tuple, out: Path) -> None:
+    """Write <tower>.xml/.bin: the port of the encoder `tower` (replayer/functional.py's VisionGraph for
+    images of `shape` (images, patches), AudioGraph for clips of `shape` (clips, mel frames, bins)),
+    torch.export-ed and converted as the step graphs are."""
     ov = _modules()
     rt = F.FunctionalKV(loaded, 1)  # the tower's port; the text tower's caches are not needed here
-    g = F.VisionGraph(rt).eval()
-    example = F.vision_inputs(rt, shape)
+    g = F.tower_graph(rt, tower)
+    example = F.tower_inputs(rt, tower, shape)
     import torch
 
     try:
@@ -127,39 +129,44 @@ def convert_vision(loaded, shape: tuple[int, int], out: Path) -> None:
             program = torch.export.export(g, example, strict=False)
             model = ov.convert_model(program)
     except Exception as e:  # noqa: BLE001 - the exporter and the frontend fail in many ways; one line
-        raise TraceToolError(f"OpenVINO conversion of the vision tower failed: {_first_line(e)}") from None
+        raise TraceToolError(f"OpenVINO conversion of the {tower} tower failed: {_first_line(e)}") from None
     if len(model.outputs) != len(g.names):
-        raise TraceToolError(f"OpenVINO's vision graph has {len(model.outputs)} outputs; expected {len(g.names)}")
-    for port, name in (*zip(model.inputs, ("pixels", "positions")), *zip(model.outputs, g.names)):
+        raise TraceToolError(f"OpenVINO's {tower} graph has {len(model.outputs)} outputs; expected {len(g.names)}")
+    for port, name in (*zip(model.inputs, F.TOWER_GRAPHS[tower]), *zip(model.outputs, g.names)):
         port.get_tensor().set_names({name})
     model.reshape({port: ov.PartialShape(list(t.shape)) for port, t in zip(model.inputs, example)})
-    ov.save_model(model, str(out / "vision.xml"), compress_to_fp16=False)
+    ov.save_model(model, str(out / f"{tower}.xml"), compress_to_fp16=False)
+
+
+def tower_ir(loaded, tower: str, shape: tuple, mode: str = "openvino"):
+    """The artifact holding <tower>.xml of `mode` for the encoder `tower`'s inputs of `shape`, built as
+    the step graphs' IR is: the float IR converted, a compressed one from it by the same NNCF scheme
+    (the tower's Linear, patch and conv weights), a -dq one folded from that."""
+    key = {**cache_key(loaded, 1, mode), "graph": tower, F.SHAPE_KEY[tower]: list(shape)}
+    del key["max_seq"]
+    base, graphs, needs = mode.removesuffix("-dq"), (tower,), None
+    if mode.endswith("-dq"):
+        what, needs = "dequantizing", lambda: (tower_ir(loaded, tower, shape, base),)
+        build = lambda out, src: dequantize(src.path, out, graphs)  # noqa: E731
+    elif mode != "openvino":
+        what, needs = "compressing", lambda: (tower_ir(loaded, tower, shape, "openvino"),)
+        build = lambda out, src: compress(src.path, out, mode, graphs)  # noqa: E731
+    else:
+        what, build = "converting to OpenVINO IR", lambda out: convert_tower(loaded, tower, shape, out)
+    return artifact_folder(
+        "openvino", key, build, needs=needs,
+        what=f"{what} ({mode}: the {tower} tower, {F.shape_words(tower, shape)}) for {loaded.name}",
+    )  # fmt: skip
 
 
 def vision_ir(loaded, shape: tuple[int, int], mode: str = "openvino"):
-    """The artifact holding vision.xml of `mode` for images of `shape`, built as the step graphs' IR
-    is: the float IR converted, a compressed one from it by the same NNCF scheme (the tower's
-    Linear and patch weights), a -dq one folded from that."""
-    key = {**cache_key(loaded, 1, mode), "graph": "vision", "images": list(shape)}
-    del key["max_seq"]
-    base, graphs, needs = mode.removesuffix("-dq"), ("vision",), None
-    if mode.endswith("-dq"):
-        what, needs = "dequantizing", lambda: (vision_ir(loaded, shape, base),)
-        build = lambda out, src: dequantize(src.path, out, graphs)  # noqa: E731
-    elif mode != "openvino":
-        what, needs = "compressing", lambda: (vision_ir(loaded, shape, "openvino"),)
-        build = lambda out, src: compress(src.path, out, mode, graphs)  # noqa: E731
-    else:
-        what, build = "converting to OpenVINO IR", lambda out: convert_vision(loaded, shape, out)
-    return artifact_folder(
-        "openvino", key, build, needs=needs,
-        what=f"{what} ({mode}: the vision tower, {shape[0]} image(s) of {shape[1]} patches) for {loaded.name}",
-    )  # fmt: skip
+    """The artifact holding vision.xml of `mode` for images of `shape` (tower_ir)."""
+    return tower_ir(loaded, "vision", shape, mode)
 
 
 def compress(src: Path, out: Path, mode: str, graphs=F.STEPS) -> None:
     """NNCF weight compression of the float IR in `src` (MODES[mode]) into `out`: each of `graphs`
-    (the step graphs, or the vision tower's)."""
+    (the step graphs, or an encoder tower's)."""
     ov = _modules()
     try:
         import nncf
@@ -272,7 +279,8 @@ class OpenVINORuntime(StepGraphRuntime):
         what += "; decompressed into float32 weights" if mode.endswith("-dq") else ""
         self.name = f"{mode} (OpenVINO {v}, CPU, f32 inference precision{what})"
         label, artifact = f"{mode} (OpenVINO {v})", lambda: ir(loaded, max_seq, mode, kinds)
-        self.vision_artifact = lambda shape: vision_ir(loaded, shape, mode)
+        self.vision_artifact = lambda shape: tower_ir(loaded, "vision", shape, mode)
+        self.audio_artifact = lambda shape: tower_ir(loaded, "audio", shape, mode)
         self.load_graphs(label, OPENVINO_ENGINE, loaded, max_seq, artifact, ".xml", CONFIG)
 
 

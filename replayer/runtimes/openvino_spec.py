@@ -20,7 +20,7 @@ _OPENVINO = dict(
         "converting the OpenVINO IR",
     ),
     doc="docs/runtime-openvino.md",
-    capture_map=C.STEP_GRAPH_VISION,  # an image prompt runs vision.xml too, compressed as the steps are
+    capture_map=C.STEP_GRAPH_TOWERS,  # vision.xml, audio.xml for an image, audio prompt, compressed as the steps are
 )
 _QUANT = {"openvino-int8": "INT8_ASYM", "openvino-int4": "INT4_SYM in groups of 32"}
 

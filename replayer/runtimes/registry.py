@@ -36,6 +36,7 @@ from .spec import Export, ExportRequest, FileInput, RuntimeSpec
 
 __all__ = ["Export", "ExportRequest", "FileInput", "RuntimeSpec"]  # the types the rows are made of
 DEFAULT = "static"  # --runtime's default
+AUDIO_INPUT = "input_features"  # the extra input of an audio REF (its clips' log-mel features)
 
 
 def _families() -> list:
@@ -187,12 +188,17 @@ def check_capture(choice: RuntimeChoice, kinds) -> None:
 
 
 def check_inputs(choice: RuntimeChoice, *, dtype: str | None = None, extra=None, device: str | None = None) -> None:
-    """Refuse, before the model loads, a REF this runtime cannot replay: an image for a text-only
-    runtime (or one whose image path is not installed), a bfloat16 REF for a float32-only one, a GPU
-    for a CPU-only one."""
+    """Refuse, before the model loads, a REF this runtime cannot replay: audio for one that runs no
+    audio tower (RuntimeSpec.runs_audio), an image for a text-only runtime (or one whose image path
+    is not installed), a bfloat16 REF for a float32-only one, a GPU for a CPU-only one."""
     spec = choice.spec
     if spec is None:
         return
+    if extra and AUDIO_INPUT in extra and not spec.runs_audio:
+        raise TraceToolError(
+            f"--runtime {spec.name} runs no audio tower (it captures {spec.kinds_text()}); replay an audio REF "
+            f"with {', '.join(s.name for s in RUNTIMES if s.runs_audio)}"
+        )
     if spec.text_only and extra:
         why = spec.text_only if isinstance(spec.text_only, str) else "replay a text prompt"
         raise TraceToolError(

@@ -143,6 +143,12 @@ class RuntimeSpec:
         return self.capture_map.not_captured()
 
     @property
+    def runs_audio(self) -> bool:
+        """Runs an audio prompt's audio tower: its capture map declares the audio tower's kinds (an
+        audio REF is refused before the model loads by every other row: registry.check_inputs)."""
+        return "audio" in self.capture_map.towers
+
+    @property
     def tokens_only(self) -> bool:
         """An engine that gives the chosen token alone (text out): no logits, no tensor kinds."""
         return not self.capture_map.rows

@@ -129,7 +129,7 @@ def test_every_row_captures_what_its_map_says_and_the_readme_says_it():
     assert R.BY_NAME["llama.cpp"].kinds_text() == "all but RoPE; the vision and audio towers' too"  # mtmd's
     assert R.BY_NAME["static"].kinds_text() == "all kinds; the vision and audio towers' too"  # its ports
     assert R.BY_NAME["mobius"].kinds_text() == "all but mask and RoPE"
-    assert R.BY_NAME["mlx"].kinds_text() == "all but mask and RoPE; the vision tower's too"  # mlx-vlm's tower
+    assert R.BY_NAME["mlx"].kinds_text() == "all but mask and RoPE; the vision and audio towers' too"  # mlx-vlm's
     assert R.BY_NAME["litert-lm"].kinds_text() == "tokens only"
 
 
