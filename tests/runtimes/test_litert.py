@@ -23,7 +23,7 @@ from gemma4_trace.replayer.runtimes.litert import graph as G  # noqa: E402
 from gemma4_trace.replayer.runtimes.litert.spec import LITERT  # noqa: E402
 from gemma4_trace.traces.errors import TraceToolError  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests.support.cli import invoke, one_line_error  # noqa: E402
+from tests.support.cli import invoke, one_line_error, same_figures  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, lowers or converts programs; make test-fast skips it
 
@@ -678,7 +678,9 @@ def test_the_softcap_repro_script_still_shows_the_missing_cap(tmp_path):
     doc = (root / "docs" / "upstream" / "litert-torch-softcap.md").read_text().splitlines()
     start = doc.index("    $ python docs/upstream/litert_torch_softcap_repro.py") + 1
     shown = [ln.strip() for ln in doc[start : start + 3]]
-    assert p.stdout.splitlines() == shown, (p.stdout, shown)
+    # the capped logits' distance is float32 rounding (2.4e-06 on the doc's CPU, 3.3e-06 on another)
+    real = p.stdout.splitlines()
+    assert len(real) == 3 and all(same_figures(a, b, rounding=1e-4) for a, b in zip(real, shown)), (real, shown)
 
 
 def test_a_quantized_export_says_the_time_of_each_of_its_two_builds(tmp_path):

@@ -27,7 +27,7 @@ from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer.runtimes.litert import export as E  # noqa: E402
 from gemma4_trace.replayer.runtimes.litert.spec import LITERT  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
-from tests.support.cli import invoke, one_line_error  # noqa: E402
+from tests.support.cli import invoke, one_line_error, same_figures  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports and converts programs; make test-fast skips it
 
@@ -112,17 +112,6 @@ def test_the_padding_repro_script_still_shows_the_bug():
     # rounding figure (under 1e-6) differs from one CPU to another: it is checked as that
     for real, shown in zip(p.stdout.splitlines()[-3:], [ln.strip() for ln in doc[start : start + 3]], strict=True):
         assert same_figures(real, shown), (real, shown)
-
-
-def same_figures(real: str, shown: str) -> bool:
-    """The same words; numbers within 10%, or both under 1e-6 (float32 rounding)."""
-    import re
-
-    num = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
-    if num.sub("#", real) != num.sub("#", shown):
-        return False
-    pairs = zip(map(float, num.findall(real)), map(float, num.findall(shown)))
-    return all(abs(a - b) <= 0.1 * abs(b) or max(a, b) < 1e-6 for a, b in pairs)
 
 
 def test_the_adapter_repro_script_still_shows_the_patch_width():

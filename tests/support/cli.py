@@ -115,3 +115,13 @@ def float_differences(a, b) -> tuple[float, int]:
         rel = np.linalg.norm(x - y, axis=1) / np.maximum(np.linalg.norm(x, axis=1), 1e-30)
         worst, differ = max(worst, rel.max()), differ + bool(rel.max() > 0)
     return worst, differ
+
+
+def same_figures(real: str, shown: str, rounding: float = 1e-6) -> bool:
+    """A printed line against the one a doc shows: the same words, numbers within 10%, or both under
+    `rounding` (float32 rounding differs from one CPU to another)."""
+    num = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+    if num.sub("#", real) != num.sub("#", shown):
+        return False
+    pairs = zip(map(float, num.findall(real)), map(float, num.findall(shown)))
+    return all(abs(a - b) <= 0.1 * abs(b) or max(a, b) < rounding for a, b in pairs)
