@@ -175,6 +175,8 @@ class OnnxRuntime(StepGraphRuntime):
 
 
 def create(loaded, max_seq: int, choice=None):
+    if choice is not None and choice.file("onnx_map") is not None:  # onnx_user.py runs a map, with --onnx
+        raise TraceToolError("--onnx-map names the tensors of your own graph: it goes with --onnx PATH")
     return OnnxRuntime(loaded, max_seq, None if choice is None else choice.capture)
 
 
