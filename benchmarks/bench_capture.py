@@ -43,7 +43,7 @@ except ModuleNotFoundError:  # imported as benchmarks.NAME
     from benchmarks import repo_root
 
 from benchmarks.bench_llamacpp_e2b import cli  # a trace command in a fresh process
-from benchmarks.e2b_shaped import bench_setup, build, token_ids
+from benchmarks.e2b_shaped import E2B_TEXT, bench_setup, build, token_ids
 
 ROOT = repo_root.ROOT
 
@@ -60,7 +60,9 @@ def every_runtime() -> str:
     """The default --runtimes: every built-in runtime (llama.cpp as F32 and Q4_K_M), then NARROW."""
     from gemma4_trace.replayer.runtimes.registry import RUNTIMES
 
-    names = [f"{s.name}:{t}" if t else s.name for s in RUNTIMES for t in (GGUF if s.types else (None,))]
+    # (not the rows that cannot run E2B's decoder, RuntimeSpec.decoders: it has KV sharing and PLE)
+    rows = [s for s in RUNTIMES if not (s.decoders and s.decoders.lacks(dict(E2B_TEXT)))]
+    names = [f"{s.name}:{t}" if t else s.name for s in rows for t in (GGUF if s.types else (None,))]
     return ",".join(names) + "," + NARROW
 
 

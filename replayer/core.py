@@ -66,9 +66,14 @@ class Reference:
     def dtype(self) -> str:
         return str(self.provenance.get("dtype", "float32"))
 
+    @property
+    def model_config(self) -> dict:
+        """The config of the model the provenance names, as a dict (no model load)."""
+        return json.loads(self.provenance["model_config"])
+
     def layer_types(self) -> list:
         """The layer types of the model the provenance names (no model load)."""
-        cfg = json.loads(self.provenance["model_config"])
+        cfg = self.model_config
         return list(cfg.get("text_config", cfg)["layer_types"])
 
 

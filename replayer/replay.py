@@ -159,7 +159,7 @@ def _check(reference, output, opts: ReplayOptions):
         header = read_file_header(user_file, opts.files[user_file.dest])  # malformed: refused before the model loads
     companions = [(fi, read_file_header(fi, opts.files[fi.dest])) for fi in companion_files(choice, opts.files)]
     ref = read_reference(reference)
-    check_inputs(choice, dtype=ref.dtype, extra=ref.extra, device=opts.device)
+    check_inputs(choice, dtype=ref.dtype, extra=ref.extra, device=opts.device, config=ref.model_config)
     choice = _audio_features(choice, opts, ref.extra)
     if user_file is not None and user_file.float32_only and ref.dtype != "float32":
         raise TraceToolError(

@@ -138,8 +138,8 @@ class CaptureMap:
 
     def text(self) -> str:
         """What it captures, for people (the README's "kinds captured"): "all kinds", "tokens only",
-        "all but mask and RoPE"; "; the vision tower's too" (or "the vision and audio towers' too") where it captures
-        an encoder tower's."""
+        "logits only", "all but mask and RoPE"; "; the vision tower's too" (or "the vision and audio
+        towers' too") where it captures an encoder tower's."""
         missing, towers = self.not_captured(), self.towers
         more = f"; the {' and '.join(towers)} tower{'s' if len(towers) > 1 else ''}'s too" if towers else ""
         more = more.replace("towers's", "towers'")
@@ -147,6 +147,8 @@ class CaptureMap:
             return "all kinds" + more
         if set(missing) >= set(S.KIND_NAMES) - {S.KIND_TOKEN}:
             return "tokens only" + more
+        if set(missing) >= set(S.KIND_NAMES) - {S.KIND_TOKEN, "logits"}:
+            return "logits only" + more
         return "all but " + " and ".join(_kind_words(missing)) + more
 
     def check(self, kinds, who: str) -> None:

@@ -32,9 +32,9 @@ from pathlib import Path
 
 from gemma4_trace.traces.errors import TraceToolError, install_hint
 
-from .spec import Export, ExportRequest, FileInput, RuntimeSpec
+from .spec import Decoders, Export, ExportRequest, FileInput, RuntimeSpec
 
-__all__ = ["Export", "ExportRequest", "FileInput", "RuntimeSpec"]  # the types the rows are made of
+__all__ = ["Decoders", "Export", "ExportRequest", "FileInput", "RuntimeSpec"]  # the types the rows are made of
 DEFAULT = "static"  # --runtime's default
 AUDIO_INPUT = "input_features"  # the extra input of an audio REF (its clips' log-mel features)
 
@@ -187,10 +187,13 @@ def check_capture(choice: RuntimeChoice, kinds) -> None:
         choice.spec.capture_map.check(kinds, f"runtime {choice.spec.name}")
 
 
-def check_inputs(choice: RuntimeChoice, *, dtype: str | None = None, extra=None, device: str | None = None) -> None:
+def check_inputs(
+    choice: RuntimeChoice, *, dtype: str | None = None, extra=None, device: str | None = None, config=None
+) -> None:
     """Refuse, before the model loads, a REF this runtime cannot replay: audio for one that runs no
     audio tower (RuntimeSpec.runs_audio), an image for a text-only runtime (or one whose image path
-    is not installed), a bfloat16 REF for a float32-only one, a GPU for a CPU-only one."""
+    is not installed), a bfloat16 REF for a float32-only one, a GPU for a CPU-only one, a model
+    (`config`: REF's model config, a dict) whose decoder it cannot run (RuntimeSpec.decoders)."""
     spec = choice.spec
     if spec is None:
         return
@@ -214,6 +217,17 @@ def check_inputs(choice: RuntimeChoice, *, dtype: str | None = None, extra=None,
         raise TraceToolError(f"--runtime {spec.name} runs in float32; REF was recorded in {dtype}")
     if spec.cpu_only and device not in (None, "cpu"):
         raise TraceToolError(f"--runtime {spec.name} runs on the CPU; drop --device")
+    check_decoder(spec, config)
+
+
+def check_decoder(spec: RuntimeSpec, config) -> None:
+    """Refuse a model config (a dict; None: not known yet) whose text decoder the row's `decoders`
+    facet does not run, in one line naming what the checkpoint has."""
+    lacks = spec.decoders.lacks(config) if spec.decoders is not None and isinstance(config, dict) else []
+    if lacks:
+        raise TraceToolError(
+            f"--runtime {spec.name} runs {spec.decoders.what} only: this checkpoint has {' and '.join(lacks)}"
+        )
 
 
 def _check_plugin_module(text: str) -> None:

@@ -11,6 +11,8 @@ command line, the replay driver and the docs do with it is written once:
   before the model loads, and how the file reaches the engine;
 - `Baseline`: the run whose trace is its natural `--baseline` (a runtime, or the static runtime
   on the weights of RUN's own file);
+- `Decoders`: the Gemma 4 text decoders it runs, where it cannot run every one (a dense decoder
+  only: no KV sharing, per-layer inputs or MoE): a REF of another is refused before the model loads;
 - tokens-only (a capture map without rows) and `recipe` (a quantized runtime a precision recipe
   can vary).
 
@@ -103,6 +105,38 @@ class Baseline:
 
 
 @dataclass(frozen=True)
+class Decoders:
+    """The Gemma 4 text decoders a runtime runs, where it cannot run every one: a REF whose model
+    config has a feature it lacks is refused before the model loads (registry.check_inputs), in one
+    line: "--runtime NAME runs `what` only: this checkpoint has ..."."""
+
+    what: str  # "dense Gemma 4 text decoders"
+    kv_sharing: bool = False  # layers that reuse another layer's K/V (num_kv_shared_layers > 0)
+    per_layer_inputs: bool = False  # per-layer embeddings, PLE (hidden_size_per_layer_input > 0)
+    moe: bool = False  # mixture-of-experts blocks (enable_moe_block)
+
+    def lacks(self, config: dict) -> list[str]:
+        """What a model config (config.json's dict, or its text_config) has that this runtime cannot
+        run, in words ([] when it runs it)."""
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        shared, ple = _count(text.get("num_kv_shared_layers")), _count(text.get("hidden_size_per_layer_input"))
+        out = []
+        if not self.kv_sharing and shared:
+            out.append(f"KV sharing (num_kv_shared_layers {shared})")
+        if not self.per_layer_inputs and ple:
+            out.append(f"per-layer inputs (PLE: hidden_size_per_layer_input {ple})")
+        if not self.moe and text.get("enable_moe_block") is True:
+            out.append(f"MoE blocks (enable_moe_block, {_count(text.get('num_experts'))} experts)")
+        return out
+
+
+def _count(value) -> int:
+    """A config's count as read from an untrusted REF: an int above 0, else 0 (another type is the
+    model loader's to refuse)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+@dataclass(frozen=True)
 class RuntimeSpec:
     """What one built-in runtime is, needs and can do."""
 
@@ -134,6 +168,7 @@ class RuntimeSpec:
     recipe: str | None = None
     baseline: Baseline | None = None  # the run whose trace is its natural --baseline
     third_party: bool = True  # False: the project's own runtime (static and its quantized variants)
+    decoders: Decoders | None = None  # the text decoders it runs, where not every Gemma 4 one (None: every one)
     # what its adapter reads from its engine, as which kinds (captures.py): what it captures is derived from it
     capture_map: C.CaptureMap = field(kw_only=True)
 

@@ -65,8 +65,20 @@ def text(tmp_path_factory):
     return ref, ("--max-seq", "16", *LITERT_CHUNK)  # the litert rows' export: LiteRT-LM runs its .litertlm
 
 
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """A REF of a dense model (tests/support/dense_model.py), for the rows that run dense decoders only
+    (RuntimeSpec.decoders refuses the embedded model, which has KV sharing and per-layer inputs)."""
+    from tests.support.dense_model import dense_ref
+
+    model, ref = dense_ref(tmp_path_factory.mktemp("conformance"), "2,17,33", new_tokens=2)
+    return ref, ("--model", model)
+
+
 def _case(name: str, request) -> tuple:
     """The REF a row replays and its options (those that share the runtime's tests' artifacts)."""
+    if R.BY_NAME[name].decoders is not None:
+        return request.getfixturevalue("dense")
     if name.startswith("executorch"):
         return request.getfixturevalue("tiny")
     if name == "litert-lm":
