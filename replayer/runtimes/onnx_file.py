@@ -55,6 +55,9 @@ class UserGraph:
     def shown(self) -> str:
         return one_line(self.path.name, 100) + ("/" if self.steps else "")
 
+    def fail(self, why: str):
+        fail(self.path, why)
+
     def mobius_like(self) -> bool:
         """The graph's node names are mobius-onnx's (onnx_map.MOBIUS_NODES): its built-in map fits."""
         model = self.models.get("model")

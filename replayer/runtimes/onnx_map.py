@@ -20,12 +20,12 @@ A map is TOML (docs/runtime-onnx.md, "Your own file"):
     q = { node = "model/layers.{layer}/self_attn/*", op = "Attention", input = 0 }
 
 A node is found by its name (`*` any run of characters; `{layer}` the layer, `{layer:02}` it
-zero-padded), narrowed by `op` (its op type) and `fed_by` (one of its inputs made by a node of that
-name); `pick` says which of several: "only" (the default: more than one is refused), "first" or
-"last" in graph order. Kinds the map does not name are not captured. Two built-in maps: `export`
-(the tool's own step graphs, `trace export-onnx`) and `mobius` (mobius-onnx's Gemma 4, its node
-names); the maps are untrusted input, read bounded (traces/inputs.py) and checked here before any
-model loads.
+zero-padded), narrowed by `op` (its op type), `fed_by` (one of its inputs made by a node of that
+name) and `after` (a node of that name upstream of it, any number of steps); `pick` says which of
+several: "only" (the default: more than one is refused), "first" or "last" in graph order. Kinds the
+map does not name are not captured. Two built-in maps: `export` (the tool's own step graphs, `trace
+export-onnx`) and `mobius` (mobius-onnx's Gemma 4, its node names); the maps are untrusted input,
+read bounded (traces/inputs.py) and checked here before any model loads.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ INPUTS = {
     "past_value": "past_key_values.{cache}.value",
 }
 OUTPUTS = {"logits": "logits", "present_key": "present.{cache}.key", "present_value": "present.{cache}.value"}
-ENTRY_KEYS = {"value", "node", "op", "input", "output", "pick", "fed_by"}
+ENTRY_KEYS = {"value", "node", "op", "input", "output", "pick", "fed_by", "after"}
 PICKS = ("only", "first", "last")
 PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 
@@ -112,6 +112,7 @@ class Entry:
     port: tuple[str, int] | None = None  # ("input" | "output", index)
     pick: str = "only"
     fed_by: str | None = None
+    after: str | None = None  # a node of this name upstream of it (any number of steps)
 
     def text(self) -> str:
         if self.value is not None:
@@ -129,6 +130,7 @@ class NameMap:
     entries: tuple[Entry, ...]
     inputs: dict = field(default_factory=lambda: dict(INPUTS))
     outputs: dict = field(default_factory=lambda: dict(OUTPUTS))
+    option: str = OPTION  # the option that gave it (in refusals): --onnx-map, --ir-map
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -136,27 +138,31 @@ class NameMap:
 
 
 def _fail(where: str, why: str):
-    raise TraceToolError(f"{OPTION} {where}: {why}")
+    raise TraceToolError(f"{where}: {why}")
 
 
-def read_map(path) -> NameMap:
-    """`--onnx-map FILE` (or a built-in's name: export, mobius) read within bounds and checked."""
+def read_map(path, option: str = OPTION, maps: dict | None = None) -> NameMap:
+    """`--onnx-map FILE` (or a built-in's name: export, mobius) read within bounds and checked; `option`
+    and `maps` (its built-in maps, default BUILT_IN): another format's map option (`--ir-map`)."""
+    maps = BUILT_IN if maps is None else maps
     text = str(path)
-    if text in BUILT_IN and not Path(text).exists():
-        return built_in(text)
+    if text in maps and not Path(text).exists():
+        return built_in(text, option, maps)
     where = one_line(Path(text).name, 100)
-    data = read_toml(path, OPTION, MAX_MAP)  # a FIFO, device, folder or huge file: one line
+    data = read_toml(path, option, MAX_MAP)  # a FIFO, device, folder or huge file: one line
     digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()  # its content
-    return parse(data, f"{where} sha256:{digest[:16]}", digest, where)
+    return parse(data, f"{where} sha256:{digest[:16]}", digest, where, option)
 
 
-def built_in(name: str) -> NameMap:
-    data = tomllib.loads(BUILT_IN[name])
-    return parse(data, f"built-in {name}", hashlib.sha256(BUILT_IN[name].encode()).hexdigest(), f"built-in {name}")
+def built_in(name: str, option: str = OPTION, maps: dict | None = None) -> NameMap:
+    text = (BUILT_IN if maps is None else maps)[name]
+    data = tomllib.loads(text)
+    return parse(data, f"built-in {name}", hashlib.sha256(text.encode()).hexdigest(), f"built-in {name}", option)
 
 
-def parse(data: dict, name: str, digest: str, where: str) -> NameMap:
+def parse(data: dict, name: str, digest: str, where: str, option: str = OPTION) -> NameMap:
     """A map's parsed TOML checked: known keys of the right types, known kinds, placeholders that exist."""
+    where = f"{option} {where}"
     unknown = sorted(set(data) - {"format", "layout", "inputs", "outputs", "kinds"})
     if unknown:
         _fail(where, f"unknown key {one_line(unknown[0], 60)!r} (format, layout, inputs, outputs, kinds)")
@@ -181,7 +187,7 @@ def parse(data: dict, name: str, digest: str, where: str) -> NameMap:
     if not isinstance(kinds, dict) or not kinds:
         _fail(where, "[kinds] is missing or empty: name at least one kind")
     entries = tuple(_entry(where, kind, e) for kind, e in kinds.items())
-    return NameMap(name, digest, layout, entries, tables["inputs"], tables["outputs"])
+    return NameMap(name, digest, layout, entries, tables["inputs"], tables["outputs"], option)
 
 
 def _pattern(where: str, what: str, value, placeholder: str | None) -> str:
@@ -230,7 +236,10 @@ def _entry(where: str, kind: str, e) -> Entry:
     if fed_by is not None:
         _pattern(where, f"{what} fed_by", fed_by, layer)
     node = _need_layer(where, what, _pattern(where, what, e["node"], layer), layer)
-    return Entry(kind, node=node, op=op, port=(ports[0], index), pick=pick, fed_by=fed_by)
+    after = e.get("after")
+    if after is not None:
+        _pattern(where, f"{what} after", after, layer)
+    return Entry(kind, node=node, op=op, port=(ports[0], index), pick=pick, fed_by=fed_by, after=after)
 
 
 def _need_layer(where: str, what: str, value: str, layer) -> str:

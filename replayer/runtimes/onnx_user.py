@@ -75,13 +75,18 @@ class Index:
             else None
         )
 
+        up = M.matcher(M.fill(entry.after, layer=layer)) if entry.after else None
+
         def feeds(n) -> bool:
             return any(i in self.producer and fed.fullmatch(self.producer[i].name) for i in n.input)
 
         found = [
             n
             for n in self.nodes
-            if rx.fullmatch(n.name) and entry.op in (None, n.op_type) and (fed is None or feeds(n))
+            if rx.fullmatch(n.name)
+            and entry.op in (None, n.op_type)
+            and (fed is None or feeds(n))
+            and (up is None or self.after(n, up))
         ]
         if not found:
             return None
@@ -99,6 +104,19 @@ class Index:
             )
         return names[i]
 
+    def after(self, node, rx) -> bool:
+        """Whether a node named as `rx` matches is upstream of `node` (any number of steps)."""
+        seen, todo = set(), list(node.input)
+        while todo:
+            n = self.producer.get(todo.pop())
+            if n is None or id(n) in seen:
+                continue
+            if rx.fullmatch(n.name):
+                return True
+            seen.add(id(n))
+            todo.extend(n.input)
+        return False
+
 
 def _at(layer) -> str:
     return "" if layer is None else f" layer {layer}"
@@ -114,7 +132,7 @@ def site_layers(kind: str, infos) -> list:
 def resolve(index: Index, nmap: M.NameMap, infos, file: str) -> tuple[dict, bool]:
     """({(kind, layer): value name} of every site the map names, whether a per-layer pattern also
     matches past REF's last layer); one line for a name the graph lacks or two sites on one tensor."""
-    where = f"{M.OPTION} {nmap.name}"
+    where = f"{nmap.option} {nmap.name}"
     sites, more = {}, False
     for entry in nmap.entries:
         for layer in site_layers(entry.kind, infos):
@@ -139,12 +157,12 @@ def _filled(entry: M.Entry, layer) -> str:
     e = entry
     if layer is not None:
         fill = {"value": e.value and M.fill(e.value, layer=layer), "node": e.node and M.fill(e.node, layer=layer)}
-        e = M.Entry(e.kind, fill["value"], fill["node"], e.op, e.port, e.pick, e.fed_by)
+        e = M.Entry(e.kind, fill["value"], fill["node"], e.op, e.port, e.pick, e.fed_by, e.after)
     return e.text()
 
 
 # ------------------------------------------------------------------ the layouts against REF
-def kv_layout(index: Index, nmap: M.NameMap, user: U.UserGraph) -> list[tuple]:
+def kv_layout(index: Index, nmap: M.NameMap, user) -> list[tuple]:
     """The KV-cache layout's caches [(past key, past value, present key, present value, shape)], the
     graph's inputs and outputs checked against the map's names."""
     name = user.file_name("model")
@@ -158,20 +176,20 @@ def kv_layout(index: Index, nmap: M.NameMap, user: U.UserGraph) -> list[tuple]:
     fed = {ins["input_ids"], ins["attention_mask"], ins["position_ids"], *(c[k] for c in caches for k in (0, 1))}
     for want in (ins["input_ids"], ins["attention_mask"], ins["position_ids"]):
         if want not in index.inputs:
-            U.fail(user.path, f"{name} takes no input {one_line(want, 80)!r} (the {M.KV} layout; a map's [inputs] "
+            user.fail(f"{name} takes no input {one_line(want, 80)!r} (the {M.KV} layout; a map's [inputs] "
                    "names what it feeds)")  # fmt: skip
     other = [i for i in index.inputs if i not in fed]
     if other:
-        U.fail(user.path, f"{name} takes input {one_line(other[0], 80)!r}, which the {M.KV} layout does not feed "
+        user.fail(f"{name} takes input {one_line(other[0], 80)!r}, which the {M.KV} layout does not feed "
                f"({len(caches)} caches found as {one_line(ins['past_key'], 60)!r})")  # fmt: skip
     for want in (outs["logits"], *(c[k] for c in caches for k in (2, 3))):
         if want not in index.outputs:
-            U.fail(user.path, f"{name} has no output {one_line(want, 80)!r} (the {M.KV} layout)")
+            user.fail(f"{name} has no output {one_line(want, 80)!r} (the {M.KV} layout)")
     for pk, pv, _, _, shape in caches:
         vshape = index.shapes.get(pv)
         for n, s in ((pk, shape), (pv, vshape)):
             if s is None or len(s) != 4 or s[1] is None or s[3] is None:
-                U.fail(user.path, f"{name}'s input {one_line(n, 80)!r} is {s}, not (batch, kv_heads, past, head_dim) "
+                user.fail(f"{name}'s input {one_line(n, 80)!r} is {s}, not (batch, kv_heads, past, head_dim) "
                        "with static heads and head_dim")  # fmt: skip
     return caches
 
@@ -228,10 +246,9 @@ def differences(user: U.UserGraph, nmap: M.NameMap, loaded, max_seq: int, sites:
     return [f"{what} {mine} (REF {ref})" for what, mine, ref in pairs if mine is not None and mine != ref]
 
 
-def check_config(user: U.UserGraph, diffs: list[str], allow: bool) -> None:
+def check_config(user, diffs: list[str], allow: bool) -> None:
     if diffs and not allow:
-        U.fail(
-            user.path,
+        user.fail(
             f"does not match REF's model config: {diffs[0]}"
             + (f" and {len(diffs) - 1} more" if len(diffs) > 1 else "")
             + " (--allow-config-mismatch replays it anyway)",
@@ -344,12 +361,12 @@ def copied(user: U.UserGraph, nmap: M.NameMap, sites: dict, rename: dict):
 
 
 # ------------------------------------------------------------------ the runtimes
-def describe(label: str, user: U.UserGraph, nmap: M.NameMap, sites: dict, diffs: list[str]) -> str:
+def describe(label: str, user, nmap: M.NameMap, sites: dict, diffs: list[str], name: str = NAME) -> str:
     kinds = list(dict.fromkeys(k for s in sites.values() for k, _ in s))
     absent = [k for k in M.KINDS if k not in nmap.kinds]
     more = "".join(f"; config differs from REF: {d}" for d in diffs)
     return (
-        f"{NAME} {user.shown()} ({label}, CPU; map {nmap.name}: "
+        f"{name} {user.shown()} ({label}, CPU; map {nmap.name}: "
         f"{'every kind' if not absent and len(kinds) == len(M.KINDS) else ', '.join(kinds) or 'no kinds'}"
         f"{'; not mapped: ' + ', '.join(absent) if absent else ''}; files: {user.files_text()}{more})"
     )

@@ -285,6 +285,8 @@ class OpenVINORuntime(StepGraphRuntime):
 
 
 def create(loaded, max_seq: int, choice):
+    if choice.file("ir_map") is not None:  # openvino_user.py runs a map, with --ir
+        raise TraceToolError("--ir-map names the tensors of your own IR: it goes with --ir PATH")
     return OpenVINORuntime(loaded, max_seq, choice.name, choice.capture)
 
 
