@@ -403,18 +403,29 @@ def help_text() -> str:
 def markdown_table() -> str:
     """The README's table of built-in runtimes (tests/test_registry.py keeps the README equal to it)."""
     lines = [
-        "| `--runtime` | what runs | precision | kinds captured | `--isolate` | extra; built artifacts (cached) |",
-        "|---|---|---|---|---|---|",
+        "| `--runtime` | what runs | precision | kinds captured | `--isolate` | your own file | "
+        "extra; built artifacts (cached) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in RUNTIMES:
         name = f"`{s.name}[:TYPE]`" if s.types else f"`{s.name}`"
         what = s.what + (f", {s.doc}" if s.doc else "")
         extra = "none" if s.extra is None else f"`{s.extra}`" + (f"; {s.artifacts}" if s.artifacts else "")
         lines.append(
-            f"| {name} | {what} | {s.precision} | {s.kinds_text()} | {'yes' if s.isolation else 'no'} | {extra} |"
+            f"| {name} | {what} | {s.precision} | {s.kinds_text()} | {'yes' if s.isolation else 'no'} | "
+            f"{own_files(s.name)} | {extra} |"
         )
     lines.append(
         f"| `{PLUGIN}` | your runtime (plug-in), docs/runtime-api.md | yours | what it reports | "
-        "when it continues with the tensors the probe returns | yours |"
+        "when it continues with the tensors the probe returns | yours | yours |"
     )
     return "\n".join(lines)
+
+
+def own_files(runtime: str) -> str:
+    """The README's "your own file" cell: the file options (FileInput) a row runs instead of the tool's
+    own conversion, and the companions that go with them; "no" where it has none."""
+    mine = [f for f in FILES if f.runtime == runtime]
+    main = [f"`{f.option}` ({f.what})" for f in mine if not f.companion]
+    more = [f"`{f.option}`" for f in mine if f.companion]
+    return "; ".join(main) + (f"; with {', '.join(more)}" if more else "") if main else "no"
