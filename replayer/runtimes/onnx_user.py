@@ -339,19 +339,19 @@ def _build(folder: Path, user: U.UserGraph, sites: dict, rename: dict) -> None:
             U.fail(user.path, f"its external data {one_line(name, 80)} changed since it was read")
 
 
+def copy_key(user, nmap: M.NameMap, sites: dict, rename: dict, form: int, **versions) -> dict:
+    """What the copy of a user's graph depends on (the ONNX and the IR copies alike): its files' sha256,
+    the map, the sites it found, the layout's renames, the copy's format and the engine's versions."""
+    cells = {g: sorted([k, -1 if layer is None else layer, n] for (k, layer), n in s.items()) for g, s in sites.items()}
+    return {"format": form, "files": dict(user.files), "map": nmap.digest, "sites": cells, "rename": rename, **versions}
+
+
 def copied(user: U.UserGraph, nmap: M.NameMap, sites: dict, rename: dict):
     """The artifact holding the copy that runs (keyed by the files' sha256, the map and the sites)."""
     from importlib.metadata import version
 
-    key = {
-        "format": FORMAT,
-        "files": dict(user.files),
-        "map": nmap.digest,
-        "sites": {g: sorted([k, -1 if l is None else l, n] for (k, l), n in s.items()) for g, s in sites.items()},
-        "rename": rename,
-        "onnx": version("onnx"),
-        "code": code_digest("runtimes/onnx_user.py", "runtimes/onnx_file.py", "runtimes/onnx_map.py"),
-    }
+    key = copy_key(user, nmap, sites, rename, FORMAT, onnx=version("onnx"))
+    key["code"] = code_digest("runtimes/onnx_user.py", "runtimes/onnx_file.py", "runtimes/onnx_map.py")
     return artifact_folder(
         "onnx-file",
         key,

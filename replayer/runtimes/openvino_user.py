@@ -240,15 +240,8 @@ def copied(user: U.UserIR, nmap: M.NameMap, indexes: dict, sites: dict, rename: 
     """The artifact holding the copy that runs (keyed by the files' sha256, the map and the sites)."""
     from importlib.metadata import version
 
-    key = {
-        "format": FORMAT,
-        "files": dict(user.files),
-        "map": nmap.digest,
-        "sites": {g: sorted([k, -1 if l is None else l, n] for (k, l), n in s.items()) for g, s in sites.items()},
-        "rename": rename,
-        "openvino": version("openvino"),
-        "code": code_digest("runtimes/openvino_user.py", "runtimes/openvino_file.py", "runtimes/onnx_map.py"),
-    }
+    key = OU.copy_key(user, nmap, sites, rename, FORMAT, openvino=version("openvino"))
+    key["code"] = code_digest("runtimes/openvino_user.py", "runtimes/openvino_file.py", "runtimes/onnx_map.py")
     return artifact_folder(
         "ir-file",
         key,
