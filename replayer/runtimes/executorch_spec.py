@@ -1,10 +1,11 @@
 """`--runtime executorch*`: the static runtime's step graphs lowered to ExecuTorch's XNNPACK
-backend, float32 or PT2E int8 (replayer/runtimes/executorch.py)."""
+backend, float32 or PT2E int8 (replayer/runtimes/executorch.py); `--pte PATH`: the user's own programs in
+the tool's layout, run by the same engine (executorch_user.py, executorch_file.py)."""
 
 from __future__ import annotations
 
 from . import captures as C
-from .spec import Baseline, Export, RuntimeSpec
+from .spec import Baseline, Export, FileInput, RuntimeSpec
 
 ORDER = 40
 RT = "gemma4_trace.replayer.runtimes.executorch"
@@ -53,5 +54,22 @@ RUNTIMES = (
         "quantized (simulated)",
         artifacts="converted .pt2 programs",
         **_EXECUTORCH,
+    ),
+)
+
+FILES = (
+    FileInput(
+        "--pte",
+        "executorch",
+        "ExecuTorch programs",
+        "run your ExecuTorch programs (--runtime executorch): a folder of prefill.pte and decode.pte in the "
+        "tool's layout (trace export-pte); a .pte keeps no output names, so one of another layout is refused "
+        "(docs/runtime-executorch.md; extra [executorch])",
+        f"{RT}_file:read_pte",
+        f"{RT}_user:run_file",
+        extra="executorch",
+        needs=("executorch",),
+        weightless=False,  # the host prepares the prefill inputs (and towers) from REF's weights
+        float32_only=True,
     ),
 )
