@@ -359,6 +359,55 @@ def quiet():
 PT2_OUTPUTS = "gemma4_trace_outputs.json"  # the .pt2's extra file: its outputs' names (diff/node_data.py reads it)
 
 
+def _namespace(name: str) -> tuple[str, str]:
+    """An output's (module path, namespace) for Model Explorer: a layer's sites in "layer_<i>" (a
+    tower's in "vision_layer_<i>"), a site of no layer in its own ("embeddings"), logits in "logits"."""
+    if name == "logits":
+        return ("", "logits")
+    if name.endswith("_cache"):  # L00.k_cache
+        return (f"layers.{int(name[1 : name.index('.')])}", "layer")
+    key, layer = output_site(name)
+    tower, _, kind = key.rpartition(".")
+    prefix = f"{tower}_" if tower else ""
+    return (f"layers.{layer}", f"{prefix}layer") if layer is not None else ("", prefix + kind)
+
+
+def _place(nodes: list, output: str) -> None:
+    path, space = _namespace(output)
+    for n in nodes:
+        n.meta["nn_module_stack"] = {space + path: (path, space)}
+
+
+def named_program(program: torch.export.ExportedProgram, outputs: list[str]) -> torch.export.ExportedProgram:
+    """`program` with each output's node named after it ("L02.attn_out" -> node `L02_attn_out`, a
+    cache's `L00_k_cache`, `logits`) and every node placed in the namespace of the next output it
+    leads to (`layer_2`, `embeddings`, `logits`: nn_module_stack, which Model Explorer draws as
+    groups), instead of torch.export's op-numbered names in one flat graph. Names and metadata only:
+    the program computes what it did."""
+    graph, specs = program.graph, program.graph_signature.output_specs
+    named: dict = {}
+    for name, node in zip(outputs, graph.output_node().args[0]):
+        if isinstance(node, torch.fx.Node) and node.op == "call_function" and node not in named:
+            named[node] = name
+    for node, name in named.items():
+        old = node.name
+        node._rename(name.replace(".", "_"))  # unique within the graph (FX's own namespace)
+        for spec in specs:
+            if getattr(spec.arg, "name", None) == old:
+                spec.arg.name = node.name
+    pending: list = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        pending.append(node)
+        if node in named:
+            _place(pending, named[node])
+            pending = []
+    _place(pending, "logits")
+    program.graph_module.recompile()
+    return program
+
+
 def export_pt2_command(model_dir, max_seq: int, out_dir, force: bool = False) -> str:
     """`trace export-pt2`: the static runtime's prefill and decode steps as torch.export programs
     (prefill.pt2, decode.pt2; what Model Explorer opens and `trace diff --node-data --graph`
@@ -381,7 +430,7 @@ def export_pt2_command(model_dir, max_seq: int, out_dir, force: bool = False) ->
             outputs = ["logits", *cache_names(rt), *output_names(rt, step)]
             with quiet():
                 torch.export.save(
-                    export_step(rt, step),
+                    named_program(export_step(rt, step), outputs),
                     str(Path(tmp) / f"{step}.pt2"),
                     extra_files={PT2_OUTPUTS: json.dumps(outputs)},
                 )

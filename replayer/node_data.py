@@ -14,7 +14,8 @@ value. The graph names the nodes:
               them to a node's output `tensor_name`); the kinds are found by the rules of
               replayer/runtimes/litert/graph.py, K and V on the cache outputs
     .pt2      the static runtime's step graph as torch.export saved it (`trace export-pt2`):
-              graph "graph", keys are the FX node names of the program's outputs
+              graph "graph", keys are the node names of the program's outputs, which export-pt2
+              names after their sites (`L02_attn_out`; replayer/functional.py named_program)
 """
 
 from __future__ import annotations

@@ -296,3 +296,34 @@ def test_a_graph_too_short_for_the_traces_is_refused_and_the_overlay_says_the_gr
         "--max-seq 15",
         out=tmp_path / "nd2.json",
     )
+
+
+def test_the_overlay_names_each_node_after_its_site_inside_its_layers_group(program, tmp_path):
+    """`trace export-pt2` names each output's node after its site (`L02_attn_out`, not torch.export's
+    `select_5`) and puts every node in its layer's group (nn_module_stack: Model Explorer's namespace
+    `layer_2`), so the overlay's keys say where they are; the program computes what the unnamed
+    export computes, bit for bit."""
+    import torch
+
+    from gemma4_trace.hf.model import load_model
+    from gemma4_trace.replayer import functional as F
+
+    nd = tmp_path / "nd.json"
+    assert diff(program, nd).exit_code == 0
+    keys = set(json.loads(nd.read_text())["graph"]["results"])
+    assert {"logits", "embeddings", "L00_q", "L02_attn_out", "L07_layer_out"} <= keys, sorted(keys)
+    rt = F.FunctionalKV(load_model(None), 16)
+    inputs = (*F.step_inputs(rt, "decode"), *(torch.randn(c.shape) for c in F.zero_caches(rt)))
+    named, plain = torch.export.load(program).module()(*inputs), F.export_step(rt, "decode").module()(*inputs)
+    assert len(named) == len(plain) and all(torch.equal(a, b) for a, b in zip(named, plain))
+    if importlib.util.find_spec("model_explorer") is None:
+        return
+    from model_explorer.builtin_pytorch_exportedprogram_adapter import BuiltinPytorchExportedProgramAdapter
+
+    (graph,) = BuiltinPytorchExportedProgramAdapter().convert(str(program), {"const_element_count_limit": 16})["graphs"]
+    space = {n.id: n.namespace for n in graph.nodes}
+    for key in keys - {"logits", "embeddings", "per_layer_inputs", "final_hidden"}:
+        if key.startswith("L"):
+            assert space[key] == f"layer_{int(key[1:3])}", (key, space[key])
+    assert space["logits"] == "logits" and space["embeddings"] == "embeddings"
+    assert len({s for s in space.values() if s.startswith("layer_")}) == rt.n_layers
