@@ -43,6 +43,7 @@ from gemma4_trace.traces.errors import TraceToolError
 from ..artifacts import artifact_folder, code_digest, model_hash
 from ..child import ChildRuntime
 from ..functional import quiet
+from . import head_fixes
 from .ctranslate2_engine import ENGINE
 from .ctranslate2_spec import RUNTIMES
 from .registry import check_decoder
@@ -53,29 +54,16 @@ _SAID: set = set()  # the model folders whose config fixes this process has said
 
 def config_fixes(config: dict) -> dict:
     """{attribute: value} to set on the loaded text config so that CTranslate2 4.8.5's converter reads
-    a transformers-5.24 Gemma 4 config as transformers does (module docstring); one line where no
-    fix can (full-attention layers that differ among themselves)."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    types = text.get("layer_types") or []
-    per_layer = text.get("per_layer_config") or {}
-    full = [v for i, v in per_layer.items() if int(i) < len(types) and types[int(i)] == "full_attention"]
-    fixes = {}
-    for key, global_key in (("head_dim", "global_head_dim"), ("num_key_value_heads", "num_global_key_value_heads")):
-        values = {v[key] for v in full if key in v}
-        if len(values) > 1:
-            raise TraceToolError(
-                f"--runtime ctranslate2: the full-attention layers have different {key}s {sorted(values)}"
-            )
-        if values:
-            fixes[global_key] = values.pop()
-    return fixes
+    a transformers-5.24 Gemma 4 config as transformers does (module docstring, head_fixes.py); one
+    line where no fix can (full-attention layers that differ among themselves)."""
+    return head_fixes.config_fixes(config, "ctranslate2")
 
 
 def fixes_words(config: dict, fixes: dict) -> str:
     """The fixes in words, for stderr and the provenance."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     words = [f"head_dim read as the sliding layers' {text.get('head_dim')} (allow_global_per_layer_attribute_access)"]
-    words += [f"{k} set to {v} (from per_layer_config)" for k, v in fixes.items()]
+    words += head_fixes.fixes_words(fixes)
     return "; ".join(words)
 
 
