@@ -27,9 +27,20 @@ through click's CliRunner with GEMMA4_TRACE_DEBUG=1 (a bug of ours escapes as an
   its bytes changed or cut; run by `trace diff GOLDEN GOLDEN --node-data OUT --graph FILE`;
 - `records`: a finished sweep's folder (two prompts, `--runtime static --max-new-tokens 1`) with
   one prompt's resume record mutated as `config` is; run by the same `trace sweep` again, which
-  resumes from the record or runs the prompt anew.
+  resumes from the record or runs the prompt anew;
+- `onnx`: the embedded model's step graphs as `trace export-onnx --max-seq 16` writes them (with the
+  [onnx] extra; else not run), one graph's structure (its first 64 KiB: the nodes, before the
+  weights) given edge varints or random bytes, or the file cut or given a tail; run by `trace
+  replay GOLDEN --onnx FOLDER`;
+- `onnxmap`: the built-in `export` name map as a TOML file, a line removed, its value or key
+  changed, two kinds on one tensor, patterns and indices at their edges, nesting or random bytes;
+  run by `trace replay GOLDEN --onnx FOLDER --onnx-map FILE` on the valid folder;
+- `ir`: the embedded model's step graphs as `trace export-openvino --max-seq 16` writes them (with
+  the [openvino] extra; else not run), one .xml's attributes (shapes, element types, a constant's
+  offset and size in the .bin) set to edge values, a document type or entity declared, its bytes
+  changed or cut, or its .bin cut; run by `trace replay GOLDEN --ir FOLDER`.
 
-The first four run by default; `config`, `pt2`, `tflite` and `records` with `--only`.
+The first four run by default; `config`, `pt2`, `tflite`, `records`, `onnx`, `onnxmap` and `ir` with `--only`.
 
 A failure is an exception other than SystemExit, an exit code outside 0/1/2, exit 2 without
 exactly one `error: ...` line, 'internal error', a traceback, or a case past `--timeout`.
@@ -53,8 +64,9 @@ import time
 from pathlib import Path
 
 EDGE = [0, 1, 2, 3, 7, 8, 255, 256, 0x7FFF, 0xFFFF, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63, 2**64 - 1]
-CLASSES = ("gguf", "mmproj", "recipe", "prompts", "config", "pt2", "tflite", "records")
+CLASSES = ("gguf", "mmproj", "recipe", "prompts", "config", "pt2", "tflite", "records", "onnx", "onnxmap", "ir")
 DEFAULT = CLASSES[:4]  # without --only; the others with --only (a config or records case may load the model)
+CACHE = "GEMMA4_TRACE_CACHE"
 SWEEP_PROMPTS = '{"id": "story", "text": "Tell me a story."}\n{"id": "ids", "input_ids": [2, 3, 4]}\n'
 
 
@@ -131,10 +143,7 @@ def recipe_case(rng: random.Random) -> tuple[bytes, str]:
         lines.append("[[units]]")
     text = "\n".join(lines) + "\n"
     if how == "bytes":
-        raw = bytearray(text.encode())
-        for _ in range(rng.randint(1, 4)):
-            raw[rng.randrange(len(raw))] = rng.randrange(256)
-        return bytes(raw), "random bytes"
+        return changed_bytes(rng, text.encode()), "random bytes"
     return text.encode("utf-8", "surrogatepass"), how
 
 
@@ -164,10 +173,7 @@ def prompts_case(rng: random.Random) -> tuple[bytes, str]:
         r["chat"] = rng.choice(["yes", 2, None])
     text = "\n".join(json.dumps(x) for x in rows) + "\n"
     if how == "line":
-        raw = bytearray(text.encode())
-        for _ in range(rng.randint(1, 4)):
-            raw[rng.randrange(len(raw))] = rng.randrange(256)
-        return bytes(raw), "random bytes"
+        return changed_bytes(rng, text.encode()), "random bytes"
     return text.encode("utf-8", "surrogatepass"), how
 
 
@@ -204,14 +210,19 @@ def json_bytes(rng: random.Random, doc) -> bytes:
     return json.dumps(doc).encode()
 
 
-def bytes_mutation(rng: random.Random, data: bytes) -> tuple[bytes, str]:
+def changed_bytes(rng: random.Random, data: bytes) -> bytes:
+    """data with one to four of its bytes set at random."""
     raw = bytearray(data)
-    if rng.random() < 0.3:
-        n = rng.randrange(len(raw))
-        return bytes(raw[:n]), f"cut to {n} bytes"
     for _ in range(rng.randint(1, 4)):
         raw[rng.randrange(len(raw))] = rng.randrange(256)
-    return bytes(raw), "random bytes"
+    return bytes(raw)
+
+
+def bytes_mutation(rng: random.Random, data: bytes) -> tuple[bytes, str]:
+    if rng.random() < 0.3:
+        n = rng.randrange(len(data))
+        return data[:n], f"cut to {n} bytes"
+    return changed_bytes(rng, data), "random bytes"
 
 
 def config_case(rng: random.Random, good: bytes) -> tuple[bytes, str]:
@@ -261,6 +272,106 @@ def _word(data: bytes, at: int) -> int:
     return struct.unpack_from("<I", data, at)[0]
 
 
+# ------------------------------------------------------------------ the user's own ONNX graph, its map, an IR
+def onnx_case(rng: random.Random, good: bytes) -> tuple[bytes, str]:
+    """good (a serialized ONNX model) with its structure changed: its first 64 KiB (the graph's
+    nodes, names and shapes come before the weights) given edge varints or random bytes; or cut, or
+    given a tail."""
+    how = rng.choice(["varint", "varint", "bytes", "cut", "tail"])
+    if how == "cut":
+        n = rng.randrange(len(good))
+        return good[:n], f"cut to {n} bytes"
+    if how == "tail":
+        return good + os.urandom(rng.choice([1, 9, 4096])), "a tail"
+    data, what, head = bytearray(good), [], min(len(good), 64 << 10)
+    for _ in range(rng.randint(1, 3)):
+        at = rng.randrange(head - 10)
+        if how == "varint":  # a field's length or value as a protobuf varint at its edge
+            v = rng.choice(EDGE + [len(good), len(good) + 1])
+            raw = bytearray()
+            while True:
+                raw.append((v & 0x7F) | (0x80 if v > 0x7F else 0))
+                v >>= 7
+                if not v:
+                    break
+            data[at : at + len(raw)] = raw
+            what.append(f"varint at {at}")
+        else:
+            data[at] = rng.randrange(256)
+            what.append(f"byte at {at}")
+    return bytes(data), "; ".join(what)
+
+
+FIELD_ODD = ["65537", '"last"', '"first"', '"model/*"', '"L{layer:02}.*"']
+MAP_ODD = ['""', '"*"', '"L{layer:99}.q"', '"{cache}"', '"{nope}"', '"a" ', "1", "-1", "2e9", "true", "[]", "{}"]
+
+
+def onnxmap_case(rng: random.Random, good: str) -> tuple[bytes, str]:
+    """The map `good` (TOML text) with one change: a line removed, a value, key or entry's field
+    changed, two kinds on one tensor, a header changed, nesting, many entries, or random bytes."""
+    lines = good.splitlines()
+    kinds = [i for i, ln in enumerate(lines) if "= {" in ln]
+    i = rng.choice(kinds)
+    key = lines[i].split("=")[0].strip()
+    how = rng.choice(["remove", "value", "field", "same", "key", "header", "nest", "many", "bytes"])
+    if how == "remove":
+        del lines[i]
+    elif how == "value":
+        lines[i] = f"{key} = {{ value = {rng.choice(MAP_ODD)} }}"
+    elif how == "field":
+        field = rng.choice(["node", "op", "input", "output", "pick", "fed_by", "after", "value", "other"])
+        lines[i] = f"{key} = {{ {field} = {rng.choice(MAP_ODD + FIELD_ODD)} }}"
+    elif how == "same":  # two kinds on one tensor
+        lines[i] = lines[i].split("=")[0] + "=" + lines[rng.choice(kinds)].split("=", 1)[1]
+    elif how == "key":
+        lines[i] = f"{rng.choice(['logits', 'token', 'nope', 'vision.q', json.dumps(rng.choice(ODD))])}" + (
+            " =" + lines[i].split("=", 1)[1]
+        )
+    elif how == "header":
+        j = rng.choice([n for n, ln in enumerate(lines) if ln.startswith(("format", "layout"))])
+        lines[j] = lines[j].split("=")[0] + "= " + rng.choice(MAP_ODD + ['"kv-cache"', "2", '"steps"'])
+    elif how == "nest":
+        depth = rng.choice([10, 1000, 5000])
+        lines.append("x = " + "[" * depth + "]" * depth)
+    elif how == "many":
+        lines += [f'k{n} = {{ value = "v{n}" }}' for n in range(rng.choice([100, 5000]))]
+    text = "\n".join(lines) + "\n"
+    if how == "bytes":
+        return changed_bytes(rng, text.encode()), "random bytes"
+    return text.encode("utf-8", "surrogatepass"), f"{how} ({key})"
+
+
+IR_ATTRS = ("shape", "element_type", "offset", "size", "id", "from-layer", "to-port", "axis")
+
+
+def ir_case(rng: random.Random, xml: bytes) -> tuple[bytes, str]:
+    """An IR's .xml with one to three attributes (shapes, element types, a constant's offset and size in
+    the .bin, ids and edges) set to edge values, a document type with an entity declared, or its bytes
+    changed or cut."""
+    import re
+
+    how = rng.choice(["attr", "attr", "attr", "doctype", "bytes", "cut"])
+    if how == "cut":
+        n = rng.randrange(len(xml))
+        return xml[:n], f"cut to {n} bytes"
+    if how == "bytes":
+        return bytes_mutation(rng, xml)[0], "random bytes"
+    if how == "doctype":  # "billion laughs": refused before expansion
+        head = b'<?xml version="1.0"?><!DOCTYPE net [<!ENTITY a "aaaaaaaaaa"><!ENTITY b "&a;&a;&a;&a;&a;">]>'
+        return head + xml.split(b"?>", 1)[-1], "a document type and entities"
+    data, what = xml, []
+    for _ in range(rng.randint(1, 3)):
+        name = rng.choice(IR_ATTRS)
+        found = [m for m in re.finditer(rb"\b" + name.encode() + rb'="([^"]*)"', data)]
+        if not found:
+            continue
+        m = rng.choice(found)
+        v = rng.choice([str(rng.choice(EDGE)), "-1", "", "f64", "u1", "1,2,3,4,5,6,7,8,9", "?", "1e400", "x"])
+        data = data[: m.start(1)] + v.encode() + data[m.end(1) :]
+        what.append(f"{name}={v}")
+    return data, "; ".join(what) or "unchanged"
+
+
 # ------------------------------------------------------------------ the run
 def judge(res, timed_out: bool) -> str | None:
     """Why a command's result is a failure, or None."""
@@ -278,7 +389,7 @@ def judge(res, timed_out: bool) -> str | None:
     return None
 
 
-def run(cases: int, seed: int, classes=DEFAULT, timeout: float = 60.0, say=print) -> dict:
+def run(cases: int, seed: int, classes=DEFAULT, timeout: float = 60.0, say=print, builds_cache=None) -> dict:
     from click.testing import CliRunner
 
     from gemma4_trace.cli import main
@@ -289,7 +400,7 @@ def run(cases: int, seed: int, classes=DEFAULT, timeout: float = 60.0, say=print
     work = Path(tempfile.mkdtemp(prefix="fuzz-inputs-"))
     # set for each command only (CliRunner restores the environment): a caller's process (a pytest
     # worker) must not keep printing tracebacks afterwards
-    env = {"GEMMA4_TRACE_DEBUG": "1", "GEMMA4_TRACE_CACHE": os.environ.get("GEMMA4_TRACE_CACHE", str(work / "cache"))}
+    env = {"GEMMA4_TRACE_DEBUG": "1", CACHE: os.environ.get(CACHE, str(work / "cache"))}
     runner = CliRunner(env=env)
     good = work / "good.gguf"
     res = runner.invoke(main, ["export-gguf", "-o", str(good)])
@@ -325,6 +436,20 @@ def run(cases: int, seed: int, classes=DEFAULT, timeout: float = 60.0, say=print
         res = runner.invoke(main, ["export-litert", "--max-seq", "16", "-o", str(work / "tflite")])
         assert res.exit_code == 0, res.output
         good_tflite = (work / "tflite" / "model.tflite").read_bytes()
+    needs = {"onnx": ("onnx", "onnxruntime"), "onnxmap": ("onnx", "onnxruntime"), "ir": ("openvino",)}
+    classes = tuple(c for c in classes if all(importlib.util.find_spec(m) for m in needs.get(c, ())))
+    # the graphs' exports from `builds_cache` (a test suite's shared artifact cache) where given
+    builds = CliRunner(env={**env, CACHE: str(builds_cache or env[CACHE])})
+    if {"onnx", "onnxmap"} & set(classes):  # GOLDEN's 16 positions: the default --max-seq of its replay
+        res = builds.invoke(main, ["export-onnx", "--max-seq", "16", "-o", str(work / "onnx")])
+        assert res.exit_code == 0, res.output
+        from gemma4_trace.replayer.runtimes.onnx_map import EXPORT as good_map
+    if "ir" in classes:
+        res = builds.invoke(main, ["export-openvino", "--max-seq", "16", "-o", str(work / "ir")])
+        assert res.exit_code == 0, res.output
+    for cls in {"onnx", "ir"} & set(classes):  # the valid files replay
+        res = runner.invoke(main, ["replay", ref, f"--{cls}", str(work / cls), "-o", str(work / f"{cls}.h5")])
+        assert res.exit_code == 0, res.output
     if "records" in classes:
         sweep_args = ["--runtime", "static", "--max-new-tokens", "1", "-o"]
         (work / "prompts.jsonl").write_text(SWEEP_PROMPTS)
@@ -372,6 +497,23 @@ def run(cases: int, seed: int, classes=DEFAULT, timeout: float = 60.0, say=print
                 path = folder / "s" / "prompts" / f"{case_rng.choice(['story', 'ids'])}.json"
                 data, what = config_case(case_rng, path.read_bytes())  # a resume record: JSON, mutated as a config
                 args = ["sweep", str(work / "prompts.jsonl"), *sweep_args, str(folder / "s")]
+            elif cls in ("onnx", "ir"):
+                shutil.copytree(work / cls, folder / cls)
+                step, ext = case_rng.choice(["prefill", "decode"]), "onnx" if cls == "onnx" else "xml"
+                if cls == "ir" and case_rng.random() < 0.15:
+                    path = folder / "ir" / f"{step}.bin"
+                    data = path.read_bytes()
+                    data, what = data[: case_rng.randrange(len(data))], f"{step}.bin cut"
+                else:
+                    path = folder / cls / f"{step}.{ext}"
+                    data, what = (onnx_case if cls == "onnx" else ir_case)(case_rng, path.read_bytes())
+                    what = f"{step}.{ext}: {what}"
+                args = ["replay", ref, "--" + cls, str(folder / cls), "-o", str(folder / "o.h5")]
+            elif cls == "onnxmap":
+                data, what = onnxmap_case(case_rng, good_map)
+                path = folder / "map.toml"
+                args = ["replay", ref, "--onnx", str(work / "onnx"), "--onnx-map", str(path)]
+                args += ["-o", str(folder / "o.h5")]
             else:
                 path = folder / "decode.pt2"
                 what = pt2_case(case_rng, work / "pt2" / "decode.pt2", path)

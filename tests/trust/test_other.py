@@ -421,6 +421,8 @@ SCRIPT = ROOT / "scripts" / "fuzz_inputs.py"
 
 
 def fuzzer(monkeypatch, tmp_path):
+    """scripts/fuzz_inputs.py as a module, its cases' artifact cache in tmp_path (the suite's shared
+    cache, GEMMA4_TRACE_CACHE before this, is the one its exports come from: `run(builds_cache=)`)."""
     spec = importlib.util.spec_from_file_location("fuzz_inputs", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["fuzz_inputs"] = mod
@@ -468,3 +470,23 @@ def test_hostile_tflite_graphs_and_sweep_records_are_one_line_each(monkeypatch, 
     assert counts["records"]["cases"] == 16 and counts["records"]["exit"][2] == 0  # a record never stops a sweep
     if "tflite" in classes:
         assert counts["tflite"]["cases"] == 16 and counts["tflite"]["exit"][2] > 3 and counts["tflite"]["exit"][0] > 0
+
+
+@pytest.mark.slow  # the ONNX and OpenVINO exports (the suite's cache) and the cases whose graphs still run
+def test_hostile_onnx_graphs_maps_and_openvino_irs_are_one_line_each(monkeypatch, tmp_path):
+    """8 cases of each: the user's own ONNX step graphs (`--onnx`), a name map (`--onnx-map`) and an
+    OpenVINO IR (`--ir`), each mutated from the tool's own export (scripts/fuzz_inputs.py --only onnx /
+    onnxmap / ir runs hundreds)."""
+    import os
+
+    needs = {"onnx": ("onnx", "onnxruntime"), "onnxmap": ("onnx", "onnxruntime"), "ir": ("openvino",)}
+    classes = tuple(c for c, mods in needs.items() if all(importlib.util.find_spec(m) for m in mods))
+    if not classes:
+        pytest.skip("needs the [onnx] or [openvino] extra")
+    shared = os.environ["GEMMA4_TRACE_CACHE"]
+    mod = fuzzer(monkeypatch, tmp_path)
+    counts = mod.run(8 * len(classes), 7, classes, say=lambda line: None, builds_cache=shared)
+    failures = [f for c in classes for f in counts[c]["failures"]]
+    assert not failures, failures[:5]
+    for c in classes:
+        assert counts[c]["cases"] == 8 and counts[c]["exit"][2] > 2, (c, counts[c])
