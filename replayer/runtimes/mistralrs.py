@@ -24,11 +24,8 @@ replay ends. Its KV cache on the CPU is float16 unless MISTRALRS_CPU_KV_F32 is s
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -48,18 +45,9 @@ _SAID: set = set()  # the model folders whose config fixes this process has said
 
 
 def fixed_copy(model_dir, fixes: dict) -> Path:
-    """A temporary folder holding REF's checkpoint: config.json with `fixes` set in its text config
-    (or at its top, a text-only config), every other file a link to REF's; the caller removes it."""
-    src = Path(model_dir)
-    config = json.loads((src / "config.json").read_text())
-    text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-    text.update(fixes)
-    folder = Path(tempfile.mkdtemp(prefix="gemma4-trace-mistralrs-"))
+    """head_fixes.fixed_copy, with our verbatim chat template beside it; the caller removes it."""
+    folder = head_fixes.fixed_copy(model_dir, fixes, "mistralrs")
     try:
-        for f in src.iterdir():
-            if f.name != "config.json":
-                os.symlink(f.resolve(), folder / f.name)
-        (folder / "config.json").write_text(json.dumps(config, indent=2))
         (folder / "verbatim.jinja").write_text(TEMPLATE)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
