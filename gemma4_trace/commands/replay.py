@@ -42,7 +42,8 @@ def file_options(fn):
     type=click.Choice(["hf", "native"]),
     default="hf",
     show_default=True,
-    help="llama.cpp on an audio REF: feed HF's log-mel features (REF's), or compute its own from --audio FILE",
+    help="an audio REF: feed HF's log-mel features (REF's), or let the engine compute its own from --audio FILE "
+    "(llama.cpp, litert-lm)",
 )
 @click.option(
     "--allow-config-mismatch",

@@ -341,9 +341,14 @@ def companion_files(choice: RuntimeChoice, files: dict) -> list[FileInput]:
         fi = FILE_BY_DEST[dest]
         if path is None or not fi.companion:
             continue
-        if choice.spec is None or choice.spec.name != fi.runtime:
-            raise TraceToolError(f"{fi.option} FILE goes with --runtime {fi.runtime}; not with --runtime {choice.text}")
-        for module in fi.needs:
+        # --audio (the clip's waveform) goes with every row that computes its own audio features
+        waveform = fi.dest == "audio" and choice.spec is not None and choice.spec.native_audio_features
+        if not waveform and (choice.spec is None or choice.spec.name != fi.runtime):
+            rows = [s.name for s in RUNTIMES if s.native_audio_features] if fi.dest == "audio" else [fi.runtime]
+            raise TraceToolError(
+                f"{fi.option} FILE goes with --runtime {' or '.join(rows)}; not with --runtime {choice.text}"
+            )
+        for module in fi.needs if choice.spec.name == fi.runtime else ():  # another row's needs: checked already
             if importlib.util.find_spec(module) is None:
                 raise TraceToolError(f"{fi.option} needs {module}, which is not installed: {install_hint(fi.extra)}")
         out.append(fi)

@@ -13,8 +13,9 @@ command line, the replay driver and the docs do with it is written once:
   on the weights of RUN's own file);
 - `Decoders`: the Gemma 4 text decoders it runs, where it cannot run every one (a dense decoder
   only: no KV sharing, per-layer inputs or MoE): a REF of another is refused before the model loads;
-- tokens-only (a capture map without rows) and `recipe` (a quantized runtime a precision recipe
-  can vary).
+- tokens-only (a capture map without rows), with `media`: the prompt media such an engine takes
+  itself (an image or audio file through its own API, no tower kind captured), and `recipe` (a
+  quantized runtime a precision recipe can vary).
 
 Nothing here imports torch or an engine: the command line reads the rows before anything heavy.
 """
@@ -169,6 +170,9 @@ class RuntimeSpec:
     baseline: Baseline | None = None  # the run whose trace is its natural --baseline
     third_party: bool = True  # False: the project's own runtime (static and its quantized variants)
     decoders: Decoders | None = None  # the text decoders it runs, where not every Gemma 4 one (None: every one)
+    # the prompt media ("image", "audio") a tokens-only engine takes itself, through its own API (LiteRT-LM's
+    # conversation: image and audio files): its towers run inside the engine, none of their kinds captured
+    media: tuple[str, ...] = ()
     # what its adapter reads from its engine, as which kinds (captures.py): what it captures is derived from it
     capture_map: C.CaptureMap = field(kw_only=True)
 
@@ -179,9 +183,10 @@ class RuntimeSpec:
 
     @property
     def runs_audio(self) -> bool:
-        """Runs an audio prompt's audio tower: its capture map declares the audio tower's kinds (an
-        audio REF is refused before the model loads by every other row: registry.check_inputs)."""
-        return "audio" in self.capture_map.towers
+        """Runs an audio prompt's audio tower: its capture map declares the audio tower's kinds, or its
+        engine takes audio itself (`media`); an audio REF is refused before the model loads by every
+        other row (registry.check_inputs)."""
+        return "audio" in self.capture_map.towers or "audio" in self.media
 
     @property
     def tokens_only(self) -> bool:

@@ -117,3 +117,27 @@ def test_an_audio_export_failure_is_one_line_and_writes_nothing(run, tmp_path, m
         ln for ln in r.stderr_bytes.splitlines(keepends=True) if not ln.startswith(b"exporting tiny-gemma4")
     )
     one_line_error(r, "litert-torch's Gemma 4 audio encoder export failed", "No module named", out=out)
+
+
+CLIP = ROOT / "hf" / "tiny_audio_model" / "example.wav"  # the clip traces/golden/audio.h5 was recorded from
+
+
+def test_litert_lm_replays_the_audio_golden_from_the_clips_waveform(tmp_path):
+    """LiteRT-LM takes a clip as an audio file and computes its own log-mel features (docs/runtime-litert.md,
+    "LiteRT-LM and audio"): the clip is --audio FILE (REF holds only HF's features; without it, one line
+    before any export), the bundle litert-torch's export with its audio encoder, its adapter's width fixed
+    (said on stderr and in the runtime's name). LiteRT-LM writes REF's 79-token audio run (measured:
+    its conversation's token count); 5 of 6 tokens are REF's, decode step 1 a near tie under REF's logits
+    (margin 0.113): `--runtime litert`, fed HF's features, gives all 6."""
+    pytest.importorskip("litert_lm", reason="litert-lm-api is not installed (pip install -e '.[litert]')")
+    out = tmp_path / "run.h5"
+    r = invoke("replay", AUDIO, "--runtime", "litert-lm", "-o", out)
+    one_line_error(r, "--runtime litert-lm takes an audio prompt as the clip's waveform", "--audio FILE", out=out)
+    r = invoke("replay", AUDIO, "--runtime", "litert-lm", "--audio-features", "native", "--audio", CLIP, "-o", out)
+    assert r.exit_code == 0, r.output
+    assert "5/6 tokens agree" in r.stdout, r.stdout
+    assert "audio: example.wav's waveform through its Conversation API, its own log-mel features" in r.stdout
+    assert "audio_adapter.tflite (embed_audio) exported with the tower's output_proj_dims 48" in r.stderr
+    d = invoke("diff", AUDIO, out, "--json")
+    first = json.loads(d.stdout)["first_divergence"]
+    assert (first["kind"], first["step"]) == ("token", 1), first

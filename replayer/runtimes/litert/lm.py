@@ -15,6 +15,10 @@ transformers' processor gives REF's pixel_values back from it), the bundle is li
 with its vision encoder (export.py's lm_vision_exported, its fixes said on stderr and in the
 runtime's name), and a step is a new conversation whose chat template writes the context verbatim,
 each image where REF's <|image> ... <image|> run stands (engine.py).
+
+An audio prompt: LiteRT-LM takes the clip's waveform (an audio file), not REF's log-mel features, and
+computes its own: the clip REF was recorded from is given with --audio-features native --audio FILE,
+and the bundle is litert-torch's export with its audio encoder (lm_audio.py).
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ from gemma4_trace.traces.errors import TraceToolError
 
 from ...api import TokenOnly
 from ...child import ChildRuntime
+from . import audio as A
 from . import export as E
+from . import lm_audio as LA
 
-ENGINE = "gemma4_trace.replayer.runtimes.litert.engine:LiteRTLMEngine"
+ENGINE = "gemma4_trace.replayer.runtimes.litert.lm_audio:LiteRTLMMediaEngine"  # engine.py's, with clips
 # LiteRT-LM 0.18.1 prefills at most L - 2 tokens in a session whose bundle's cache holds S positions,
 # L being S rounded down to even (measured on litert-torch exports: caches 16, 17, 18 took prompts of
 # 14, 14, 16 tokens and one decoded token; at L - 2, a session asked for two tokens gives one). The
@@ -50,11 +56,12 @@ class LiteRTLM(ChildRuntime):
     of max_seq + ROOM positions rounded up to even, its prefill taking the cache whole (an export
     of its own, not the litert runtime's: LiteRT-LM needs the room)."""
 
-    def __init__(self, loaded, max_seq: int, user_file=None):
+    def __init__(self, loaded, max_seq: int, user_file=None, audio=None):
         from importlib.metadata import version
 
         ver = version("litert-lm-api")
         self.loaded, self.max_seq, self.user_file = loaded, int(max_seq), user_file
+        self.clip = audio[0] if audio is not None else None  # --audio FILE's header: the clip's samples
         if user_file is not None and not Path(user_file).is_file():
             raise TraceToolError(f"--litertlm {user_file}: no such file")
         self.start(f"litert-lm (LiteRT-LM {ver})", ENGINE)
@@ -62,18 +69,24 @@ class LiteRTLM(ChildRuntime):
         self.name = f"litert-lm (LiteRT-LM {ver}, CPU, greedy, text in and out: tokens only; {note})"
         self.ready = False
         self.context: list[int] = []
-        self.runs: list = []  # the prompt's images: [(start, end, PNG file)] (engine.py)
-        self.folder = None  # the PNG files' temporary folder
+        self.runs: list = []  # the prompt's images and clips: [(start, end, file[, "audio"])] (lm_audio.py)
+        self.folder = None  # the PNG and WAV files' temporary folder
 
     def _load(self, ids: list[int], extra: dict) -> None:
         loaded, max_seq = self.loaded, self.max_seq
+        self.folder = Path(tempfile.mkdtemp(prefix="litert-lm-media-"))
+        try:
+            clips = LA.clip_files(loaded, extra, self.clip, self.folder) if "input_features" in extra else []
+        except BaseException:
+            self.close()
+            raise
         pictures = images_of(loaded, extra) if "pixel_values" in extra else []
         spans = image_runs(loaded, ids, len(pictures)) if pictures else []
         notes, fixes = [], []
         try:
             if self.user_file is not None:
                 path = Path(self.user_file)
-                meta = self.child.call("load", str(path), max_seq, len(pictures), phase="loading")[1]
+                meta = self.child.call("load", str(path), max_seq, len(pictures), len(clips), phase="loading")[1]
             else:
                 S = max_seq + ROOM + (max_seq + ROOM) % 2  # room past the replay's last position; even
                 if pictures:
@@ -84,20 +97,26 @@ class LiteRTLM(ChildRuntime):
                              f"{v.pooling_kernel_size} pooling"))  # fmt: skip
                     notes, fixes = [n for n, _ in said if n], [f for n, f in said if n]
                     art = E.lm_vision_exported(loaded, S, soft)
+                elif clips:
+                    note = A.adapter_note(loaded.config.audio_config)
+                    notes = [note] if note else []
+                    fixes = ["its audio adapter's input sized by output_proj_dims"] if note else []
+                    art = LA.lm_audio_exported(loaded, S)
                 else:
                     art = E.exported(loaded, S, S)
                 try:
                     path = art.path / E.BUNDLE
-                    meta = self.child.call("load", str(path), S, len(pictures), phase="loading")[1]
+                    meta = self.child.call("load", str(path), S, len(pictures), len(clips), phase="loading")[1]
                 finally:
                     art.close()
             if pictures:
                 from PIL import Image
 
-                self.folder = Path(tempfile.mkdtemp(prefix="litert-lm-images-"))
                 for i, pixels in enumerate(pictures):
                     Image.fromarray(pixels).save(self.folder / f"image{i}.png")
                 self.runs = [(a, b, str(self.folder / f"image{i}.png")) for i, (a, b) in enumerate(spans)]
+            if clips:
+                self.runs = [(a, b, f, "audio") for (a, b), f in zip(LA.audio_runs(loaded, ids, len(clips)), clips)]
         except BaseException:
             self.close()
             raise
@@ -109,6 +128,11 @@ class LiteRTLM(ChildRuntime):
         if pictures:
             how = "; ".join(["images: PNG files rebuilt from REF's pixel_values, through its Conversation API", *fixes])
             self.name = f"{self.name[:-1]}; {how})"
+        if clips:
+            how = (
+                f"audio: {Path(self.clip.path).name}'s waveform through its Conversation API, its own log-mel features"
+            )
+            self.name = f"{self.name[:-1]}; {'; '.join([how, *fixes])})"
         self.ready = True
 
     def prepare(self, input_ids=None, extra_inputs=None) -> None:
@@ -201,10 +225,10 @@ def image_runs(loaded, ids: list[int], count: int) -> list[tuple[int, int]]:
 
 
 def create(loaded, max_seq: int, choice=None):
-    return LiteRTLM(loaded, max_seq)
+    return LiteRTLM(loaded, max_seq, audio=choice.file("audio") if choice is not None else None)
 
 
 def run_bundle(loaded, max_seq: int, path, allow_config_mismatch: bool = False, base=None, choice=None):
     """`trace replay --litertlm FILE`: LiteRT-LM on the user's bundle (litert/spec.py); the engine
     checks the bundle's BOS token against REF's model when it loads it."""
-    return LiteRTLM(loaded, max_seq, path)
+    return LiteRTLM(loaded, max_seq, path, audio=choice.file("audio") if choice is not None else None)

@@ -133,10 +133,13 @@ RUNTIMES = (
         "litert-lm",
         f"{RT}.lm:create",
         "LiteRT-LM's engine (CPU, greedy) on the .litertlm litert-torch exports from REF's checkpoint, or "
-        "`--litertlm FILE`; text (and image files) in, text out",
+        "`--litertlm FILE`; text (and image and audio files) in, text out",
         "float32 (or the file's)",
         artifacts=".litertlm",
-        # an image prompt: its Conversation API, the image a PNG rebuilt from REF's patches (lm.py)
+        # an image or audio prompt: its Conversation API, the image a PNG rebuilt from REF's patches, the clip
+        # --audio FILE's waveform (LiteRT-LM computes its own log-mel features: --audio-features native; lm.py)
+        media=("image", "audio"),
+        native_audio_features=True,
         **{**_TEXT_ONLY, "needs": ("litert_lm", "litert_torch"), "text_only": False},
     ),
     RuntimeSpec(

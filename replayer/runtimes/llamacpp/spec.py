@@ -116,7 +116,7 @@ FILES = (
         "--audio",
         "llama.cpp",
         "an audio file",
-        "the clip REF was recorded from, for --audio-features native with --runtime llama.cpp or --gguf",
+        "the clip REF was recorded from, for --audio-features native with --runtime llama.cpp (or --gguf) or litert-lm",
         f"{RT}.audio:read_audio",
         f"{RT}.audio:check_audio",
         extra="llamacpp",
