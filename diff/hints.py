@@ -45,6 +45,8 @@ NO_SOFTCAP = "final logit soft-cap missing"
 PLE_MISSING = "per-layer inputs (PLE) missing"
 PLE_RAW_IMAGE_IDS = "PLE looked up with the raw image token ids"
 STALE_PLE = "stale per-layer inputs in decode"
+IMAGE_BLOCK_CAUSAL = "image attended causally (no bidirectional attention within an image)"
+IMAGE_BLOCK_PAST_WINDOW = "image keys let in past the sliding window"
 VISION_SCALED = "vision soft tokens scaled like text embeddings"
 VISION_SHIFTED = "vision soft tokens merged at shifted slots"
 NAMES = (
@@ -53,6 +55,8 @@ NAMES = (
     CURRENT_KEY_LEFT_OUT,
     WINDOW_OFF_BY_ONE,
     CAUSAL_MASK_ON_SLIDING,
+    IMAGE_BLOCK_CAUSAL,
+    IMAGE_BLOCK_PAST_WINDOW,
     IDENTITY_ROPE,
     ROPE_OFFSET,
     UNWRITTEN_KV,
@@ -237,6 +241,42 @@ def _sliding_window(s: _Site) -> Hint | None:
             CAUSAL_MASK_ON_SLIDING,
             f"{where}, {_where(s.d)}: at every query q read from {W} on ({qs}) RUN allows every key 0..q like a "
             f"full-attention layer, REF the last {W}",
+        )
+    return None
+
+
+def _image_block(s: _Site) -> Hint | None:
+    """A sliding layer's prefill rows inside one image's block of positions differ from REF's by that
+    block's keys alone: its later keys blocked (attended causally, where REF attends within an image
+    both ways), or its keys older than the window let in (the block ORed in after the window)."""
+    W = _number(s.text, "sliding_window")
+    if s.layer is None or s.layer.layer_type != "sliding_attention" or s.d.phase != "prefill" or not W:
+        return None
+    image, p, W = {int(i) for i in s.image_positions()}, s.d.position, int(W)
+    if p not in image:
+        return None
+    lo, hi = p, p
+    while lo - 1 in image:
+        lo -= 1
+    while hi + 1 in image:
+        hi += 1
+    rows = [r for r in _mask_rows(s) if r[0] <= hi]
+    causal = all(rb == ra - set(range(q + 1, hi + 1)) for q, ra, rb, _ in rows)
+    past = all(rb == ra | set(range(lo, max(lo, q - W + 1))) for q, ra, rb, _ in rows)
+    qs = ranges_text(np.array([r[0] for r in rows]))
+    where = f"layer {s.d.layer} (sliding_attention, window {W}), {_where(s.d)}: at every query of the image"
+    where += f" at {lo}-{hi}"
+    if causal:
+        return Hint(
+            IMAGE_BLOCK_CAUSAL,
+            f"{where} read ({qs}) RUN blocks the image's later keys, which REF allows (an image attends to itself "
+            "both ways where use_bidirectional_attention is vision); nothing else differs",
+        )
+    if past:
+        return Hint(
+            IMAGE_BLOCK_PAST_WINDOW,
+            f"{where} read ({qs}) RUN also allows the image's keys at or before q - {W}, which REF's window "
+            "blocks: the image's keys ORed in after the window, not within it; nothing else differs",
         )
     return None
 
@@ -492,7 +532,7 @@ def _vision(s: _Site) -> Hint | None:
 
 
 CHECKS: dict[str, tuple[Callable[[_Site], Hint | None], ...]] = {
-    "mask": (_later_keys_visible, _current_key_left_out, _sliding_window),
+    "mask": (_later_keys_visible, _current_key_left_out, _image_block, _sliding_window),
     "rope": (_rope_identity, _rope_offset),
     "attn_out": (_reused_kv, _scores_wrong),
     "logits": (_softcap,),

@@ -117,6 +117,12 @@ def expected(bug: str, f: Facts) -> tuple[int, int | None, str, int]:
         return 0, 0, "layer_out", 0
     if bug == "ple_raw_image_ids":
         return 0, None, "per_layer_inputs", f.first_image_slot
+    if bug == "image_block_causal":
+        # the first image query is the first with a later key of its own image, on the first sliding layer
+        return 0, f.first_sliding, "mask", f.first_image_slot
+    if bug == "image_block_past_window":
+        # query q blocks key k <= q - W; the image's first key falls out of the window at q = first + W
+        return 0, f.first_sliding, "mask", f.first_image_slot + W
     if bug in ("vision_scaled", "vision_wrong_slots"):
         return 0, None, "embeddings", f.first_image_slot
     if bug == "vision_rope_axes":
@@ -151,6 +157,11 @@ def check_details(bug: str, f: Facts, d: dict, result) -> None:
         max_seq = default_max_seq(T, f.max_new_tokens)
         assert d["allowed_in_run_blocked_in_ref"] == list(range(T + 1, max_seq))
         assert "never-written slot" in d["sentence"]
+    elif bug == "image_block_causal":  # the image's later keys, none extra
+        first = f.first_image_slot
+        assert d["blocked_in_run_allowed_in_ref"][0] == first + 1 and d["n_allowed_in_run_blocked_in_ref"] == 0
+    elif bug == "image_block_past_window":  # the image's first key, nothing blocked
+        assert d["allowed_in_run_blocked_in_ref"] == [f.first_image_slot] and d["n_blocked_in_run_allowed_in_ref"] == 0
     elif bug == "no_softcap":
         assert all(t.status == "ok" for t in result.tensors if t.kind != "logits")
     elif bug == "no_ple":

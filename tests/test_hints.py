@@ -40,6 +40,8 @@ FLOAT = {
     "no_softcap": H.NO_SOFTCAP,
     "no_ple": H.PLE_MISSING,
     "ple_raw_image_ids": H.PLE_RAW_IMAGE_IDS,
+    "image_block_causal": H.IMAGE_BLOCK_CAUSAL,
+    "image_block_past_window": H.IMAGE_BLOCK_PAST_WINDOW,
     "vision_scaled": H.VISION_SCALED,
     "vision_rope_axes": VH.VISION_ROPE_AXES,
     "vision_padding": VH.VISION_PADDING,

@@ -251,6 +251,33 @@ class VisionWrongSlots(_Bug):
         return (ids, ple_ids, mm_embeds.roll(1, dims=1), mm_slots.roll(1, dims=1), *rest)
 
 
+# --------------------------------------------------------------------- 9b. image blocks in the sliding mask
+# keras-hub 0.32.0's Gemma 4 (docs/runtime-keras-hub.md, "Upstream findings"), for a checkpoint with
+# use_bidirectional_attention "vision": its cached prefill never ORs the image block in, and its
+# uncached mask ORs it in after the window
+class ImageBlockCausal(_Bug):
+    """Sliding layers attend within an image block causally (no bidirectional image block)."""
+
+    name = "bug-image-block-causal"
+
+    def _prefill_masks(self, input_pos, valid, block_ids):
+        return {t: (self._mask_rows(t, input_pos) & valid[None, :])[None] for t in self.types}
+
+
+class ImageBlockPastWindow(_Bug):
+    """Sliding layers compose (causal AND window) OR same image block: an image query sees its
+    block's keys past the window, where Gemma 4 has window AND (causal OR same image block)."""
+
+    name = "bug-image-block-past-window"
+
+    def _prefill_masks(self, input_pos, valid, block_ids):
+        masks = super()._prefill_masks(input_pos, valid, block_ids)
+        q_block = block_ids[input_pos]
+        same = (q_block[:, None] == block_ids[None, :]) & (q_block[:, None] >= 0)
+        masks["sliding_attention"] = masks["sliding_attention"] | (same & valid[None, :])[None]
+        return masks
+
+
 # --------------------------------------------------------------------- 10. the vision tower (its port's seams)
 class _VisionBug(_Bug):
     """The static runtime with its vision tower's port replaced by `port`, a StaticVision subclass."""
@@ -533,6 +560,14 @@ def make_decode_slice_short(loaded, max_seq):
     return DecodeSliceShort(loaded, max_seq)
 
 
+def make_image_block_causal(loaded, max_seq):
+    return ImageBlockCausal(loaded, max_seq)
+
+
+def make_image_block_past_window(loaded, max_seq):
+    return ImageBlockPastWindow(loaded, max_seq)
+
+
 def make_vision_scaled(loaded, max_seq):
     return VisionScaled(loaded, max_seq)
 
@@ -664,6 +699,16 @@ BUGS = {
         "make_ple_raw_image_ids",
         "image",
         "the PLE token lookup uses ids whose image tokens are not replaced by pad",
+    ),
+    "image_block_causal": (
+        "make_image_block_causal",
+        "image",
+        "sliding layers attend within an image causally (keras-hub 0.32.0's cached prefill)",
+    ),
+    "image_block_past_window": (
+        "make_image_block_past_window",
+        "image",
+        "sliding layers let an image's keys past the window in (keras-hub 0.32.0's uncached mask)",
     ),
     "vision_scaled": (
         "make_vision_scaled",
