@@ -105,8 +105,65 @@ def test_an_image_prompt_diverges_at_keras_hubs_cached_mask(tmp_path):
         first
     )
     assert "keys 4-67 = image 1 (the query's own)" in first, first
+    assert "looks like: image attended causally (no bidirectional attention within an image)" in d.stdout, d.stdout
     d = invoke("diff", ref, out, "--full", "--json")
     tensors = {(t["kind"], t["layer"]): t for t in json.loads(d.stdout)["tensors"]}
     vision = [t for (kind, _), t in tensors.items() if kind.startswith("vision.")]
     assert len(vision) == 14 and max(t["max_rel_l2"] for t in vision) < 1e-5, vision  # measured 2.2e-7
     assert tensors["mask", 2]["mismatched_rows"] == 0 and tensors["mask", 0]["mismatched_rows"] == 63
+
+
+@pytest.mark.slow
+@needs_keras
+def test_the_cached_vision_mask_repro_script_still_shows_the_bug():
+    """docs/upstream/keras-hub-cached-vision-mask.md: its script's output, as the report shows it
+    (figures of float32 rounding may move with the CPU; about 30 s, most of it importing keras-hub).
+    Fails once keras-hub's cached prefill keeps the within-image bidirectional mask or its uncached
+    sliding mask keeps the window over an image (then the report, docs/runtime-keras-hub.md and this
+    test are updated)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.support.cli import same_figures
+
+    root = Path(__file__).resolve().parents[2]
+    script = root / "docs/upstream/keras_hub_cached_vision_mask_repro.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    report = (root / "docs/upstream/keras-hub-cached-vision-mask.md").read_text()
+    shown = report.split("$ python docs/upstream/keras_hub_cached_vision_mask_repro.py\n")[1].split("\n\n")[0]
+    shown = [ln[4:] for ln in shown.splitlines()]
+    got = r.stdout.strip().splitlines()
+    assert len(got) == len(shown), (got, shown)
+    for real, doc in zip(got, shown):
+        assert same_figures(real, doc), (real, doc)
+    assert "   BUG: the cached path (the prefill) drops the within-image bidirectional mask" in got
+    assert got[-1].startswith("   BUG: the uncached sliding mask is (causal AND window) OR image"), got[-1]
+
+
+@pytest.mark.slow
+@needs_keras
+def test_the_vision_pooling_repro_script_still_shows_the_bug():
+    """docs/upstream/keras-hub-vision-pooling-batch.md: its script's output, as the report shows it
+    (figures of float32 rounding may move with the CPU; about 20 s, most of it importing keras-hub).
+    Fails once keras-hub's Gemma4VisionAveragePooling takes each image's own grid width (then the
+    report, docs/runtime-keras-hub.md and this test are updated)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.support.cli import same_figures
+
+    root = Path(__file__).resolve().parents[2]
+    script = root / "docs/upstream/keras_hub_vision_pooling_batch_repro.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    report = (root / "docs/upstream/keras-hub-vision-pooling-batch.md").read_text()
+    shown = report.split("$ python docs/upstream/keras_hub_vision_pooling_batch_repro.py\n")[1].split("\n\n")[0]
+    shown = [ln[4:] for ln in shown.splitlines()]
+    got = r.stdout.strip().splitlines()
+    assert len(got) == len(shown), (got, shown)
+    for real, doc in zip(got, shown):
+        assert same_figures(real, doc), (real, doc)
+    assert got[-1] == "BUG: an image pools on the widest image's grid when batched", got[-1]
