@@ -9,7 +9,7 @@ pytest.importorskip(
     reason="TICO is not installed (pip install -e '.[tico]')",
 )
 
-from gemma4_trace.diff import diff_traces  # noqa: E402
+from gemma4_trace.diff import diff_traces, hints  # noqa: E402
 from gemma4_trace.recorder.golden import golden_path  # noqa: E402
 from gemma4_trace.replayer.replay import replay_trace  # noqa: E402
 from gemma4_trace.traces.reader import TraceReader  # noqa: E402
@@ -33,8 +33,10 @@ def test_image_prompt_mask_difference_is_located(tmp_path):
     # within an image (use_bidirectional_attention="vision"), whose tokens start at position 4
     ref, run = golden_path("image"), tmp_path / "tico.h5"
     replay_trace(ref, run, runtime="tico")
-    fd = diff_traces(ref, run).to_json()["first_divergence"]
+    result = diff_traces(ref, run)
+    fd = result.to_json()["first_divergence"]
     assert site_of(fd, "step", "phase", "layer", "kind", "position") == (0, "prefill", 0, "mask", 4)
+    assert result.hint is not None and result.hint.name == hints.IMAGE_BLOCK_CAUSAL, result.hint  # the zoo's signature
     with TraceReader(ref) as r:
         assert int(r.prompt_ids[4]) == r.model_config["image_token_id"] != int(r.prompt_ids[3])
     # before that, TICO's own vision step (its wrappers, not HF's tower) at every vision site: the
