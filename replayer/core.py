@@ -305,6 +305,7 @@ def replay_loaded(
                 chat_template_applied=ref.chat,
                 extra_inputs=ref.extra,
                 towers=ref.towers,
+                max_seq=max_seq,
             )
         )
         if isolate:

@@ -170,9 +170,10 @@ def _pt2_keys(path: Path) -> tuple[dict[str, dict[tuple[str, int | None], str]],
     return {"graph": keys}, _pt2_positions(inner if isinstance(inner, dict) else {}, signature)
 
 
-def node_data(result_json: dict, ref, graph_path) -> tuple[dict, int | None]:
+def node_data(result_json: dict, ref, graph_path, run_max_seq: int | None = None) -> tuple[dict, int | None]:
     """The ModelNodeData JSON (a dict) of a diff over the graph at graph_path, and the positions the
-    graph holds (None where it does not say); a graph too short for the traces is refused."""
+    graph holds (None where it does not say). A graph of other positions than RUN's runtime held
+    (`run_max_seq`, where RUN's trace says) is refused, and one too short for the traces always."""
     path = Path(graph_path)
     if not path.is_file():
         raise TraceToolError(f"--graph {path}: no such file")
@@ -187,6 +188,11 @@ def node_data(result_json: dict, ref, graph_path) -> tuple[dict, int | None]:
         graphs, positions = _pt2_keys(path)
     else:
         raise TraceToolError(f"--graph {path}: expected a .tflite (LiteRT) or a .pt2 (trace export-pt2) file")
+    if positions is not None and run_max_seq is not None and positions != run_max_seq:
+        raise TraceToolError(
+            f"--graph {path.name} holds {positions} positions (its K/V cache) and RUN's runtime held {run_max_seq}: "
+            f"it is not the graph RUN ran (export it for this run: --max-seq {run_max_seq})"
+        )
     if positions is not None and positions < ref.n_positions:
         raise TraceToolError(
             f"--graph {path.name} holds {positions} positions (its K/V cache) and the traces {ref.n_positions}: "
@@ -221,8 +227,10 @@ def write_node_data(result, graph_path, out_path, force: bool = False) -> int | 
     from gemma4_trace.traces.reader import TraceReader
 
     check_output_path(out_path, force, inputs=(result.reference.path, result.candidate.path, graph_path))
+    with TraceReader(result.candidate.path) as run:
+        run_max_seq = run.max_seq
     with TraceReader(result.reference.path) as ref:
-        data, positions = node_data(result.to_json(), ref, graph_path)
+        data, positions = node_data(result.to_json(), ref, graph_path, run_max_seq)
     with atomic_output(out_path, force) as tmp:
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
     return positions

@@ -75,6 +75,7 @@ class TraceHeader:
     chat_template_applied: bool = False
     extra_inputs: Mapping[str, np.ndarray] = field(default_factory=dict)  # model inputs besides ids
     towers: tuple[TowerInfo, ...] = ()  # encoder towers recorded (schema version 2); () for a text-only trace
+    max_seq: int | None = None  # a replay's runtime positions (its KV cache); None in a recording
 
     def __post_init__(self) -> None:
         if not isinstance(self.provenance, Provenance):
@@ -83,6 +84,8 @@ class TraceHeader:
         set_(self, "prompt_ids", np.asarray(self.prompt_ids, dtype=np.int64).reshape(-1))
         set_(self, "layers", tuple(self.layers))
         set_(self, "max_new_tokens", int(self.max_new_tokens))
+        if self.max_seq is not None:
+            set_(self, "max_seq", int(self.max_seq))
         set_(self, "eos_token_ids", tuple(sorted(set(int(e) for e in self.eos_token_ids))))
         set_(self, "extra_inputs", dict(self.extra_inputs or {}))
         unknown = [t.name for t in self.towers if t.name not in S.ENCODER_TOWERS]

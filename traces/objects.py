@@ -40,6 +40,7 @@ class Checked:
     provenance: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
     selection: object = None  # a selective recording's Selection (traces/selection.py); None: everything
+    max_seq: int | None = None  # a replay's runtime positions (schema.ATTR_MAX_SEQ); None: not said
     prompt_ids: np.ndarray | None = None
     max_new_tokens: int = 0
     eos_token_ids: list[int] = field(default_factory=list)

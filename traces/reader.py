@@ -86,7 +86,7 @@ class TraceReader:
 
     def _serve(self, c: Checked) -> None:
         """Keep what validation checked: the header as attributes, the rest for the accessors."""
-        self.provenance, self.selection = c.provenance, c.selection
+        self.provenance, self.selection, self.max_seq = c.provenance, c.selection, c.max_seq
         self.prompt_ids, self.max_new_tokens, self.eos_token_ids = c.prompt_ids, c.max_new_tokens, c.eos_token_ids
         self.prompt_text, self.chat_template_applied = c.prompt_text, c.chat_template_applied
         self.layers, self.step_positions = c.layers, c.step_positions
@@ -171,6 +171,7 @@ class TraceReader:
             chat_template_applied=self.chat_template_applied,
             extra_inputs=self.extra_inputs(),
             towers=tuple(self.towers.values()),
+            max_seq=self.max_seq,
         )
 
     def has(self, kind: str, layer: int | None = None) -> bool:

@@ -49,6 +49,10 @@ STORAGE_BF16 = "bfloat16-bits"
 # Absent: everything. Schema version unchanged: a reader without it still reads such a trace right
 # (left-out kinds are absent, left-out steps are rows flagged absent); it cannot say why.
 ATTR_SELECTION = "selection"
+# optional: the positions the runtime that wrote a replay held (its KV cache, --max-seq). Absent in a
+# recording, an import, or a replay written before it existed. Schema version unchanged: a reader without
+# it reads such a trace right; it cannot check a graph's length against the run (trace diff --graph).
+ATTR_MAX_SEQ = "max_seq"
 # provenance: root attributes, one text each (model_config: JSON text)
 ATTR_MODE = "mode"  # "teacher-forced" | "free-running" | "reference" | "isolated" (MODES)
 ATTR_MODEL_CONFIG = "model_config"  # JSON text

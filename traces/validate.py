@@ -41,6 +41,7 @@ class Validator(HeaderChecks):
         self._members(self.f, "/", S.MEMBERS["/"])
         self._check_provenance()
         self._check_selection()
+        self._check_max_seq()
         self._check_inputs()
         self._check_model()
         self._check_towers()

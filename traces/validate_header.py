@@ -94,6 +94,13 @@ class HeaderChecks(ObjectChecks):
         except (ValueError, RecursionError) as e:
             self._bad(f"the root attribute {S.ATTR_SELECTION!r} is not a valid selection ({one_line(str(e), 120)})")
 
+    def _check_max_seq(self) -> None:
+        if S.ATTR_MAX_SEQ in self.f.attrs:
+            n = self._int_attr(self.f, S.ATTR_MAX_SEQ, "the root", 1)
+            if n > LIM.MAX_POSITIONS:
+                self._bad(f"the root attribute {S.ATTR_MAX_SEQ!r} is {n}, more than {LIM.MAX_POSITIONS} positions")
+            self.out.max_seq = n
+
     def _check_inputs(self) -> None:
         g = self._group(S.GROUP_INPUTS)
         self._members(g, S.GROUP_INPUTS, S.MEMBERS[S.GROUP_INPUTS])

@@ -386,6 +386,8 @@ class TraceWriter:
             f.attrs[S.ATTR_SELECTION] = fixed_text(json.dumps(self.selection.to_json(), sort_keys=True))
         for k, text in header.provenance.attrs().items():
             f.attrs[k] = fixed_text(text)
+        if header.max_seq is not None:
+            f.attrs[S.ATTR_MAX_SEQ] = header.max_seq
         f.create_dataset(S.DSET_PROMPT_IDS, data=header.prompt_ids)
         g = f[S.GROUP_INPUTS]
         g.attrs[S.ATTR_MAX_NEW_TOKENS] = header.max_new_tokens

@@ -298,6 +298,27 @@ def test_a_graph_too_short_for_the_traces_is_refused_and_the_overlay_says_the_gr
     )
 
 
+def test_a_graph_of_other_positions_than_runs_runtime_held_is_refused(program, tmp_path):
+    """A replay's trace says the positions its runtime held (--max-seq): a graph exported for more
+    positions than that is not the graph RUN ran either, though it holds the traces; one line naming
+    both and the --max-seq to export. A trace that does not say (a recording) keeps the length check."""
+    from gemma4_trace.traces.reader import TraceReader
+
+    runs = {n: tmp_path / f"run{n}.h5" for n in (16, 24)}
+    for n, run in runs.items():
+        assert invoke("replay", GOLDEN, "--max-seq", n, "-o", run).exit_code == 0
+        with TraceReader(run) as r:
+            assert r.max_seq == n
+    with TraceReader(GOLDEN) as g:
+        assert g.max_seq is None
+    nd = tmp_path / "nd.json"
+    r = invoke("diff", GOLDEN, runs[16], "--node-data", nd, "--graph", program)
+    assert r.exit_code == 0 and "a graph of 16 positions" in r.output, r.output
+    nd2 = tmp_path / "nd2.json"
+    r = invoke("diff", GOLDEN, runs[24], "--node-data", nd2, "--graph", program)
+    one_line_error(r, "holds 16 positions", "RUN's runtime held 24", "--max-seq 24", out=nd2)
+
+
 def test_the_overlay_names_each_node_after_its_site_inside_its_layers_group(program, tmp_path):
     """`trace export-pt2` names each output's node after its site (`L02_attn_out`, not torch.export's
     `select_5`) and puts every node in its layer's group (nn_module_stack: Model Explorer's namespace

@@ -613,6 +613,21 @@ def test_a_selection_attribute_selecting_millions_is_refused_before_it_is_built(
     one_line_error(invoke("show", bad), "'selection' is not a valid selection", "more than 1048576 values")
 
 
+@pytest.mark.parametrize("value", [0, -3, 1 << 40, "64", 2.5])
+def test_a_max_seq_attribute_out_of_bounds_or_not_an_integer_is_one_line(tmp_path, value):
+    """A replay's `max_seq` root attribute (the positions its runtime held) is read only as an integer
+    from 1 to the positions a trace may hold."""
+    import shutil
+
+    import h5py
+
+    bad = tmp_path / "bad.h5"
+    shutil.copy(golden.golden_path("short"), bad)
+    with h5py.File(bad, "r+") as f:
+        f.attrs["max_seq"] = value
+    one_line_error(invoke("show", bad), "'max_seq'")
+
+
 # ---------------------------------------------------------------- the fuzzer (scripts/fuzz_traces.py), a short run
 SCRIPT = ROOT / "scripts" / "fuzz_traces.py"
 FUZZ_CASES, SEED = 200, 2024
