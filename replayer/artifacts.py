@@ -188,21 +188,51 @@ def artifact_folder(
     stale = _usable(final, key)
     if stale is None:
         return Artifact(final, "cached")
-    tmp = Path(cache_write(root, lambda: tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".partial")))
-    try:
-        line = f"{what}{f'; the cached copy was stale: {stale}' if stale != ABSENT else ''}"
-        _build_with(build, tmp, needs, what and say and (lambda: say(line)))
-        _write_manifest(tmp, key)
-        won = _publish(tmp, final, key)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    cache_write(root)
+    with _one_builder(root, final.name):
+        if _usable(final, key) is None:  # another process built it while this one waited
+            return Artifact(final, "cached (built meanwhile by another process)")
+        tmp = Path(cache_write(root, lambda: tempfile.mkdtemp(dir=root, prefix=f".{final.name}.", suffix=".partial")))
+        try:
+            line = f"{what}{f'; the cached copy was stale: {stale}' if stale != ABSENT else ''}"
+            _build_with(build, tmp, needs, what and say and (lambda: say(line)))
+            _write_manifest(tmp, key)
+            won = _publish(tmp, final, key)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     verb = "rebuilt" if stale != ABSENT else "built"
     note = f"{verb} in {time.perf_counter() - t0:.1f} s" + (f" ({stale})" if stale != ABSENT else "")
     return Artifact(final, note if won else "cached (built meanwhile by another process)")
 
 
 ABSENT = "absent"
+
+
+@contextlib.contextmanager
+def _one_builder(root: Path, name: str):
+    """Hold the entry's build lock (`<root>/.<name>.lock`, flock): of the processes that miss one entry
+    (a parallel test run, two sweeps), one builds it and the others wait and use it, instead of each
+    building it at once. The lock file goes when its holder is done (a waiter on it then finds the
+    entry, or builds it itself). Where the lock cannot be had (no flock, a planted link), each builds
+    and the rename settles which entry stays (_publish)."""
+    path = root / f".{name}.lock"
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.fstat(fd), os.lstat(path)):  # ours, not a later holder's new file
+                os.unlink(path)
+        os.close(fd)  # closing releases the lock
 
 
 def _build_with(build, folder: Path, needs, announce) -> None:

@@ -59,6 +59,44 @@ def test_built_once_then_cached(tmp_path):
     assert b.calls == 2 and other.path != first.path
 
 
+def test_processes_missing_one_entry_at_once_build_it_once(tmp_path):
+    """Two processes missing the same entry (a parallel test run): one builds it, the other waits for
+    that build and uses its entry, saying it was built meanwhile; another key's pair builds its own once."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import sys, time
+        from pathlib import Path
+        from gemma4_trace.replayer import artifacts as A
+        cache, key, log = Path(sys.argv[1]), {"model": sys.argv[2]}, Path(sys.argv[3])
+        arrived = cache / f"arrived-{sys.argv[2]}-{sys.argv[4]}"
+        arrived.touch()
+        def build(folder):
+            with log.open("a") as f:
+                f.write("build\\n")
+            t0 = time.monotonic()  # both m0 processes are in, the other past its cache lookup
+            while len(list(cache.glob(f"arrived-{key['model']}-*"))) < 2 and time.monotonic() - t0 < 30:
+                time.sleep(0.05)
+            time.sleep(1.0)
+            (folder / "a.bin").write_bytes(b"x" * 64)
+        print(A.artifact_folder("onnx", key, build, cache=cache, say=None).note)
+        """
+    )
+    log = tmp_path / "builds.log"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, tmp_path, m, log, str(i)], stdout=subprocess.PIPE, text=True)
+        for i, m in enumerate(("m0", "m0", "m1", "m1"))
+    ]
+    notes = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs), notes
+    assert log.read_text().count("build") == 2, notes  # m0 once, m1 once
+    for pair in (notes[:2], notes[2:]):
+        assert sorted(n.split(" in ")[0] for n in pair) == ["built", "cached (built meanwhile by another process)"]
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_what_a_build_needs_is_built_first_and_said_first(tmp_path, enabled):
     """A build made from another artifact (a quantized file from the float one) resolves it only when

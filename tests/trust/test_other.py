@@ -231,6 +231,10 @@ def test_inputs_that_were_internal_errors_are_one_line(tmp_path, monkeypatch):
 
 def test_a_bad_llama_cpp_ubatch_is_one_line(tmp_path, monkeypatch):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from gemma4_trace.hf.model import load_model
+    from gemma4_trace.replayer.runtimes.llamacpp.runtime import gguf_artifact
+
+    gguf_artifact(load_model(None), "F32").close()  # cached before: its "converting" line is not the run's answer
     monkeypatch.setenv("GEMMA4_TRACE_LLAMACPP_UBATCH", "0")
     out = tmp_path / "o.h5"
     r = invoke("replay", GOLDEN, "--runtime", "llama.cpp", "-o", out)
