@@ -21,6 +21,7 @@ value. The graph names the nodes:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from gemma4_trace.traces.atomic import atomic_output, check_output_path
@@ -188,9 +189,11 @@ def node_data(result_json: dict, ref, graph_path, run_max_seq: int | None = None
         graphs, positions = _pt2_keys(path)
     else:
         raise TraceToolError(f"--graph {path}: expected a .tflite (LiteRT) or a .pt2 (trace export-pt2) file")
-    if positions is not None and run_max_seq is not None and positions != run_max_seq:
+    held = _held(graphs, run_max_seq) if run_max_seq is not None else None
+    if positions is not None and held is not None and positions != held:
+        how = f" (--max-seq {run_max_seq})" if held != run_max_seq else ""
         raise TraceToolError(
-            f"--graph {path.name} holds {positions} positions (its K/V cache) and RUN's runtime held {run_max_seq}: "
+            f"--graph {path.name} holds {positions} positions (its K/V cache) and RUN's runtime held {held}{how}: "
             f"it is not the graph RUN ran (export it for this run: --max-seq {run_max_seq})"
         )
     if positions is not None and positions < ref.n_positions:
@@ -219,6 +222,15 @@ def node_data(result_json: dict, ref, graph_path, run_max_seq: int | None = None
     if not out:
         raise TraceToolError(f"--graph {path}: none of its nodes is a kind the diff compared")
     return out, positions
+
+
+def _held(graphs: dict, max_seq: int) -> int:
+    """The positions a graph of RUN's runtime holds at `max_seq`: max_seq, rounded up to whole prefill
+    chunks for a LiteRT export (its `prefill_N` signature; litert/export.py cache_length)."""
+    from .runtimes.litert.export import cache_length
+
+    chunks = [int(m.group(1)) for key in graphs if (m := re.fullmatch(r"prefill_(\d+)", str(key)))]
+    return cache_length(max_seq, max(chunks)) if chunks else max_seq
 
 
 def write_node_data(result, graph_path, out_path, force: bool = False) -> int | None:
