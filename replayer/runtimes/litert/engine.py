@@ -62,18 +62,20 @@ class LiteRTEngine:
 
 
 class LiteRTLMEngine:
-    """LiteRT-LM's `Engine` (CPU) on a .litertlm bundle: text (and image files) in, text out.
+    """LiteRT-LM's `Engine` (CPU) on a .litertlm bundle: text (and image or audio files) in, text out.
 
-    ("load", path, max_tokens, images) -> ("ready", {"bos": id, "eos": [[ids]]}); images: how many
-                                  image files a step takes (then the bundle must hold vision sections)
+    ("load", path, max_tokens, images, clips) -> ("ready", {"bos": id, "eos": [[ids]]}); images,
+                                  clips: how many image and audio files a step takes (then the
+                                  bundle must hold vision, audio sections; each gets a CPU backend)
     ("next", context_ids, runs) -> ("token", id[, note]): one greedy token after the context, its
                                   text turned back into its one id (a note when it showed no text).
                                   No runs: a new session prefilled with the context (as the text
                                   LiteRT-LM's tokenizer turns back into exactly these ids). Runs
-                                  [(start, end, image file)], each an image's <|image> ... <image|>
-                                  positions: a new conversation whose chat template (LM_TEMPLATE)
-                                  writes the context's text verbatim, each image file where its run
-                                  stands (LiteRT-LM adds the BOS itself). Anything else is refused in one line.
+                                  [(start, end, file[, "audio"])], each an image's <|image> ... <image|>
+                                  positions (or a clip's <|audio> ... <audio|>, said so): a new
+                                  conversation whose chat template (LM_TEMPLATE) writes the context's
+                                  text verbatim, each file where its run stands (LiteRT-LM adds the BOS
+                                  itself and writes the soft tokens). Anything else is refused in one line.
     """
 
     def __init__(self, emit):
@@ -105,21 +107,24 @@ class LiteRTLMEngine:
             raise EngineError("LiteRT-LM decoded no text, and its bundle has no one-token stop to record")
         return ("token", stops[0], f"no text: a stop token, recorded as its first one, id {stops[0]}")
 
-    def _load(self, path: str, max_tokens: int, images: int = 0):
+    def _load(self, path: str, max_tokens: int, images: int = 0, clips: int = 0):
         lm = self.lm
         try:
             with quiet_fd2():
-                if images:
-                    with lm.model_info.ModelInfo(path) as info:
-                        vision = bool(getattr(info.input_modalities, "vision", False))
-                    if not vision:
-                        raise EngineError(
-                            f"{path}: the bundle has no vision sections (LiteRT-LM reads it as text only); REF's "
-                            "prompt has an image: a .litertlm exported with its vision encoder is needed"
-                        )
+                wants = (("vision", "text only", "an image", images), ("audio", "without audio", "a clip", clips))
+                for modality, reads, what, wanted in wants:
+                    if wanted:
+                        with lm.model_info.ModelInfo(path) as info:
+                            has = bool(getattr(info.input_modalities, modality, False))
+                        if not has:
+                            raise EngineError(
+                                f"{path}: the bundle has no {modality} sections (LiteRT-LM reads it as {reads}); "
+                                f"REF's prompt has {what}: a .litertlm exported with its {modality} encoder is needed"
+                            )
                 cpu = lm.interfaces.Backend.CPU()
-                vision = dict(max_num_images=int(images), vision_backend=cpu) if images else {}
-                self.engine = lm.Engine(path, backend=cpu, max_num_tokens=int(max_tokens), **vision)
+                media = dict(max_num_images=int(images), vision_backend=cpu) if images else {}
+                media.update(audio_backend=cpu) if clips else None
+                self.engine = lm.Engine(path, backend=cpu, max_num_tokens=int(max_tokens), **media)
         except EngineError:
             raise
         except Exception as e:  # noqa: BLE001 - the engine's refusal of a file, one line
@@ -139,15 +144,15 @@ class LiteRTLMEngine:
         return text
 
     def _parts(self, context: list, runs: list) -> list:
-        """The conversation's message content: the context's text between the images' runs (its
-        BOS left out: LiteRT-LM adds its own), each image file in its run's place."""
+        """The conversation's message content: the context's text between the runs (its BOS left
+        out: LiteRT-LM adds its own), each image or audio file in its run's place."""
         bos = self.engine.bos_token_id
         if not context or context[0] != bos:
             raise EngineError(f"LiteRT-LM's conversation begins with its BOS token {bos}; REF's prompt does not")
         parts, at = [], 1
-        for start, end, image in runs:
+        for start, end, file, *kind in runs:
             parts += [{"type": "text", "text": self._text(context[at:start])}] if start > at else []
-            parts.append({"type": "image", "path": image})
+            parts.append({"type": kind[0] if kind else "image", "path": file})
             at = end + 1
         return parts + ([{"type": "text", "text": self._text(context[at:])}] if len(context) > at else [])
 
@@ -177,11 +182,17 @@ class LiteRTLMEngine:
         try:
             m = c.send_message({"role": "user", "content": parts})
         except Exception as e:  # noqa: BLE001 - the engine's refusal, one line with what it was asked
-            images = sum(p["type"] == "image" for p in parts)
+            images, clips = (sum(p["type"] == t for p in parts) for t in ("image", "audio"))
+            media = " and ".join(f"{k} {w}(s)" for k, w in ((images, "image"), (clips, "clip")) if k)
+            why = (
+                "; a litert-torch bundle of a model that does not pool 3 x 3 needs its vision metadata rebuilt "
+                "(docs/upstream/litert-torch-litertlm-vision-metadata.md)"
+                if images
+                else ""
+            )
             raise EngineError(
-                f"LiteRT-LM's conversation could not take {n} tokens with {images} image(s) and decode {count} "
-                f"({' '.join(str(e).split())[:160]}); a litert-torch bundle of a model that does not pool 3 x 3 needs "
-                "its vision metadata rebuilt (docs/upstream/litert-torch-litertlm-vision-metadata.md)"
+                f"LiteRT-LM's conversation could not take {n} tokens with {media} and decode {count} "
+                f"({' '.join(str(e).split())[:160]}){why}"
             ) from None
         finally:
             c.close()
@@ -189,11 +200,12 @@ class LiteRTLMEngine:
         return "".join(item.get("text", "") for item in content if item.get("type") == "text")
 
 
-# a conversation's chat template for LiteRT-LMEngine's image steps: the message's parts verbatim, each
-# image as LiteRT-LM's placeholder (it writes the image's <|image> soft tokens <image|> run there)
+# a conversation's chat template for LiteRTLMEngine's steps with images or clips: the message's parts
+# verbatim, each image or clip as LiteRT-LM's placeholder (it writes the <|image> ... <image|> or
+# <|audio> ... <audio|> run there)
 LM_TEMPLATE = (
     "{%- for item in messages[0]['content'] -%}{%- if item['type'] == 'image' -%}<|image|>"
-    "{%- else -%}{{- item['text'] -}}{%- endif -%}{%- endfor -%}"
+    "{%- elif item['type'] == 'audio' -%}<|audio|>{%- else -%}{{- item['text'] -}}{%- endif -%}{%- endfor -%}"
 )
 
 

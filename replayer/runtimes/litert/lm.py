@@ -39,7 +39,7 @@ from . import audio as A
 from . import export as E
 from . import lm_audio as LA
 
-ENGINE = "gemma4_trace.replayer.runtimes.litert.lm_audio:LiteRTLMMediaEngine"  # engine.py's, with clips
+ENGINE = "gemma4_trace.replayer.runtimes.litert.engine:LiteRTLMEngine"
 # LiteRT-LM 0.18.1 prefills at most L - 2 tokens in a session whose bundle's cache holds S positions,
 # L being S rounded down to even (measured on litert-torch exports: caches 16, 17, 18 took prompts of
 # 14, 14, 16 tokens and one decoded token; at L - 2, a session asked for two tokens gives one). The

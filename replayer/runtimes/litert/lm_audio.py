@@ -10,11 +10,8 @@ own front end), refused in one line unless HF's feature extractor makes REF's fe
   adapter_note, said on stderr and in the runtime's name), kept in the artifact cache;
 - the clip: the samples `trace record --audio` fed HF's feature extractor (hf/audio.py: mono, at the
   extractor's rate), written as a float32 WAV file, handed to LiteRT-LM where REF's <|audio> ...
-  <audio|> run stands (LiteRTLMMediaEngine: its conversation's template puts LiteRT-LM's audio
+  <audio|> run stands (engine.py's LiteRTLMEngine: its conversation's template puts LiteRT-LM's audio
   placeholder there, and LiteRT-LM writes its own run of soft tokens).
-
-The engine (LiteRTLMMediaEngine, the child's side) is engine.py's LiteRTLMEngine with audio: an audio
-backend, audio parts in a step's conversation.
 """
 
 from __future__ import annotations
@@ -27,22 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from gemma4_trace.replayer.child import EngineError, quiet_fd2
 from gemma4_trace.traces.errors import TraceToolError, one_line
-
-from .engine import LiteRTLMEngine
 
 SAME_CLIP = 1e-4  # rel-L2 of HF's features of --audio FILE against REF's: the clip REF was recorded from
 WHY_NO_CLIP = (
     "--runtime litert-lm takes an audio prompt as the clip's waveform (LiteRT-LM computes its own log-mel "
     "features) and REF holds only HF's features: give --audio-features native --audio FILE (the clip REF was "
     "recorded from)"
-)
-# a step's conversation template (LiteRTLMMediaEngine): the message's parts verbatim, each image or clip
-# as LiteRT-LM's placeholder (it writes the <|image> ... <image|> or <|audio> ... <audio|> run there)
-MEDIA_TEMPLATE = (
-    "{%- for item in messages[0]['content'] -%}{%- if item['type'] == 'image' -%}<|image|>"
-    "{%- elif item['type'] == 'audio' -%}<|audio|>{%- else -%}{{- item['text'] -}}{%- endif -%}{%- endfor -%}"
 )
 
 
@@ -150,64 +138,6 @@ def _export(model: str, out: str, S: str, width: str) -> None:
         externalize_embedder=True, k_ts_idx=E.K_AXIS, v_ts_idx=E.V_AXIS, keep_temporary_files=True,
         export_vision_encoder=False, export_audio_encoder=True, audio_encoder_quantization_recipe="none",
     )  # fmt: skip
-
-
-class LiteRTLMMediaEngine(LiteRTLMEngine):
-    """LiteRTLMEngine with clips: ("load", path, max_tokens, images, clips) loads the bundle with an
-    audio backend where `clips` (refused unless the bundle reads as holding audio sections); a run is
-    (start, end, file[, "audio"]), the file an image unless it says audio."""
-
-    def _load(self, path: str, max_tokens: int, images: int = 0, clips: int = 0):
-        if not clips:
-            return super()._load(path, max_tokens, images)
-        lm = self.lm
-        try:
-            with quiet_fd2():
-                with lm.model_info.ModelInfo(path) as info:
-                    audio = bool(getattr(info.input_modalities, "audio", False))
-                if not audio:
-                    raise EngineError(
-                        f"{path}: the bundle has no audio sections (LiteRT-LM reads it as without audio); REF's "
-                        "prompt has a clip: a .litertlm exported with its audio encoder is needed"
-                    )
-                cpu = lm.interfaces.Backend.CPU()
-                vision = dict(max_num_images=int(images), vision_backend=cpu) if images else {}
-                self.engine = lm.Engine(path, backend=cpu, max_num_tokens=int(max_tokens), audio_backend=cpu, **vision)
-        except EngineError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the engine's refusal of a file, one line
-            raise EngineError(f"{path}: LiteRT-LM cannot load it ({' '.join(str(e).split())[:160]})") from None
-        return ("ready", {"bos": self.engine.bos_token_id, "eos": self.engine.eos_token_ids})
-
-    def _parts(self, context: list, runs: list) -> list:
-        bos = self.engine.bos_token_id
-        if not context or context[0] != bos:
-            raise EngineError(f"LiteRT-LM's conversation begins with its BOS token {bos}; REF's prompt does not")
-        parts, at = [], 1
-        for start, end, file, *kind in runs:
-            parts += [{"type": "text", "text": self._text(context[at:start])}] if start > at else []
-            parts.append({"type": kind[0] if kind else "image", "path": file})
-            at = end + 1
-        return parts + ([{"type": "text", "text": self._text(context[at:])}] if len(context) > at else [])
-
-    def _converse(self, parts: list, count: int, greedy, n: int) -> str:
-        if not any(p["type"] == "audio" for p in parts):
-            return super()._converse(parts, count, greedy, n)
-        c = self.engine.create_conversation(
-            sampler_config=greedy, chat_template=MEDIA_TEMPLATE, max_output_tokens=count
-        )
-        try:
-            m = c.send_message({"role": "user", "content": parts})
-        except Exception as e:  # noqa: BLE001 - the engine's refusal, one line with what it was asked
-            clips = sum(p["type"] == "audio" for p in parts)
-            raise EngineError(
-                f"LiteRT-LM's conversation could not take {n} tokens with {clips} clip(s) and decode {count} "
-                f"({' '.join(str(e).split())[:160]})"
-            ) from None
-        finally:
-            c.close()
-        content = m.get("content", []) if isinstance(m, dict) else [{"type": "text", "text": str(m)}]
-        return "".join(item.get("text", "") for item in content if item.get("type") == "text")
 
 
 if __name__ == "__main__":
