@@ -1,7 +1,8 @@
-"""OpenVINO and MLX at E2B width: conversion / loading, quantization, the replays and what the diff finds.
+"""OpenVINO, MLX and keras-hub at E2B width: conversion / loading, quantization, the replays and what the diff finds.
 
     python benchmarks/bench_desktop_e2b.py openvino /tmp/desktop-e2b --prompt 32 --new 8
     python benchmarks/bench_desktop_e2b.py mlx /tmp/desktop-e2b --prompt 32 --new 8
+    python benchmarks/bench_desktop_e2b.py keras-hub /tmp/desktop-e2b --prompt 32 --new 8
 
 Builds (once, in a child process) the E2B-shaped random checkpoint of benchmarks/e2b_shaped.py
 (every E2B text width, 10 layers, vocabulary 16,384, float32), records REF on a seeded random
@@ -11,26 +12,33 @@ the start (--cache DIR: that cache as it is, so an export found there is a cache
   export    (openvino) trace export-openvino --runtime MODE: the float IR converted (torch.export +
             the PyTorch frontend), then each compressed IR from it (NNCF), each folded baseline from that
   replay    trace replay REF --runtime MODE (teacher-forced): wall time with start-up (openvino: on
-            the cached IR, with the CPU plugin's compile; mlx: with mlx-lm's load and quantization),
-            peak RSS of the trace process and of its child (the engine)
-  diff      trace diff REF RUN, and each quantized RUN against its -dq baseline: the first line
+            the cached IR, with the CPU plugin's compile; mlx: with mlx-lm's load and quantization;
+            keras-hub: with keras-hub's conversion of the checkpoint, or its cached preset, and JAX's
+            first-use compilation), peak RSS of the trace process and of its child (the engine)
+  diff      trace diff REF RUN, and each quantized RUN against its -dq baseline: the first line, and
+            for a float RUN the worst error over its tolerance of each kind (--json; the headroom a
+            measured profile keeps is 1 over the worst)
 
 The table is printed at the end. On a busy machine every time is a bound, not a speed.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 try:  # `python benchmarks/NAME.py`: benchmarks/repo_root.py puts the repository root on sys.path and PYTHONPATH
     import repo_root  # noqa: F401
 except ModuleNotFoundError:  # imported as benchmarks.NAME
     from benchmarks import repo_root  # noqa: F401
 
-from benchmarks.bench_llamacpp_e2b import cli, diff_first_line, print_table  # a trace command in a fresh process
+from benchmarks.bench_llamacpp_e2b import PY, ROOT, cli, diff_first_line, print_table  # a trace command, a process
 from benchmarks.e2b_shaped import CACHE_OPTION, artifact_env, bench_setup, build, token_ids
 
 FAMILIES = {
     "openvino": ("openvino", "openvino-int8", "openvino-int8-dq", "openvino-int4", "openvino-int4-dq"),
     "mlx": ("mlx", "mlx-q8", "mlx-q8-dq", "mlx-q4", "mlx-q4-dq"),
+    "keras-hub": ("keras-hub",),
 }
 
 
@@ -69,6 +77,23 @@ def main() -> None:
         for name, more in pairs
     ]
     print_table(rows, diffs)
+    for name in modes:
+        if name in FAMILIES[a.family][:1]:  # the family's float runtime
+            print(f"worst error / tolerance, REF {name}: {worst_over_tolerance(env, ref, runs[name])}")
+
+
+def worst_over_tolerance(env, ref, run) -> str:
+    """Per compared kind, the worst rel-L2 divided by its threshold (`trace diff --json`'s tensors, the
+    default metric), worst first; masks as their mismatched rows."""
+    cmd = [PY, "-m", "gemma4_trace", "diff", ref, run, "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    worst: dict[str, float] = {}
+    for t in json.loads(p.stdout).get("tensors", []):
+        if t["kind"] == "mask":
+            worst["mask mismatched rows"] = worst.get("mask mismatched rows", 0) + t.get("mismatched_rows", 0)
+        elif t.get("threshold") and t.get("max_rel_l2") is not None:
+            worst[t["kind"]] = max(worst.get(t["kind"], 0.0), t["max_rel_l2"] / t["threshold"])
+    return ", ".join(f"{k} {v:.3g}" for k, v in sorted(worst.items(), key=lambda kv: -kv[1])) or "(none compared)"
 
 
 if __name__ == "__main__":

@@ -361,6 +361,14 @@ def test_bench_desktop_e2b(tmp_path, family, modes):
     for line in (ln for ln in out.splitlines() if ln.startswith("diff REF ")):
         assert re.match(r"diff REF [^:]+: (match|first divergence)", line), line
     assert out.count("diff REF ") == (1 if family == "openvino" else 2)
+    worst = re.findall(r"^worst error / tolerance, REF (\S+): (.+)$", out, re.MULTILINE)
+    if family == "openvino":  # the family's float runtime: each kind's worst rel-L2 over its threshold
+        ((name, cells),) = worst
+        ratios = dict(c.rsplit(" ", 1) for c in cells.split(", "))
+        assert name == "openvino" and {"layer_out", "logits"} <= set(ratios), cells
+        assert all(float(v) >= 0 for v in ratios.values()), cells
+    else:
+        assert worst == []
 
 
 @engine("litert_torch", "litert")
