@@ -83,9 +83,9 @@ def main() -> None:
 
 
 def worst_over_tolerance(env, ref, run) -> str:
-    """Per compared kind, the worst rel-L2 divided by its threshold (`trace diff --json`'s tensors, the
+    """Per compared kind, the worst rel-L2 divided by its threshold (`trace diff --json --full`'s tensors, the
     default metric), worst first; masks as their mismatched rows."""
-    cmd = [PY, "-m", "gemma4_trace", "diff", ref, run, "--json"]
+    cmd = [PY, "-m", "gemma4_trace", "diff", ref, run, "--json", "--full"]  # every row, past a divergence too
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     worst: dict[str, float] = {}
     for t in json.loads(p.stdout).get("tensors", []):

@@ -51,6 +51,7 @@ RUNTIMES = (
         cpu_only=True,
         weightless=True,
         capture_map=KERAS_HUB,
+        profile="keras-hub-f32",
         artifacts="keras-hub preset (the converted backbone)",
         doc="docs/runtime-keras-hub.md",
     ),
