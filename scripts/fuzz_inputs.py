@@ -38,9 +38,16 @@ through click's CliRunner with GEMMA4_TRACE_DEBUG=1 (a bug of ours escapes as an
 - `ir`: the embedded model's step graphs as `trace export-openvino --max-seq 16` writes them (with
   the [openvino] extra; else not run), one .xml's attributes (shapes, element types, a constant's
   offset and size in the .bin) set to edge values, a document type or entity declared, its bytes
-  changed or cut, or its .bin cut; run by `trace replay GOLDEN --ir FOLDER`.
+  changed or cut, or its .bin cut; run by `trace replay GOLDEN --ir FOLDER`;
+- `tflitedir`: the folder `tflite` exports (model.tflite and its two embedders), one of its files
+  mutated as `tflite` mutates model.tflite, or cut; run by `trace replay GOLDEN --tflite FOLDER`
+  (LiteRT's interpreter in its child);
+- `pte`: the embedded model's programs as `trace export-pte --max-seq 16` writes them (with the
+  [executorch] extra; else not run), one .pte (a flatbuffer and its data) mutated as `tflite` is, or
+  cut; run by `trace replay GOLDEN --pte FOLDER` (ExecuTorch's loader and runtime in its child).
 
-The first four run by default; `config`, `pt2`, `tflite`, `records`, `onnx`, `onnxmap` and `ir` with `--only`.
+The first four run by default; `config`, `pt2`, `tflite`, `records`, `onnx`, `onnxmap`, `ir`, `tflitedir`
+and `pte` with `--only`.
 
 A failure is an exception other than SystemExit, an exit code outside 0/1/2, exit 2 without
 exactly one `error: ...` line, 'internal error', a traceback, or a case past `--timeout`.
@@ -65,6 +72,7 @@ from pathlib import Path
 
 EDGE = [0, 1, 2, 3, 7, 8, 255, 256, 0x7FFF, 0xFFFF, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63, 2**64 - 1]
 CLASSES = ("gguf", "mmproj", "recipe", "prompts", "config", "pt2", "tflite", "records", "onnx", "onnxmap", "ir")
+CLASSES += ("tflitedir", "pte")  # the user's own litert-torch folder and ExecuTorch programs
 DEFAULT = CLASSES[:4]  # without --only; the others with --only (a config or records case may load the model)
 CACHE = "GEMMA4_TRACE_CACHE"
 SWEEP_PROMPTS = '{"id": "story", "text": "Tell me a story."}\n{"id": "ids", "input_ids": [2, 3, 4]}\n'
@@ -431,15 +439,15 @@ def run(cases: int, seed: int, classes=DEFAULT, timeout: float = 60.0, say=print
         res = runner.invoke(main, ["export-pt2", "--max-seq", "16", "-o", str(work / "pt2")])
         assert res.exit_code == 0, res.output
     litert = importlib.util.find_spec("ai_edge_litert") is not None
-    classes = tuple(c for c in classes if litert or c != "tflite")  # the overlay reads it with ai-edge-litert
-    if "tflite" in classes:
-        res = runner.invoke(main, ["export-litert", "--max-seq", "16", "-o", str(work / "tflite")])
+    classes = tuple(c for c in classes if litert or c not in ("tflite", "tflitedir"))  # ai-edge-litert reads them
+    builds = CliRunner(env={**env, CACHE: str(builds_cache or env[CACHE])})  # exports from a suite's cache, if given
+    if {"tflite", "tflitedir"} & set(classes):
+        res = builds.invoke(main, ["export-litert", "--max-seq", "16", "-o", str(work / "tflite")])
         assert res.exit_code == 0, res.output
         good_tflite = (work / "tflite" / "model.tflite").read_bytes()
     needs = {"onnx": ("onnx", "onnxruntime"), "onnxmap": ("onnx", "onnxruntime"), "ir": ("openvino",)}
+    needs["pte"] = ("executorch",)
     classes = tuple(c for c in classes if all(importlib.util.find_spec(m) for m in needs.get(c, ())))
-    # the graphs' exports from `builds_cache` (a test suite's shared artifact cache) where given
-    builds = CliRunner(env={**env, CACHE: str(builds_cache or env[CACHE])})
     if {"onnx", "onnxmap"} & set(classes):  # GOLDEN's 16 positions: the default --max-seq of its replay
         res = builds.invoke(main, ["export-onnx", "--max-seq", "16", "-o", str(work / "onnx")])
         assert res.exit_code == 0, res.output
@@ -447,8 +455,13 @@ def run(cases: int, seed: int, classes=DEFAULT, timeout: float = 60.0, say=print
     if "ir" in classes:
         res = builds.invoke(main, ["export-openvino", "--max-seq", "16", "-o", str(work / "ir")])
         assert res.exit_code == 0, res.output
-    for cls in {"onnx", "ir"} & set(classes):  # the valid files replay
-        res = runner.invoke(main, ["replay", ref, f"--{cls}", str(work / cls), "-o", str(work / f"{cls}.h5")])
+    if "pte" in classes:  # GOLDEN's 16 positions, as onnx
+        res = builds.invoke(main, ["export-pte", "--max-seq", "16", "-o", str(work / "pte")])
+        assert res.exit_code == 0, res.output
+    own = {"onnx": "onnx", "ir": "ir", "tflitedir": "tflite", "pte": "pte"}  # a class's folder and option
+    for cls in sorted(set(own) & set(classes)):  # the valid files replay
+        args = ["replay", ref, f"--{own[cls]}", str(work / own[cls]), "-o", str(work / f"{cls}.h5")]
+        res = runner.invoke(main, args)
         assert res.exit_code == 0, res.output
     if "records" in classes:
         sweep_args = ["--runtime", "static", "--max-new-tokens", "1", "-o"]
@@ -509,6 +522,17 @@ def run(cases: int, seed: int, classes=DEFAULT, timeout: float = 60.0, say=print
                     data, what = (onnx_case if cls == "onnx" else ir_case)(case_rng, path.read_bytes())
                     what = f"{step}.{ext}: {what}"
                 args = ["replay", ref, "--" + cls, str(folder / cls), "-o", str(folder / "o.h5")]
+            elif cls in ("tflitedir", "pte"):
+                shutil.copytree(work / own[cls], folder / "in")
+                name = case_rng.choice(sorted(p.name for p in (folder / "in").iterdir() if p.suffix == f".{own[cls]}"))
+                path = folder / "in" / name
+                data = path.read_bytes()
+                if case_rng.random() < 0.15:
+                    data, what = data[: case_rng.randrange(len(data))], f"{name} cut"
+                else:
+                    data, what = tflite_case(case_rng, data)
+                    what = f"{name}: {what}"
+                args = ["replay", ref, f"--{own[cls]}", str(folder / "in"), "-o", str(folder / "o.h5")]
             elif cls == "onnxmap":
                 data, what = onnxmap_case(case_rng, good_map)
                 path = folder / "map.toml"

@@ -436,6 +436,7 @@ def fuzzer(monkeypatch, tmp_path):
     return mod
 
 
+@pytest.mark.slow  # fuzzing: 160 cases, about 25 s
 def test_hostile_gguf_recipe_and_prompt_files_are_one_line_each(monkeypatch, tmp_path):
     pytest.importorskip("gguf", reason="gguf is not installed (pip install -e '.[llamacpp]')")
     mod = fuzzer(monkeypatch, tmp_path)
@@ -474,6 +475,22 @@ def test_hostile_tflite_graphs_and_sweep_records_are_one_line_each(monkeypatch, 
     assert counts["records"]["cases"] == 16 and counts["records"]["exit"][2] == 0  # a record never stops a sweep
     if "tflite" in classes:
         assert counts["tflite"]["cases"] == 16 and counts["tflite"]["exit"][2] > 3 and counts["tflite"]["exit"][0] > 0
+
+
+@pytest.mark.slow  # the LiteRT export (the suite's cache) and the cases whose folders still run
+def test_hostile_litert_folders_are_one_line_each(monkeypatch, tmp_path):
+    """8 cases: the user's own litert-torch folder (`--tflite`), one of its files mutated from the tool's
+    own export (scripts/fuzz_inputs.py --only tflitedir runs hundreds; its `pte` class, the user's
+    ExecuTorch programs, lowers the embedded model's programs first, about 2.5 minutes cold, and runs
+    from the command line only: docs/robustness.md)."""
+    import os
+
+    if importlib.util.find_spec("ai_edge_litert") is None:
+        pytest.skip("needs the [litert] extra")
+    mod = fuzzer(monkeypatch, tmp_path)
+    counts = mod.run(8, 7, ("tflitedir",), say=lambda line: None, builds_cache=os.environ["GEMMA4_TRACE_CACHE"])
+    assert not counts["tflitedir"]["failures"], counts["tflitedir"]["failures"][:5]
+    assert counts["tflitedir"]["cases"] == 8 and counts["tflitedir"]["exit"][2] > 2, counts["tflitedir"]
 
 
 @pytest.mark.slow  # the ONNX and OpenVINO exports (the suite's cache) and the cases whose graphs still run
