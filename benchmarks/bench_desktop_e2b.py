@@ -34,6 +34,7 @@ except ModuleNotFoundError:  # imported as benchmarks.NAME
 
 from benchmarks.bench_llamacpp_e2b import PY, ROOT, cli, diff_first_line, print_table  # a trace command, a process
 from benchmarks.e2b_shaped import CACHE_OPTION, artifact_env, bench_setup, build, token_ids
+from gemma4_trace.replayer.node_data import kind_values
 
 FAMILIES = {
     "openvino": ("openvino", "openvino-int8", "openvino-int8-dq", "openvino-int4", "openvino-int4-dq"),
@@ -83,16 +84,13 @@ def main() -> None:
 
 
 def worst_over_tolerance(env, ref, run) -> str:
-    """Per compared kind, the worst rel-L2 divided by its threshold (`trace diff --json --full`'s tensors, the
-    default metric), worst first; masks as their mismatched rows."""
-    cmd = [PY, "-m", "gemma4_trace", "diff", ref, run, "--json", "--full"]  # every row, past a divergence too
+    """Per compared kind, the worst error over its tolerance (the overlay's values, replayer/node_data.py
+    kind_values, of `trace diff --json --full`: every row), worst first."""
+    cmd = [PY, "-m", "gemma4_trace", "diff", ref, run, "--json", "--full"]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     worst: dict[str, float] = {}
-    for t in json.loads(p.stdout).get("tensors", []):
-        if t["kind"] == "mask":
-            worst["mask mismatched rows"] = worst.get("mask mismatched rows", 0) + t.get("mismatched_rows", 0)
-        elif t.get("threshold") and t.get("max_rel_l2") is not None:
-            worst[t["kind"]] = max(worst.get(t["kind"], 0.0), t["max_rel_l2"] / t["threshold"])
+    for (kind, _), value in kind_values(json.loads(p.stdout)).items():
+        worst[kind] = max(worst.get(kind, 0.0), value)
     return ", ".join(f"{k} {v:.3g}" for k, v in sorted(worst.items(), key=lambda kv: -kv[1])) or "(none compared)"
 
 
