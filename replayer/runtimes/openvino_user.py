@@ -57,7 +57,9 @@ CACHE = re.compile(r"L(\d{2})\.(k|v)_cache")
 # mobius-onnx's Gemma 4 converted by openvino.convert_model: its node names are the ops' friendly names,
 # but ONNX's fused ops are decomposed (Attention, RotaryEmbedding and RMSNormalization keep their
 # name on the last op they become), so q and k are the RoPE outputs after q_proj and k_proj (their
-# order among the ops differs from layer to layer), v the normalized values
+# order among the ops differs from layer to layer), v the normalized values. final_hidden is the LM
+# head's input: the final norm's last op is a Multiply by its weight, which the conversion removes
+# when that weight is all ones (a freshly initialised checkpoint's), its name going with it
 MOBIUS = """\
 # mobius-onnx's Gemma 4 text decoder converted to IR by openvino.convert_model (its op names)
 format = 1
@@ -70,7 +72,7 @@ k = { node = "model/layers.{layer}/self_attn/RotaryEmbedding_node_*", after = "m
 v = { node = "model/layers.{layer}/self_attn/Reshape_node_*", fed_by = "model/layers.{layer}/self_attn/Div_node_*", output = 0 }
 attn_out = { node = "model/layers.{layer}/self_attn/o_proj/*", op = "MatMul", output = 0 }
 layer_out = { node = "model/layers.{layer}/*", pick = "last", output = 0 }
-final_hidden = { node = "model/norm/*", output = 0 }
+final_hidden = { node = "lm_head/MatMul_node_*", input = 0 }
 """  # noqa: E501
 MAPS = {"export": M.EXPORT, "mobius": MOBIUS}
 

@@ -133,3 +133,40 @@ def test_a_weight_changed_in_a_copy_of_the_ir_is_found_at_its_layer(mobius_ir, t
     assert res.exit_code == 0, res.output
     first = diff_traces(REF, out).to_json()["first_divergence"]
     assert (first["step"], first["layer"], first["kind"]) == (0, 3, "v"), first
+
+
+@pytest.mark.skipif(not HAVE_MOBIUS, reason="mobius-onnx is not installed")
+def test_mobius_ir_of_a_checkpoint_with_unit_norm_weights_still_maps_every_kind(tmp_path):
+    """A checkpoint whose norm weights are all ones (a freshly initialised one's: the E2B-shaped
+    benchmark model's) converts to an IR without the norms' weight Multiply, and the final norm's
+    name went with it: the built-in mobius map reads final_hidden at the LM head's input instead."""
+    import shutil
+
+    import openvino as ov
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from gemma4_trace.hf.model import embedded_model_dir
+    from gemma4_trace.replayer.runtimes.mobius import build
+
+    model = tmp_path / "unit_norms"
+    shutil.copytree(embedded_model_dir(), model)
+    weights = load_file(model / "model.safetensors")
+    ones = [k for k in weights if k.endswith("norm.weight")]
+    assert len(ones) > 10, ones
+    save_file({k: torch.ones_like(v) if k in ones else v for k, v in weights.items()}, model / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    ref, run = tmp_path / "ref.h5", tmp_path / "run.h5"
+    res = invoke("record", "--model", model, "--prompt", "hello world", "--max-new-tokens", "2", "-o", ref)
+    assert res.exit_code == 0, res.output
+    build(model, tmp_path / "onnx", kinds=())
+    ir = tmp_path / "model.xml"
+    ov.save_model(ov.convert_model(str(tmp_path / "onnx" / "model.onnx")), str(ir), compress_to_fp16=False)
+    names = {o.get_friendly_name() for o in ov.Core().read_model(str(ir)).get_ops()}
+    assert not any(n.startswith("model/norm/") for n in names)  # the final norm's named op is gone
+    res = invoke("replay", ref, "--model", model, "--ir", ir, "-o", run)
+    assert res.exit_code == 0, res.output
+    assert f"map built-in mobius: {', '.join(MAPPED)}; not mapped" in res.output
+    res = diff_traces(ref, run)
+    assert res.match, res.to_json()["first_divergence"]
+    assert {t.kind for t in res.tensors} >= set(MAPPED)
