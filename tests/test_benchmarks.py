@@ -348,11 +348,22 @@ def test_bench_openvino_outputs(tmp_path):
     [
         pytest.param("openvino", "openvino", marks=engine("openvino", "openvino")),  # the export, a replay, a diff
         pytest.param("mlx", "mlx-q8,mlx-q8-dq", marks=engine("mlx", "mlx")),  # replays, a diff with its baseline
+        pytest.param("own-file", "onnx,mobius", marks=engine("mobius", "mobius")),  # the user-file replays
     ],
 )
 def test_bench_desktop_e2b(tmp_path, family, modes):
     args = (family, tmp_path, "--model", TINY, *SHARED_LENGTHS, "--modes", modes, "--cache", suite_cache())
     out = bench("bench_desktop_e2b.py", *args)
+    if family == "own-file":  # the own export and mobius's graph passed back: the built-in runtimes' traces
+        for mode in modes.split(","):
+            assert after(out, f"replay --onnx own-{mode} ")[0] > 0, mode
+            equal, total = map(
+                int, re.search(rf"--onnx own-{mode} vs --runtime {mode}: (\d+)/(\d+) datasets", out).groups()
+            )
+            assert equal == total > 40, (mode, equal, total)
+            assert re.search(rf"^diff REF --onnx own-{mode}: (match|first divergence)", out, re.MULTILINE), out
+            assert re.search(rf"^worst error / tolerance, REF --onnx own-{mode}: .*logits [0-9.e+-]+", out, re.M), out
+        return
     for mode in modes.split(","):
         wall, rss, child = after(out, f"replay --runtime {mode} ")
         assert wall > 0 and rss > 0 and child > 0, mode
