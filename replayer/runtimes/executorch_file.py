@@ -8,14 +8,15 @@ naming this replay can trust; one .pte file of another layout is read and checke
 one line saying what is missing (docs/runtime-executorch.md, "Your own file").
 
 Each program is untrusted input: a regular file (a FIFO, device, folder or a link to one is refused
-before a byte is read; open_regular), 64 bytes to 4 GiB, read whole, hashed, and handed as bytes to
-ExecuTorch's own loader with its flatbuffer verifier on (`Runtime.load_program(data,
+before a byte is read; open_regular), 64 bytes to 64 GiB, copied in 16 MiB blocks into a private
+folder while it is hashed (never held whole in memory: an E2B program is gigabytes), and that copy
+is what ExecuTorch's own loader reads with its flatbuffer verifier on (`Runtime.load_program(path,
 verification=InternalConsistency)`: a wrong identifier, a truncated or bit-flipped table is refused
 there; in a child process, so that a loader crash on a hostile file is one line: Inspector), which
-gives the methods and each one's input and output shapes and dtypes. The user's files
-are never written: what runs is a copy in the artifact cache (`pte-file/`), written from a second
-read whose sha256 must be the one checked (executorch_user.py). The provenance names the files by
-basename and sha256, never the path.
+gives the methods and each one's input and output shapes and dtypes. The user's files are never
+written: what runs is that same private copy, moved into the artifact cache (`pte-file/`) once its
+sha256 is checked again (executorch_user.py), so the bytes checked are the bytes run. The
+provenance names the files by basename and sha256, never the path.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import contextlib
 import hashlib
 import io
 import os
+import shutil
+import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +40,8 @@ OPTION = "--pte"
 INSPECTOR = f"{__name__}:Inspector"
 STEPS = ("prefill", "decode")
 MIN_PTE = 64  # bytes: a .pte's flatbuffer header and root table
-MAX_PTE = 4 << 30  # bytes of one .pte (read whole into memory before ExecuTorch sees it)
+MAX_PTE = 64 << 30  # bytes of one .pte (copied block by block; a float32 E2B program is about 20 GiB)
+BLOCK = 16 << 20  # bytes read and hashed at a time
 DOC = 'docs/runtime-executorch.md, "Your own file"'
 DTYPES = {4: "int64", 6: "float32", 11: "bool"}  # ExecuTorch's ScalarType codes the step programs use
 
@@ -61,6 +66,8 @@ class UserPTE:
     inputs: dict = field(default_factory=dict)  # program -> [Tensor] of its `forward`
     outputs: dict = field(default_factory=dict)  # program -> [Tensor]
     files: dict = field(default_factory=dict)  # file name -> sha256
+    copies: dict = field(default_factory=dict)  # program -> its private copy (the bytes hashed), until it runs
+    folder: Path | None = None  # the copies' private folder (private_folder)
 
     def files_text(self) -> str:
         return ", ".join(f"{one_line(n, 100)} sha256:{h}" for n, h in self.files.items())
@@ -103,30 +110,55 @@ def read_pte(path) -> UserPTE:
          f"({DOC})")  # fmt: skip
 
 
-def read_bytes(user: UserPTE, program: str) -> bytes:
-    """A program's file: regular, within bounds, read whole."""
+def private_folder(user: UserPTE) -> Path:
+    """The folder of the user's programs' copies (removed with `user`, or once they are in the cache)."""
+    if user.folder is None:
+        user.folder = Path(tempfile.mkdtemp(prefix="gemma4-trace-pte-"))
+        weakref.finalize(user, shutil.rmtree, user.folder, True)
+    return user.folder
+
+
+def copy_program(user: UserPTE, program: str) -> tuple[Path, str]:
+    """A program's file (regular, within bounds, an ExecuTorch program by its identifier) copied block by
+    block into the private folder: (the copy, its sha256)."""
     file = user.file_of(program)
-    name = file.name
-    with open_regular(file, f"{OPTION}'s {name}" if user.steps else OPTION) as f:
+    name = one_line(file.name, 100)
+    folder = private_folder(user)
+    dest = folder / f"{program}.pte"
+    h, n = hashlib.sha256(), 0
+    with open_regular(file, f"{OPTION}'s {file.name}" if user.steps else OPTION) as f:
         size = os.fstat(f.fileno()).st_size
         if not MIN_PTE <= size <= MAX_PTE:
-            user.fail(f"{one_line(name, 100)} is {size} bytes (a .pte: {MIN_PTE} to {MAX_PTE})")
-        raw = f.read(MAX_PTE + 1)
-    if len(raw) != size:
-        user.fail(f"{one_line(name, 100)} changed while it was read")
-    return raw
+            user.fail(f"{name} is {size} bytes (a .pte: {MIN_PTE} to {MAX_PTE})")
+        head = f.read(8)
+        if head[4:8] != b"ET12":
+            user.fail(f"{name} is not an ExecuTorch program (its flatbuffer identifier is {head[4:8]!r}, not b'ET12')")
+        if shutil.disk_usage(folder).free < size:
+            user.fail(f"{name} is {size} bytes and the temporary folder has {shutil.disk_usage(folder).free} free "
+                      "for its private copy (set TMPDIR to a larger disk)")  # fmt: skip
+        try:
+            with open(dest, "xb") as out:
+                block = head
+                while block and n <= size:
+                    h.update(block)
+                    out.write(block)
+                    n += len(block)
+                    block = f.read(min(BLOCK, size + 1 - n))
+        except OSError as e:
+            user.fail(f"copying {name} into a private folder: {e.strerror or e}")
+    if n != size:
+        user.fail(f"{name} changed while it was read")
+    return dest, h.hexdigest()
 
 
 def read_program(user: UserPTE, program: str, child: Child) -> None:
-    """One .pte: read within bounds, hashed, loaded by ExecuTorch's verifying loader (in `child`), its
-    `forward` described."""
+    """One .pte: copied within bounds and hashed, the copy loaded by ExecuTorch's verifying loader (in
+    `child`), its `forward` described."""
     name = one_line(user.file_of(program).name, 100)
-    raw = read_bytes(user, program)
-    user.files[name] = hashlib.sha256(raw).hexdigest()
-    if raw[4:8] != b"ET12":
-        user.fail(f"{name} is not an ExecuTorch program (its flatbuffer identifier is {raw[4:8]!r}, not b'ET12')")
+    copy, digest = copy_program(user, program)
+    user.files[name], user.copies[program] = digest, copy
     try:
-        _, methods, inputs, outputs = child.call("describe", raw, phase="reading " + name)
+        _, methods, inputs, outputs = child.call("describe", str(copy), phase="reading " + name)
     except TraceToolError as e:  # the loader's refusal, or its crash: one line either way
         user.fail(f"{name}: ExecuTorch's loader refuses it, truncated or corrupt ({one_line(e, 160)})")
     if inputs is None:
@@ -150,9 +182,10 @@ def inspector():
 
 
 class Inspector:
-    """In the child process: ("describe", bytes) -> ("described", methods, inputs, outputs), the program
-    loaded by ExecuTorch's verifying loader; inputs and outputs are [(sizes, dtype code)] of its
-    `forward` (None where it has none). The loader's refusal is its exception, one line for the parent."""
+    """In the child process: ("describe", path) -> ("described", methods, inputs, outputs), the program
+    (the parent's private copy) loaded by ExecuTorch's verifying loader; inputs and outputs are
+    [(sizes, dtype code)] of its `forward` (None where it has none). The loader's refusal is its
+    exception, one line for the parent."""
 
     def __init__(self, emit):
         with quiet_fd2():
@@ -160,9 +193,9 @@ class Inspector:
 
         self.runtime, self.verification = Runtime.get(), Verification.InternalConsistency
 
-    def handle(self, command: str, raw: bytes):
+    def handle(self, command: str, path: str):
         with quiet_fd2(), contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            prog = self.runtime.load_program(raw, verification=self.verification)
+            prog = self.runtime.load_program(Path(path), verification=self.verification)
             methods = sorted(prog.method_names)
             if "forward" not in methods:
                 return ("described", methods, None, None)
@@ -176,10 +209,18 @@ def _tensor(info) -> tuple[list[int], int]:
     return [int(s) for s in info.sizes()], int(info.dtype())
 
 
-def checked_bytes(user: UserPTE, program: str) -> bytes:
-    """The program's bytes read again, refused unless they hash to what was checked (for the copy that runs)."""
-    raw = read_bytes(user, program)
+def place_checked(user: UserPTE, program: str, dest: Path) -> None:
+    """The program's private copy moved to `dest` (the cache entry being built), refused unless it
+    still hashes to what was checked."""
     name = one_line(user.file_of(program).name, 100)
-    if hashlib.sha256(raw).hexdigest() != user.files.get(name):
+    copy = user.copies.get(program)
+    h = hashlib.sha256()
+    try:
+        with open(copy, "rb") as f:
+            while block := f.read(BLOCK):
+                h.update(block)
+    except (OSError, TypeError):
+        user.fail(f"{name}: its private copy is gone")
+    if h.hexdigest() != user.files.get(name):
         user.fail(f"{name} changed since it was read")
-    return raw
+    shutil.move(copy, dest)

@@ -11,8 +11,8 @@ config once the checkpoint is loaded, before anything is copied or run: the inpu
 dtypes, the caches' shapes (layers that write K/V, their KV heads and head_dim, max_seq), the
 prefill's rows (its chunk), the vocabulary (logits), the hidden size (mm_embeds), the outputs' count
 and every output's shape against an eager run of the step graph; a config difference is one line
-naming the field unless --allow-config-mismatch. What runs is a copy in the artifact cache
-(`pte-file/`, keyed by the files' sha256), written from bytes that hash to what was checked; an
+naming the field unless --allow-config-mismatch. What runs is the private copy that was checked,
+moved into the artifact cache (`pte-file/`, keyed by the files' sha256) once it hashes as it did; an
 image or audio prompt's towers are the tool's own programs of REF's checkpoint (as --runtime
 executorch). The provenance names the files by basename and sha256.
 """
@@ -105,11 +105,11 @@ def check_outputs(user: U.UserPTE, host: F.FunctionalKV, shapes_too: bool) -> di
 
 
 def copied(user: U.UserPTE):
-    """The artifact holding the copy that runs, written from bytes that hash to what was checked."""
+    """The artifact holding the copy that runs: the private copy that was checked (executorch_file.py)."""
 
     def build(folder) -> None:
         for step in F.STEPS:
-            (folder / f"{step}.pte").write_bytes(U.checked_bytes(user, step))
+            U.place_checked(user, step, folder / f"{step}.pte")
 
     key = {"format": FORMAT, "files": dict(user.files), "code": code_digest("runtimes/executorch_file.py")}
     return artifact_folder("pte-file", key, build, what=f"copying {user.shown()}")

@@ -50,7 +50,7 @@ def folder(tmp_path, prefill: bytes | None, decode: bytes | None = None):
 
 
 def digests(path) -> dict:
-    """Each regular file's sha256, or its size and mtime where it is large (the sparse 5 GiB ones:
+    """Each regular file's sha256, or its size and mtime where it is large (the sparse 5 and 65 GiB ones:
     reading them would take half a minute and as much memory)."""
 
     def digest(p):
@@ -99,8 +99,14 @@ def test_sizes_out_of_bounds(tmp_path):
     huge.mkdir()
     for name in ("prefill.pte", "decode.pte"):
         with open(huge / name, "wb") as f:
-            f.truncate(5 << 30)  # sparse: nothing is written, nothing read
-    refused(tmp_path, huge, f"prefill.pte is {5 << 30} bytes")
+            f.truncate(65 << 30)  # sparse: nothing is written, nothing read
+    refused(tmp_path, huge, f"prefill.pte is {65 << 30} bytes")
+    os.rename(huge, tmp_path / "over")
+    huge.mkdir()
+    for name in ("prefill.pte", "decode.pte"):
+        with open(huge / name, "wb") as f:
+            f.truncate(5 << 30)  # within the bounds: its identifier is refused before anything is copied
+    refused(tmp_path, huge, "prefill.pte is not an ExecuTorch program")
 
 
 def test_foreign_truncated_and_bit_flipped_programs(tmp_path, program):
