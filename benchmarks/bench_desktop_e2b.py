@@ -1,5 +1,5 @@
 """OpenVINO, MLX and keras-hub at E2B width: conversion / loading, quantization, the replays and what the
-diff finds; and the user's own file (`--onnx`, `--ir`, `--pte`) at E2B width.
+diff finds; and the user's own file (`--onnx`, `--ir`, `--pte`, `--mlx-model`) at E2B width.
 
     python benchmarks/bench_desktop_e2b.py openvino /tmp/desktop-e2b --prompt 32 --new 8
     python benchmarks/bench_desktop_e2b.py mlx /tmp/desktop-e2b --prompt 32 --new 8
@@ -22,10 +22,11 @@ the start (--cache DIR: that cache as it is, so an export found there is a cache
             measured profile keeps is 1 over the worst)
 
 own-file: each mode's file written outside the replay (onnx, openvino, executorch: `trace export-onnx`,
-`export-openvino`, `export-pte` into WORK/own-MODE; mobius: mobius-onnx's model.onnx of the
-checkpoint, as a user would build it; mobius-ir: that graph converted by `openvino.convert_model`),
-then `trace replay REF --onnx / --ir / --pte FILE` (the user-file replay: its checks, its copy of
-the graph with the extra outputs, the run), beside `--runtime MODE` where one exists: how many of
+`export-openvino`, `export-pte` into WORK/own-MODE; mlx-q4: an mlx-lm folder quantized to 4 bits by
+mlx-lm; mobius: mobius-onnx's model.onnx of the checkpoint, as a user would build it; mobius-ir: that
+graph converted by `openvino.convert_model`), then `trace replay REF --onnx / --ir / --pte /
+--mlx-model FILE` (the user-file replay: its checks, its copy of
+the file where it makes one, the run), beside `--runtime MODE` where one exists: how many of
 the two traces' datasets are bit-identical, and each user-file run's diff against REF.
 
 The table is printed at the end. On a busy machine every time is a bound, not a speed.
@@ -52,19 +53,25 @@ FAMILIES = {
     "openvino": ("openvino", "openvino-int8", "openvino-int8-dq", "openvino-int4", "openvino-int4-dq"),
     "mlx": ("mlx", "mlx-q8", "mlx-q8-dq", "mlx-q4", "mlx-q4-dq"),
     "keras-hub": ("keras-hub",),
-    "own-file": ("onnx", "openvino", "executorch", "mobius", "mobius-ir"),
+    "own-file": ("onnx", "openvino", "executorch", "mlx-q4", "mobius", "mobius-ir"),
 }
 # own-file: mode -> (how the file is written, the replay option, the file in the folder, the built-in runtime)
 OWN = {
     "onnx": ("export-onnx", "--onnx", "", "onnx"),
     "openvino": ("export-openvino", "--ir", "", "openvino"),
     "executorch": ("export-pte", "--pte", "", "executorch"),
+    "mlx-q4": ("mlx-lm's quantize_model", "--mlx-model", "", "mlx-q4"),
     "mobius": ("mobius-onnx's build", "--onnx", "model.onnx", "mobius"),
     "mobius-ir": ("openvino.convert_model", "--ir", "model.xml", None),
 }
-# the graphs of another exporter, written as a user would: mobius-onnx's build (no promoted outputs),
-# and openvino's conversion of that graph
+# the files the tool does not export, written as a user would: mobius-onnx's build (no promoted outputs),
+# openvino's conversion of that graph, and an mlx-lm folder quantized to 4 bits by mlx-lm's quantize_model
 WRITE = {
+    "mlx-q4": (
+        "from gemma4_trace.replayer.runtimes.mlx_folder import save_conversion\n"
+        "save_conversion(ARGS[0], 4, ARGS[1])\n"
+        "print('wrote an mlx-lm folder, 4 bits')\n"
+    ),
     "mobius": (
         "from gemma4_trace.replayer.runtimes.mobius import build\n"
         "build(ARGS[0], Path(ARGS[1]), kinds=())\n"

@@ -348,21 +348,23 @@ def test_bench_openvino_outputs(tmp_path):
     [
         pytest.param("openvino", "openvino", marks=engine("openvino", "openvino")),  # the export, a replay, a diff
         pytest.param("mlx", "mlx-q8,mlx-q8-dq", marks=engine("mlx", "mlx")),  # replays, a diff with its baseline
-        pytest.param("own-file", "onnx,mobius", marks=engine("mobius", "mobius")),  # the user-file replays
+        pytest.param("own-file", "onnx,mobius,mlx-q4", marks=(engine("mobius", "mobius"), engine("mlx", "mlx"))),
     ],
 )
 def test_bench_desktop_e2b(tmp_path, family, modes):
     args = (family, tmp_path, "--model", TINY, *SHARED_LENGTHS, "--modes", modes, "--cache", suite_cache())
     out = bench("bench_desktop_e2b.py", *args)
-    if family == "own-file":  # the own export and mobius's graph passed back: the built-in runtimes' traces
+    if family == "own-file":  # the own export, mobius's graph and an mlx-lm folder passed back: the built-in traces
         for mode in modes.split(","):
-            assert after(out, f"replay --onnx own-{mode} ")[0] > 0, mode
-            equal, total = map(
-                int, re.search(rf"--onnx own-{mode} vs --runtime {mode}: (\d+)/(\d+) datasets", out).groups()
+            m = re.search(
+                rf"^own file == built-in, (\S+) own-{mode} vs --runtime {mode}: (\d+)/(\d+) datasets", out, re.M
             )
+            assert m, (mode, out)
+            option, equal, total = m.group(1), int(m.group(2)), int(m.group(3))
             assert equal == total > 40, (mode, equal, total)
-            assert re.search(rf"^diff REF --onnx own-{mode}: (match|first divergence)", out, re.MULTILINE), out
-            assert re.search(rf"^worst error / tolerance, REF --onnx own-{mode}: .*logits [0-9.e+-]+", out, re.M), out
+            assert after(out, f"replay {option} own-{mode} ")[0] > 0, mode
+            assert re.search(rf"^diff REF {option} own-{mode}: (match|first divergence)", out, re.M), out
+            assert re.search(rf"^worst error / tolerance, REF {option} own-{mode}: .*logits [0-9.e+-]+", out, re.M), out
         return
     for mode in modes.split(","):
         wall, rss, child = after(out, f"replay --runtime {mode} ")
