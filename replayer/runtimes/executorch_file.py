@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gemma4_trace.traces.errors import TraceToolError, one_line
-from gemma4_trace.traces.inputs import open_regular
+from gemma4_trace.traces.inputs import open_regular, sha256_file
 
 from ..child import Child, quiet_fd2
 
@@ -133,8 +133,9 @@ def copy_program(user: UserPTE, program: str) -> tuple[Path, str]:
         head = f.read(8)
         if head[4:8] != b"ET12":
             user.fail(f"{name} is not an ExecuTorch program (its flatbuffer identifier is {head[4:8]!r}, not b'ET12')")
-        if shutil.disk_usage(folder).free < size:
-            user.fail(f"{name} is {size} bytes and the temporary folder has {shutil.disk_usage(folder).free} free "
+        free = shutil.disk_usage(folder).free
+        if free < size:
+            user.fail(f"{name} is {size} bytes and the temporary folder has {free} free "
                       "for its private copy (set TMPDIR to a larger disk)")  # fmt: skip
         try:
             with open(dest, "xb") as out:
@@ -214,13 +215,10 @@ def place_checked(user: UserPTE, program: str, dest: Path) -> None:
     still hashes to what was checked."""
     name = one_line(user.file_of(program).name, 100)
     copy = user.copies.get(program)
-    h = hashlib.sha256()
     try:
-        with open(copy, "rb") as f:
-            while block := f.read(BLOCK):
-                h.update(block)
+        digest = sha256_file(copy)
     except (OSError, TypeError):
         user.fail(f"{name}: its private copy is gone")
-    if h.hexdigest() != user.files.get(name):
+    if digest != user.files.get(name):
         user.fail(f"{name} changed since it was read")
     shutil.move(copy, dest)
